@@ -1,0 +1,3 @@
+"""elasticpp: a fault-tolerant, elastic pipeline/tensor/data-parallel training daemon."""
+
+__version__ = "0.1.0"

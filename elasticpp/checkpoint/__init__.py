@@ -1,0 +1,1 @@
+"""The layer-granular checkpoint format (see `manifest` for the layout on disk)."""

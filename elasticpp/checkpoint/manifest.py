@@ -1,0 +1,219 @@
+"""The layer-granular state format: piece names, manifests, checksums, atomic writes.
+
+This module knows files and bytes, not tensors (see `elasticpp.checkpoint.tensors` for
+those), so the state store can move and verify pieces without importing torch.
+
+Units and pieces
+    A *unit* is the smallest piece of model state that moves between layouts:
+    `embed` (token + position embedding, on the first stage), `block.NNNN` (one
+    transformer block), `head` (final norm + LM head, on the last stage).
+    A *piece* is one unit's state held by one tensor-parallel rank: parameters, AdamW
+    moments, and the optimizer step, in one safetensors file named
+    `<unit>.tp<rank>-<size>.safetensors`. A unit saved under tp=2 has two pieces; any
+    layout can rebuild its own slices from a complete set (`tensors.reshard`).
+
+Step directories
+    `<root>/step-<step:010d>/` holds the pieces of one committed step and a
+    `manifest.json`, written last (tmp + fsync + rename), listing every piece with its
+    size and sha256. A directory without a manifest is incomplete and never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elasticpp.errors import CheckpointError, ConfigError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+UNIT_EMBED = "embed"
+UNIT_HEAD = "head"
+
+_UNIT_RE = re.compile(r"^(embed|head|block\.\d{4})$")
+_PIECE_RE = re.compile(r"^(embed|head|block\.\d{4})\.tp(\d+)-(\d+)\.safetensors$")
+_STEP_RE = re.compile(r"^step-(\d{10})$")
+
+
+def block_unit(index: int) -> str:
+    return f"block.{index:04d}"
+
+
+def stage_units(stages: Iterable[tuple[int, int]], stage: int) -> list[str]:
+    """The units pipeline stage `stage` holds, in model order."""
+    ranges = list(stages)
+    first, end = ranges[stage]
+    units = [block_unit(i) for i in range(first, end)]
+    if stage == 0:
+        units.insert(0, UNIT_EMBED)
+    if stage == len(ranges) - 1:
+        units.append(UNIT_HEAD)
+    return units
+
+
+def model_units(num_layers: int) -> list[str]:
+    return [UNIT_EMBED, *(block_unit(i) for i in range(num_layers)), UNIT_HEAD]
+
+
+@dataclass(frozen=True, order=True)
+class PieceKey:
+    unit: str
+    tp_rank: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        if not _UNIT_RE.match(self.unit):
+            raise ConfigError(f"piece: bad unit name {self.unit!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(
+                f"piece {self.unit}: tp rank {self.tp_rank} not in [0, {self.tp_size})"
+            )
+
+    @property
+    def filename(self) -> str:
+        return f"{self.unit}.tp{self.tp_rank}-{self.tp_size}.safetensors"
+
+    @classmethod
+    def parse(cls, name: str) -> PieceKey:
+        """The key of a piece file name; refuses anything else (and so any path)."""
+        match = _PIECE_RE.match(name)
+        if not match:
+            raise ConfigError(f"not a piece name: {name!r}")
+        return cls(match.group(1), int(match.group(2)), int(match.group(3)))
+
+
+def step_dirname(step: int) -> str:
+    if step < 0:
+        raise ConfigError(f"step must be >= 0, got {step}")
+    return f"step-{step:010d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """tmp + fsync + rename (+ fsync of the directory): a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class PieceEntry:
+    key: PieceKey
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one step directory holds. `num_layers` lets a reader tell a full checkpoint."""
+
+    step: int
+    num_layers: int
+    pieces: tuple[PieceEntry, ...]
+    format_version: int = FORMAT_VERSION
+
+    def entry(self, key: PieceKey) -> PieceEntry | None:
+        for e in self.pieces:
+            if e.key == key:
+                return e
+        return None
+
+    def units_complete(self) -> set[str]:
+        """Units for which some tp size has every slice present."""
+        by_unit: dict[tuple[str, int], set[int]] = {}
+        for e in self.pieces:
+            by_unit.setdefault((e.key.unit, e.key.tp_size), set()).add(e.key.tp_rank)
+        return {u for (u, size), ranks in by_unit.items() if len(ranks) == size}
+
+    def is_full_model(self) -> bool:
+        return set(model_units(self.num_layers)) <= self.units_complete()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format_version": self.format_version,
+                "step": self.step,
+                "num_layers": self.num_layers,
+                "pieces": [
+                    {"name": e.key.filename, "size": e.size, "sha256": e.sha256}
+                    for e in sorted(self.pieces, key=lambda e: e.key)
+                ],
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "manifest") -> Manifest:
+        try:
+            data: Any = json.loads(text)
+            if data["format_version"] != FORMAT_VERSION:
+                raise CheckpointError(
+                    f"{source}: format_version {data['format_version']!r} is not {FORMAT_VERSION}"
+                )
+            pieces = tuple(
+                PieceEntry(PieceKey.parse(p["name"]), int(p["size"]), str(p["sha256"]))
+                for p in data["pieces"]
+            )
+            return cls(int(data["step"]), int(data["num_layers"]), pieces)
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, ConfigError) as exc:
+            raise CheckpointError(f"{source}: malformed manifest: {exc}") from exc
+
+
+def write_manifest(step_dir: Path, manifest: Manifest) -> None:
+    atomic_write(step_dir / MANIFEST_NAME, manifest.to_json().encode())
+
+
+def read_manifest(step_dir: Path) -> Manifest:
+    path = step_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{step_dir}: incomplete (no {MANIFEST_NAME})")
+    return Manifest.from_json(path.read_text(encoding="utf-8"), source=str(path))
+
+
+def verify_step_dir(step_dir: Path) -> Manifest:
+    """The manifest of a step directory whose every listed piece is present and intact."""
+    manifest = read_manifest(step_dir)
+    for e in manifest.pieces:
+        path = step_dir / e.key.filename
+        if not path.is_file():
+            raise CheckpointError(f"{step_dir}: piece {e.key.filename} is missing")
+        if path.stat().st_size != e.size or sha256_file(path) != e.sha256:
+            raise CheckpointError(f"{step_dir}: piece {e.key.filename} fails its checksum")
+    return manifest

@@ -1,0 +1,334 @@
+"""Layouts, placement and the `Plan` every worker runs. Pure Python.
+
+Rank order (documented for operators and kept by every layout):
+
+    group = dp_index * pp + pp_index        # one tensor-parallel group per (dp, pp)
+    rank  = group * tp + tp_index           # tp fastest: a TP group is consecutive ranks
+
+TP groups are packed onto nodes in group order, node by node, each node holding
+`gpus // tp` groups, so a TP group never crosses a node and the stages of one replica sit
+next to each other (stage-to-stage p2p stays inside a node where it can). A node's GPUs
+beyond its groups stay idle.
+
+A `Plan` is serialised as versioned JSON (`format_version`); it crosses process and network
+boundaries, so it never holds anything that would need pickling.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from elasticpp.errors import ConfigError, PlanError
+from elasticpp.plan.specs import ClusterSpec, ModelSpec
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    pp: int
+    tp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def __str__(self) -> str:
+        return f"pp={self.pp},tp={self.tp},dp={self.dp}"
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """`pp=2,tp=2,dp=1` (any order; a missing axis is 1)."""
+        values = {"pp": 1, "tp": 1, "dp": 1}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, val = part.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in values:
+                raise ConfigError(f"layout {text!r}: expected pp=P,tp=T,dp=D, got {part!r}")
+            try:
+                values[key] = int(val)
+            except ValueError:
+                raise ConfigError(f"layout {text!r}: {key} must be an integer") from None
+            if values[key] <= 0:
+                raise ConfigError(f"layout {text!r}: {key} must be positive")
+        return cls(**values)
+
+
+@dataclass(frozen=True, order=True)
+class Coord:
+    """A worker's coordinates in the layout."""
+
+    pp: int
+    tp: int
+    dp: int
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    rank: int
+    node_id: str
+    local_rank: int  # GPU index (or worker slot) on the node
+    coord: Coord
+
+
+def rank_of(layout: Layout, coord: Coord) -> int:
+    return (coord.dp * layout.pp + coord.pp) * layout.tp + coord.tp
+
+
+def coord_of(layout: Layout, rank: int) -> Coord:
+    group, tp = divmod(rank, layout.tp)
+    dp, pp = divmod(group, layout.pp)
+    return Coord(pp=pp, tp=tp, dp=dp)
+
+
+def split_batch(global_batch: int, micro_batch: int, dp: int) -> tuple[int, ...]:
+    """Micro-batch counts per replica with sum(m_r) * micro_batch == global_batch exactly.
+
+    Counts differ by at most one; the larger counts go to the lower replicas.
+    """
+    if micro_batch <= 0 or dp <= 0:
+        raise ConfigError("micro_batch and dp must be positive")
+    if global_batch % micro_batch:
+        raise PlanError(
+            f"global batch {global_batch} is not a multiple of micro-batch {micro_batch}"
+        )
+    total = global_batch // micro_batch
+    if total < dp:
+        raise PlanError(
+            f"global batch {global_batch} is too small for dp={dp} replicas of micro-batch "
+            f"{micro_batch} (needs at least {dp * micro_batch})"
+        )
+    base, extra = divmod(total, dp)
+    return tuple(base + (1 if r < extra else 0) for r in range(dp))
+
+
+def partition_even(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous `[first, end)` block ranges, as even as the count allows."""
+    if pp > num_layers:
+        raise PlanError(f"{pp} pipeline stages for {num_layers} layers: at most one stage a layer")
+    base, extra = divmod(num_layers, pp)
+    stages, first = [], 0
+    for s in range(pp):
+        end = first + base + (1 if s >= pp - extra else 0)
+        stages.append((first, end))
+        first = end
+    return tuple(stages)
+
+
+def place(cluster: ClusterSpec, layout: Layout) -> tuple[WorkerSlot, ...]:
+    """Assign every rank a (node, local GPU); TP groups stay inside one node."""
+    groups_needed = layout.pp * layout.dp
+    slots: list[WorkerSlot] = []
+    group = 0
+    for node in cluster.nodes:
+        for g in range(node.gpus // layout.tp):
+            if group == groups_needed:
+                break
+            for t in range(layout.tp):
+                rank = group * layout.tp + t
+                slots.append(
+                    WorkerSlot(rank, node.node_id, g * layout.tp + t, coord_of(layout, rank))
+                )
+            group += 1
+    if group < groups_needed:
+        raise PlanError(
+            f"layout {layout} needs {groups_needed} groups of {layout.tp} GPUs inside a node; "
+            f"the cluster has room for {group}"
+        )
+    return tuple(slots)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout with everything a worker needs to run its part of every step."""
+
+    model: ModelSpec
+    layout: Layout
+    global_batch: int
+    micro_batch: int
+    microbatches: tuple[int, ...]  # per data-parallel replica; sum * micro_batch == global_batch
+    stages: tuple[tuple[int, int], ...]  # per pipeline stage, [first_block, end_block)
+    recompute: bool
+    placement: tuple[WorkerSlot, ...]  # indexed by rank
+    est_step_seconds: float = 0.0
+    bubble_fraction: float = 0.0
+    memory_gib: float = 0.0  # the largest per-GPU estimate
+    generation: int = 0
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def gpus_used(self) -> int:
+        return self.layout.world_size
+
+    def slot(self, rank: int) -> WorkerSlot:
+        return self.placement[rank]
+
+    def ranks_on(self, node_id: str) -> list[WorkerSlot]:
+        return [s for s in self.placement if s.node_id == node_id]
+
+    def sample_range(self, dp_index: int) -> tuple[int, int]:
+        """Offsets `[first, end)` within a step's global batch that replica `dp_index` trains."""
+        first = sum(self.microbatches[:dp_index]) * self.micro_batch
+        return first, first + self.microbatches[dp_index] * self.micro_batch
+
+    def with_generation(self, generation: int) -> Plan:
+        return Plan(**{**self.__dict__, "generation": generation})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "generation": self.generation,
+            "model": self.model.to_dict(),
+            "pp": self.pp,
+            "tp": self.tp,
+            "dp": self.dp,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "microbatches": list(self.microbatches),
+            "stages": [list(s) for s in self.stages],
+            "recompute": self.recompute,
+            "placement": [
+                {
+                    "rank": s.rank,
+                    "node_id": s.node_id,
+                    "local_rank": s.local_rank,
+                    "pp": s.coord.pp,
+                    "tp": s.coord.tp,
+                    "dp": s.coord.dp,
+                }
+                for s in self.placement
+            ],
+            "gpus_used": self.gpus_used,
+            "est_step_seconds": self.est_step_seconds,
+            "bubble_fraction": self.bubble_fraction,
+            "memory_gib": self.memory_gib,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            raise ConfigError(f"plan: format_version {version!r} is not {PLAN_FORMAT_VERSION}")
+        try:
+            layout = Layout(int(data["pp"]), int(data["tp"]), int(data["dp"]))
+            plan = cls(
+                model=ModelSpec.from_dict(dict(data["model"]), source="plan.model"),
+                layout=layout,
+                global_batch=int(data["global_batch"]),
+                micro_batch=int(data["micro_batch"]),
+                microbatches=tuple(int(m) for m in data["microbatches"]),
+                stages=tuple((int(a), int(b)) for a, b in data["stages"]),
+                recompute=bool(data["recompute"]),
+                placement=tuple(
+                    WorkerSlot(
+                        int(p["rank"]),
+                        str(p["node_id"]),
+                        int(p["local_rank"]),
+                        Coord(int(p["pp"]), int(p["tp"]), int(p["dp"])),
+                    )
+                    for p in data["placement"]
+                ),
+                est_step_seconds=float(data.get("est_step_seconds", 0.0)),
+                bubble_fraction=float(data.get("bubble_fraction", 0.0)),
+                memory_gib=float(data.get("memory_gib", 0.0)),
+                generation=int(data.get("generation", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"plan: malformed field: {exc!r}") from exc
+        plan.validate()
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"plan: not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError("plan: expected a JSON object")
+        return cls.from_dict(data)
+
+    def validate(self) -> None:
+        """Check the promises every plan keeps; raises `PlanError` naming the broken one."""
+        L = self.layout
+        if self.model.num_heads % L.tp:
+            raise PlanError(f"tp={L.tp} does not divide num_heads={self.model.num_heads}")
+        if len(self.microbatches) != L.dp:
+            raise PlanError(f"{len(self.microbatches)} micro-batch counts for dp={L.dp}")
+        if (
+            sum(self.microbatches) * self.micro_batch != self.global_batch
+            or min(self.microbatches) < 1
+        ):
+            raise PlanError(
+                f"micro-batches {list(self.microbatches)} x {self.micro_batch} != global batch "
+                f"{self.global_batch}"
+            )
+        if len(self.stages) != L.pp:
+            raise PlanError(f"{len(self.stages)} stages for pp={L.pp}")
+        expect = 0
+        for first, end in self.stages:
+            if first != expect or end <= first:
+                raise PlanError(f"stages {list(self.stages)} are not contiguous non-empty ranges")
+            expect = end
+        if expect != self.model.num_layers:
+            raise PlanError(f"stages cover {expect} of {self.model.num_layers} layers")
+        if len(self.placement) != L.world_size:
+            raise PlanError(f"placement has {len(self.placement)} ranks for {L.world_size}")
+        seen: set[tuple[str, int]] = set()
+        for rank, s in enumerate(self.placement):
+            if s.rank != rank or s.coord != coord_of(L, rank):
+                raise PlanError(f"placement rank {rank} has wrong rank/coordinates")
+            if (s.node_id, s.local_rank) in seen:
+                raise PlanError(f"two ranks on {s.node_id} GPU {s.local_rank}")
+            seen.add((s.node_id, s.local_rank))
+            lead = self.placement[rank - s.coord.tp]
+            if lead.node_id != s.node_id:
+                raise PlanError(f"TP group of rank {rank} crosses nodes")
+
+
+def build_plan(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    layout: Layout,
+    *,
+    global_batch: int,
+    micro_batch: int,
+    recompute: bool = False,
+    stages: tuple[tuple[int, int], ...] | None = None,
+) -> Plan:
+    """A plan for a fixed layout (no search): validated batch split, stages and placement."""
+    if model.num_heads % layout.tp:
+        raise PlanError(f"tp={layout.tp} does not divide num_heads={model.num_heads}")
+    if layout.tp > cluster.max_gpus_per_node:
+        raise PlanError(
+            f"tp={layout.tp} exceeds the GPUs of any node ({cluster.max_gpus_per_node})"
+        )
+    plan = Plan(
+        model=model,
+        layout=layout,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        microbatches=split_batch(global_batch, micro_batch, layout.dp),
+        stages=stages if stages is not None else partition_even(model.num_layers, layout.pp),
+        recompute=recompute,
+        placement=place(cluster, layout),
+    )
+    plan.validate()
+    return plan
