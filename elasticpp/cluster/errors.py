@@ -1,0 +1,46 @@
+"""Errors of the cluster layer, all under `elasticpp.errors.ElasticppError`."""
+
+from __future__ import annotations
+
+from elasticpp.errors import ElasticppError
+
+
+class ClusterError(ElasticppError):
+    """Root of the errors raised by `elasticpp.cluster`."""
+
+
+class ClusterUnavailableError(ClusterError):
+    """etcd could not be reached (or did not answer) within the request timeout.
+
+    Raised quickly and by every call, so a caller can keep training and retry later.
+    `fast` says whether etcd refused at once (connection refused) rather than timing out.
+    """
+
+    def __init__(self, message: str, *, fast: bool = False) -> None:
+        super().__init__(message)
+        self.fast = fast
+
+
+class BarrierTimeoutError(ClusterError):
+    """A barrier's deadline passed before every expected node arrived."""
+
+    def __init__(self, barrier: str, missing: list[str]) -> None:
+        super().__init__(f"barrier {barrier!r}: timed out waiting for {', '.join(missing)}")
+        self.barrier = barrier
+        self.missing = missing
+
+
+class GenerationConflictError(ClusterError):
+    """A new generation does not follow the stored one by exactly one."""
+
+
+class EtcdServerError(ClusterError):
+    """A local etcd server could not be found, started or made healthy."""
+
+
+class ClusterDataError(ClusterError):
+    """A value stored in etcd is not what this build can read (bad JSON, newer format)."""
+
+
+class LeaseNotFoundError(ClusterError):
+    """The lease a call used has expired or was revoked."""

@@ -1,0 +1,123 @@
+"""The etcd key layout of a job — written down here and nowhere else.
+
+Every key of job `<job>` lives under `/elasticpp/<job>/`. Values are UTF-8 JSON objects with a
+`format_version` (never pickle), except `leader`, whose value is the bare node id so that a
+transaction can compare it.
+
+key (under /elasticpp/<job>/)        lease           value (writer)
+-----------------------------------  --------------  ------------------------------------------
+spec                                 none            job spec JSON; first writer wins (any agent)
+nodes/<node_id>                      node's lease    {format_version, node_id, registered_at,
+                                                     address, slots, started_at, ...} (the node)
+leader                               leader's lease  the leader's node id, plain text (winner)
+generation                           none            GenerationRecord JSON: generation, plan,
+                                                     leader, created_at, resume_step,
+                                                     switch_step, store_address, extra
+                                                     (leader, by compare-and-swap)
+generations/<generation:012d>        none            the same record, as history (same txn)
+suspects/<node_id>                   none            {format_version, node_id, by, reason, at}
+barriers/<name>/<node_id>            none            {format_version, node_id, value, at}
+commits/<generation:012d>/<node_id>  none            {format_version, node_id, generation, step,
+                                                     at} (each node, newest committed step)
+
+Generation numbers in key names are zero-padded to 12 digits so that etcd's byte order is the
+numeric order. Node ids and barrier names must not contain `/` (checked by `check_name`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from elasticpp.errors import ConfigError
+
+ROOT = "/elasticpp"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+def check_name(field: str, value: str) -> str:
+    """Refuse names that would break the key layout (slashes, empty, odd characters)."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ConfigError(
+            f"{field} {value!r}: must be 1-128 characters of letters, digits and ._:@- "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def prefix_end(prefix: str) -> str:
+    """The exclusive range end of a prefix (etcd's "all keys starting with")."""
+    raw = prefix.encode()
+    return (raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Key names of one job; see the module docstring for what each holds."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        check_name("job", self.job)
+
+    @property
+    def root(self) -> str:
+        return f"{ROOT}/{self.job}/"
+
+    @property
+    def spec(self) -> str:
+        return self.root + "spec"
+
+    @property
+    def nodes_prefix(self) -> str:
+        return self.root + "nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes_prefix + check_name("node_id", node_id)
+
+    @property
+    def leader(self) -> str:
+        return self.root + "leader"
+
+    @property
+    def generation(self) -> str:
+        return self.root + "generation"
+
+    @property
+    def generations_prefix(self) -> str:
+        return self.root + "generations/"
+
+    def generation_history(self, generation: int) -> str:
+        return f"{self.generations_prefix}{generation:012d}"
+
+    @property
+    def suspects_prefix(self) -> str:
+        return self.root + "suspects/"
+
+    def suspect(self, node_id: str) -> str:
+        return self.suspects_prefix + check_name("node_id", node_id)
+
+    @property
+    def barriers_prefix(self) -> str:
+        return self.root + "barriers/"
+
+    def barrier_prefix(self, barrier: str) -> str:
+        return f"{self.barriers_prefix}{check_name('barrier', barrier)}/"
+
+    def barrier(self, barrier: str, node_id: str) -> str:
+        return self.barrier_prefix(barrier) + check_name("node_id", node_id)
+
+    @property
+    def commits_prefix(self) -> str:
+        return self.root + "commits/"
+
+    def commits_of(self, generation: int) -> str:
+        return f"{self.commits_prefix}{generation:012d}/"
+
+    def commit(self, generation: int, node_id: str) -> str:
+        return self.commits_of(generation) + check_name("node_id", node_id)
+
+
+def last_segment(key: str) -> str:
+    """`/elasticpp/job/nodes/n1` -> `n1` (the node id of a per-node key)."""
+    return key.rstrip("/").rsplit("/", 1)[-1]
