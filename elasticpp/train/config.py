@@ -1,0 +1,120 @@
+"""`TrainConfig`: the optimizer, schedule and data settings of a training job.
+
+Pure Python (no torch), so the CLI and the node agent can build and validate it before any
+worker starts. The node agent's job spec reuses these defaults, so `elasticpp train` and an
+elastic job train the same model the same way. The model, the layout and the batch sizes
+live in the `Plan`, not here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from elasticpp.errors import ConfigError
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Defaults are documented inline; every field is validated on construction.
+
+    The learning rate warms up linearly over `warmup_steps` (step k uses
+    `lr * (k + 1) / warmup_steps`), then follows a cosine from `lr` down to `min_lr` at
+    step `steps`. AdamW decays weights of matrices (embeddings included), not biases or
+    norms. Gradients are clipped to `clip_grad` by their global norm (0 = no clipping).
+    """
+
+    seed: int = 0
+    steps: int = 20  # total optimizer steps of the job (also the cosine horizon)
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    dropout: float = 0.0  # on the embedding output and each block's two residual branches
+    schedule: str = "1f1b"  # "1f1b" (PipeDream-flush) or "gpipe"
+    data: str | None = None  # a file or a directory of files; None = the stdlib .py corpus
+    corpus_max_bytes: int = 4 << 20  # the corpus is capped at this many bytes
+    pg_timeout_s: float = 60.0  # bounds every collective and p2p wait of a worker
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ConfigError:
+            return ConfigError(f"train: {name} must be {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("seed",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(name, "an integer >= 0")
+        for name in ("steps", "corpus_max_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise bad(name, "a positive integer")
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, int)
+            or self.warmup_steps < 0
+        ):
+            raise bad("warmup_steps", "an integer >= 0")
+        for name in ("lr", "eps", "pg_timeout_s"):
+            v = getattr(self, name)
+            if not _is_number(v) or not v > 0:
+                raise bad(name, "a positive number")
+        for name in ("min_lr", "weight_decay", "clip_grad"):
+            v = getattr(self, name)
+            if not _is_number(v) or v < 0:
+                raise bad(name, "a number >= 0")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train: min_lr {self.min_lr} must not exceed lr {self.lr}")
+        if not _is_number(self.dropout) or not 0 <= self.dropout < 1:
+            raise bad("dropout", "a number in [0, 1)")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in betas):
+            raise bad("betas", "two numbers in [0, 1)")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", f"one of {', '.join(SCHEDULES)}")
+        if self.data is not None and (not isinstance(self.data, str) or not self.data):
+            raise bad("data", "a non-empty path or null")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 0-based step `step`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["betas"] = list(self.betas)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "train config") -> TrainConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown field(s) {', '.join(unknown)}; "
+                f"allowed: {', '.join(sorted(known))}"
+            )
+        values = dict(data)
+        if "betas" in values:
+            if not isinstance(values["betas"], (list, tuple)):
+                raise ConfigError(f"{source}: betas must be two numbers in [0, 1)")
+            values["betas"] = tuple(values["betas"])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,349 @@
+"""One rank's training engine: a pipeline stage's slice of the model, its AdamW state and the
+synchronous step (pipeline schedule, DP gradient reduce, global-norm clipping, update).
+
+What keeps training layout independent (see the design's invariant 1):
+- replica r trains global samples `k*B + plan.sample_range(r)` of step k;
+- each micro-batch's backward uses (Σ per-sample losses) / B, and DP reduces by SUM, so the
+  micro-batch and replica counts cancel out;
+- the gradient norm is the true global one: sharded tensors counted by every tp rank,
+  replicated tensors by tp rank 0 only, all of it by replica 0 only (after the DP reduce all
+  replicas hold the same gradients), summed over the world;
+- the optimizer is elementwise, so a tp slice updates exactly like its part of the whole.
+
+A step ends with one all-gather across the world of (loss sum, known stop step). It follows
+every rank's optimizer update, so when it returns the step is committed everywhere; it also
+gives every rank the same loss and the same agreed stop step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticpp.checkpoint.manifest import PieceEntry, PieceKey
+from elasticpp.checkpoint.tensors import KINDS, PieceMeta, load_units, write_piece
+from elasticpp.errors import CheckpointError
+from elasticpp.plan import Plan
+from elasticpp.train.config import TrainConfig
+from elasticpp.train.data import Corpus
+from elasticpp.train.model import DropoutKey, StageModel, init_unit, unit_param_specs
+from elasticpp.train.parallel import ParallelGroups
+from elasticpp.train.schedule import FORWARD, schedule_ops
+
+NO_STOP = 2**50  # "no stop requested"; exact in float64
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # 0-based index of the step just committed
+    loss: float
+    lr: float
+    grad_norm: float
+    samples: int
+    step_seconds: float
+    max_in_flight: int
+    busy_seconds: float  # time this rank spent computing forwards and backwards
+    peak_activation_bytes: int  # most bytes autograd held saved for live micro-batches
+    stop_at: int  # the agreed stop step (NO_STOP if none)
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """A snapshot copy of one unit on this rank: CPU tensors named `kind/name`."""
+
+    key: PieceKey
+    tensors: dict[str, torch.Tensor]
+    meta: PieceMeta
+
+    def write(self, step_dir: Path) -> PieceEntry:
+        return write_piece(step_dir, self.key, self.tensors, self.meta)
+
+
+class Trainer:
+    def __init__(
+        self,
+        plan: Plan,
+        job: TrainConfig,
+        groups: ParallelGroups,
+        corpus: Corpus,
+        device: torch.device,
+    ) -> None:
+        self.plan = plan
+        self.job = job
+        self.groups = groups
+        self.corpus = corpus
+        self.device = device
+        self.coord = groups.coord
+        self.stage = StageModel.for_stage(plan.model, plan.stages, self.coord.pp)
+        self.params: dict[str, dict[str, torch.Tensor]] = {}
+        self.exp_avg: dict[str, dict[str, torch.Tensor]] = {}
+        self.exp_avg_sq: dict[str, dict[str, torch.Tensor]] = {}
+        self.shard_dims: dict[str, dict[str, int | None]] = {}
+        self.decay: dict[str, dict[str, bool]] = {}
+        for unit in self.stage.units:
+            specs = unit_param_specs(plan.model, unit)
+            self.shard_dims[unit] = {s.name: s.shard_dim for s in specs}
+            self.decay[unit] = {s.name: s.decay for s in specs}
+        self.opt_step = 0
+        self._param_storages: set[int] = set()
+
+    # ----- state -----
+
+    def init_fresh(self) -> None:
+        tp_rank, tp_size = self.coord.tp, self.groups.tp_size
+        values = {
+            unit: init_unit(self.plan.model, unit, self.job.seed, tp_rank, tp_size)
+            for unit in self.stage.units
+        }
+        zeros = {u: {n: torch.zeros_like(t) for n, t in ts.items()} for u, ts in values.items()}
+        self._install(
+            values, zeros, {u: {n: t.clone() for n, t in z.items()} for u, z in zeros.items()}, 0
+        )
+
+    def load(self, directory: Path, expected_step: int) -> None:
+        """Load this rank's units from a directory of pieces saved under any layout."""
+        loaded = load_units(directory, self.stage.units, self.coord.tp, self.groups.tp_size)
+        values: dict[str, dict[str, torch.Tensor]] = {}
+        m1: dict[str, dict[str, torch.Tensor]] = {}
+        m2: dict[str, dict[str, torch.Tensor]] = {}
+        for unit in self.stage.units:
+            got = loaded[unit]
+            if got.step != expected_step:
+                raise CheckpointError(
+                    f"{directory}: unit {unit} is at step {got.step}, expected {expected_step}"
+                )
+            fresh = init_unit(self.plan.model, unit, 0, self.coord.tp, self.groups.tp_size)
+            for target, kind in ((values, "param"), (m1, "exp_avg"), (m2, "exp_avg_sq")):
+                target[unit] = {}
+                for name, like in fresh.items():
+                    t = got.tensors.get(f"{kind}/{name}")
+                    if t is None or t.shape != like.shape:
+                        raise CheckpointError(
+                            f"{directory}: unit {unit} has no {kind}/{name} of shape "
+                            f"{tuple(like.shape)}"
+                        )
+                    target[unit][name] = t.to(torch.float32)
+        self._install(values, m1, m2, expected_step)
+
+    def _install(
+        self,
+        values: dict[str, dict[str, torch.Tensor]],
+        m1: dict[str, dict[str, torch.Tensor]],
+        m2: dict[str, dict[str, torch.Tensor]],
+        step: int,
+    ) -> None:
+        dev = self.device
+        self.params = {
+            u: {n: t.to(dev).requires_grad_(True) for n, t in ts.items()}
+            for u, ts in values.items()
+        }
+        self.exp_avg = {u: {n: t.to(dev) for n, t in ts.items()} for u, ts in m1.items()}
+        self.exp_avg_sq = {u: {n: t.to(dev) for n, t in ts.items()} for u, ts in m2.items()}
+        self.opt_step = step
+        self._param_storages = {
+            t.untyped_storage().data_ptr() for ts in self.params.values() for t in ts.values()
+        }
+
+    def snapshot(self) -> list[UnitState]:
+        """CPU copies of this rank's units (cheap; writing them can happen elsewhere)."""
+        out = []
+        tp_rank, tp_size = self.coord.tp, self.groups.tp_size
+        for unit in self.stage.units:
+            tensors: dict[str, torch.Tensor] = {}
+            dims: dict[str, int | None] = {}
+            for kind, source in zip(
+                KINDS, (self.params, self.exp_avg, self.exp_avg_sq), strict=True
+            ):
+                for name, t in source[unit].items():
+                    tensors[f"{kind}/{name}"] = t.detach().to("cpu", copy=True)
+                    dims[f"{kind}/{name}"] = self.shard_dims[unit][name]
+            key = PieceKey(unit, tp_rank, tp_size)
+            meta = PieceMeta(unit, tp_rank, tp_size, self.opt_step, dims)
+            out.append(UnitState(key, tensors, meta))
+        return out
+
+    # ----- one step -----
+
+    def train_step(self, step: int, local_stop: int) -> StepResult:
+        started = time.perf_counter()
+        plan, g = self.plan, self.groups
+        B, b = plan.global_batch, plan.micro_batch
+        m = plan.microbatches[self.coord.dp]
+        first_sample = step * B + plan.sample_range(self.coord.dp)[0]
+        seq, hidden = plan.model.seq_len, plan.model.hidden_size
+        for ts in self.params.values():
+            for t in ts.values():
+                t.grad = None
+
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        act_bytes: dict[int, int] = {}
+        sends: list[tuple[Any, torch.Tensor]] = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        live = peak_live = 0
+        live_bytes = peak_bytes = 0
+        busy = 0.0
+        for op in schedule_ops(self.job.schedule, g.pp_size, self.coord.pp, m):
+            i = op.microbatch
+            mb_first = first_sample + i * b
+            if op.kind == FORWARD:
+                tokens = targets = None
+                if g.is_first_stage or g.is_last_stage:
+                    tokens, targets = self.corpus.batch(mb_first, b)
+                if tokens is not None and g.is_first_stage:
+                    x = tokens.to(self.device)
+                else:
+                    x = torch.empty(b, seq, hidden, device=self.device)
+                    _wait(dist.irecv(x, src=g.prev_rank))
+                    x.requires_grad_(True)
+                t0 = time.perf_counter()
+                key = (
+                    DropoutKey(self.job.seed, step, mb_first, self.job.dropout)
+                    if self.job.dropout > 0
+                    else None
+                )
+                tgt = targets.to(self.device) if targets is not None and g.is_last_stage else None
+                with self._count_saved() as counter:
+                    out = self.stage.forward(self.params, x, g.tp, key, tgt)
+                busy += time.perf_counter() - t0
+                saved[i] = (x, out)
+                act_bytes[i] = counter[0]
+                live += 1
+                live_bytes += counter[0]
+                peak_live = max(peak_live, live)
+                peak_bytes = max(peak_bytes, live_bytes)
+                if g.is_last_stage:
+                    loss_sum += out.detach().to("cpu", torch.float64)
+                else:
+                    payload = out.detach().contiguous()
+                    sends.append((dist.isend(payload, dst=g.next_rank), payload))
+            else:
+                x, out = saved.pop(i)
+                if g.is_last_stage:
+                    t0 = time.perf_counter()
+                    torch.autograd.backward(out / B)
+                else:
+                    grad = torch.empty_like(out)
+                    _wait(dist.irecv(grad, src=g.next_rank))
+                    t0 = time.perf_counter()
+                    torch.autograd.backward(out, grad)
+                busy += time.perf_counter() - t0
+                live -= 1
+                live_bytes -= act_bytes.pop(i)
+                if not g.is_first_stage:
+                    if x.grad is None:
+                        raise RuntimeError(f"stage {self.coord.pp}: no input gradient")
+                    payload = x.grad.contiguous()
+                    sends.append((dist.isend(payload, dst=g.prev_rank), payload))
+        for work, _ in sends:
+            _wait(work)
+
+        flat_params = [(u, n, t) for u, ts in self.params.items() for n, t in ts.items()]
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for _, _, t in flat_params]
+        if g.dp is not None:
+            flat = torch.cat([gr.reshape(-1) for gr in grads])
+            dist.all_reduce(flat, group=g.dp)
+            offset = 0
+            for gr in grads:
+                gr.copy_(flat[offset : offset + gr.numel()].view_as(gr))
+                offset += gr.numel()
+
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.coord.dp == 0:
+            for (u, n, _), gr in zip(flat_params, grads, strict=True):
+                if self.shard_dims[u][n] is not None or self.coord.tp == 0:
+                    sq += gr.double().pow(2).sum()
+        dist.all_reduce(sq)
+        grad_norm = math.sqrt(float(sq))
+        clip = 1.0
+        if self.job.clip_grad > 0 and grad_norm > self.job.clip_grad:
+            clip = self.job.clip_grad / (grad_norm + 1e-6)
+        lr = self.job.lr_at(step)
+        self._adamw(flat_params, grads, lr, clip)
+
+        mine = torch.tensor(
+            [
+                float(loss_sum) if g.is_last_stage and self.coord.tp == 0 else 0.0,
+                float(min(local_stop, NO_STOP)),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        gathered = [torch.empty_like(mine) for _ in range(g.world_size)]
+        dist.all_gather(gathered, mine)
+        rows = torch.stack(gathered).cpu()
+        loss = float(rows[:, 0].sum()) / B
+        agreed_stop = int(rows[:, 1].min())
+        return StepResult(
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            samples=B,
+            step_seconds=time.perf_counter() - started,
+            max_in_flight=peak_live,
+            busy_seconds=busy,
+            peak_activation_bytes=peak_bytes,
+            stop_at=agreed_stop,
+        )
+
+    def agree_stop(self, local_stop: int) -> int:
+        """The world's minimum known stop step (a collective every rank must call)."""
+        t = torch.tensor([float(min(local_stop, NO_STOP))], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def _adamw(
+        self,
+        flat_params: list[tuple[str, str, torch.Tensor]],
+        grads: list[torch.Tensor],
+        lr: float,
+        clip: float,
+    ) -> None:
+        job = self.job
+        b1, b2 = job.betas
+        self.opt_step += 1
+        t = self.opt_step
+        bias1 = 1 - b1**t
+        bias2_sqrt = math.sqrt(1 - b2**t)
+        with torch.no_grad():
+            for (u, n, p), gr in zip(flat_params, grads, strict=True):
+                if clip != 1.0:
+                    gr = gr * clip
+                m1, m2 = self.exp_avg[u][n], self.exp_avg_sq[u][n]
+                if self.decay[u][n] and job.weight_decay:
+                    p.mul_(1 - lr * job.weight_decay)
+                m1.mul_(b1).add_(gr, alpha=1 - b1)
+                m2.mul_(b2).addcmul_(gr, gr, value=1 - b2)
+                denom = (m2.sqrt() / bias2_sqrt).add_(job.eps)
+                p.addcdiv_(m1, denom, value=-lr / bias1)
+
+    @contextmanager
+    def _count_saved(self) -> Iterator[list[int]]:
+        """Count the bytes autograd saves for backward (activations, not parameters)."""
+        counter = [0]
+        params = self._param_storages
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                counter[0] += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield counter
+
+
+def _wait(work: Any) -> None:
+    if work is not None:  # None only for ranks outside the group, never ours
+        work.wait()

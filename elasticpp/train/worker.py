@@ -1,0 +1,401 @@
+"""The worker process: `python -m elasticpp.train.worker`. The narrow interface between a
+supervisor (the node agent, `elasticpp train`) and the training engine.
+
+Protocol: JSON lines, one object per line, flushed. See docs/readme/train.md for the full
+description; in short:
+
+stdout (events)
+    {"event": "ready", "pid": N}                      torch imported, idle, waiting
+    {"event": "started", "generation", "rank", "start_step", "setup_seconds"}
+    {"event": "step", "step", "loss", "lr", "grad_norm", "samples", "step_seconds",
+     "max_in_flight", "generation", "rank", "busy_seconds", "peak_activation_bytes"}
+    {"event": "snapshot", "step", "dir", "pieces": [{"name", "size", "sha256"}],
+     "generation", "rank"}
+    {"event": "stopped", "step"} | {"event": "done", "step"} | {"event": "error", "message"}
+
+stdin
+    first line: the assignment (`Assignment`); later lines: {"cmd": "stop_at", "step": S}.
+    EOF does not stop training.
+
+Exit code 0 after "done" or "stopped", 1 after "error". The process ends with `os._exit`
+so that a peer that died cannot hold it in process-group teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from elasticpp.errors import ConfigError
+from elasticpp.plan import Plan
+from elasticpp.train.config import TrainConfig
+
+ASSIGNMENT_FORMAT_VERSION = 1
+BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+
+log = logging.getLogger("elasticpp.train.worker")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a warm worker is handed: its plan, rank, rendezvous, job and state to start from."""
+
+    plan: Plan
+    rank: int
+    store_host: str
+    store_port: int
+    store_prefix: str
+    job: TrainConfig
+    start_step: int = 0
+    resume_dir: str | None = None
+    snapshot_dir: str | None = None
+    snapshot_every: int = 1  # 0 = only after the last step and at a stop
+    backend: str = "gloo"
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        world = self.plan.gpus_used
+        if not 0 <= self.rank < world:
+            raise ConfigError(f"assignment: rank {self.rank} not in [0, {world})")
+        if not 0 < self.store_port < 65536:
+            raise ConfigError(f"assignment: store_port {self.store_port} not in [1, 65535]")
+        if not self.store_prefix:
+            raise ConfigError("assignment: store_prefix must be non-empty")
+        if self.start_step < 0 or self.start_step > self.job.steps:
+            raise ConfigError(
+                f"assignment: start_step {self.start_step} not in [0, {self.job.steps}]"
+            )
+        if self.resume_dir is None and self.start_step != 0:
+            raise ConfigError("assignment: start_step > 0 needs a resume_dir")
+        if self.snapshot_every < 0:
+            raise ConfigError("assignment: snapshot_every must be >= 0")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"assignment: backend must be one of {', '.join(BACKENDS)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"assignment: device must be one of {', '.join(DEVICES)}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ConfigError("assignment: num_threads must be positive or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": ASSIGNMENT_FORMAT_VERSION,
+            "plan": self.plan.to_dict(),
+            "rank": self.rank,
+            "store_host": self.store_host,
+            "store_port": self.store_port,
+            "store_prefix": self.store_prefix,
+            "job": self.job.to_dict(),
+            "start_step": self.start_step,
+            "resume_dir": self.resume_dir,
+            "snapshot_dir": self.snapshot_dir,
+            "snapshot_every": self.snapshot_every,
+            "backend": self.backend,
+            "device": self.device,
+            "num_threads": self.num_threads,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Assignment:
+        if not isinstance(data, dict):
+            raise ConfigError("assignment: expected a JSON object")
+        if data.get("format_version") != ASSIGNMENT_FORMAT_VERSION:
+            raise ConfigError(
+                f"assignment: format_version {data.get('format_version')!r} is not "
+                f"{ASSIGNMENT_FORMAT_VERSION}"
+            )
+        try:
+            return cls(
+                plan=Plan.from_dict(data["plan"]),
+                rank=int(data["rank"]),
+                store_host=str(data["store_host"]),
+                store_port=int(data["store_port"]),
+                store_prefix=str(data["store_prefix"]),
+                job=TrainConfig.from_dict(data["job"], source="assignment.job"),
+                start_step=int(data.get("start_step", 0)),
+                resume_dir=_opt_str(data.get("resume_dir")),
+                snapshot_dir=_opt_str(data.get("snapshot_dir")),
+                snapshot_every=int(data.get("snapshot_every", 1)),
+                backend=str(data.get("backend", "gloo")),
+                device=str(data.get("device", "cpu")),
+                num_threads=None if data.get("num_threads") is None else int(data["num_threads"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"assignment: malformed field: {exc!r}") from exc
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+class EventWriter:
+    """One JSON object per line on stdout, whole lines only (threads share it)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, sort_keys=True)
+        with self._lock:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+
+
+class StopControl:
+    """The smallest stop step any command asked for (commands arrive on another thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stop: int | None = None
+
+    def request(self, step: int) -> None:
+        with self._lock:
+            self._stop = step if self._stop is None else min(self._stop, step)
+
+    def value(self, default: int) -> int:
+        with self._lock:
+            return default if self._stop is None else self._stop
+
+
+def read_commands(stream: TextIO, control: StopControl) -> None:
+    """Read command lines until EOF; EOF itself does not stop training."""
+    for line in stream:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "stop_at":
+                control.request(int(cmd["step"]))
+                log.info("stop requested at step %s", cmd["step"])
+            else:
+                log.warning("ignoring unknown command %r", cmd.get("cmd"))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("ignoring malformed command line %r: %s", line[:200], exc)
+
+
+class SnapshotWriter:
+    """Writes snapshots on a background thread, one after another, in step order."""
+
+    def __init__(
+        self, root: Path, emit: Callable[[dict[str, Any]], None], extra: dict[str, Any]
+    ) -> None:
+        self.root = root
+        self._emit = emit
+        self._extra = extra
+        self._queue: queue.Queue[tuple[int, list[Any]] | None] = queue.Queue()
+        self._failure: BaseException | None = None
+        self.last_step: int | None = None  # the newest step handed over
+        self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, states: list[Any]) -> None:
+        self.last_step = step
+        self._queue.put((step, states))
+
+    def write_now(self, step: int, states: list[Any]) -> None:
+        self.flush()
+        self.last_step = step
+        self._write(step, states)
+
+    def flush(self) -> None:
+        self._queue.join()
+        self.check()
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"snapshot write failed: {self._failure}") from self._failure
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is not None and self._failure is None:
+                    self._write(*item)
+            except BaseException as exc:  # reported to the training thread by check()
+                self._failure = exc
+            finally:
+                self._queue.task_done()
+
+    def _write(self, step: int, states: list[Any]) -> None:
+        from elasticpp.checkpoint.manifest import step_dirname
+
+        step_dir = self.root / step_dirname(step)
+        entries = [s.write(step_dir) for s in states]
+        self._emit(
+            {
+                "event": "snapshot",
+                "step": step,
+                "dir": str(step_dir),
+                "pieces": [
+                    {"name": e.key.filename, "size": e.size, "sha256": e.sha256} for e in entries
+                ],
+                **self._extra,
+            }
+        )
+
+
+def is_snapshot_writer(plan: Plan, rank: int) -> bool:
+    """Only the lowest dp index of each (pp, tp) on a node writes, so twins do not both write."""
+    me = plan.slot(rank)
+    twins = [
+        s.coord.dp
+        for s in plan.placement
+        if s.node_id == me.node_id and s.coord.pp == me.coord.pp and s.coord.tp == me.coord.tp
+    ]
+    return me.coord.dp == min(twins)
+
+
+def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str:
+    """Train as assigned; returns "done" or "stopped" (after emitting it)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from elasticpp.train.data import Corpus, load_corpus
+    from elasticpp.train.engine import NO_STOP, Trainer
+    from elasticpp.train.parallel import ParallelGroups
+
+    t0 = time.monotonic()
+    plan, job, rank = a.plan, a.job, a.rank
+    gen = plan.generation
+    if a.num_threads is not None:
+        torch.set_num_threads(a.num_threads)
+    timeout = timedelta(seconds=job.pg_timeout_s)
+    if a.device == "cuda":
+        device = torch.device("cuda", plan.slot(rank).local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        a.store_host, a.store_port, is_master=False, timeout=timeout
+    )
+    prefixed = dist.PrefixStore(a.store_prefix, store)  # type: ignore[attr-defined]
+    dist.init_process_group(
+        a.backend, store=prefixed, rank=rank, world_size=plan.gpus_used, timeout=timeout
+    )
+    groups = ParallelGroups.build(plan, rank, job.pg_timeout_s)
+    corpus = Corpus(load_corpus(job.data, job.corpus_max_bytes), plan.model.seq_len, job.seed)
+    trainer = Trainer(plan, job, groups, corpus, device)
+    if a.resume_dir is not None:
+        trainer.load(Path(a.resume_dir), a.start_step)
+    else:
+        trainer.init_fresh()
+    writer = None
+    if a.snapshot_dir is not None and is_snapshot_writer(plan, rank):
+        writer = SnapshotWriter(Path(a.snapshot_dir), out.emit, {"generation": gen, "rank": rank})
+    out.emit(
+        {
+            "event": "started",
+            "generation": gen,
+            "rank": rank,
+            "start_step": a.start_step,
+            "setup_seconds": time.monotonic() - t0,
+        }
+    )
+    log.info(
+        "rank %d (pp=%d tp=%d dp=%d) generation %d starts at step %d",
+        rank,
+        groups.coord.pp,
+        groups.coord.tp,
+        groups.coord.dp,
+        gen,
+        a.start_step,
+    )
+
+    step = a.start_step
+    stop = trainer.agree_stop(control.value(NO_STOP))
+    while step < job.steps and step < stop:
+        res = trainer.train_step(step, control.value(NO_STOP))
+        out.emit(
+            {
+                "event": "step",
+                "step": step,
+                "loss": res.loss,
+                "lr": res.lr,
+                "grad_norm": res.grad_norm,
+                "samples": res.samples,
+                "step_seconds": res.step_seconds,
+                "max_in_flight": res.max_in_flight,
+                "generation": gen,
+                "rank": rank,
+                "busy_seconds": res.busy_seconds,
+                "peak_activation_bytes": res.peak_activation_bytes,
+            }
+        )
+        step += 1
+        stop = res.stop_at
+        if writer is not None:
+            writer.check()
+            periodic = a.snapshot_every > 0 and step % a.snapshot_every == 0
+            if periodic and step < job.steps and step < stop:
+                writer.submit(step, trainer.snapshot())
+    outcome = "done" if step >= job.steps else "stopped"
+    if writer is not None and writer.last_step != step:
+        # The final state, and the state at a stop, are written before the event says so.
+        writer.write_now(step, trainer.snapshot())
+    elif writer is not None:
+        writer.flush()
+    log.info("rank %d %s at step %d", rank, outcome, step)
+    out.emit({"event": outcome, "step": step})
+    return outcome
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    out = EventWriter(sys.stdout)
+    # Import everything the assignment needs before saying "ready": a warm worker must
+    # never pay the import on the recovery path.
+    import torch
+    import torch.distributed
+
+    import elasticpp.checkpoint.tensors
+    import elasticpp.train.engine  # noqa: F401
+
+    torch.zeros(1)  # touch the allocator and the thread pool once
+    out.emit({"event": "ready", "pid": os.getpid()})
+    try:
+        line = sys.stdin.readline()
+        if not line.strip():
+            raise ConfigError("no assignment on stdin")
+        try:
+            data = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"assignment is not JSON: {exc}") from exc
+        assignment = Assignment.from_dict(data)
+        control = StopControl()
+        threading.Thread(
+            target=read_commands, args=(sys.stdin, control), name="commands", daemon=True
+        ).start()
+        run_assignment(assignment, out, control)
+        code = 0
+    except BaseException as exc:  # every failure becomes an event and a non-zero exit
+        log.exception("worker failed")
+        # If the supervisor is gone the write fails; the exit code still says it.
+        with contextlib.suppress(OSError, ValueError):
+            out.emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+        code = 1
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
