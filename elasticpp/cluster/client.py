@@ -662,9 +662,9 @@ class ClusterClient:
     def clear_commits_before(self, generation: int) -> None:
         """Drop commit records of generations older than `generation` (housekeeping)."""
         kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
-        old = {kv.key.rsplit("/", 2)[0] + "/" for kv in kvs if _gen_of(kv.key) < generation}
-        for prefix in sorted(old):
-            self._kv.delete_prefix(prefix)
+        old = {_gen_of(kv.key) for kv in kvs} - {-1}
+        for gen in sorted(g for g in old if g < generation):
+            self._kv.delete_prefix(self.keys.commits_of(gen))
 
     # ------------------------------------------------------------------ suspicion
     def report_suspect(self, node_id: str, by: str, reason: str) -> None:

@@ -1,0 +1,78 @@
+"""Shared pytest fixtures: a real etcd server, and a check that a test leaves no processes.
+
+Kept small and general; fixtures of one part live in that part's test files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticpp.cluster.etcd_server import EtcdServer
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A running single-member etcd on free loopback ports with its own data dir (~0.2 s).
+
+    Function scope: tests may kill or restart it. It is killed after the test, pass or fail."""
+    server = EtcdServer(tmp_path / "etcd-data")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+def _descendants(root_pid: int) -> dict[int, str]:
+    """Live (non-zombie) descendants of `root_pid`: pid -> command name, from /proc."""
+    parent_of: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'.
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] == "Z":
+            continue
+        parent_of[int(entry.name)] = int(fields[1])
+        names[int(entry.name)] = comm
+    found: dict[int, str] = {}
+    frontier = {root_pid}
+    while frontier:
+        children = {pid for pid, ppid in parent_of.items() if ppid in frontier}
+        children -= found.keys()
+        for pid in children:
+            found[pid] = names[pid]
+        frontier = children
+    return found
+
+
+@pytest.fixture
+def no_orphans() -> Iterator[None]:
+    """Fail a test that leaves child processes behind (and kill them, group and all).
+
+    Catches descendants of the test process that are still running at teardown; a
+    process that was re-parented away (double fork) escapes this check."""
+    before = set(_descendants(os.getpid()))
+    yield
+    left = {pid: name for pid, name in _descendants(os.getpid()).items() if pid not in before}
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            pgid = os.getpgid(pid)
+            if pgid != os.getpgrp():  # never the test runner's own group
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        pytest.fail(f"test left processes running: {sorted(left.items())}")

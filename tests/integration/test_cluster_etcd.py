@@ -1,0 +1,372 @@
+"""ClusterClient against a real etcd: leases, election, generation CAS, watches through an
+etcd restart, barriers, and behaviour while etcd is down."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from elasticpp.cluster import (
+    BarrierTimeoutError,
+    ClusterClient,
+    ClusterUnavailableError,
+    EventType,
+    GenerationConflictError,
+    GenerationRecord,
+    WatchEvent,
+)
+from elasticpp.cluster.etcd_client import EtcdKV
+from elasticpp.cluster.etcd_server import EtcdServer
+
+JOB = "job-test"
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll `cond` until true; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)  # polling interval of a condition wait
+
+
+def reachable(fn: Callable[[], Any]) -> Callable[[], bool]:
+    """`fn` as a condition: False while etcd is unreachable."""
+
+    def check() -> bool:
+        try:
+            return bool(fn())
+        except ClusterUnavailableError:
+            return False
+
+    return check
+
+
+@pytest.fixture
+def clients(no_orphans: None, etcd: EtcdServer) -> Iterator[Callable[[], ClusterClient]]:
+    """Factory of clients on the test's etcd; all closed at teardown."""
+    made: list[ClusterClient] = []
+
+    def make() -> ClusterClient:
+        client = ClusterClient([etcd.endpoint], JOB, request_timeout_s=1.0)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def record(generation: int, leader: str) -> GenerationRecord:
+    return GenerationRecord(generation, {"nodes": generation}, leader, time.time(), resume_step=0)
+
+
+# ---------------------------------------------------------------------------- spec, members
+def test_spec_first_writer_wins(clients: Callable[[], ClusterClient]) -> None:
+    a, b = clients(), clients()
+    results: dict[str, str] = {}
+    threads = [
+        threading.Thread(target=lambda c=c, s=s: results.__setitem__(s, c.put_spec_if_absent(s)))
+        for c, s in ((a, '{"spec": "a"}'), (b, '{"spec": "b"}'))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stored = a.spec()
+    assert stored in ('{"spec": "a"}', '{"spec": "b"}')
+    assert set(results.values()) == {stored}
+
+
+def test_registration_is_visible_to_another_client(clients: Callable[[], ClusterClient]) -> None:
+    a, b = clients(), clients()
+    reg = a.register("n1", {"address": "127.0.0.1:7000", "slots": 2}, ttl_s=2)
+    members = b.members()
+    assert members.nodes["n1"]["address"] == "127.0.0.1:7000"
+    assert members.nodes["n1"]["slots"] == 2
+    assert members.revision > 0
+    reg.update({"address": "127.0.0.1:7001", "slots": 2})
+    assert b.members().nodes["n1"]["address"] == "127.0.0.1:7001"
+    reg.close()
+    assert "n1" not in b.members().nodes  # revoked: gone at once, no TTL wait
+
+
+@pytest.mark.timeout(30)
+def test_node_whose_keep_alive_stopped_is_removed_by_lease_expiry(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    reg = a.register("n1", {}, ttl_s=2)
+    b.register("n2", {}, ttl_s=2)
+    # Outlive the TTL while kept alive: the keep-alive thread really refreshes.
+    watched: list[WatchEvent] = []
+    b.watch_members(watched.append)
+    started = time.monotonic()
+    wait_for(lambda: time.monotonic() - started > 3.0, what="3 s of keep-alive")
+    assert set(b.members().nodes) == {"n1", "n2"}
+    reg.close(revoke=False)  # the process "dies": no more keep-alive, no revoke
+    wait_for(lambda: "n1" not in b.members().nodes, timeout_s=10, what="n1's lease to expire")
+    assert set(b.members().nodes) == {"n2"}
+    wait_for(lambda: any(e.type is EventType.DELETE for e in watched), what="delete event")
+    assert [e.key.rsplit("/", 1)[-1] for e in watched if e.type is EventType.DELETE] == ["n1"]
+
+
+@pytest.mark.timeout(30)
+def test_lost_registration_lease_is_regranted_and_key_reput(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a, b = clients(), clients()
+    reg = a.register("n1", {"address": "x"}, ttl_s=2)
+    old_lease = reg.lease_id
+    raw = EtcdKV([etcd.endpoint])
+    try:
+        raw.revoke(old_lease)  # as if it expired while etcd was unreachable
+    finally:
+        raw.close()
+    wait_for(
+        lambda: "n1" in b.members().nodes and reg.lease_id != old_lease,
+        what="n1 re-registered on a new lease",
+    )
+    assert b.members().nodes["n1"]["address"] == "x"
+
+
+# ---------------------------------------------------------------------------- election
+def test_exactly_one_of_concurrent_campaigns_wins(clients: Callable[[], ClusterClient]) -> None:
+    cs = [clients() for _ in range(4)]
+    won: list[str] = []
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        if cs[i].campaign(f"n{i}", ttl_s=2) is not None:
+            with lock:
+                won.append(f"n{i}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    assert cs[0].leader() == won[0]
+
+
+@pytest.mark.timeout(30)
+def test_leader_fails_over_when_its_lease_lapses(clients: Callable[[], ClusterClient]) -> None:
+    a, b = clients(), clients()
+    lost = threading.Event()
+    lead_a = a.campaign("n1", ttl_s=2, on_lost=lost.set)
+    assert lead_a is not None and lead_a.is_held()
+    assert b.campaign("n2", ttl_s=2) is None
+    a.close()  # n1's process dies: keep-alive stops, the lease lapses after its TTL
+    wait_for(lambda: b.leader() is None, what="n1's leader lease to lapse")
+    lead_b = b.campaign("n2", ttl_s=2)
+    assert lead_b is not None
+    assert b.leader() == "n2"
+
+
+def test_resigned_leader_is_replaced_at_once(clients: Callable[[], ClusterClient]) -> None:
+    a, b = clients(), clients()
+    lead_a = a.campaign("n1", ttl_s=30)
+    assert lead_a is not None
+    lead_a.resign()
+    assert not lead_a.is_held()
+    assert b.leader() is None
+    assert b.campaign("n2", ttl_s=30) is not None
+
+
+# ---------------------------------------------------------------------------- generations
+def test_generation_cas_refuses_stale_revision_and_wrong_number(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a = clients()
+    lead = a.campaign("n1", ttl_s=5)
+    assert lead is not None
+    assert a.read_generation() == (None, 0)
+    assert a.write_generation(record(1, "n1"), 0, lead)
+    rec, rev = a.read_generation()
+    assert rec is not None and rec.generation == 1 and rev > 0
+    assert not a.write_generation(record(2, "n1"), 0, lead)  # stale: read before gen 1
+    with pytest.raises(GenerationConflictError, match="exactly 2"):
+        a.write_generation(record(3, "n1"), rev, lead)
+    with pytest.raises(GenerationConflictError, match="names leader"):
+        a.write_generation(record(2, "n9"), rev, lead)
+    assert a.write_generation(record(2, "n1"), rev, lead)
+    assert [r.generation for r in a.generation_history()] == [1, 2]
+
+
+def test_two_writers_of_the_same_read_revision_only_one_wins(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    lead = a.campaign("n1", ttl_s=5)
+    assert lead is not None
+    _, rev = a.read_generation()
+    assert a.write_generation(record(1, "n1"), rev, "n1")
+    assert not b.write_generation(record(1, "n1"), rev, "n1")  # same read, second loses
+    rec, _ = b.read_generation()
+    assert rec is not None and rec.generation == 1
+
+
+def test_deposed_leader_cannot_write_a_generation(clients: Callable[[], ClusterClient]) -> None:
+    a, b = clients(), clients()
+    old = a.campaign("n1", ttl_s=5)
+    assert old is not None
+    _, rev = a.read_generation()
+    old.resign()
+    new = b.campaign("n2", ttl_s=5)
+    assert new is not None
+    assert not a.write_generation(record(1, "n1"), rev, old)  # by Leadership
+    assert not a.write_generation(record(1, "n1"), rev, "n1")  # by node id
+    # Same node id re-elected: its old term's token is still refused.
+    new.resign()
+    again = a.campaign("n1", ttl_s=5)
+    assert again is not None
+    assert not a.write_generation(record(1, "n1"), rev, old)
+    assert a.write_generation(record(1, "n1"), rev, again)
+
+
+def test_generation_watch_delivers_each_new_generation(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    _, rev = b.read_generation()
+    seen: list[int] = []
+    b.watch_generation(
+        lambda e: seen.append(GenerationRecord.from_json(e.value or "").generation),
+        start_revision=rev + 1,
+    )
+    lead = a.campaign("n1", ttl_s=5)
+    assert lead is not None
+    for g in (1, 2, 3):
+        _, rev = a.read_generation()
+        assert a.write_generation(record(g, "n1"), rev, lead)
+    wait_for(lambda: seen == [1, 2, 3], what="three generation events")
+
+
+# ---------------------------------------------------------------------------- etcd restarts
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_watch_keeps_delivering_after_etcd_restart_without_loss(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer, how: str
+) -> None:
+    a, b = clients(), clients()
+    events: list[WatchEvent] = []
+    lock = threading.Lock()
+
+    def on_event(event: WatchEvent) -> None:
+        with lock:
+            events.append(event)
+
+    watch = b.watch(a.keys.commits_prefix, on_event, prefix=True)
+    for step in range(3):
+        a.record_commit(1, "n1", step)
+    # Stop etcd without waiting for delivery: events 0-2 may still be undelivered.
+    etcd.kill() if how == "kill" else etcd.stop()
+    etcd.start()
+    for step in range(3, 6):
+        wait_for(reachable(lambda s=step: a.record_commit(1, "n1", s) or True), what="put")
+    wait_for(lambda: len(events) >= 6, what="six commit events")
+    with lock:
+        steps = [json.loads(e.value or "")["step"] for e in events]
+        revisions = [e.mod_revision for e in events]
+    assert steps == [0, 1, 2, 3, 4, 5]  # none lost, none twice, in order
+    assert revisions == sorted(set(revisions))
+    assert watch.next_revision == revisions[-1] + 1
+
+
+@pytest.mark.timeout(60)
+def test_registration_and_leadership_survive_etcd_restart(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a, b = clients(), clients()
+    a.register("n1", {"address": "x"}, ttl_s=2)
+    lead = a.campaign("n1", ttl_s=2)
+    assert lead is not None
+    etcd.kill()
+    # Down for longer than a keep-alive interval: the keeper sees failures and retries.
+    with pytest.raises(ClusterUnavailableError):
+        b.members()
+    etcd.start()
+    wait_for(reachable(lambda: "n1" in b.members().nodes), what="n1 registered after restart")
+    wait_for(reachable(lambda: b.leader() == "n1"), what="n1 still leader after restart")
+    wait_for(lead.is_held, what="leadership refreshed after restart")
+    # And it stays: the keep-alive works against the restarted etcd beyond one TTL.
+    started = time.monotonic()
+    wait_for(lambda: time.monotonic() - started > 2.5, what="one TTL after restart")
+    assert "n1" in b.members().nodes and lead.is_held()
+
+
+@pytest.mark.timeout(30)
+def test_calls_while_etcd_is_down_raise_unavailable_within_bounded_time(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a = clients()  # request_timeout_s=1.0
+    lead = a.campaign("n1", ttl_s=5)
+    assert lead is not None
+    etcd.kill()
+    calls: list[Callable[[], Any]] = [
+        a.members,
+        a.leader,
+        a.read_generation,
+        lambda: a.write_generation(record(1, "n1"), 0, lead),
+        lambda: a.campaign("n2", ttl_s=2),
+        lambda: a.register("n3", {}, ttl_s=2),
+        lambda: a.arrive("b", "n1"),
+        lambda: a.record_commit(1, "n1", 1),
+        lambda: a.report_suspect("n2", "n1", "probe failed"),
+        lambda: a.watch(a.keys.root, lambda e: None, prefix=True),
+    ]
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(ClusterUnavailableError):
+            call()
+        # Generous bound for a busy 2-core machine; the point is "bounded", not "fast".
+        assert time.monotonic() - started < 8.0
+
+
+# ---------------------------------------------------------------------------- barriers etc.
+def test_barrier_completes_when_all_arrive(clients: Callable[[], ClusterClient]) -> None:
+    a, b = clients(), clients()
+    a.arrive("gen1-stopped", "n1", {"step": 7})
+    result: dict[str, Any] = {}
+    waiter = threading.Thread(
+        target=lambda: result.update(a.wait_barrier("gen1-stopped", ["n1", "n2", "n3"], 20))
+    )
+    waiter.start()
+    b.arrive("gen1-stopped", "n2", {"step": 7})
+    b.arrive("gen1-stopped", "n3", None)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert result == {"n1": {"step": 7}, "n2": {"step": 7}, "n3": None}
+    assert a.clear_barrier("gen1-stopped") == 3
+
+
+def test_barrier_times_out_naming_the_missing_nodes(clients: Callable[[], ClusterClient]) -> None:
+    a = clients()
+    a.arrive("gen2-ready", "n1")
+    with pytest.raises(BarrierTimeoutError, match="n2") as info:
+        a.wait_barrier("gen2-ready", ["n1", "n2", "n3"], timeout_s=0.5)
+    assert info.value.missing == ["n2", "n3"]
+
+
+def test_commit_records_and_suspects_round_trip(clients: Callable[[], ClusterClient]) -> None:
+    a, b = clients(), clients()
+    a.record_commit(3, "n1", 41)
+    a.record_commit(3, "n1", 42)
+    b.record_commit(3, "n2", 40)
+    b.record_commit(2, "n2", 30)
+    assert a.commits(3) == {"n1": 42, "n2": 40}
+    a.clear_commits_before(3)
+    assert a.commits(2) == {} and a.commits(3) == {"n1": 42, "n2": 40}
+    suspected: list[WatchEvent] = []
+    b.watch_suspects(suspected.append)
+    a.report_suspect("n2", "n1", "collective failed")
+    assert b.suspects()["n2"]["by"] == "n1"
+    wait_for(lambda: len(suspected) == 1, what="suspect event")
+    assert b.clear_suspect("n2")
+    assert b.suspects() == {}
