@@ -1,0 +1,213 @@
+"""`elasticpp train`: train with a fixed (p, t, d) layout on local worker processes.
+
+Everything is validated before any process starts (bad input: one line, exit code 2). A
+worker that fails or dies ends the command within seconds with exit code 1; every worker
+process group is killed on the way out, also on Ctrl-C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from elasticpp.errors import CheckpointError, ConfigError
+from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec, load_model_spec
+from elasticpp.train.config import SCHEDULES, TrainConfig
+
+log = logging.getLogger("elasticpp.train")
+_DEFAULTS = TrainConfig()
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="preset name or spec file (tiny)")
+    parser.add_argument("--layout", default="pp=1,tp=1,dp=1", help="pp=P,tp=T,dp=D")
+    parser.add_argument("--global-batch", type=int, default=16, help="samples per step B (16)")
+    parser.add_argument("--micro-batch", type=int, default=2, help="micro-batch size b (2)")
+    parser.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="total steps")
+    parser.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    parser.add_argument("--schedule", choices=SCHEDULES, default=_DEFAULTS.schedule)
+    parser.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate")
+    parser.add_argument("--min-lr", type=float, default=_DEFAULTS.min_lr)
+    parser.add_argument("--warmup-steps", type=int, default=_DEFAULTS.warmup_steps)
+    parser.add_argument("--weight-decay", type=float, default=_DEFAULTS.weight_decay)
+    parser.add_argument("--clip-grad", type=float, default=_DEFAULTS.clip_grad, help="0 = off")
+    parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
+    parser.add_argument("--data", default=None, help="file or directory (default: stdlib .py)")
+    parser.add_argument("--metrics", type=Path, default=None, help="JSON lines, one per step")
+    parser.add_argument("--save", type=Path, default=None, help="write the final state here")
+    parser.add_argument("--resume", type=Path, default=None, help="a saved step dir or root")
+    parser.add_argument("--stop-at", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (a temp dir)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    parser.add_argument(
+        "--pg-timeout", type=float, default=_DEFAULTS.pg_timeout_s, help="seconds (60)"
+    )
+
+
+def find_step_dir(path: Path) -> Path:
+    """A step directory with a manifest, or the newest such directory under a root."""
+    from elasticpp.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname
+
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    if not path.is_dir():
+        raise ConfigError(f"--resume {path}: not a directory")
+    steps = sorted(
+        (s, p)
+        for p in path.iterdir()
+        if (s := parse_step_dirname(p.name)) is not None and (p / MANIFEST_NAME).is_file()
+    )
+    if not steps:
+        raise ConfigError(f"--resume {path}: no step directory with a manifest")
+    return steps[-1][1]
+
+
+def _validate(args: argparse.Namespace) -> tuple[Any, TrainConfig, Path | None, int]:
+    model = load_model_spec(args.model)
+    layout = Layout.parse(args.layout)
+    for name in ("global_batch", "micro_batch"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    device = load_device_spec("cpu")
+    plan = build_plan(
+        model,
+        ClusterSpec.uniform(1, layout.world_size, device),
+        layout,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+    )
+    job = TrainConfig(
+        seed=args.seed,
+        steps=args.steps,
+        lr=args.lr,
+        min_lr=min(args.min_lr, args.lr),
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        dropout=args.dropout,
+        schedule=args.schedule,
+        data=None if args.data is None else str(Path(args.data).resolve()),
+        pg_timeout_s=args.pg_timeout,
+    )
+    if job.data is not None and not Path(job.data).exists():
+        raise ConfigError(f"--data {args.data}: no such file or directory")
+    if args.threads is not None and args.threads <= 0:
+        raise ConfigError("--threads must be positive")
+    if args.stop_at is not None and args.stop_at < 0:
+        raise ConfigError("--stop-at must be >= 0")
+    resume_dir, start_step = None, 0
+    if args.resume is not None:
+        from elasticpp.checkpoint.manifest import verify_step_dir
+
+        resume_dir = find_step_dir(args.resume).resolve()
+        manifest = verify_step_dir(resume_dir)
+        if manifest.num_layers != model.num_layers or not manifest.is_full_model():
+            raise CheckpointError(
+                f"--resume {resume_dir}: not a full {model.num_layers}-layer model state"
+            )
+        start_step = manifest.step
+        if start_step >= job.steps:
+            raise ConfigError(
+                f"--resume {resume_dir} is at step {start_step}; --steps {job.steps} leaves "
+                "nothing to train"
+            )
+    return plan, job, resume_dir, start_step
+
+
+class _Terminated(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    plan, job, resume_dir, start_step = _validate(args)
+
+    from elasticpp.checkpoint.manifest import (
+        Manifest,
+        PieceKey,
+        step_dirname,
+        verify_step_dir,
+        write_manifest,
+    )
+    from elasticpp.checkpoint.manifest import PieceEntry as Entry
+    from elasticpp.train.launch import default_threads, kill_all, run_local, spawn_workers
+    from elasticpp.train.procs import WorkerError
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="elasticpp-train-"))
+    save_dir = None if args.save is None else args.save.resolve()
+    metrics = None if args.metrics is None else args.metrics.open("w", encoding="utf-8")
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated(f"signal {signum}")
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    workers: list[Any] = []
+    started = time.monotonic()
+    try:
+        workers = spawn_workers(plan.gpus_used, log_dir, tag="rank")
+
+        def on_record(record: dict[str, Any]) -> None:
+            if metrics is not None:
+                metrics.write(json.dumps(record, sort_keys=True) + "\n")
+                metrics.flush()
+            print(
+                f"step {record['step']:5d}  loss {record['loss']:.6f}  lr {record['lr']:.3e}  "
+                f"grad_norm {record['grad_norm']:.4f}  {record['step_seconds']:.3f} s",
+                flush=True,
+            )
+
+        result = run_local(
+            plan,
+            job,
+            workers,
+            start_step=start_step,
+            resume_dir=resume_dir,
+            snapshot_dir=save_dir,
+            snapshot_every=0,
+            backend="nccl" if args.device == "cuda" else "gloo",
+            device=args.device,
+            num_threads=args.threads or default_threads(plan.gpus_used),
+            stop_at=args.stop_at,
+            on_record=on_record,
+        )
+        if save_dir is not None:
+            step_dir = save_dir / step_dirname(result.final_step)
+            entries = [
+                Entry(PieceKey.parse(p["name"]), int(p["size"]), str(p["sha256"]))
+                for ev in result.snapshots
+                if ev["step"] == result.final_step
+                for p in ev["pieces"]
+            ]
+            write_manifest(
+                step_dir, Manifest(result.final_step, plan.model.num_layers, tuple(entries))
+            )
+            manifest = verify_step_dir(step_dir)
+            if not manifest.is_full_model():
+                raise CheckpointError(f"{step_dir}: the saved state is incomplete")
+            print(f"saved step {result.final_step} to {step_dir}", flush=True)
+        print(
+            f"{result.outcome} at step {result.final_step} ({plan.layout}, "
+            f"{time.monotonic() - started:.1f} s)",
+            flush=True,
+        )
+        return 0
+    except WorkerError as exc:
+        print(f"elasticpp train: error: {exc}", file=sys.stderr)
+        return 1
+    except _Terminated:
+        print("elasticpp train: terminated", file=sys.stderr)
+        return 143
+    finally:
+        kill_all(workers)
+        signal.signal(signal.SIGTERM, old_term)
+        if metrics is not None:
+            metrics.close()
