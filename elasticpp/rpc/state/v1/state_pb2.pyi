@@ -1,0 +1,71 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListStepsRequest(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class PieceInfo(_message.Message):
+    __slots__ = ("name", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class StepHolding(_message.Message):
+    __slots__ = ("origin_node", "step", "num_layers", "pieces")
+    ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    origin_node: str
+    step: int
+    num_layers: int
+    pieces: _containers.RepeatedCompositeFieldContainer[PieceInfo]
+    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., num_layers: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ...) -> None: ...
+
+class ListStepsResponse(_message.Message):
+    __slots__ = ("node_id", "generation", "steps")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    generation: int
+    steps: _containers.RepeatedCompositeFieldContainer[StepHolding]
+    def __init__(self, node_id: _Optional[str] = ..., generation: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepHolding, _Mapping]]] = ...) -> None: ...
+
+class FetchPieceRequest(_message.Message):
+    __slots__ = ("generation", "step", "name", "origin_node", "offset")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    name: str
+    origin_node: str
+    offset: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., origin_node: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FetchPieceResponse(_message.Message):
+    __slots__ = ("offset", "data", "total_size", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total_size: int
+    sha256: str
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...

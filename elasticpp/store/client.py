@@ -1,0 +1,193 @@
+"""Client of `elasticpp.state.v1.StateService`: list a peer's holdings, fetch one piece.
+
+A fetch writes to a temporary file beside its destination, hashing as it writes; when the
+stream breaks it asks again from the last byte it has (the hash state carries over); it
+checks size and sha256 before an atomic rename, and on a mismatch fetches the whole piece
+again, a bounded number of times, then raises `CheckpointError` naming the piece. Nothing
+received is interpreted: bytes go to a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import grpc
+
+from elasticpp.checkpoint.manifest import PieceKey, fsync_dir
+from elasticpp.errors import CheckpointError, ConfigError, StaleGenerationError
+from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
+from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
+from elasticpp.store.service import GRPC_OPTIONS, fetch_piece_callable
+
+log = logging.getLogger(__name__)
+
+# Status codes after which the same request may succeed: the stream broke, the peer is
+# restarting, or a chunk was refused. Anything else is an answer, not a glitch.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class PieceFetchError(CheckpointError):
+    """A piece could not be fetched from a peer (gone, refused, or corrupt every time)."""
+
+
+def _raise_for(exc: grpc.RpcError, what: str) -> None:
+    code = exc.code()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        raise StaleGenerationError(f"{what}: {exc.details()}") from exc
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        raise ConfigError(f"{what}: {exc.details()}") from exc
+    raise PieceFetchError(f"{what}: {code.name}: {exc.details()}") from exc
+
+
+class StateClient:
+    """One channel to one peer's state service. Thread-safe; close it (or use `with`)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 300.0,
+        resume_attempts: int = 5,
+        checksum_retries: int = 2,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.resume_attempts = resume_attempts
+        self.checksum_retries = checksum_retries
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = state_pb2_grpc.StateServiceStub(self._channel)
+        self._fetch = fetch_piece_callable(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> StateClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def list_steps(self, generation: int, *, timeout_s: float = 10.0) -> NodeHoldings:
+        """The committed steps the peer holds (its own and its replicas)."""
+        try:
+            reply = self._stub.ListSteps(
+                state_pb2.ListStepsRequest(generation=generation), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            _raise_for(exc, f"list steps of {self.address}")
+            raise  # unreachable; keeps the type checker content
+        steps: dict[tuple[str, int], StepHolding] = {}
+        try:
+            for s in reply.steps:
+                origin = check_node_id(s.origin_node, field_name="origin_node")
+                pieces = {}
+                for p in s.pieces:
+                    PieceKey.parse(p.name)
+                    pieces[p.name] = PieceInfo(p.size, p.sha256)
+                steps[(origin, s.step)] = StepHolding(origin, s.step, s.num_layers, pieces)
+            return NodeHoldings(check_node_id(reply.node_id), steps)
+        except ConfigError as exc:
+            raise CheckpointError(f"list steps of {self.address}: bad reply: {exc}") from exc
+
+    def fetch_piece(
+        self,
+        step: int,
+        name: str,
+        origin: str,
+        dest_path: Path,
+        expected_sha256: str,
+        generation: int,
+        *,
+        expected_size: int | None = None,
+        fsync: bool = False,
+    ) -> int:
+        """Fetch `origin`'s piece `name` of `step` into `dest_path`; returns its size.
+
+        `dest_path` appears only complete and verified. Raises `StaleGenerationError` if
+        the peer is on a newer generation, `PieceFetchError` (a `CheckpointError`) if the
+        peer does not hold the piece or every attempt failed its checksum. `fsync=True`
+        makes the bytes durable before the rename (persistent copies); replicas and resume
+        sources need not be, since every use re-verifies a piece's sha256 first.
+        """
+        PieceKey.parse(name)
+        check_node_id(origin, field_name="origin_node")
+        dest_path = Path(dest_path)
+        what = f"piece {name} of {origin} step {step} from {self.address}"
+        for attempt in range(self.checksum_retries + 1):
+            tmp = dest_path.with_name(f".{dest_path.name}.{uuid.uuid4().hex}.part")
+            try:
+                size, digest = self._fetch_to(tmp, step, name, origin, generation, what, fsync)
+                if digest == expected_sha256 and expected_size in (None, size):
+                    os.replace(tmp, dest_path)
+                    if fsync:
+                        fsync_dir(dest_path.parent)
+                    return size
+                log.warning(
+                    "%s: checksum mismatch (attempt %d of %d); fetching again",
+                    what,
+                    attempt + 1,
+                    self.checksum_retries + 1,
+                )
+            finally:
+                tmp.unlink(missing_ok=True)
+        raise PieceFetchError(
+            f"{what}: fails its checksum after {self.checksum_retries + 1} attempts"
+        )
+
+    def _fetch_to(
+        self,
+        tmp: Path,
+        step: int,
+        name: str,
+        origin: str,
+        generation: int,
+        what: str,
+        fsync: bool,
+    ) -> tuple[int, str]:
+        digest = hashlib.sha256()
+        offset = 0
+        total: int | None = None
+        breaks = 0
+        with tmp.open("wb") as f:
+            while total is None or offset < total:
+                request = state_pb2.FetchPieceRequest(
+                    generation=generation, step=step, name=name, origin_node=origin, offset=offset
+                )
+                try:
+                    for chunk in self._fetch(request, timeout=self.timeout_s):
+                        if chunk.offset != offset:
+                            # Out of order: the bytes so far cannot be trusted to line up.
+                            raise PieceFetchError(
+                                f"{what}: chunk at {chunk.offset}, expected {offset}"
+                            )
+                        if total is None:
+                            total = chunk.total_size
+                        data = chunk.data
+                        f.write(data)
+                        digest.update(data)
+                        offset += len(data)
+                    if total is None or offset < total:
+                        raise PieceFetchError(f"{what}: stream ended at byte {offset}")
+                except grpc.RpcError as exc:
+                    if exc.code() not in _RETRYABLE or breaks >= self.resume_attempts:
+                        _raise_for(exc, what)
+                    breaks += 1
+                    log.warning(
+                        "%s: stream broke at byte %d (%s); resuming", what, offset, exc.code().name
+                    )
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return offset, digest.hexdigest()

@@ -1,0 +1,131 @@
+"""What a node holds, as pure data: the input of the resolver and the payload of ListSteps.
+
+A `NodeHoldings` lists, for each `(origin_node, step)` the node holds COMMITTED (its own
+steps, whose origin is itself, and the replicas it keeps of peers), every piece name with its
+size and sha256. It is plain data (no paths, no I/O), serialisable to versioned JSON, so the
+agent can publish it anywhere and the resolver stays a pure function.
+
+Node ids become directory names in a store, so they are restricted to a safe alphabet.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from elasticpp.checkpoint.manifest import Manifest, PieceEntry, PieceKey
+from elasticpp.errors import ConfigError
+
+HOLDINGS_FORMAT_VERSION = 1
+
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_node_id(node_id: str, *, field_name: str = "node_id") -> str:
+    """`node_id` if it is safe as one path component; `ConfigError` naming the field if not."""
+    if not isinstance(node_id, str) or not _NODE_ID_RE.match(node_id) or ".." in node_id:
+        raise ConfigError(
+            f"{field_name} {node_id!r}: must be 1-128 characters of letters, digits, '.', '_' "
+            "or '-', start with a letter or digit, and contain no '..'"
+        )
+    return node_id
+
+
+class PieceInfo(NamedTuple):
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class StepHolding:
+    """One committed step of one origin, as held by some node."""
+
+    origin: str
+    step: int
+    num_layers: int
+    pieces: Mapping[str, PieceInfo]  # piece file name -> (size, sha256)
+
+    @classmethod
+    def from_manifest(cls, origin: str, manifest: Manifest) -> StepHolding:
+        return cls(
+            origin,
+            manifest.step,
+            manifest.num_layers,
+            {e.key.filename: PieceInfo(e.size, e.sha256) for e in manifest.pieces},
+        )
+
+    def entries(self) -> tuple[PieceEntry, ...]:
+        return tuple(
+            PieceEntry(PieceKey.parse(name), info.size, info.sha256)
+            for name, info in sorted(self.pieces.items())
+        )
+
+
+@dataclass(frozen=True)
+class NodeHoldings:
+    """Everything one node holds committed, keyed by `(origin_node, step)`."""
+
+    node_id: str
+    steps: Mapping[tuple[str, int], StepHolding] = field(default_factory=dict)
+
+    def steps_of(self, origin: str) -> list[int]:
+        return sorted(step for o, step in self.steps if o == origin)
+
+    def newest_step_of(self, origin: str) -> int | None:
+        steps = self.steps_of(origin)
+        return steps[-1] if steps else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": HOLDINGS_FORMAT_VERSION,
+            "node_id": self.node_id,
+            "steps": [
+                {
+                    "origin_node": h.origin,
+                    "step": h.step,
+                    "num_layers": h.num_layers,
+                    "pieces": [
+                        {"name": n, "size": i.size, "sha256": i.sha256}
+                        for n, i in sorted(h.pieces.items())
+                    ],
+                }
+                for _, h in sorted(self.steps.items())
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NodeHoldings:
+        if data.get("format_version") != HOLDINGS_FORMAT_VERSION:
+            raise ConfigError(
+                f"holdings: format_version {data.get('format_version')!r} is not "
+                f"{HOLDINGS_FORMAT_VERSION}"
+            )
+        try:
+            steps: dict[tuple[str, int], StepHolding] = {}
+            for s in data["steps"]:
+                origin = check_node_id(str(s["origin_node"]), field_name="origin_node")
+                pieces = {}
+                for p in s["pieces"]:
+                    PieceKey.parse(str(p["name"]))
+                    pieces[str(p["name"])] = PieceInfo(int(p["size"]), str(p["sha256"]))
+                holding = StepHolding(origin, int(s["step"]), int(s["num_layers"]), pieces)
+                steps[(origin, holding.step)] = holding
+            return cls(check_node_id(str(data["node_id"])), steps)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"holdings: malformed field: {exc!r}") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeHoldings:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"holdings: not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError("holdings: expected a JSON object")
+        return cls.from_dict(data)
