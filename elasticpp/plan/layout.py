@@ -120,19 +120,24 @@ def partition_even(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
 
 def place(cluster: ClusterSpec, layout: Layout) -> tuple[WorkerSlot, ...]:
     """Assign every rank a (node, local GPU); TP groups stay inside one node."""
-    groups_needed = layout.pp * layout.dp
+    pp, tp = layout.pp, layout.tp
+    groups_needed = pp * layout.dp
     slots: list[WorkerSlot] = []
     group = 0
     for node in cluster.nodes:
-        for g in range(node.gpus // layout.tp):
-            if group == groups_needed:
-                break
-            for t in range(layout.tp):
-                rank = group * layout.tp + t
+        fits = min(node.gpus // tp, groups_needed - group)
+        for g in range(fits):
+            # rank = group * tp + t and (dp, pp) = divmod(group, pp): see the module docstring
+            dp_index, pp_index = divmod(group, pp)
+            rank0 = group * tp
+            local0 = g * tp
+            for t in range(tp):
                 slots.append(
-                    WorkerSlot(rank, node.node_id, g * layout.tp + t, coord_of(layout, rank))
+                    WorkerSlot(rank0 + t, node.node_id, local0 + t, Coord(pp_index, t, dp_index))
                 )
             group += 1
+        if group == groups_needed:
+            break
     if group < groups_needed:
         raise PlanError(
             f"layout {layout} needs {groups_needed} groups of {layout.tp} GPUs inside a node; "
@@ -292,14 +297,20 @@ class Plan:
         if len(self.placement) != L.world_size:
             raise PlanError(f"placement has {len(self.placement)} ranks for {L.world_size}")
         seen: set[tuple[str, int]] = set()
+        lead_node = ""
         for rank, s in enumerate(self.placement):
-            if s.rank != rank or s.coord != coord_of(L, rank):
+            group, tp_index = divmod(rank, L.tp)
+            dp_index, pp_index = divmod(group, L.pp)
+            c = s.coord
+            if s.rank != rank or c.tp != tp_index or c.pp != pp_index or c.dp != dp_index:
                 raise PlanError(f"placement rank {rank} has wrong rank/coordinates")
-            if (s.node_id, s.local_rank) in seen:
+            where = (s.node_id, s.local_rank)
+            if where in seen:
                 raise PlanError(f"two ranks on {s.node_id} GPU {s.local_rank}")
-            seen.add((s.node_id, s.local_rank))
-            lead = self.placement[rank - s.coord.tp]
-            if lead.node_id != s.node_id:
+            seen.add(where)
+            if tp_index == 0:
+                lead_node = s.node_id
+            elif s.node_id != lead_node:
                 raise PlanError(f"TP group of rank {rank} crosses nodes")
 
 

@@ -138,7 +138,8 @@ class DeviceSpec:
     """One accelerator: memory, peak dense bf16 speed, and the links around it.
 
     Bandwidths are per GPU, one direction, in GB/s (1e9 bytes): `intra_node_gbps` for
-    NVLink-class links inside a node, `inter_node_gbps` for the network between nodes.
+    NVLink-class links inside a node, `inter_node_gbps` for the network between nodes,
+    `hbm_gbps` for the GPU's own memory (it bounds the memory-bound optimizer step).
     """
 
     name: str
@@ -146,10 +147,17 @@ class DeviceSpec:
     peak_tflops: float
     intra_node_gbps: float
     inter_node_gbps: float
+    hbm_gbps: float = 2000.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
-        for name in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        for name in (
+            "memory_gib",
+            "peak_tflops",
+            "intra_node_gbps",
+            "inter_node_gbps",
+            "hbm_gbps",
+        ):
             _positive_float(owner, name, getattr(self, name))
 
     @property
@@ -160,12 +168,12 @@ class DeviceSpec:
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
-        DeviceSpec("a100-40g", 40, 312, 300, 25),
-        DeviceSpec("a100-80g", 80, 312, 300, 25),
-        DeviceSpec("h100-80g", 80, 989, 450, 50),
-        DeviceSpec("h200", 141, 989, 450, 50),
+        DeviceSpec("a100-40g", 40, 312, 300, 25, hbm_gbps=1555),
+        DeviceSpec("a100-80g", 80, 312, 300, 25, hbm_gbps=2039),
+        DeviceSpec("h100-80g", 80, 989, 450, 50, hbm_gbps=3350),
+        DeviceSpec("h200", 141, 989, 450, 50, hbm_gbps=4800),
         # A CPU "device" for local runs: a slot is a worker process.
-        DeviceSpec("cpu", 8, 0.2, 5, 1),
+        DeviceSpec("cpu", 8, 0.2, 5, 1, hbm_gbps=20),
     )
 }
 

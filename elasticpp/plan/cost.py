@@ -1,0 +1,319 @@
+"""The planner's cost and memory model. Pure arithmetic on specs; no torch.
+
+Everything here is an estimate meant to *rank* layouts, not to predict a step to the
+millisecond. The assumptions, all per GPU and per micro-batch of `b` samples of `s` tokens:
+
+Compute
+    forward FLOPs of a block = 2 * block_params * b*s + 4 * b * s^2 * h (attention scores
+    and their use); the LM head = 2 * h * V * b*s. Backward is twice the forward; full
+    recomputation adds one more forward of every block (not of the head). Tensor
+    parallelism divides the FLOPs by `t`. Time = FLOPs / (peak * eff(b)) with
+    eff(b) = max_efficiency * b / (b + half_efficiency_micro_batch): a saturating curve whose
+    default (0.3) gives eff(large b) / eff(1) ~ 1.3, the gain Megatron-LM measured.
+Tensor parallelism
+    two all-reduces of b*s*h bf16 values per block per pass (forward, backward, and the
+    recomputed forward), one for the vocabulary-parallel embedding; ring cost
+    2(t-1)/t * bytes / intra-node bandwidth.
+Pipeline
+    1F1B with a flush. A step takes (m_max + p - 1) slots; a slot is the slowest stage's
+    forward + backward of one micro-batch plus the two boundary transfers (b*s*h bf16 values
+    forward, the same backward), on the intra-node link when every replica sits inside one
+    node and on the network otherwise. m_max is the largest per-replica micro-batch count:
+    with an uneven split the slowest replica sets the pace. Bubble = (p-1)/(m_max+p-1).
+Data parallelism
+    a ring all-reduce of the largest stage's bf16 gradients (2(d-1)/d * bytes / bandwidth),
+    on the network unless the whole layout sits in one node; not overlapped with the
+    backward pass (a pessimistic choice that penalises large d a little).
+Optimizer
+    memory-bound AdamW: the 16 bytes of state per parameter are read and written once
+    (32 bytes of HBM traffic per parameter of the largest stage).
+Memory
+    mixed-precision state of 16 bytes per parameter (bf16 weights and gradients, fp32
+    master weights and two moments) of the stage's blocks, the embedding on the first
+    stage and the LM head on the last, divided by `t`; activations per block per
+    micro-batch in flight of s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (Korthikanti et al.,
+    tensor parallel without sequence parallelism; 34 + 5as/h at t=1) or, with full
+    recomputation, the block input (2*s*b*h bytes) plus one block's full activations while
+    it is recomputed; 1F1B keeps min(p - stage, m) micro-batches in flight on a stage; the
+    last stage also holds one micro-batch's logits and their gradient (8*b*s*V/t bytes);
+    plus a fixed workspace (CUDA context, communication buffers, fragmentation).
+    The largest stage decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elasticpp.errors import ConfigError
+from elasticpp.plan.layout import Plan
+from elasticpp.plan.specs import GIB, DeviceSpec, ModelSpec
+
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """The model's tunable constants; the defaults are documented in the module docstring."""
+
+    max_efficiency: float = 0.6
+    half_efficiency_micro_batch: float = 0.3
+    workspace_gib: float = 2.0
+    state_bytes_per_param: float = 16.0
+    optimizer_traffic_bytes_per_param: float = 32.0
+    logits_bytes_per_value: float = 8.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_efficiency <= 1:
+            raise ConfigError(f"cost: max_efficiency must be in (0, 1], got {self.max_efficiency}")
+        for name in (
+            "half_efficiency_micro_batch",
+            "workspace_gib",
+            "state_bytes_per_param",
+            "optimizer_traffic_bytes_per_param",
+            "logits_bytes_per_value",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cost: {name} must be >= 0")
+
+    def efficiency(self, micro_batch: int) -> float:
+        return self.max_efficiency * micro_batch / (micro_batch + self.half_efficiency_micro_batch)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Per-model constants of the cost model, computed once per model."""
+
+    block_params: int
+    embed_params: int
+    head_params: int
+    block_fwd_flops_per_sample: float
+    head_fwd_flops_per_sample: float
+    hidden_values_per_sample: int  # s*h: one boundary activation, one TP all-reduce
+    seq_len: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model: ModelSpec) -> ModelCosts:
+        h, f, s, v = model.hidden_size, model.ffn_hidden_size, model.seq_len, model.vocab_size
+        mlp_mats = 3 if model.gated_mlp else 2
+        matmul_params = 4 * h * h + mlp_mats * h * f
+        # biases (qkv, proj, fc1, fc2) and the two layer norms: small, but real parameters
+        block_params = matmul_params + 4 * h + f + h + 4 * h
+        return cls(
+            block_params=block_params,
+            embed_params=v * h + s * h,
+            head_params=v * h + 2 * h,
+            block_fwd_flops_per_sample=2.0 * matmul_params * s + 4.0 * s * s * h,
+            head_fwd_flops_per_sample=2.0 * h * v * s,
+            hidden_values_per_sample=s * h,
+            seq_len=s,
+            hidden_size=h,
+            num_heads=model.num_heads,
+            vocab_size=v,
+        )
+
+
+def total_params(model: ModelSpec) -> int:
+    mc = ModelCosts.of(model)
+    return model.num_layers * mc.block_params + mc.embed_params + mc.head_params
+
+
+def ring_allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
+    if ranks <= 1:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Seconds per micro-batch of one block / the embedding / the head, for one (b, t, rc)."""
+
+    block_seconds: float
+    embed_seconds: float
+    head_seconds: float
+    boundary_bytes: float  # one p2p transfer of the boundary activation
+
+
+def unit_costs(
+    mc: ModelCosts,
+    device: DeviceSpec,
+    params: CostParams,
+    micro_batch: int,
+    tp: int,
+    recompute: bool,
+) -> UnitCosts:
+    flops_per_s = device.peak_tflops * 1e12 * params.efficiency(micro_batch) * tp
+    passes = 4.0 if recompute else 3.0  # fwd + 2x bwd (+ recomputed fwd)
+    allreduces = 6 if recompute else 4
+    act_bytes = float(BF16_BYTES * mc.hidden_values_per_sample * micro_batch)
+    ar = ring_allreduce_seconds(act_bytes, tp, device.intra_node_gbps)
+    block = passes * mc.block_fwd_flops_per_sample * micro_batch / flops_per_s + allreduces * ar
+    head = 3.0 * mc.head_fwd_flops_per_sample * micro_batch / flops_per_s
+    return UnitCosts(
+        block_seconds=block, embed_seconds=ar, head_seconds=head, boundary_bytes=act_bytes
+    )
+
+
+def stage_seconds(uc: UnitCosts, blocks: int, first: bool, last: bool) -> float:
+    """Forward + backward of one micro-batch on one stage (no p2p)."""
+    t = blocks * uc.block_seconds
+    if first:
+        t += uc.embed_seconds
+    if last:
+        t += uc.head_seconds
+    return t
+
+
+def stage_params(mc: ModelCosts, blocks: int, first: bool, last: bool) -> int:
+    n = blocks * mc.block_params
+    if first:
+        n += mc.embed_params
+    if last:
+        n += mc.head_params
+    return n
+
+
+@dataclass(frozen=True)
+class MemoryCosts:
+    """Bytes per GPU for one (b, t, rc): the parts of a stage's memory estimate."""
+
+    state_bytes_per_param: float  # already divided by t
+    block_act_bytes: float  # per block per micro-batch in flight
+    working_bytes: float  # once per stage: a recomputed block's full activations
+    logits_bytes: float  # last stage only
+    workspace_bytes: float
+
+
+def memory_costs(
+    mc: ModelCosts, params: CostParams, micro_batch: int, tp: int, recompute: bool
+) -> MemoryCosts:
+    s, h, a = mc.seq_len, mc.hidden_size, mc.num_heads
+    sbh = float(s * micro_batch * h)
+    full = sbh * (10.0 + 24.0 / tp + 5.0 * a * s / (h * tp))
+    return MemoryCosts(
+        state_bytes_per_param=params.state_bytes_per_param / tp,
+        block_act_bytes=BF16_BYTES * sbh if recompute else full,
+        working_bytes=full if recompute else 0.0,
+        logits_bytes=params.logits_bytes_per_value * micro_batch * s * mc.vocab_size / tp,
+        workspace_bytes=params.workspace_gib * GIB,
+    )
+
+
+def stage_memory_bytes(
+    mc: ModelCosts, mem: MemoryCosts, blocks: int, first: bool, last: bool, in_flight: int
+) -> float:
+    total = stage_params(mc, blocks, first, last) * mem.state_bytes_per_param
+    total += in_flight * blocks * mem.block_act_bytes + mem.working_bytes + mem.workspace_bytes
+    if last:
+        total += mem.logits_bytes
+    return total
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def dp_seconds(max_stage_params: int, tp: int, dp: int, gbps: float) -> float:
+    return ring_allreduce_seconds(BF16_BYTES * max_stage_params / tp, dp, gbps)
+
+
+def optimizer_seconds(
+    device: DeviceSpec, params: CostParams, max_stage_params: int, tp: int
+) -> float:
+    traffic = params.optimizer_traffic_bytes_per_param * max_stage_params / tp
+    return traffic / (device.hbm_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_seconds: float
+    pipeline_seconds: float
+    dp_seconds: float
+    optimizer_seconds: float
+    bubble_fraction: float
+    stage_memory_bytes: tuple[float, ...]
+
+    @property
+    def memory_bytes(self) -> float:
+        return max(self.stage_memory_bytes)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+
+def estimate(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    pp: int,
+    tp: int,
+    dp: int,
+    micro_batch: int,
+    microbatches: Sequence[int],
+    stages: Sequence[tuple[int, int]],
+    recompute: bool,
+    p2p_intra: bool,
+    dp_intra: bool,
+    params: CostParams | None = None,
+) -> Estimate:
+    """The step time and per-stage memory of one layout, stage by stage."""
+    cp = params or CostParams()
+    mc = ModelCosts.of(model)
+    uc = unit_costs(mc, device, cp, micro_batch, tp, recompute)
+    mem = memory_costs(mc, cp, micro_batch, tp, recompute)
+    m_max = max(microbatches)
+    slowest = 0.0
+    biggest = 0
+    memory = []
+    for s, (first_block, end_block) in enumerate(stages):
+        blocks, first, last = end_block - first_block, s == 0, s == pp - 1
+        slowest = max(slowest, stage_seconds(uc, blocks, first, last))
+        biggest = max(biggest, stage_params(mc, blocks, first, last))
+        memory.append(stage_memory_bytes(mc, mem, blocks, first, last, min(pp - s, m_max)))
+    slot = slowest + (2.0 * p2p_seconds(uc, device, p2p_intra) if pp > 1 else 0.0)
+    pipeline = slot * (m_max + pp - 1)
+    dp_s = dp_seconds(
+        biggest, tp, dp, device.intra_node_gbps if dp_intra else device.inter_node_gbps
+    )
+    opt = optimizer_seconds(device, cp, biggest, tp)
+    return Estimate(
+        step_seconds=pipeline + dp_s + opt,
+        pipeline_seconds=pipeline,
+        dp_seconds=dp_s,
+        optimizer_seconds=opt,
+        bubble_fraction=bubble_fraction(pp, m_max),
+        stage_memory_bytes=tuple(memory),
+    )
+
+
+def p2p_seconds(uc: UnitCosts, device: DeviceSpec, intra: bool) -> float:
+    gbps = device.intra_node_gbps if intra else device.inter_node_gbps
+    return uc.boundary_bytes / (gbps * 1e9)
+
+
+def estimate_plan(plan: Plan, device: DeviceSpec, params: CostParams | None = None) -> Estimate:
+    """`estimate` for a built plan; which links carry p2p and DP comes from its placement."""
+    L = plan.layout
+    replica_nodes: dict[int, set[str]] = {}
+    for slot in plan.placement:
+        replica_nodes.setdefault(slot.coord.dp, set()).add(slot.node_id)
+    p2p_intra = all(len(nodes) == 1 for nodes in replica_nodes.values())
+    dp_intra = len({slot.node_id for slot in plan.placement}) == 1
+    return estimate(
+        plan.model,
+        device,
+        pp=L.pp,
+        tp=L.tp,
+        dp=L.dp,
+        micro_batch=plan.micro_batch,
+        microbatches=plan.microbatches,
+        stages=plan.stages,
+        recompute=plan.recompute,
+        p2p_intra=p2p_intra,
+        dp_intra=dp_intra,
+        params=params,
+    )
