@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,3 +76,9 @@ def no_orphans() -> Iterator[None]:
             os.kill(pid, signal.SIGKILL)
     if left:
         pytest.fail(f"test left processes running: {sorted(left.items())}")
+
+
+@pytest.fixture
+def live_descendants() -> Callable[[], dict[int, str]]:
+    """A callable listing the test process's live descendants (pid -> command name)."""
+    return lambda: _descendants(os.getpid())
