@@ -1,0 +1,126 @@
+"""Pure decisions of the agent and its leader loop: given what was observed and a clock,
+say what to do. No I/O here, so every case is unit-tested with plain values.
+
+- `decide_replan`: does the leader need a new plan generation, and why?
+- `is_hung`: has a worker made no step progress for too long?
+- `WorkerState` and its `TRANSITIONS`: the life of one supervised worker.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+
+class WorkerState(enum.Enum):
+    WARM = "warm"  # torch imported, idle, waiting for an assignment
+    STARTING = "starting"  # assigned: forming process groups, loading state
+    RUNNING = "running"  # reported "started"
+    STOPPING = "stopping"  # asked to stop at the next step boundary
+    STOPPED = "stopped"  # stopped at a boundary, snapshot written
+    DONE = "done"  # trained every step of the job
+    FAILED = "failed"  # exited non-zero, hung, or killed for a new generation
+
+
+TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.WARM: frozenset({WorkerState.STARTING, WorkerState.FAILED}),
+    WorkerState.STARTING: frozenset(
+        {WorkerState.RUNNING, WorkerState.STOPPING, WorkerState.FAILED, WorkerState.DONE}
+    ),
+    WorkerState.RUNNING: frozenset(
+        {WorkerState.STOPPING, WorkerState.DONE, WorkerState.FAILED, WorkerState.STOPPED}
+    ),
+    WorkerState.STOPPING: frozenset({WorkerState.STOPPED, WorkerState.DONE, WorkerState.FAILED}),
+    WorkerState.STOPPED: frozenset(),
+    WorkerState.DONE: frozenset(),
+    WorkerState.FAILED: frozenset(),
+}
+
+
+class TransitionError(RuntimeError):
+    pass
+
+
+def transition(current: WorkerState, new: WorkerState) -> WorkerState:
+    if new is current:
+        return current
+    if new not in TRANSITIONS[current]:
+        raise TransitionError(f"worker cannot go from {current.value} to {new.value}")
+    return new
+
+
+def is_hung(last_progress_s: float, now_s: float, timeout_s: float) -> bool:
+    """A worker is hung when it reported nothing for `timeout_s` (monotonic seconds)."""
+    return timeout_s > 0 and now_s - last_progress_s > timeout_s
+
+
+@dataclass(frozen=True)
+class Replan:
+    reason: str
+    graceful: bool  # True: stop at a step boundary (join, drain); False: stop at once (loss)
+    nodes: tuple[str, ...]  # the nodes the new plan may use, sorted
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the leader sees now. Times are monotonic seconds."""
+
+    members: Mapping[str, Mapping[str, object]]  # registered nodes -> their info
+    dead: Set[str]  # confirmed dead by a failed probe (their lease may not have lapsed yet)
+    current_nodes: tuple[str, ...] | None  # nodes of the current generation; None before any
+    failed: Set[str]  # nodes that reported a worker failure in the current generation
+    now_s: float
+    last_join_s: float  # when the newest member registered
+    job_done: bool = False
+
+
+def live_nodes(view: ClusterView) -> list[str]:
+    return sorted(n for n in view.members if n not in view.dead)
+
+
+def candidates(view: ClusterView) -> list[str]:
+    """Live nodes that may receive work: not draining."""
+    return [n for n in live_nodes(view) if not view.members[n].get("draining")]
+
+
+def decide_replan(
+    view: ClusterView, *, min_nodes: int, max_nodes: int, settle_s: float
+) -> Replan | Wait | None:
+    """Whether the leader must write a new generation now; None means nothing to do."""
+    if view.job_done:
+        return None
+    usable = candidates(view)
+    chosen = tuple(usable[:max_nodes])
+    if view.current_nodes is None:
+        if len(usable) < min_nodes:
+            return Wait(f"{len(usable)} node(s) registered, min_nodes is {min_nodes}")
+        if view.now_s - view.last_join_s < settle_s:
+            return Wait("waiting for joins to settle")
+        return Replan(f"initial plan for {len(chosen)} node(s)", graceful=False, nodes=chosen)
+    current = set(view.current_nodes)
+    lost = sorted(current - set(live_nodes(view)))
+    if lost or view.failed & current:
+        if len(usable) < min_nodes:
+            return Wait(f"only {len(usable)} usable node(s) left, min_nodes is {min_nodes}")
+        if lost:
+            reason = f"lost node(s) {', '.join(lost)}"
+        else:
+            reason = f"worker failure on {', '.join(sorted(view.failed & current))}"
+        return Replan(reason, graceful=False, nodes=chosen)
+    draining = sorted(n for n in current if view.members[n].get("draining"))
+    if draining:
+        if len(usable) < min_nodes:
+            return Wait(f"cannot drain {', '.join(draining)}: would go below min_nodes")
+        return Replan(f"drain of {', '.join(draining)}", graceful=True, nodes=chosen)
+    joined = sorted(set(chosen) - current)
+    if joined:
+        if view.now_s - view.last_join_s < settle_s:
+            return Wait("waiting for joins to settle")
+        return Replan(f"join of {', '.join(joined)}", graceful=True, nodes=chosen)
+    return None

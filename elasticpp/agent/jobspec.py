@@ -1,0 +1,221 @@
+"""The job spec: one YAML file given to every agent of a job.
+
+A minimal spec is just the required keys:
+
+    name: demo
+    model: tiny            # a preset or a model spec file, as for `elasticpp plan`
+    global_batch: 16
+    micro_batch: 2
+    steps: 40
+    seed: 0
+    min_nodes: 1
+    max_nodes: 4
+
+Optional keys and their defaults are the fields of `JobSpec` below; the optimizer and data
+defaults are `TrainConfig`'s, so `elasticpp train` with the same settings trains the same model.
+The first agent stores the canonical JSON form in etcd; an agent whose spec differs is refused
+with the differing fields named (`diff`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from elasticpp.errors import ConfigError
+from elasticpp.plan import DEVICE_PRESETS, ModelSpec, load_device_spec, load_model_spec
+from elasticpp.train.config import TrainConfig
+
+JOBSPEC_FORMAT_VERSION = 1
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps", "clip_grad")
+_REQUIRED = (
+    "name",
+    "model",
+    "global_batch",
+    "micro_batch",
+    "steps",
+    "seed",
+    "min_nodes",
+    "max_nodes",
+)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    model: ModelSpec
+    global_batch: int
+    micro_batch: int
+    steps: int
+    seed: int
+    min_nodes: int
+    max_nodes: int
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimizer, schedule, data
+    device: str = "cpu"  # device preset for the planner's cost model (`cpu` on CPU nodes)
+    snapshot_every: int = 1  # hand state to the node's store every N committed steps
+    replication_copies: int = 1  # peer nodes holding a copy of each node's pieces (ring order)
+    replication_every: int = 1  # replicate every N committed steps
+    persist_dir: str | None = None  # persistent checkpoints (a shared directory), or none
+    persist_every: int = 0  # steps between persistent checkpoints; 0 = never
+    lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (etcd min 2 s)
+    join_settle_s: float = 2.0  # wait this long after the last join before switching layouts
+    hang_timeout_s: float = 30.0  # a worker without step progress this long is hung
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(
+                f"job spec: name must be lowercase letters, digits and '-', got {self.name!r}"
+            )
+        for key in (
+            "global_batch",
+            "micro_batch",
+            "steps",
+            "min_nodes",
+            "max_nodes",
+            "snapshot_every",
+            "replication_every",
+        ):
+            _check_int(key, getattr(self, key), minimum=1)
+        for key in ("seed", "replication_copies", "persist_every"):
+            _check_int(key, getattr(self, key), minimum=0)
+        if self.min_nodes > self.max_nodes:
+            raise ConfigError(
+                f"job spec: min_nodes ({self.min_nodes}) exceeds max_nodes ({self.max_nodes})"
+            )
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(
+                f"job spec: global_batch {self.global_batch} is not a multiple of "
+                f"micro_batch {self.micro_batch}"
+            )
+        if self.device not in DEVICE_PRESETS:
+            load_device_spec(self.device)  # raises naming the presets
+        if self.lease_ttl_s < 2:
+            raise ConfigError(
+                f"job spec: lease_ttl_s must be >= 2 (etcd's minimum), got {self.lease_ttl_s!r}"
+            )
+        for key in ("join_settle_s", "hang_timeout_s"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"job spec: {key} must be a number >= 0, got {v!r}")
+        if self.persist_every and not self.persist_dir:
+            raise ConfigError("job spec: persist_every is set but persist_dir is not")
+
+    def train_config(self) -> TrainConfig:
+        """The worker's settings: the job's train section with its steps and seed."""
+        return TrainConfig.from_dict(
+            {**self.train.to_dict(), "steps": self.steps, "seed": self.seed}
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format_version": JOBSPEC_FORMAT_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, ModelSpec):
+                value = value.to_dict()
+            elif isinstance(value, TrainConfig):
+                value = {k: v for k, v in value.to_dict().items() if k not in ("steps", "seed")}
+            out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        """Canonical form stored in etcd: equal specs give equal strings."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        data = json.loads(text)
+        if data.pop("format_version", None) != JOBSPEC_FORMAT_VERSION:
+            raise ConfigError("job spec in etcd: unsupported format_version")
+        data["model"] = ModelSpec.from_dict(data["model"], source="job spec model")
+        data["train"] = TrainConfig.from_dict(
+            {**data["train"], "steps": data["steps"], "seed": data["seed"]}
+        )
+        return cls(**data)
+
+
+def _check_int(key: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"job spec: {key} must be an integer >= {minimum}, got {value!r}")
+
+
+def parse_job_spec(
+    data: object, *, source: str = "job spec", base_dir: Path | None = None
+) -> JobSpec:
+    """Validate a parsed YAML mapping; every message names the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys")
+    allowed = {f.name for f in fields(JobSpec)} - {"train"}
+    allowed |= {"optimizer", "schedule", "data", "dropout", "pg_timeout_s", "corpus_max_bytes"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
+    values = dict(data)
+    model_ref = values.pop("model")
+    if not isinstance(model_ref, str):
+        raise ConfigError(f"{source}: model must be a preset name or a spec file path")
+    if (
+        base_dir is not None
+        and not Path(model_ref).is_absolute()
+        and (base_dir / model_ref).is_file()
+    ):
+        model_ref = str(base_dir / model_ref)
+    values["model"] = load_model_spec(model_ref)
+    train: dict[str, Any] = {}
+    optimizer = values.pop("optimizer", None) or {}
+    if not isinstance(optimizer, dict):
+        raise ConfigError(f"{source}: optimizer must be a mapping")
+    bad = sorted(set(optimizer) - set(_OPTIMIZER_KEYS))
+    if bad:
+        raise ConfigError(
+            f"{source}: unknown optimizer key(s) {', '.join(bad)}; "
+            f"allowed: {', '.join(_OPTIMIZER_KEYS)}"
+        )
+    train.update(optimizer)
+    for key in ("schedule", "data", "dropout", "pg_timeout_s", "corpus_max_bytes"):
+        if key in values:
+            train[key] = values.pop(key)
+    train["steps"] = values["steps"]
+    train["seed"] = values["seed"]
+    if isinstance(train["steps"], int) and not isinstance(train["steps"], bool):
+        values["train"] = TrainConfig.from_dict(train, source=f"{source}")
+    else:
+        _check_int("steps", train["steps"], minimum=1)
+    try:
+        return JobSpec(**values)
+    except TypeError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"job spec {p}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"job spec {p}: not valid YAML: {exc}") from exc
+    return parse_job_spec(data, source=f"job spec {p}", base_dir=p.parent)
+
+
+def diff(a: JobSpec, b: JobSpec) -> list[str]:
+    """The top-level (and train.*) fields whose values differ."""
+    da, db = a.to_dict(), b.to_dict()
+    out = []
+    for key in sorted(set(da) | set(db)):
+        if key == "train":
+            ta, tb = da.get(key, {}), db.get(key, {})
+            out += [f"{k}" for k in sorted(set(ta) | set(tb)) if ta.get(k) != tb.get(k)]
+        elif da.get(key) != db.get(key):
+            out.append(key)
+    return out

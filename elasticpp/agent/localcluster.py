@@ -1,0 +1,244 @@
+"""A whole elastic job on one machine: a local etcd and N agent processes, each a "node".
+
+Used by `elasticpp demo`, the integration tests and `bench/recovery.py`. Killing a node
+means what it means on a real cluster: SIGKILL of the agent and every worker it started,
+with no chance to clean up. `close()` kills everything this object started, whatever
+state it is in, so a failing test or a Ctrl-C leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.errors import ElasticppError
+
+
+class LocalClusterError(ElasticppError):
+    pass
+
+
+def descendants(root_pid: int) -> list[int]:
+    """Live descendants of `root_pid`, from /proc (workers run in their own sessions, so a
+    process-group kill of the agent would miss them)."""
+    parent_of: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z":
+            parent_of[int(entry.name)] = int(fields[1])
+    found: list[int] = []
+    frontier = {root_pid}
+    while frontier:
+        children = {pid for pid, ppid in parent_of.items() if ppid in frontier} - set(found)
+        found.extend(sorted(children))
+        frontier = children
+    return found
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
+
+
+@dataclass
+class Node:
+    node_id: str
+    state_dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    port: int = 0
+    log_path: Path = field(default_factory=Path)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        workdir: Path,
+        spec: dict[str, Any],
+        *,
+        nodes: int = 4,
+        slots: int = 2,
+        python: str = sys.executable,
+    ) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.spec_path = workdir / "job.yaml"
+        self.spec_path.write_text(json.dumps(spec, indent=1))  # JSON is valid YAML
+        self.spec = spec
+        self.slots = slots
+        self.python = python
+        self.etcd = EtcdServer(workdir / "etcd-data")
+        self.nodes = [Node(f"node-{i}", workdir / f"node-{i}") for i in range(nodes)]
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.etcd.start()
+        for n in self.nodes:
+            self.start_node(n.node_id)
+
+    def node(self, node_id: str) -> Node:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise LocalClusterError(f"no node {node_id}")
+
+    def start_node(self, node_id: str) -> Node:
+        n = self.node(node_id)
+        n.port = free_port()
+        n.state_dir.mkdir(parents=True, exist_ok=True)
+        n.log_path = self.workdir / f"{node_id}.log"
+        with n.log_path.open("ab") as log:
+            n.proc = subprocess.Popen(
+                [
+                    self.python,
+                    "-m",
+                    "elasticpp.cli.main",
+                    "agent",
+                    "--etcd",
+                    self.etcd.endpoint,
+                    "--job-spec",
+                    str(self.spec_path),
+                    "--node-id",
+                    node_id,
+                    "--slots",
+                    str(self.slots),
+                    "--listen",
+                    f"127.0.0.1:{n.port}",
+                    "--state-dir",
+                    str(n.state_dir),
+                    "--device",
+                    "cpu",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return n
+
+    def kill_node(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        """kill -9 the node: its agent and every worker it started, all at once."""
+        n = self.node(node_id)
+        if n.proc is None:
+            return
+        pids = [n.proc.pid, *descendants(n.proc.pid)]
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, sig)
+        if sig == signal.SIGKILL:
+            n.proc.wait(timeout=10)
+
+    def worker_pids(self, node_id: str) -> list[int]:
+        n = self.node(node_id)
+        return descendants(n.proc.pid) if n.proc and n.proc.poll() is None else []
+
+    def metrics(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for n in self.nodes:
+            path = n.state_dir / "metrics.jsonl"
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    with contextlib.suppress(ValueError):
+                        rows.append(json.loads(line))
+        return rows
+
+    def curve(self) -> dict[int, tuple[float, int]]:
+        """step -> (loss, generation), the newest generation's report winning."""
+        best: dict[int, tuple[float, int]] = {}
+        for r in self.metrics():
+            step, gen = int(r["step"]), int(r["generation"])
+            if step not in best or gen > best[step][1]:
+                best[step] = (float(r["loss"]), gen)
+        return best
+
+    def max_step(self) -> int:
+        steps = [int(r["step"]) for r in self.metrics()]
+        return max(steps) if steps else -1
+
+    def wait_for(
+        self,
+        cond: Callable[[], bool],
+        timeout_s: float,
+        what: str,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if tick:
+                tick()
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise LocalClusterError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            time.sleep(0.1)
+
+    def check_alive(self) -> None:
+        if not self.etcd.running:
+            return
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() not in (None, 0, -signal.SIGKILL):
+                raise LocalClusterError(
+                    f"{n.node_id} agent exited with {n.proc.returncode}; see {n.log_path}"
+                )
+
+    def wait_finished(self, timeout_s: float, tick: Callable[[], None] | None = None) -> None:
+        def finished() -> bool:
+            return all(n.proc is None or n.proc.poll() is not None for n in self.nodes)
+
+        self.wait_for(finished, timeout_s, "every agent to finish the job", tick)
+        bad = [n for n in self.nodes if n.proc is not None and n.proc.returncode not in (0, -9)]
+        if bad:
+            raise LocalClusterError(
+                ", ".join(
+                    f"{n.node_id} exited {n.proc.returncode if n.proc else None}" for n in bad
+                )
+            )
+
+    def timelines(self) -> list[dict[str, Any]]:
+        from elasticpp.cluster import ClusterClient
+
+        with ClusterClient([self.etcd.endpoint], str(self.spec["name"])) as c:
+            values, _ = c.barrier_state("timelines")
+        return sorted(values.values(), key=lambda t: int(t["generation"]))
+
+    def close(self) -> None:
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() is None:
+                kill_tree(n.proc.pid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    n.proc.wait(timeout=10)
+            elif n.proc is not None:
+                # The agent is gone; its workers must be too (they die with their parent).
+                pass
+        self.etcd.close()

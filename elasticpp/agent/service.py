@@ -1,0 +1,80 @@
+"""The agent's control service: translates RPCs into calls on the `Agent`, nothing more."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+
+if TYPE_CHECKING:
+    from elasticpp.agent.node import Agent
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def GetStatus(
+        self, request: agent_pb2.GetStatusRequest, context: grpc.ServicerContext
+    ) -> agent_pb2.GetStatusResponse:
+        s = self._agent.status()
+        reply = agent_pb2.GetStatusResponse(
+            node_id=s["node_id"],
+            job=s["job"],
+            generation=s["generation"],
+            leader=s["leader"],
+            phase=s["phase"],
+            layout=s["layout"],
+            last_step=s["last_step"],
+            last_loss=s["last_loss"] if math.isfinite(s["last_loss"]) else 0.0,
+            members=s["members"],
+        )
+        for w in s["workers"]:
+            coord = w["coord"]
+            reply.workers.add(
+                rank=w["rank"],
+                pid=w["pid"],
+                state=w["state"],
+                last_step=w["last_step"],
+                pp=coord.pp if coord else -1,
+                tp=coord.tp if coord else -1,
+                dp=coord.dp if coord else -1,
+            )
+        for t in s["recoveries"]:
+            reply.recoveries.add(
+                generation=int(t["generation"]),
+                reason=str(t["reason"]),
+                layout_before=str(t["layout_before"]),
+                layout_after=str(t["layout_after"]),
+                resume_step=int(t["resume_step"]),
+                steps_recomputed=int(t["steps_recomputed"]),
+                planned_s=float(t["planned_s"]),
+                stopped_s=float(t["stopped_s"]),
+                moved_s=float(t["moved_s"]),
+                resumed_s=float(t["resumed_s"]),
+            )
+        return reply
+
+    def Drain(
+        self, request: agent_pb2.DrainRequest, context: grpc.ServicerContext
+    ) -> agent_pb2.DrainResponse:
+        timeout_s = request.timeout_s or 120.0
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0 and finite")
+        accepted, message = self._agent.drain(timeout_s)
+        return agent_pb2.DrainResponse(accepted=accepted, message=message)
+
+    def WatchEvents(
+        self, request: agent_pb2.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[agent_pb2.AgentEvent]:
+        index = 0
+        while context.is_active():
+            items, index = self._agent.events_since(index, timeout_s=1.0)
+            for at, kind, message, generation in items:
+                yield agent_pb2.AgentEvent(
+                    time=at, kind=kind, message=message, generation=generation
+                )

@@ -1,0 +1,100 @@
+"""`elasticpp agent`: the node daemon."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", required=True, help="etcd endpoints, HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--job-spec", required=True, type=Path, help="the job's YAML spec")
+    p.add_argument("--node-id", required=True, help="this node's unique id ([a-z0-9._-])")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="workers on this node (default: visible GPUs, else 1 CPU worker)",
+    )
+    p.add_argument("--listen", default="0.0.0.0:7430", help="gRPC HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="host peers use to reach this agent (default: the listen host)",
+    )
+    p.add_argument(
+        "--state-dir",
+        required=True,
+        type=Path,
+        help="the node's state dir: store, metrics.jsonl, worker logs",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="worker device (default: cuda when GPUs are visible)",
+    )
+    p.add_argument("--log-level", default="INFO")
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # no torch CUDA build: CPU workers
+        return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from elasticpp.agent.jobspec import load_job_spec
+    from elasticpp.agent.node import AgentConfig, run_agent
+    from elasticpp.errors import ConfigError
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s [{args.node_id}] %(name)s: %(message)s",
+    )
+    spec = load_job_spec(args.job_spec)
+    gpus = _visible_gpus() if args.slots is None or args.device is None else 0
+    device = args.device or ("cuda" if gpus else "cpu")
+    slots = args.slots if args.slots is not None else (gpus or 1)
+    if slots < 1:
+        raise ConfigError(f"--slots must be >= 1, got {slots}")
+    endpoints = tuple(e.strip() for e in args.etcd.split(",") if e.strip())
+    cfg = AgentConfig(
+        node_id=args.node_id,
+        etcd=endpoints,
+        listen=args.listen,
+        advertise_host=args.advertise_host,
+        slots=slots,
+        state_dir=args.state_dir,
+        backend="nccl" if device == "cuda" else "gloo",
+        device=device,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger("elasticpp.agent").info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def notify(_agent: object) -> None:
+        # systemd Type=notify: ready once serving and registered.
+        sock = os.environ.get("NOTIFY_SOCKET")
+        if sock:
+            import socket
+
+            addr = "\0" + sock[1:] if sock.startswith("@") else sock
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.connect(addr)
+                s.sendall(b"READY=1")
+
+    return run_agent(cfg, spec, stop_event=stop, on_started=notify)

@@ -1,0 +1,85 @@
+"""`elasticpp ctl`: status, drain and events of a running agent over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agent", default="127.0.0.1:7430", help="the agent's gRPC HOST:PORT")
+    p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+    sub = p.add_subparsers(dest="action", required=True)
+    st = sub.add_parser("status", help="generation, layout, workers and recovery timeline")
+    st.add_argument("--json", action="store_true")
+    dr = sub.add_parser("drain", help="move the job off this node, then the agent exits 0")
+    dr.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        help="seconds the agent waits for the hand-off before exiting anyway",
+    )
+    sub.add_parser("events", help="stream the agent's decisions")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from elasticpp.errors import ConfigError
+    from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout must be positive, got {args.timeout}")
+    with grpc.insecure_channel(args.agent) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        try:
+            if args.action == "status":
+                s = stub.GetStatus(agent_pb2.GetStatusRequest(), timeout=args.timeout)
+                if args.json:
+                    print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=1))
+                else:
+                    _print_status(s)
+            elif args.action == "drain":
+                r = stub.Drain(agent_pb2.DrainRequest(timeout_s=args.wait), timeout=args.timeout)
+                print(r.message)
+                return 0 if r.accepted else 1
+            else:
+                for e in stub.WatchEvents(agent_pb2.WatchEventsRequest()):
+                    print(f"{e.time:.3f} gen={e.generation} {e.kind}: {e.message}", flush=True)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            print(
+                f"elasticpp ctl: {args.agent}: {code.name if code else 'error'}: {exc.details()}",
+                flush=True,
+            )
+            return 1
+    return 0
+
+
+def _print_status(s: object) -> None:
+    from elasticpp.rpc.agent.v1 import agent_pb2
+
+    assert isinstance(s, agent_pb2.GetStatusResponse)
+    print(f"node {s.node_id}  job {s.job}  generation {s.generation}  leader {s.leader}")
+    print(
+        f"phase {s.phase}  layout {s.layout or '-'}  last step {s.last_step}  "
+        f"loss {s.last_loss:.4f}  members {', '.join(s.members)}"
+    )
+    for w in s.workers:
+        print(
+            f"  rank {w.rank:3d} (pp={w.pp} tp={w.tp} dp={w.dp}) pid {w.pid} {w.state} "
+            f"step {w.last_step}"
+        )
+    if s.recoveries:
+        print("recoveries (seconds after detection):")
+        print(
+            "  gen  reason                      before -> after                  "
+            "planned stopped moved resumed  resume@ recomputed"
+        )
+        for r in s.recoveries:
+            print(
+                f"  {r.generation:3d}  {r.reason[:26]:26s}  {r.layout_before or '-':>16s} -> "
+                f"{r.layout_after:16s} {r.planned_s:7.2f} {r.stopped_s:7.2f} {r.moved_s:5.2f} "
+                f"{r.resumed_s:7.2f}  {r.resume_step:7d} {r.steps_recomputed:10d}"
+            )
