@@ -1,0 +1,230 @@
+"""The worker protocol, driven the way the node agent drives it (WorkerProcess)."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticpp.checkpoint.manifest import (
+    Manifest,
+    PieceEntry,
+    PieceKey,
+    model_units,
+    verify_step_dir,
+    write_manifest,
+)
+from elasticpp.checkpoint.tensors import load_units
+from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
+from elasticpp.train.config import TrainConfig
+from elasticpp.train.launch import kill_all, spawn_workers, wait_gone
+from elasticpp.train.procs import EXITED, WorkerProcess
+
+MODEL = ModelSpec("t4", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
+
+
+def make_plan(layout: str, generation: int = 3):  # type: ignore[no-untyped-def]
+    L = Layout.parse(layout)
+    plan = build_plan(
+        MODEL,
+        ClusterSpec.uniform(1, L.world_size, load_device_spec("cpu")),
+        L,
+        global_batch=8,
+        micro_batch=2,
+    )
+    return plan.with_generation(generation)
+
+
+def assignment(plan: Any, rank: int, port: int, job: TrainConfig, **extra: Any) -> dict[str, Any]:
+    return {
+        "format_version": 1,
+        "plan": plan.to_dict(),
+        "rank": rank,
+        "store_host": "127.0.0.1",
+        "store_port": port,
+        "store_prefix": f"gen{plan.generation}",
+        "job": job.to_dict(),
+        "start_step": 0,
+        "resume_dir": None,
+        "snapshot_dir": None,
+        "snapshot_every": 1,
+        "backend": "gloo",
+        "device": "cpu",
+        "num_threads": 1,
+        **extra,
+    }
+
+
+def store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def collect(workers: list[WorkerProcess], timeout_s: float) -> queue.Queue[tuple[int, dict]]:
+    q: queue.Queue[tuple[int, dict]] = queue.Queue()
+    for r, w in enumerate(workers):
+        w.listen(lambda _w, ev, r=r: q.put((r, ev)))
+    return q
+
+
+def next_event(q: queue.Queue[tuple[int, dict]], deadline: float) -> tuple[int, dict]:
+    left = deadline - time.monotonic()
+    assert left > 0, "deadline passed"
+    return q.get(timeout=left)
+
+
+@pytest.mark.timeout(120)
+def test_stop_at_sent_to_one_rank_stops_every_rank_at_the_same_step_with_a_full_snapshot(
+    tmp_path: Path,
+) -> None:
+    plan = make_plan("pp=2,tp=2,dp=1")
+    job = TrainConfig(steps=200, lr=3e-3)
+    s = store()
+    workers = spawn_workers(4, tmp_path / "logs")
+    try:
+        for w in workers:
+            ev = w.wait_ready(120)
+            assert ev["pid"] == w.pid
+        q = collect(workers, 60)
+        snap_root = tmp_path / "snap"
+        for r, w in enumerate(workers):
+            w.assign(
+                assignment(plan, r, s.port, job, snapshot_dir=str(snap_root), snapshot_every=0)
+            )
+        deadline = time.monotonic() + 100
+        steps: dict[int, list[int]] = {r: [] for r in range(4)}
+        ends: dict[int, dict] = {}
+        snapshots: list[dict] = []
+        sent = False
+        exits: dict[int, int] = {}
+        while len(exits) < 4:
+            r, ev = next_event(q, deadline)
+            kind = ev["event"]
+            if kind == "step":
+                steps[r].append(ev["step"])
+                assert ev["generation"] == 3
+                if not sent and r == 0 and ev["step"] == 0:
+                    # Only the last rank hears of the stop; the others learn it collectively.
+                    workers[3].stop_at(3)
+                    sent = True
+            elif kind in ("stopped", "done", "error"):
+                ends[r] = ev
+            elif kind == "snapshot":
+                snapshots.append(ev)
+            elif kind == EXITED:
+                exits[r] = ev["returncode"]
+        assert exits == {0: 0, 1: 0, 2: 0, 3: 0}
+        stop_steps = {ev["step"] for ev in ends.values()}
+        assert {ev["event"] for ev in ends.values()} == {"stopped"}
+        assert len(stop_steps) == 1
+        stop = stop_steps.pop()
+        assert 3 <= stop <= 5  # 3 unless the command arrived after that boundary
+        assert all(got == list(range(stop)) for got in steps.values())
+        # A complete snapshot of the state after `stop` steps, from all four ranks.
+        assert {ev["step"] for ev in snapshots} == {stop}
+        entries = [
+            PieceEntry(PieceKey.parse(p["name"]), p["size"], p["sha256"])
+            for ev in snapshots
+            for p in ev["pieces"]
+        ]
+        step_dir = Path(snapshots[0]["dir"])
+        write_manifest(step_dir, Manifest(stop, MODEL.num_layers, tuple(entries)))
+        manifest = verify_step_dir(step_dir)
+        assert manifest.is_full_model()
+        loaded = load_units(step_dir, model_units(MODEL.num_layers), 0, 1)
+        assert {u.step for u in loaded.values()} == {stop}
+    finally:
+        kill_all(workers)
+
+
+@pytest.mark.timeout(90)
+def test_closing_stdin_does_not_stop_training_and_snapshots_follow_every_step(
+    tmp_path: Path,
+) -> None:
+    plan = make_plan("pp=1,tp=1,dp=1", generation=0)
+    s = store()
+    (w,) = spawn_workers(1, tmp_path / "logs")
+    try:
+        w.wait_ready(60)
+        snap = tmp_path / "snap"
+        w.assign(assignment(plan, 0, s.port, TrainConfig(steps=3), snapshot_dir=str(snap)))
+        assert w.proc.stdin is not None
+        w.proc.stdin.close()
+        done = w.wait_for("done", 60)
+        assert done["step"] == 3
+        assert w.wait_for(EXITED, 30)["returncode"] == 0
+        assert sorted(p.name for p in snap.iterdir()) == [
+            "step-0000000001",
+            "step-0000000002",
+            "step-0000000003",
+        ]
+    finally:
+        w.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_assignment_gives_an_error_event_and_exit_1(tmp_path: Path) -> None:
+    (w,) = spawn_workers(1, tmp_path / "logs")
+    try:
+        w.wait_ready(60)
+        w.send({"format_version": 1, "rank": 0})
+        events = []
+        while True:
+            ev = w.poll_event(30)
+            assert ev is not None
+            events.append(ev)
+            if ev["event"] == EXITED:
+                break
+        assert events[0]["event"] == "error" and "plan" in events[0]["message"]
+        assert events[-1]["returncode"] == 1
+    finally:
+        w.kill()
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_killed_mid_run_makes_the_survivor_exit_non_zero_quickly(
+    tmp_path: Path,
+) -> None:
+    plan = make_plan("pp=2,tp=1,dp=1", generation=1)
+    job = TrainConfig(steps=100000, pg_timeout_s=30)
+    s = store()
+    workers = spawn_workers(2, tmp_path / "logs")
+    try:
+        for w in workers:
+            w.wait_ready(60)
+        for r, w in enumerate(workers):
+            w.assign(assignment(plan, r, s.port, job))
+        workers[0].wait_for("step", 60)
+        workers[1].kill()
+        killed_at = time.monotonic()
+        rc = None
+        while rc is None:
+            ev = workers[0].poll_event(40)
+            assert ev is not None, "survivor neither failed nor exited"
+            if ev["event"] == EXITED:
+                rc = ev["returncode"]
+        assert rc != 0
+        # Gloo reports the closed connection at once; well inside the 30 s pg timeout.
+        assert time.monotonic() - killed_at < 25
+        assert wait_gone([w.pid for w in workers], 10) == []
+    finally:
+        kill_all(workers)
+
+
+@pytest.mark.timeout(60)
+def test_terminate_and_kill_take_the_whole_process_group(tmp_path: Path) -> None:
+    workers = spawn_workers(2, tmp_path / "logs")
+    try:
+        for w in workers:
+            w.wait_ready(60)
+        workers[0].terminate(grace_s=5)
+        workers[1].kill()
+        assert wait_gone([w.pid for w in workers], 10) == []
+        assert workers[1].returncode == -signal.SIGKILL or workers[1].proc.returncode == -9
+    finally:
+        kill_all(workers)

@@ -1,0 +1,150 @@
+"""Pure parts of the training engine: schedules, config, data windows, init, assignment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticpp.errors import ConfigError
+from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
+from elasticpp.train.config import TrainConfig
+from elasticpp.train.data import Corpus, load_corpus
+from elasticpp.train.model import init_unit, unit_param_specs
+from elasticpp.train.schedule import BACKWARD, FORWARD, max_in_flight, schedule_ops
+from elasticpp.train.worker import Assignment, StopControl, is_snapshot_writer
+
+MODEL = ModelSpec("t", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
+def test_1f1b_keeps_at_most_p_minus_s_in_flight_and_gpipe_keeps_m(p: int, m: int) -> None:
+    for s in range(p):
+        ops = schedule_ops("1f1b", p, s, m)
+        assert max_in_flight(ops) == min(p - s, m)
+        assert max_in_flight(schedule_ops("gpipe", p, s, m)) == m
+        for kind in ("1f1b", "gpipe"):
+            ops = schedule_ops(kind, p, s, m)
+            fwd = [o.microbatch for o in ops if o.kind == FORWARD]
+            bwd = [o.microbatch for o in ops if o.kind == BACKWARD]
+            assert fwd == list(range(m)) and bwd == list(range(m))
+            done: set[int] = set()
+            for o in ops:  # a backward only after its forward
+                if o.kind == FORWARD:
+                    done.add(o.microbatch)
+                else:
+                    assert o.microbatch in done
+
+
+def test_1f1b_warms_up_p_minus_s_minus_1_forwards() -> None:
+    ops = schedule_ops("1f1b", 4, 1, 6)
+    assert [o.kind for o in ops[:4]] == [FORWARD, FORWARD, FORWARD, BACKWARD]
+    with pytest.raises(ValueError):
+        schedule_ops("zigzag", 2, 0, 2)
+
+
+def test_train_config_validates_fields_and_round_trips() -> None:
+    cfg = TrainConfig(seed=3, steps=7, dropout=0.1, schedule="gpipe", betas=(0.8, 0.9))
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    for bad in (
+        {"steps": 0},
+        {"lr": -1.0},
+        {"dropout": 1.0},
+        {"schedule": "zigzag"},
+        {"betas": (0.9,)},
+        {"min_lr": 1.0, "lr": 0.1},
+    ):
+        with pytest.raises(ConfigError):
+            TrainConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown field"):
+        TrainConfig.from_dict({"stepz": 3})
+
+
+def test_lr_warms_up_linearly_then_follows_a_cosine_to_min_lr() -> None:
+    cfg = TrainConfig(steps=10, lr=1.0, min_lr=0.1, warmup_steps=2)
+    assert cfg.lr_at(0) == pytest.approx(0.5)
+    assert cfg.lr_at(1) == pytest.approx(1.0)
+    assert cfg.lr_at(2) == pytest.approx(1.0)
+    assert cfg.lr_at(10) == pytest.approx(0.1)
+    lrs = [cfg.lr_at(k) for k in range(2, 11)]
+    assert lrs == sorted(lrs, reverse=True)
+
+
+def test_a_sample_is_the_same_window_wherever_it_is_computed(tmp_path: Path) -> None:
+    blob = bytes(range(256)) * 40
+    a, b = Corpus(blob, 16, seed=1), Corpus(blob, 16, seed=1)
+    x1, y1 = a.batch(100, 4)
+    x2, _ = b.batch(102, 2)
+    assert torch.equal(x1[2:], x2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])
+    assert not torch.equal(Corpus(blob, 16, seed=2).batch(100, 4)[0], x1)
+    (tmp_path / "b.txt").write_bytes(b"B" * 50)
+    (tmp_path / "a.txt").write_bytes(b"A" * 50)
+    assert load_corpus(str(tmp_path), 70) == b"A" * 50 + b"B" * 20
+    with pytest.raises(ConfigError):
+        load_corpus(str(tmp_path / "missing"), 10)
+
+
+def test_default_corpus_is_stdlib_python_source() -> None:
+    blob = load_corpus(None, 1 << 16)
+    assert len(blob) == 1 << 16
+    assert b"def " in blob
+
+
+def test_tp_slices_of_the_initialisation_concatenate_to_the_whole() -> None:
+    for unit in ("embed", "block.0002", "head"):
+        whole = init_unit(MODEL, unit, 5, 0, 1)
+        parts = [init_unit(MODEL, unit, 5, r, 4) for r in range(4)]
+        for spec in unit_param_specs(MODEL, unit):
+            if spec.shard_dim is None:
+                assert all(torch.equal(p[spec.name], whole[spec.name]) for p in parts)
+            else:
+                joined = torch.cat([p[spec.name] for p in parts], spec.shard_dim)
+                assert torch.equal(joined, whole[spec.name]), spec.name
+    assert not torch.equal(
+        init_unit(MODEL, "block.0000", 5, 0, 1)["attn.q.weight"],
+        init_unit(MODEL, "block.0001", 5, 0, 1)["attn.q.weight"],
+    )
+
+
+def _plan(layout: str, nodes: int = 1) -> object:
+    L = Layout.parse(layout)
+    cluster = ClusterSpec.uniform(nodes, L.world_size // nodes, load_device_spec("cpu"))
+    return build_plan(MODEL, cluster, L, global_batch=8, micro_batch=2)
+
+
+def test_assignment_round_trips_and_refuses_bad_fields() -> None:
+    plan = _plan("pp=2,dp=2")
+    a = Assignment(plan, 3, "127.0.0.1", 1234, "gen0", TrainConfig())  # type: ignore[arg-type]
+    assert Assignment.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+    data = a.to_dict()
+    for key, value in (
+        ("rank", 4),
+        ("format_version", 2),
+        ("backend", "mpi"),
+        ("start_step", 3),
+        ("store_port", 0),
+    ):
+        with pytest.raises(ConfigError):
+            Assignment.from_dict({**data, key: value})
+    with pytest.raises(ConfigError):
+        Assignment.from_dict({k: v for k, v in data.items() if k != "plan"})
+
+
+def test_only_the_lowest_dp_twin_on_a_node_writes_snapshots() -> None:
+    one_node = _plan("pp=2,dp=2")
+    writers = [r for r in range(4) if is_snapshot_writer(one_node, r)]  # type: ignore[arg-type]
+    assert writers == [0, 1]
+    two_nodes = _plan("pp=1,dp=2", nodes=2)
+    assert [is_snapshot_writer(two_nodes, r) for r in range(2)] == [True, True]  # type: ignore[arg-type]
+
+
+def test_stop_control_keeps_the_smallest_request() -> None:
+    c = StopControl()
+    assert c.value(99) == 99
+    c.request(7)
+    c.request(9)
+    assert c.value(99) == 7
