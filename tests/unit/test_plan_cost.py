@@ -1,0 +1,127 @@
+"""The cost and memory model: the behaviour the planner's choices rest on."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from elasticpp.plan import (
+    ClusterSpec,
+    DeviceSpec,
+    Layout,
+    build_plan,
+    estimate,
+    estimate_plan,
+    load_device_spec,
+    load_model_spec,
+)
+from elasticpp.plan.cost import CostParams, ModelCosts, memory_costs, total_params
+
+A100 = load_device_spec("a100-80g")
+
+
+def _estimate(model_name: str, layout: Layout, *, b: int, batch: int, recompute: bool = False):
+    model = load_model_spec(model_name)
+    gpn = 8
+    nodes = -(-layout.world_size // gpn)
+    cluster = ClusterSpec.uniform(nodes, gpn, A100)
+    plan = build_plan(
+        model, cluster, layout, global_batch=batch, micro_batch=b, recompute=recompute
+    )
+    return plan, estimate_plan(plan, A100)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "batch", "b", "m_max"),
+    [(4, 2, 20, 2, 5), (4, 2, 18, 2, 5), (8, 1, 8, 1, 8), (2, 4, 4, 1, 1), (1, 4, 64, 4, 4)],
+)
+def test_bubble_fraction_is_p_minus_one_over_m_plus_p_minus_one(pp, dp, batch, b, m_max):
+    plan, est = _estimate("gpt-1.3b", Layout(pp, 1, dp), b=b, batch=batch)
+    assert max(plan.microbatches) == m_max
+    assert est.bubble_fraction == pytest.approx((pp - 1) / (m_max + pp - 1))
+
+
+def test_uneven_split_costs_as_much_as_the_slowest_replica():
+    model = load_model_spec("gpt-1.3b")
+    common = dict(pp=4, tp=1, dp=2, micro_batch=2, stages=((0, 6), (6, 12), (12, 18), (18, 24)))
+    kw = dict(recompute=False, p2p_intra=True, dp_intra=True)
+    uneven = estimate(model, A100, microbatches=(5, 4), **common, **kw)
+    even = estimate(model, A100, microbatches=(5, 5), **common, **kw)
+    fewer = estimate(model, A100, microbatches=(4, 4), **common, **kw)
+    assert uneven.pipeline_seconds == even.pipeline_seconds
+    assert fewer.pipeline_seconds < uneven.pipeline_seconds
+
+
+def test_recompute_lowers_memory_and_raises_time():
+    layout = Layout(4, 2, 1)
+    _, plain = _estimate("gpt-6.7b", layout, b=2, batch=64)
+    _, recomputed = _estimate("gpt-6.7b", layout, b=2, batch=64, recompute=True)
+    assert recomputed.memory_bytes < plain.memory_bytes
+    assert recomputed.step_seconds > plain.step_seconds
+
+
+def test_more_pipeline_stages_lower_memory_per_gpu():
+    memories = [
+        _estimate("gpt-13b", Layout(pp, 1, 1), b=1, batch=64)[1].memory_bytes for pp in (2, 4, 8)
+    ]
+    assert memories[0] > memories[1] > memories[2]
+
+
+def test_more_tensor_parallel_ranks_lower_memory_per_gpu():
+    memories = [
+        _estimate("gpt-13b", Layout(2, tp, 1), b=1, batch=64)[1].memory_bytes for tp in (1, 2, 4)
+    ]
+    assert memories[0] > memories[1] > memories[2]
+
+
+def test_larger_micro_batch_raises_efficiency_by_about_a_third_and_saturates():
+    params = CostParams()
+    effs = [params.efficiency(b) for b in (1, 2, 4, 8, 16, 32)]
+    assert all(a < b for a, b in itertools.pairwise(effs))
+    assert 1.2 < effs[-1] / effs[0] < 1.35
+    assert effs[-1] <= params.max_efficiency
+
+
+def test_block_activations_follow_korthikanti_without_recompute():
+    model = load_model_spec("gpt-13b")
+    mc = ModelCosts.of(model)
+    s, h, a, b = model.seq_len, model.hidden_size, model.num_heads, 2
+    mem = memory_costs(mc, CostParams(), b, 1, False)
+    assert mem.block_act_bytes == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    recomputed = memory_costs(mc, CostParams(), b, 1, True)
+    assert recomputed.block_act_bytes == pytest.approx(2 * s * b * h)
+
+
+def test_gpt3_175b_has_about_175_billion_parameters():
+    assert 174e9 < total_params(load_model_spec("gpt-175b")) < 176e9
+
+
+def test_data_parallel_allreduce_costs_nothing_for_one_replica_and_more_across_nodes():
+    model = load_model_spec("gpt-1.3b")
+    common = dict(pp=1, tp=1, micro_batch=1, stages=((0, 24),), recompute=False, p2p_intra=True)
+    one = estimate(model, A100, dp=1, microbatches=(8,), dp_intra=False, **common)
+    intra = estimate(model, A100, dp=2, microbatches=(4, 4), dp_intra=True, **common)
+    inter = estimate(model, A100, dp=2, microbatches=(4, 4), dp_intra=False, **common)
+    assert one.dp_seconds == 0.0
+    assert 0.0 < intra.dp_seconds < inter.dp_seconds
+
+
+def test_pipeline_boundaries_on_the_network_cost_more_than_inside_a_node():
+    # pp=2 x tp=4: on 4-GPU nodes the two stages sit on two nodes, on one 8-GPU node together
+    model = load_model_spec("gpt-1.3b")
+    slow = DeviceSpec("slow-net", 80, 312, 300, 1)
+    across, inside = (
+        estimate_plan(
+            build_plan(
+                model,
+                ClusterSpec.uniform(nodes, gpn, slow),
+                Layout(2, 4, 1),
+                global_batch=16,
+                micro_batch=1,
+            ),
+            slow,
+        )
+        for nodes, gpn in ((2, 4), (1, 8))
+    )
+    assert across.step_seconds > inside.step_seconds
