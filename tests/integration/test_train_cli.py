@@ -1,0 +1,202 @@
+"""`elasticpp train` end to end: bad input, save/resume across layouts, failures, signals."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticpp.checkpoint.manifest import verify_step_dir
+from elasticpp.train.launch import wait_gone
+
+MODEL_SPEC = {
+    "name": "t4",
+    "num_layers": 4,
+    "hidden_size": 32,
+    "num_heads": 4,
+    "vocab_size": 256,
+    "seq_len": 16,
+}
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "t4.json"
+    path.write_text(json.dumps(MODEL_SPEC))
+    return path
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "elasticpp.cli.main", "train", *args]
+
+
+def common(model_file: Path, layout: str, steps: int, metrics: Path) -> list[str]:
+    return [
+        "--model",
+        str(model_file),
+        "--layout",
+        layout,
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "--steps",
+        str(steps),
+        "--seed",
+        "5",
+        "--lr",
+        "3e-3",
+        "--metrics",
+        str(metrics),
+    ]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if int(fields[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layout", "pp=1,tp=3,dp=1"], "does not divide num_heads"),
+        (["--layout", "pp=5,tp=1,dp=1"], "at most one stage a layer"),
+        (["--layout", "dp=4", "--global-batch", "6", "--micro-batch", "2"], "too small"),
+        (["--global-batch", "9", "--micro-batch", "2"], "not a multiple"),
+        (["--model", "no-such-model"], "unknown model"),
+        (["--layout", "pp=two"], "must be an integer"),
+        (["--dropout", "1.5"], "dropout"),
+        (["--resume", "/nonexistent-dir-of-elasticpp"], "--resume"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_before_any_worker_starts(
+    tmp_path: Path, model_file: Path, args: list[str], message: str
+) -> None:
+    log_dir = tmp_path / "logs"
+    base = ["--model", str(model_file), "--log-dir", str(log_dir)]
+    proc = subprocess.run(
+        cli(*base, *args), capture_output=True, text=True, timeout=50, cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not log_dir.exists()  # no worker was ever started
+
+
+@pytest.mark.timeout(150)
+def test_save_under_one_layout_and_resume_under_another_continues_the_curve(
+    tmp_path: Path, model_file: Path
+) -> None:
+    ref, first, second = tmp_path / "ref.jsonl", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    save = tmp_path / "save"
+    run = lambda *a: subprocess.run(  # noqa: E731
+        cli(*a), capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    p = run(*common(model_file, "pp=1,tp=1,dp=1", 6, ref))
+    assert p.returncode == 0, p.stderr
+    p = run(*common(model_file, "pp=2,tp=2,dp=1", 6, first), "--stop-at", "3", "--save", str(save))
+    assert p.returncode == 0, p.stderr
+    manifest = verify_step_dir(save / "step-0000000003")
+    assert manifest.step == 3 and manifest.is_full_model()
+    assert {e.key.tp_size for e in manifest.pieces} == {2}
+    p = run(*common(model_file, "pp=1,tp=1,dp=2", 6, second), "--resume", str(save))
+    assert p.returncode == 0, p.stderr
+    curve = read_metrics(first) + read_metrics(second)
+    expected = read_metrics(ref)
+    assert [r["step"] for r in curve] == list(range(6))
+    for a, b in zip(expected, curve, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["lr"] == a["lr"]
+    assert {r["layout"] for r in read_metrics(second)} == {"pp=1,tp=1,dp=2"}
+
+
+def start_long_run(tmp_path: Path, model_file: Path, metrics: Path) -> subprocess.Popen[str]:
+    args = common(model_file, "pp=2,tp=1,dp=1", 100000, metrics)
+    return subprocess.Popen(
+        cli(*args, "--log-dir", str(tmp_path / "logs")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+
+
+def wait_for_steps(proc: subprocess.Popen[str], metrics: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and read_metrics(metrics)):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "no step within the deadline"
+        time.sleep(0.1)  # polling a condition with a deadline
+
+
+def cleanup(proc: subprocess.Popen[str], workers: list[int]) -> None:
+    """Teardown: whatever the test left, kill it (workers lead their own groups)."""
+    for pid in [proc.pid, *workers]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_ends_the_command_non_zero_within_seconds_leaving_no_process(
+    tmp_path: Path, model_file: Path
+) -> None:
+    metrics = tmp_path / "m.jsonl"
+    proc = start_long_run(tmp_path, model_file, metrics)
+    workers: list[int] = []
+    try:
+        wait_for_steps(proc, metrics, 90)
+        workers = children_of(proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        rc = proc.wait(timeout=30)
+        assert rc not in (0, 2)
+        assert time.monotonic() - killed < 20
+        assert proc.stderr is not None and "exited with code" in proc.stderr.read()
+        assert wait_gone(workers, 10) == []
+    finally:
+        cleanup(proc, workers)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_kills_every_worker(
+    tmp_path: Path, model_file: Path, sig: signal.Signals
+) -> None:
+    metrics = tmp_path / "m.jsonl"
+    proc = start_long_run(tmp_path, model_file, metrics)
+    workers: list[int] = []
+    try:
+        wait_for_steps(proc, metrics, 90)
+        workers = children_of(proc.pid)
+        assert len(workers) == 2
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        assert rc in (130, 143)
+        assert wait_gone(workers, 10) == []
+    finally:
+        cleanup(proc, workers)
