@@ -21,6 +21,9 @@ from elasticpp.errors import ConfigError
 
 HOLDINGS_FORMAT_VERSION = 1
 
+# The source/origin name of pieces in the persistent checkpoint; never a valid node id.
+DISK_SOURCE = "<disk>"
+
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 

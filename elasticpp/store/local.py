@@ -274,9 +274,9 @@ class LocalStore:
         with self._lock:
             for (origin, s), h in sorted(self._committed.items()):
                 info = h.pieces.get(name)
-                if s == step and info is not None and info.sha256 == sha256:
-                    if (origin, s) not in self._doomed:
-                        return self.path_of(origin, s, name)
+                usable = (origin, s) not in self._doomed
+                if s == step and info is not None and info.sha256 == sha256 and usable:
+                    return self.path_of(origin, s, name)
         return None
 
     @contextlib.contextmanager
@@ -384,11 +384,11 @@ class LocalStore:
             return
         base = self.own_dir if origin == self.node_id else self.replicas_dir / origin
         for d in base.iterdir():
-            step = parse_step_dirname(d.name)
-            if step is not None and step < kept[0] and (origin, step) not in self._committed:
+            stale = parse_step_dirname(d.name)
+            if stale is not None and stale < kept[0] and (origin, stale) not in self._committed:
                 shutil.rmtree(d, ignore_errors=True)
                 if origin == self.node_id:
-                    self._reported.pop(step, None)
+                    self._reported.pop(stale, None)
 
     def _delete(self, key: tuple[str, int]) -> None:
         origin, step = key

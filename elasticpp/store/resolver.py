@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from elasticpp.checkpoint.manifest import PieceKey, model_units, stage_units
 from elasticpp.errors import StateUnavailableError
 from elasticpp.plan.layout import Plan
-from elasticpp.store.holdings import NodeHoldings, PieceInfo
+from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings, PieceInfo
 
-# The source/origin name of pieces in the persistent checkpoint; never a valid node id.
-DISK_SOURCE = "<disk>"
+__all__ = ["DISK_SOURCE", "Fetch", "FetchKind", "ResumePlan", "resolve"]
 
 
 class FetchKind(enum.Enum):
@@ -205,7 +204,7 @@ def _assign(
                 continue
 
             # Reshard from a complete set: the size with the fewest pieces off this node.
-            def remote(size: int, unit: str = unit) -> tuple[int, int]:
+            def remote(size: int, unit: str = unit, node: str = node) -> tuple[int, int]:
                 names = [PieceKey(unit, r, size).filename for r in range(size)]
                 return sum(all(c.source != node for c in pieces[n]) for n in names), size
 
