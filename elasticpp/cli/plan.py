@@ -101,14 +101,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _runs(values: list[int]) -> str:
-    """`[96, 96, 95]` -> `96 x2, 95`: run-length, so thousands of replicas stay one line."""
+    """`[96, 96, 95]` -> `96 (x2), 95`: run-length, so thousands of replicas stay one line."""
     parts: list[str] = []
     i = 0
     while i < len(values):
         j = i
         while j < len(values) and values[j] == values[i]:
             j += 1
-        parts.append(f"{values[i]} x{j - i}" if j - i > 1 else str(values[i]))
+        parts.append(f"{values[i]} (x{j - i})" if j - i > 1 else str(values[i]))
         i = j
     return ", ".join(parts)
 
@@ -130,8 +130,8 @@ def _render(model: Any, device: Any, cluster: Any, global_batch: int, candidates
         "",
         f"  layout            pp={L.pp} tp={L.tp} dp={L.dp}   ({best.gpus_used} of {gpus} GPUs)",
         f"  micro-batch       {best.micro_batch}    recompute {'on' if best.recompute else 'off'}",
-        f"  micro-batches     {_runs(list(best.microbatches))} per replica "
-        f"(sum x {best.micro_batch} = {global_batch})",
+        f"  micro-batches     {_runs(list(best.microbatches))} per replica   "
+        f"({sum(best.microbatches)} x b={best.micro_batch} = {global_batch} samples)",
         f"  blocks per stage  {_runs(blocks)}   (embedding on stage 0, head on stage {L.pp - 1})",
         f"  est. step time    {best.est_step_seconds:.3f} s   "
         f"bubble {100 * best.bubble_fraction:.1f} %",
