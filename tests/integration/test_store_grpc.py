@@ -1,0 +1,304 @@
+"""The state service over real gRPC on loopback: fetch, fencing, refusal, faults, replication,
+and a full resume across layouts (tp=2 pieces -> tp=1 ranks)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from elasticpp.checkpoint.manifest import PieceKey, model_units, step_dirname, verify_step_dir
+from elasticpp.errors import CheckpointError, StaleGenerationError
+from elasticpp.plan.layout import Layout, build_plan
+from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec
+from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
+from elasticpp.store.client import PieceFetchError, StateClient
+from elasticpp.store.local import LocalStore
+from elasticpp.store.replicate import replicate_once
+from elasticpp.store.resolver import FetchKind, resolve
+from elasticpp.store.resume import prepare_resume
+from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server, serve
+from elasticpp.store.wire import Chunk
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = ModelSpec("t", num_layers=2, hidden_size=16, num_heads=4, vocab_size=32, seq_len=8)
+
+
+def piece_bytes(name: str, step: int, origin: str, size: int) -> bytes:
+    seed = hashlib.sha256(f"{origin}/{step}/{name}".encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def commit_step(store: LocalStore, step: int, names: list[str], size: int = 5000) -> None:
+    d = store.own_dir / step_dirname(step)
+    d.mkdir(parents=True, exist_ok=True)
+    report = []
+    for name in names:
+        data = piece_bytes(name, step, store.node_id, size)
+        (d / name).write_bytes(data)
+        report.append({"name": name, "size": size, "sha256": hashlib.sha256(data).hexdigest()})
+    store.record_pieces(step, report)
+    store.commit(step, num_layers=MODEL.num_layers)
+
+
+class Node:
+    """A store and its state service on a free loopback port."""
+
+    def __init__(self, root: Path, node_id: str, servicer_cls=StateServicer, **kw) -> None:
+        self.store = LocalStore(root / node_id, node_id)
+        self.generation = 0
+        self.servicer = servicer_cls(self.store, lambda: self.generation, **kw)
+        self.server = grpc.server(ThreadPoolExecutor(4), options=GRPC_OPTIONS)
+        add_to_server(self.server, self.servicer)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(None)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[dict[str, Node]]:
+    made: dict[str, Node] = {}
+    yield made
+    for node in made.values():
+        node.stop()
+
+
+ALL_TP2 = [PieceKey(u, r, 2).filename for u in model_units(MODEL.num_layers) for r in (0, 1)]
+NAME = ALL_TP2[0]
+
+
+def test_fetch_from_peer_writes_verified_bytes(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a")
+    commit_step(a.store, 4, [NAME], size=3 << 20)
+    with StateClient(a.address) as client:
+        held = client.list_steps(0)
+        info = held.steps[("a", 4)].pieces[NAME]
+        dest = tmp_path / "out.safetensors"
+        assert client.fetch_piece(4, NAME, "a", dest, info.sha256, 0) == 3 << 20
+    assert dest.read_bytes() == piece_bytes(NAME, 4, "a", 3 << 20)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
+def test_old_generation_is_refused_with_failed_precondition(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a")
+    commit_step(a.store, 1, [NAME])
+    a.generation = 5
+    channel = grpc.insecure_channel(a.address)
+    stub = state_pb2_grpc.StateServiceStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ListSteps(state_pb2.ListStepsRequest(generation=4), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "4" in info.value.details() and "5" in info.value.details()
+    request = state_pb2.FetchPieceRequest(generation=3, step=1, name=NAME, origin_node="a")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.FetchPiece(request, timeout=10))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    channel.close()
+    with StateClient(a.address) as client:
+        with pytest.raises(StaleGenerationError, match="generation 4 is older"):
+            client.list_steps(4)
+        assert ("a", 1) in client.list_steps(6).steps  # newer than the server's: fine
+
+
+@pytest.mark.parametrize(
+    ("name", "origin", "code"),
+    [
+        ("../../etc/passwd", "a", grpc.StatusCode.INVALID_ARGUMENT),
+        (f"../{NAME}", "a", grpc.StatusCode.INVALID_ARGUMENT),
+        (NAME, "../a", grpc.StatusCode.INVALID_ARGUMENT),
+        (NAME, "..", grpc.StatusCode.INVALID_ARGUMENT),
+        ("head.tp0-1.safetensors", "a", grpc.StatusCode.NOT_FOUND),
+        (NAME, "zz", grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_bad_names_are_invalid_and_unknown_pieces_not_found(tmp_path, nodes, name, origin, code):
+    nodes["a"] = a = Node(tmp_path, "a")
+    commit_step(a.store, 1, [NAME])
+    channel = grpc.insecure_channel(a.address)
+    stub = state_pb2_grpc.StateServiceStub(channel)
+    request = state_pb2.FetchPieceRequest(generation=0, step=1, name=name, origin_node=origin)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.FetchPiece(request, timeout=10))
+    channel.close()
+    assert info.value.code() == code
+    missing = state_pb2.FetchPieceRequest(generation=0, step=2, name=NAME, origin_node="a")
+    channel = grpc.insecure_channel(a.address)
+    with pytest.raises(grpc.RpcError) as info:
+        list(state_pb2_grpc.StateServiceStub(channel).FetchPiece(missing, timeout=10))
+    channel.close()
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+class FaultyServicer(StateServicer):
+    """Corrupts one chunk of the first `corrupt` calls; breaks the stream of the first
+    `breaks` calls after two chunks. Records the offset of every request."""
+
+    def __init__(self, *args, corrupt: int = 0, breaks: int = 0, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.corrupt, self.breaks = corrupt, breaks
+        self.offsets: list[int] = []
+        self._lock = threading.Lock()
+
+    def FetchPiece(self, request, context):
+        with self._lock:
+            self.offsets.append(request.offset)
+            corrupt, self.corrupt = self.corrupt > 0, max(0, self.corrupt - 1)
+            brk, self.breaks = self.breaks > 0, max(0, self.breaks - 1)
+        for i, chunk in enumerate(super().FetchPiece(request, context)):
+            if brk and i == 2:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "injected stream break")
+            if corrupt and i == 1:
+                data = bytearray(chunk.data)
+                data[7] ^= 0x01
+                chunk = Chunk(chunk.offset, bytes(data), chunk.total_size, chunk.sha256)
+            yield chunk
+
+
+def test_corrupted_chunk_is_detected_and_fetched_again(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", FaultyServicer, corrupt=1, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=1 << 20)
+    sha = a.store.piece_info("a", 1, NAME).sha256
+    dest = tmp_path / "out"
+    with StateClient(a.address) as client:
+        client.fetch_piece(1, NAME, "a", dest, sha, 0)
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == sha
+    assert a.servicer.offsets == [0, 0]  # the whole piece again
+
+
+def test_piece_corrupt_every_time_raises_naming_it(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", FaultyServicer, corrupt=99, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=1 << 20)
+    sha = a.store.piece_info("a", 1, NAME).sha256
+    dest = tmp_path / "out"
+    with (
+        StateClient(a.address, checksum_retries=2) as client,
+        pytest.raises(CheckpointError, match=f"piece {NAME}.*checksum after 3 attempts"),
+    ):
+        client.fetch_piece(1, NAME, "a", dest, sha, 0)
+    assert not dest.exists()
+    assert [p for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
+def test_broken_stream_resumes_from_last_good_offset(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", FaultyServicer, breaks=1, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=1 << 20)
+    sha = a.store.piece_info("a", 1, NAME).sha256
+    with StateClient(a.address) as client:
+        client.fetch_piece(1, NAME, "a", tmp_path / "out", sha, 0)
+    assert (tmp_path / "out").read_bytes() == piece_bytes(NAME, 1, "a", 1 << 20)
+    assert a.servicer.offsets == [0, 2 * (64 << 10)]
+
+
+def test_unreachable_peer_raises_after_bounded_retries(tmp_path: Path):
+    with (
+        StateClient("127.0.0.1:1", timeout_s=5, resume_attempts=1) as client,
+        pytest.raises(PieceFetchError, match="UNAVAILABLE"),
+    ):
+        client.fetch_piece(1, NAME, "a", tmp_path / "out", "0" * 64, 0)
+
+
+def test_replication_copies_the_peers_newest_committed_step(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a")
+    nodes["b"] = b = Node(tmp_path, "b")
+    peers = {"a": a.address, "b": b.address}
+    for step in (1, 2, 3):
+        commit_step(a.store, step, ALL_TP2[:2])
+    commit_step(b.store, 3, ALL_TP2[2:4])
+    results = replicate_once(b.store, peers, ["b", "a"], 1, 0)
+    assert [(r.origin, r.step, r.error) for r in results] == [("a", 3, "")]
+    held = b.store.holdings()
+    assert held.steps[("a", 3)] == a.store.holdings().steps[("a", 3)]
+    for name in ALL_TP2[:2]:
+        assert b.store.path_of("a", 3, name).read_bytes() == piece_bytes(name, 3, "a", 5000)
+    verify_step_dir(b.store.step_dir("a", 3))
+    # Nothing new: nothing fetched. Then a moves on; b keeps the newest two.
+    assert replicate_once(b.store, peers, ["a", "b"], 1, 0)[0].fetched_bytes == 0
+    for step in (4, 5):
+        commit_step(a.store, step, ALL_TP2[:2])
+        replicate_once(b.store, peers, ["a", "b"], 1, 0)
+    assert b.store.committed_steps("a") == [4, 5]
+    # a is dead (not in peers): its replica on b stays.
+    assert replicate_once(b.store, {"b": b.address}, ["a", "b"], 1, 0) == []
+    assert b.store.committed_steps("a") == [4, 5]
+
+
+def test_replication_reports_a_refusing_peer_without_raising(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a")
+    nodes["b"] = b = Node(tmp_path, "b")
+    commit_step(a.store, 1, ALL_TP2[:1])
+    a.generation = 9
+    results = replicate_once(b.store, {"a": a.address}, ["a", "b"], 1, 3)
+    assert results[0].step is None and "older" in results[0].error
+
+
+def test_resume_across_layouts_tp2_to_tp1_over_grpc(tmp_path: Path, nodes):
+    # Old plan: pp=1, tp=2, dp=1 on node a (both tp ranks' pieces in a's store), replicated
+    # to b. New plan: pp=2, tp=1 over nodes b and c; a is dead, so b serves its replica to c
+    # and uses it itself.
+    nodes["a"] = a = Node(tmp_path, "a")
+    nodes["b"] = b = Node(tmp_path, "b")
+    nodes["c"] = c = Node(tmp_path, "c")
+    commit_step(a.store, 6, ALL_TP2)
+    commit_step(a.store, 7, ALL_TP2[:3])  # incomplete in any replica: a dies before more
+    peers = {n: nodes[n].address for n in "abc"}
+    replicate_once(b.store, peers, ["a", "b", "c"], 1, 0)  # b backs up a: step 7 (partial)
+    assert b.store.committed_steps("a") == [7]
+    # b also keeps step 6, from the replication round of the step before.
+    with StateClient(a.address) as client:
+        holding = client.list_steps(0).steps[("a", 6)]
+        d = b.store.replica_step_dir("a", 6)
+        for name, info in holding.pieces.items():
+            client.fetch_piece(6, name, "a", d / name, info.sha256, 0)
+    b.store.commit_replica("a", 6, MODEL.num_layers, holding.entries())
+    a.stop()
+    del nodes["a"]
+    for n in "bc":
+        nodes[n].generation = 1
+
+    cluster = ClusterSpec((NodeSpec("b", 1), NodeSpec("c", 1)), DEVICE_PRESETS["cpu"])
+    target = build_plan(MODEL, cluster, Layout.parse("pp=2"), global_batch=4, micro_batch=1)
+    target = target.with_generation(1)
+    live = {"b": b.address, "c": c.address}
+    holdings = {}
+    for node_id, address in live.items():
+        with StateClient(address) as client:
+            holdings[node_id] = client.list_steps(1)
+    rp = resolve(holdings, target, live_nodes=live)
+    assert rp.step == 6  # step 7 lacks units
+    assert {f.kind for f in rp.fetches[0]} == {FetchKind.LOCAL}  # rank 0 runs on b
+    assert {(f.kind, f.source_node) for f in rp.fetches[1]} == {(FetchKind.REPLICA, "b")}
+
+    for node in (b, c):
+        rank_dirs = {
+            s.rank: tmp_path / f"resume-{s.rank}" for s in target.ranks_on(node.store.node_id)
+        }
+        manifests = prepare_resume(node.store, rp, rank_dirs, peers=live)
+        for rank, d in rank_dirs.items():
+            manifest = verify_step_dir(d)
+            assert manifest == manifests[rank] and manifest.step == 6
+            for e in manifest.pieces:
+                assert (d / e.key.filename).read_bytes() == piece_bytes(
+                    e.key.filename, 6, "a", 5000
+                )
+    stage1 = verify_step_dir(tmp_path / "resume-1")
+    assert {e.key.unit for e in stage1.pieces} == {"block.0001", "head"}
+    assert {e.key.tp_rank for e in stage1.pieces} == {0, 1}  # both slices, to reshard
+
+
+def test_serve_helper_binds_a_free_port(tmp_path: Path):
+    store = LocalStore(tmp_path, "solo")
+    server, port = serve(store, lambda: 0)
+    try:
+        with StateClient(f"127.0.0.1:{port}") as client:
+            assert client.list_steps(0).node_id == "solo"
+    finally:
+        server.stop(None)
