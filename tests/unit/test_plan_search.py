@@ -143,19 +143,24 @@ def _brute_force_best(model: ModelSpec, cluster: ClusterSpec, batch: int) -> tup
 
 
 @pytest.mark.parametrize(
-    ("counts", "memory_gib", "batch"),
+    ("counts", "memory_gib", "network_gbps", "batch"),
     [
-        ((4, 4), 16.0, 48),  # memory binds: small p * t does not fit
-        ((8, 6, 3), 40.0, 36),  # uneven nodes: TP packing and node boundaries differ
-        ((2, 2, 2, 2), 80.0, 10),  # B = 10: uneven micro-batch split for most d
+        ((4, 4), 16.0, 25, 48),  # memory binds: small p * t does not fit
+        ((8, 6, 3), 40.0, 25, 36),  # uneven nodes: TP packing and node boundaries differ
+        ((2, 2, 2, 2), 80.0, 25, 10),  # B = 10: uneven micro-batch split for most d
+        ((4, 4, 4), 20.0, 25, 22),  # the fastest plan splits 11 micro-batches 4, 4, 3
+        ((2, 2), 8.5, 25, 24),  # only recomputation fits
+        ((4, 4, 4), 80.0, 0.5, 48),  # a slow network: fewer replicas than the nodes allow
+        ((2, 2, 2, 2), 40.0, 0.2, 64),  # ... down to one replica
     ],
 )
-def test_search_finds_the_brute_force_optimum(counts, memory_gib, batch):
+def test_search_finds_the_brute_force_optimum(counts, memory_gib, network_gbps, batch):
     model = load_model_spec("gpt-1.3b")
-    device = DeviceSpec("d", memory_gib, 312, 300, 25)
+    device = DeviceSpec("d", memory_gib, 312, 300, network_gbps)
     cluster = ClusterSpec(tuple(NodeSpec(f"n{i}", c) for i, c in enumerate(counts)), device)
     got = plan(model, cluster, batch, top_k=0).best
     assert _key(got) == _brute_force_best(model, cluster, batch)
+    _check_promises(got, cluster)
 
 
 def test_one_gpu_gets_a_plan():
