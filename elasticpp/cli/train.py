@@ -43,6 +43,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="file or directory (default: stdlib .py)")
     parser.add_argument("--metrics", type=Path, default=None, help="JSON lines, one per step")
     parser.add_argument("--save", type=Path, default=None, help="write the final state here")
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="with --save: also every N steps (0 = off)"
+    )
     parser.add_argument("--resume", type=Path, default=None, help="a saved step dir or root")
     parser.add_argument("--stop-at", type=int, default=None, help="stop after this many steps")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (a temp dir)")
@@ -102,6 +105,8 @@ def _validate(args: argparse.Namespace) -> tuple[Any, TrainConfig, Path | None, 
         raise ConfigError(f"--data {args.data}: no such file or directory")
     if args.threads is not None and args.threads <= 0:
         raise ConfigError("--threads must be positive")
+    if args.save_every < 0:
+        raise ConfigError("--save-every must be >= 0")
     if args.stop_at is not None and args.stop_at < 0:
         raise ConfigError("--stop-at must be >= 0")
     resume_dir, start_step = None, 0
@@ -141,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.checkpoint.manifest import PieceEntry as Entry
     from elasticpp.train.launch import default_threads, kill_all, run_local, spawn_workers
     from elasticpp.train.procs import WorkerError
+    from elasticpp.train.worker import is_snapshot_writer
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="elasticpp-train-"))
     save_dir = None if args.save is None else args.save.resolve()
@@ -165,6 +171,28 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
+        writers = sum(is_snapshot_writer(plan, r) for r in range(plan.gpus_used))
+        by_step: dict[int, list[dict[str, Any]]] = {}
+        saved: set[int] = set()
+
+        def on_snapshot(event: dict[str, Any]) -> None:
+            # The manifest goes last, once every writing rank has reported its pieces.
+            step = int(event["step"])
+            by_step.setdefault(step, []).append(event)
+            if len(by_step[step]) < writers or save_dir is None:
+                return
+            step_dir = save_dir / step_dirname(step)
+            entries = [
+                Entry(PieceKey.parse(p["name"]), int(p["size"]), str(p["sha256"]))
+                for ev in by_step.pop(step)
+                for p in ev["pieces"]
+            ]
+            write_manifest(step_dir, Manifest(step, plan.model.num_layers, tuple(entries)))
+            if not verify_step_dir(step_dir).is_full_model():
+                raise CheckpointError(f"{step_dir}: the saved state is incomplete")
+            saved.add(step)
+            print(f"saved step {step} to {step_dir}", flush=True)
+
         result = run_local(
             plan,
             job,
@@ -172,28 +200,16 @@ def run(args: argparse.Namespace) -> int:
             start_step=start_step,
             resume_dir=resume_dir,
             snapshot_dir=save_dir,
-            snapshot_every=0,
+            snapshot_every=args.save_every,
             backend="nccl" if args.device == "cuda" else "gloo",
             device=args.device,
             num_threads=args.threads or default_threads(plan.gpus_used),
             stop_at=args.stop_at,
             on_record=on_record,
+            on_snapshot=on_snapshot,
         )
-        if save_dir is not None:
-            step_dir = save_dir / step_dirname(result.final_step)
-            entries = [
-                Entry(PieceKey.parse(p["name"]), int(p["size"]), str(p["sha256"]))
-                for ev in result.snapshots
-                if ev["step"] == result.final_step
-                for p in ev["pieces"]
-            ]
-            write_manifest(
-                step_dir, Manifest(result.final_step, plan.model.num_layers, tuple(entries))
-            )
-            manifest = verify_step_dir(step_dir)
-            if not manifest.is_full_model():
-                raise CheckpointError(f"{step_dir}: the saved state is incomplete")
-            print(f"saved step {result.final_step} to {step_dir}", flush=True)
+        if save_dir is not None and result.final_step not in saved:
+            raise CheckpointError(f"step {result.final_step}: not every piece was written")
         print(
             f"{result.outcome} at step {result.final_step} ({plan.layout}, "
             f"{time.monotonic() - started:.1f} s)",

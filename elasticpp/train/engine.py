@@ -51,6 +51,7 @@ class StepResult:
     step_seconds: float
     max_in_flight: int
     busy_seconds: float  # time this rank spent computing forwards and backwards
+    pipeline_seconds: float  # time of the whole schedule (compute + waiting for neighbours)
     peak_activation_bytes: int  # most bytes autograd held saved for live micro-batches
     stop_at: int  # the agreed stop step (NO_STOP if none)
 
@@ -244,6 +245,7 @@ class Trainer:
                     sends.append((dist.isend(payload, dst=g.prev_rank), payload))
         for work, _ in sends:
             _wait(work)
+        pipeline_seconds = time.perf_counter() - started
 
         flat_params = [(u, n, t) for u, ts in self.params.items() for n, t in ts.items()]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for _, _, t in flat_params]
@@ -290,6 +292,7 @@ class Trainer:
             step_seconds=time.perf_counter() - started,
             max_in_flight=peak_live,
             busy_seconds=busy,
+            pipeline_seconds=pipeline_seconds,
             peak_activation_bytes=peak_bytes,
             stop_at=agreed_stop,
         )

@@ -103,6 +103,7 @@ def run_local(
     stop_at: int | None = None,
     stop_ranks: Sequence[int] | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_snapshot: Callable[[dict[str, Any]], None] | None = None,
     ready_timeout_s: float = 180.0,
     idle_timeout_s: float = 300.0,
 ) -> RunResult:
@@ -169,6 +170,8 @@ def run_local(
                     on_record(record)
         elif kind == "snapshot":
             result.snapshots.append(ev)
+            if on_snapshot is not None:
+                on_snapshot(ev)
         elif kind == "started":
             result.started.append(ev)
         elif kind in ("done", "stopped"):

@@ -8,7 +8,8 @@ stdout (events)
     {"event": "ready", "pid": N}                      torch imported, idle, waiting
     {"event": "started", "generation", "rank", "start_step", "setup_seconds"}
     {"event": "step", "step", "loss", "lr", "grad_norm", "samples", "step_seconds",
-     "max_in_flight", "generation", "rank", "busy_seconds", "peak_activation_bytes"}
+     "max_in_flight", "generation", "rank", "busy_seconds", "pipeline_seconds",
+     "peak_activation_bytes"}
     {"event": "snapshot", "step", "dir", "pieces": [{"name", "size", "sha256"}],
      "generation", "rank"}
     {"event": "stopped", "step"} | {"event": "done", "step"} | {"event": "error", "message"}
@@ -333,6 +334,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
                 "generation": gen,
                 "rank": rank,
                 "busy_seconds": res.busy_seconds,
+                "pipeline_seconds": res.pipeline_seconds,
                 "peak_activation_bytes": res.peak_activation_bytes,
             }
         )

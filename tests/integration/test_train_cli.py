@@ -109,27 +109,41 @@ def test_bad_input_exits_2_with_one_line_before_any_worker_starts(
 def test_save_under_one_layout_and_resume_under_another_continues_the_curve(
     tmp_path: Path, model_file: Path
 ) -> None:
-    ref, first, second = tmp_path / "ref.jsonl", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    save = tmp_path / "save"
-    run = lambda *a: subprocess.run(  # noqa: E731
-        cli(*a), capture_output=True, text=True, timeout=120, cwd=tmp_path
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    save, save2 = tmp_path / "save", tmp_path / "save2"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cli(*args), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    p = run(
+        *common(model_file, "pp=2,tp=2,dp=1", 6, first), "--save", str(save), "--save-every", "3"
     )
-    p = run(*common(model_file, "pp=1,tp=1,dp=1", 6, ref))
     assert p.returncode == 0, p.stderr
-    p = run(*common(model_file, "pp=2,tp=2,dp=1", 6, first), "--stop-at", "3", "--save", str(save))
-    assert p.returncode == 0, p.stderr
+    assert sorted(d.name for d in save.iterdir()) == ["step-0000000003", "step-0000000006"]
     manifest = verify_step_dir(save / "step-0000000003")
     assert manifest.step == 3 and manifest.is_full_model()
     assert {e.key.tp_size for e in manifest.pieces} == {2}
-    p = run(*common(model_file, "pp=1,tp=1,dp=2", 6, second), "--resume", str(save))
+    # Resume the tp=2 state at step 3 under pp=1,dp=2; stop after step 5 and save there.
+    resume_args = [
+        "--resume",
+        str(save / "step-0000000003"),
+        "--stop-at",
+        "5",
+        "--save",
+        str(save2),
+    ]
+    p = run(*common(model_file, "pp=1,tp=1,dp=2", 6, second), *resume_args)
     assert p.returncode == 0, p.stderr
-    curve = read_metrics(first) + read_metrics(second)
-    expected = read_metrics(ref)
-    assert [r["step"] for r in curve] == list(range(6))
-    for a, b in zip(expected, curve, strict=True):
+    assert "stopped at step 5" in p.stdout
+    assert verify_step_dir(save2 / "step-0000000005").is_full_model()
+    expected, resumed = read_metrics(first), read_metrics(second)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for b in resumed:
+        a = expected[b["step"]]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
         assert b["lr"] == a["lr"]
-    assert {r["layout"] for r in read_metrics(second)} == {"pp=1,tp=1,dp=2"}
+    assert {r["layout"] for r in resumed} == {"pp=1,tp=1,dp=2"}
 
 
 def start_long_run(tmp_path: Path, model_file: Path, metrics: Path) -> subprocess.Popen[str]:
