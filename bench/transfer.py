@@ -1,6 +1,7 @@
 """Piece transfer throughput: the state service over gRPC against a plain socket copy.
 
-    python bench/transfer.py [--size-mib 256] [--repeats 5] [--dir DIR]
+    python bench/transfer.py [--size-mib 256] [--repeats 5] [--dir DIR] [--fsync]
+    python bench/transfer.py --train [--model tiny] [--layout pp=2] [--steps 30]
 
 Both servers run in their own process (as on another node) on loopback and send the same
 file; both receivers write it to a file in DIR and fsync it. The gRPC receiver is
@@ -12,6 +13,7 @@ see the same machine load; the table gives medians. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -96,10 +98,8 @@ def _spawn(*args: str) -> tuple[subprocess.Popen[str], int]:
 def _kill(proc: subprocess.Popen[str]) -> None:
     if proc.stdin:
         proc.stdin.close()
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -157,6 +157,75 @@ def run_transfer(
     return rows
 
 
+def run_snapshot_cost(model_name: str, layout_text: str, steps: int, repeats: int) -> list[str]:
+    """Step time of `elasticpp train`'s engine with snapshots to a store every step vs none.
+
+    Runs alternate (off, on, off, on, ...) so both see the same machine load. With
+    snapshots on, every step's pieces are recorded and committed into a `LocalStore` as the
+    agent does (timed separately: it runs in the agent, not on the workers' critical path).
+    """
+    from elasticpp.plan.layout import Layout, build_plan
+    from elasticpp.plan.specs import ClusterSpec, load_device_spec, load_model_spec
+    from elasticpp.store.local import LocalStore
+    from elasticpp.train.config import TrainConfig
+    from elasticpp.train.launch import kill_all, run_local, spawn_workers
+
+    layout = Layout.parse(layout_text)
+    plan = build_plan(
+        load_model_spec(model_name),
+        ClusterSpec.uniform(1, layout.world_size, load_device_spec("cpu")),
+        layout,
+        global_batch=16,
+        micro_batch=2,
+    )
+    job = TrainConfig(steps=steps)
+    step_s: dict[str, list[float]] = {"off": [], "on": []}
+    store_s: list[float] = []
+    work = Path(tempfile.mkdtemp(prefix="elasticpp-bench-train-"))
+    try:
+        for i in range(repeats):
+            for mode in ("off", "on"):
+                store = LocalStore(work / f"store-{i}", "node-0") if mode == "on" else None
+                workers = spawn_workers(plan.gpus_used, work / "logs", tag=f"{mode}{i}")
+                try:
+                    result = run_local(
+                        plan,
+                        job,
+                        workers,
+                        snapshot_dir=None if store is None else store.own_dir,
+                        snapshot_every=1 if store is not None else 0,
+                        num_threads=1,
+                    )
+                finally:
+                    kill_all(workers)
+                # The first steps warm up allocators and the data loader; leave them out.
+                step_s[mode] += [r["step_seconds"] for r in result.records[3:]]
+                if store is not None:
+                    by_step: dict[int, list[dict[str, object]]] = {}
+                    for ev in result.snapshots:
+                        by_step.setdefault(int(ev["step"]), []).extend(ev["pieces"])
+                    for step, pieces in sorted(by_step.items()):
+                        t0 = time.perf_counter()
+                        store.record_pieces(step, pieces)  # type: ignore[arg-type]
+                        store.commit(step, plan.model.num_layers)
+                        store_s.append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    off, on = statistics.median(step_s["off"]), statistics.median(step_s["on"])
+    return [
+        f"Training step time, model {model_name}, {layout}, global batch 16, micro-batch 2, "
+        f"{repeats} alternating runs of {steps} steps each (first 3 steps of a run left out)",
+        "",
+        "| snapshots | step time (median) | vs off |",
+        "|---|---:|---:|",
+        f"| off | {off * 1000:.1f} ms | 1.000× |",
+        f"| every step, handed to the store | {on * 1000:.1f} ms | {on / off:.3f}× |",
+        "",
+        f"Store bookkeeping per step (record + commit, in the agent): median "
+        f"{statistics.median(store_s) * 1000:.2f} ms.",
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--size-mib", type=int, default=256)
@@ -164,6 +233,10 @@ def main() -> int:
     parser.add_argument("--chunk-mib", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=None, help="where files are written")
     parser.add_argument("--fsync", action="store_true", help="fsync every received file")
+    parser.add_argument("--train", action="store_true", help="the snapshot-cost benchmark")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--layout", default="pp=2")
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--serve-grpc", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--serve-socket", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,6 +245,9 @@ def main() -> int:
         return 0
     if args.serve_socket:
         _serve_socket(args.serve_socket)
+        return 0
+    if args.train:
+        print("\n".join(run_snapshot_cost(args.model, args.layout, args.steps, args.repeats)))
         return 0
     work = Path(tempfile.mkdtemp(prefix="elasticpp-bench-", dir=args.dir))
     try:

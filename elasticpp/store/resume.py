@@ -28,13 +28,15 @@ from elasticpp.errors import ConfigError, StateUnavailableError
 from elasticpp.store.client import StateClient
 from elasticpp.store.local import LocalStore, link_or_copy
 from elasticpp.store.persist import copy_verified
-from elasticpp.store.resolver import Fetch, FetchKind, ResumePlan
+from elasticpp.store.resolver import DISK_SOURCE, Fetch, FetchKind, ResumePlan
 
 log = logging.getLogger(__name__)
 
 
 def _staged_path(staging: Path, f: Fetch) -> Path:
-    return staging / f.origin_node.strip("<>") / f.piece_name
+    # "_disk" can never be a node id (those start with a letter or digit).
+    origin = "_disk" if f.origin_node == DISK_SOURCE else f.origin_node
+    return staging / origin / f.piece_name
 
 
 def prepare_resume(
