@@ -126,9 +126,7 @@ def test_resolver_reshards_tp2_to_tp1_with_both_slices():
 def test_resolver_takes_exact_slice_when_target_tp_is_available():
     held = {"a": holds("a", ("a", 3, {**pieces(ALL_UNITS, 2), **pieces(ALL_UNITS, 1)}))}
     rp = resolve(held, plan({"b": 2}, "tp=2"), live_nodes=["a", "b"])
-    assert [f.piece_name for f in rp.fetches[1]] == [
-        PieceKey(u, 1, 2).filename for u in ALL_UNITS
-    ]
+    assert [f.piece_name for f in rp.fetches[1]] == [PieceKey(u, 1, 2).filename for u in ALL_UNITS]
     # tp=1 -> tp=2: each rank takes the whole unit.
     whole = {"a": holds("a", ("a", 3, pieces(ALL_UNITS, 1)))}
     rp = resolve(whole, plan({"b": 2}, "tp=2"), live_nodes=["a", "b"])
