@@ -121,15 +121,17 @@ class Trainer:
                 raise CheckpointError(
                     f"{directory}: unit {unit} is at step {got.step}, expected {expected_step}"
                 )
-            fresh = init_unit(self.plan.model, unit, 0, self.coord.tp, self.groups.tp_size)
+            shapes = {
+                spec.name: slice_shape(spec.shape, spec.shard_dim, self.groups.tp_size)
+                for spec in unit_param_specs(self.plan.model, unit)
+            }
             for target, kind in ((values, "param"), (m1, "exp_avg"), (m2, "exp_avg_sq")):
                 target[unit] = {}
-                for name, like in fresh.items():
+                for name, shape in shapes.items():
                     t = got.tensors.get(f"{kind}/{name}")
-                    if t is None or t.shape != like.shape:
+                    if t is None or tuple(t.shape) != shape:
                         raise CheckpointError(
-                            f"{directory}: unit {unit} has no {kind}/{name} of shape "
-                            f"{tuple(like.shape)}"
+                            f"{directory}: unit {unit} has no {kind}/{name} of shape {shape}"
                         )
                     target[unit][name] = t.to(torch.float32)
         self._install(values, m1, m2, expected_step)
@@ -345,6 +347,12 @@ class Trainer:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield counter
+
+
+def slice_shape(shape: tuple[int, ...], dim: int | None, tp_size: int) -> tuple[int, ...]:
+    if dim is None:
+        return shape
+    return tuple(n // tp_size if i == dim else n for i, n in enumerate(shape))
 
 
 def _wait(work: Any) -> None:
