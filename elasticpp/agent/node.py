@@ -23,6 +23,7 @@ it, so there is no lock-ordering to get wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
-from elasticpp.errors import ConfigError, ElasticppError
+from elasticpp.errors import CheckpointError, ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan, load_device_spec
 from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.client import StateClient
@@ -103,6 +104,7 @@ class _Worker:
     proc: WorkerProcess
     rank: int
     generation: int
+    plan: Plan
     state: WorkerState = WorkerState.STARTING
     last_progress_s: float = field(default_factory=time.monotonic)
     last_step: int = -1
@@ -135,7 +137,7 @@ class _GenState:
     def generation(self) -> int:
         return self.record.generation
 
-    @property
+    @functools.cached_property
     def plan(self) -> Plan:
         return Plan.from_dict(self.record.plan)
 
@@ -169,7 +171,7 @@ class Agent:
         self._last_wait = ""
         self._drain_announced = False
         self._drain_requested_gen = 0
-        self._snap_reports: dict[int, set[int]] = {}
+        self._snap_reports: dict[tuple[int, int], set[int]] = {}
         self._written_steps: set[tuple[int, int]] = set()
         self.last_step = -1
         self.last_loss = float("nan")
@@ -485,17 +487,24 @@ class Agent:
 
     def _on_snapshot(self, w: _Worker, event: dict[str, Any]) -> None:
         step = int(event["step"])
-        self.store.record_pieces(step, event["pieces"])
-        reports = self._snap_reports.setdefault(step, set())
-        reports.add(w.rank)
-        gs = self._gen
-        if gs is None or w.generation != gs.generation:
+        try:
+            self.store.record_pieces(step, event["pieces"])
+        except CheckpointError as exc:
+            # A step recomputed after a loss may already be committed here from the
+            # generation before; the committed copy stays.
+            log.info("snapshot of step %d from rank %d not recorded: %s", step, w.rank, exc)
             return
-        plan = gs.plan
+        reports = self._snap_reports.setdefault((w.generation, step), set())
+        reports.add(w.rank)
+        plan = w.plan
         writers = {s.rank for s in plan.ranks_on(self.node_id) if is_snapshot_writer(plan, s.rank)}
         if writers <= reports:
-            self.store.commit(step, plan.model.num_layers)
-            for old in [s for s in self._snap_reports if s <= step]:
+            try:
+                self.store.commit(step, plan.model.num_layers)
+            except CheckpointError as exc:
+                log.warning("step %d not committed: %s", step, exc)
+                return
+            for old in [k for k in self._snap_reports if k[1] <= step]:
                 del self._snap_reports[old]
             if self.spec.replication_copies and step % self.spec.replication_every == 0:
                 self._replicate_async()
@@ -717,7 +726,7 @@ class Agent:
                 "device": self.cfg.device,
                 "num_threads": self.cfg.worker_threads,
             }
-            w = _Worker(proc=proc, rank=slot.rank, generation=gs.generation)
+            w = _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
             self._workers[proc.pid] = w
             self._ready.discard(proc.pid)
             proc.assign(assignment)
