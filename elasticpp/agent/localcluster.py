@@ -63,6 +63,7 @@ class Node:
     state_dir: Path
     proc: subprocess.Popen[bytes] | None = None
     port: int = 0
+    metrics_port: int = 0
     log_path: Path = field(default_factory=Path)
 
     @property
@@ -70,12 +71,18 @@ class Node:
         return f"127.0.0.1:{self.port}"
 
 
-def free_port() -> int:
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (held open together, so they differ)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class LocalCluster:
@@ -117,7 +124,7 @@ class LocalCluster:
 
     def start_node(self, node_id: str) -> Node:
         n = self.node(node_id)
-        n.port = free_port()
+        n.port, n.metrics_port = free_ports(2)
         n.state_dir.mkdir(parents=True, exist_ok=True)
         n.log_path = self.workdir / f"{node_id}.log"
         with n.log_path.open("ab") as log:
@@ -141,6 +148,8 @@ class LocalCluster:
                     str(n.state_dir),
                     "--device",
                     "cpu",
+                    "--metrics-port",
+                    str(n.metrics_port),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

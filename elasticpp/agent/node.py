@@ -52,6 +52,7 @@ from elasticpp.agent.decide import (
     transition,
 )
 from elasticpp.agent.jobspec import JobSpec, diff
+from elasticpp.agent.metrics import WORKER_STATES, AgentMetrics
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
@@ -84,6 +85,7 @@ class AgentConfig:
     backend: str = "gloo"
     device: str = "cpu"
     worker_threads: int | None = 1  # torch threads per CPU worker (None: torch's default)
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = not served
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -200,6 +202,7 @@ class Agent:
         self.cluster: ClusterClient | None = None
         self._registration: Any = None
         self._torch_ready = threading.Event()
+        self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -225,6 +228,13 @@ class Agent:
             raise ConfigError(f"agent: cannot listen on {self.cfg.listen}")
         self._server.start()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.cfg.metrics_port:
+            try:
+                self.metrics.serve(self.cfg.metrics_port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"agent: cannot serve metrics on port {self.cfg.metrics_port}: {exc}"
+                ) from exc
         # torch is imported once, off the recovery path: the leader hosts the rendezvous store.
         threading.Thread(target=self._import_torch, daemon=True, name="import-torch").start()
         self.cluster = ClusterClient(list(self.cfg.etcd), self.spec.name)
@@ -376,6 +386,7 @@ class Agent:
         if self._etcd_ok:
             self._event("decision", f"etcd unreachable ({exc}); training continues, changes wait")
         self._etcd_ok = False
+        self.metrics.etcd_up.labels(**self.metrics.labels).set(0)
 
     def _refresh(self) -> None:
         assert self.cluster is not None
@@ -417,6 +428,20 @@ class Agent:
         self._record, self._record_rev = record, rev
         self._leader = leader
         self._barriers = barriers
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m, lbl = self.metrics, self.metrics.labels
+        m.etcd_up.labels(**lbl).set(1 if self._etcd_ok else 0)
+        m.members.labels(**lbl).set(len(self._members))
+        m.is_leader.labels(**lbl).set(1 if self._is_leader() else 0)
+        m.generation.labels(**lbl).set(self.generation)
+        counts = dict.fromkeys(WORKER_STATES, 0)
+        counts["warm"] = len(self._warm)
+        for w in self._workers.values():
+            counts[w.state.value] += 1
+        for state, n in counts.items():
+            m.workers.labels(**lbl, state=state).set(n)
 
     # ------------------------------------------------------------------ workers
     def _drain_worker_events(self) -> None:
@@ -470,6 +495,12 @@ class Agent:
         if (gen, step) in self._written_steps:
             return
         self._written_steps.add((gen, step))
+        m, lbl = self.metrics, self.metrics.labels
+        m.step.labels(**lbl).set(step)
+        m.loss.labels(**lbl).set(self.last_loss)
+        m.steps_total.labels(**lbl).inc()
+        if event.get("step_seconds") is not None:
+            m.step_seconds.labels(**lbl).observe(float(event["step_seconds"]))
         plan = self._gen.plan if self._gen else None
         line = {
             "step": step,
@@ -511,6 +542,7 @@ class Agent:
 
     def _report_failure(self, generation: int, reason: str) -> None:
         self._event("worker", f"failure in generation {generation}: {reason}")
+        self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
         self._detected.setdefault(generation + 1, time.time())
         if self.cluster is None:
             return
@@ -984,6 +1016,11 @@ class Agent:
         }
         self.cluster.arrive("timelines", f"gen-{gs.generation}", timeline)
         gs.timeline_written = True
+        if gs.record.extra.get("previous_layout"):
+            self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
+            self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(
+                timeline["resumed_s"]
+            )
         self._event(
             "recovery",
             "generation {generation} ({reason}): {layout_before} -> "

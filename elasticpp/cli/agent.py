@@ -35,6 +35,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help="worker device (default: cuda when GPUs are visible)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9430,
+        help="serve Prometheus metrics on this port (0: off)",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -76,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         backend="nccl" if device == "cuda" else "gloo",
         device=device,
+        metrics_port=args.metrics_port,
     )
+    if not 0 <= args.metrics_port < 65536:
+        raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

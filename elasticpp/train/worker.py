@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -356,6 +357,29 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     return outcome
 
 
+def _die_with_parent() -> None:
+    """A worker never outlives its supervisor: if the agent is killed (even with SIGKILL),
+    its workers follow at once instead of lingering as orphans holding GPUs."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+    def watch() -> None:
+        # Also covers platforms without PR_SET_PDEATHSIG.
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main() -> int:
     logging.basicConfig(
         level=logging.INFO,
@@ -363,6 +387,7 @@ def main() -> int:
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
     )
     out = EventWriter(sys.stdout)
+    _die_with_parent()
     # Import everything the assignment needs before saying "ready": a warm worker must
     # never pay the import on the recovery path.
     import torch

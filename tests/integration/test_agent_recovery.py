@@ -89,6 +89,20 @@ def assert_same_curve(lc: LocalCluster, reference: dict[int, float]) -> None:
         )
 
 
+def scrape(port: int) -> dict[str, float]:
+    """Unlabelled view of an agent's /metrics: metric name -> value of its last sample."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def leader_of(lc: LocalCluster) -> str | None:
     with ClusterClient([lc.etcd.endpoint], SPEC["name"]) as c:
         return c.leader()
@@ -102,6 +116,12 @@ def test_kill_9_of_a_node_recovers_with_the_same_loss_curve(
     cluster.wait_for(lambda: cluster.max_step() >= 3, 120, "step 3")
     victim = next(n.node_id for n in cluster.nodes if n.node_id != leader_of(cluster))
     cluster.kill_node(victim)
+    survivor = next(n for n in cluster.nodes if n.node_id != victim)
+    cluster.wait_for(
+        lambda: scrape(survivor.metrics_port).get("elasticpp_generation", 0) >= 2,
+        120,
+        "the survivors' metrics to show the new generation",
+    )
     cluster.wait_finished(180)
     assert_same_curve(cluster, reference)
     timelines = cluster.timelines()
@@ -259,6 +279,8 @@ def test_an_agent_with_a_different_job_spec_is_refused(cluster: LocalCluster) ->
             "127.0.0.1:0",
             "--state-dir",
             str(cluster.workdir / "node-9"),
+            "--metrics-port",
+            "0",
         ],
         capture_output=True,
         text=True,

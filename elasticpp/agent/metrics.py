@@ -1,0 +1,79 @@
+"""Prometheus metrics of one agent, on a registry of its own (never the global one).
+
+Names follow Prometheus's rules: `elasticpp_` prefix, base units, counters end in `_total`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+WORKER_STATES = ("warm", "starting", "running", "stopping", "stopped", "done", "failed")
+
+
+@dataclass
+class AgentMetrics:
+    registry: CollectorRegistry
+    step: Gauge
+    loss: Gauge
+    generation: Gauge
+    is_leader: Gauge
+    etcd_up: Gauge
+    members: Gauge
+    workers: Gauge
+    steps_total: Counter
+    worker_failures_total: Counter
+    recoveries_total: Counter
+    recovery_seconds: Histogram
+    step_seconds: Histogram
+    state_fetched_bytes_total: Counter
+    labels: dict[str, str]
+
+    @classmethod
+    def create(cls, node_id: str, job: str) -> AgentMetrics:
+        r = CollectorRegistry(auto_describe=True)
+        labels = {"node": node_id, "job_name": job}
+
+        def g(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, [*labels, *extra], registry=r)
+
+        def c(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=r)
+
+        return cls(
+            registry=r,
+            step=g("elasticpp_step", "Newest step this node's workers completed"),
+            loss=g("elasticpp_loss", "Loss of the newest completed step (global-batch mean)"),
+            generation=g("elasticpp_generation", "Plan generation this agent follows"),
+            is_leader=g("elasticpp_is_leader", "1 if this agent is the leader"),
+            etcd_up=g("elasticpp_etcd_up", "1 if the agent's last etcd call succeeded"),
+            members=g("elasticpp_members", "Registered nodes of the job, as this agent sees"),
+            workers=g("elasticpp_workers", "Local worker processes by state", ("state",)),
+            steps_total=c("elasticpp_steps", "Steps completed by this node's workers"),
+            worker_failures_total=c(
+                "elasticpp_worker_failures", "Local worker exits or hangs that needed recovery"
+            ),
+            recoveries_total=c("elasticpp_recoveries", "Generations after the first"),
+            recovery_seconds=Histogram(
+                "elasticpp_recovery_seconds",
+                "Seconds from detection to training resumed, per recovery (leader only)",
+                list(labels),
+                buckets=(0.5, 1, 2, 3, 4.5, 6, 10, 20, 45, 90),
+                registry=r,
+            ),
+            step_seconds=Histogram(
+                "elasticpp_step_seconds",
+                "Wall time of one training step",
+                list(labels),
+                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+                registry=r,
+            ),
+            state_fetched_bytes_total=c(
+                "elasticpp_state_fetched_bytes", "Bytes of state pieces fetched from peers"
+            ),
+            labels=labels,
+        )
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,78 @@
+"""A worker never outlives its supervisor, even one killed with SIGKILL mid-training."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticpp.agent.localcluster import descendants
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait(cond: object, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return bool(cond())  # type: ignore[operator]
+
+
+@pytest.mark.timeout(180)
+def test_training_workers_die_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    sup = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "elasticpp.cli.main",
+            "train",
+            "--model",
+            "tiny",
+            "--layout",
+            "pp=2,tp=1,dp=1",
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "100000",
+            "--metrics",
+            str(metrics),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    workers: list[int] = []
+    try:
+        assert _wait(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 120)
+        workers = descendants(sup.pid)
+        assert len(workers) >= 2
+        os.kill(sup.pid, signal.SIGKILL)  # no handler runs: only the workers' lifeline helps
+        sup.wait(timeout=10)
+        assert _wait(lambda: not any(_alive(p) for p in workers), 10), (
+            f"workers outlived their killed supervisor: {[p for p in workers if _alive(p)]}"
+        )
+    finally:
+        for p in workers:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()

@@ -1,0 +1,104 @@
+"""The leader's pure decisions, with plain values and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticpp.agent.decide import (
+    ClusterView,
+    Replan,
+    TransitionError,
+    Wait,
+    WorkerState,
+    decide_replan,
+    is_hung,
+    transition,
+)
+
+
+def view(members: dict[str, dict[str, object]] | list[str], **kw: object) -> ClusterView:
+    if isinstance(members, list):
+        members = {m: {} for m in members}
+    base: dict[str, object] = {
+        "members": members,
+        "dead": set(),
+        "current_nodes": None,
+        "failed": set(),
+        "now_s": 100.0,
+        "last_join_s": 0.0,
+    }
+    base.update(kw)
+    return ClusterView(**base)  # type: ignore[arg-type]
+
+
+def decide(v: ClusterView, min_nodes: int = 1, max_nodes: int = 4) -> Replan | Wait | None:
+    return decide_replan(v, min_nodes=min_nodes, max_nodes=max_nodes, settle_s=2.0)
+
+
+def test_first_plan_waits_for_min_nodes_then_for_joins_to_settle() -> None:
+    assert isinstance(decide(view(["a"]), min_nodes=2), Wait)
+    assert isinstance(decide(view(["a", "b"], last_join_s=99.0), min_nodes=2), Wait)
+    d = decide(view(["b", "a"]), min_nodes=2)
+    assert d == Replan("initial plan for 2 node(s)", graceful=False, nodes=("a", "b"))
+
+
+def test_lost_node_replans_at_once_without_waiting_for_settle() -> None:
+    d = decide(view(["a", "b"], current_nodes=("a", "b", "c"), last_join_s=99.9))
+    assert isinstance(d, Replan) and not d.graceful and d.nodes == ("a", "b")
+    assert "c" in d.reason
+
+
+def test_a_probed_dead_node_counts_as_lost_before_its_lease_lapses() -> None:
+    d = decide(view(["a", "b", "c"], current_nodes=("a", "b", "c"), dead={"c"}))
+    assert isinstance(d, Replan) and d.nodes == ("a", "b") and not d.graceful
+
+
+def test_worker_failure_replans_on_the_same_nodes() -> None:
+    d = decide(view(["a", "b"], current_nodes=("a", "b"), failed={"b"}))
+    assert isinstance(d, Replan) and d.nodes == ("a", "b") and "failure on b" in d.reason
+
+
+def test_failure_reports_of_nodes_outside_the_generation_are_ignored() -> None:
+    assert decide(view(["a", "b"], current_nodes=("a", "b"), failed={"z"})) is None
+
+
+def test_join_is_graceful_and_waits_for_settle() -> None:
+    v = view(["a", "b", "c"], current_nodes=("a", "b"), last_join_s=99.0)
+    assert isinstance(decide(v), Wait)
+    d = decide(view(["a", "b", "c"], current_nodes=("a", "b"), last_join_s=90.0))
+    assert isinstance(d, Replan) and d.graceful and d.nodes == ("a", "b", "c")
+
+
+def test_join_beyond_max_nodes_changes_nothing() -> None:
+    assert decide(view(["a", "b", "c"], current_nodes=("a", "b")), max_nodes=2) is None
+
+
+def test_drain_is_graceful_and_excludes_the_draining_node() -> None:
+    members = {"a": {}, "b": {"draining": True}, "c": {}}
+    d = decide(view(members, current_nodes=("a", "b", "c")))
+    assert isinstance(d, Replan) and d.graceful and d.nodes == ("a", "c")
+
+
+def test_below_min_nodes_after_a_loss_waits() -> None:
+    d = decide(view(["a"], current_nodes=("a", "b")), min_nodes=2)
+    assert isinstance(d, Wait) and "min_nodes" in d.reason
+
+
+def test_nothing_to_do_when_stable_or_done() -> None:
+    assert decide(view(["a", "b"], current_nodes=("a", "b"))) is None
+    assert decide(view(["a"], current_nodes=("a", "b"), job_done=True)) is None
+
+
+def test_is_hung_uses_the_timeout_and_zero_disables() -> None:
+    assert not is_hung(10.0, 14.9, 5.0)
+    assert is_hung(10.0, 15.1, 5.0)
+    assert not is_hung(0.0, 1e9, 0.0)
+
+
+def test_worker_transitions_refuse_what_is_not_written_down() -> None:
+    assert transition(WorkerState.WARM, WorkerState.STARTING) is WorkerState.STARTING
+    assert transition(WorkerState.RUNNING, WorkerState.STOPPING) is WorkerState.STOPPING
+    with pytest.raises(TransitionError):
+        transition(WorkerState.DONE, WorkerState.RUNNING)
+    with pytest.raises(TransitionError):
+        transition(WorkerState.WARM, WorkerState.RUNNING)

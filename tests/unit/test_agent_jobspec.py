@@ -1,0 +1,90 @@
+"""Job spec validation: every refusal names the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elasticpp.agent.jobspec import JobSpec, diff, load_job_spec, parse_job_spec
+from elasticpp.errors import ConfigError
+from elasticpp.train.config import TrainConfig
+
+MINIMAL = {
+    "name": "job-a",
+    "model": "tiny",
+    "global_batch": 16,
+    "micro_batch": 2,
+    "steps": 10,
+    "seed": 1,
+    "min_nodes": 1,
+    "max_nodes": 4,
+}
+
+
+def test_minimal_spec_gets_train_defaults_of_elasticpp_train() -> None:
+    spec = parse_job_spec(dict(MINIMAL))
+    cfg = spec.train_config()
+    default = TrainConfig()
+    assert (cfg.lr, cfg.warmup_steps, cfg.schedule, cfg.clip_grad) == (
+        default.lr,
+        default.warmup_steps,
+        default.schedule,
+        default.clip_grad,
+    )
+    assert (cfg.steps, cfg.seed) == (10, 1)
+
+
+def test_round_trip_through_canonical_json() -> None:
+    spec = parse_job_spec({**MINIMAL, "optimizer": {"lr": 3e-4}, "schedule": "gpipe"})
+    again = JobSpec.from_json(spec.to_json())
+    assert again == spec and again.to_json() == spec.to_json()
+    assert again.train_config().lr == 3e-4 and again.train_config().schedule == "gpipe"
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"global_batch": 0}, "global_batch"),
+        ({"micro_batch": 3}, "micro_batch"),
+        ({"min_nodes": 5}, "min_nodes"),
+        ({"model": "gpt-9000"}, "gpt-9000"),
+        ({"name": "Bad Name"}, "name"),
+        ({"lease_ttl_s": 1}, "lease_ttl_s"),
+        ({"optimizer": {"learning_rate": 1}}, "learning_rate"),
+        ({"colour": "blue"}, "colour"),
+        ({"schedule": "zigzag"}, "schedule"),
+        ({"persist_every": 5}, "persist_dir"),
+        ({"device": "tpu"}, "tpu"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(change: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        parse_job_spec({**MINIMAL, **change})
+
+
+def test_missing_required_keys_are_named() -> None:
+    data = {k: v for k, v in MINIMAL.items() if k not in ("steps", "seed")}
+    with pytest.raises(ConfigError, match="steps, seed"):
+        parse_job_spec(data)
+
+
+def test_diff_names_the_fields_that_differ() -> None:
+    a = parse_job_spec(dict(MINIMAL))
+    b = parse_job_spec({**MINIMAL, "global_batch": 32, "optimizer": {"lr": 0.1}})
+    assert diff(a, b) == ["global_batch", "lr"]
+    assert diff(a, a) == []
+
+
+def test_load_from_yaml_with_a_model_file_beside_it(tmp_path: Path) -> None:
+    (tmp_path / "m.yaml").write_text(
+        "num_layers: 2\nhidden_size: 32\nnum_heads: 2\nvocab_size: 256\nseq_len: 16\n"
+    )
+    (tmp_path / "job.yaml").write_text(
+        "\n".join(f"{k}: {v}" for k, v in {**MINIMAL, "model": "m.yaml"}.items())
+    )
+    spec = load_job_spec(tmp_path / "job.yaml")
+    assert spec.model.num_layers == 2 and spec.model.ffn_hidden_size == 128
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+        load_job_spec(tmp_path / "bad.yaml")
