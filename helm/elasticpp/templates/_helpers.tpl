@@ -1,0 +1,109 @@
+{{/*
+Names and labels, after the prometheus node-exporter chart.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "elasticpp.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name: release-chart, or fullnameOverride. Pod names add "-N" to it and pod names
+are the agents' node ids, so it is kept to 52 characters.
+*/}}
+{{- define "elasticpp.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* chart-version, for the helm.sh/chart label. */}}
+{{- define "elasticpp.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every object carries. */}}
+{{- define "elasticpp.labels" -}}
+helm.sh/chart: {{ include "elasticpp.chart" . }}
+{{ include "elasticpp.selectorLabels" . }}
+app.kubernetes.io/component: agent
+app.kubernetes.io/part-of: elasticpp
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels that select the agents' pods; never change them on upgrade. */}}
+{{- define "elasticpp.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "elasticpp.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* The ServiceAccount the pods run as. */}}
+{{- define "elasticpp.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "elasticpp.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The container image reference. */}}
+{{- define "elasticpp.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/* The etcd endpoints as the agent's --etcd value. */}}
+{{- define "elasticpp.etcdEndpoints" -}}
+{{- join "," .Values.etcd.endpoints }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds: long enough for a drain to finish. */}}
+{{- define "elasticpp.gracePeriodSeconds" -}}
+{{- add (int .Values.drain.waitSeconds) (int .Values.drain.graceMarginSeconds) }}
+{{- end }}
+
+{{/*
+Refuse values that cannot work, with a message naming the values. Called by every template
+that depends on them, so `helm template` and `helm install` fail before anything is created.
+*/}}
+{{- define "elasticpp.validate" -}}
+{{- $spec := .Values.jobSpec }}
+{{- if not .Values.etcd.endpoints }}
+{{- fail "etcd.endpoints is required: list the etcd cluster's HOST:PORT entries (e.g. --set 'etcd.endpoints={etcd-0.etcd:2379,etcd-1.etcd:2379}')" }}
+{{- end }}
+{{- range .Values.etcd.endpoints }}
+{{- if not (regexMatch "^[^:/,\\s]+:[0-9]{1,5}$" .) }}
+{{- fail (printf "etcd.endpoints: %q is not HOST:PORT" .) }}
+{{- end }}
+{{- end }}
+{{- range $key := list "name" "model" "global_batch" "micro_batch" "steps" "seed" "min_nodes" "max_nodes" }}
+{{- if not (hasKey $spec $key) }}
+{{- fail (printf "jobSpec.%s is required (the job spec needs name, model, global_batch, micro_batch, steps, seed, min_nodes, max_nodes)" $key) }}
+{{- end }}
+{{- end }}
+{{- $min := int $spec.min_nodes }}
+{{- $max := int $spec.max_nodes }}
+{{- $replicas := int .Values.replicas }}
+{{- if gt $min $max }}
+{{- fail (printf "jobSpec.min_nodes (%d) exceeds jobSpec.max_nodes (%d)" $min $max) }}
+{{- end }}
+{{- if or (lt $replicas $min) (gt $replicas $max) }}
+{{- fail (printf "replicas (%d) must lie within [jobSpec.min_nodes, jobSpec.max_nodes] = [%d, %d]" $replicas $min $max) }}
+{{- end }}
+{{- if mod (int $spec.global_batch) (int $spec.micro_batch) }}
+{{- fail (printf "jobSpec.global_batch (%d) is not a multiple of jobSpec.micro_batch (%d)" (int $spec.global_batch) (int $spec.micro_batch)) }}
+{{- end }}
+{{- if eq (int .Values.agent.grpcPort) (int .Values.agent.metricsPort) }}
+{{- fail (printf "agent.grpcPort and agent.metricsPort are both %d: they must differ" (int .Values.agent.grpcPort)) }}
+{{- end }}
+{{- end }}

