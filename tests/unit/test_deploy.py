@@ -589,3 +589,169 @@ def test_prometheus_rules_use_only_metrics_the_agent_exports():
         for rule in group["rules"]:
             for name in re.findall(r"\belasticpp_[a-z0-9_:]+", rule["expr"]):
                 assert name in exported or name in recorded, f"{name} in {rule['expr']!r}"
+
+
+# ----------------------------------------------------------------------------- systemd, live
+
+STOP_SPEC = {
+    "name": "deploy-stop",
+    "model": "tiny",
+    "global_batch": 8,
+    "micro_batch": 2,
+    "steps": 100000,  # never finishes during the test
+    "seed": 0,
+    "min_nodes": 1,
+    "max_nodes": 2,
+    "lease_ttl_s": 3,
+    "join_settle_s": 0.5,
+}
+
+
+def _steps_logged(state_dir: Path) -> list[dict[str, Any]]:
+    import json
+
+    path = state_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return rows
+
+
+def _wait(cond: Any, timeout_s: float, what: str, procs: Sequence[Any] = ()) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"{what}: agent {p.args[0]} exited early with {p.returncode}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(180)
+def test_systemd_start_and_stop_run_as_systemd_runs_them_drain_the_node(tmp_path: Path, etcd: Any):
+    """ExecStart and ExecStop expanded from the unit and an EnvironmentFile and run without
+    systemd: READY=1 arrives on NOTIFY_SOCKET, and the stop drains the node (the job goes on
+    on the other node) while ExecStop waits for the agent to exit 0 by itself."""
+    import json
+    import socket
+    import threading
+    import uuid
+
+    from elasticpp.agent.localcluster import descendants, free_ports, kill_tree
+
+    elasticpp = str(Path(sys.executable).parent / "elasticpp")
+    entries = _unit_entries(UNIT.read_text(encoding="utf-8").replace(INSTALLED_BIN, elasticpp))
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps(STOP_SPEC), encoding="utf-8")  # JSON is YAML
+
+    def node_env(node_id: str) -> tuple[dict[str, str], Path]:
+        grpc_port, metrics_port = free_ports(2)
+        env_file = "\n".join(
+            [
+                f"ELASTICPP_ETCD={etcd.endpoint}",
+                f"ELASTICPP_JOB_SPEC={spec}",
+                f"ELASTICPP_NODE_ID={node_id}",
+                f"ELASTICPP_LISTEN=127.0.0.1:{grpc_port}",
+                f"ELASTICPP_CTL_ADDR=127.0.0.1:{grpc_port}",
+                f"ELASTICPP_METRICS_PORT={metrics_port}",
+                "ELASTICPP_DRAIN_WAIT_S=90",
+                "ELASTICPP_AGENT_OPTS=--slots 1 --device cpu",
+            ]
+        )
+        root = tmp_path / node_id
+        unit_env = {
+            k: v.replace("/var/lib", str(root / "lib")).replace("/var/cache", str(root / "cache"))
+            for k, v in _unit_environment(entries, env_file).items()
+        }
+        (root / "lib" / "elasticpp").mkdir(parents=True)  # systemd's StateDirectory=
+        (root / "cache" / "elasticpp").mkdir(parents=True)  # CacheDirectory=
+        return unit_env, root / "lib" / "elasticpp"
+
+    def exec_start(unit_env: dict[str, str], root: Path) -> list[str]:
+        argv = _systemd_exec_argv(_unit_value(entries, "ExecStart"), unit_env)
+        return [a.replace("/var/lib", str(root.parent)) for a in argv]
+
+    notify_name = f"elasticpp-test-{uuid.uuid4().hex}"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind("\0" + notify_name)  # abstract: no path length limit, nothing to clean up
+    notify.settimeout(120)
+    env_a, state_a = node_env("node-a")
+    env_b, state_b = node_env("node-b")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for env, state, extra in (
+            (env_a, state_a, {"NOTIFY_SOCKET": "@" + notify_name}),
+            (env_b, state_b, {}),
+        ):
+            with (state.parent.parent / "agent.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        exec_start(env, state),
+                        env={**os.environ, **env, **extra},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        agent_a, agent_b = procs
+        # systemd is the main process's parent and reaps it at once; so must we, or ExecStop's
+        # `kill -0 $MAINPID` would see a zombie and wait forever.
+        reaper = threading.Thread(target=agent_a.wait, daemon=True)
+        reaper.start()
+        # Type=notify: systemd considers the unit started on READY=1 from the main process.
+        assert notify.recv(256) == b"READY=1"
+
+        # Both nodes train in one layout before the stop.
+        def both_train() -> bool:
+            rows_a, rows_b = _steps_logged(state_a), _steps_logged(state_b)
+            gens_a = {r["generation"] for r in rows_a}
+            return any(r["generation"] in gens_a for r in rows_b)
+
+        _wait(both_train, 120, "both nodes training", procs)
+        workers_a = descendants(agent_a.pid)
+        assert workers_a, "node-a has no worker processes"
+
+        # systemctl stop: ExecStop with MAINPID, in the unit's environment.
+        stop_line = _systemd_specifiers(_unit_value(entries, "ExecStop").replace("$$", "$"))
+        stop = subprocess.run(
+            shlex.split(stop_line),
+            env={**os.environ, **env_a, "MAINPID": str(agent_a.pid)},
+            capture_output=True,
+            text=True,
+            timeout=150,
+            check=False,
+        )
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        # ExecStop returned only once the agent was gone: nothing left for SIGTERM to cut short.
+        reaper.join(timeout=10)
+        assert agent_a.returncode == 0, agent_a.returncode
+        log_a = (tmp_path / "node-a" / "agent.log").read_text(encoding="utf-8")
+        assert "drained" in log_a and "drain timed out" not in log_a, log_a[-3000:]
+        _wait(
+            lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers_a),
+            30,
+            "node-a's workers to stop",
+        )
+
+        # The job goes on without node-a, in a newer generation.
+        last_gen_a = max(r["generation"] for r in _steps_logged(state_a))
+        _wait(
+            lambda: any(r["generation"] > last_gen_a for r in _steps_logged(state_b)),
+            120,
+            "node-b training in a generation without node-a",
+            [agent_b],
+        )
+    finally:
+        notify.close()
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+            p.wait(timeout=30)
