@@ -636,10 +636,11 @@ def _wait(cond: Any, timeout_s: float, what: str, procs: Sequence[Any] = ()) -> 
 
 
 @pytest.mark.timeout(180)
-def test_systemd_start_and_stop_run_as_systemd_runs_them_drain_the_node(tmp_path: Path, etcd: Any):
+def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, etcd: Any):
     """ExecStart and ExecStop expanded from the unit and an EnvironmentFile and run without
     systemd: READY=1 arrives on NOTIFY_SOCKET, and the stop drains the node (the job goes on
-    on the other node) while ExecStop waits for the agent to exit 0 by itself."""
+    on the other node) while ExecStop waits for the agent to exit 0 by itself. Then the Helm
+    chart's preStop hook stops the last agent and returns once it has exited."""
     import json
     import socket
     import threading
@@ -730,11 +731,13 @@ def test_systemd_start_and_stop_run_as_systemd_runs_them_drain_the_node(tmp_path
             check=False,
         )
         assert stop.returncode == 0, stop.stdout + stop.stderr
-        # ExecStop returned only once the agent was gone: nothing left for SIGTERM to cut short.
-        reaper.join(timeout=10)
-        assert agent_a.returncode == 0, agent_a.returncode
+        # ExecStop returned only once the agent had drained and left etcd: nothing is left for
+        # systemd's SIGTERM to cut short.
         log_a = (tmp_path / "node-a" / "agent.log").read_text(encoding="utf-8")
         assert "drained" in log_a and "drain timed out" not in log_a, log_a[-3000:]
+        assert "node node-a deregistered" in log_a, log_a[-3000:]
+        reaper.join(timeout=10)
+        assert agent_a.returncode == 0, agent_a.returncode
         _wait(
             lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers_a),
             30,
@@ -749,6 +752,30 @@ def test_systemd_start_and_stop_run_as_systemd_runs_them_drain_the_node(tmp_path
             "node-b training in a generation without node-a",
             [agent_b],
         )
+
+        # The chart's preStop hook on the last node: the drain cannot hand off below
+        # min_nodes, so the agent exits when its drain wait runs out, and the hook's status
+        # loop ends when the agent no longer answers.
+        reaper_b = threading.Thread(target=agent_b.wait, daemon=True)
+        reaper_b.start()
+        port_b = env_b["ELASTICPP_LISTEN"].rsplit(":", 1)[1]
+        docs = _render("--set", f"agent.grpcPort={port_b}", "--set", "drain.waitSeconds=2")
+        hook = _agent_container(docs)["lifecycle"]["preStop"]["exec"]["command"]
+        path = f"{Path(elasticpp).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        pre_stop = subprocess.run(
+            hook,
+            env={**os.environ, "PATH": path},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert pre_stop.returncode == 0, pre_stop.stdout + pre_stop.stderr
+        # The hook returned only once the agent had stopped serving (it logs this first).
+        log_b = (tmp_path / "node-b" / "agent.log").read_text(encoding="utf-8")
+        assert "drain timed out" in log_b, log_b[-3000:]
+        reaper_b.join(timeout=10)
+        assert agent_b.returncode == 0, agent_b.returncode
     finally:
         notify.close()
         for p in procs:
