@@ -718,6 +718,7 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
 
         _wait(both_train, 120, "both nodes training", procs)
         workers_a = descendants(agent_a.pid)
+        gen_before_stop = max(r["generation"] for r in _steps_logged(state_b))
         assert workers_a, "node-a has no worker processes"
 
         # systemctl stop: ExecStop with MAINPID, in the unit's environment.
@@ -752,6 +753,18 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
             "node-b training in a generation without node-a",
             [agent_b],
         )
+
+        # A drain switches at a step boundary: the generations after it recompute nothing.
+        def timelines_after(generation: int) -> list[dict[str, Any]]:
+            from elasticpp.cluster import ClusterClient
+
+            with ClusterClient([etcd.endpoint], STOP_SPEC["name"]) as client:
+                timelines, _rev = client.barrier_state("timelines")
+            return [t for t in timelines.values() if int(t["generation"]) > generation]
+
+        _wait(lambda: timelines_after(gen_before_stop), 60, "a recovery timeline", [agent_b])
+        for timeline in timelines_after(gen_before_stop):
+            assert int(timeline["steps_recomputed"]) == 0, timeline
 
         # The chart's preStop hook on the last node: the drain cannot hand off below
         # min_nodes, so the agent exits when its drain wait runs out, and the hook's status
