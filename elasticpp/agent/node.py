@@ -54,7 +54,7 @@ from elasticpp.agent.decide import (
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.metrics import WORKER_STATES, AgentMetrics
 from elasticpp.cluster import ClusterClient
-from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import CheckpointError, ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan, load_device_spec
@@ -71,6 +71,7 @@ log = logging.getLogger("elasticpp.agent")
 
 PROBE_TIMEOUT_S = 0.5
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
+JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,7 @@ class Agent:
         self.cluster: ClusterClient | None = None
         self._registration: Any = None
         self._torch_ready = threading.Event()
+        self._watches: set[str] = set()
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
 
     # ------------------------------------------------------------------ lifecycle
@@ -238,6 +240,26 @@ class Agent:
         # torch is imported once, off the recovery path: the leader hosts the rendezvous store.
         threading.Thread(target=self._import_torch, daemon=True, name="import-torch").start()
         self.cluster = ClusterClient(list(self.cfg.etcd), self.spec.name)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while True:
+            try:
+                self._join_cluster()
+                break
+            except (ClusterUnavailableError, LeaseNotFoundError) as exc:
+                # etcd busy or restarting: joining waits for it rather than failing the node.
+                if time.monotonic() > deadline:
+                    raise
+                log.warning(
+                    "joining job %s: etcd not available (%s); retrying", self.spec.name, exc
+                )
+                time.sleep(0.5)
+        self._event(
+            "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
+        )
+
+    def _join_cluster(self) -> None:
+        """Idempotent: check the spec, start warm workers, register, watch."""
+        assert self.cluster is not None
         stored = self.cluster.put_spec_if_absent(self.spec.to_json())
         if stored != self.spec.to_json():
             other = JobSpec.from_json(stored)
@@ -247,17 +269,21 @@ class Agent:
                 f"{', '.join(fields) or 'format'}"
             )
         self._spawn_warm()
-        self._registration = self.cluster.register(
-            self.node_id, self._member_info(), ttl_s=self.spec.lease_ttl_s
-        )
+        if self._registration is None:
+            self._registration = self.cluster.register(
+                self.node_id, self._member_info(), ttl_s=self.spec.lease_ttl_s
+            )
         wake = self._on_watch
-        self.cluster.watch_members(wake)
-        self.cluster.watch_leader(wake)
-        self.cluster.watch_generation(wake)
-        self.cluster.watch(self.cluster.keys.barriers_prefix, wake, prefix=True)
-        self._event(
-            "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
-        )
+        keys = self.cluster.keys
+        for key, prefix in (
+            (keys.nodes_prefix, True),
+            (keys.leader, False),
+            (keys.generation, False),
+            (keys.barriers_prefix, True),
+        ):
+            if key not in self._watches:
+                self.cluster.watch(key, wake, prefix=prefix)
+                self._watches.add(key)
 
     def _member_info(self) -> dict[str, Any]:
         return {
@@ -415,15 +441,20 @@ class Agent:
             if self._members.get(n, {}).get("incarnation") != info.get("incarnation")
         ]
         left = sorted(set(self._members) - set(members))
+        next_gen = (record.generation if record else 0) + 1
         if joined:
             self._last_join_s = time.monotonic()
+            self._detected.setdefault(next_gen, time.time())
             self._event("membership", f"member(s) joined: {', '.join(sorted(joined))}")
             for n in joined:
                 if self._dead.get(n) != members[n].get("incarnation"):
                     self._dead.pop(n, None)
         if left:
             self._event("membership", f"member(s) left: {', '.join(left)}")
-            self._detected.setdefault(self.generation + 1, time.time())
+            planned = set(record.extra.get("nodes", {})) if record else set()
+            if planned & (set(left) - set(self._dead)):
+                # A lease lapse is the detection only for a node not already found dead.
+                self._detected.setdefault(next_gen, time.time())
         self._members = members
         self._record, self._record_rev = record, rev
         self._leader = leader
@@ -918,7 +949,7 @@ class Agent:
             "graceful": decision.graceful if rec is not None else False,
             "nodes": {n: str(self._members[n]["address"]) for n in decision.nodes},
             "previous_layout": Plan.from_dict(rec.plan).layout.__str__() if rec else "",
-            "detected_at": self._detected.get(generation, time.time()),
+            "detected_at": self._detection_time(generation),
             "planned_at": time.time(),
         }
         record = GenerationRecord(
@@ -930,6 +961,8 @@ class Agent:
             extra=extra,
         )
         if self.cluster.write_generation(record, self._record_rev, self._leadership):
+            for g in [g for g in self._detected if g <= generation]:
+                del self._detected[g]
             self._event(
                 "decision",
                 f"leader: generation {generation} = {plan.layout}, "
@@ -937,6 +970,17 @@ class Agent:
                 f"({decision.reason})",
             )
             self._dirty = True
+
+    def _detection_time(self, generation: int) -> float:
+        """When the change behind `generation` was first seen: a failure report of the
+        current generation (by any agent), a lapsed lease or a join seen here, else now."""
+        seen = [self._detected.get(generation, time.time())]
+        rec = self._record
+        if rec is not None:
+            for v in self._barriers.get(f"failed-{rec.generation}", {}).values():
+                if isinstance(v, dict) and isinstance(v.get("at"), (int, float)):
+                    seen.append(float(v["at"]))
+        return min(seen)
 
     def _lead_resume(self, gs: _GenState, view: ClusterView) -> None:
         if gs.resume_written:
