@@ -289,3 +289,37 @@ def test_an_agent_with_a_different_job_spec_is_refused(cluster: LocalCluster) ->
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert "global_batch" in last and "seed" in last, last
+
+
+@pytest.mark.timeout(240)
+def test_a_drained_node_hands_off_at_a_step_boundary_and_exits_0(
+    cluster: LocalCluster, reference: dict[int, float]
+) -> None:
+    cluster.start()
+    cluster.wait_for(lambda: cluster.max_step() >= 3, 120, "step 3")
+    leaving = cluster.nodes[1]
+    ctl = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticpp.cli.main",
+            "ctl",
+            "--agent",
+            leaving.address,
+            "drain",
+            "--wait",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ctl.returncode == 0, ctl.stdout + ctl.stderr
+    assert leaving.proc is not None
+    assert leaving.proc.wait(timeout=120) == 0
+    cluster.wait_finished(180)
+    assert_same_curve(cluster, reference)
+    drains = [t for t in cluster.timelines() if "drain" in str(t["reason"])]
+    assert drains, cluster.timelines()
+    assert all(int(t["steps_recomputed"]) == 0 for t in drains), drains
+    assert all(leaving.node_id not in str(t["layout_after"]) for t in drains)
