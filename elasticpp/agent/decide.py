@@ -78,6 +78,7 @@ class ClusterView:
     now_s: float
     last_join_s: float  # when the newest member registered
     job_done: bool = False
+    restarted: Set[str] = frozenset()  # nodes of the generation whose agent restarted since
 
 
 def live_nodes(view: ClusterView) -> list[str]:
@@ -104,7 +105,7 @@ def decide_replan(
             return Wait("waiting for joins to settle")
         return Replan(f"initial plan for {len(chosen)} node(s)", graceful=False, nodes=chosen)
     current = set(view.current_nodes)
-    lost = sorted(current - set(live_nodes(view)))
+    lost = sorted((current - set(live_nodes(view))) | (current & set(view.restarted)))
     if lost or view.failed & current:
         if len(usable) < min_nodes:
             return Wait(f"only {len(usable)} usable node(s) left, min_nodes is {min_nodes}")

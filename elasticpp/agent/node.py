@@ -53,6 +53,7 @@ from elasticpp.agent.decide import (
 )
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.metrics import WORKER_STATES, AgentMetrics
+from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.records import GenerationRecord
@@ -60,8 +61,15 @@ from elasticpp.errors import CheckpointError, ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan, load_device_spec
 from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.client import StateClient
-from elasticpp.store.holdings import NodeHoldings
+from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings
 from elasticpp.store.local import LocalStore
+from elasticpp.store.persist import (
+    checkpoint_holdings,
+    copy_verified,
+    finalize_checkpoint,
+    persist_pieces,
+    prune_checkpoints,
+)
 from elasticpp.store.resolver import resolve
 from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
 from elasticpp.train.procs import EXITED, WorkerProcess
@@ -71,6 +79,7 @@ log = logging.getLogger("elasticpp.agent")
 
 PROBE_TIMEOUT_S = 0.5
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
+MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
 
 
@@ -204,6 +213,8 @@ class Agent:
         self._registration: Any = None
         self._torch_ready = threading.Event()
         self._watches: set[str] = set()
+        self._replan_failures = 0
+        self._replan_not_before_s = 0.0
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
 
     # ------------------------------------------------------------------ lifecycle
@@ -568,8 +579,19 @@ class Agent:
                 return
             for old in [k for k in self._snap_reports if k[1] <= step]:
                 del self._snap_reports[old]
+            if self.cluster is not None:
+                # The job's high-water mark: a job that ever committed a step never silently
+                # starts over from step 0 when its state is lost.
+                with contextlib.suppress(ClusterUnavailableError):
+                    self.cluster.record_commit(w.generation, self.node_id, step)
             if self.spec.replication_copies and step % self.spec.replication_every == 0:
                 self._replicate_async()
+            if (
+                self.spec.persist_dir
+                and self.spec.persist_every
+                and (step % self.spec.persist_every == 0 or step == self.spec.steps)
+            ):
+                self._persist_async(step, plan.model.num_layers)
 
     def _report_failure(self, generation: int, reason: str) -> None:
         self._event("worker", f"failure in generation {generation}: {reason}")
@@ -720,11 +742,19 @@ class Agent:
                     wanted[name] = (origin, source, sha, size)
             local = [(o, step, n) for n, (o, src, _, _) in wanted.items() if src == self.node_id]
             self.store.materialize(target, local)
-            addresses = gs.record.extra.get("nodes", {})
+            for name, (_o, source, sha, size) in sorted(wanted.items()):
+                if source == DISK_SOURCE:  # the persistent checkpoint, for whole-cluster loss
+                    assert self.spec.persist_dir is not None
+                    src = Path(self.spec.persist_dir) / step_dirname(step) / name
+                    copy_verified(src, target / name, sha, size)
+            # Sources may lie outside the new plan (a draining node hands its state over).
+            addresses = {n: str(i.get("address")) for n, i in self._members.items()}
+            addresses.update(gs.record.extra.get("sources", {}))
+            addresses.update(gs.record.extra.get("nodes", {}))
             clients: dict[str, StateClient] = {}
             try:
                 for name, (origin, source, sha, size) in sorted(wanted.items()):
-                    if source == self.node_id:
+                    if source in (self.node_id, DISK_SOURCE):
                         continue
                     client = clients.get(source)
                     if client is None:
@@ -738,6 +768,23 @@ class Agent:
             gs.fetch_done_at = time.time()
         except Exception as exc:  # reported to the loop, which reports it to the leader
             gs.fetch_error = f"{type(exc).__name__}: {exc}"
+
+    def _persist_async(self, step: int, num_layers: int) -> None:
+        """Copy this node's pieces of `step` into the (shared) checkpoint directory; the
+        last node to contribute writes the manifest. Off the training path."""
+        assert self.spec.persist_dir is not None
+        root = Path(self.spec.persist_dir)
+
+        def run() -> None:
+            try:
+                persist_pieces(self.store, root, step)
+                if finalize_checkpoint(root, step, num_layers) is not None:
+                    log.info("checkpoint of step %d complete in %s", step, root)
+                    prune_checkpoints(root, keep=2)
+            except (ElasticppError, OSError) as exc:
+                log.warning("checkpoint of step %d failed: %s", step, exc)
+
+        threading.Thread(target=run, daemon=True, name="persist").start()
 
     def _replicate_async(self) -> None:
         gs = self._gen
@@ -850,6 +897,12 @@ class Agent:
         dead = {
             n for n, inc in self._dead.items() if self._members.get(n, {}).get("incarnation") == inc
         }
+        recorded = rec.extra.get("incarnations", {}) if rec else {}
+        restarted = {
+            n
+            for n, inc in recorded.items()
+            if n in self._members and self._members[n].get("incarnation") != inc
+        }
         return ClusterView(
             members=self._members,
             dead=dead,
@@ -858,6 +911,7 @@ class Agent:
             now_s=time.monotonic(),
             last_join_s=self._last_join_s,
             job_done=self._job_done_step is not None,
+            restarted=restarted,
         )
 
     def _probe(self, nodes: list[str]) -> set[str]:
@@ -913,6 +967,8 @@ class Agent:
             and not gs.resume_written
         )
         if isinstance(decision, Replan):
+            if time.monotonic() < self._replan_not_before_s:
+                return
             if not (decision.graceful and in_progress):
                 self._write_generation(decision, view)
                 return
@@ -948,6 +1004,13 @@ class Agent:
             "reason": decision.reason,
             "graceful": decision.graceful if rec is not None else False,
             "nodes": {n: str(self._members[n]["address"]) for n in decision.nodes},
+            # Every live node may serve state, also one outside the new plan (draining).
+            "sources": {
+                n: str(self._members[n]["address"]) for n in live_nodes(view) if n in self._members
+            },
+            # A node whose agent restarts lost its workers: the plan must change even if the
+            # node id came back before its lease lapsed.
+            "incarnations": {n: str(self._members[n].get("incarnation")) for n in decision.nodes},
             "previous_layout": Plan.from_dict(rec.plan).layout.__str__() if rec else "",
             "detected_at": self._detection_time(generation),
             "planned_at": time.time(),
@@ -961,6 +1024,13 @@ class Agent:
             extra=extra,
         )
         if self.cluster.write_generation(record, self._record_rev, self._leadership):
+            # Back off when generations keep failing before they train (a bug or a bad
+            # node must not turn into a re-plan storm); a generation that trains resets it.
+            self._replan_failures = 0 if decision.graceful else self._replan_failures + 1
+            backoff_s = 0.0
+            if self._replan_failures > 2:
+                backoff_s = min(MAX_REPLAN_BACKOFF_S, 0.25 * 2 ** (self._replan_failures - 3))
+            self._replan_not_before_s = time.monotonic() + backoff_s
             for g in [g for g in self._detected if g <= generation]:
                 del self._detected[g]
             self._event(
@@ -970,6 +1040,10 @@ class Agent:
                 f"({decision.reason})",
             )
             self._dirty = True
+
+    def _never_committed(self, generation: int) -> bool:
+        assert self.cluster is not None
+        return not any(self.cluster.commits(g) for g in range(generation - 1, 0, -1))
 
     def _detection_time(self, generation: int) -> float:
         """When the change behind `generation` was first seen: a failure report of the
@@ -999,15 +1073,23 @@ class Agent:
             n: NodeHoldings.from_dict(v["holdings"]) for n, v in stopped.items() if n in expected
         }
         plan = gs.plan
+        disk = None
+        if self.spec.persist_dir and Path(self.spec.persist_dir).is_dir():
+            disk = checkpoint_holdings(Path(self.spec.persist_dir))
         try:
-            rp = resolve(holdings, plan, live_nodes=sorted(expected))
+            rp = resolve(holdings, plan, live_nodes=sorted(expected), disk=disk)
         except ElasticppError as exc:
-            if gs.record.extra.get("fresh_ok", True) and not any(
-                h.steps for h in holdings.values()
-            ):
-                rp = None  # a fresh job: nothing saved anywhere yet
+            if self._never_committed(gs.generation):
+                rp = None  # a fresh job: nothing was ever committed
             else:
-                self._event("decision", f"generation {gs.generation}: cannot resume: {exc}")
+                msg = (
+                    f"generation {gs.generation}: cannot resume: {exc}; the job committed "
+                    "steps before, so it does not start over (restore a checkpoint into "
+                    "persist_dir or bring back a node that holds the state)"
+                )
+                if self._last_wait != msg:
+                    self._last_wait = msg
+                    self._event("decision", msg)
                 return
         fetches: dict[str, list[list[Any]]] = {}
         step = 0
@@ -1038,6 +1120,7 @@ class Agent:
         nodes = set(gs.record.extra.get("nodes", {}))
         if not nodes <= set(started):
             return
+        self._replan_failures = 0
         assert self.cluster is not None
         resume = self._barriers.get(f"resume-{gs.generation}", {}).get(self.node_id, {})
         stopped = self._barriers.get(f"stopped-{gs.generation}", {})

@@ -80,8 +80,12 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalClu
         assert not left, f"processes left behind: {left}"
 
 
-def assert_same_curve(lc: LocalCluster, reference: dict[int, float]) -> None:
-    curve = lc.curve()
+def assert_same_curve(
+    lc: LocalCluster,
+    reference: dict[int, float],
+    earlier: dict[int, tuple[float, int]] | None = None,
+) -> None:
+    curve = {**(earlier or {}), **lc.curve()}
     assert sorted(curve) == list(range(STEPS)), f"steps trained: {sorted(curve)}"
     for step, (loss, _gen) in curve.items():
         assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (
@@ -323,3 +327,32 @@ def test_a_drained_node_hands_off_at_a_step_boundary_and_exits_0(
     assert drains, cluster.timelines()
     assert all(int(t["steps_recomputed"]) == 0 for t in drains), drains
     assert all(leaving.node_id not in str(t["layout_after"]) for t in drains)
+
+
+@pytest.mark.timeout(300)
+def test_after_losing_every_node_the_job_resumes_from_the_persistent_checkpoint(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    import shutil
+
+    ckpt = tmp_path / "checkpoints"
+    spec = {**SPEC, "persist_dir": str(ckpt), "persist_every": 4}
+    lc = LocalCluster(tmp_path / "job", spec, nodes=3, slots=2)
+    try:
+        lc.start()
+        lc.wait_for(lambda: any(ckpt.glob("step-*/manifest.json")), 150, "a checkpoint")
+        saved = max(int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/manifest.json"))
+        for n in lc.nodes:
+            lc.kill_node(n.node_id)
+        before = lc.curve()
+        for n in lc.nodes:
+            shutil.rmtree(n.state_dir)  # the machines are gone, with everything they held
+        for n in lc.nodes:
+            lc.start_node(n.node_id)
+        lc.wait_finished(200)
+        assert_same_curve(lc, reference, earlier=before)
+        resumed = [t for t in lc.timelines() if int(t["resume_step"]) > 0]
+        assert resumed and int(resumed[-1]["resume_step"]) >= saved, lc.timelines()
+    finally:
+        lc.close()
+    assert not descendants(os.getpid())
