@@ -7,11 +7,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint venv clean
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml tools/fetch_helm.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
 	$(BIN)/pip install --quiet --no-deps -e .
+	PYTHON=$(BIN)/python bash tools/fetch_helm.sh $(VENV)/tools
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -20,9 +21,9 @@ demo: $(STAMP)
 	$(BIN)/elasticpp demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check elasticpp tests bench
-	$(BIN)/ruff format --check elasticpp tests bench
-	$(BIN)/mypy --strict elasticpp/plan elasticpp/checkpoint
+	$(BIN)/ruff check elasticpp tests bench tools
+	$(BIN)/ruff format --check elasticpp tests bench tools
+	$(BIN)/mypy --strict elasticpp/plan elasticpp/checkpoint elasticpp/train elasticpp/agent/decide.py
 
 test: lint
 	$(BIN)/python -m pytest -q tests
