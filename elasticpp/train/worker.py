@@ -1,7 +1,7 @@
 """The worker process: `python -m elasticpp.train.worker`. The narrow interface between a
 supervisor (the node agent, `elasticpp train`) and the training engine.
 
-Protocol: JSON lines, one object per line, flushed. See docs/readme/train.md for the full
+Protocol: JSON lines, one object per line, flushed. See docs/train.md for the full
 description; in short:
 
 stdout (events)
