@@ -51,6 +51,7 @@ from elasticpp.agent.decide import (
     live_nodes,
     transition,
 )
+from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.metrics import WORKER_STATES, AgentMetrics
 from elasticpp.checkpoint.manifest import step_dirname
@@ -81,6 +82,7 @@ PROBE_TIMEOUT_S = 0.5
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
+GPU_CHECK_INTERVAL_S = 10.0  # NVML health poll, only with --device cuda
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,8 @@ class Agent:
         self._watches: set[str] = set()
         self._replan_failures = 0
         self._replan_not_before_s = 0.0
+        self._gpus = list(range(cfg.slots))  # physical GPUs of the slots, healthy ones only
+        self._gpu_checked_s = 0.0
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
 
     # ------------------------------------------------------------------ lifecycle
@@ -299,7 +303,7 @@ class Agent:
     def _member_info(self) -> dict[str, Any]:
         return {
             "address": self.address,
-            "slots": self.cfg.slots,
+            "slots": len(self._gpus),
             "draining": self._draining,
             "incarnation": self.incarnation,
             "pid": os.getpid(),
@@ -404,6 +408,7 @@ class Agent:
     def _tick(self) -> None:
         self._drain_worker_events()
         self._check_hangs()
+        self._check_gpus()
         now = time.monotonic()
         if self._dirty or now - self._last_refresh_s > 1.0:
             self._refresh()
@@ -622,6 +627,29 @@ class Agent:
                 w.proc.kill()
                 self._report_failure(w.generation, f"worker rank {w.rank} hung")
 
+    def _check_gpus(self) -> None:
+        """Drop GPUs that NVML reports unhealthy from this node's slots, and have the leader
+        re-plan around them."""
+        now = time.monotonic()
+        if self.cfg.device != "cuda" or now - self._gpu_checked_s < GPU_CHECK_INTERVAL_S:
+            return
+        self._gpu_checked_s = now
+        readings = read_gpu_health()
+        if readings is None:
+            return
+        healthy = set(healthy_gpus(readings))
+        lost = [g for g in self._gpus if g not in healthy]
+        if not lost:
+            return
+        self._gpus = [g for g in self._gpus if g in healthy]
+        self._event("worker", "unhealthy: " + "; ".join(describe_unhealthy(readings)))
+        if self._registration is not None:
+            with contextlib.suppress(ElasticppError):
+                self._registration.update(self._member_info())
+        gs = self._gen
+        if gs is not None:
+            self._report_failure(gs.generation, f"GPU(s) {lost} unhealthy")
+
     # ------------------------------------------------------------------ following plans
     def _follow_generation(self) -> None:
         rec = self._record
@@ -835,6 +863,7 @@ class Agent:
                 "backend": self.cfg.backend,
                 "device": self.cfg.device,
                 "num_threads": self.cfg.worker_threads,
+                "gpu_index": self._gpus[slot.local_rank] if self.cfg.device == "cuda" else None,
             }
             w = _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
             self._workers[proc.pid] = w

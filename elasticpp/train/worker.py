@@ -66,6 +66,9 @@ class Assignment:
     backend: str = "gloo"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    # The physical GPU to use; None = the plan's local rank. The agent maps local ranks onto
+    # the node's healthy GPUs, so a node that lost GPU 3 keeps using 0-2 and 4-7.
+    gpu_index: int | None = None
 
     def __post_init__(self) -> None:
         world = self.plan.gpus_used
@@ -89,6 +92,8 @@ class Assignment:
             raise ConfigError(f"assignment: device must be one of {', '.join(DEVICES)}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError("assignment: num_threads must be positive or null")
+        if self.gpu_index is not None and self.gpu_index < 0:
+            raise ConfigError("assignment: gpu_index must be >= 0 or null")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +111,7 @@ class Assignment:
             "backend": self.backend,
             "device": self.device,
             "num_threads": self.num_threads,
+            "gpu_index": self.gpu_index,
         }
 
     @classmethod
@@ -132,6 +138,7 @@ class Assignment:
                 backend=str(data.get("backend", "gloo")),
                 device=str(data.get("device", "cpu")),
                 num_threads=None if data.get("num_threads") is None else int(data["num_threads"]),
+                gpu_index=None if data.get("gpu_index") is None else int(data["gpu_index"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"assignment: malformed field: {exc!r}") from exc
@@ -278,7 +285,8 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
         torch.set_num_threads(a.num_threads)
     timeout = timedelta(seconds=job.pg_timeout_s)
     if a.device == "cuda":
-        device = torch.device("cuda", plan.slot(rank).local_rank)
+        index = a.gpu_index if a.gpu_index is not None else plan.slot(rank).local_rank
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
