@@ -41,7 +41,7 @@ def read_gpu_health(module: Any | None = None) -> list[GpuReading] | None:
     nvml: Any = module
     if nvml is None:
         try:
-            import pynvml
+            import pynvml  # type: ignore[import-untyped]
         except ImportError:
             return None
         nvml = pynvml
