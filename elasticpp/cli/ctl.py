@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             code = exc.code()
             print(
                 f"elasticpp ctl: {args.agent}: {code.name if code else 'error'}: {exc.details()}",
-                flush=True,
+                file=sys.stderr,
             )
             return 1
     return 0

@@ -126,6 +126,24 @@ def test_kill_9_of_a_node_recovers_with_the_same_loss_curve(
         120,
         "the survivors' metrics to show the new generation",
     )
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticpp.cli.main",
+            "ctl",
+            "--agent",
+            survivor.address,
+            "status",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    reply = json.loads(status.stdout)
+    assert int(reply["generation"]) >= 2 and reply["layout"], reply
     cluster.wait_finished(180)
     assert_same_curve(cluster, reference)
     timelines = cluster.timelines()
