@@ -10,20 +10,29 @@ Compute
     parallelism divides the FLOPs by `t`. Time = FLOPs / (peak * eff(b)) with
     eff(b) = max_efficiency * b / (b + half_efficiency_micro_batch): a saturating curve whose
     default (0.3) gives eff(large b) / eff(1) ~ 1.3, the gain Megatron-LM measured.
+Messages
+    every message pays the link's latency (`DeviceSpec.intra_node_latency_us` or
+    `inter_node_latency_us`) besides its bytes / bandwidth. A ring all-reduce over r ranks
+    is 2(r-1) messages in sequence: 2(r-1) * latency + 2(r-1)/r * bytes / bandwidth; a p2p
+    transfer is one: latency + bytes / bandwidth. On GPUs the latency matters only for
+    small messages; on CPU with gloo (hundreds of microseconds a message) it dominates, and
+    is why tensor parallelism, with its many small all-reduces, loses there.
 Tensor parallelism
     two all-reduces of b*s*h bf16 values per block per pass (forward, backward, and the
-    recomputed forward), one for the vocabulary-parallel embedding; ring cost
-    2(t-1)/t * bytes / intra-node bandwidth.
+    recomputed forward), one for the vocabulary-parallel embedding; ring all-reduces over
+    the t ranks on the intra-node link.
 Pipeline
     1F1B with a flush. A step takes (m_max + p - 1) slots; a slot is the slowest stage's
     forward + backward of one micro-batch plus the two boundary transfers (b*s*h bf16 values
-    forward, the same backward), on the intra-node link when every replica sits inside one
-    node and on the network otherwise. m_max is the largest per-replica micro-batch count:
-    with an uneven split the slowest replica sets the pace. Bubble = (p-1)/(m_max+p-1).
+    forward, the same backward; one message each), on the intra-node link when every replica
+    sits inside one node and on the network otherwise. m_max is the largest per-replica
+    micro-batch count: with an uneven split the slowest replica sets the pace.
+    Bubble = (p-1)/(m_max+p-1).
 Data parallelism
-    a ring all-reduce of the largest stage's bf16 gradients (2(d-1)/d * bytes / bandwidth),
-    on the network unless the whole layout sits in one node; not overlapped with the
-    backward pass (a pessimistic choice that penalises large d a little).
+    a ring all-reduce of the largest stage's bf16 gradients over the d replicas (one
+    bucket: 2(d-1) latencies + 2(d-1)/d * bytes / bandwidth), on the network unless the
+    whole layout sits in one node; not overlapped with the backward pass (a pessimistic
+    choice that penalises large d a little).
 Optimizer
     memory-bound AdamW: the 16 bytes of state per parameter are read and written once
     (32 bytes of HBM traffic per parameter of the largest stage).
@@ -121,10 +130,18 @@ def total_params(model: ModelSpec) -> int:
     return model.num_layers * mc.block_params + mc.embed_params + mc.head_params
 
 
-def ring_allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
+def ring_allreduce_seconds(nbytes: float, ranks: int, gbps: float, latency_s: float = 0.0) -> float:
+    """A ring all-reduce: 2(r-1) messages in sequence, each of bytes / r."""
     if ranks <= 1:
         return 0.0
-    return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9)
+    return 2.0 * (ranks - 1) * latency_s + 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9)
+
+
+def link(device: DeviceSpec, intra: bool) -> tuple[float, float]:
+    """(GB/s, seconds of latency per message) of the intra-node link or the network."""
+    if intra:
+        return device.intra_node_gbps, device.intra_node_latency_s
+    return device.inter_node_gbps, device.inter_node_latency_s
 
 
 @dataclass(frozen=True)
@@ -149,7 +166,7 @@ def unit_costs(
     passes = 4.0 if recompute else 3.0  # fwd + 2x bwd (+ recomputed fwd)
     allreduces = 6 if recompute else 4
     act_bytes = float(BF16_BYTES * mc.hidden_values_per_sample * micro_batch)
-    ar = ring_allreduce_seconds(act_bytes, tp, device.intra_node_gbps)
+    ar = ring_allreduce_seconds(act_bytes, tp, *link(device, True))
     block = passes * mc.block_fwd_flops_per_sample * micro_batch / flops_per_s + allreduces * ar
     head = 3.0 * mc.head_fwd_flops_per_sample * micro_batch / flops_per_s
     return UnitCosts(
@@ -216,8 +233,9 @@ def bubble_fraction(pp: int, microbatches: int) -> float:
     return (pp - 1) / (microbatches + pp - 1)
 
 
-def dp_seconds(max_stage_params: int, tp: int, dp: int, gbps: float) -> float:
-    return ring_allreduce_seconds(BF16_BYTES * max_stage_params / tp, dp, gbps)
+def dp_seconds(max_stage_params: int, tp: int, dp: int, device: DeviceSpec, intra: bool) -> float:
+    """The gradient all-reduce across the d replicas, on NVLink or the network."""
+    return ring_allreduce_seconds(BF16_BYTES * max_stage_params / tp, dp, *link(device, intra))
 
 
 def optimizer_seconds(
@@ -276,9 +294,7 @@ def estimate(
         memory.append(stage_memory_bytes(mc, mem, blocks, first, last, min(pp - s, m_max)))
     slot = slowest + (2.0 * p2p_seconds(uc, device, p2p_intra) if pp > 1 else 0.0)
     pipeline = slot * (m_max + pp - 1)
-    dp_s = dp_seconds(
-        biggest, tp, dp, device.intra_node_gbps if dp_intra else device.inter_node_gbps
-    )
+    dp_s = dp_seconds(biggest, tp, dp, device, dp_intra)
     opt = optimizer_seconds(device, cp, biggest, tp)
     return Estimate(
         step_seconds=pipeline + dp_s + opt,
@@ -291,8 +307,9 @@ def estimate(
 
 
 def p2p_seconds(uc: UnitCosts, device: DeviceSpec, intra: bool) -> float:
-    gbps = device.intra_node_gbps if intra else device.inter_node_gbps
-    return uc.boundary_bytes / (gbps * 1e9)
+    """One boundary transfer: one message."""
+    gbps, latency_s = link(device, intra)
+    return latency_s + uc.boundary_bytes / (gbps * 1e9)
 
 
 def estimate_plan(plan: Plan, device: DeviceSpec, params: CostParams | None = None) -> Estimate:

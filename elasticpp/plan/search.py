@@ -16,10 +16,12 @@ Speed
     slowest stage's time, the largest stage's parameters and the largest micro-batch count
     that still fits in memory. For a cluster only d remains, and the step time is
     `slot * (ceil(N/d) + p - 1) + allreduce(d) + optimizer` (N = B/b) whose minimum lies at
-    the smallest d of each distinct ceil(N/d); profiles are visited best lower bound first
-    and the search stops when no profile can beat the runner-ups. Placements (O(GPUs)) are
-    built for the returned plans only. `plan_all` reuses one set of profiles for every
-    node count.
+    the smallest d of each distinct ceil(N/d) (allreduce(d) grows with d, in bytes and in its
+    2(d-1) message latencies, and a larger d can only move p2p and DP traffic from the
+    intra-node link to the network, assumed no faster in bandwidth or latency); profiles are
+    visited best lower bound first and the search stops when no profile can beat the
+    runner-ups. Placements (O(GPUs)) are built for the returned plans only. `plan_all`
+    reuses one set of profiles for every node count.
 """
 
 from __future__ import annotations
@@ -332,14 +334,10 @@ class Planner:
             if slot_floor * (m + prof.pp - 1) + prof.optimizer_seconds > limit:
                 break  # larger m only costs more pipeline time than any DP saving
             slot = prof.compute_slot + (prof.p2p_intra if d <= straddle else prof.p2p_inter)
-            gbps = (
-                dev.intra_node_gbps
-                if prof.pp * d <= shape.first_node_groups
-                else dev.inter_node_gbps
-            )
+            dp_intra = prof.pp * d <= shape.first_node_groups
             step = (
                 slot * (m + prof.pp - 1)
-                + cost.dp_seconds(prof.max_stage_params, prof.tp, d, gbps)
+                + cost.dp_seconds(prof.max_stage_params, prof.tp, d, dev, dp_intra)
                 + prof.optimizer_seconds
             )
             if step <= limit:  # on a tie the smaller d (fewer GPUs) wins

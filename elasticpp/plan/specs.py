@@ -7,6 +7,7 @@ naming the field. Model spec files (YAML or JSON) use the field names of `ModelS
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,11 @@ class DeviceSpec:
     Bandwidths are per GPU, one direction, in GB/s (1e9 bytes): `intra_node_gbps` for
     NVLink-class links inside a node, `inter_node_gbps` for the network between nodes,
     `hbm_gbps` for the GPU's own memory (it bounds the memory-bound optimizer step).
+    Latencies are the fixed cost of one message (one hop of a ring all-reduce, one p2p
+    send) in microseconds, whatever its size: `intra_node_latency_us` inside a node,
+    `inter_node_latency_us` across the network. The GPU defaults are NCCL's order of
+    magnitude (a few microseconds over NVLink, tens over InfiniBand); on CPU with gloo a
+    message costs hundreds of microseconds, which is what makes tensor parallelism lose there.
     """
 
     name: str
@@ -148,6 +154,8 @@ class DeviceSpec:
     intra_node_gbps: float
     inter_node_gbps: float
     hbm_gbps: float = 2000.0
+    intra_node_latency_us: float = 8.0
+    inter_node_latency_us: float = 25.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -159,10 +167,26 @@ class DeviceSpec:
             "hbm_gbps",
         ):
             _positive_float(owner, name, getattr(self, name))
+        for name in ("intra_node_latency_us", "inter_node_latency_us"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 <= value < math.inf
+            ):
+                raise ConfigError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * GIB
+
+    @property
+    def intra_node_latency_s(self) -> float:
+        return self.intra_node_latency_us * 1e-6
+
+    @property
+    def inter_node_latency_s(self) -> float:
+        return self.inter_node_latency_us * 1e-6
 
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
@@ -172,8 +196,25 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         DeviceSpec("a100-80g", 80, 312, 300, 25, hbm_gbps=2039),
         DeviceSpec("h100-80g", 80, 989, 450, 50, hbm_gbps=3350),
         DeviceSpec("h200", 141, 989, 450, 50, hbm_gbps=4800),
-        # A CPU "device" for local runs: a slot is a worker process.
-        DeviceSpec("cpu", 8, 0.2, 5, 1, hbm_gbps=20),
+        # A CPU "device" for local runs: a slot is a worker process with one torch thread,
+        # talking gloo over loopback. Rounded from bench/calibrate_cpu.py on a 2-core machine
+        # busy with other jobs (docs/readme/plan.md has the numbers): the tiny model's block
+        # reaches ~15 GFLOP/s at b=2, i.e. peak * eff(2) with peak 0.03 TFLOP/s (per-op
+        # overhead, not FLOPs, dominates such small matrices); gloo moves ~1 GB/s; a message
+        # costs ~100-150 us in a small all-reduce between two processes (a blocking p2p
+        # ping-pong often ~2 ms: the receiver sleeps) and 300-400 us with 8 workers on 2
+        # cores, as the tests and the demo run. Local "nodes" share one loopback, hence
+        # intra-node = inter-node.
+        DeviceSpec(
+            "cpu",
+            8,
+            0.03,
+            1,
+            1,
+            hbm_gbps=20,
+            intra_node_latency_us=300,
+            inter_node_latency_us=300,
+        ),
     )
 }
 

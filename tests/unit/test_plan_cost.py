@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
+from elasticpp.errors import ConfigError
 from elasticpp.plan import (
     ClusterSpec,
     DeviceSpec,
@@ -125,3 +127,64 @@ def test_pipeline_boundaries_on_the_network_cost_more_than_inside_a_node():
         for nodes, gpn in ((2, 4), (1, 8))
     )
     assert across.step_seconds > inside.step_seconds
+
+
+def _with_latency(device: DeviceSpec, intra_us: float, inter_us: float) -> DeviceSpec:
+    return dataclasses.replace(
+        device, intra_node_latency_us=intra_us, inter_node_latency_us=inter_us
+    )
+
+
+def test_every_message_pays_the_link_latency_once():
+    # ring all-reduce over r ranks: 2(r-1) messages; p2p: one; bytes cost the same as before
+    model = load_model_spec("gpt-1.3b")
+    zero, slow = _with_latency(A100, 0, 0), _with_latency(A100, 100, 1000)
+    lat_intra, lat_inter = 100e-6, 1000e-6
+    kw = dict(micro_batch=1, recompute=False)
+
+    def pair(**layout):
+        return [estimate(model, d, **layout, **kw) for d in (zero, slow)]
+
+    # DP alone, across nodes: 2(d-1) network latencies
+    a, b = pair(
+        pp=1, tp=1, dp=4, microbatches=(2,) * 4, stages=((0, 24),), p2p_intra=True, dp_intra=False
+    )
+    assert b.dp_seconds - a.dp_seconds == pytest.approx(2 * 3 * lat_inter)
+    assert b.pipeline_seconds == a.pipeline_seconds
+    # a pipeline of 4 inside a node: two boundary messages per slot, (m + p - 1) slots
+    stages = ((0, 6), (6, 12), (12, 18), (18, 24))
+    a, b = pair(pp=4, tp=1, dp=1, microbatches=(8,), stages=stages, p2p_intra=True, dp_intra=True)
+    assert b.pipeline_seconds - a.pipeline_seconds == pytest.approx((8 + 3) * 2 * lat_intra)
+    # ... across nodes, on the network's latency
+    a, b = pair(pp=4, tp=1, dp=1, microbatches=(8,), stages=stages, p2p_intra=False, dp_intra=True)
+    assert b.pipeline_seconds - a.pipeline_seconds == pytest.approx((8 + 3) * 2 * lat_inter)
+    # TP over t ranks: 4 all-reduces per block (forward 2, backward 2) + 1 for the embedding,
+    # each 2(t-1) intra-node messages; one stage holds all 24 blocks and the embedding
+    a, b = pair(
+        pp=1, tp=4, dp=1, microbatches=(5,), stages=((0, 24),), p2p_intra=True, dp_intra=True
+    )
+    per_microbatch = (24 * 4 + 1) * 2 * 3 * lat_intra
+    assert b.pipeline_seconds - a.pipeline_seconds == pytest.approx(5 * per_microbatch)
+
+
+def test_gpu_presets_have_microsecond_latencies_and_the_cpu_preset_gloo_ones():
+    for name in ("a100-40g", "a100-80g", "h100-80g", "h200"):
+        gpu = load_device_spec(name)
+        assert 0 < gpu.intra_node_latency_us <= gpu.inter_node_latency_us <= 50
+    cpu = load_device_spec("cpu")
+    assert cpu.intra_node_latency_us >= 100 and cpu.inter_node_latency_us >= 100
+    # a spec written before latencies existed still constructs, with the GPU defaults
+    old = DeviceSpec("old", 80, 312, 300, 25)
+    assert old.intra_node_latency_us > 0 and old.inter_node_latency_us > 0
+
+
+@pytest.mark.parametrize("field", ["intra_node_latency_us", "inter_node_latency_us"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), "5", True])
+def test_a_bad_latency_is_refused_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        DeviceSpec("d", 80, 312, 300, 25, **{field: value})
+
+
+def test_zero_latency_is_allowed():
+    d = DeviceSpec("d", 80, 312, 300, 25, intra_node_latency_us=0, inter_node_latency_us=0)
+    assert d.intra_node_latency_s == 0.0 == d.inter_node_latency_s

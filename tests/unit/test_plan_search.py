@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -66,12 +68,22 @@ models = st.builds(
     st.booleans(),
 )
 clusters = st.builds(
-    lambda counts, mem: ClusterSpec(
+    lambda counts, mem, intra_us, extra_us: ClusterSpec(
         tuple(NodeSpec(f"n{i}", c) for i, c in enumerate(counts)),
-        DeviceSpec("d", mem, 100, 200, 20),
+        DeviceSpec(
+            "d",
+            mem,
+            100,
+            200,
+            20,
+            intra_node_latency_us=intra_us,
+            inter_node_latency_us=intra_us + extra_us,
+        ),
     ),
     st.lists(st.integers(0, 8), min_size=1, max_size=6).filter(any),
     st.floats(2.5, 40.0),
+    st.sampled_from([0.0, 8.0, 300.0]),
+    st.sampled_from([0.0, 17.0, 2000.0]),
 )
 
 
@@ -143,24 +155,66 @@ def _brute_force_best(model: ModelSpec, cluster: ClusterSpec, batch: int) -> tup
 
 
 @pytest.mark.parametrize(
-    ("counts", "memory_gib", "network_gbps", "batch"),
+    ("counts", "memory_gib", "network_gbps", "batch", "latency_us"),
     [
-        ((4, 4), 16.0, 25, 48),  # memory binds: small p * t does not fit
-        ((8, 6, 3), 40.0, 25, 36),  # uneven nodes: TP packing and node boundaries differ
-        ((2, 2, 2, 2), 80.0, 25, 10),  # B = 10: uneven micro-batch split for most d
-        ((4, 4, 4), 20.0, 25, 22),  # the fastest plan splits 11 micro-batches 4, 4, 3
-        ((2, 2), 8.5, 25, 24),  # only recomputation fits
-        ((4, 4, 4), 80.0, 0.5, 48),  # a slow network: fewer replicas than the nodes allow
-        ((2, 2, 2, 2), 40.0, 0.2, 64),  # ... down to one replica
+        ((4, 4), 16.0, 25, 48, None),  # memory binds: small p * t does not fit
+        ((8, 6, 3), 40.0, 25, 36, None),  # uneven nodes: TP packing and node boundaries differ
+        ((2, 2, 2, 2), 80.0, 25, 10, None),  # B = 10: uneven micro-batch split for most d
+        ((4, 4, 4), 20.0, 25, 22, None),  # the fastest plan splits 11 micro-batches 4, 4, 3
+        ((2, 2), 8.5, 25, 24, None),  # only recomputation fits
+        ((4, 4, 4), 80.0, 0.5, 48, None),  # a slow network: fewer replicas than the nodes allow
+        ((2, 2, 2, 2), 40.0, 0.2, 64, None),  # ... down to one replica
+        ((8, 6, 3), 40.0, 25, 36, (300, 3000)),  # slow messages: TP and crossing nodes cost more
+        ((4, 4, 4), 80.0, 25, 48, (0, 0)),  # no latency at all
     ],
 )
-def test_search_finds_the_brute_force_optimum(counts, memory_gib, network_gbps, batch):
+def test_search_finds_the_brute_force_optimum(counts, memory_gib, network_gbps, batch, latency_us):
     model = load_model_spec("gpt-1.3b")
     device = DeviceSpec("d", memory_gib, 312, 300, network_gbps)
+    if latency_us is not None:
+        device = dataclasses.replace(
+            device, intra_node_latency_us=latency_us[0], inter_node_latency_us=latency_us[1]
+        )
     cluster = ClusterSpec(tuple(NodeSpec(f"n{i}", c) for i, c in enumerate(counts)), device)
     got = plan(model, cluster, batch, top_k=0).best
     assert _key(got) == _brute_force_best(model, cluster, batch)
     _check_promises(got, cluster)
+
+
+def test_message_latency_turns_a_tensor_parallel_choice_into_data_parallel():
+    # tiny on 4 nodes x 2 CPU slots: without latency TP=2 looks cheaper than plain DP (it
+    # halves each slot's FLOPs and its bytes are few); at gloo's per-message latency its
+    # 4 all-reduces per block per micro-batch make it the slower layout, as it is when run.
+    model, cpu = load_model_spec("tiny"), load_device_spec("cpu")
+    free = dataclasses.replace(cpu, intra_node_latency_us=0.0, inter_node_latency_us=0.0)
+    tp_layout, dp_layout = Layout(1, 2, 4), Layout(1, 1, 8)
+
+    def step(device: DeviceSpec, layout: Layout) -> float:
+        cluster = ClusterSpec.uniform(4, 2, device)
+        built = build_plan(model, cluster, layout, global_batch=16, micro_batch=2)
+        return estimate_plan(built, device).step_seconds
+
+    assert step(free, tp_layout) < step(free, dp_layout)
+    assert step(cpu, tp_layout) > step(cpu, dp_layout)
+    best_free = plan(model, ClusterSpec.uniform(4, 2, free), 16, micro_batch=2).best
+    best_cpu = plan(model, ClusterSpec.uniform(4, 2, cpu), 16, micro_batch=2).best
+    assert best_free.tp == 2
+    assert best_cpu.tp == 1 and best_cpu.layout == dp_layout
+    # no TP layout is even among the runner-ups once messages cost what gloo's cost
+    result = plan(model, ClusterSpec.uniform(4, 2, cpu), 16, micro_batch=2, top_k=5)
+    assert all(c.layout.tp == 1 for c in result.candidates)
+
+
+def test_network_latency_favours_fewer_replicas():
+    # The DP all-reduce is 2(d-1) messages on the network: when each costs milliseconds,
+    # wider TP groups inside a node and fewer replicas beat more replicas.
+    model = load_model_spec("gpt-1.3b")
+    fast = DeviceSpec("d", 80, 312, 300, 25)  # default latencies: microseconds
+    slow = dataclasses.replace(fast, inter_node_latency_us=5000.0)
+    best_fast = plan(model, ClusterSpec.uniform(2, 4, fast), 64).best
+    best_slow = plan(model, ClusterSpec.uniform(2, 4, slow), 64).best
+    assert best_slow.dp < best_fast.dp
+    assert best_slow.gpus_used == best_fast.gpus_used == 8
 
 
 def test_one_gpu_gets_a_plan():
