@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.errors import ConfigError
-from elasticpp.plan import DEVICE_PRESETS, ModelSpec, load_device_spec, load_model_spec
+from elasticpp.plan import DeviceSpec, ModelSpec, load_device_spec, load_model_spec
 from elasticpp.train.config import TrainConfig
 
 JOBSPEC_FORMAT_VERSION = 1
@@ -55,7 +55,9 @@ class JobSpec:
     min_nodes: int
     max_nodes: int
     train: TrainConfig = field(default_factory=TrainConfig)  # optimizer, schedule, data
-    device: str = "cpu"  # device preset for the planner's cost model (`cpu` on CPU nodes)
+    # The planner's cost model of one slot: a preset name (`cpu` on CPU nodes), or a mapping
+    # of `DeviceSpec` fields for hardware without a preset.
+    device: str | dict[str, Any] = "cpu"
     snapshot_every: int = 1  # hand state to the node's store every N committed steps
     replication_copies: int = 1  # peer nodes holding a copy of each node's pieces (ring order)
     replication_every: int = 1  # replicate every N committed steps
@@ -91,8 +93,7 @@ class JobSpec:
                 f"job spec: global_batch {self.global_batch} is not a multiple of "
                 f"micro_batch {self.micro_batch}"
             )
-        if self.device not in DEVICE_PRESETS:
-            load_device_spec(self.device)  # raises naming the presets
+        self.device_spec()  # raises naming the presets or the bad field
         if self.lease_ttl_s < 2:
             raise ConfigError(
                 f"job spec: lease_ttl_s must be >= 2 (etcd's minimum), got {self.lease_ttl_s!r}"
@@ -103,6 +104,23 @@ class JobSpec:
                 raise ConfigError(f"job spec: {key} must be a number >= 0, got {v!r}")
         if self.persist_every and not self.persist_dir:
             raise ConfigError("job spec: persist_every is set but persist_dir is not")
+
+    def device_spec(self) -> DeviceSpec:
+        if isinstance(self.device, str):
+            return load_device_spec(self.device)
+        if not isinstance(self.device, dict):
+            raise ConfigError("job spec: device must be a preset name or a mapping of fields")
+        known = {f.name for f in fields(DeviceSpec)}
+        unknown = sorted(set(self.device) - known)
+        if unknown:
+            raise ConfigError(
+                f"job spec: device: unknown field(s) {', '.join(unknown)}; "
+                f"allowed: {', '.join(sorted(known))}"
+            )
+        try:
+            return DeviceSpec(**{"name": "custom", **self.device})
+        except TypeError as exc:
+            raise ConfigError(f"job spec: device: {exc}") from exc
 
     def train_config(self) -> TrainConfig:
         """The worker's settings: the job's train section with its steps and seed."""

@@ -59,7 +59,7 @@ from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import CheckpointError, ConfigError, ElasticppError
-from elasticpp.plan import ClusterSpec, NodeSpec, Plan, load_device_spec
+from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings
@@ -1014,7 +1014,7 @@ class Agent:
         rec = self._record
         generation = (rec.generation if rec else 0) + 1
         nodes = [NodeSpec(n, int(self._members[n].get("slots", 1))) for n in decision.nodes]
-        cluster = ClusterSpec(tuple(nodes), load_device_spec(self.spec.device))
+        cluster = ClusterSpec(tuple(nodes), self.spec.device_spec())
         try:
             result = plan_layout(
                 self.spec.model,

@@ -35,6 +35,18 @@ SPEC: dict[str, Any] = {
     "lease_ttl_s": 3,
     "join_settle_s": 0.5,
     "hang_timeout_s": 6,
+    # A slot modelled without per-message latency, so that the planner picks tensor-parallel
+    # layouts and recoveries move TP-sliced state (the calibrated `cpu` preset would choose
+    # pure data parallelism for this model).
+    "device": {
+        "name": "cpu-no-latency",
+        "memory_gib": 8,
+        "peak_tflops": 0.03,
+        "intra_node_gbps": 5,
+        "inter_node_gbps": 1,
+        "intra_node_latency_us": 0,
+        "inter_node_latency_us": 0,
+    },
 }
 
 

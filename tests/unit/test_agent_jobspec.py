@@ -56,11 +56,21 @@ def test_round_trip_through_canonical_json() -> None:
         ({"schedule": "zigzag"}, "schedule"),
         ({"persist_every": 5}, "persist_dir"),
         ({"device": "tpu"}, "tpu"),
+        ({"device": {"memory_gib": 8, "peak_tflops": 1}}, "intra_node_gbps"),
+        ({"device": {"memory_gib": 8, "colour": 1}}, "colour"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(change: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         parse_job_spec({**MINIMAL, **change})
+
+
+def test_a_device_without_a_preset_is_given_by_its_fields() -> None:
+    fields = {"memory_gib": 8, "peak_tflops": 0.03, "intra_node_gbps": 5, "inter_node_gbps": 1}
+    spec = parse_job_spec({**MINIMAL, "device": fields})
+    dev = spec.device_spec()
+    assert (dev.name, dev.peak_tflops, dev.intra_node_gbps) == ("custom", 0.03, 5)
+    assert JobSpec.from_json(spec.to_json()).device_spec() == dev
 
 
 def test_missing_required_keys_are_named() -> None:
