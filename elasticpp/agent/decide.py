@@ -26,7 +26,13 @@ class WorkerState(enum.Enum):
 TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.WARM: frozenset({WorkerState.STARTING, WorkerState.FAILED}),
     WorkerState.STARTING: frozenset(
-        {WorkerState.RUNNING, WorkerState.STOPPING, WorkerState.FAILED, WorkerState.DONE}
+        {
+            WorkerState.RUNNING,
+            WorkerState.STOPPING,
+            WorkerState.STOPPED,
+            WorkerState.FAILED,
+            WorkerState.DONE,
+        }
     ),
     WorkerState.RUNNING: frozenset(
         {WorkerState.STOPPING, WorkerState.DONE, WorkerState.FAILED, WorkerState.STOPPED}

@@ -44,6 +44,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from elasticpp.agent.decide import (
     ClusterView,
     Replan,
+    TransitionError,
     Wait,
     WorkerState,
     decide_replan,
@@ -497,7 +498,10 @@ class Agent:
                 proc, event = self._wq.get_nowait()
             except queue.Empty:
                 return
-            self._on_worker_event(proc, event)
+            try:
+                self._on_worker_event(proc, event)
+            except TransitionError as exc:  # a late or reordered event must not end the agent
+                log.warning("worker %d: event %s ignored: %s", proc.pid, event.get("event"), exc)
 
     def _on_worker_event(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -512,7 +516,8 @@ class Agent:
             return
         w.last_progress_s = time.monotonic()
         if kind == "started":
-            w.move(WorkerState.RUNNING)
+            if w.state is WorkerState.STARTING:  # a stop may already have been asked for
+                w.move(WorkerState.RUNNING)
         elif kind == "step":
             w.last_step = int(event["step"])
             self._on_step(w, event)
