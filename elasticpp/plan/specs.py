@@ -198,7 +198,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         DeviceSpec("h200", 141, 989, 450, 50, hbm_gbps=4800),
         # A CPU "device" for local runs: a slot is a worker process with one torch thread,
         # talking gloo over loopback. Rounded from bench/calibrate_cpu.py on a 2-core machine
-        # busy with other jobs (docs/readme/plan.md has the numbers): the tiny model's block
+        # busy with other jobs (docs/plan.md has the numbers): the tiny model's block
         # reaches ~15 GFLOP/s at b=2, i.e. peak * eff(2) with peak 0.03 TFLOP/s (per-op
         # overhead, not FLOPs, dominates such small matrices); gloo moves ~1 GB/s; a message
         # costs ~100-150 us in a small all-reduce between two processes (a blocking p2p
