@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.proctree import process_tree
 
 
 @pytest.fixture
@@ -30,32 +31,7 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 def _descendants(root_pid: int) -> dict[int, str]:
-    """Live (non-zombie) descendants of `root_pid`: pid -> command name, from /proc."""
-    parent_of: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'.
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":
-            continue
-        parent_of[int(entry.name)] = int(fields[1])
-        names[int(entry.name)] = comm
-    found: dict[int, str] = {}
-    frontier = {root_pid}
-    while frontier:
-        children = {pid for pid, ppid in parent_of.items() if ppid in frontier}
-        children -= found.keys()
-        for pid in children:
-            found[pid] = names[pid]
-        frontier = children
-    return found
+    return process_tree(root_pid)
 
 
 @pytest.fixture

@@ -22,33 +22,11 @@ from typing import Any
 
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.errors import ElasticppError
+from elasticpp.proctree import descendants
 
 
 class LocalClusterError(ElasticppError):
     pass
-
-
-def descendants(root_pid: int) -> list[int]:
-    """Live descendants of `root_pid`, from /proc (workers run in their own sessions, so a
-    process-group kill of the agent would miss them)."""
-    parent_of: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
-            parent_of[int(entry.name)] = int(fields[1])
-    found: list[int] = []
-    frontier = {root_pid}
-    while frontier:
-        children = {pid for pid, ppid in parent_of.items() if ppid in frontier} - set(found)
-        found.extend(sorted(children))
-        frontier = children
-    return found
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:

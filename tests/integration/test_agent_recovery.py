@@ -19,8 +19,9 @@ from typing import Any
 import grpc
 import pytest
 
-from elasticpp.agent.localcluster import LocalCluster, descendants
+from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster import ClusterClient
+from elasticpp.proctree import descendants
 
 STEPS = 14
 SPEC: dict[str, Any] = {

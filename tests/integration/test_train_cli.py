@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticpp.checkpoint.manifest import verify_step_dir
+from elasticpp.proctree import descendants
 from elasticpp.train.launch import wait_gone
 
 MODEL_SPEC = {
@@ -63,18 +64,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def children_of(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if int(fields[1]) == pid:
-            kids.append(int(entry.name))
-    return kids
+    return descendants(pid)
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.localcluster import descendants
+from elasticpp.proctree import descendants
 
 
 def _alive(pid: int) -> bool:
