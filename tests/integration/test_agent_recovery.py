@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,7 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    out = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+def _train_reference(out: Path, steps: int) -> dict[int, float]:
     subprocess.run(
         [
             sys.executable,
@@ -69,7 +67,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
             "--micro-batch",
             str(SPEC["micro_batch"]),
             "--steps",
-            str(STEPS),
+            str(steps),
             "--seed",
             str(SPEC["seed"]),
             "--metrics",
@@ -79,6 +77,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
         timeout=240,
     )
     return {int(r["step"]): float(r["loss"]) for r in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[int, float]]:
+    """The uninterrupted curve of the job with `steps` steps (the LR schedule depends on it)."""
+    cache: dict[int, dict[int, float]] = {}
+
+    def get(steps: int) -> dict[int, float]:
+        if steps not in cache:
+            out = tmp_path_factory.mktemp("ref") / f"ref-{steps}.jsonl"
+            cache[steps] = _train_reference(out, steps)
+        return cache[steps]
+
+    return get
+
+
+@pytest.fixture
+def reference(references: Callable[[int], dict[int, float]]) -> dict[int, float]:
+    return references(STEPS)
 
 
 @pytest.fixture
@@ -99,7 +116,7 @@ def assert_same_curve(
     earlier: dict[int, tuple[float, int]] | None = None,
 ) -> None:
     curve = {**(earlier or {}), **lc.curve()}
-    assert sorted(curve) == list(range(STEPS)), f"steps trained: {sorted(curve)}"
+    assert sorted(curve) == list(range(len(reference))), f"steps trained: {sorted(curve)}"
     for step, (loss, _gen) in curve.items():
         assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (
             f"step {step}: elastic loss {loss} vs uninterrupted {reference[step]}"
@@ -180,10 +197,12 @@ def test_killing_the_leaders_node_recovers_too(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("cluster", [{"min_nodes": 2}], indirect=True)
+@pytest.mark.parametrize("cluster", [{"min_nodes": 2, "steps": 40}], indirect=True)
 def test_a_joining_node_switches_at_a_step_boundary_with_nothing_recomputed(
-    cluster: LocalCluster, reference: dict[int, float]
+    cluster: LocalCluster, references: Callable[[int], dict[int, float]]
 ) -> None:
+    # Long enough that the joining agent (a cold start) is up before the job ends.
+    reference = references(40)
     cluster.etcd.start()
     for n in cluster.nodes[:2]:
         cluster.start_node(n.node_id)
@@ -327,9 +346,11 @@ def test_an_agent_with_a_different_job_spec_is_refused(cluster: LocalCluster) ->
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("cluster", [{"steps": 40}], indirect=True)
 def test_a_drained_node_hands_off_at_a_step_boundary_and_exits_0(
-    cluster: LocalCluster, reference: dict[int, float]
+    cluster: LocalCluster, references: Callable[[int], dict[int, float]]
 ) -> None:
+    reference = references(40)  # long enough that the hand-off happens before the end
     cluster.start()
     cluster.wait_for(lambda: cluster.max_step() >= 3, 120, "step 3")
     leaving = cluster.nodes[1]
