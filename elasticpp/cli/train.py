@@ -29,6 +29,11 @@ _DEFAULTS = TrainConfig()
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="preset name or spec file (tiny)")
     parser.add_argument("--layout", default="pp=1,tp=1,dp=1", help="pp=P,tp=T,dp=D")
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="full activation recomputation: keep block inputs only, re-run blocks in backward",
+    )
     parser.add_argument("--global-batch", type=int, default=16, help="samples per step B (16)")
     parser.add_argument("--micro-batch", type=int, default=2, help="micro-batch size b (2)")
     parser.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="total steps")
@@ -87,6 +92,7 @@ def _validate(args: argparse.Namespace) -> tuple[Any, TrainConfig, Path | None, 
         layout,
         global_batch=args.global_batch,
         micro_batch=args.micro_batch,
+        recompute=args.recompute,
     )
     job = TrainConfig(
         seed=args.seed,

@@ -83,7 +83,9 @@ class Trainer:
         self.corpus = corpus
         self.device = device
         self.coord = groups.coord
-        self.stage = StageModel.for_stage(plan.model, plan.stages, self.coord.pp)
+        self.stage = StageModel.for_stage(
+            plan.model, plan.stages, self.coord.pp, recompute=plan.recompute
+        )
         self.params: dict[str, dict[str, torch.Tensor]] = {}
         self.exp_avg: dict[str, dict[str, torch.Tensor]] = {}
         self.exp_avg_sq: dict[str, dict[str, torch.Tensor]] = {}

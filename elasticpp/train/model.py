@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from elasticpp.checkpoint.manifest import UNIT_EMBED, UNIT_HEAD, block_unit
 from elasticpp.plan import ModelSpec
@@ -187,10 +188,17 @@ class StageModel:
     end_block: int
     has_embed: bool
     has_head: bool
+    # Full activation recomputation: keep only each block's input and run the block's forward
+    # again in the backward pass. Dropout masks are keyed by sample, so the re-run is exact.
+    recompute: bool = False
 
     @classmethod
     def for_stage(
-        cls, model: ModelSpec, stages: tuple[tuple[int, int], ...], pp: int
+        cls,
+        model: ModelSpec,
+        stages: tuple[tuple[int, int], ...],
+        pp: int,
+        recompute: bool = False,
     ) -> StageModel:
         first, end = stages[pp]
         units = [block_unit(i) for i in range(first, end)]
@@ -199,7 +207,7 @@ class StageModel:
             units.insert(0, UNIT_EMBED)
         if has_head:
             units.append(UNIT_HEAD)
-        return cls(model, tuple(units), first, end, has_embed, has_head)
+        return cls(model, tuple(units), first, end, has_embed, has_head, recompute)
 
     def forward(
         self,
@@ -214,7 +222,11 @@ class StageModel:
             x = embed_forward(params[UNIT_EMBED], x, key)
         for i in range(self.first_block, self.end_block):
             unit = block_unit(i)
-            x = block_forward(params[unit], x, unit, self.model.head_dim, tp_group, key)
+            args = (params[unit], x, unit, self.model.head_dim, tp_group, key)
+            if self.recompute and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block_forward, *args, use_reentrant=False)
+            else:
+                x = block_forward(*args)
         if self.has_head:
             if targets is None:
                 raise ValueError("the last stage needs targets")

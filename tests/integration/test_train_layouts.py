@@ -27,10 +27,12 @@ class Case:
     layout: str
     micro_batch: int
     schedule: str = "1f1b"
+    recompute: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.layout}/b={self.micro_batch}/{self.schedule}"
+        extra = "/recompute" if self.recompute else ""
+        return f"{self.layout}/b={self.micro_batch}/{self.schedule}{extra}"
 
 
 REFERENCE = Case("pp=1,tp=1,dp=1", 2)
@@ -44,6 +46,9 @@ CASES = [
     Case("pp=4,tp=1,dp=1", 1),  # m = 10
     Case("pp=1,tp=1,dp=3", 1),  # B = 10 is not divisible by d*b = 3: replicas hold 4, 3, 3
     Case("pp=4,tp=1,dp=1", 2, "gpipe"),  # m = 5
+    # Full activation recomputation re-runs each block (TP all-reduces and keyed dropout
+    # included) in the backward pass: the same curve.
+    Case("pp=2,tp=2,dp=1", 2, recompute=True),
 ]
 
 
@@ -51,7 +56,12 @@ def plan_for(case: Case):  # type: ignore[no-untyped-def]
     layout = Layout.parse(case.layout)
     cluster = ClusterSpec.uniform(1, layout.world_size, load_device_spec("cpu"))
     return build_plan(
-        MODEL, cluster, layout, global_batch=GLOBAL_BATCH, micro_batch=case.micro_batch
+        MODEL,
+        cluster,
+        layout,
+        global_batch=GLOBAL_BATCH,
+        micro_batch=case.micro_batch,
+        recompute=case.recompute,
     )
 
 
@@ -124,3 +134,14 @@ def test_gpipe_keeps_all_m_micro_batches_in_flight_and_more_activation_memory(
         gpipe[-1]["stage_peak_activation_bytes"][3]
         > 5 * one_f[-1]["stage_peak_activation_bytes"][3]
     )
+
+
+@pytest.mark.timeout(240)
+def test_recomputation_holds_less_activation_memory_for_the_same_curve(
+    runs: dict[Case, RunResult],
+) -> None:
+    plain = runs[Case("pp=2,tp=2,dp=1", 2)].records
+    recomputed = runs[Case("pp=2,tp=2,dp=1", 2, recompute=True)].records
+    for a, b in zip(plain, recomputed, strict=True):
+        for stage in (0, 1):
+            assert b["stage_peak_activation_bytes"][stage] < a["stage_peak_activation_bytes"][stage]
