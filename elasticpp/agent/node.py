@@ -141,10 +141,8 @@ class _GenState:
     fetch_error: str | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
-    started_arrived: bool = False
     # leader bookkeeping
     resume_written: bool = False
-    stopped_complete_at: float | None = None
     timeline_written: bool = False
     stopped_waiting_since_s: float = field(default_factory=time.monotonic)
 
@@ -1102,7 +1100,6 @@ class Agent:
                 gs.stopped_waiting_since_s = time.monotonic()
                 self._confirm_dead(sorted(missing))
             return
-        gs.stopped_complete_at = time.time()
         holdings = {
             n: NodeHoldings.from_dict(v["holdings"]) for n, v in stopped.items() if n in expected
         }
