@@ -252,7 +252,9 @@ class Agent:
                     f"agent: cannot serve metrics on port {self.cfg.metrics_port}: {exc}"
                 ) from exc
         # torch is imported once, off the recovery path: the leader hosts the rendezvous store.
-        threading.Thread(target=self._import_torch, daemon=True, name="import-torch").start()
+        # Before joining etcd, not beside it: a thread importing torch holds the GIL for
+        # seconds, which can starve the lease keep-alive of a freshly registered node.
+        self._import_torch()
         self.cluster = ClusterClient(list(self.cfg.etcd), self.spec.name)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
