@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.errors import ElasticppError
 from elasticpp.proctree import descendants
+from elasticpp.waiting import wait_until
 
 
 class LocalClusterError(ElasticppError):
@@ -181,14 +181,13 @@ class LocalCluster:
         what: str,
         tick: Callable[[], None] | None = None,
     ) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
+        def each() -> None:
             if tick:
                 tick()
             self.check_alive()
-            if time.monotonic() > deadline:
-                raise LocalClusterError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-            time.sleep(0.1)
+
+        if not wait_until(cond, timeout_s, interval_s=0.1, each=each):
+            raise LocalClusterError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
     def check_alive(self) -> None:
         if not self.etcd.running:

@@ -22,17 +22,15 @@ from elasticpp.cluster import (
 )
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.waiting import wait_until
 
 JOB = "job-test"
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
     """Poll `cond` until true; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)  # polling interval of a condition wait
+    if not wait_until(cond, timeout_s, interval_s=0.02):
+        pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def reachable(fn: Callable[[], Any]) -> Callable[[], bool]:

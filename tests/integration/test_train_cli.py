@@ -16,6 +16,7 @@ import pytest
 from elasticpp.checkpoint.manifest import verify_step_dir
 from elasticpp.proctree import descendants
 from elasticpp.train.launch import wait_gone
+from elasticpp.waiting import wait_until
 
 MODEL_SPEC = {
     "name": "t4",
@@ -149,11 +150,13 @@ def start_long_run(tmp_path: Path, model_file: Path, metrics: Path) -> subproces
 
 
 def wait_for_steps(proc: subprocess.Popen[str], metrics: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not (metrics.exists() and read_metrics(metrics)):
+    def alive() -> None:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        assert time.monotonic() < deadline, "no step within the deadline"
-        time.sleep(0.1)  # polling a condition with a deadline
+
+    stepped = wait_until(
+        lambda: metrics.exists() and bool(read_metrics(metrics)), timeout_s, each=alive
+    )
+    assert stepped, "no step within the deadline"
 
 
 def cleanup(proc: subprocess.Popen[str], workers: list[int]) -> None:

@@ -6,12 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from elasticpp.proctree import descendants
+from elasticpp.waiting import wait_until
 
 
 def _alive(pid: int) -> bool:
@@ -22,13 +23,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _wait(cond: object, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return bool(cond())  # type: ignore[operator]
+def _wait(cond: Callable[[], bool], timeout_s: float) -> bool:
+    return wait_until(cond, timeout_s)
 
 
 @pytest.mark.timeout(180)

@@ -623,16 +623,15 @@ def _steps_logged(state_dir: Path) -> list[dict[str, Any]]:
 
 
 def _wait(cond: Any, timeout_s: float, what: str, procs: Sequence[Any] = ()) -> None:
-    import time
+    from elasticpp.waiting import wait_until
 
-    deadline = time.monotonic() + timeout_s
-    while not cond():
+    def alive() -> None:
         for p in procs:
             if p.poll() is not None:
                 pytest.fail(f"{what}: agent {p.args[0]} exited early with {p.returncode}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
+
+    if not wait_until(cond, timeout_s, interval_s=0.1, each=alive):
+        pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 @pytest.mark.timeout(180)
