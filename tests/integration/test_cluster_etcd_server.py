@@ -47,7 +47,7 @@ def test_descendant_scan_sees_a_child_in_its_own_session(
     live_descendants: Callable[[], dict[int, str]],
 ) -> None:
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        [sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True
     )
     try:
         assert child.pid in live_descendants()
