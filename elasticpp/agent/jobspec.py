@@ -27,6 +27,7 @@ from typing import Any
 
 from elasticpp.errors import ConfigError
 from elasticpp.plan import DeviceSpec, ModelSpec, load_device_spec, load_model_spec
+from elasticpp.plan.specs import check_fields
 from elasticpp.train.config import TrainConfig
 
 JOBSPEC_FORMAT_VERSION = 1
@@ -108,15 +109,7 @@ class JobSpec:
     def device_spec(self) -> DeviceSpec:
         if isinstance(self.device, str):
             return load_device_spec(self.device)
-        if not isinstance(self.device, dict):
-            raise ConfigError("job spec: device must be a preset name or a mapping of fields")
-        known = {f.name for f in fields(DeviceSpec)}
-        unknown = sorted(set(self.device) - known)
-        if unknown:
-            raise ConfigError(
-                f"job spec: device: unknown field(s) {', '.join(unknown)}; "
-                f"allowed: {', '.join(sorted(known))}"
-            )
+        check_fields("job spec: device", self.device, DeviceSpec)
         try:
             return DeviceSpec(**{"name": "custom", **self.device})
         except TypeError as exc:

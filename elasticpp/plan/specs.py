@@ -17,6 +17,18 @@ from elasticpp.errors import ConfigError
 GIB = 1024**3
 
 
+def check_fields(source: str, data: object, cls: type) -> None:
+    """Refuse a non-mapping, or keys that are not fields of the dataclass `cls`, naming them."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+        )
+
+
 def _positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{owner}: {name} must be a positive integer, got {value!r}")
@@ -72,15 +84,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "model spec") -> ModelSpec:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown field(s) {', '.join(unknown)}; "
-                f"allowed: {', '.join(sorted(known))}"
-            )
+        check_fields(source, data, cls)
         required = ["num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"]
         missing = [k for k in required if k not in data]
         if missing:

@@ -9,10 +9,11 @@ live in the `Plan`, not here.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from elasticpp.errors import ConfigError
+from elasticpp.plan.specs import check_fields
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -96,15 +97,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "train config") -> TrainConfig:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown field(s) {', '.join(unknown)}; "
-                f"allowed: {', '.join(sorted(known))}"
-            )
+        check_fields(source, data, cls)
         values = dict(data)
         if "betas" in values:
             if not isinstance(values["betas"], (list, tuple)):
