@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from elasticpp.checkpoint.manifest import block_unit
 from elasticpp.plan import load_model_spec
 from elasticpp.plan.cost import CostParams, ModelCosts
-from elasticpp.train.model import block_forward, init_unit
+from elasticpp.train.contract import UnitContext, init_unit
+from elasticpp.train.families import build_model
 
 FLOAT32_BYTES = 4
 
@@ -162,15 +162,15 @@ def measure_compute(model_name: str, micro_batches: list[int], iters: int) -> li
     model = load_model_spec(model_name)
     mc, params = ModelCosts.of(model), CostParams()
     s, h, f = model.seq_len, model.hidden_size, model.ffn_hidden_size
-    weights = {
-        k: v.requires_grad_(True) for k, v in init_unit(model, block_unit(0), 0, 0, 1).items()
-    }
+    unit = build_model(model).blocks[0]
+    weights = {k: v.requires_grad_(True) for k, v in init_unit(unit, 0, 0, 1).items()}
+    ctx = UnitContext(unit.name, 0, 1, None, model.vocab_size, None)
     lines = []
     for b in micro_batches:
         x = torch.randn(b, s, h, requires_grad=True)
 
         def fwd_bwd(x: torch.Tensor = x) -> None:
-            y = block_forward(weights, x, block_unit(0), model.head_dim, None, None)
+            y = unit.forward(ctx, weights, x)
             torch.autograd.backward(y.sum())
 
         block = _times(fwd_bwd, iters)

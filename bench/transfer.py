@@ -31,6 +31,7 @@ STEP = 1
 
 
 def _make_store(root: Path, size: int) -> str:
+    from elasticpp.plan.specs import default_units
     from elasticpp.store.local import LocalStore
 
     store = LocalStore(root, NODE)
@@ -46,7 +47,7 @@ def _make_store(root: Path, size: int) -> str:
             left -= len(block)
     sha = digest.hexdigest()
     store.record_pieces(STEP, [{"name": PIECE, "size": size, "sha256": sha}])
-    store.commit(STEP, num_layers=1)
+    store.commit(STEP, units=default_units(1))
     return sha
 
 
@@ -207,7 +208,7 @@ def run_snapshot_cost(model_name: str, layout_text: str, steps: int, repeats: in
                     for step, pieces in sorted(by_step.items()):
                         t0 = time.perf_counter()
                         store.record_pieces(step, pieces)  # type: ignore[arg-type]
-                        store.commit(step, plan.model.num_layers)
+                        store.commit(step, plan.model.units)
                         store_s.append(time.perf_counter() - t0)
     finally:
         shutil.rmtree(work, ignore_errors=True)

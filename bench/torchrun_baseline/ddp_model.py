@@ -14,7 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from elasticpp.plan import load_model_spec
-from elasticpp.train.model import StageModel, init_unit
+from elasticpp.train.contract import init_unit
+from elasticpp.train.families import build_model
+from elasticpp.train.model import Stage
 
 
 class TinyGPT(torch.nn.Module):
@@ -23,20 +25,22 @@ class TinyGPT(torch.nn.Module):
     def __init__(self, model_name: str, seed: int) -> None:
         super().__init__()
         self.spec = load_model_spec(model_name)
-        self.stage = StageModel.for_stage(self.spec, ((0, self.spec.num_layers),), 0)
+        self.stage = Stage.for_stage(
+            build_model(self.spec), self.spec, ((0, self.spec.num_layers),), 0
+        )
         # ParameterDict keys may not contain '.', so units and names are flattened.
         self.flat = torch.nn.ParameterDict()
         self.names: list[tuple[str, str]] = []
         for unit in self.stage.units:
-            for name, tensor in init_unit(self.spec, unit, seed, 0, 1).items():
-                self.flat[_key(unit, name)] = torch.nn.Parameter(tensor)
-                self.names.append((unit, name))
+            for name, tensor in init_unit(unit, seed, 0, 1).items():
+                self.flat[_key(unit.name, name)] = torch.nn.Parameter(tensor)
+                self.names.append((unit.name, name))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         params: dict[str, dict[str, torch.Tensor]] = {}
         for unit, name in self.names:
             params.setdefault(unit, {})[name] = self.flat[_key(unit, name)]
-        return self.stage.forward(params, tokens, None, None, targets)
+        return self.stage.forward(params, tokens, 0, 1, None, None, targets)
 
 
 def _key(unit: str, name: str) -> str:

@@ -3,7 +3,8 @@
 A minimal spec is just the required keys:
 
     name: demo
-    model: tiny            # a preset or a model spec file, as for `elasticpp plan`
+    model: tiny            # a preset, a model spec file, a Hugging Face model directory,
+                           # or package.module:function (see elasticpp.train.modelref)
     global_batch: 16
     micro_batch: 2
     steps: 40
@@ -14,7 +15,9 @@ A minimal spec is just the required keys:
 Optional keys and their defaults are the fields of `JobSpec` below; the optimizer and data
 defaults are `TrainConfig`'s, so `elasticpp train` with the same settings trains the same model.
 The first agent stores the canonical JSON form in etcd; an agent whose spec differs is refused
-with the differing fields named (`diff`).
+with the differing fields named (`diff`). The stored form records the model reference
+resolved (paths against the spec file's directory) with a fingerprint of its files, so an
+agent whose model files differ is refused with `model_ref` named.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.errors import ConfigError
-from elasticpp.plan import DeviceSpec, ModelSpec, load_device_spec, load_model_spec
+from elasticpp.plan import DeviceSpec, ModelSpec, load_device_spec
 from elasticpp.plan.specs import check_fields
 from elasticpp.train.config import TrainConfig
 
@@ -67,6 +70,10 @@ class JobSpec:
     lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (etcd min 2 s)
     join_settle_s: float = 2.0  # wait this long after the last join before switching layouts
     hang_timeout_s: float = 30.0  # a worker without step progress this long is hung
+    # What `model:` named, resolved: {"kind", "ref", "fingerprint"} (elasticpp.train.modelref).
+    model_ref: dict[str, str] = field(default_factory=dict)
+    # Weights a new job starts from: a Hugging Face directory or an elasticpp checkpoint.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -161,6 +168,8 @@ def parse_job_spec(
         raise ConfigError(f"{source}: expected a mapping of keys")
     allowed = {f.name for f in fields(JobSpec)} - {"train"}
     allowed |= {"optimizer", "schedule", "data", "dropout", "pg_timeout_s", "corpus_max_bytes"}
+    allowed |= {"seq_len", "model_options"}
+    allowed -= {"model_ref"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ConfigError(
@@ -170,16 +179,7 @@ def parse_job_spec(
     if missing:
         raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
     values = dict(data)
-    model_ref = values.pop("model")
-    if not isinstance(model_ref, str):
-        raise ConfigError(f"{source}: model must be a preset name or a spec file path")
-    if (
-        base_dir is not None
-        and not Path(model_ref).is_absolute()
-        and (base_dir / model_ref).is_file()
-    ):
-        model_ref = str(base_dir / model_ref)
-    values["model"] = load_model_spec(model_ref)
+    _resolve_model(values, source, base_dir)
     train: dict[str, Any] = {}
     optimizer = values.pop("optimizer", None) or {}
     if not isinstance(optimizer, dict):
@@ -204,6 +204,45 @@ def parse_job_spec(
         return JobSpec(**values)
     except TypeError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _resolve_model(values: dict[str, Any], source: str, base_dir: Path | None) -> None:
+    """Replace `model` (and `seq_len`, `model_options`) by the resolved spec and reference;
+    resolve `init_from` against the spec's directory."""
+    from elasticpp.train.modelref import resolve_model
+
+    ref = values.pop("model")
+    if not isinstance(ref, str) or not ref:
+        raise ConfigError(
+            f"{source}: model must be a preset, a spec file, a model directory or "
+            "package.module:function"
+        )
+    options = values.pop("model_options", None) or {}
+    if not isinstance(options, dict):
+        raise ConfigError(f"{source}: model_options must be a mapping")
+    seq_len = values.pop("seq_len", None)
+    try:
+        resolved = resolve_model(ref, base_dir=base_dir, seq_len=seq_len, options=options)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    values["model"] = resolved.spec
+    values["model_ref"] = {
+        "kind": resolved.kind,
+        "ref": resolved.ref,
+        "fingerprint": resolved.fingerprint,
+    }
+    init = values.get("init_from")
+    if init is not None:
+        if not isinstance(init, str) or not init:
+            raise ConfigError(f"{source}: init_from must be a directory path")
+        path = Path(init)
+        if base_dir is not None and not path.is_absolute():
+            path = base_dir / path
+        if not path.is_dir():
+            raise ConfigError(f"{source}: init_from {init!r}: no such directory")
+        values["init_from"] = str(path.resolve())
+    elif resolved.init_dir is not None:
+        values["init_from"] = resolved.init_dir
 
 
 def load_job_spec(path: str | Path) -> JobSpec:

@@ -60,7 +60,7 @@ from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import CheckpointError, ConfigError, ElasticppError
-from elasticpp.plan import ClusterSpec, NodeSpec, Plan
+from elasticpp.plan import ClusterSpec, ModelSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings
@@ -197,6 +197,7 @@ class Agent:
         self._leader: str | None = None
         self._barriers: dict[str, dict[str, Any]] = {}
         self._last_join_s = time.monotonic()
+        self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
         self._dead: dict[str, str] = {}  # node -> incarnation confirmed dead by probe
         self._etcd_ok = True
         self._last_refresh_s = 0.0
@@ -255,6 +256,7 @@ class Agent:
         # Before joining etcd, not beside it: a thread importing torch holds the GIL for
         # seconds, which can starve the lease keep-alive of a freshly registered node.
         self._import_torch()
+        self._prepare_init()
         self.cluster = ClusterClient(list(self.cfg.etcd), self.spec.name)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
@@ -272,6 +274,18 @@ class Agent:
         self._event(
             "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
         )
+
+    def _prepare_init(self) -> None:
+        """A job that starts from trained weights (`init_from`) starts every worker from a
+        step-0 directory of this node, converted once here, before joining."""
+        if self.spec.init_from is None:
+            return
+        from elasticpp.train.hf import write_init_step
+
+        self._init_dir = write_init_step(
+            self.spec.model, Path(self.spec.init_from), self.cfg.state_dir / "init"
+        )
+        log.info("initial weights from %s in %s", self.spec.init_from, self._init_dir)
 
     def _join_cluster(self) -> None:
         """Idempotent: check the spec, start warm workers, register, watch."""
@@ -583,7 +597,7 @@ class Agent:
         writers = {s.rank for s in plan.ranks_on(self.node_id) if is_snapshot_writer(plan, s.rank)}
         if writers <= reports:
             try:
-                self.store.commit(step, plan.model.num_layers)
+                self.store.commit(step, plan.model.units)
             except CheckpointError as exc:
                 log.warning("step %d not committed: %s", step, exc)
                 return
@@ -601,7 +615,7 @@ class Agent:
                 and self.spec.persist_every
                 and (step % self.spec.persist_every == 0 or step == self.spec.steps)
             ):
-                self._persist_async(step, plan.model.num_layers)
+                self._persist_async(step, plan.model)
 
     def _report_failure(self, generation: int, reason: str) -> None:
         self._event("worker", f"failure in generation {generation}: {reason}")
@@ -760,6 +774,9 @@ class Agent:
         self._spawn_warm()
         gs.phase = "starting"
 
+    def _init_path(self) -> str | None:
+        return None if self._init_dir is None else str(self._init_dir)
+
     def _resume_dir(self, gs: _GenState) -> Path:
         return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
 
@@ -802,7 +819,7 @@ class Agent:
         except Exception as exc:  # reported to the loop, which reports it to the leader
             gs.fetch_error = f"{type(exc).__name__}: {exc}"
 
-    def _persist_async(self, step: int, num_layers: int) -> None:
+    def _persist_async(self, step: int, model: ModelSpec) -> None:
         """Copy this node's pieces of `step` into the (shared) checkpoint directory; the
         last node to contribute writes the manifest. Off the training path."""
         assert self.spec.persist_dir is not None
@@ -811,7 +828,7 @@ class Agent:
         def run() -> None:
             try:
                 persist_pieces(self.store, root, step)
-                if finalize_checkpoint(root, step, num_layers) is not None:
+                if finalize_checkpoint(root, step, model.units, model) is not None:
                     log.info("checkpoint of step %d complete in %s", step, root)
                     prune_checkpoints(root, keep=2)
             except (ElasticppError, OSError) as exc:
@@ -862,7 +879,7 @@ class Agent:
                 "store_prefix": f"gen{gs.generation}",
                 "job": job,
                 "start_step": step,
-                "resume_dir": str(self._resume_dir(gs)) if step > 0 else None,
+                "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
                 "snapshot_dir": str(self.store.own_dir),
                 "snapshot_every": self.spec.snapshot_every,
                 "backend": self.cfg.backend,

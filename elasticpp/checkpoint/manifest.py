@@ -4,18 +4,27 @@ This module knows files and bytes, not tensors (see `elasticpp.checkpoint.tensor
 those), so the state store can move and verify pieces without importing torch.
 
 Units and pieces
-    A *unit* is the smallest piece of model state that moves between layouts:
-    `embed` (token + position embedding, on the first stage), `block.NNNN` (one
-    transformer block), `head` (final norm + LM head, on the last stage).
-    A *piece* is one unit's state held by one tensor-parallel rank: parameters, AdamW
-    moments, and the optimizer step, in one safetensors file named
-    `<unit>.tp<rank>-<size>.safetensors`. A unit saved under tp=2 has two pieces; any
-    layout can rebuild its own slices from a complete set (`tensors.reshard`).
+    A *unit* is the smallest piece of model state that moves between layouts: one entry of
+    a model's ordered unit list (`elasticpp.train.contract`), named in the character set of
+    `elasticpp.names` — for the built-in families `embed` (first stage), `block.NNNN` (one
+    transformer block) and `head` (last stage). A *piece* is one unit's state held by one
+    tensor-parallel rank: parameters, AdamW moments, and the optimizer step, in one
+    safetensors file named `<unit>.tp<rank>-<size>.safetensors`. A unit saved under tp=2
+    has two pieces; any layout can rebuild its own slices from a complete set
+    (`tensors.reshard`). `PieceKey.parse` is the one parser of piece names: whatever a peer
+    or an etcd value claims, a name it accepts is a plain file name in the step directory.
 
 Step directories
     `<root>/step-<step:010d>/` holds the pieces of one committed step and a
     `manifest.json`, written last (tmp + fsync + rename), listing every piece with its
     size and sha256. A directory without a manifest is incomplete and never read.
+
+Manifest versions
+    2 (written now): `units` lists the model's units in order, so a reader knows what a
+    full checkpoint holds for any model; `model`, when the writer knew it, is the model's
+    spec (what `elasticpp export` needs to rebuild a Hugging Face directory).
+    1 (still read): `num_layers` of the built-in naming, read as the units `embed`,
+    `block.0000` ... `head`.
 """
 
 from __future__ import annotations
@@ -24,41 +33,20 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elasticpp.errors import CheckpointError, ConfigError
+from elasticpp.names import NAME_PATTERN, parse_name
+from elasticpp.plan.specs import ModelSpec, default_units
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
-UNIT_EMBED = "embed"
-UNIT_HEAD = "head"
 
-_UNIT_RE = re.compile(r"^(embed|head|block\.\d{4})$")
-_PIECE_RE = re.compile(r"^(embed|head|block\.\d{4})\.tp(\d+)-(\d+)\.safetensors$")
+_PIECE_RE = re.compile(rf"^({NAME_PATTERN})\.tp(\d+)-(\d+)\.safetensors$")
 _STEP_RE = re.compile(r"^step-(\d{10})$")
-
-
-def block_unit(index: int) -> str:
-    return f"block.{index:04d}"
-
-
-def stage_units(stages: Iterable[tuple[int, int]], stage: int) -> list[str]:
-    """The units pipeline stage `stage` holds, in model order."""
-    ranges = list(stages)
-    first, end = ranges[stage]
-    units = [block_unit(i) for i in range(first, end)]
-    if stage == 0:
-        units.insert(0, UNIT_EMBED)
-    if stage == len(ranges) - 1:
-        units.append(UNIT_HEAD)
-    return units
-
-
-def model_units(num_layers: int) -> list[str]:
-    return [UNIT_EMBED, *(block_unit(i) for i in range(num_layers)), UNIT_HEAD]
 
 
 @dataclass(frozen=True, order=True)
@@ -68,8 +56,7 @@ class PieceKey:
     tp_size: int
 
     def __post_init__(self) -> None:
-        if not _UNIT_RE.match(self.unit):
-            raise ConfigError(f"piece: bad unit name {self.unit!r}")
+        parse_name(self.unit, what="piece: unit")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(
                 f"piece {self.unit}: tp rank {self.tp_rank} not in [0, {self.tp_size})"
@@ -139,12 +126,13 @@ class PieceEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What one step directory holds. `num_layers` lets a reader tell a full checkpoint."""
+    """What one step directory holds. `units` (the model's, in order) tells a full checkpoint."""
 
     step: int
-    num_layers: int
+    units: tuple[str, ...]
     pieces: tuple[PieceEntry, ...]
     format_version: int = FORMAT_VERSION
+    model: ModelSpec | None = None
 
     def entry(self, key: PieceKey) -> PieceEntry | None:
         for e in self.pieces:
@@ -159,15 +147,21 @@ class Manifest:
             by_unit.setdefault((e.key.unit, e.key.tp_size), set()).add(e.key.tp_rank)
         return {u for (u, size), ranks in by_unit.items() if len(ranks) == size}
 
+    def missing_units(self) -> list[str]:
+        """The model's units without a complete set of slices, in model order."""
+        complete = self.units_complete()
+        return [u for u in self.units if u not in complete]
+
     def is_full_model(self) -> bool:
-        return set(model_units(self.num_layers)) <= self.units_complete()
+        return not self.missing_units()
 
     def to_json(self) -> str:
         return json.dumps(
             {
-                "format_version": self.format_version,
+                "format_version": FORMAT_VERSION,
                 "step": self.step,
-                "num_layers": self.num_layers,
+                "units": list(self.units),
+                **({} if self.model is None else {"model": self.model.to_dict()}),
                 "pieces": [
                     {"name": e.key.filename, "size": e.size, "sha256": e.sha256}
                     for e in sorted(self.pieces, key=lambda e: e.key)
@@ -181,15 +175,24 @@ class Manifest:
     def from_json(cls, text: str, *, source: str = "manifest") -> Manifest:
         try:
             data: Any = json.loads(text)
-            if data["format_version"] != FORMAT_VERSION:
+            version = data["format_version"]
+            if version not in READABLE_VERSIONS:
                 raise CheckpointError(
-                    f"{source}: format_version {data['format_version']!r} is not {FORMAT_VERSION}"
+                    f"{source}: format_version {version!r} is not one of "
+                    f"{', '.join(map(str, READABLE_VERSIONS))} (written by a newer elasticpp?)"
                 )
             pieces = tuple(
                 PieceEntry(PieceKey.parse(p["name"]), int(p["size"]), str(p["sha256"]))
                 for p in data["pieces"]
             )
-            return cls(int(data["step"]), int(data["num_layers"]), pieces)
+            model = None
+            if version == 1:
+                units = default_units(int(data["num_layers"]))
+            else:
+                units = tuple(parse_name(u, what="unit") for u in data["units"])
+                if data.get("model") is not None:
+                    model = ModelSpec.from_dict(dict(data["model"]), source=f"{source} model")
+            return cls(int(data["step"]), units, pieces, version, model)
         except CheckpointError:
             raise
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
@@ -205,6 +208,23 @@ def read_manifest(step_dir: Path) -> Manifest:
     if not path.is_file():
         raise CheckpointError(f"{step_dir}: incomplete (no {MANIFEST_NAME})")
     return Manifest.from_json(path.read_text(encoding="utf-8"), source=str(path))
+
+
+def find_step_dir(path: Path, *, what: str = "checkpoint") -> Path:
+    """A step directory with a manifest, or the newest such directory under a root."""
+    path = Path(path)
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    if not path.is_dir():
+        raise ConfigError(f"{what} {path}: not a directory")
+    steps = sorted(
+        (s, p)
+        for p in path.iterdir()
+        if (s := parse_step_dirname(p.name)) is not None and (p / MANIFEST_NAME).is_file()
+    )
+    if not steps:
+        raise ConfigError(f"{what} {path}: no step directory with a manifest")
+    return steps[-1][1]
 
 
 def verify_step_dir(step_dir: Path) -> Manifest:

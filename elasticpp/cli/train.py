@@ -18,8 +18,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from elasticpp.checkpoint.manifest import find_step_dir
 from elasticpp.errors import CheckpointError, ConfigError
-from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec, load_model_spec
+from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
 from elasticpp.train.config import SCHEDULES, TrainConfig
 
 log = logging.getLogger("elasticpp.train")
@@ -27,7 +28,25 @@ _DEFAULTS = TrainConfig()
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="preset name or spec file (tiny)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="preset, spec file, Hugging Face model directory, or package.module:function (tiny)",
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (the model's)")
+    parser.add_argument(
+        "--model-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model family or user-function option (VALUE as JSON, else a string); repeatable",
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from the weights of an elasticpp step dir or a Hugging Face directory",
+    )
     parser.add_argument("--layout", default="pp=1,tp=1,dp=1", help="pp=P,tp=T,dp=D")
     parser.add_argument(
         "--recompute",
@@ -61,26 +80,39 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def find_step_dir(path: Path) -> Path:
-    """A step directory with a manifest, or the newest such directory under a root."""
-    from elasticpp.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname
+def parse_model_options(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs; VALUE is read as JSON (true, 3, 1e-5) or else taken as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--model-option {item!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if not isinstance(value, (bool, int, float, str, type(None))):
+            raise ConfigError(f"--model-option {item!r}: VALUE must be a number, bool or string")
+        out[key] = value
+    return out
 
-    if (path / MANIFEST_NAME).is_file():
-        return path
-    if not path.is_dir():
-        raise ConfigError(f"--resume {path}: not a directory")
-    steps = sorted(
-        (s, p)
-        for p in path.iterdir()
-        if (s := parse_step_dirname(p.name)) is not None and (p / MANIFEST_NAME).is_file()
+
+def _validate(
+    args: argparse.Namespace,
+) -> tuple[Any, TrainConfig, Path | None, int, Path | None]:
+    from elasticpp.train.modelref import resolve_model
+
+    ref = resolve_model(
+        args.model, seq_len=args.seq_len, options=parse_model_options(args.model_option)
     )
-    if not steps:
-        raise ConfigError(f"--resume {path}: no step directory with a manifest")
-    return steps[-1][1]
-
-
-def _validate(args: argparse.Namespace) -> tuple[Any, TrainConfig, Path | None, int]:
-    model = load_model_spec(args.model)
+    model = ref.spec
+    init_from = args.init_from.resolve() if args.init_from is not None else None
+    if init_from is None and ref.init_dir is not None:
+        init_from = Path(ref.init_dir)
+    if init_from is not None and args.resume is not None:
+        raise ConfigError("--init-from starts a new job; --resume continues one: give one")
+    if init_from is not None and not init_from.exists():
+        raise ConfigError(f"--init-from {init_from}: no such directory")
     layout = Layout.parse(args.layout)
     for name in ("global_batch", "micro_batch"):
         if getattr(args, name) <= 0:
@@ -119,11 +151,13 @@ def _validate(args: argparse.Namespace) -> tuple[Any, TrainConfig, Path | None, 
     if args.resume is not None:
         from elasticpp.checkpoint.manifest import verify_step_dir
 
-        resume_dir = find_step_dir(args.resume).resolve()
+        resume_dir = find_step_dir(args.resume, what="--resume").resolve()
         manifest = verify_step_dir(resume_dir)
-        if manifest.num_layers != model.num_layers or not manifest.is_full_model():
+        if manifest.units != model.units or not manifest.is_full_model():
             raise CheckpointError(
-                f"--resume {resume_dir}: not a full {model.num_layers}-layer model state"
+                f"--resume {resume_dir}: not a full state of {model.name} "
+                f"({len(model.units)} units; missing: {', '.join(manifest.missing_units()[:6])}"
+                f"{'' if manifest.units == model.units else '; the units differ'})"
             )
         start_step = manifest.step
         if start_step >= job.steps:
@@ -131,7 +165,7 @@ def _validate(args: argparse.Namespace) -> tuple[Any, TrainConfig, Path | None, 
                 f"--resume {resume_dir} is at step {start_step}; --steps {job.steps} leaves "
                 "nothing to train"
             )
-    return plan, job, resume_dir, start_step
+    return plan, job, resume_dir, start_step, init_from
 
 
 class _Terminated(Exception):
@@ -140,7 +174,7 @@ class _Terminated(Exception):
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    plan, job, resume_dir, start_step = _validate(args)
+    plan, job, resume_dir, start_step, init_from = _validate(args)
 
     from elasticpp.checkpoint.manifest import (
         Manifest,
@@ -155,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.train.worker import is_snapshot_writer
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="elasticpp-train-"))
+    if init_from is not None:
+        from elasticpp.train.hf import write_init_step
+
+        resume_dir = write_init_step(plan.model, init_from, log_dir / "init")
     save_dir = None if args.save is None else args.save.resolve()
     metrics = None if args.metrics is None else args.metrics.open("w", encoding="utf-8")
 
@@ -193,7 +231,9 @@ def run(args: argparse.Namespace) -> int:
                 for ev in by_step.pop(step)
                 for p in ev["pieces"]
             ]
-            write_manifest(step_dir, Manifest(step, plan.model.num_layers, tuple(entries)))
+            write_manifest(
+                step_dir, Manifest(step, plan.model.units, tuple(entries), model=plan.model)
+            )
             if not verify_step_dir(step_dir).is_full_model():
                 raise CheckpointError(f"{step_dir}: the saved state is incomplete")
             saved.add(step)

@@ -107,14 +107,38 @@ class ModelCosts:
     @classmethod
     def of(cls, model: ModelSpec) -> ModelCosts:
         h, f, s, v = model.hidden_size, model.ffn_hidden_size, model.seq_len, model.vocab_size
+        n = model.numbers
+        if n is not None:
+            # A declared model: its own counts (elasticpp.train.contract.model_numbers).
+            return cls(
+                block_params=n.block_params,
+                embed_params=n.first_params,
+                head_params=n.last_params,
+                block_fwd_flops_per_sample=n.block_flops_per_token * s,
+                head_fwd_flops_per_sample=n.last_flops_per_token * s,
+                hidden_values_per_sample=n.boundary_values_per_token * s,
+                seq_len=s,
+                hidden_size=h,
+                num_heads=model.num_heads,
+                vocab_size=v,
+            )
+        kv = model.num_kv_heads * model.head_dim  # grouped-query attention: narrower K and V
         mlp_mats = 3 if model.gated_mlp else 2
-        matmul_params = 4 * h * h + mlp_mats * h * f
-        # biases (qkv, proj, fc1, fc2) and the two layer norms: small, but real parameters
-        block_params = matmul_params + 4 * h + f + h + 4 * h
+        matmul_params = 2 * h * h + 2 * h * kv + mlp_mats * h * f
+        if model.family == "llama":
+            # no biases; two RMSNorm weights; rotary positions (no position embedding)
+            block_params = matmul_params + 2 * h
+            embed_params = v * h
+            head_params = v * h + h
+        else:
+            # biases (q, k, v, proj, fc1, fc2) and the two layer norms: small, but real
+            block_params = matmul_params + 2 * h + 2 * kv + f + h + 4 * h
+            embed_params = v * h + s * h
+            head_params = v * h + 2 * h
         return cls(
             block_params=block_params,
-            embed_params=v * h + s * h,
-            head_params=v * h + 2 * h,
+            embed_params=embed_params,
+            head_params=head_params,
             block_fwd_flops_per_sample=2.0 * matmul_params * s + 4.0 * s * s * h,
             head_fwd_flops_per_sample=2.0 * h * v * s,
             hidden_values_per_sample=s * h,

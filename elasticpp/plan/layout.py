@@ -273,8 +273,8 @@ class Plan:
     def validate(self) -> None:
         """Check the promises every plan keeps; raises `PlanError` naming the broken one."""
         L = self.layout
-        if self.model.num_heads % L.tp:
-            raise PlanError(f"tp={L.tp} does not divide num_heads={self.model.num_heads}")
+        if not self.model.tp_fits(L.tp):
+            raise PlanError(f"tp={L.tp} does not divide {_tp_sizes(self.model)}")
         if len(self.microbatches) != L.dp:
             raise PlanError(f"{len(self.microbatches)} micro-batch counts for dp={L.dp}")
         if (
@@ -325,8 +325,8 @@ def build_plan(
     stages: tuple[tuple[int, int], ...] | None = None,
 ) -> Plan:
     """A plan for a fixed layout (no search): validated batch split, stages and placement."""
-    if model.num_heads % layout.tp:
-        raise PlanError(f"tp={layout.tp} does not divide num_heads={model.num_heads}")
+    if not model.tp_fits(layout.tp):
+        raise PlanError(f"tp={layout.tp} does not divide {_tp_sizes(model)}")
     if layout.tp > cluster.max_gpus_per_node:
         raise PlanError(
             f"tp={layout.tp} exceeds the GPUs of any node ({cluster.max_gpus_per_node})"
@@ -343,3 +343,10 @@ def build_plan(
     )
     plan.validate()
     return plan
+
+
+def _tp_sizes(model: ModelSpec) -> str:
+    """What a tensor-parallel width must divide, for error messages."""
+    if model.numbers is not None:
+        return f"the model's split sizes {model.tp_divisors}"
+    return f"num_heads={model.num_heads} and num_kv_heads={model.num_kv_heads}"

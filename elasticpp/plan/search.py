@@ -1,8 +1,9 @@
 """The layout search: the fastest (p, t, d, b, recompute) that fits, for any cluster.
 
 Candidates
-    t divides num_heads, t <= the GPUs of the largest node and t divides the GPU count of at
-    least one node (so TP groups pack; a node holds gpus // t groups); 1 <= p <= num_layers;
+    t divides num_heads (and num_kv_heads, and a declared model's split sizes), t <= the GPUs
+    of the largest node and t divides the GPU count of at least one node (so TP groups
+    pack; a node holds gpus // t groups); 1 <= p <= num_layers;
     p * d groups fit the cluster; b from `MICRO_BATCH_CHOICES` dividing B (or fixed);
     d <= B / b; recompute on or off. A plan may leave GPUs idle.
 Choice
@@ -232,7 +233,7 @@ class Planner:
         return [
             t
             for t in range(1, widest + 1)
-            if self.model.num_heads % t == 0 and any(g % t == 0 for g in sizes)
+            if self.model.tp_fits(t) and any(g % t == 0 for g in sizes)
         ]
 
     def _profiles_for(self, tp: int) -> tuple[_Profile, ...]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from elasticpp.errors import ConfigError
+from elasticpp.names import parse_name
 
 GIB = 1024**3
 
@@ -41,13 +43,75 @@ def _positive_float(owner: str, name: str, value: object) -> float:
     return float(value)
 
 
+FAMILIES = ("gpt", "llama")
+UNIT_EMBED = "embed"
+UNIT_HEAD = "head"
+# JSON scalars a family option may hold (options travel in plans and job specs as JSON).
+OptionValue = bool | int | float | str | None
+
+
+def block_unit(index: int) -> str:
+    """The name of block `index` in the built-in families (and in version-1 checkpoints)."""
+    return f"block.{index:04d}"
+
+
+def default_units(num_layers: int) -> tuple[str, ...]:
+    return (UNIT_EMBED, *(block_unit(i) for i in range(num_layers)), UNIT_HEAD)
+
+
+@dataclass(frozen=True)
+class ModelNumbers:
+    """What the planner needs of a model it cannot compute from the shape fields: the numbers
+    a model declaration (`elasticpp.train.contract`) gives, handed over as plain numbers.
+
+    Parameter counts are whole-model (before tensor parallelism); FLOPs are forward FLOPs
+    per token; `boundary_values_per_token` is what one token sends across a stage boundary;
+    `tp_divisors` are sizes every tensor-parallel width must divide (heads, split dims).
+    Blocks may differ; the planner balances stages with the mean block.
+    """
+
+    first_params: int
+    block_params: int  # mean over the blocks, rounded up
+    last_params: int
+    block_flops_per_token: float
+    last_flops_per_token: float
+    boundary_values_per_token: int
+    tp_divisors: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        owner = "model numbers"
+        for name in ("first_params", "block_params", "last_params"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{owner}: {name} must be an integer >= 0, got {v!r}")
+        for name in ("block_flops_per_token", "last_flops_per_token"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ConfigError(f"{owner}: {name} must be a finite number >= 0, got {v!r}")
+        _positive_int(owner, "boundary_values_per_token", self.boundary_values_per_token)
+        divisors = tuple(self.tp_divisors)
+        for d in divisors:
+            _positive_int(owner, "tp_divisors", d)
+        object.__setattr__(self, "tp_divisors", divisors)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tp_divisors"] = list(self.tp_divisors)
+        return data
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT-style decoder-only transformer.
+    """A decoder-style model as the planner, the checkpoint and the workers see it.
 
-    `num_layers` counts transformer blocks; the embedding belongs to the first pipeline
-    stage and the final norm + LM head + loss to the last. `gated_mlp` marks a SwiGLU MLP
-    (three matrices, Llama-style) for the cost model; the training engine uses a GELU MLP.
+    `num_layers` counts the repeated blocks the planner partitions into stages; the units
+    before them (`first_units` of them: the embedding) belong to the first pipeline stage,
+    the units after them (`last_units`: final norm, LM head, loss) to the last. `family` says
+    which model definition trains it: a built-in family (`gpt`, `llama`) or a user's
+    `package.module:function` (docs/train.md, "The model contract"); `options` are that
+    family's settings (JSON scalars), opaque to the planner. `units` names every unit in
+    model order; empty means the built-in names `embed`, `block.NNNN`, `head`. `numbers`,
+    when given, replaces the cost model's shape-based parameter and FLOP counts.
     """
 
     name: str
@@ -57,7 +121,14 @@ class ModelSpec:
     vocab_size: int
     seq_len: int
     ffn_hidden_size: int = 0  # 0 means 4 * hidden_size
-    gated_mlp: bool = False
+    gated_mlp: bool = False  # SwiGLU MLP (three matrices); always true for llama
+    num_kv_heads: int = 0  # grouped-query attention; 0 means num_heads
+    family: str = "gpt"
+    options: tuple[tuple[str, OptionValue], ...] = ()
+    units: tuple[str, ...] = ()
+    first_units: int = 1
+    last_units: int = 1
+    numbers: ModelNumbers | None = None
 
     def __post_init__(self) -> None:
         owner = f"model {self.name!r}"
@@ -66,21 +137,96 @@ class ModelSpec:
         if self.ffn_hidden_size == 0:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         _positive_int(owner, "ffn_hidden_size", self.ffn_hidden_size)
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _positive_int(owner, "num_kv_heads", self.num_kv_heads)
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"{owner}: hidden_size {self.hidden_size} is not divisible by "
                 f"num_heads {self.num_heads}"
             )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"{owner}: num_heads {self.num_heads} is not a multiple of "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
+        if not isinstance(self.family, str) or not (
+            self.family in FAMILIES or _ENTRY_RE.match(self.family)
+        ):
+            raise ConfigError(
+                f"{owner}: family must be one of {', '.join(FAMILIES)} or "
+                f"'package.module:function', got {self.family!r}"
+            )
+        if self.family == "llama":
+            object.__setattr__(self, "gated_mlp", True)
+        options = self.options.items() if isinstance(self.options, dict) else self.options
+        checked: list[tuple[str, OptionValue]] = []
+        for item in options:
+            key, value = item
+            if not isinstance(key, str) or not isinstance(
+                value, (bool, int, float, str, type(None))
+            ):
+                raise ConfigError(f"{owner}: option {key!r} must be a JSON scalar, got {value!r}")
+            checked.append((key, value))
+        object.__setattr__(self, "options", tuple(sorted(checked)))
+        for name in ("first_units", "last_units"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{owner}: {name} must be an integer >= 0, got {v!r}")
+        if not self.units:
+            if (self.first_units, self.last_units) != (1, 1):
+                raise ConfigError(f"{owner}: units must be named when first/last_units != 1")
+            object.__setattr__(self, "units", default_units(self.num_layers))
+        units = tuple(parse_name(u, what=f"{owner}: unit") for u in self.units)
+        if len(units) != self.first_units + self.num_layers + self.last_units:
+            raise ConfigError(
+                f"{owner}: {len(units)} unit names for {self.first_units} first unit(s), "
+                f"{self.num_layers} blocks and {self.last_units} last unit(s)"
+            )
+        if len(set(units)) != len(units):
+            raise ConfigError(f"{owner}: unit names are not unique")
+        object.__setattr__(self, "units", units)
+        if self.numbers is not None and not isinstance(self.numbers, ModelNumbers):
+            raise ConfigError(f"{owner}: numbers must be ModelNumbers")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def option_map(self) -> dict[str, OptionValue]:
+        return dict(self.options)
+
+    @property
+    def tp_divisors(self) -> tuple[int, ...]:
+        """Sizes a tensor-parallel width must divide."""
+        if self.numbers is not None:
+            return self.numbers.tp_divisors
+        return (self.num_heads, self.num_kv_heads)
+
+    def tp_fits(self, tp: int) -> bool:
+        return all(d % tp == 0 for d in self.tp_divisors)
+
+    def stage_units(self, stages: tuple[tuple[int, int], ...], stage: int) -> tuple[str, ...]:
+        """The units pipeline stage `stage` of a plan with these block ranges holds."""
+        first, end = stages[stage]
+        f = self.first_units
+        units = list(self.units[f + first : f + end])
+        if stage == 0:
+            units = list(self.units[:f]) + units
+        if stage == len(stages) - 1:
+            units += self.units[f + self.num_layers :]
+        return tuple(units)
+
     def with_seq_len(self, seq_len: int) -> ModelSpec:
-        return ModelSpec(**{**asdict(self), "seq_len": seq_len})
+        return replace(self, seq_len=seq_len)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["options"] = dict(self.options)
+        data["units"] = list(self.units)
+        data["numbers"] = None if self.numbers is None else self.numbers.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "model spec") -> ModelSpec:
@@ -92,7 +238,29 @@ class ModelSpec:
         values = dict(data)
         values.setdefault("name", Path(source).stem if source != "model spec" else "custom")
         values.setdefault("ffn_hidden_size", 0)
-        return cls(**values)
+        options = values.get("options", {})
+        if not isinstance(options, dict):
+            raise ConfigError(f"{source}: options must be a mapping")
+        values["options"] = tuple(options.items())
+        if not isinstance(values.get("units", []), (list, tuple)):
+            raise ConfigError(f"{source}: units must be a list of names")
+        values["units"] = tuple(values.get("units", ()))
+        numbers = values.get("numbers")
+        if numbers is not None:
+            check_fields(f"{source}.numbers", numbers, ModelNumbers)
+            try:
+                values["numbers"] = ModelNumbers(**numbers)
+            except TypeError as exc:
+                raise ConfigError(f"{source}.numbers: {exc}") from exc
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+
+
+_ENTRY_RE = re.compile(
+    r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+)
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
@@ -107,10 +275,13 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("gpt-6.7b", 32, 4096, 32, 51200, 2048),
         ModelSpec("gpt-13b", 40, 5120, 40, 51200, 2048),
         ModelSpec("gpt-175b", 96, 12288, 96, 51200, 2048),
-        # Llama-style (SwiGLU MLP). 70B's grouped-query attention is costed as full MHA.
-        ModelSpec("llama-7b", 32, 4096, 32, 32000, 4096, ffn_hidden_size=11008, gated_mlp=True),
-        ModelSpec("llama-13b", 40, 5120, 40, 32000, 4096, ffn_hidden_size=13824, gated_mlp=True),
-        ModelSpec("llama-70b", 80, 8192, 64, 32000, 4096, ffn_hidden_size=28672, gated_mlp=True),
+        # Llama family: RMSNorm, rotary positions, SwiGLU MLP; 70B uses grouped-query
+        # attention with 8 key/value heads. Sizes from the Llama 2 paper's configurations.
+        ModelSpec("llama-7b", 32, 4096, 32, 32000, 4096, 11008, family="llama"),
+        ModelSpec("llama-13b", 40, 5120, 40, 32000, 4096, 13824, family="llama"),
+        ModelSpec("llama-70b", 80, 8192, 64, 32000, 4096, 28672, num_kv_heads=8, family="llama"),
+        # A Llama the tests and the demo can train on CPU (GQA: 4 query heads, 2 kv heads).
+        ModelSpec("llama-tiny", 4, 64, 4, 256, 32, 128, num_kv_heads=2, family="llama"),
     )
 }
 

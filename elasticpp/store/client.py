@@ -19,6 +19,7 @@ import grpc
 
 from elasticpp.checkpoint.manifest import PieceKey, fsync_dir
 from elasticpp.errors import CheckpointError, ConfigError, StaleGenerationError
+from elasticpp.names import parse_name
 from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
 from elasticpp.store.service import GRPC_OPTIONS, fetch_piece_callable
@@ -96,7 +97,8 @@ class StateClient:
                 for p in s.pieces:
                     PieceKey.parse(p.name)
                     pieces[p.name] = PieceInfo(p.size, p.sha256)
-                steps[(origin, s.step)] = StepHolding(origin, s.step, s.num_layers, pieces)
+                units = tuple(parse_name(u, what="unit") for u in s.units)
+                steps[(origin, s.step)] = StepHolding(origin, s.step, units, pieces)
             return NodeHoldings(check_node_id(reply.node_id), steps)
         except ConfigError as exc:
             raise CheckpointError(f"list steps of {self.address}: bad reply: {exc}") from exc

@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 
 from elasticpp.checkpoint.manifest import Manifest, PieceEntry, PieceKey
 from elasticpp.errors import ConfigError
+from elasticpp.names import parse_name
 
-HOLDINGS_FORMAT_VERSION = 1
+HOLDINGS_FORMAT_VERSION = 2
 
 # The source/origin name of pieces in the persistent checkpoint; never a valid node id.
 DISK_SOURCE = "<disk>"
@@ -48,7 +49,7 @@ class StepHolding:
 
     origin: str
     step: int
-    num_layers: int
+    units: tuple[str, ...]  # the model's units, in order (from the step's manifest)
     pieces: Mapping[str, PieceInfo]  # piece file name -> (size, sha256)
 
     @classmethod
@@ -56,7 +57,7 @@ class StepHolding:
         return cls(
             origin,
             manifest.step,
-            manifest.num_layers,
+            manifest.units,
             {e.key.filename: PieceInfo(e.size, e.sha256) for e in manifest.pieces},
         )
 
@@ -89,7 +90,7 @@ class NodeHoldings:
                 {
                     "origin_node": h.origin,
                     "step": h.step,
-                    "num_layers": h.num_layers,
+                    "units": list(h.units),
                     "pieces": [
                         {"name": n, "size": i.size, "sha256": i.sha256}
                         for n, i in sorted(h.pieces.items())
@@ -117,7 +118,8 @@ class NodeHoldings:
                 for p in s["pieces"]:
                     PieceKey.parse(str(p["name"]))
                     pieces[str(p["name"])] = PieceInfo(int(p["size"]), str(p["sha256"]))
-                holding = StepHolding(origin, int(s["step"]), int(s["num_layers"]), pieces)
+                units = tuple(parse_name(u, what="unit") for u in s["units"])
+                holding = StepHolding(origin, int(s["step"]), units, pieces)
                 steps[(origin, holding.step)] = holding
             return cls(check_node_id(str(data["node_id"])), steps)
         except (KeyError, TypeError, ValueError) as exc:

@@ -181,7 +181,7 @@ class LocalStore:
         with self._lock:
             return dict(self._reported.get(step, {}))
 
-    def commit(self, step: int, num_layers: int) -> StepHolding:
+    def commit(self, step: int, units: tuple[str, ...]) -> StepHolding:
         """Mark own step `step` committed (writes its manifest) and drop old steps.
 
         Idempotent: committing a committed step returns what was committed.
@@ -195,7 +195,7 @@ class LocalStore:
             step_dir.mkdir(parents=True, exist_ok=True)
             manifest = Manifest(
                 step,
-                num_layers,
+                units,
                 tuple(
                     PieceEntry(PieceKey.parse(n), i.size, i.sha256)
                     for n, i in sorted(pieces.items())
@@ -203,7 +203,7 @@ class LocalStore:
             )
             # The manifest is the commit point: written last, atomically.
             write_manifest(step_dir, manifest)
-            holding = StepHolding(self.node_id, step, num_layers, dict(pieces))
+            holding = StepHolding(self.node_id, step, units, dict(pieces))
             self._committed[(self.node_id, step)] = holding
             self._prune(self.node_id)
             log.info("store %s: committed step %d (%d pieces)", self.node_id, step, len(pieces))
@@ -212,7 +212,7 @@ class LocalStore:
     # ----- replicas
 
     def commit_replica(
-        self, origin: str, step: int, num_layers: int, entries: Iterable[PieceEntry]
+        self, origin: str, step: int, units: tuple[str, ...], entries: Iterable[PieceEntry]
     ) -> StepHolding:
         """Commit a peer's step whose pieces are in `replica_step_dir(origin, step)`.
 
@@ -231,11 +231,11 @@ class LocalStore:
             existing = self._committed.get((origin, step))
             if existing is not None:
                 return existing
-            write_manifest(step_dir, Manifest(step, num_layers, entries))
+            write_manifest(step_dir, Manifest(step, units, entries))
             holding = StepHolding(
                 origin,
                 step,
-                num_layers,
+                units,
                 {e.key.filename: PieceInfo(e.size, e.sha256) for e in entries},
             )
             self._committed[(origin, step)] = holding

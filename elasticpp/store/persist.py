@@ -36,13 +36,13 @@ from elasticpp.checkpoint.manifest import (
     PieceEntry,
     PieceKey,
     fsync_dir,
-    model_units,
     parse_step_dirname,
     read_manifest,
     step_dirname,
     verify_step_dir,
 )
 from elasticpp.errors import CheckpointError, ConfigError
+from elasticpp.plan.specs import ModelSpec
 from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings, StepHolding
 from elasticpp.store.local import LocalStore
 
@@ -141,7 +141,7 @@ def persist_pieces(
         "format_version": FORMAT_VERSION,
         "node_id": store.node_id,
         "step": step,
-        "num_layers": holding.num_layers,
+        "units": list(holding.units),
         "pieces": [{"name": e.key.filename, "size": e.size, "sha256": e.sha256} for e in entries],
     }
     part_path = step_dir / PARTS_DIRNAME / f"{store.node_id}.json"
@@ -152,7 +152,9 @@ def persist_pieces(
     return entries
 
 
-def finalize_checkpoint(root: Path, step: int, num_layers: int) -> Manifest | None:
+def finalize_checkpoint(
+    root: Path, step: int, units: tuple[str, ...], model: ModelSpec | None = None
+) -> Manifest | None:
     """Write the manifest of `root/step-<step>` if the parts cover the whole model.
 
     Returns the manifest (also when one was already written), or None while units are
@@ -178,8 +180,8 @@ def finalize_checkpoint(root: Path, step: int, num_layers: int) -> Manifest | No
         for name, e in sorted(by_name.items())
         if (step_dir / name).is_file() and (step_dir / name).stat().st_size == e.size
     )
-    manifest = Manifest(step, num_layers, present)
-    missing = sorted(set(model_units(num_layers)) - manifest.units_complete())
+    manifest = Manifest(step, units, present, model=model)
+    missing = manifest.missing_units()
     if missing:
         log.info(
             "persist: step %d not final yet: %d unit(s) missing (%s)",
@@ -225,7 +227,7 @@ def find_latest_checkpoint(root: Path) -> CheckpointChoice:
             if manifest.step != step:
                 raise CheckpointError(f"{d}: manifest is of step {manifest.step}")
             if not manifest.is_full_model():
-                missing = sorted(set(model_units(manifest.num_layers)) - manifest.units_complete())
+                missing = manifest.missing_units()
                 raise CheckpointError(f"{d}: incomplete, units missing: {', '.join(missing)}")
         except CheckpointError as exc:
             log.warning("checkpoint refused: %s", exc)

@@ -123,7 +123,7 @@ def _pull(
             fetched += client.fetch_piece(
                 step, name, origin, dest, info.sha256, generation, expected_size=info.size
             )
-        store.commit_replica(origin, step, holding.num_layers, holding.entries())
+        store.commit_replica(origin, step, holding.units, holding.entries())
         log.info(
             "replication: %s holds %s step %d (%d bytes fetched, %d pieces linked)",
             store.node_id,

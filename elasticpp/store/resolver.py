@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from elasticpp.checkpoint.manifest import PieceKey, model_units, stage_units
+from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.errors import StateUnavailableError
 from elasticpp.plan.layout import Plan
 from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings, PieceInfo
@@ -57,7 +57,7 @@ class Fetch:
 class ResumePlan:
     step: int
     generation: int
-    num_layers: int
+    units: tuple[str, ...]  # the model's, in order
     fetches: Mapping[int, tuple[Fetch, ...]]  # rank -> what it needs, in unit order
     rank_nodes: Mapping[int, str]  # rank -> node it runs on
 
@@ -115,7 +115,7 @@ def _index(
     holdings: Mapping[str, NodeHoldings],
     live: set[str],
     disk: NodeHoldings | None,
-    num_layers: int,
+    units: tuple[str, ...],
 ) -> dict[int, dict[str, list[_Candidate]]]:
     """step -> piece name -> who can supply it."""
     index: dict[int, dict[str, list[_Candidate]]] = {}
@@ -124,7 +124,7 @@ def _index(
         sources.append((DISK_SOURCE, disk))
     for node, held in sources:
         for (origin, step), holding in sorted(held.steps.items()):
-            if holding.num_layers != num_layers:
+            if holding.units != units:
                 continue  # another model's state: never usable
             pieces = index.setdefault(step, {})
             for name, info in holding.pieces.items():
@@ -160,9 +160,8 @@ def resolve(
     `persist.checkpoint_holdings`), used only where no live node has a piece.
     """
     live = set(live_nodes)
-    num_layers = target.model.num_layers
-    units = model_units(num_layers)
-    index = _index(holdings, live, disk, num_layers)
+    units = target.model.units
+    index = _index(holdings, live, disk, units)
     if not index:
         raise StateUnavailableError(
             f"no committed state on any live node ({', '.join(sorted(live)) or 'none'})"
@@ -197,7 +196,7 @@ def _assign(
     for slot in target.placement:
         node = slot.node_id
         wanted: list[str] = []
-        for unit in stage_units(target.stages, slot.coord.pp):
+        for unit in target.model.stage_units(target.stages, slot.coord.pp):
             exact = PieceKey(unit, slot.coord.tp, target.tp).filename
             if exact in pieces:
                 wanted.append(exact)
@@ -234,7 +233,7 @@ def _assign(
     return ResumePlan(
         step=step,
         generation=target.generation,
-        num_layers=target.model.num_layers,
+        units=target.model.units,
         fetches=fetches,
         rank_nodes={s.rank: s.node_id for s in target.placement},
     )

@@ -95,9 +95,7 @@ def prepare_resume(
             else:
                 link_or_copy(_staged_path(staging, f), rank_dir / f.piece_name)
                 entries.append(PieceEntry(PieceKey.parse(f.piece_name), f.size, f.sha256))
-        manifest = Manifest(
-            resume.step, resume.num_layers, tuple(sorted(entries, key=lambda e: e.key))
-        )
+        manifest = Manifest(resume.step, resume.units, tuple(sorted(entries, key=lambda e: e.key)))
         write_manifest(rank_dir, manifest)
         manifests[rank] = manifest
     log.info("resume: %s prepared %d rank dir(s); %s", node, len(manifests), resume.describe())

@@ -47,7 +47,7 @@ def holdings_to_proto(holdings: NodeHoldings, generation: int) -> state_pb2.List
             state_pb2.StepHolding(
                 origin_node=h.origin,
                 step=h.step,
-                num_layers=h.num_layers,
+                units=list(h.units),
                 pieces=[
                     state_pb2.PieceInfo(name=n, size=i.size, sha256=i.sha256)
                     for n, i in sorted(h.pieces.items())

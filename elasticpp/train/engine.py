@@ -33,8 +33,10 @@ from elasticpp.checkpoint.tensors import KINDS, PieceMeta, load_units, write_pie
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
+from elasticpp.train.contract import DropoutKey, ModelDef, init_unit, slice_shape
 from elasticpp.train.data import Corpus
-from elasticpp.train.model import DropoutKey, StageModel, init_unit, unit_param_specs
+from elasticpp.train.families import build_model
+from elasticpp.train.model import Stage
 from elasticpp.train.parallel import ParallelGroups
 from elasticpp.train.schedule import FORWARD, schedule_ops
 
@@ -76,25 +78,36 @@ class Trainer:
         groups: ParallelGroups,
         corpus: Corpus,
         device: torch.device,
+        model: ModelDef | None = None,
     ) -> None:
         self.plan = plan
+        self.model = model if model is not None else build_model(plan.model)
         self.job = job
         self.groups = groups
         self.corpus = corpus
         self.device = device
         self.coord = groups.coord
-        self.stage = StageModel.for_stage(
-            plan.model, plan.stages, self.coord.pp, recompute=plan.recompute
+        self.stage = Stage.for_stage(
+            self.model, plan.model, plan.stages, self.coord.pp, recompute=plan.recompute
         )
         self.params: dict[str, dict[str, torch.Tensor]] = {}
         self.exp_avg: dict[str, dict[str, torch.Tensor]] = {}
         self.exp_avg_sq: dict[str, dict[str, torch.Tensor]] = {}
         self.shard_dims: dict[str, dict[str, int | None]] = {}
         self.decay: dict[str, dict[str, bool]] = {}
+        # Tied parameters: "unit/name" of every local copy or original -> the original's.
+        self.tied: dict[tuple[str, str], str] = {}
+        originals = self.model.tied_params()
         for unit in self.stage.units:
-            specs = unit_param_specs(plan.model, unit)
-            self.shard_dims[unit] = {s.name: s.shard_dim for s in specs}
-            self.decay[unit] = {s.name: s.decay for s in specs}
+            self.shard_dims[unit.name] = {p.name: p.shard_dim for p in unit.params}
+            self.decay[unit.name] = {p.name: p.weight_decay for p in unit.params}
+            for p in unit.params:
+                key = f"{unit.name}/{p.name}"
+                if p.tied_to is not None:
+                    self.tied[(unit.name, p.name)] = p.tied_to
+                elif key in originals:
+                    self.tied[(unit.name, p.name)] = key
+        self.tie_keys = sorted(originals)
         self.opt_step = 0
         self._param_storages: set[int] = set()
 
@@ -103,8 +116,7 @@ class Trainer:
     def init_fresh(self) -> None:
         tp_rank, tp_size = self.coord.tp, self.groups.tp_size
         values = {
-            unit: init_unit(self.plan.model, unit, self.job.seed, tp_rank, tp_size)
-            for unit in self.stage.units
+            unit.name: init_unit(unit, self.job.seed, tp_rank, tp_size) for unit in self.stage.units
         }
         zeros = {u: {n: torch.zeros_like(t) for n, t in ts.items()} for u, ts in values.items()}
         self._install(
@@ -113,19 +125,19 @@ class Trainer:
 
     def load(self, directory: Path, expected_step: int) -> None:
         """Load this rank's units from a directory of pieces saved under any layout."""
-        loaded = load_units(directory, self.stage.units, self.coord.tp, self.groups.tp_size)
+        loaded = load_units(directory, self.stage.unit_names, self.coord.tp, self.groups.tp_size)
         values: dict[str, dict[str, torch.Tensor]] = {}
         m1: dict[str, dict[str, torch.Tensor]] = {}
         m2: dict[str, dict[str, torch.Tensor]] = {}
-        for unit in self.stage.units:
+        for decl in self.stage.units:
+            unit = decl.name
             got = loaded[unit]
             if got.step != expected_step:
                 raise CheckpointError(
                     f"{directory}: unit {unit} is at step {got.step}, expected {expected_step}"
                 )
             shapes = {
-                spec.name: slice_shape(spec.shape, spec.shard_dim, self.groups.tp_size)
-                for spec in unit_param_specs(self.plan.model, unit)
+                p.name: slice_shape(p.shape, p.shard_dim, self.groups.tp_size) for p in decl.params
             }
             for target, kind in ((values, "param"), (m1, "exp_avg"), (m2, "exp_avg_sq")):
                 target[unit] = {}
@@ -161,7 +173,7 @@ class Trainer:
         """CPU copies of this rank's units (cheap; writing them can happen elsewhere)."""
         out = []
         tp_rank, tp_size = self.coord.tp, self.groups.tp_size
-        for unit in self.stage.units:
+        for unit in self.stage.unit_names:
             tensors: dict[str, torch.Tensor] = {}
             dims: dict[str, int | None] = {}
             for kind, source in zip(
@@ -183,7 +195,8 @@ class Trainer:
         B, b = plan.global_batch, plan.micro_batch
         m = plan.microbatches[self.coord.dp]
         first_sample = step * B + plan.sample_range(self.coord.dp)[0]
-        seq, hidden = plan.model.seq_len, plan.model.hidden_size
+        boundary = self.model.boundary.per_sample
+        boundary_dtype = self.model.boundary.torch_dtype()
         for ts in self.params.values():
             for t in ts.values():
                 t.grad = None
@@ -205,7 +218,7 @@ class Trainer:
                 if tokens is not None and g.is_first_stage:
                     x = tokens.to(self.device)
                 else:
-                    x = torch.empty(b, seq, hidden, device=self.device)
+                    x = torch.empty(b, *boundary, dtype=boundary_dtype, device=self.device)
                     _wait(dist.irecv(x, src=g.prev_rank))
                     x.requires_grad_(True)
                 t0 = time.perf_counter()
@@ -216,7 +229,9 @@ class Trainer:
                 )
                 tgt = targets.to(self.device) if targets is not None and g.is_last_stage else None
                 with self._count_saved() as counter:
-                    out = self.stage.forward(self.params, x, g.tp, key, tgt)
+                    out = self.stage.forward(
+                        self.params, x, self.coord.tp, g.tp_size, g.tp, key, tgt
+                    )
                 busy += time.perf_counter() - t0
                 saved[i] = (x, out)
                 act_bytes[i] = counter[0]
@@ -260,10 +275,14 @@ class Trainer:
             for gr in grads:
                 gr.copy_(flat[offset : offset + gr.numel()].view_as(gr))
                 offset += gr.numel()
+        if self.tie_keys:
+            self._sum_tied(flat_params, grads)
 
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.coord.dp == 0:
             for (u, n, _), gr in zip(flat_params, grads, strict=True):
+                if self.tied.get((u, n), f"{u}/{n}") != f"{u}/{n}":
+                    continue  # a tied copy: its original counts the shared gradient once
                 if self.shard_dims[u][n] is not None or self.coord.tp == 0:
                     sq += gr.double().pow(2).sum()
         dist.all_reduce(sq)
@@ -332,6 +351,31 @@ class Trainer:
                 denom = (m2.sqrt() / bias2_sqrt).add_(job.eps)
                 p.addcdiv_(m1, denom, value=-lr / bias1)
 
+    def _sum_tied(
+        self, flat_params: list[tuple[str, str, torch.Tensor]], grads: list[torch.Tensor]
+    ) -> None:
+        """Give every tied parameter (and its original) the sum of their gradients, across
+        stages through the tie group: shared values get one shared update."""
+        local = [i for i, (u, n, _) in enumerate(flat_params) if (u, n) in self.tied]
+        dtype = grads[0].dtype if grads else torch.float32
+        sums: dict[str, torch.Tensor] = {}
+        for key in self.tie_keys:  # every key, held here or not: the group's buffers must match
+            unit, _, name = key.partition("/")
+            p = self.model.unit(unit).param(name)
+            shape = slice_shape(p.shape, p.shard_dim, self.groups.tp_size)
+            sums[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        for i in local:
+            sums[self.tied[flat_params[i][:2]]] += grads[i]
+        if self.groups.tie is not None:
+            flat = torch.cat([sums[k].reshape(-1) for k in self.tie_keys])
+            dist.all_reduce(flat, group=self.groups.tie)
+            offset = 0
+            for k in self.tie_keys:
+                sums[k] = flat[offset : offset + sums[k].numel()].view_as(sums[k])
+                offset += sums[k].numel()
+        for i in local:
+            grads[i].copy_(sums[self.tied[flat_params[i][:2]]])
+
     @contextmanager
     def _count_saved(self) -> Iterator[list[int]]:
         """Count the bytes autograd saves for backward (activations, not parameters)."""
@@ -351,10 +395,15 @@ class Trainer:
             yield counter
 
 
-def slice_shape(shape: tuple[int, ...], dim: int | None, tp_size: int) -> tuple[int, ...]:
-    if dim is None:
-        return shape
-    return tuple(n // tp_size if i == dim else n for i, n in enumerate(shape))
+def tie_stages(model: ModelDef, plan: Plan) -> tuple[int, ...]:
+    """The pipeline stages that hold a tied parameter or its original."""
+    names = set()
+    for original, copies in model.tied_params().items():
+        names.add(original.partition("/")[0])
+        names.update(c.partition("/")[0] for c in copies)
+    return tuple(
+        pp for pp in range(plan.pp) if names & set(plan.model.stage_units(plan.stages, pp))
+    )
 
 
 def _wait(work: Any) -> None:

@@ -275,7 +275,8 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     import torch.distributed as dist
 
     from elasticpp.train.data import Corpus, load_corpus
-    from elasticpp.train.engine import NO_STOP, Trainer
+    from elasticpp.train.engine import NO_STOP, Trainer, tie_stages
+    from elasticpp.train.families import build_model
     from elasticpp.train.parallel import ParallelGroups
 
     t0 = time.monotonic()
@@ -297,9 +298,10 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     dist.init_process_group(
         a.backend, store=prefixed, rank=rank, world_size=plan.gpus_used, timeout=timeout
     )
-    groups = ParallelGroups.build(plan, rank, job.pg_timeout_s)
+    model = build_model(plan.model)
+    groups = ParallelGroups.build(plan, rank, job.pg_timeout_s, tie_stages(model, plan))
     corpus = Corpus(load_corpus(job.data, job.corpus_max_bytes), plan.model.seq_len, job.seed)
-    trainer = Trainer(plan, job, groups, corpus, device)
+    trainer = Trainer(plan, job, groups, corpus, device, model)
     if a.resume_dir is not None:
         trainer.load(Path(a.resume_dir), a.start_step)
     else:
@@ -402,7 +404,9 @@ def main() -> int:
     import torch.distributed
 
     import elasticpp.checkpoint.tensors
-    import elasticpp.train.engine  # noqa: F401
+    import elasticpp.train.engine
+    import elasticpp.train.families.gpt
+    import elasticpp.train.families.llama  # noqa: F401
 
     torch.zeros(1)  # touch the allocator and the thread pool once
     out.emit({"event": "ready", "pid": os.getpid()})

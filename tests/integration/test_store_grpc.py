@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from elasticpp.checkpoint.manifest import PieceKey, model_units, step_dirname, verify_step_dir
+from elasticpp.checkpoint.manifest import PieceKey, step_dirname, verify_step_dir
 from elasticpp.errors import CheckpointError, StaleGenerationError
 from elasticpp.plan.layout import Layout, build_plan
 from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec
@@ -44,7 +44,7 @@ def commit_step(store: LocalStore, step: int, names: list[str], size: int = 5000
         (d / name).write_bytes(data)
         report.append({"name": name, "size": size, "sha256": hashlib.sha256(data).hexdigest()})
     store.record_pieces(step, report)
-    store.commit(step, num_layers=MODEL.num_layers)
+    store.commit(step, units=MODEL.units)
 
 
 class Node:
@@ -72,7 +72,7 @@ def nodes(tmp_path: Path) -> Iterator[dict[str, Node]]:
         node.stop()
 
 
-ALL_TP2 = [PieceKey(u, r, 2).filename for u in model_units(MODEL.num_layers) for r in (0, 1)]
+ALL_TP2 = [PieceKey(u, r, 2).filename for u in MODEL.units for r in (0, 1)]
 NAME = ALL_TP2[0]
 
 
@@ -258,7 +258,7 @@ def test_resume_across_layouts_tp2_to_tp1_over_grpc(tmp_path: Path, nodes):
         d = b.store.replica_step_dir("a", 6)
         for name, info in holding.pieces.items():
             client.fetch_piece(6, name, "a", d / name, info.sha256, 0)
-    b.store.commit_replica("a", 6, MODEL.num_layers, holding.entries())
+    b.store.commit_replica("a", 6, MODEL.units, holding.entries())
     a.stop()
     del nodes["a"]
     for n in "bc":

@@ -14,7 +14,6 @@ from elasticpp.checkpoint.manifest import (
     Manifest,
     PieceEntry,
     PieceKey,
-    model_units,
     verify_step_dir,
     write_manifest,
 )
@@ -133,10 +132,10 @@ def test_stop_at_sent_to_one_rank_stops_every_rank_at_the_same_step_with_a_full_
             for p in ev["pieces"]
         ]
         step_dir = Path(snapshots[0]["dir"])
-        write_manifest(step_dir, Manifest(stop, MODEL.num_layers, tuple(entries)))
+        write_manifest(step_dir, Manifest(stop, MODEL.units, tuple(entries)))
         manifest = verify_step_dir(step_dir)
         assert manifest.is_full_model()
-        loaded = load_units(step_dir, model_units(MODEL.num_layers), 0, 1)
+        loaded = load_units(step_dir, MODEL.units, 0, 1)
         assert {u.step for u in loaded.values()} == {stop}
     finally:
         kill_all(workers)

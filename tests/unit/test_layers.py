@@ -31,7 +31,7 @@ FORBIDDEN = {
     "store": ("etcd3", "elasticpp.cluster", "elasticpp.agent"),
     "cluster": ("elasticpp.store", "elasticpp.train", "elasticpp.agent", "elasticpp.rpc"),
 }
-ALLOWED = {"plan": ("elasticpp.errors", "elasticpp.plan")}
+ALLOWED = {"plan": ("elasticpp.errors", "elasticpp.names", "elasticpp.plan")}
 
 
 def imports_of(path: Path) -> set[str]:

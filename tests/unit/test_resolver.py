@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpp.checkpoint.manifest import PieceKey, model_units, stage_units
+from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.errors import StateUnavailableError
 from elasticpp.plan.layout import Layout, Plan, build_plan
 from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec
@@ -12,7 +12,7 @@ from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding
 from elasticpp.store.resolver import DISK_SOURCE, FetchKind, resolve
 
 MODEL = ModelSpec("t", num_layers=4, hidden_size=16, num_heads=4, vocab_size=32, seq_len=8)
-ALL_UNITS = model_units(MODEL.num_layers)
+ALL_UNITS = MODEL.units
 
 
 def plan(nodes: dict[str, int], layout: str, generation: int = 7) -> Plan:
@@ -32,7 +32,7 @@ def pieces(units: list[str], tp: int, size: int = 100, tag: str = "") -> dict[st
 def holds(node: str, *entries: tuple[str, int, dict[str, PieceInfo]]) -> NodeHoldings:
     return NodeHoldings(
         node,
-        {(o, s): StepHolding(o, s, MODEL.num_layers, p) for o, s, p in entries},
+        {(o, s): StepHolding(o, s, MODEL.units, p) for o, s, p in entries},
     )
 
 
@@ -118,7 +118,7 @@ def test_resolver_reshards_tp2_to_tp1_with_both_slices():
     rp = resolve(held, target, live_nodes=["a", "b"])
     for rank in (0, 1):
         names = [f.piece_name for f in rp.fetches[rank]]
-        units = stage_units(target.stages, target.slot(rank).coord.pp)
+        units = MODEL.stage_units(target.stages, target.slot(rank).coord.pp)
         assert names == [PieceKey(u, r, 2).filename for u in units for r in (0, 1)]
         assert kinds_of(rp, rank) == {FetchKind.PEER}
 

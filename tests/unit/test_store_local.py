@@ -10,8 +10,11 @@ import pytest
 
 from elasticpp.checkpoint.manifest import PieceEntry, PieceKey, step_dirname, verify_step_dir
 from elasticpp.errors import CheckpointError, ConfigError
+from elasticpp.plan.specs import default_units
 from elasticpp.store.holdings import NodeHoldings
 from elasticpp.store.local import LocalStore, PieceNotFoundError
+
+UNITS = default_units(1)  # embed, block.0000, head
 
 NAMES = ["embed.tp0-1.safetensors", "block.0000.tp0-1.safetensors"]
 
@@ -31,7 +34,7 @@ def write_step(store: LocalStore, step: int, names=NAMES, size: int = 1000) -> l
 
 def commit_step(store: LocalStore, step: int, names=NAMES) -> None:
     store.record_pieces(step, write_step(store, step, names))
-    store.commit(step, num_layers=1)
+    store.commit(step, units=UNITS)
 
 
 def test_commit_writes_a_verifiable_manifest_and_lists_the_step(tmp_path: Path):
@@ -40,14 +43,14 @@ def test_commit_writes_a_verifiable_manifest_and_lists_the_step(tmp_path: Path):
     store.record_pieces(3, report[:1])
     store.record_pieces(3, report[1:])
     assert store.holdings().steps == {}  # reported is not committed
-    store.commit(3, num_layers=1)
+    store.commit(3, units=UNITS)
     manifest = verify_step_dir(store.own_dir / step_dirname(3))
     assert {e.key.filename for e in manifest.pieces} == set(NAMES)
     held = store.holdings()
     assert list(held.steps) == [("n0", 3)]
     assert held.steps[("n0", 3)].pieces[NAMES[0]].sha256 == report[0]["sha256"]
     assert NodeHoldings.from_json(held.to_json()) == held
-    assert store.commit(3, num_layers=1) == held.steps[("n0", 3)]  # idempotent
+    assert store.commit(3, units=UNITS) == held.steps[("n0", 3)]  # idempotent
 
 
 def test_record_refuses_missing_or_wrong_size_pieces_and_late_reports(tmp_path: Path):
@@ -60,7 +63,7 @@ def test_record_refuses_missing_or_wrong_size_pieces_and_late_reports(tmp_path: 
     with pytest.raises(ConfigError, match="not a piece name"):
         store.record_pieces(1, [{**report[0], "name": "../escape.safetensors"}])
     store.record_pieces(1, report)
-    store.commit(1, 1)
+    store.commit(1, UNITS)
     with pytest.raises(CheckpointError, match="already committed"):
         store.record_pieces(1, report)
 
@@ -128,7 +131,7 @@ def test_restart_picks_up_committed_steps_and_replicas(tmp_path: Path):
     d = store.replica_step_dir("n9", 7)
     (d / NAMES[0]).write_bytes(b"abc")
     entry = PieceEntry(PieceKey.parse(NAMES[0]), 3, hashlib.sha256(b"abc").hexdigest())
-    store.commit_replica("n9", 7, 1, [entry])
+    store.commit_replica("n9", 7, UNITS, [entry])
     write_step(store, 3)  # uncommitted at the crash
     again = LocalStore(tmp_path, "n0")
     assert again.holdings() == store.holdings()
@@ -157,10 +160,10 @@ def test_replica_commit_checks_presence_and_keeps_newest_per_origin(tmp_path: Pa
     store = LocalStore(tmp_path, "n0", keep_steps=2)
     entry = PieceEntry(PieceKey.parse(NAMES[0]), 3, hashlib.sha256(b"abc").hexdigest())
     with pytest.raises(CheckpointError, match="missing or wrong size"):
-        store.commit_replica("n1", 1, 1, [entry])
+        store.commit_replica("n1", 1, UNITS, [entry])
     for step in (1, 2, 3):
         (store.replica_step_dir("n1", step) / NAMES[0]).write_bytes(b"abc")
-        store.commit_replica("n1", step, 1, [entry])
+        store.commit_replica("n1", step, UNITS, [entry])
     assert store.committed_steps("n1") == [2, 3]
     assert not (tmp_path / "replicas" / "n1" / step_dirname(1)).exists()
     with pytest.raises(ConfigError, match="not a replica"):

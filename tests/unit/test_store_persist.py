@@ -12,13 +12,12 @@ import pytest
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
     PieceKey,
-    model_units,
     step_dirname,
     verify_step_dir,
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan.layout import Layout, build_plan
-from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec
+from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec, default_units
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import (
@@ -34,7 +33,7 @@ from elasticpp.store.resolver import FetchKind, resolve
 from elasticpp.store.resume import prepare_resume
 
 NUM_LAYERS = 2
-UNITS = model_units(NUM_LAYERS)  # embed, block.0000, block.0001, head
+UNITS = default_units(NUM_LAYERS)  # embed, block.0000, block.0001, head
 STAGE0 = [PieceKey(u, r, 2).filename for u in UNITS[:2] for r in (0, 1)]
 STAGE1 = [PieceKey(u, r, 2).filename for u in UNITS[2:] for r in (0, 1)]
 
@@ -48,7 +47,7 @@ def commit_step(store: LocalStore, step: int, names: list[str]) -> None:
         (d / name).write_bytes(data)
         report.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     store.record_pieces(step, report)
-    store.commit(step, NUM_LAYERS)
+    store.commit(step, UNITS)
 
 
 @pytest.fixture
@@ -62,9 +61,9 @@ def persist_step(a: LocalStore, b: LocalStore, root: Path, step: int) -> None:
     commit_step(a, step, STAGE0)
     commit_step(b, step, STAGE1)
     persist_pieces(a, root, step)
-    assert finalize_checkpoint(root, step, NUM_LAYERS) is None  # b's units still missing
+    assert finalize_checkpoint(root, step, UNITS) is None  # b's units still missing
     persist_pieces(b, root, step)
-    assert finalize_checkpoint(root, step, NUM_LAYERS) is not None  # the last writer finalises
+    assert finalize_checkpoint(root, step, UNITS) is not None  # the last writer finalises
 
 
 def test_manifest_is_written_last_only_when_every_unit_is_there(two_nodes, tmp_path: Path):
@@ -73,7 +72,7 @@ def test_manifest_is_written_last_only_when_every_unit_is_there(two_nodes, tmp_p
     persist_step(a, b, root, 10)
     manifest = verify_step_dir(root / step_dirname(10))
     assert manifest.is_full_model() and len(manifest.pieces) == 8
-    assert finalize_checkpoint(root, 10, NUM_LAYERS) == manifest  # idempotent
+    assert finalize_checkpoint(root, 10, UNITS) == manifest  # idempotent
     assert load_latest_checkpoint(root) == (10, root / step_dirname(10))
 
 
@@ -84,7 +83,7 @@ def test_partially_written_checkpoint_is_refused_and_previous_used(two_nodes, tm
     # Step 20: only a wrote its pieces (b died): no manifest, so never read.
     commit_step(a, 20, STAGE0)
     persist_pieces(a, root, 20)
-    assert finalize_checkpoint(root, 20, NUM_LAYERS) is None
+    assert finalize_checkpoint(root, 20, UNITS) is None
     # Step 30: complete once, then a piece was truncated on disk.
     persist_step(a, b, root, 30)
     victim = root / step_dirname(30) / STAGE1[0]
@@ -104,7 +103,7 @@ def test_manifest_that_lies_about_completeness_is_refused(two_nodes, tmp_path: P
     persist_step(a, b, root, 10)
     text = (root / step_dirname(10) / MANIFEST_NAME).read_text()
     (root / step_dirname(10) / MANIFEST_NAME).write_text(
-        text.replace('"num_layers": 2', '"num_layers": 3')
+        text.replace('"head"', '"block.0002",\n  "head"')
     )
     with pytest.raises(CheckpointError, match=r"no usable checkpoint.*units missing: block\.0002"):
         load_latest_checkpoint(root)

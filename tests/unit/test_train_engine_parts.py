@@ -11,8 +11,9 @@ import torch
 from elasticpp.errors import ConfigError
 from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
+from elasticpp.train.contract import init_unit
 from elasticpp.train.data import Corpus, load_corpus
-from elasticpp.train.model import init_unit, unit_param_specs
+from elasticpp.train.families import build_model
 from elasticpp.train.schedule import BACKWARD, FORWARD, max_in_flight, schedule_ops
 from elasticpp.train.worker import Assignment, StopControl, is_snapshot_writer
 
@@ -95,18 +96,20 @@ def test_default_corpus_is_stdlib_python_source() -> None:
 
 
 def test_tp_slices_of_the_initialisation_concatenate_to_the_whole() -> None:
-    for unit in ("embed", "block.0002", "head"):
-        whole = init_unit(MODEL, unit, 5, 0, 1)
-        parts = [init_unit(MODEL, unit, 5, r, 4) for r in range(4)]
-        for spec in unit_param_specs(MODEL, unit):
+    model = build_model(MODEL)
+    for name in ("embed", "block.0002", "head"):
+        unit = model.unit(name)
+        whole = init_unit(unit, 5, 0, 1)
+        parts = [init_unit(unit, 5, r, 4) for r in range(4)]
+        for spec in unit.params:
             if spec.shard_dim is None:
                 assert all(torch.equal(p[spec.name], whole[spec.name]) for p in parts)
             else:
                 joined = torch.cat([p[spec.name] for p in parts], spec.shard_dim)
                 assert torch.equal(joined, whole[spec.name]), spec.name
     assert not torch.equal(
-        init_unit(MODEL, "block.0000", 5, 0, 1)["attn.q.weight"],
-        init_unit(MODEL, "block.0001", 5, 0, 1)["attn.q.weight"],
+        init_unit(model.unit("block.0000"), 5, 0, 1)["attn.q.weight"],
+        init_unit(model.unit("block.0001"), 5, 0, 1)["attn.q.weight"],
     )
 
 

@@ -10,7 +10,6 @@ import torch
 from elasticpp.checkpoint.manifest import (
     Manifest,
     PieceKey,
-    model_units,
     verify_step_dir,
     write_manifest,
 )
@@ -27,7 +26,8 @@ from elasticpp.checkpoint.tensors import (
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan import ModelSpec
-from elasticpp.train.model import init_unit, unit_param_specs
+from elasticpp.train.contract import init_unit
+from elasticpp.train.families import build_model
 
 MODEL = ModelSpec("t", num_layers=2, hidden_size=16, num_heads=4, vocab_size=256, seq_len=8)
 WHOLE = {
@@ -127,10 +127,11 @@ def test_encode_refuses_tensors_without_a_shard_dim() -> None:
 
 def _save_model(step_dir: Path, tp: int, step: int) -> None:
     entries = []
-    for unit in model_units(MODEL.num_layers):
-        specs = {s.name: s.shard_dim for s in unit_param_specs(MODEL, unit)}
+    model = build_model(MODEL)
+    for unit in MODEL.units:
+        specs = {s.name: s.shard_dim for s in model.unit(unit).params}
         for r in range(tp):
-            params = init_unit(MODEL, unit, 3, r, tp)
+            params = init_unit(model.unit(unit), 3, r, tp)
             tensors = {}
             dims: dict[str, int | None] = {}
             for kind in ("param", "exp_avg", "exp_avg_sq"):
@@ -139,17 +140,18 @@ def _save_model(step_dir: Path, tp: int, step: int) -> None:
                     dims[f"{kind}/{n}"] = specs[n]
             key = PieceKey(unit, r, tp)
             entries.append(write_piece(step_dir, key, tensors, PieceMeta(unit, r, tp, step, dims)))
-    write_manifest(step_dir, Manifest(step, MODEL.num_layers, tuple(entries)))
+    write_manifest(step_dir, Manifest(step, MODEL.units, tuple(entries)))
 
 
 def test_load_units_reshards_a_tp2_save_for_tp4_and_matches_fresh_slices(tmp_path: Path) -> None:
     _save_model(tmp_path, tp=2, step=5)
     assert verify_step_dir(tmp_path).is_full_model()
-    units = model_units(MODEL.num_layers)
+    units = MODEL.units
+    model = build_model(MODEL)
     for r in range(4):
         loaded = load_units(tmp_path, units, r, 4)
         for unit in units:
-            fresh = init_unit(MODEL, unit, 3, r, 4)
+            fresh = init_unit(model.unit(unit), 3, r, 4)
             assert loaded[unit].step == 5
             for n, t in fresh.items():
                 assert torch.equal(loaded[unit].tensors[f"param/{n}"], t), (unit, n)

@@ -23,16 +23,16 @@ class PieceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class StepHolding(_message.Message):
-    __slots__ = ("origin_node", "step", "num_layers", "pieces")
+    __slots__ = ("origin_node", "step", "pieces", "units")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     step: int
-    num_layers: int
     pieces: _containers.RepeatedCompositeFieldContainer[PieceInfo]
-    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., num_layers: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ...) -> None: ...
+    units: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("node_id", "generation", "steps")

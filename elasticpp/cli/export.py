@@ -1,0 +1,50 @@
+"""`elasticpp export CHECKPOINT --hf OUT`: a saved step as a Hugging Face model directory.
+
+CHECKPOINT is a step directory with a manifest, or a root of them (the newest is taken): a
+`--save` of `elasticpp train` or an agent's persistent checkpoint, saved under any layout.
+OUT gets `config.json` and `model.safetensors`, loadable with `from_pretrained`. The model
+comes from the checkpoint's manifest; `--model` names it for checkpoints that do not record
+it (version 1). Bad input exits 2 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from elasticpp.errors import CheckpointError, ConfigError
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", type=Path, help="a step directory, or a root of them")
+    parser.add_argument("--hf", type=Path, required=True, help="the directory to write")
+    parser.add_argument("--model", default=None, help="the model, if the manifest lacks it")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --hf")
+
+
+def run(args: argparse.Namespace) -> int:
+    from elasticpp.checkpoint.manifest import find_step_dir, verify_step_dir
+    from elasticpp.train.hf import export_hf
+    from elasticpp.train.modelref import resolve_model
+
+    step_dir = find_step_dir(args.checkpoint, what="export")
+    manifest = verify_step_dir(step_dir)
+    if args.model is not None:
+        spec = resolve_model(args.model).spec
+    elif manifest.model is not None:
+        spec = manifest.model
+    else:
+        raise ConfigError(f"{step_dir}: the manifest does not record its model; give --model")
+    if manifest.units != spec.units or not manifest.is_full_model():
+        raise CheckpointError(
+            f"{step_dir}: not a full state of {spec.name} "
+            f"(missing: {', '.join(manifest.missing_units()[:6]) or 'none'}"
+            f"{'' if manifest.units == spec.units else '; its units differ from the model'})"
+        )
+    out: Path = args.hf
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise ConfigError(f"--hf {out}: exists and is not empty (use --force to write into it)")
+    written = export_hf(spec, step_dir, out)
+    names = ", ".join(p.name for p in written)
+    print(f"exported step {manifest.step} of {spec.name} to {out} ({names})")
+    return 0

@@ -1,0 +1,224 @@
+"""Hugging Face model directories without torch: read a `config.json` into a `ModelSpec`,
+write one back, list the safetensors files, and fingerprint a directory.
+
+Kept free of torch so that `elasticpp plan --model DIR` and the agent's job-spec check stay
+fast; the tensors themselves are `elasticpp.train.hf`'s.
+
+- `spec_from_hf(dir)` reads `config.json` into a `ModelSpec` of the `llama` (from
+  `LlamaForCausalLM`) or `gpt` (from `GPT2LMHeadModel`) family; anything the family does not
+  implement (another activation, biases where Llama has none, scaled rotary embeddings, ...)
+  is refused, naming the key, rather than trained wrongly.
+- `fingerprint(dir)` identifies a model directory cheaply (config, weights index and
+  safetensors headers: names, shapes, dtypes and sizes), so agents can refuse to train from
+  files that differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from elasticpp.errors import CheckpointError, ConfigError
+from elasticpp.plan.specs import ModelSpec
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _require(cfg: Mapping[str, Any], key: str, ok: bool, want: str, source: Path) -> None:
+    if not ok:
+        raise ConfigError(
+            f"{source / CONFIG_NAME}: {key} = {cfg.get(key)!r} is not supported ({want})"
+        )
+
+
+def spec_from_hf(directory: str | Path, *, seq_len: int | None = None) -> ModelSpec:
+    """The `ModelSpec` of a Hugging Face model directory; `seq_len` defaults to its
+    maximum position count."""
+    d = Path(directory)
+    cfg = read_config(d)
+    archs = cfg.get("architectures") or []
+    family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if family is None:
+        raise ConfigError(
+            f"{d / CONFIG_NAME}: architectures {archs!r}: supported are {', '.join(ARCHITECTURES)}"
+        )
+    name = d.resolve().name.lower() or "hf-model"
+    try:
+        if family == "llama":
+            return _llama_spec(cfg, d, name, seq_len)
+        return _gpt2_spec(cfg, d, name, seq_len)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{d / CONFIG_NAME}: missing or malformed key: {exc!r}") from exc
+
+
+def _llama_spec(cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None) -> ModelSpec:
+    H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    _require(cfg, "hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu", d)
+    for key in ("attention_bias", "mlp_bias"):
+        _require(cfg, key, not cfg.get(key, False), "false", d)
+    _require(cfg, "head_dim", cfg.get("head_dim") in (None, H // nh), f"{H // nh}", d)
+    rope = cfg.get("rope_parameters") or {}
+    _require(
+        cfg,
+        "rope_parameters",
+        rope.get("rope_type", "default") == "default",
+        "rope_type default",
+        d,
+    )
+    _require(cfg, "rope_scaling", not cfg.get("rope_scaling"), "none", d)
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    positions = int(cfg.get("max_position_embeddings", 2048))
+    return ModelSpec(
+        name=name,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=H,
+        num_heads=nh,
+        vocab_size=int(cfg["vocab_size"]),
+        seq_len=seq_len or positions,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
+        family="llama",
+        options=(
+            ("max_positions", positions),
+            ("norm_eps", float(cfg.get("rms_norm_eps", 1e-6))),
+            ("rope_theta", theta),
+            ("tie_embeddings", bool(cfg.get("tie_word_embeddings", False))),
+        ),
+    )
+
+
+_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+
+
+def _gpt2_spec(cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None) -> ModelSpec:
+    act = cfg.get("activation_function", "gelu_new")
+    _require(cfg, "activation_function", act in _GELU, ", ".join(_GELU), d)
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        _require(cfg, key, not cfg.get(key, False), "false", d)
+    _require(cfg, "scale_attn_weights", cfg.get("scale_attn_weights", True), "true", d)
+    H = int(cfg["n_embd"])
+    positions = int(cfg["n_positions"])
+    return ModelSpec(
+        name=name,
+        num_layers=int(cfg["n_layer"]),
+        hidden_size=H,
+        num_heads=int(cfg["n_head"]),
+        vocab_size=int(cfg["vocab_size"]),
+        seq_len=seq_len or positions,
+        ffn_hidden_size=int(cfg.get("n_inner") or 4 * H),
+        family="gpt",
+        options=(
+            ("gelu", _GELU[act]),
+            ("max_positions", positions),
+            ("norm_eps", float(cfg.get("layer_norm_epsilon", 1e-5))),
+            ("tie_embeddings", bool(cfg.get("tie_word_embeddings", True))),
+        ),
+    )
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory (from its index when it has one)."""
+    index = directory / INDEX_NAME
+    if index.is_file():
+        try:
+            names = sorted(
+                set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: cannot read the weight map: {exc!r}") from exc
+        files = [directory / n for n in names]
+        for f in files:
+            if f.parent != directory or not f.is_file():
+                raise CheckpointError(f"{index}: names a missing or outside file {f.name!r}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{directory}: no *.safetensors weights (pickled weights are refused)"
+        )
+    return files
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The `config.json` of a spec of the `llama` or `gpt` family."""
+    o = dict(spec.options)
+    if spec.family == "llama":
+        theta = float(o.get("rope_theta", 10000.0))  # type: ignore[arg-type]
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.ffn_hidden_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size,
+            "max_position_embeddings": o.get("max_positions", spec.seq_len),
+            "rms_norm_eps": o.get("norm_eps", 1e-5),
+            "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
+            "rope_theta": theta,
+            "tie_word_embeddings": bool(o.get("tie_embeddings", False)),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "dtype": "float32",
+        }
+    if spec.family == "gpt":
+        gelu = {"tanh": "gelu_new", "exact": "gelu"}[str(o.get("gelu", "exact"))]
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_embd": spec.hidden_size,
+            "n_layer": spec.num_layers,
+            "n_head": spec.num_heads,
+            "n_inner": spec.ffn_hidden_size,
+            "n_positions": o.get("max_positions", spec.seq_len),
+            "vocab_size": spec.vocab_size,
+            "layer_norm_epsilon": o.get("norm_eps", 1e-5),
+            "activation_function": gelu,
+            "tie_word_embeddings": bool(o.get("tie_embeddings", False)),
+            "dtype": "float32",
+        }
+    raise ConfigError(
+        f"model {spec.name!r}: only the llama and gpt families export to Hugging Face, "
+        f"not {spec.family!r}"
+    )
+
+
+def fingerprint(directory: str | Path) -> str:
+    """sha256 over the config, the weights index and every safetensors header and size."""
+    d = Path(directory)
+    digest = hashlib.sha256()
+    for name in (CONFIG_NAME, INDEX_NAME):
+        path = d / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in weight_files(d):
+        with path.open("rb") as f:
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            header = f.read(min(size, 100 << 20))
+        digest.update(path.name.encode() + b"\0" + header + str(path.stat().st_size).encode())
+    return digest.hexdigest()
