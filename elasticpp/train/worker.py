@@ -274,7 +274,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     import torch
     import torch.distributed as dist
 
-    from elasticpp.train.data import Corpus, load_corpus
+    from elasticpp.train.data import open_corpus
     from elasticpp.train.engine import NO_STOP, Trainer
     from elasticpp.train.parallel import ParallelGroups
 
@@ -298,7 +298,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
         a.backend, store=prefixed, rank=rank, world_size=plan.gpus_used, timeout=timeout
     )
     groups = ParallelGroups.build(plan, rank, job.pg_timeout_s)
-    corpus = Corpus(load_corpus(job.data, job.corpus_max_bytes), plan.model.seq_len, job.seed)
+    corpus = open_corpus(job, plan.model.seq_len, plan.model.vocab_size)
     trainer = Trainer(plan, job, groups, corpus, device)
     if a.resume_dir is not None:
         trainer.load(Path(a.resume_dir), a.start_step)
