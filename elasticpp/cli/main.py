@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "agent": "run the node agent (one per node)",
     "ctl": "talk to a running agent over gRPC",
     "demo": "local elastic demo: 4 agents, a node killed and brought back",
+    "data": "prepare training data: tokenise text files into a token file",
 }
 
 
