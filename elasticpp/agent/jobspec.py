@@ -14,6 +14,8 @@ A minimal spec is just the required keys:
 
 Optional keys and their defaults are the fields of `JobSpec` below; the optimizer and data
 defaults are `TrainConfig`'s, so `elasticpp train` with the same settings trains the same model.
+Relative `model` and `data` paths are relative to the spec file's directory; `data` is
+stored as an absolute path, which every node must be able to read.
 The first agent stores the canonical JSON form in etcd; an agent whose spec differs is refused
 with the differing fields named (`diff`). The stored form records the model reference
 resolved (paths against the spec file's directory) with a fingerprint of its files, so an
@@ -23,6 +25,7 @@ agent whose model files differ is refused with `model_ref` named.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -36,6 +39,16 @@ from elasticpp.train.config import TrainConfig
 JOBSPEC_FORMAT_VERSION = 1
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps", "clip_grad")
+# Top-level keys of the spec copied into its TrainConfig.
+_TRAIN_KEYS = (
+    "schedule",
+    "data",
+    "data_dtype",
+    "data_shuffle",
+    "dropout",
+    "pg_timeout_s",
+    "corpus_max_bytes",
+)
 _REQUIRED = (
     "name",
     "model",
@@ -167,7 +180,7 @@ def parse_job_spec(
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys")
     allowed = {f.name for f in fields(JobSpec)} - {"train"}
-    allowed |= {"optimizer", "schedule", "data", "dropout", "pg_timeout_s", "corpus_max_bytes"}
+    allowed |= {"optimizer", *_TRAIN_KEYS}
     allowed |= {"seq_len", "model_options"}
     allowed -= {"model_ref"}
     unknown = sorted(set(data) - allowed)
@@ -191,9 +204,13 @@ def parse_job_spec(
             f"allowed: {', '.join(_OPTIMIZER_KEYS)}"
         )
     train.update(optimizer)
-    for key in ("schedule", "data", "dropout", "pg_timeout_s", "corpus_max_bytes"):
+    for key in _TRAIN_KEYS:
         if key in values:
             train[key] = values.pop(key)
+    data_ref = train.get("data")
+    if base_dir is not None and isinstance(data_ref, str) and data_ref:
+        # As for `model`: a relative path is next to the spec file, not in the agent's cwd.
+        train["data"] = os.path.abspath(base_dir / data_ref)
     train["steps"] = values["steps"]
     train["seed"] = values["seed"]
     if isinstance(train["steps"], int) and not isinstance(train["steps"], bool):

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "ctl": "talk to a running agent over gRPC",
     "demo": "local elastic demo: 4 agents, a node killed and brought back",
     "export": "write a saved step as a Hugging Face model directory",
+    "data": "prepare training data: tokenise text files into a token file",
 }
 
 

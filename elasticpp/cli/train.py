@@ -21,7 +21,7 @@ from typing import Any
 from elasticpp.checkpoint.manifest import find_step_dir
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
-from elasticpp.train.config import SCHEDULES, TrainConfig
+from elasticpp.train.config import DATA_DTYPES, SCHEDULES, TrainConfig
 
 log = logging.getLogger("elasticpp.train")
 _DEFAULTS = TrainConfig()
@@ -64,7 +64,29 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-decay", type=float, default=_DEFAULTS.weight_decay)
     parser.add_argument("--clip-grad", type=float, default=_DEFAULTS.clip_grad, help="0 = off")
     parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
-    parser.add_argument("--data", default=None, help="file or directory (default: stdlib .py)")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="token file (.npy, or .bin with --data-dtype), raw-byte file or directory "
+        "(default: stdlib .py)",
+    )
+    parser.add_argument(
+        "--data-dtype",
+        choices=DATA_DTYPES,
+        default=None,
+        help="read a .bin --data as flat little-endian token ids of this type",
+    )
+    parser.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="token files: read the windows in file order instead of a seeded order per epoch",
+    )
+    parser.add_argument(
+        "--corpus-max-bytes",
+        type=int,
+        default=_DEFAULTS.corpus_max_bytes,
+        help="refuse a raw-byte --data larger than this (4 MiB)",
+    )
     parser.add_argument("--metrics", type=Path, default=None, help="JSON lines, one per step")
     parser.add_argument("--save", type=Path, default=None, help="write the final state here")
     parser.add_argument(
@@ -137,10 +159,16 @@ def _validate(
         dropout=args.dropout,
         schedule=args.schedule,
         data=None if args.data is None else str(Path(args.data).resolve()),
+        data_dtype=args.data_dtype,
+        data_shuffle=not args.no_shuffle,
+        corpus_max_bytes=args.corpus_max_bytes,
         pg_timeout_s=args.pg_timeout,
     )
     if job.data is not None and not Path(job.data).exists():
         raise ConfigError(f"--data {args.data}: no such file or directory")
+    from elasticpp.train.data import check_data  # numpy only: no torch in this process
+
+    check_data(job, model.seq_len, model.vocab_size)
     if args.threads is not None and args.threads <= 0:
         raise ConfigError("--threads must be positive")
     if args.save_every < 0:

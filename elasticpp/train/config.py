@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import PurePath
 from typing import Any
 
 from elasticpp.errors import ConfigError
 from elasticpp.plan.specs import check_fields
 
 SCHEDULES = ("1f1b", "gpipe")
+DATA_DTYPES = ("uint16", "uint32")  # of a flat little-endian .bin token file
+TOKEN_SUFFIXES = (".bin", ".npy")
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,13 @@ class TrainConfig:
     clip_grad: float = 1.0
     dropout: float = 0.0  # on the embedding output and each block's two residual branches
     schedule: str = "1f1b"  # "1f1b" (PipeDream-flush) or "gpipe"
-    data: str | None = None  # a file or a directory of files; None = the stdlib .py corpus
-    corpus_max_bytes: int = 4 << 20  # the corpus is capped at this many bytes
+    # A token file (.npy, or .bin with data_dtype), a raw-byte file, or a directory of raw-byte
+    # files; None = the stdlib .py corpus. See elasticpp.train.data for the formats.
+    data: str | None = None
+    data_dtype: str | None = None  # "uint16" or "uint32": read a .bin `data` as token ids
+    data_shuffle: bool = True  # token files: a seeded permutation of the windows per epoch
+    # A raw-byte corpus larger than this is refused; the built-in corpus is capped at it.
+    corpus_max_bytes: int = 4 << 20
     pg_timeout_s: float = 60.0  # bounds every collective and p2p wait of a worker
 
     def __post_init__(self) -> None:
@@ -81,6 +89,35 @@ class TrainConfig:
             raise bad("schedule", f"one of {', '.join(SCHEDULES)}")
         if self.data is not None and (not isinstance(self.data, str) or not self.data):
             raise bad("data", "a non-empty path or null")
+        if self.data_dtype is not None and self.data_dtype not in DATA_DTYPES:
+            raise bad("data_dtype", f"one of {', '.join(DATA_DTYPES)} or null")
+        if not isinstance(self.data_shuffle, bool):
+            raise bad("data_shuffle", "true or false")
+        if self.data_dtype is not None and (
+            self.data is None or _suffix(self.data) not in TOKEN_SUFFIXES
+        ):
+            raise ConfigError(
+                f"train: data_dtype {self.data_dtype!r} applies to a token file "
+                f"(data ending in {' or '.join(TOKEN_SUFFIXES)}), got data {self.data!r}"
+            )
+        if not self.data_shuffle and self.data_format == "bytes":
+            # Raw bytes are sampled at hashed offsets, which has no epoch order to keep.
+            raise ConfigError(
+                "train: data_shuffle false applies to token files only (a .npy file, or a .bin "
+                "file with data_dtype); raw-byte data is sampled at hashed offsets"
+            )
+
+    @property
+    def data_format(self) -> str:
+        """How `data` is read: "npy" or "bin" (token ids) or "bytes" (raw bytes)."""
+        if self.data is None:
+            return "bytes"
+        suffix = _suffix(self.data)
+        if suffix == ".npy":
+            return "npy"
+        if suffix == ".bin" and self.data_dtype is not None:
+            return "bin"
+        return "bytes"
 
     def lr_at(self, step: int) -> float:
         """The learning rate of 0-based step `step`."""
@@ -107,6 +144,10 @@ class TrainConfig:
             return cls(**values)
         except TypeError as exc:
             raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _suffix(path: str) -> str:
+    return PurePath(path).suffix.lower()
 
 
 def _is_number(v: object) -> bool:

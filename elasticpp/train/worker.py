@@ -274,7 +274,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     import torch
     import torch.distributed as dist
 
-    from elasticpp.train.data import Corpus, load_corpus
+    from elasticpp.train.data import open_corpus
     from elasticpp.train.engine import NO_STOP, Trainer, tie_stages
     from elasticpp.train.families import build_model
     from elasticpp.train.parallel import ParallelGroups
@@ -300,7 +300,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     )
     model = build_model(plan.model)
     groups = ParallelGroups.build(plan, rank, job.pg_timeout_s, tie_stages(model, plan))
-    corpus = Corpus(load_corpus(job.data, job.corpus_max_bytes), plan.model.seq_len, job.seed)
+    corpus = open_corpus(job, plan.model.seq_len, plan.model.vocab_size)
     trainer = Trainer(plan, job, groups, corpus, device, model)
     if a.resume_dir is not None:
         trainer.load(Path(a.resume_dir), a.start_step)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from elasticpp.checkpoint.manifest import verify_step_dir
@@ -94,6 +95,36 @@ def test_bad_input_exits_2_with_one_line_before_any_worker_starts(
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not log_dir.exists()  # no worker was ever started
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("data", "args", "message"),
+    [
+        ("t.bin", ["--data-dtype", "uint16"], "token id 300 at position 3"),
+        ("short.bin", ["--data-dtype", "uint16"], "has 10 tokens"),
+        ("t.txt", ["--data-dtype", "uint16"], "data_dtype 'uint16' applies to a token file"),
+        ("t.txt", ["--no-shuffle"], "data_shuffle false applies to token files"),
+        ("t.txt", ["--corpus-max-bytes", "100"], "corpus_max_bytes 100"),
+    ],
+)
+def test_bad_data_exits_2_with_one_line_before_any_worker_starts(
+    tmp_path: Path, model_file: Path, data: str, args: list[str], message: str
+) -> None:
+    ids = np.arange(100, dtype="<u2")
+    ids[3] = 300
+    ids.tofile(tmp_path / "t.bin")
+    np.arange(10, dtype="<u2").tofile(tmp_path / "short.bin")
+    (tmp_path / "t.txt").write_bytes(b"x" * 200)
+    log_dir = tmp_path / "logs"
+    base = ["--model", str(model_file), "--log-dir", str(log_dir), "--data", data]
+    proc = subprocess.run(
+        cli(*base, *args), capture_output=True, text=True, timeout=50, cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not log_dir.exists()
 
 
 @pytest.mark.timeout(150)

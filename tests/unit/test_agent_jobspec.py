@@ -54,6 +54,10 @@ def test_round_trip_through_canonical_json() -> None:
         ({"optimizer": {"learning_rate": 1}}, "learning_rate"),
         ({"colour": "blue"}, "colour"),
         ({"schedule": "zigzag"}, "schedule"),
+        ({"data": "t.bin", "data_dtype": "float16"}, "data_dtype"),
+        ({"data": "t.npy", "data_shuffle": "off"}, "data_shuffle"),
+        ({"data": "corpus.txt", "data_shuffle": False}, "data_shuffle"),
+        ({"data_dtype": "uint16"}, "data_dtype"),
         ({"persist_every": 5}, "persist_dir"),
         ({"device": "tpu"}, "tpu"),
         ({"device": {"memory_gib": 8, "peak_tflops": 1}}, "intra_node_gbps"),
@@ -98,3 +102,29 @@ def test_load_from_yaml_with_a_model_file_beside_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid YAML"):
         (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
         load_job_spec(tmp_path / "bad.yaml")
+
+
+def test_data_keys_reach_the_train_config_and_survive_the_round_trip() -> None:
+    spec = parse_job_spec(
+        {**MINIMAL, "data": "/corpus/t.bin", "data_dtype": "uint32", "data_shuffle": False}
+    )
+    cfg = spec.train_config()
+    assert (cfg.data, cfg.data_dtype, cfg.data_shuffle) == ("/corpus/t.bin", "uint32", False)
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert diff(spec, parse_job_spec({**MINIMAL, "data": "/corpus/t.bin"})) == [
+        "data_dtype",
+        "data_shuffle",
+    ]
+
+
+def test_a_relative_data_path_is_resolved_beside_the_spec_file(tmp_path: Path) -> None:
+    (tmp_path / "specs").mkdir()
+    spec_file = tmp_path / "specs" / "job.yaml"
+    spec_file.write_text(
+        "\n".join(f"{k}: {v}" for k, v in {**MINIMAL, "data": "../data/t.bin"}.items())
+        + "\ndata_dtype: uint16\n"
+    )
+    cfg = load_job_spec(spec_file).train_config()
+    assert cfg.data == str(tmp_path / "data" / "t.bin") and cfg.data_dtype == "uint16"
+    absolute = parse_job_spec({**MINIMAL, "data": "/srv/t.npy"}, base_dir=tmp_path)
+    assert absolute.train_config().data == "/srv/t.npy"

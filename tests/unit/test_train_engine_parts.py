@@ -84,7 +84,9 @@ def test_a_sample_is_the_same_window_wherever_it_is_computed(tmp_path: Path) -> 
     assert not torch.equal(Corpus(blob, 16, seed=2).batch(100, 4)[0], x1)
     (tmp_path / "b.txt").write_bytes(b"B" * 50)
     (tmp_path / "a.txt").write_bytes(b"A" * 50)
-    assert load_corpus(str(tmp_path), 70) == b"A" * 50 + b"B" * 20
+    assert load_corpus(str(tmp_path), 100) == b"A" * 50 + b"B" * 50
+    with pytest.raises(ConfigError, match="corpus_max_bytes 70"):
+        load_corpus(str(tmp_path), 70)  # refused, never truncated
     with pytest.raises(ConfigError):
         load_corpus(str(tmp_path / "missing"), 10)
 

@@ -1,0 +1,162 @@
+"""`elasticpp data prepare`: text files in, a flat token file and its JSON sidecar out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from elasticpp.cli.data import choose_dtype
+from elasticpp.cli.main import main
+from elasticpp.errors import ConfigError
+from elasticpp.train.config import TrainConfig
+from elasticpp.train.data import open_corpus
+
+DOCS = {
+    "a.txt": "the quick brown fox jumps over the lazy dog\n" * 30,
+    "b.txt": "héllo wörld, naïve café; über straße\n" * 20,
+    "c.txt": "def f(x):\n    return x * 2  # doubled\n" * 25,
+}
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A small byte-level BPE tokenizer trained on local text, and the text files."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(DOCS.values(), trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    files = []
+    for name, text in DOCS.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        files.append(tmp_path / name)
+    return path, files
+
+
+def prepare(*args: str | Path) -> int:
+    return main(["data", "prepare", *map(str, args)])
+
+
+def load_tokenizer(path: Path):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def test_prepare_writes_the_tokenizers_ids_and_a_sidecar(
+    tmp_path: Path, corpus: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    tok_path, files = corpus
+    out = tmp_path / "corpus.bin"
+    assert prepare("--tokenizer", tok_path, "--out", out, "--eos-token", "<|eos|>", *files) == 0
+    tok = load_tokenizer(tok_path)
+    eos = tok.token_to_id("<|eos|>")
+    expected: list[int] = []
+    for f in files:
+        expected += tok.encode(f.read_text(encoding="utf-8"), add_special_tokens=False).ids
+        expected.append(eos)
+    got = np.fromfile(out, dtype="<u2")
+    assert got.tolist() == expected
+    assert tok.decode(got[: got.tolist().index(eos)].tolist()) == DOCS["a.txt"]
+    sidecar = json.loads((tmp_path / "corpus.bin.json").read_text())
+    assert sidecar == {
+        "format_version": 1,
+        "dtype": "uint16",
+        "byte_order": "little",
+        "tokens": len(expected),
+        "documents": 3,
+        "vocab_size": tok.get_vocab_size(),
+        "eos_token": "<|eos|>",
+        "eos_id": eos,
+        "tokenizer_sha256": hashlib.sha256(tok_path.read_bytes()).hexdigest(),
+    }
+    assert "--data-dtype uint16" in capsys.readouterr().out
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    # What it wrote trains: windows of the model's sequence length over these ids.
+    job = TrainConfig(data=str(out), data_dtype="uint16", data_shuffle=False)
+    inputs, _ = open_corpus(job, 16, 320).batch(0, 1)
+    assert inputs[0].tolist() == expected[:16]
+
+
+def test_prepare_without_eos_concatenates_and_uint32_on_request(
+    tmp_path: Path, corpus: tuple[Path, list[Path]]
+) -> None:
+    tok_path, files = corpus
+    out = tmp_path / "c32.bin"
+    assert prepare("--tokenizer", tok_path, "--out", out, "--dtype", "uint32", *files[:2]) == 0
+    tok = load_tokenizer(tok_path)
+    expected = [
+        i for f in files[:2] for i in tok.encode(f.read_text(), add_special_tokens=False).ids
+    ]
+    assert np.fromfile(out, dtype="<u4").tolist() == expected
+    sidecar = json.loads((tmp_path / "c32.bin.json").read_text())
+    assert (sidecar["dtype"], sidecar["eos_id"], sidecar["documents"]) == ("uint32", None, 2)
+
+
+def test_refusals_exit_2_with_one_line_and_overwrite_nothing(
+    tmp_path: Path, corpus: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    tok_path, files = corpus
+    out = tmp_path / "corpus.bin"
+    assert prepare("--tokenizer", tok_path, "--out", out, *files) == 0
+    before = out.read_bytes(), (tmp_path / "corpus.bin.json").read_bytes()
+    capsys.readouterr()
+    bad_tok = tmp_path / "bad.json"
+    bad_tok.write_text("{not json")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9".encode("latin-1"))
+    cases = [
+        (["--tokenizer", tok_path, "--out", out, *files], "--force"),
+        (["--tokenizer", tok_path, "--out", out, "--force", tmp_path / "nope.txt"], "nope.txt"),
+        (["--tokenizer", tmp_path / "none.json", "--out", out, "--force", *files], "none.json"),
+        (["--tokenizer", bad_tok, "--out", out, "--force", *files], "bad.json"),
+        (["--tokenizer", tok_path, "--out", out, "--force", latin1], "not UTF-8"),
+        (["--tokenizer", tok_path, "--out", out, "--force", "--eos-token", "<x>", *files], "<x>"),
+        (["--tokenizer", tok_path, "--out", tmp_path / "c.npy", *files], "must end in .bin"),
+    ]
+    for args, needle in cases:
+        assert prepare(*args) == 2, needle
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], (needle, err)
+    assert (out.read_bytes(), (tmp_path / "corpus.bin.json").read_bytes()) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert not (tmp_path / "c.npy").exists()
+    # --force replaces both files.
+    assert prepare("--tokenizer", tok_path, "--out", out, "--force", files[0]) == 0
+    assert json.loads((tmp_path / "corpus.bin.json").read_text())["documents"] == 1
+
+
+def test_uint16_is_refused_for_a_vocabulary_that_does_not_fit() -> None:
+    assert choose_dtype(65536, None) == "uint16"
+    assert choose_dtype(65537, None) == "uint32"
+    assert choose_dtype(300, "uint32") == "uint32"
+    with pytest.raises(ConfigError, match="65537"):
+        choose_dtype(65537, "uint16")
+
+
+def test_without_tokenizers_installed_the_message_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "a.txt").write_text("text")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` now fails
+    args = ("--tokenizer", tmp_path / "tokenizer.json", "--out", tmp_path / "x.bin")
+    assert prepare(*args, tmp_path / "a.txt") == 2
+    err = capsys.readouterr().err
+    assert "elasticpp[data]" in err and "tokenizers" in err
+    assert not (tmp_path / "x.bin").exists()

@@ -1,0 +1,249 @@
+"""Training data: token-file windows (exact addressing, shuffle), raw bytes, and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from elasticpp.errors import ConfigError
+from elasticpp.train import data as data_mod
+from elasticpp.train.config import TrainConfig
+from elasticpp.train.data import (
+    Corpus,
+    TokenCorpus,
+    check_data,
+    epoch_permutation,
+    open_corpus,
+    stable_int,
+)
+
+SEQ = 8
+VOCAB = 256
+
+
+def write_tokens(tmp_path: Path, fmt: str, ids: np.ndarray) -> TrainConfig:
+    """`ids` as a token file of format `fmt` ("uint16.bin", "uint32.npy", ...); its config."""
+    dtype, suffix = fmt.split(".")
+    path = tmp_path / f"tokens.{suffix}"
+    if suffix == "npy":
+        np.save(path, ids.astype(dtype))
+        return TrainConfig(data=str(path))
+    ids.astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
+    return TrainConfig(data=str(path), data_dtype=dtype)
+
+
+def with_(job: TrainConfig, **changes: object) -> TrainConfig:
+    return TrainConfig.from_dict({**job.to_dict(), **changes})
+
+
+def window(ids: np.ndarray, w: int) -> list[int]:
+    return ids[w * SEQ : w * SEQ + SEQ + 1].tolist()
+
+
+FORMATS = ["uint16.bin", "uint32.bin", "uint16.npy", "uint32.npy", "int32.npy", "int64.npy"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unshuffled_sample_i_is_window_i_mod_w_of_the_file(tmp_path: Path, fmt: str) -> None:
+    ids = np.arange(50)  # W = (50 - 1) // 8 = 6 windows; tokens 49.. are never read
+    job = with_(write_tokens(tmp_path, fmt, ids), data_shuffle=False)
+    corpus = open_corpus(job, SEQ, VOCAB)
+    assert isinstance(corpus, TokenCorpus) and corpus.windows == 6
+    inputs, targets = corpus.batch(4, 4)  # samples 4, 5, 6, 7: windows 4, 5, then 0, 1
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert inputs.shape == targets.shape == (4, SEQ)
+    rows = [window(ids, w) for w in (4, 5, 0, 1)]
+    assert inputs.tolist() == [r[:-1] for r in rows]
+    assert targets.tolist() == [r[1:] for r in rows]
+    assert corpus.window(6 * 1000 + 5).tolist() == window(ids, 5)  # wraps in every epoch
+
+
+def test_shuffled_epochs_use_every_window_exactly_once_in_a_seeded_order(tmp_path: Path) -> None:
+    ids = np.arange(20 * SEQ + 1) % VOCAB  # W = 20
+    job = with_(write_tokens(tmp_path, "uint16.bin", ids), seed=7)
+    a, b = open_corpus(job, SEQ, VOCAB), open_corpus(job, SEQ, VOCAB)
+    assert isinstance(a, TokenCorpus) and isinstance(b, TokenCorpus)
+    order = [a.window_index(i) for i in range(60)]
+    for e in range(3):
+        epoch = order[20 * e : 20 * (e + 1)]
+        assert sorted(epoch) == list(range(20))
+        # The documented permutation, exactly.
+        rng = np.random.Generator(np.random.PCG64(stable_int("epoch", 7, e)))
+        assert epoch == rng.permutation(20).tolist()
+    assert order[:20] != order[20:40]
+    assert [b.window_index(i) for i in reversed(range(60))] == order[::-1]  # any call order
+    # A batch that straddles an epoch boundary reads the same rows as sample by sample.
+    inputs, _ = a.batch(17, 6)
+    assert inputs.tolist() == [window(ids, w)[:-1] for w in order[17:23]]
+    other = open_corpus(with_(job, seed=8), SEQ, VOCAB)
+    assert isinstance(other, TokenCorpus)
+    assert [other.window_index(i) for i in range(20)] != order[:20]
+
+
+def test_the_epoch_permutation_is_pinned() -> None:
+    # Every machine must draw this order; a numpy upgrade that changes it changes the data.
+    assert epoch_permutation(7, 0, 10).tolist() == [3, 0, 2, 1, 9, 5, 4, 6, 8, 7]
+    assert epoch_permutation(7, 1, 10).tolist() == [7, 5, 3, 2, 6, 1, 4, 9, 0, 8]
+
+
+def test_consecutive_batches_concatenate_to_one_batch(tmp_path: Path) -> None:
+    job = write_tokens(tmp_path, "uint32.bin", np.arange(300) % VOCAB)
+    corpus = open_corpus(job, SEQ, VOCAB)
+    whole, _ = corpus.batch(30, 10)
+    parts = [corpus.batch(30 + k, n)[0] for k, n in ((0, 3), (3, 4), (7, 3))]
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_ids_outside_the_vocabulary_are_refused_when_the_file_is_opened(tmp_path: Path) -> None:
+    ids = np.arange(100) % 200
+    ids[5] = 300
+    job = write_tokens(tmp_path, "uint16.bin", ids)
+    for check in (open_corpus, check_data):
+        with pytest.raises(ConfigError, match=r"tokens\.bin.*token id 300 at position 5.*256"):
+            check(job, SEQ, VOCAB)
+    negative = write_tokens(tmp_path, "int32.npy", np.concatenate([np.arange(40), [-1]]))
+    with pytest.raises(ConfigError, match="token id -1 at position 40"):
+        open_corpus(negative, SEQ, VOCAB)
+
+
+def test_an_id_the_open_time_sample_misses_is_refused_when_its_window_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shrink the sample: ends [0, 4) and [197, 201), chunks of 2 at 22, 44, 67, 89, 111, ...
+    monkeypatch.setattr(data_mod, "_CHECK_END_TOKENS", 4)
+    monkeypatch.setattr(data_mod, "_CHECK_CHUNK_TOKENS", 2)
+    ids = np.arange(201) % 100
+    ids[100] = 999  # in window 12 (tokens 96..104)
+    job = with_(write_tokens(tmp_path, "uint16.npy", ids), data_shuffle=False)
+    corpus = open_corpus(job, SEQ, VOCAB)
+    corpus.batch(0, 12)  # windows 0..11 are clean
+    with pytest.raises(ConfigError, match=r"tokens\.npy.*token id 999 at position 100.*256"):
+        corpus.batch(12, 1)
+
+
+def test_a_file_without_one_whole_window_is_refused_with_its_numbers(tmp_path: Path) -> None:
+    job = write_tokens(tmp_path, "uint16.bin", np.arange(SEQ))
+    for check in (open_corpus, check_data):
+        with pytest.raises(ConfigError, match=r"has 8 tokens.*seq_len \+ 1 = 9"):
+            check(job, SEQ, VOCAB)
+    assert open_corpus(write_tokens(tmp_path, "uint16.bin", np.arange(SEQ + 1)), SEQ, VOCAB)
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match="has 0 tokens"):
+        open_corpus(TrainConfig(data=str(empty), data_dtype="uint32"), SEQ, VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("array", "needle"),
+    [
+        (np.arange(40, dtype=np.float32), "float32"),
+        (np.arange(40, dtype=np.uint8), "uint8"),
+        (np.arange(40, dtype=np.int32).reshape(4, 10), "2-D"),
+    ],
+)
+def test_a_npy_file_of_another_dtype_or_shape_is_refused(
+    tmp_path: Path, array: np.ndarray, needle: str
+) -> None:
+    path = tmp_path / "bad.npy"
+    np.save(path, array)
+    with pytest.raises(ConfigError, match=needle):
+        open_corpus(TrainConfig(data=str(path)), SEQ, VOCAB)
+
+
+def test_a_npy_file_with_a_different_data_dtype_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.npy"
+    np.save(path, np.arange(40, dtype=np.uint32))
+    with pytest.raises(ConfigError, match="holds uint32 ids but data_dtype is 'uint16'"):
+        open_corpus(TrainConfig(data=str(path), data_dtype="uint16"), SEQ, VOCAB)
+    assert open_corpus(TrainConfig(data=str(path), data_dtype="uint32"), SEQ, VOCAB)
+
+
+def test_a_bin_file_of_a_partial_token_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    path.write_bytes(bytes(41))
+    with pytest.raises(ConfigError, match="41 bytes, not a whole number of uint16"):
+        open_corpus(TrainConfig(data=str(path), data_dtype="uint16"), SEQ, VOCAB)
+
+
+def test_a_bin_file_without_data_dtype_is_raw_bytes_as_before(tmp_path: Path) -> None:
+    blob = bytes(range(256)) * 4
+    path = tmp_path / "t.bin"
+    path.write_bytes(blob)
+    corpus = open_corpus(TrainConfig(data=str(path), seed=3), SEQ, VOCAB)
+    assert type(corpus) is Corpus
+    got, _ = corpus.batch(10, 5)
+    want, _ = Corpus(blob, SEQ, seed=3).batch(10, 5)
+    assert torch.equal(got, want)
+    start = stable_int("sample", 3, 10) % (len(blob) - SEQ)  # the documented offset
+    assert got[0].tolist() == list(blob[start : start + SEQ])
+
+
+def test_a_raw_corpus_over_the_cap_is_refused_naming_corpus_max_bytes(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"A" * 600)
+    (tmp_path / "b.txt").write_bytes(b"B" * 500)
+    job = TrainConfig(data=str(tmp_path), corpus_max_bytes=1000)
+    for check in (open_corpus, check_data):
+        with pytest.raises(ConfigError, match=r"is 1100 bytes.*corpus_max_bytes 1000"):
+            check(job, SEQ, VOCAB)
+    assert open_corpus(with_(job, corpus_max_bytes=1100), SEQ, VOCAB)
+
+
+def test_the_built_in_corpus_is_still_capped_not_refused() -> None:
+    corpus = open_corpus(TrainConfig(corpus_max_bytes=1 << 16), SEQ, VOCAB)
+    assert type(corpus) is Corpus
+    check_data(TrainConfig(corpus_max_bytes=1 << 16), SEQ, VOCAB)
+
+
+def test_raw_bytes_need_a_vocabulary_of_256(tmp_path: Path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"x" * 100)
+    for data in (str(path), None):
+        for check in (open_corpus, check_data):
+            with pytest.raises(ConfigError, match=r"vocab_size of at least 256 .*got 100"):
+                check(TrainConfig(data=data), SEQ, 100)
+    # A token file is fine with a small vocabulary when its ids fit.
+    job = write_tokens(tmp_path, "uint16.bin", np.arange(40) % 100)
+    assert open_corpus(job, SEQ, 100)
+
+
+def test_data_dtype_with_a_directory_or_a_missing_file_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "shards.bin"
+    folder.mkdir()
+    (folder / "a").write_bytes(b"x" * 100)
+    job = TrainConfig(data=str(folder), data_dtype="uint16")
+    for check in (open_corpus, check_data):
+        with pytest.raises(ConfigError, match="directory"):
+            check(job, SEQ, VOCAB)
+    with pytest.raises(ConfigError, match="no such file"):
+        open_corpus(TrainConfig(data=str(tmp_path / "x.npy")), SEQ, VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"data": "t.bin", "data_dtype": "int8"}, "data_dtype must be one of uint16, uint32"),
+        ({"data": "t.bin", "data_dtype": 16}, "data_dtype"),
+        ({"data_dtype": "uint16"}, "data_dtype 'uint16' applies to a token file"),
+        ({"data": "corpus.txt", "data_dtype": "uint16"}, r"ending in \.bin or \.npy"),
+        ({"data": "t.npy", "data_shuffle": "no"}, "data_shuffle must be true or false"),
+        ({"data": "t.bin", "data_shuffle": False}, "data_shuffle false applies to token files"),
+        ({"data_shuffle": False}, "data_shuffle false applies to token files"),
+    ],
+)
+def test_train_config_refuses_bad_data_settings_naming_the_field(
+    fields: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig.from_dict(fields)
+
+
+def test_train_config_names_the_data_format() -> None:
+    assert TrainConfig().data_format == "bytes"
+    assert TrainConfig(data="a.bin").data_format == "bytes"
+    assert TrainConfig(data="a.bin", data_dtype="uint32").data_format == "bin"
+    assert TrainConfig(data="a.NPY").data_format == "npy"
+    cfg = TrainConfig(data="a.npy", data_shuffle=False)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
