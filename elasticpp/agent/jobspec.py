@@ -83,8 +83,9 @@ class JobSpec:
     lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (etcd min 2 s)
     join_settle_s: float = 2.0  # wait this long after the last join before switching layouts
     hang_timeout_s: float = 30.0  # a worker without step progress this long is hung
-    # What `model:` named, resolved: {"kind", "ref", "fingerprint"} (elasticpp.train.modelref).
-    model_ref: dict[str, str] = field(default_factory=dict)
+    # What `model:` named, resolved: {"kind", "ref", "files": {name: sha256}}
+    # (elasticpp.train.modelref): agents whose model files differ are refused, naming them.
+    model_ref: dict[str, Any] = field(default_factory=dict)
     # Weights a new job starts from: a Hugging Face directory or an elasticpp checkpoint.
     init_from: str | None = None
 
@@ -246,7 +247,7 @@ def _resolve_model(values: dict[str, Any], source: str, base_dir: Path | None) -
     values["model_ref"] = {
         "kind": resolved.kind,
         "ref": resolved.ref,
-        "fingerprint": resolved.fingerprint,
+        "files": dict(resolved.files),
     }
     init = values.get("init_from")
     if init is not None:
@@ -283,6 +284,12 @@ def diff(a: JobSpec, b: JobSpec) -> list[str]:
         if key == "train":
             ta, tb = da.get(key, {}), db.get(key, {})
             out += [f"{k}" for k in sorted(set(ta) | set(tb)) if ta.get(k) != tb.get(k)]
+        elif key == "model_ref" and da.get(key) != db.get(key):
+            ra, rb = da.get(key) or {}, db.get(key) or {}
+            fa, fb = ra.get("files", {}), rb.get("files", {})
+            if (ra.get("kind"), ra.get("ref")) != (rb.get("kind"), rb.get("ref")):
+                out.append("model_ref")
+            out += [f"model file {n}" for n in sorted(set(fa) | set(fb)) if fa.get(n) != fb.get(n)]
         elif da.get(key) != db.get(key):
             out.append(key)
     return out

@@ -17,7 +17,12 @@ JSON_FORMAT_VERSION = 1
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a preset name or a YAML/JSON spec file")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a preset, a YAML/JSON spec file, a Hugging Face model directory, or "
+        "package.module:function",
+    )
     parser.add_argument(
         "--global-batch", type=int, required=True, help="samples per optimizer step (B)"
     )
@@ -63,13 +68,12 @@ def _cluster(args: argparse.Namespace, device: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elasticpp.plan import Planner, load_device_spec, load_model_spec
+    from elasticpp.plan import Planner, load_device_spec
+    from elasticpp.train.modelref import resolve_model  # torch only for a user's function
 
-    model = load_model_spec(args.model)
-    if args.seq_len is not None:
-        if args.seq_len < 1:
-            raise ConfigError(f"--seq-len must be a positive integer, got {args.seq_len}")
-        model = model.with_seq_len(args.seq_len)
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be a positive integer, got {args.seq_len}")
+    model = resolve_model(args.model, seq_len=args.seq_len).spec
     device = load_device_spec(args.device)
     cluster = _cluster(args, device)
     if args.global_batch < 1:

@@ -207,18 +207,21 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     )
 
 
-def fingerprint(directory: str | Path) -> str:
-    """sha256 over the config, the weights index and every safetensors header and size."""
+def fingerprint(directory: str | Path) -> dict[str, str]:
+    """File name -> sha256, for the config, the weights index and every safetensors file (of
+    its header, which lists every tensor's name, dtype, shape and offsets, and its size: a
+    cheap stand-in for hashing gigabytes of weights on every agent start)."""
     d = Path(directory)
-    digest = hashlib.sha256()
+    out: dict[str, str] = {}
     for name in (CONFIG_NAME, INDEX_NAME):
         path = d / name
         if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes())
+            out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     for path in weight_files(d):
         with path.open("rb") as f:
             head = f.read(8)
             size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
             header = f.read(min(size, 100 << 20))
-        digest.update(path.name.encode() + b"\0" + header + str(path.stat().st_size).encode())
-    return digest.hexdigest()
+        digest = hashlib.sha256(header + b"\0" + str(path.stat().st_size).encode())
+        out[path.name] = digest.hexdigest()
+    return out

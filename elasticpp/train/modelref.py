@@ -37,7 +37,7 @@ class ModelRef:
     kind: str  # one of KINDS
     ref: str  # the preset name, the absolute path, or the entry point
     spec: ModelSpec
-    fingerprint: str  # sha256 of what the reference depends on ("" for a preset)
+    files: dict[str, str]  # file name -> sha256 of what the reference depends on
     init_dir: str | None = None  # a Hugging Face directory whose weights start the job
 
 
@@ -64,7 +64,7 @@ def resolve_model(
         return _entry(ref, opts, seq_len)
     if ref in MODEL_PRESETS:
         spec = MODEL_PRESETS[ref]
-        kind, absolute, fingerprint = "preset", ref, ""
+        kind, absolute, files = "preset", ref, {}
     else:
         path = Path(ref)
         if base_dir is not None and not path.is_absolute():
@@ -90,10 +90,10 @@ def resolve_model(
                 "not a spec file or model directory, not package.module:function"
             )
         spec = load_model_spec(str(path))
-        kind, absolute, fingerprint = "spec", str(path), _sha256_file(path)
+        kind, absolute, files = "spec", str(path), {path.name: _sha256_file(path)}
     if seq_len is not None:
         spec = spec.with_seq_len(seq_len)
-    return ModelRef(kind, absolute, _with_options(spec, opts, ref), fingerprint)
+    return ModelRef(kind, absolute, _with_options(spec, opts, ref), files)
 
 
 def _with_options(spec: ModelSpec, opts: Mapping[str, OptionValue], ref: str) -> ModelSpec:
@@ -126,5 +126,5 @@ def _entry(ref: str, opts: dict[str, OptionValue], seq_len: int | None) -> Model
     model = build_user_model(ref, opts)
     spec = describe(model, family=ref, options=opts)
     origin = Path(found.origin)
-    fingerprint = _sha256_file(origin) if origin.is_file() else ""
-    return ModelRef("entry", ref, spec, fingerprint)
+    files = {origin.name: _sha256_file(origin)} if origin.is_file() else {}
+    return ModelRef("entry", ref, spec, files)

@@ -24,7 +24,7 @@ from transformers import (
 
 from elasticpp.checkpoint.tensors import load_units
 from elasticpp.cli.main import main as cli_main
-from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
+from elasticpp.plan import MODEL_PRESETS, ClusterSpec, Layout, build_plan, load_device_spec
 from elasticpp.train.contract import UnitContext
 from elasticpp.train.data import Corpus, load_corpus
 from elasticpp.train.families import build_model
@@ -34,6 +34,7 @@ from elasticpp.train.model import Stage
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "logits_rank.py"
 SEQ = 16
+MODEL_UNITS_TINY = MODEL_PRESETS["tiny"].units
 
 
 def _perturb_norms(model: torch.nn.Module) -> None:
@@ -276,3 +277,25 @@ def test_vocabulary_parallel_cross_entropy_gathers_to_the_whole() -> None:
     ctx = UnitContext("head", 0, 1, None, 256, None)
     logits = torch.randn(2, SEQ, 256)
     assert torch.equal(ctx.gather_vocab(logits), logits)
+
+
+@pytest.mark.timeout(300)
+def test_init_from_an_elasticpp_checkpoint_starts_a_new_job_from_its_weights(
+    tmp_path: Path,
+) -> None:
+    common = ["--model", "tiny", "--global-batch", "4", "--micro-batch", "2"]
+    first = ["train", *common, "--steps", "2", "--save", str(tmp_path / "a")]
+    assert cli_main([*first, "--layout", "pp=2,tp=1,dp=1"]) == 0
+    second = ["train", *common, "--steps", "5", "--stop-at", "0", "--lr", "3e-4"]
+    second += ["--init-from", str(tmp_path / "a"), "--save", str(tmp_path / "b")]
+    assert cli_main([*second, "--layout", "pp=1,tp=2,dp=1"]) == 0
+    units = MODEL_UNITS_TINY
+    trained = load_units(tmp_path / "a" / "step-0000000002", units, 0, 1)
+    started = load_units(tmp_path / "b" / "step-0000000000", units, 0, 1)
+    for unit in units:
+        assert started[unit].step == 0
+        for name, t in trained[unit].tensors.items():
+            if name.startswith("param/"):
+                assert torch.equal(started[unit].tensors[name], t), (unit, name)
+            else:  # a new job: fresh optimizer state
+                assert not started[unit].tensors[name].any(), (unit, name)

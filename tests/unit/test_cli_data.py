@@ -26,7 +26,6 @@ DOCS = {
 @pytest.fixture
 def corpus(tmp_path: Path) -> tuple[Path, list[Path]]:
     """A small byte-level BPE tokenizer trained on local text, and the text files."""
-    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

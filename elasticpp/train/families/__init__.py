@@ -8,8 +8,24 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 
-from elasticpp.plan.specs import ModelSpec, OptionValue
-from elasticpp.train.contract import ContractError, ModelDef, check_matches, validate
+import torch
+import torch.nn.functional as F
+
+from elasticpp.plan.specs import UNIT_EMBED, ModelSpec, OptionValue
+from elasticpp.train.contract import (
+    Boundary,
+    ContractError,
+    ModelDef,
+    Param,
+    Split,
+    Unit,
+    UnitContext,
+    check_matches,
+    normal,
+    validate,
+)
+
+INIT_STD = 0.02
 
 
 def check_options(
@@ -29,6 +45,48 @@ def check_options(
             raise ContractError(f"{family}: option {key} must be {kinds}, got {value!r}")
         if not isinstance(value, kinds):
             raise ContractError(f"{family}: option {key} must be {kinds}, got {value!r}")
+
+
+def vocab_split(options: Mapping[str, OptionValue]) -> Split:
+    return Split.VOCAB if options.get("vocab_parallel", False) else Split.REPLICATED
+
+
+def lm_head_param(spec: ModelSpec) -> Param:
+    """The LM head of the decoder families: `[vocab, hidden]`, split as the embedding is,
+    tied to the token embedding when `tie_embeddings` is set."""
+    tie = bool(spec.option_map.get("tie_embeddings", False))
+    return Param(
+        "lm_head.weight",
+        (spec.vocab_size, spec.hidden_size),
+        vocab_split(spec.option_map),
+        normal(INIT_STD),
+        tied_to=f"{UNIT_EMBED}/tok.weight" if tie else None,
+    )
+
+
+def to_vocab(ctx: UnitContext, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits (this rank's vocabulary slice when the head is split) of hidden states."""
+    if weight.shape[0] != ctx.vocab_size:  # vocabulary-split: every rank needs all of h
+        h = ctx.copy_to_tp(h)
+    return F.linear(h, weight)
+
+
+def decoder(
+    spec: ModelSpec, embed: Unit, blocks: tuple[Unit, ...], head: Unit, **extra: object
+) -> ModelDef:
+    """A decoder's `ModelDef`: one embedding unit, the blocks, one head unit; the boundary
+    is the hidden state of every position."""
+    return ModelDef(
+        name=spec.name,
+        first=(embed,),
+        blocks=blocks,
+        last=(head,),
+        boundary=Boundary((spec.seq_len, spec.hidden_size)),
+        vocab_size=spec.vocab_size,
+        seq_len=spec.seq_len,
+        num_heads=spec.num_heads,
+        **extra,  # type: ignore[arg-type]
+    )
 
 
 def option_float(options: Mapping[str, OptionValue], key: str, default: float) -> float:

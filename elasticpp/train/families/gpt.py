@@ -29,7 +29,6 @@ from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, block_unit
 from elasticpp.train.contract import (
     ONES,
     ZEROS,
-    Boundary,
     ContractError,
     ModelDef,
     Param,
@@ -38,9 +37,16 @@ from elasticpp.train.contract import (
     UnitContext,
     normal,
 )
-from elasticpp.train.families import check_options, option_float
+from elasticpp.train.families import (
+    INIT_STD,
+    check_options,
+    decoder,
+    lm_head_param,
+    option_float,
+    to_vocab,
+    vocab_split,
+)
 
-INIT_STD = 0.02
 OPTIONS: dict[str, type | tuple[type, ...]] = {
     "gelu": str,
     "tie_embeddings": bool,
@@ -91,10 +97,7 @@ def head_forward(
     ctx: UnitContext, p: Mapping[str, torch.Tensor], x: torch.Tensor, *, eps: float
 ) -> torch.Tensor:
     h = F.layer_norm(x, x.shape[-1:], p["ln_f.weight"], p["ln_f.bias"], eps)
-    weight = p["lm_head.weight"]
-    if weight.shape[0] != ctx.vocab_size:  # vocabulary-split: every rank needs all of h
-        h = ctx.copy_to_tp(h)
-    return F.linear(h, weight)
+    return to_vocab(ctx, h, p["lm_head.weight"])
 
 
 def build(spec: ModelSpec) -> ModelDef:
@@ -103,8 +106,7 @@ def build(spec: ModelSpec) -> ModelDef:
     approximate = {"exact": "none", "tanh": "tanh"}.get(str(opts.get("gelu", "exact")))
     if approximate is None:
         raise ContractError(f"gpt: option gelu must be exact or tanh, got {opts['gelu']!r}")
-    tie = bool(opts.get("tie_embeddings", False))
-    vocab = Split.VOCAB if opts.get("vocab_parallel", False) else Split.REPLICATED
+    vocab = vocab_split(opts)
     eps = option_float(opts, "norm_eps", 1e-5)
     if spec.num_kv_heads != spec.num_heads:
         raise ContractError("gpt: grouped-query attention (num_kv_heads) is a llama option")
@@ -148,23 +150,8 @@ def build(spec: ModelSpec) -> ModelDef:
         (
             Param("ln_f.weight", (H,), init=ONES),
             Param("ln_f.bias", (H,), init=ZEROS),
-            Param(
-                "lm_head.weight",
-                (V, H),
-                vocab,
-                std,
-                tied_to=f"{UNIT_EMBED}/tok.weight" if tie else None,
-            ),
+            lm_head_param(spec),
         ),
         partial(head_forward, eps=eps),
     )
-    return ModelDef(
-        name=spec.name,
-        first=(embed,),
-        blocks=blocks,
-        last=(head,),
-        boundary=Boundary((S, H)),
-        vocab_size=V,
-        seq_len=S,
-        num_heads=spec.num_heads,
-    )
+    return decoder(spec, embed, blocks, head)

@@ -12,7 +12,9 @@ Options:
 - `rope_theta`: the base of the rotary frequencies, default 10000.0;
 - `norm_eps`: RMSNorm epsilon, default 1e-5;
 - `tie_embeddings`: the LM head shares the token embedding, default false;
-- `vocab_parallel`: split the embedding and the LM head along the vocabulary, default false.
+- `vocab_parallel`: split the embedding and the LM head along the vocabulary, default false;
+- `max_positions`: the longest sequence the weights were trained for (kept for export; the
+  rotary embedding itself has no table), default `seq_len`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import torch.nn.functional as F
 from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, block_unit
 from elasticpp.train.contract import (
     ONES,
-    Boundary,
     ModelDef,
     Param,
     Split,
@@ -34,14 +35,22 @@ from elasticpp.train.contract import (
     UnitContext,
     normal,
 )
-from elasticpp.train.families import check_options, option_float
+from elasticpp.train.families import (
+    INIT_STD,
+    check_options,
+    decoder,
+    lm_head_param,
+    option_float,
+    to_vocab,
+    vocab_split,
+)
 
-INIT_STD = 0.02
 OPTIONS: dict[str, type | tuple[type, ...]] = {
     "rope_theta": (int, float),
     "norm_eps": (int, float),
     "tie_embeddings": bool,
     "vocab_parallel": bool,
+    "max_positions": int,
 }
 
 
@@ -111,11 +120,7 @@ def block_forward(
 def head_forward(
     ctx: UnitContext, p: Mapping[str, torch.Tensor], x: torch.Tensor, *, eps: float
 ) -> torch.Tensor:
-    h = rms_norm(x, p["norm.weight"], eps)
-    weight = p["lm_head.weight"]
-    if weight.shape[0] != ctx.vocab_size:  # vocabulary-split: every rank needs all of h
-        h = ctx.copy_to_tp(h)
-    return F.linear(h, weight)
+    return to_vocab(ctx, rms_norm(x, p["norm.weight"], eps), p["lm_head.weight"])
 
 
 def build(spec: ModelSpec) -> ModelDef:
@@ -123,8 +128,7 @@ def build(spec: ModelSpec) -> ModelDef:
     check_options("llama", opts, OPTIONS)
     theta = option_float(opts, "rope_theta", 10000.0)
     eps = option_float(opts, "norm_eps", 1e-5)
-    tie = bool(opts.get("tie_embeddings", False))
-    vocab = Split.VOCAB if opts.get("vocab_parallel", False) else Split.REPLICATED
+    vocab = vocab_split(opts)
     H, F_, V, S = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.seq_len
     hd, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     std = normal(INIT_STD)
@@ -149,24 +153,8 @@ def build(spec: ModelSpec) -> ModelDef:
         UNIT_HEAD,
         (
             Param("norm.weight", (H,), init=ONES),
-            Param(
-                "lm_head.weight",
-                (V, H),
-                vocab,
-                std,
-                tied_to=f"{UNIT_EMBED}/tok.weight" if tie else None,
-            ),
+            lm_head_param(spec),
         ),
         partial(head_forward, eps=eps),
     )
-    return ModelDef(
-        name=spec.name,
-        first=(embed,),
-        blocks=blocks,
-        last=(head,),
-        boundary=Boundary((S, H)),
-        vocab_size=V,
-        seq_len=S,
-        num_heads=nh,
-        tp_divisors=(nkv,),
-    )
+    return decoder(spec, embed, blocks, head, tp_divisors=(nkv,))
