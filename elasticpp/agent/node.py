@@ -525,8 +525,19 @@ class Agent:
         w = self._workers.get(proc.pid)
         if w is None:
             if kind == EXITED and proc in self._warm:
-                log.warning("warm worker %d exited with %s", proc.pid, event.get("returncode"))
+                # A spare that dies (an OOM kill, a crash while importing torch) is replaced
+                # at once: the next recovery on this node needs it, and nothing else would
+                # refill the pool until an assignment that can no longer happen.
+                log.warning(
+                    "warm worker %d exited with %s; starting a replacement",
+                    proc.pid,
+                    event.get("returncode"),
+                )
                 self._warm.remove(proc)
+                self._ready.discard(proc.pid)
+                self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
+                if not (self._done or self._draining):
+                    self._spawn_warm()
             return
         w.last_progress_s = time.monotonic()
         if kind == "started":

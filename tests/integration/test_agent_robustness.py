@@ -1,0 +1,108 @@
+"""The agent under sequences of faults: each test reproduces a defect that left a job
+wedged or lost state, and checks the job now finishes on the uninterrupted run's curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from elasticpp.agent.localcluster import LocalCluster
+from elasticpp.proctree import descendants
+from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+from elasticpp.waiting import wait_until
+
+STEPS = 12
+SPEC: dict[str, Any] = {
+    "name": "robust",
+    "model": "tiny",
+    "global_batch": 8,
+    "micro_batch": 2,
+    "steps": STEPS,
+    "seed": 4,
+    "min_nodes": 1,
+    "max_nodes": 2,
+    "lease_ttl_s": 3,
+    "join_settle_s": 0.5,
+    "hang_timeout_s": 20,
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+    subprocess.run(
+        [
+            sys.executable, "-m", "elasticpp.cli.main", "train", "--model", "tiny",
+            "--global-batch", "8", "--micro-batch", "2", "--steps", str(STEPS), "--seed", "4",
+            "--metrics", str(out),
+        ],
+        check=True,
+        timeout=240,
+    )  # fmt: skip
+    return {int(r["step"]): float(r["loss"]) for r in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    lc = LocalCluster(tmp_path / "job", SPEC, nodes=2, slots=1)
+    try:
+        yield lc
+    finally:
+        lc.close()
+        left = list(descendants(os.getpid()))
+        assert not left, f"processes left behind: {left}"
+
+
+def _training_pids(lc: LocalCluster, node_id: str) -> set[int]:
+    with grpc.insecure_channel(lc.node(node_id).address) as ch:
+        status = agent_pb2_grpc.AgentServiceStub(ch).GetStatus(
+            agent_pb2.GetStatusRequest(), timeout=10
+        )
+    return {w.pid for w in status.workers if w.state in ("starting", "running")}
+
+
+def _warm_spares(lc: LocalCluster, node_id: str) -> set[int]:
+    # The agent's direct children that hold no rank: its warm workers.
+    agent = lc.node(node_id).proc
+    assert agent is not None
+    children = {p for p in lc.worker_pids(node_id) if _parent(p) == agent.pid}
+    return children - _training_pids(lc, node_id)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@pytest.mark.timeout(240)
+def test_a_warm_spare_that_dies_is_replaced_so_the_next_recovery_can_start(
+    cluster: LocalCluster, reference: dict[int, float]
+) -> None:
+    # One slot per node: after a worker crash the node can only run its rank again on its
+    # warm spare. Kill the spare first (an OOM kill, a crash at import), then the worker.
+    cluster.start()
+    cluster.wait_for(lambda: cluster.max_step() >= 2, 120, "step 2")
+    node = cluster.nodes[1].node_id
+    found: set[int] = set()
+    assert wait_until(lambda: bool(found.update(_warm_spares(cluster, node)) or found), 60)
+    for pid in found:
+        os.kill(pid, signal.SIGKILL)
+    for pid in _training_pids(cluster, node):
+        os.kill(pid, signal.SIGKILL)
+    cluster.wait_finished(180)
+    curve = cluster.curve()
+    assert sorted(curve) == list(range(STEPS)), sorted(curve)
+    for step, (loss, _gen) in curve.items():
+        assert loss == pytest.approx(reference[step], rel=1e-4), step
