@@ -244,7 +244,10 @@ class Agent:
         if self.port == 0:
             raise ConfigError(f"agent: cannot listen on {self.cfg.listen}")
         self._server.start()
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        # NOT_SERVING until this node has joined the job: a probe (a Kubernetes readiness
+        # check, a peer's confirmation) must not take a node that is still waiting for etcd
+        # for a working one.
+        self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.cfg.metrics_port:
             try:
                 self.metrics.serve(self.cfg.metrics_port)
@@ -271,6 +274,7 @@ class Agent:
                     "joining job %s: etcd not available (%s); retrying", self.spec.name, exc
                 )
                 time.sleep(0.5)
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._event(
             "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
         )

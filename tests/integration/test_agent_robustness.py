@@ -106,3 +106,35 @@ def test_a_warm_spare_that_dies_is_replaced_so_the_next_recovery_can_start(
     assert sorted(curve) == list(range(STEPS)), sorted(curve)
     for step, (loss, _gen) in curve.items():
         assert loss == pytest.approx(reference[step], rel=1e-4), step
+
+
+def _health(address: str) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def _health_or_none(address: str) -> str | None:
+    try:
+        return _health(address)
+    except grpc.RpcError:
+        return None  # not listening yet
+
+
+@pytest.mark.timeout(180)
+def test_health_is_not_serving_until_the_agent_has_joined_the_job(cluster: LocalCluster) -> None:
+    cluster.etcd.start()
+    cluster.etcd.kill()  # etcd down: the agent serves gRPC but keeps retrying to join
+    node = cluster.start_node(cluster.nodes[0].node_id)
+    status: list[str | None] = [None]
+
+    def listening() -> bool:
+        status[0] = _health_or_none(node.address)
+        return status[0] is not None
+
+    assert wait_until(listening, 90)
+    assert status[0] == "NOT_SERVING"
+    cluster.etcd.restart()
+    assert wait_until(lambda: _health_or_none(node.address) == "SERVING", 90)
