@@ -28,6 +28,7 @@ class AgentMetrics:
     recovery_seconds: Histogram
     step_seconds: Histogram
     state_fetched_bytes_total: Counter
+    etcd_values_skipped_total: Counter
     labels: dict[str, str]
 
     @classmethod
@@ -71,6 +72,10 @@ class AgentMetrics:
             ),
             state_fetched_bytes_total=c(
                 "elasticpp_state_fetched_bytes", "Bytes of state pieces fetched from peers"
+            ),
+            etcd_values_skipped_total=c(
+                "elasticpp_etcd_values_skipped",
+                "etcd values this agent could not read (malformed or a newer format) and skipped",
             ),
             labels=labels,
         )

@@ -57,7 +57,11 @@ from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.metrics import WORKER_STATES, AgentMetrics
 from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster import ClusterClient
-from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
+from elasticpp.cluster.errors import (
+    ClusterDataError,
+    ClusterUnavailableError,
+    LeaseNotFoundError,
+)
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import CheckpointError, ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, ModelSpec, NodeSpec, Plan
@@ -198,6 +202,7 @@ class Agent:
         self._barriers: dict[str, dict[str, Any]] = {}
         self._last_join_s = time.monotonic()
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
+        self._skipped_seen = 0  # unreadable etcd values already counted in the metrics
         self._dead: dict[str, str] = {}  # node -> incarnation confirmed dead by probe
         self._etcd_ok = True
         self._last_refresh_s = 0.0
@@ -449,6 +454,13 @@ class Agent:
         self._etcd_ok = False
         self.metrics.etcd_up.labels(**self.metrics.labels).set(0)
 
+    def _count_skipped(self) -> None:
+        assert self.cluster is not None
+        new = self.cluster.skipped_values - self._skipped_seen
+        if new > 0:
+            self._skipped_seen += new
+            self.metrics.etcd_values_skipped_total.labels(**self.metrics.labels).inc(new)
+
     def _refresh(self) -> None:
         assert self.cluster is not None
         self._dirty = False
@@ -467,6 +479,13 @@ class Agent:
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
             return
+        except ClusterDataError as exc:
+            # The generation record itself is unreadable (corrupt, or a newer format): keep
+            # the last view and keep training; acting on a guess could break the fencing.
+            self.cluster.skip_value(self.cluster.keys.generation, exc)
+            return
+        finally:
+            self._count_skipped()
         if not self._etcd_ok:
             self._event("decision", "etcd reachable again")
             self._etcd_ok = True

@@ -378,6 +378,10 @@ class ClusterClient:
         self._kv = EtcdKV(list(endpoints), request_timeout_s=request_timeout_s)
         self._lock = threading.Lock()
         self._owned: list[Registration | Leadership | Watch] = []
+        # Values that could not be read (malformed, or written by a newer format) are skipped,
+        # counted here and logged once per key: one bad value must not stop every agent.
+        self.skipped_values = 0
+        self._skipped_keys: set[str] = set()
 
     def _own(self, obj: _T) -> _T:
         with self._lock:
@@ -435,16 +439,27 @@ class ClusterClient:
         key = self.keys.node(node_id)
         return self._own(Registration(self._kv, key, node_id, info, _check_ttl(ttl_s)))
 
+    def skip_value(self, key: str, exc: Exception) -> None:
+        """Count an unreadable value (and log it once per key)."""
+        self.skipped_values += 1
+        if key not in self._skipped_keys:
+            self._skipped_keys.add(key)
+            log.warning("etcd value of %s skipped: %s", key, exc)
+
+    def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]:
+        """The readable records of `kvs` by last key segment; unreadable ones skipped."""
+        out: dict[str, dict[str, Any]] = {}
+        for kv in kvs:
+            name = keymod.last_segment(kv.key)
+            try:
+                out[name] = loads(kv.value, f"{what} {name}")
+            except ClusterDataError as exc:
+                self.skip_value(kv.key, exc)
+        return out
+
     def members(self) -> Members:
         kvs, revision = self._kv.get_prefix(self.keys.nodes_prefix)
-        nodes: dict[str, dict[str, Any]] = {}
-        for kv in kvs:
-            node_id = keymod.last_segment(kv.key)
-            try:
-                nodes[node_id] = loads(kv.value, f"member {node_id}")
-            except ClusterDataError as exc:
-                log.warning("ignoring member %s: %s", node_id, exc)
-        return Members(nodes, revision)
+        return Members(self._records(kvs, "member"), revision)
 
     def watch_members(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
@@ -600,11 +615,8 @@ class ClusterClient:
     def barrier_state(self, barrier: str) -> tuple[dict[str, Any], int]:
         """Who arrived (node id -> value) and the revision read."""
         kvs, revision = self._kv.get_prefix(self.keys.barrier_prefix(barrier))
-        arrived = {
-            keymod.last_segment(kv.key): loads(kv.value, "barrier arrival").get("value")
-            for kv in kvs
-        }
-        return arrived, revision
+        records = self._records(kvs, f"{barrier} arrival")
+        return {node: r.get("value") for node, r in records.items()}, revision
 
     def wait_barrier(
         self, barrier: str, expected_nodes: Iterable[str], timeout_s: float
@@ -623,7 +635,10 @@ class ClusterClient:
             node_id = keymod.last_segment(event.key)
             with cond:
                 if event.type is EventType.PUT and event.value is not None:
-                    arrived[node_id] = loads(event.value, "barrier arrival").get("value")
+                    try:
+                        arrived[node_id] = loads(event.value, "barrier arrival").get("value")
+                    except ClusterDataError as exc:
+                        self.skip_value(event.key, exc)
                 elif event.type is EventType.DELETE:
                     arrived.pop(node_id, None)
                 cond.notify_all()
@@ -655,9 +670,13 @@ class ClusterClient:
 
     def commits(self, generation: int) -> dict[str, int]:
         kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
-        return {
-            keymod.last_segment(kv.key): int(loads(kv.value, "commit record")["step"]) for kv in kvs
-        }
+        out: dict[str, int] = {}
+        for node, record in self._records(kvs, "commit record").items():
+            try:
+                out[node] = int(record["step"])
+            except (KeyError, TypeError, ValueError) as exc:
+                self.skip_value(self.keys.commit(generation, node), exc)
+        return out
 
     def clear_commits_before(self, generation: int) -> None:
         """Drop commit records of generations older than `generation` (housekeeping)."""
@@ -676,7 +695,7 @@ class ClusterClient:
 
     def suspects(self) -> dict[str, dict[str, Any]]:
         kvs, _ = self._kv.get_prefix(self.keys.suspects_prefix)
-        return {keymod.last_segment(kv.key): loads(kv.value, "suspect") for kv in kvs}
+        return self._records(kvs, "suspect")
 
     def clear_suspect(self, node_id: str) -> bool:
         return self._kv.delete(self.keys.suspect(node_id))

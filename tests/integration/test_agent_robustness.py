@@ -138,3 +138,31 @@ def test_health_is_not_serving_until_the_agent_has_joined_the_job(cluster: Local
     assert status[0] == "NOT_SERVING"
     cluster.etcd.restart()
     assert wait_until(lambda: _health_or_none(node.address) == "SERVING", 90)
+
+
+@pytest.mark.timeout(240)
+def test_unreadable_etcd_values_are_skipped_and_counted_not_fatal(
+    cluster: LocalCluster, reference: dict[int, float]
+) -> None:
+    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.etcd_client import EtcdKV
+
+    cluster.start()
+    cluster.wait_for(lambda: cluster.max_step() >= 2, 120, "step 2")
+    keys = ClusterClient([cluster.etcd.endpoint], SPEC["name"]).keys
+    raw = EtcdKV([cluster.etcd.endpoint])
+    try:
+        raw.put(keys.barrier("done", "intruder"), "{not json")
+        raw.put(keys.barrier("timelines", "intruder"), json.dumps({"format_version": 99}))
+        raw.put(keys.suspect("intruder"), "[1, 2, 3]")
+        raw.put(keys.commit(1, "intruder"), json.dumps({"format_version": 1, "step": "x"}))
+    finally:
+        raw.close()
+    cluster.wait_finished(180)  # raises if an agent died
+    curve = cluster.curve()
+    assert sorted(curve) == list(range(STEPS)), sorted(curve)
+    for step, (loss, _gen) in curve.items():
+        assert loss == pytest.approx(reference[step], rel=1e-4), step
+    logs = "".join(n.log_path.read_text() for n in cluster.nodes)
+    for key in (keys.barrier("done", "intruder"),):
+        assert f"etcd value of {key} skipped" in logs, key

@@ -368,3 +368,26 @@ def test_commit_records_and_suspects_round_trip(clients: Callable[[], ClusterCli
     wait_for(lambda: len(suspected) == 1, what="suspect event")
     assert b.clear_suspect("n2")
     assert b.suspects() == {}
+
+
+def test_unreadable_values_are_skipped_counted_and_logged_once(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = clients()
+    c.arrive("done", "n1", {"step": 3})
+    c.record_commit(2, "n1", 7)
+    raw = EtcdKV([etcd.endpoint])
+    try:
+        raw.put(c.keys.barrier("done", "bad"), "{not json")
+        raw.put(c.keys.barrier("done", "newer"), json.dumps({"format_version": 99, "value": 1}))
+        raw.put(c.keys.commit(2, "bad"), json.dumps({"format_version": 1, "step": "seven"}))
+        raw.put(c.keys.node("bad"), "[]")
+    finally:
+        raw.close()
+    for _ in range(2):
+        assert c.barrier_state("done")[0] == {"n1": {"step": 3}}
+        assert c.commits(2) == {"n1": 7}
+        assert "bad" not in c.members().nodes
+    assert c.skipped_values == 8
+    warnings = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warnings) == 4  # one line per key, however often it is read
