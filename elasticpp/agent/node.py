@@ -145,6 +145,9 @@ class _GenState:
     fetch_error: str | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
+    # Ranks of this node that reported "done": kept here, not on the worker, because a
+    # worker's "done" and its exit can arrive in one tick and the exit forgets the worker.
+    done_ranks: set[int] = field(default_factory=set)
     # leader bookkeeping
     resume_written: bool = False
     timeline_written: bool = False
@@ -575,6 +578,8 @@ class Agent:
             w.move(WorkerState.STOPPED)
         elif kind == "done":
             w.move(WorkerState.DONE)
+            if self._gen is not None and w.generation == self._gen.generation:
+                self._gen.done_ranks.add(w.rank)
         elif kind == "error":
             log.warning("worker rank %d: %s", w.rank, event.get("message"))
         elif kind == EXITED:
@@ -1249,8 +1254,8 @@ class Agent:
         if any(int(v.get("step", -1)) >= self.spec.steps for v in done.values()):
             self._job_done_step = self.spec.steps
         gs = self._gen
-        mine = [w for w in self._workers.values() if gs and w.generation == gs.generation]
-        if gs and mine and all(w.state is WorkerState.DONE for w in mine) and gs.phase != "done":
+        mine = {s.rank for s in gs.plan.ranks_on(self.node_id)} if gs else set()
+        if gs and mine and mine <= gs.done_ranks and gs.phase != "done":
             gs.phase = "done"
             assert self.cluster is not None
             self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})

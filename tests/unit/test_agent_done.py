@@ -1,0 +1,77 @@
+"""The agent's own bookkeeping of a finished job, driven by worker events (pure logic: a
+constructed agent, recorded events, a fake of the cluster's one call it makes here)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import WorkerState
+from elasticpp.agent.jobspec import parse_job_spec
+from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.cluster.records import GenerationRecord
+from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_device_spec
+from elasticpp.train.procs import EXITED
+
+
+class _Proc:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def alive(self) -> bool:
+        return False
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[str, str, Any]] = []
+
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        self.arrivals.append((barrier, node_id, value))
+
+
+def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_done(
+    tmp_path: Path,
+) -> None:
+    spec = parse_job_spec(
+        {
+            "name": "j",
+            "model": "tiny",
+            "global_batch": 4,
+            "micro_batch": 2,
+            "steps": 5,
+            "seed": 0,
+            "min_nodes": 1,
+            "max_nodes": 1,
+        }
+    )
+    cfg = AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path)
+    agent = Agent(cfg, spec)
+    plan = build_plan(
+        spec.model,
+        ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu")),
+        Layout(1, 1, 2),
+        global_batch=4,
+        micro_batch=2,
+    ).with_generation(1)
+    record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
+    agent._gen = _GenState(record=record, phase="running")
+    cluster = _Cluster()
+    agent.cluster = cluster  # type: ignore[assignment]
+    for rank in range(2):
+        proc = _Proc(100 + rank)
+        agent._workers[proc.pid] = _Worker(
+            proc=proc,  # type: ignore[arg-type]
+            rank=rank,
+            generation=1,
+            plan=plan,
+            state=WorkerState.RUNNING,
+        )
+        # Both events of each worker arrive before the loop looks at the job's state.
+        agent._wq.put((proc, {"event": "done", "step": 5}))  # type: ignore[arg-type]
+        agent._wq.put((proc, {"event": EXITED, "returncode": 0}))  # type: ignore[arg-type]
+    agent._drain_worker_events()
+    agent._check_done()
+    assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
+    assert agent._done  # and the agent may exit
