@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp.agent import probe
 from elasticpp.agent.decide import (
     ClusterView,
     Replan,
@@ -83,7 +84,7 @@ from elasticpp.train.worker import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
 
-PROBE_TIMEOUT_S = 0.5
+DEAD_RECHECK_S = 2.0  # how often the leader probes nodes it confirmed dead
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
@@ -207,6 +208,7 @@ class Agent:
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
         self._skipped_seen = 0  # unreadable etcd values already counted in the metrics
         self._dead: dict[str, str] = {}  # node -> incarnation confirmed dead by probe
+        self._dead_checked_s = 0.0  # when dead nodes were last probed again
         self._etcd_ok = True
         self._last_refresh_s = 0.0
         self._leadership: Any = None
@@ -1009,20 +1011,29 @@ class Agent:
 
         def check(node: str) -> bool:
             address = self._members.get(node, {}).get("address")
-            if not address:
-                return False
-            with grpc.insecure_channel(str(address)) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                try:
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
-                    return True
-                except grpc.RpcError:
-                    return False
+            return bool(address) and probe.answers(str(address))
 
         others = [n for n in nodes if n != self.node_id]
         with futures.ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
             alive = dict(zip(others, pool.map(check, others), strict=True))
         return {n for n, ok in alive.items() if not ok}
+
+    def _recheck_dead(self) -> None:
+        """A node confirmed dead that still holds its registration is probed again now and
+        then: if it answers (it was only slow or stopped for a while), it is no longer dead,
+        and the leader takes it back as it would a joining node."""
+        now = time.monotonic()
+        if not self._dead or now - self._dead_checked_s < DEAD_RECHECK_S:
+            return
+        self._dead_checked_s = now
+        registered = [
+            n for n, inc in self._dead.items() if self._members.get(n, {}).get("incarnation") == inc
+        ]
+        back = set(registered) - self._probe(registered)
+        for n in sorted(back):
+            del self._dead[n]
+            self._last_join_s = now
+            self._event("decision", f"node {n} answers again: no longer dead")
 
     def _confirm_dead(self, nodes: list[str]) -> None:
         for n in self._probe(nodes):
@@ -1032,6 +1043,7 @@ class Agent:
                 self._event("decision", f"node {n} confirmed dead by probe")
 
     def _lead(self) -> None:
+        self._recheck_dead()
         rec = self._record
         view = self._view()
         if (
