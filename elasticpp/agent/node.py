@@ -1217,13 +1217,19 @@ class Agent:
     def _lead_timeline(self, gs: _GenState) -> None:
         if gs.timeline_written or not gs.resume_written:
             return
+        if f"gen-{gs.generation}" in self._barriers.get("timelines", {}):
+            # Written by the leader that ran this generation; a leader elected later (at the
+            # job's end, say) must not overwrite it with what it did not see.
+            gs.timeline_written = True
+            return
         started = self._barriers.get(f"started-{gs.generation}", {})
         nodes = set(gs.record.extra.get("nodes", {}))
         if not nodes <= set(started):
             return
         self._replan_failures = 0
         assert self.cluster is not None
-        resume = self._barriers.get(f"resume-{gs.generation}", {}).get(self.node_id, {})
+        resumes = self._barriers.get(f"resume-{gs.generation}", {})
+        resume = resumes.get(self.node_id) or resumes.get(gs.record.leader) or {}
         stopped = self._barriers.get(f"stopped-{gs.generation}", {})
         detected = float(gs.record.extra.get("detected_at", gs.record.created_at))
         stopped_at = max(float(v.get("at", 0)) for v in stopped.values()) if stopped else detected

@@ -75,3 +75,44 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent._check_done()
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
     assert agent._done  # and the agent may exit
+
+
+def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
+    tmp_path: Path,
+) -> None:
+    spec = parse_job_spec(
+        {
+            "name": "j",
+            "model": "tiny",
+            "global_batch": 4,
+            "micro_batch": 2,
+            "steps": 5,
+            "seed": 0,
+            "min_nodes": 1,
+            "max_nodes": 1,
+        }
+    )
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), spec)
+    plan = build_plan(
+        spec.model,
+        ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu")),
+        Layout(1, 1, 2),
+        global_batch=4,
+        micro_batch=2,
+    ).with_generation(2)
+    record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
+    gs = _GenState(record=record, phase="running", resume_written=True)
+    cluster = _Cluster()
+    agent.cluster = cluster  # type: ignore[assignment]
+    agent._barriers = {
+        "timelines": {"gen-2": {"generation": 2, "resume_step": 10}},
+        "started-2": {"n0": {"at": time.time(), "moved_at": time.time()}},
+        "resume-2": {"n9": {"step": 10, "recomputed": 1}},
+    }
+    agent._lead_timeline(gs)
+    assert cluster.arrivals == []  # n9's timeline of generation 2 stays
+    del agent._barriers["timelines"]["gen-2"]
+    agent._lead_timeline(_GenState(record=record, phase="running", resume_written=True))
+    [(barrier, key, timeline)] = cluster.arrivals
+    assert (barrier, key) == ("timelines", "gen-2")
+    assert timeline["resume_step"] == 10 and timeline["steps_recomputed"] == 1  # n9's resume
