@@ -15,9 +15,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory")
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--slots", type=int, default=2, help="worker slots per node")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-at", type=int, default=10, help="kill a node after this step")
-    p.add_argument("--rejoin-at", type=int, default=22, help="bring it back after this step")
+    p.add_argument("--rejoin-at", type=int, default=16, help="bring it back after this step")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this long (s)")
 
 
