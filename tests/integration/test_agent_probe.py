@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticpp.agent import probe
-from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
+from tests.unit.test_agent_done import SPEC
 
 
 class _SlowFirstHealth(health_pb2_grpc.HealthServicer):
@@ -87,19 +87,7 @@ def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
     tmp_path: Path, slow_once: tuple[str, _SlowFirstHealth]
 ) -> None:
     address, _ = slow_once
-    spec = parse_job_spec(
-        {
-            "name": "j",
-            "model": "tiny",
-            "global_batch": 4,
-            "micro_batch": 2,
-            "steps": 5,
-            "seed": 0,
-            "min_nodes": 1,
-            "max_nodes": 2,
-        }
-    )
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), spec)
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     agent._members = {
         "n1": {"address": address, "incarnation": "a"},
         "n2": {"address": _closed_port(), "incarnation": "b"},

@@ -11,8 +11,29 @@ from elasticpp.agent.decide import WorkerState
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
 from elasticpp.cluster.records import GenerationRecord
-from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_device_spec
+from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.train.procs import EXITED
+
+SPEC = parse_job_spec(
+    {
+        "name": "j",
+        "model": "tiny",
+        "global_batch": 4,
+        "micro_batch": 2,
+        "steps": 5,
+        "seed": 0,
+        "min_nodes": 1,
+        "max_nodes": 1,
+    }
+)
+
+
+def _plan(generation: int) -> Plan:
+    """Two ranks (data parallel) on node n0."""
+    cluster = ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu"))
+    return build_plan(
+        SPEC.model, cluster, Layout(1, 1, 2), global_batch=4, micro_batch=2
+    ).with_generation(generation)
 
 
 class _Proc:
@@ -34,27 +55,10 @@ class _Cluster:
 def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_done(
     tmp_path: Path,
 ) -> None:
-    spec = parse_job_spec(
-        {
-            "name": "j",
-            "model": "tiny",
-            "global_batch": 4,
-            "micro_batch": 2,
-            "steps": 5,
-            "seed": 0,
-            "min_nodes": 1,
-            "max_nodes": 1,
-        }
-    )
+    spec = SPEC
     cfg = AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path)
     agent = Agent(cfg, spec)
-    plan = build_plan(
-        spec.model,
-        ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu")),
-        Layout(1, 1, 2),
-        global_batch=4,
-        micro_batch=2,
-    ).with_generation(1)
+    plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
     agent._gen = _GenState(record=record, phase="running")
     cluster = _Cluster()
@@ -80,26 +84,9 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
 def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     tmp_path: Path,
 ) -> None:
-    spec = parse_job_spec(
-        {
-            "name": "j",
-            "model": "tiny",
-            "global_batch": 4,
-            "micro_batch": 2,
-            "steps": 5,
-            "seed": 0,
-            "min_nodes": 1,
-            "max_nodes": 1,
-        }
-    )
+    spec = SPEC
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), spec)
-    plan = build_plan(
-        spec.model,
-        ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu")),
-        Layout(1, 1, 2),
-        global_batch=4,
-        micro_batch=2,
-    ).with_generation(2)
+    plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
     gs = _GenState(record=record, phase="running", resume_written=True)
     cluster = _Cluster()
