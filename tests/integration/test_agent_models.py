@@ -16,12 +16,14 @@ from typing import Any
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cli.main import main as cli_main
 from elasticpp.cluster import ClusterClient
 from elasticpp.proctree import descendants
+from tests.integration.test_agent_recovery import SPEC as AGENT_SPEC
+from tests.integration.test_hf_models import tiny_llama_config
 
 STEPS = 12
 SEQ = 16
@@ -45,17 +47,7 @@ def job_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     assert code == 0
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "llama")
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(root / "llama")
     return {"model": root / "llama", "data": corpus}
 
 
@@ -77,15 +69,7 @@ def _spec(files: dict[str, Path]) -> dict[str, Any]:
         "hang_timeout_s": 6,
         # Latency-free slots, so the planner picks tensor-parallel layouts and the recovery
         # moves TP-sliced state of the grouped-query attention.
-        "device": {
-            "name": "cpu-no-latency",
-            "memory_gib": 8,
-            "peak_tflops": 0.03,
-            "intra_node_gbps": 5,
-            "inter_node_gbps": 1,
-            "intra_node_latency_us": 0,
-            "inter_node_latency_us": 0,
-        },
+        "device": AGENT_SPEC["device"],
     }
 
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,24 @@ SEQ = 16
 MODEL_UNITS_TINY = MODEL_PRESETS["tiny"].units
 
 
+def tiny_llama_config(**changes: Any) -> LlamaConfig:
+    """A small random Llama with grouped-query attention (4 query heads, 2 key/value heads)
+    and the byte vocabulary, as the tests' reference models use."""
+    return LlamaConfig(
+        **{
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+            **changes,
+        }
+    )
+
+
 def _perturb_norms(model: torch.nn.Module) -> None:
     """Random norm weights and biases, so a swapped or missing one cannot go unnoticed."""
     with torch.no_grad():
@@ -55,17 +74,7 @@ def _save(model: torch.nn.Module, path: Path) -> Path:
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
-    llama = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,
-    )
+    llama = tiny_llama_config(rope_theta=500.0)
     llama_tied = LlamaConfig(**{**llama.to_dict(), "tie_word_embeddings": True})
     gpt2 = GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64)
     return {
