@@ -6,15 +6,30 @@ Layout under a checkpoint root that several nodes may share (a network filesyste
     <root>/step-<k>/.parts/<node_id>.json         what each node contributed (sha256 included)
     <root>/step-<k>/manifest.json                 written LAST, by `finalize_checkpoint`
 
-Protocol: every node that holds units of step k calls `persist_pieces` (its own pieces; a
-piece a data-parallel twin already wrote is not written twice), then `finalize_checkpoint`.
-Finalising writes the manifest only when the parts together cover every unit of the model
-with a complete tensor-parallel slice set, so whichever node writes last completes the
-checkpoint; earlier calls return None. Finalising is idempotent and safe to race: every
-writer renames a complete manifest into place.
+Protocol: every node that holds units of step k calls `persist_pieces` (its own pieces),
+then `finalize_checkpoint`. Finalising writes the manifest only when the parts together
+cover every unit of the model with a complete tensor-parallel slice set, so whichever node
+writes last completes the checkpoint; earlier calls return None. Finalising is idempotent
+and safe to race: every writer renames a complete manifest into place.
+
+Invariants:
+- A piece file already in a step directory is kept only if its sha256 is the piece's (a
+  data-parallel twin wrote the same bytes); any other file there (torn, corrupted, or of a
+  step recomputed after a rollback) is replaced, atomically. So a part record names the
+  sha256 of the bytes its node left in place.
+- A complete checkpoint (its manifest exists) is never rewritten: `persist_pieces` of that
+  step writes nothing.
+- `finalize_checkpoint` writes no manifest while part records disagree about a piece (two
+  sha256s or sizes for one name) or a listed piece's file is missing or of another size.
+  It compares sizes, not hashes (cheap); the loader hashes every piece.
 
 Loading (`find_latest_checkpoint`) verifies every piece's sha256 and refuses, with the
 reason, a step that is incomplete or corrupt, falling back to the previous complete one.
+
+`Persister` runs that sequence (persist, finalise, prune) for a node off the training path:
+one worker thread, steps in the order submitted, at most `max_pending` steps waiting (the
+oldest waiting is dropped: a newer checkpoint supersedes it); failures are logged and
+counted, never fatal to the thread.
 """
 
 from __future__ import annotations
@@ -24,7 +39,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +55,11 @@ from elasticpp.checkpoint.manifest import (
     fsync_dir,
     parse_step_dirname,
     read_manifest,
+    sha256_file,
     step_dirname,
     verify_step_dir,
 )
-from elasticpp.errors import CheckpointError, ConfigError
+from elasticpp.errors import CheckpointError, ConfigError, ElasticppError
 from elasticpp.plan.specs import ModelSpec
 from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings, StepHolding
 from elasticpp.store.local import LocalStore
@@ -105,6 +123,16 @@ def copy_verified(src: Path, dst: Path, sha256: str, size: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _holds_piece(path: Path, size: int, sha256: str) -> bool:
+    """Whether `path` is a file with exactly these bytes. A size that differs needs no hash."""
+    try:
+        if path.stat().st_size != size:
+            return False
+    except FileNotFoundError:
+        return False
+    return sha256_file(path) == sha256
+
+
 def persist_pieces(
     store: LocalStore,
     root: Path,
@@ -116,7 +144,8 @@ def persist_pieces(
     """Copy `origin`'s (default: this node's) committed step into the checkpoint `root`.
 
     `names` restricts the pieces (default: all of the step). Returns what this node
-    contributed; records it in `.parts/<node_id>.json` for `finalize_checkpoint`.
+    contributed; records it in `.parts/<node_id>.json` for `finalize_checkpoint`. Returns []
+    and writes nothing when the step's checkpoint is already complete.
     """
     origin = origin or store.node_id
     holding = store.holdings().steps.get((origin, step))
@@ -124,17 +153,33 @@ def persist_pieces(
         raise CheckpointError(f"persist: {origin} step {step} is not committed on this node")
     wanted = sorted(holding.pieces) if names is None else sorted(set(names))
     step_dir = Path(root) / step_dirname(step)
+    manifest_path = step_dir / MANIFEST_NAME
+    if manifest_path.is_file():
+        log.info("persist: step %d is complete in %s already; not rewritten", step, root)
+        return []
     (step_dir / PARTS_DIRNAME).mkdir(parents=True, exist_ok=True)
     entries: list[PieceEntry] = []
+    copied = 0
     with store.pinned(origin, step):
         for name in wanted:
             info = holding.pieces.get(name)
             if info is None:
                 raise CheckpointError(f"persist: {origin} step {step} has no piece {name}")
             dst = step_dir / name
-            # A twin wrote the same piece already (rename is atomic: present means whole).
-            if not (dst.is_file() and dst.stat().st_size == info.size):
+            # Same bytes from a twin: keep them. Same size is not enough: a file corrupted in
+            # place, or of a step recomputed after a rollback, has the size and other bytes.
+            if not _holds_piece(dst, info.size, info.sha256):
+                # Checked again before each write: another node may have finalised meanwhile.
+                if manifest_path.is_file():
+                    log.info(
+                        "persist: step %d was completed in %s meanwhile; %s stops writing",
+                        step,
+                        root,
+                        store.node_id,
+                    )
+                    return []
                 copy_verified(store.path_of(origin, step, name), dst, info.sha256, info.size)
+                copied += 1
             entries.append(PieceEntry(PieceKey.parse(name), info.size, info.sha256))
     fsync_dir(step_dir)
     part = {
@@ -147,9 +192,25 @@ def persist_pieces(
     part_path = step_dir / PARTS_DIRNAME / f"{store.node_id}.json"
     _durable_write(part_path, json.dumps(part, sort_keys=True).encode())
     log.info(
-        "persist: %s wrote %d pieces of step %d to %s", store.node_id, len(entries), step, root
+        "persist: %s contributed %d pieces of step %d to %s (%d copied, %d already there)",
+        store.node_id,
+        len(entries),
+        step,
+        root,
+        copied,
+        len(entries) - copied,
     )
     return entries
+
+
+def _read_part(part_path: Path, step: int) -> list[PieceEntry]:
+    part = json.loads(part_path.read_text(encoding="utf-8"))
+    if part["format_version"] != FORMAT_VERSION or int(part["step"]) != step:
+        raise ValueError("format_version or step does not match")
+    return [
+        PieceEntry(PieceKey.parse(p["name"]), int(p["size"]), str(p["sha256"]))
+        for p in part["pieces"]
+    ]
 
 
 def finalize_checkpoint(
@@ -157,30 +218,53 @@ def finalize_checkpoint(
 ) -> Manifest | None:
     """Write the manifest of `root/step-<step>` if the parts cover the whole model.
 
-    Returns the manifest (also when one was already written), or None while units are
-    missing (logged, naming them).
+    Returns the manifest (also when one was already written), or None (logged, saying why)
+    while units are missing, while part records disagree about a piece, or while a piece
+    file is missing or of a size other than its part record's.
     """
     step_dir = Path(root) / step_dirname(step)
     if (step_dir / MANIFEST_NAME).is_file():
         return read_manifest(step_dir)
     by_name: dict[str, PieceEntry] = {}
+    disagree: set[str] = set()
     parts_dir = step_dir / PARTS_DIRNAME
     for part_path in sorted(parts_dir.glob("*.json")) if parts_dir.is_dir() else []:
         try:
-            part = json.loads(part_path.read_text(encoding="utf-8"))
-            if part["format_version"] != FORMAT_VERSION or int(part["step"]) != step:
-                raise ValueError("format_version or step does not match")
-            for p in part["pieces"]:
-                e = PieceEntry(PieceKey.parse(p["name"]), int(p["size"]), str(p["sha256"]))
-                by_name.setdefault(e.key.filename, e)
+            part_entries = _read_part(part_path, step)
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("persist: ignoring part record %s: %s", part_path, exc)
-    present = tuple(
-        e
-        for name, e in sorted(by_name.items())
-        if (step_dir / name).is_file() and (step_dir / name).stat().st_size == e.size
-    )
-    manifest = Manifest(step, units, present, model=model)
+            continue
+        for e in part_entries:
+            if by_name.setdefault(e.key.filename, e) != e:
+                disagree.add(e.key.filename)
+    if disagree:
+        # Twins that computed different bytes, or a stale record from before a rollback: the
+        # file holds one node's bytes, so a manifest would lie for the other's record.
+        names = sorted(disagree)
+        log.warning(
+            "persist: step %d not final: part records disagree on %d piece(s) (%s)",
+            step,
+            len(names),
+            ", ".join(names[:6]),
+        )
+        return None
+    bad_files = []
+    for name, e in sorted(by_name.items()):
+        try:
+            size: int | None = (step_dir / name).stat().st_size
+        except FileNotFoundError:
+            size = None
+        if size != e.size:
+            bad_files.append(name)
+    if bad_files:
+        log.warning(
+            "persist: step %d not final: %d piece file(s) missing or not of the recorded size (%s)",
+            step,
+            len(bad_files),
+            ", ".join(bad_files[:6]),
+        )
+        return None
+    manifest = Manifest(step, units, tuple(e for _, e in sorted(by_name.items())), model=model)
     missing = manifest.missing_units()
     if missing:
         log.info(
@@ -286,9 +370,106 @@ def prune_checkpoints(root: Path, keep: int) -> list[int]:
     return deleted
 
 
+class Persister:
+    """Persists this node's committed steps into `root`, one at a time, off the training path.
+
+    One worker thread runs, for each submitted step in order, `persist_pieces`,
+    `finalize_checkpoint` and (when that completed the checkpoint) `prune_checkpoints(root,
+    keep)`. At most `max_pending` steps wait behind the running one: submitting more drops
+    the oldest waiting step (logged, counted in `dropped`), since a newer checkpoint
+    supersedes it. A failing step (`ElasticppError`, `OSError` such as ENOSPC) is logged and
+    counted in `failures`; `last_error` keeps the most recent one; the thread carries on.
+    """
+
+    def __init__(self, store: LocalStore, root: Path, keep: int = 2, max_pending: int = 2) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"persist keep must be an integer >= 1, got {keep!r}")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ConfigError(f"persist max_pending must be an integer >= 1, got {max_pending!r}")
+        self.store = store
+        self.root = Path(root)
+        self.keep = keep
+        self.max_pending = max_pending
+        self.dropped = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self._cond = threading.Condition()
+        self._pending: deque[tuple[int, ModelSpec]] = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="persist", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """The steps waiting (not the running one), oldest first."""
+        with self._cond:
+            return tuple(step for step, _ in self._pending)
+
+    def submit(self, step: int, model: ModelSpec) -> bool:
+        """Queue `step` for persistence; False (nothing queued) once closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._pending.append((step, model))
+            while len(self._pending) > self.max_pending:
+                old, _ = self._pending.popleft()
+                self.dropped += 1
+                log.info(
+                    "persist: checkpoint of step %d dropped unwritten: step %d supersedes it "
+                    "(%d step(s) waiting at most)",
+                    old,
+                    step,
+                    self.max_pending,
+                )
+            self._cond.notify_all()
+            return True
+
+    def close(self, timeout_s: float) -> None:
+        """Refuse new steps, let the worker finish the running and waiting ones, and wait up
+        to `timeout_s` seconds for its thread to end (a daemon thread: it never holds up the
+        process's exit if a write hangs)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "persist: still writing after %.1f s at close; left to finish in the background",
+                timeout_s,
+            )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                step, model = self._pending.popleft()
+            self._persist_one(step, model)
+
+    def _persist_one(self, step: int, model: ModelSpec) -> None:
+        try:
+            persist_pieces(self.store, self.root, step)
+            if finalize_checkpoint(self.root, step, model.units, model) is not None:
+                prune_checkpoints(self.root, self.keep)
+        except (ElasticppError, OSError) as exc:
+            log.warning("persist: checkpoint of step %d failed: %s", step, exc)
+            self._count_failure(step, exc)
+        except Exception as exc:  # a bug must not end the thread: later steps would hang
+            log.exception("persist: checkpoint of step %d failed unexpectedly", step)
+            self._count_failure(step, exc)
+
+    def _count_failure(self, step: int, exc: Exception) -> None:
+        with self._cond:
+            self.failures += 1
+            self.last_error = f"step {step}: {exc}"
+
+
 __all__ = [
     "CheckpointChoice",
     "PersistPolicy",
+    "Persister",
     "checkpoint_holdings",
     "copy_verified",
     "finalize_checkpoint",

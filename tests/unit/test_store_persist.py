@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
     PieceKey,
+    sha256_file,
     step_dirname,
     verify_step_dir,
 )
@@ -38,12 +40,26 @@ STAGE0 = [PieceKey(u, r, 2).filename for u in UNITS[:2] for r in (0, 1)]
 STAGE1 = [PieceKey(u, r, 2).filename for u in UNITS[2:] for r in (0, 1)]
 
 
-def commit_step(store: LocalStore, step: int, names: list[str]) -> None:
+def piece_bytes(name: str, step: int) -> bytes:
+    return f"{name}@{step}".encode() * 300
+
+
+def recomputed_bytes(name: str, step: int) -> bytes:
+    """The same size as `piece_bytes`, other bytes: the step computed again after a rollback."""
+    return f"{name}@{step}".upper().encode() * 300
+
+
+def commit_step(
+    store: LocalStore,
+    step: int,
+    names: list[str],
+    make: Callable[[str, int], bytes] = piece_bytes,
+) -> None:
     d = store.own_dir / step_dirname(step)
     d.mkdir(parents=True, exist_ok=True)
     report = []
     for name in names:
-        data = f"{name}@{step}".encode() * 300
+        data = make(name, step)
         (d / name).write_bytes(data)
         report.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     store.record_pieces(step, report)
@@ -157,6 +173,98 @@ def test_prune_keeps_newest_complete_checkpoints(two_nodes, tmp_path: Path):
     persist_pieces(a, root, 4)  # unfinished, newer: kept
     assert prune_checkpoints(root, keep=2) == [1]
     assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (2, 3, 4)]
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def assert_bytes_match_manifest(step_dir: Path) -> None:
+    manifest = verify_step_dir(step_dir)
+    for e in manifest.pieces:
+        assert sha256_file(step_dir / e.key.filename) == e.sha256
+
+
+def test_persist_rewrites_a_same_size_piece_whose_bytes_differ(two_nodes, tmp_path: Path):
+    a, b = two_nodes
+    root = tmp_path / "ckpt"
+    commit_step(a, 10, STAGE0)
+    commit_step(b, 10, STAGE1)
+    persist_pieces(a, root, 10)
+    # Torn or corrupted in place before the step was final: the right size, wrong bytes.
+    victim = root / step_dirname(10) / STAGE0[0]
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    persist_pieces(a, root, 10)  # the node persists again (a retry, a restart)
+    persist_pieces(b, root, 10)
+    assert finalize_checkpoint(root, 10, UNITS) is not None
+    assert find_latest_checkpoint(root).step == 10
+    assert_bytes_match_manifest(root / step_dirname(10))
+    assert victim.read_bytes() == piece_bytes(STAGE0[0], 10)
+
+
+def test_a_step_recomputed_after_a_rollback_replaces_the_unfinished_old_bytes(
+    two_nodes, tmp_path: Path
+):
+    a, b = two_nodes
+    root = tmp_path / "ckpt"
+    commit_step(a, 10, STAGE0)
+    persist_pieces(a, root, 10)  # the old timeline: b never persisted, no manifest
+    again = LocalStore(tmp_path / "a2", "a")  # node a after the rollback
+    commit_step(again, 10, STAGE0, recomputed_bytes)
+    commit_step(b, 10, STAGE1, recomputed_bytes)
+    persist_pieces(again, root, 10)
+    persist_pieces(b, root, 10)
+    assert finalize_checkpoint(root, 10, UNITS) is not None
+    assert find_latest_checkpoint(root).step == 10
+    assert_bytes_match_manifest(root / step_dirname(10))
+    for name in STAGE0:
+        assert (root / step_dirname(10) / name).read_bytes() == recomputed_bytes(name, 10)
+
+
+def test_a_complete_checkpoint_is_never_rewritten(two_nodes, tmp_path: Path):
+    a, b = two_nodes
+    root = tmp_path / "ckpt"
+    persist_step(a, b, root, 10)
+    before = snapshot(root / step_dirname(10))
+    other = LocalStore(tmp_path / "a2", "a")
+    commit_step(other, 10, STAGE0, lambda name, step: b"other" * 999)
+    same_size = LocalStore(tmp_path / "a3", "a")
+    commit_step(same_size, 10, STAGE0, recomputed_bytes)
+    contributed = [persist_pieces(other, root, 10), persist_pieces(same_size, root, 10)]
+    assert snapshot(root / step_dirname(10)) == before
+    assert_bytes_match_manifest(root / step_dirname(10))
+    assert contributed == [[], []]  # nothing written: the complete checkpoint stands
+
+
+def test_finalize_refuses_parts_that_disagree_on_a_piece(two_nodes, tmp_path: Path, caplog):
+    a, b = two_nodes
+    root = tmp_path / "ckpt"
+    twin = LocalStore(tmp_path / "c", "c")  # a data-parallel twin of a, with other bytes
+    commit_step(a, 10, STAGE0)
+    commit_step(twin, 10, STAGE0, recomputed_bytes)
+    commit_step(b, 10, STAGE1)
+    persist_pieces(a, root, 10)
+    persist_pieces(twin, root, 10)
+    persist_pieces(b, root, 10)
+    with caplog.at_level(logging.INFO, logger="elasticpp.store.persist"):
+        assert finalize_checkpoint(root, 10, UNITS) is None
+    assert not (root / step_dirname(10) / MANIFEST_NAME).exists()
+    assert "disagree" in caplog.text and STAGE0[0] in caplog.text
+
+
+def test_finalize_refuses_a_piece_file_of_the_wrong_size(two_nodes, tmp_path: Path, caplog):
+    a, b = two_nodes
+    root = tmp_path / "ckpt"
+    commit_step(a, 10, STAGE0)
+    commit_step(b, 10, STAGE1)
+    persist_pieces(a, root, 10)
+    persist_pieces(b, root, 10)
+    victim = root / step_dirname(10) / STAGE1[1]
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with caplog.at_level(logging.INFO, logger="elasticpp.store.persist"):
+        assert finalize_checkpoint(root, 10, UNITS) is None
+    assert not (root / step_dirname(10) / MANIFEST_NAME).exists()
+    assert STAGE1[1] in caplog.text  # the log names the piece, not only its unit
 
 
 def test_policy_validates_and_schedules():
