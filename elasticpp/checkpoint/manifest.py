@@ -41,8 +41,10 @@ from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.names import NAME_PATTERN, parse_name
 from elasticpp.plan.specs import ModelSpec, default_units
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: a manifest names the generation that committed its step (a step recomputed after a
+# rollback is a new commit, never a rewrite of the old one); 2: units; 1: num_layers.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 
 _PIECE_RE = re.compile(rf"^({NAME_PATTERN})\.tp(\d+)-(\d+)\.safetensors$")
@@ -133,6 +135,7 @@ class Manifest:
     pieces: tuple[PieceEntry, ...]
     format_version: int = FORMAT_VERSION
     model: ModelSpec | None = None
+    generation: int = 0  # the plan generation that committed the step; 0: none recorded
 
     def entry(self, key: PieceKey) -> PieceEntry | None:
         for e in self.pieces:
@@ -161,6 +164,7 @@ class Manifest:
                 "format_version": FORMAT_VERSION,
                 "step": self.step,
                 "units": list(self.units),
+                "generation": self.generation,
                 **({} if self.model is None else {"model": self.model.to_dict()}),
                 "pieces": [
                     {"name": e.key.filename, "size": e.size, "sha256": e.sha256}
@@ -192,7 +196,10 @@ class Manifest:
                 units = tuple(parse_name(u, what="unit") for u in data["units"])
                 if data.get("model") is not None:
                     model = ModelSpec.from_dict(dict(data["model"]), source=f"{source} model")
-            return cls(int(data["step"]), units, pieces, version, model)
+            generation = int(data.get("generation", 0)) if version >= 3 else 0
+            if generation < 0:
+                raise ValueError(f"generation {generation} is negative")
+            return cls(int(data["step"]), units, pieces, version, model, generation)
         except CheckpointError:
             raise
         except (ValueError, KeyError, TypeError, ConfigError) as exc:

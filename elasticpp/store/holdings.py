@@ -20,7 +20,9 @@ from elasticpp.checkpoint.manifest import Manifest, PieceEntry, PieceKey
 from elasticpp.errors import ConfigError
 from elasticpp.names import parse_name
 
-HOLDINGS_FORMAT_VERSION = 2
+# 3: each step names the generation that committed it; 2 (read as generation 0): units.
+HOLDINGS_FORMAT_VERSION = 3
+READABLE_HOLDINGS_VERSIONS = (2, 3)
 
 # The source/origin name of pieces in the persistent checkpoint; never a valid node id.
 DISK_SOURCE = "<disk>"
@@ -51,6 +53,13 @@ class StepHolding:
     step: int
     units: tuple[str, ...]  # the model's units, in order (from the step's manifest)
     pieces: Mapping[str, PieceInfo]  # piece file name -> (size, sha256)
+    # The plan generation whose workers computed the step. A step recomputed after a
+    # rollback is a new commit of a newer generation; commits order by (generation, step).
+    generation: int = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.generation, self.step)
 
     @classmethod
     def from_manifest(cls, origin: str, manifest: Manifest) -> StepHolding:
@@ -59,6 +68,7 @@ class StepHolding:
             manifest.step,
             manifest.units,
             {e.key.filename: PieceInfo(e.size, e.sha256) for e in manifest.pieces},
+            manifest.generation,
         )
 
     def entries(self) -> tuple[PieceEntry, ...]:
@@ -79,8 +89,10 @@ class NodeHoldings:
         return sorted(step for o, step in self.steps if o == origin)
 
     def newest_step_of(self, origin: str) -> int | None:
-        steps = self.steps_of(origin)
-        return steps[-1] if steps else None
+        """The origin's newest commit by (generation, step): after a rollback, the step the
+        job recomputed, not the higher-numbered step of the abandoned timeline."""
+        held = [h for (o, _), h in self.steps.items() if o == origin]
+        return max(held, key=lambda h: h.order).step if held else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +102,7 @@ class NodeHoldings:
                 {
                     "origin_node": h.origin,
                     "step": h.step,
+                    "generation": h.generation,
                     "units": list(h.units),
                     "pieces": [
                         {"name": n, "size": i.size, "sha256": i.sha256}
@@ -105,10 +118,10 @@ class NodeHoldings:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NodeHoldings:
-        if data.get("format_version") != HOLDINGS_FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_HOLDINGS_VERSIONS:
             raise ConfigError(
-                f"holdings: format_version {data.get('format_version')!r} is not "
-                f"{HOLDINGS_FORMAT_VERSION}"
+                f"holdings: format_version {data.get('format_version')!r} is not one of "
+                f"{', '.join(map(str, READABLE_HOLDINGS_VERSIONS))}"
             )
         try:
             steps: dict[tuple[str, int], StepHolding] = {}
@@ -119,7 +132,10 @@ class NodeHoldings:
                     PieceKey.parse(str(p["name"]))
                     pieces[str(p["name"])] = PieceInfo(int(p["size"]), str(p["sha256"]))
                 units = tuple(parse_name(u, what="unit") for u in s["units"])
-                holding = StepHolding(origin, int(s["step"]), units, pieces)
+                generation = int(s.get("generation", 0))
+                if generation < 0:
+                    raise ValueError(f"generation {generation} is negative")
+                holding = StepHolding(origin, int(s["step"]), units, pieces, generation)
                 steps[(origin, holding.step)] = holding
             return cls(check_node_id(str(data["node_id"])), steps)
         except (KeyError, TypeError, ValueError) as exc:

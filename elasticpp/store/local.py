@@ -3,20 +3,29 @@
 Layout under `root` (every step directory has the checkpoint format of
 `elasticpp.checkpoint.manifest`: piece files + `manifest.json` written last):
 
-    own/step-<k>/                      written by this node's workers (`own_dir` is their
-                                       snapshot_dir); the manifest is written by `commit`
-    replicas/<origin>/step-<k>/        copies of a peer's committed steps
+    own/gen-<G>/step-<k>/              written by this node's workers of plan generation G
+                                       (`snapshot_dir(G)`); the manifest is written by `commit`
+    replicas/<origin>/gen-<G>/step-<k>/  copies of a peer's committed steps
     staging/                           transfers in flight and resume directories' sources
+
+Generation 0 (steps written outside any plan generation: tools, benchmarks, stores of an
+older release) lives directly under `own/` and `replicas/<origin>/`.
 
 Invariants this module keeps:
 - A step is listed (by `holdings`, served, linked) only once committed, i.e. once its
   manifest exists; a directory without a manifest is never read.
-- The newest `keep_steps` committed steps of every origin are never deleted. Older committed
-  steps are deleted after a newer commit; uncommitted directories older than the oldest kept
-  step are deleted with them (a worker that died mid-write leaves one). A step that a running
-  transfer reads (a pin, see `pinned`/`open_piece`) is hidden from `holdings` at once but
-  deleted only when its last pin is released. Deletion removes the manifest first, so a
-  crash mid-delete leaves an incomplete directory, never a wrong one.
+- A committed piece is never rewritten. A step recomputed after a rollback is written by a
+  newer generation into its own directory and committed there; the commit replaces the
+  older generation's commit of that step, whose directory is then deleted. Each origin holds
+  at most one commit per step.
+- Commits order by (generation, step). The newest `keep_steps` commits of every origin in that
+  order are never deleted, so a recomputed step is kept over the higher-numbered steps of
+  the timeline the job abandoned. Older commits are deleted after a newer commit;
+  uncommitted directories older than the oldest kept commit are deleted with them (a worker
+  that died mid-write leaves one). A commit that a running transfer reads (a pin, see
+  `pinned`/`open_piece`) leaves `holdings` at once but its files are deleted only when its
+  last pin is released. Deletion removes the manifest first, so a crash mid-delete leaves an
+  incomplete directory, never a wrong one.
 - On the hot path (a worker reports a step, the agent commits it) files are only stat'ed:
   the worker computed the sha256 while writing. A piece's bytes are hashed at most once by
   the store, on its first local use (`verify_piece`, `materialize`); every remote transfer is
@@ -28,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -56,6 +66,19 @@ log = logging.getLogger(__name__)
 OWN_DIRNAME = "own"
 REPLICAS_DIRNAME = "replicas"
 STAGING_DIRNAME = "staging"
+_GEN_RE = re.compile(r"^gen-(\d{8})$")
+
+# A commit's identity on disk: (origin, step, generation).
+_Key = tuple[str, int, int]
+
+
+def gen_dirname(generation: int) -> str:
+    return f"gen-{generation:08d}"
+
+
+def parse_gen_dirname(name: str) -> int | None:
+    m = _GEN_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 class PieceNotFoundError(CheckpointError):
@@ -113,47 +136,89 @@ class LocalStore:
         for d in (self.own_dir, self.replicas_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._reported: dict[int, dict[str, PieceInfo]] = {}
+        self._reported: dict[tuple[int, int], dict[str, PieceInfo]] = {}  # (gen, step) ->
         self._committed: dict[tuple[str, int], StepHolding] = {}
-        self._verified: set[tuple[str, int, str]] = set()
-        self._pins: Counter[tuple[str, int]] = Counter()
-        self._doomed: set[tuple[str, int]] = set()
+        self._verified: set[tuple[_Key, str]] = set()
+        self._pins: Counter[_Key] = Counter()
+        self._doomed: set[_Key] = set()  # no longer committed; deleted at the last unpin
         self._load()
 
     # ----- paths
 
-    def step_dir(self, origin: str, step: int) -> Path:
-        """The directory of `origin`'s step `step` in this store (it may not exist)."""
+    def _base(self, origin: str) -> Path:
         check_node_id(origin, field_name="origin_node")
-        base = self.own_dir if origin == self.node_id else self.replicas_dir / origin
+        return self.own_dir if origin == self.node_id else self.replicas_dir / origin
+
+    def _dir(self, origin: str, step: int, generation: int) -> Path:
+        base = self._base(origin)
+        if generation:
+            base = base / gen_dirname(generation)
         return base / step_dirname(step)
 
+    def snapshot_dir(self, generation: int) -> Path:
+        """Where this node's workers of `generation` write their steps (`<dir>/step-<k>/`)."""
+        base = self.own_dir
+        return base / gen_dirname(generation) if generation else base
+
+    def step_dir(self, origin: str, step: int, generation: int | None = None) -> Path:
+        """The directory of `origin`'s step `step` (by default: of its commit held here, or
+        of generation 0 when none is). It may not exist."""
+        if generation is None:
+            with self._lock:
+                held = self._committed.get((origin, step))
+            generation = held.generation if held is not None else 0
+        return self._dir(origin, step, generation)
+
     def path_of(self, origin: str, step: int, name: str) -> Path:
-        """The path of a piece; refuses any name that is not a piece name (and so any path)."""
+        """The path of a committed piece; refuses any name that is not a piece name (and so
+        any path)."""
         return self.step_dir(origin, step) / PieceKey.parse(name).filename
 
-    def replica_step_dir(self, origin: str, step: int) -> Path:
+    def replica_step_dir(self, origin: str, step: int, generation: int = 0) -> Path:
         """Created on demand: where fetched pieces of a peer's step go before `commit_replica`."""
         if origin == self.node_id:
             raise ConfigError(f"origin_node {origin!r} is this node: not a replica")
-        d = self.step_dir(origin, step)
+        d = self._dir(origin, step, generation)
         d.mkdir(parents=True, exist_ok=True)
         return d
 
     # ----- own steps: report, commit
 
-    def record_pieces(self, step: int, entries: Iterable[PieceEntry | Mapping[str, Any]]) -> None:
-        """Record pieces a worker wrote into `own_dir/step-<step>/` and reported.
+    def _check_newer(self, origin: str, step: int, generation: int) -> StepHolding | None:
+        """The commit held of (origin, step) if it is of `generation` (idempotent calls);
+        `CheckpointError` if a commit of that generation or a newer one is held."""
+        held = self._committed.get((origin, step))
+        if held is None or held.generation < generation:
+            return None
+        if held.generation == generation:
+            return held
+        raise CheckpointError(
+            f"{origin} step {step}: generation {held.generation} committed it; a commit of "
+            f"older generation {generation} is refused"
+        )
+
+    def record_pieces(
+        self,
+        step: int,
+        entries: Iterable[PieceEntry | Mapping[str, Any]],
+        generation: int = 0,
+    ) -> None:
+        """Record pieces a worker of `generation` wrote into `snapshot_dir(generation)` and
+        reported.
 
         Only sizes are checked here (a stat); the sha256 the worker computed while writing is
         trusted until the piece's first use, which verifies it. Two reports of the same piece
         (data-parallel twins on one node write the same file) must agree, or the file decides.
         """
-        step_dir = self.own_dir / step_dirname(step)
+        step_dir = self._dir(self.node_id, step, generation)
         with self._lock:
-            if (self.node_id, step) in self._committed:
-                raise CheckpointError(f"step {step} is already committed; late report refused")
-            reported = self._reported.setdefault(step, {})
+            held = self._committed.get((self.node_id, step))
+            if held is not None and held.generation >= generation:
+                raise CheckpointError(
+                    f"step {step} is already committed by generation {held.generation}; "
+                    f"late report of generation {generation} refused"
+                )
+            reported = self._reported.setdefault((generation, step), {})
             for entry in entries:
                 name, info = _entry_info(entry)
                 path = step_dir / name
@@ -173,25 +238,26 @@ class LocalStore:
                     if actual not in (prior.sha256, info.sha256):
                         raise CheckpointError(f"step {step}: piece {name} matches no report")
                     info = PieceInfo(size, actual)
-                    self._verified.add((self.node_id, step, name))
+                    self._verified.add(((self.node_id, step, generation), name))
                 reported[name] = info
 
-    def reported(self, step: int) -> dict[str, PieceInfo]:
+    def reported(self, step: int, generation: int = 0) -> dict[str, PieceInfo]:
         """Pieces recorded for an uncommitted own step."""
         with self._lock:
-            return dict(self._reported.get(step, {}))
+            return dict(self._reported.get((generation, step), {}))
 
-    def commit(self, step: int, units: tuple[str, ...]) -> StepHolding:
-        """Mark own step `step` committed (writes its manifest) and drop old steps.
+    def commit(self, step: int, units: tuple[str, ...], generation: int = 0) -> StepHolding:
+        """Mark own step `step` of `generation` committed (writes its manifest) and drop old
+        steps. It replaces a commit of that step by an older generation.
 
         Idempotent: committing a committed step returns what was committed.
         """
         with self._lock:
-            existing = self._committed.get((self.node_id, step))
+            existing = self._check_newer(self.node_id, step, generation)
             if existing is not None:
                 return existing
-            pieces = self._reported.pop(step, {})
-            step_dir = self.own_dir / step_dirname(step)
+            pieces = self._reported.pop((generation, step), {})
+            step_dir = self._dir(self.node_id, step, generation)
             step_dir.mkdir(parents=True, exist_ok=True)
             manifest = Manifest(
                 step,
@@ -200,26 +266,37 @@ class LocalStore:
                     PieceEntry(PieceKey.parse(n), i.size, i.sha256)
                     for n, i in sorted(pieces.items())
                 ),
+                generation=generation,
             )
             # The manifest is the commit point: written last, atomically.
             write_manifest(step_dir, manifest)
-            holding = StepHolding(self.node_id, step, units, dict(pieces))
-            self._committed[(self.node_id, step)] = holding
-            self._prune(self.node_id)
-            log.info("store %s: committed step %d (%d pieces)", self.node_id, step, len(pieces))
+            holding = StepHolding(self.node_id, step, units, dict(pieces), generation)
+            self._install(holding)
+            log.info(
+                "store %s: committed step %d of generation %d (%d pieces)",
+                self.node_id,
+                step,
+                generation,
+                len(pieces),
+            )
             return holding
 
     # ----- replicas
 
     def commit_replica(
-        self, origin: str, step: int, units: tuple[str, ...], entries: Iterable[PieceEntry]
+        self,
+        origin: str,
+        step: int,
+        units: tuple[str, ...],
+        entries: Iterable[PieceEntry],
+        generation: int = 0,
     ) -> StepHolding:
-        """Commit a peer's step whose pieces are in `replica_step_dir(origin, step)`.
+        """Commit a peer's step whose pieces are in `replica_step_dir(origin, step, generation)`.
 
         The pieces must have been verified by the transfer that wrote them (the client
         checks the sha256 before its rename); here only presence and sizes are checked.
         """
-        step_dir = self.replica_step_dir(origin, step)
+        step_dir = self.replica_step_dir(origin, step, generation)
         entries = tuple(entries)
         for e in entries:
             path = step_dir / e.key.filename
@@ -228,20 +305,26 @@ class LocalStore:
                     f"replica {origin} step {step}: piece {e.key.filename} missing or wrong size"
                 )
         with self._lock:
-            existing = self._committed.get((origin, step))
+            existing = self._check_newer(origin, step, generation)
             if existing is not None:
                 return existing
-            write_manifest(step_dir, Manifest(step, units, entries))
+            write_manifest(step_dir, Manifest(step, units, entries, generation=generation))
             holding = StepHolding(
                 origin,
                 step,
                 units,
                 {e.key.filename: PieceInfo(e.size, e.sha256) for e in entries},
+                generation,
             )
-            self._committed[(origin, step)] = holding
-            self._verified.update((origin, step, e.key.filename) for e in entries)
-            self._prune(origin)
-            log.info("store %s: holds replica of %s step %d", self.node_id, origin, step)
+            self._verified.update(((origin, step, generation), e.key.filename) for e in entries)
+            self._install(holding)
+            log.info(
+                "store %s: holds replica of %s step %d (generation %d)",
+                self.node_id,
+                origin,
+                step,
+                generation,
+            )
             return holding
 
     # ----- reading
@@ -249,84 +332,98 @@ class LocalStore:
     def holdings(self) -> NodeHoldings:
         """The committed steps this node holds (own and replicas), as pure data."""
         with self._lock:
-            return NodeHoldings(
-                self.node_id,
-                {k: h for k, h in self._committed.items() if k not in self._doomed},
-            )
+            return NodeHoldings(self.node_id, dict(self._committed))
 
     def committed_steps(self, origin: str | None = None) -> list[int]:
         origin = origin or self.node_id
         with self._lock:
             return sorted(s for (o, s), _ in self._committed.items() if o == origin)
 
+    def committed(self, origin: str, step: int) -> StepHolding | None:
+        """The commit of `origin`'s step held here, or None."""
+        with self._lock:
+            return self._committed.get((origin, step))
+
     def piece_info(self, origin: str, step: int, name: str) -> PieceInfo:
         """Size and sha256 of a committed piece; `PieceNotFoundError` if not held."""
+        return self._locate(origin, step, name)[1]
+
+    def _locate(self, origin: str, step: int, name: str) -> tuple[_Key, PieceInfo]:
         PieceKey.parse(name)
         with self._lock:
             holding = self._committed.get((origin, step))
             info = holding.pieces.get(name) if holding is not None else None
-        if info is None:
-            raise PieceNotFoundError(f"piece {name} of {origin} step {step} is not held here")
-        return info
+            if holding is None or info is None:
+                raise PieceNotFoundError(f"piece {name} of {origin} step {step} is not held here")
+            return (origin, step, holding.generation), info
 
     def find_piece(self, step: int, name: str, sha256: str) -> Path | None:
         """A committed local copy (any origin) of this exact piece, or None."""
         with self._lock:
             for (origin, s), h in sorted(self._committed.items()):
                 info = h.pieces.get(name)
-                usable = (origin, s) not in self._doomed
-                if s == step and info is not None and info.sha256 == sha256 and usable:
-                    return self.path_of(origin, s, name)
+                if s == step and info is not None and info.sha256 == sha256:
+                    return self._dir(origin, s, h.generation) / name
         return None
 
     @contextlib.contextmanager
     def pinned(self, origin: str, step: int) -> Iterator[None]:
-        """Keep `origin`'s step on disk while the block runs, even if pruning wants it gone."""
-        key = (origin, step)
+        """Keep `origin`'s commit of `step` on disk while the block runs, even if pruning or a
+        newer commit wants it gone."""
         with self._lock:
+            held = self._committed.get((origin, step))
+            key = (origin, step, held.generation if held is not None else 0)
             self._pins[key] += 1
         try:
             yield
         finally:
-            with self._lock:
-                self._pins[key] -= 1
-                if self._pins[key] <= 0:
-                    del self._pins[key]
-                    if key in self._doomed:
-                        self._delete(key)
+            self._unpin(key)
+
+    def _unpin(self, key: _Key) -> None:
+        with self._lock:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+                if key in self._doomed:
+                    self._delete(key)
 
     @contextlib.contextmanager
     def open_piece(
         self, origin: str, step: int, name: str
     ) -> Iterator[tuple[IO[bytes], PieceInfo]]:
         """The open file of a committed piece and its (size, sha256), pinned while open."""
-        path = self.path_of(origin, step, name)
-        with self.pinned(origin, step):
-            info = self.piece_info(origin, step, name)
+        with self._lock:
+            key, info = self._locate(origin, step, name)
+            self._pins[key] += 1
+        try:
             try:
-                f = path.open("rb")
+                f = (self._dir(*key) / name).open("rb")
             except FileNotFoundError:
                 raise PieceNotFoundError(f"piece {name} of {origin} step {step} is gone") from None
             with f:
                 yield f, info
+        finally:
+            self._unpin(key)
 
     def verify_piece(self, origin: str, step: int, name: str) -> PieceInfo:
         """Hash the piece against its recorded sha256, once per piece; `CheckpointError` if bad."""
-        info = self.piece_info(origin, step, name)
-        key = (origin, step, name)
+        key, info = self._locate(origin, step, name)
+        self._verify(key, name, info)
+        return info
+
+    def _verify(self, key: _Key, name: str, info: PieceInfo) -> None:
         with self._lock:
-            if key in self._verified:
-                return info
-        path = self.path_of(origin, step, name)
+            if (key, name) in self._verified:
+                return
+        path = self._dir(*key) / name
         try:
             ok = path.stat().st_size == info.size and sha256_file(path) == info.sha256
         except FileNotFoundError:
             ok = False
         if not ok:
-            raise CheckpointError(f"piece {name} of {origin} step {step} fails its checksum")
+            raise CheckpointError(f"piece {name} of {key[0]} step {key[1]} fails its checksum")
         with self._lock:
-            self._verified.add(key)
-        return info
+            self._verified.add((key, name))
 
     def materialize(
         self, target_dir: Path, pieces: Iterable[tuple[str, int, str]]
@@ -338,64 +435,117 @@ class LocalStore:
         target_dir.mkdir(parents=True, exist_ok=True)
         out = []
         for origin, step, name in pieces:
-            with self.pinned(origin, step):
-                info = self.verify_piece(origin, step, name)
-                link_or_copy(self.path_of(origin, step, name), target_dir / name)
+            with self._lock:
+                key, info = self._locate(origin, step, name)
+                self._pins[key] += 1
+            try:
+                self._verify(key, name, info)
+                link_or_copy(self._dir(*key) / name, target_dir / name)
+            finally:
+                self._unpin(key)
             out.append(PieceEntry(PieceKey.parse(name), info.size, info.sha256))
         return out
 
     # ----- internals
 
+    def _step_dirs(self, origin: str) -> Iterator[tuple[int, int, Path]]:
+        """(generation, step, directory) of every step directory of `origin` on disk."""
+        base = self._base(origin)
+        if not base.is_dir():
+            return
+        for d in sorted(base.iterdir()):
+            step = parse_step_dirname(d.name)
+            if step is not None:
+                yield 0, step, d
+                continue
+            gen = parse_gen_dirname(d.name)
+            if gen is None or not d.is_dir():
+                continue
+            for sd in sorted(d.iterdir()):
+                step = parse_step_dirname(sd.name)
+                if step is not None:
+                    yield gen, step, sd
+
     def _load(self) -> None:
         """Pick up the committed steps a previous run of this node left."""
-        bases = [(self.node_id, self.own_dir)]
+        origins = [self.node_id]
         for d in sorted(self.replicas_dir.iterdir()):
             try:
-                bases.append((check_node_id(d.name), d))
+                origins.append(check_node_id(d.name))
             except ConfigError:
                 log.warning("store %s: ignoring unexpected directory %s", self.node_id, d)
-        for origin, base in bases:
-            for d in sorted(base.iterdir()):
-                step = parse_step_dirname(d.name)
-                if step is None or not (d / MANIFEST_NAME).is_file():
+        for origin in origins:
+            for gen, step, d in list(self._step_dirs(origin)):
+                if not (d / MANIFEST_NAME).is_file():
                     continue
                 try:
                     manifest = read_manifest(d)
                 except CheckpointError as exc:
                     log.warning("store %s: ignoring %s: %s", self.node_id, d, exc)
                     continue
-                self._committed[(origin, step)] = StepHolding.from_manifest(origin, manifest)
+                if manifest.generation not in (0, gen):
+                    log.warning(
+                        "store %s: ignoring %s: its manifest names generation %d",
+                        self.node_id,
+                        d,
+                        manifest.generation,
+                    )
+                    continue
+                holding = StepHolding.from_manifest(origin, manifest)
+                holding = StepHolding(origin, step, holding.units, holding.pieces, gen)
+                held = self._committed.get((origin, step))
+                if held is None or held.generation < gen:
+                    self._install(holding, prune=False)
+                else:
+                    self._delete((origin, step, gen))
             self._prune(origin)
 
+    def _install(self, holding: StepHolding, *, prune: bool = True) -> None:
+        """Make `holding` the commit of its (origin, step); the one it replaces goes."""
+        old = self._committed.get((holding.origin, holding.step))
+        self._committed[(holding.origin, holding.step)] = holding
+        if old is not None and old.generation != holding.generation:
+            self._retire((old.origin, old.step, old.generation))
+        if prune:
+            self._prune(holding.origin)
+
+    def _retire(self, key: _Key) -> None:
+        if self._pins[key] > 0:
+            self._doomed.add(key)
+            log.info("store %s: %s step %d in use; deleting it later", self.node_id, *key[:2])
+        else:
+            self._delete(key)
+
     def _prune(self, origin: str) -> None:
-        """Drop committed steps beyond the newest `keep_steps`, and stale uncommitted dirs."""
-        steps = sorted(
-            s for (o, s) in self._committed if o == origin and (o, s) not in self._doomed
+        """Drop commits beyond the newest `keep_steps` by (generation, step), and stale
+        uncommitted directories."""
+        held = sorted(
+            (h for (o, _), h in self._committed.items() if o == origin), key=lambda h: h.order
         )
-        kept = steps[-self.keep_steps :]
-        for step in steps[: -self.keep_steps]:
-            key = (origin, step)
-            if self._pins[key] > 0:
-                self._doomed.add(key)
-                log.info("store %s: %s step %d in use; deleting it later", self.node_id, *key)
-            else:
-                self._delete(key)
+        kept = held[-self.keep_steps :]
+        for h in held[: -self.keep_steps]:
+            del self._committed[(origin, h.step)]
+            self._retire((origin, h.step, h.generation))
         if not kept:
             return
-        base = self.own_dir if origin == self.node_id else self.replicas_dir / origin
-        for d in base.iterdir():
-            stale = parse_step_dirname(d.name)
-            if stale is not None and stale < kept[0] and (origin, stale) not in self._committed:
+        oldest = kept[0].order
+        live = {(h.generation, h.step) for h in kept} | {(k[2], k[1]) for k in self._doomed}
+        for gen, step, d in list(self._step_dirs(origin)):
+            if (gen, step) < oldest and (gen, step) not in live:
                 shutil.rmtree(d, ignore_errors=True)
                 if origin == self.node_id:
-                    self._reported.pop(stale, None)
+                    self._reported.pop((gen, step), None)
+        base = self._base(origin)
+        for d in base.iterdir():
+            dir_gen = parse_gen_dirname(d.name)
+            if dir_gen is not None and dir_gen < oldest[0]:
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only once empty
 
-    def _delete(self, key: tuple[str, int]) -> None:
-        origin, step = key
-        step_dir = self.step_dir(origin, step)
-        self._committed.pop(key, None)
+    def _delete(self, key: _Key) -> None:
+        step_dir = self._dir(*key)
         self._doomed.discard(key)
-        self._verified = {v for v in self._verified if (v[0], v[1]) != key}
+        self._verified = {v for v in self._verified if v[0] != key}
         # Manifest first: a crash mid-delete must leave an incomplete dir, not a wrong one.
         with contextlib.suppress(FileNotFoundError):
             (step_dir / MANIFEST_NAME).unlink()

@@ -2,7 +2,8 @@
 
 Ring: the sorted node ids; node i's replicas live on nodes i+1 .. i+r (mod n). Pull model:
 each node calls `replicate_once`, which asks each node it backs up for its holdings and
-copies that node's newest committed own step, if it does not hold it yet. Pieces it already
+copies that node's newest committed own step (by generation, then step), if it does not
+hold that commit yet. Pieces it already
 holds with the same sha256 (a data-parallel twin's identical state, an earlier attempt) are
 hard-linked instead of fetched. A replica step is committed (manifest) only when all its
 pieces are in; the store keeps the newest `keep_steps` replica steps per origin.
@@ -14,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from elasticpp.checkpoint.manifest import sha256_file
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.client import StateClient
 from elasticpp.store.local import LocalStore, link_or_copy
@@ -106,15 +108,20 @@ def _pull(
         step = held.newest_step_of(origin)
         if step is None:
             return ReplicaResult(origin, None)
-        if step in store.committed_steps(origin):
-            return ReplicaResult(origin, step)
         holding = held.steps[(origin, step)]
-        step_dir = store.replica_step_dir(origin, step)
+        mine = store.committed(origin, step)
+        if mine is not None and mine.generation >= holding.generation:
+            return ReplicaResult(origin, step)
+        # A newer generation's commit of a step held here (recomputed after a rollback) is
+        # a new commit: it goes into its own directory and replaces the older one.
+        step_dir = store.replica_step_dir(origin, step, holding.generation)
         fetched = linked = 0
         for name, info in sorted(holding.pieces.items()):
             dest = step_dir / name
             if dest.is_file() and dest.stat().st_size == info.size:
-                continue  # fetched (and verified) by an earlier, interrupted attempt
+                if sha256_file(dest) == info.sha256:
+                    continue  # fetched (and verified) by an earlier, interrupted attempt
+                dest.unlink()
             local = store.find_piece(step, name, info.sha256)
             if local is not None:
                 link_or_copy(local, dest)
@@ -123,7 +130,7 @@ def _pull(
             fetched += client.fetch_piece(
                 step, name, origin, dest, info.sha256, generation, expected_size=info.size
             )
-        store.commit_replica(origin, step, holding.units, holding.entries())
+        store.commit_replica(origin, step, holding.units, holding.entries(), holding.generation)
         log.info(
             "replication: %s holds %s step %d (%d bytes fetched, %d pieces linked)",
             store.node_id,

@@ -14,6 +14,7 @@ Chunks are encoded by `elasticpp.store.wire` (the protobuf wire format of
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import IO
@@ -47,6 +48,7 @@ def holdings_to_proto(holdings: NodeHoldings, generation: int) -> state_pb2.List
             state_pb2.StepHolding(
                 origin_node=h.origin,
                 step=h.step,
+                generation=h.generation,
                 units=list(h.units),
                 pieces=[
                     state_pb2.PieceInfo(name=n, size=i.size, sha256=i.sha256)
@@ -67,13 +69,24 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
     """Serves one `LocalStore`. `generation_fn` returns the node's current plan generation."""
 
     def __init__(
-        self, store: LocalStore, generation_fn: Callable[[], int], chunk_bytes: int = CHUNK_BYTES
+        self,
+        store: LocalStore,
+        generation_fn: Callable[[], int],
+        chunk_bytes: int = CHUNK_BYTES,
+        max_fetch_streams: int | None = None,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes > MAX_MESSAGE_BYTES - 4096:
             raise ConfigError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
+        if max_fetch_streams is not None and max_fetch_streams < 1:
+            raise ConfigError(f"max_fetch_streams must be >= 1, got {max_fetch_streams}")
         self._store = store
         self._generation_fn = generation_fn
         self._chunk_bytes = chunk_bytes
+        # Piece streams have a limit of their own, so that a burst of transfers can never
+        # take the server threads that health checks and other unary calls need.
+        self._fetch_slots = (
+            threading.BoundedSemaphore(max_fetch_streams) if max_fetch_streams else None
+        )
 
     def _check_generation(self, requested: int, context: grpc.ServicerContext) -> None:
         current = self._generation_fn()
@@ -98,6 +111,23 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
             origin = check_node_id(request.origin_node, field_name="origin_node")
         except ConfigError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        slots = self._fetch_slots
+        if slots is not None and not slots.acquire(blocking=False):
+            # The client retries RESOURCE_EXHAUSTED like a broken stream.
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many piece transfers now")
+        try:
+            yield from self._serve_piece(origin, key, request, context)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    def _serve_piece(
+        self,
+        origin: str,
+        key: PieceKey,
+        request: state_pb2.FetchPieceRequest,
+        context: grpc.ServicerContext,
+    ) -> Iterator[Chunk]:
         try:
             with self._store.open_piece(origin, request.step, key.filename) as (f, info):
                 if request.offset > info.size:

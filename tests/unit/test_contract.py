@@ -67,16 +67,19 @@ def test_a_unit_name_with_dots_round_trips_through_its_piece_name() -> None:
     assert PieceKey.parse(key.filename) == key
 
 
-def test_manifest_version_2_records_the_units_and_refuses_a_newer_version() -> None:
+def test_manifest_records_units_and_generation_reads_version_2_and_refuses_a_newer() -> None:
     entry = PieceEntry(PieceKey("in", 0, 1), 10, "ab" * 32)
-    manifest = Manifest(4, ("in", "mix.0", "out"), (entry,))
+    manifest = Manifest(4, ("in", "mix.0", "out"), (entry,), generation=7)
     data = json.loads(manifest.to_json())
-    assert data["format_version"] == FORMAT_VERSION == 2
-    assert data["units"] == ["in", "mix.0", "out"]
+    assert data["format_version"] == FORMAT_VERSION == 3
+    assert data["units"] == ["in", "mix.0", "out"] and data["generation"] == 7
     back = Manifest.from_json(manifest.to_json())
     assert back.units == manifest.units and back.missing_units() == ["mix.0", "out"]
-    data["format_version"] = 3
-    with pytest.raises(CheckpointError, match="format_version 3"):
+    assert back.generation == 7
+    v2 = {k: v for k, v in data.items() if k != "generation"} | {"format_version": 2}
+    assert Manifest.from_json(json.dumps(v2)).generation == 0
+    data["format_version"] = 4
+    with pytest.raises(CheckpointError, match="format_version 4"):
         Manifest.from_json(json.dumps(data))
 
 

@@ -19,22 +19,25 @@ UNITS = default_units(1)  # embed, block.0000, head
 NAMES = ["embed.tp0-1.safetensors", "block.0000.tp0-1.safetensors"]
 
 
-def write_step(store: LocalStore, step: int, names=NAMES, size: int = 1000) -> list[dict]:
-    """What a worker does: write pieces into own_dir/step-k/ and build its report."""
-    d = store.own_dir / step_dirname(step)
+def write_step(
+    store: LocalStore, step: int, names=NAMES, size: int = 1000, generation: int = 0
+) -> list[dict]:
+    """What a worker does: write pieces into snapshot_dir(generation)/step-k/, report them."""
+    d = store.snapshot_dir(generation) / step_dirname(step)
     d.mkdir(parents=True, exist_ok=True)
     report = []
     for name in names:
-        data = hashlib.sha256(f"{name}{step}".encode()).digest() * (size // 32 + 1)
+        seed = f"{name}{step}" + (f"g{generation}" if generation else "")
+        data = hashlib.sha256(seed.encode()).digest() * (size // 32 + 1)
         data = data[:size]
         (d / name).write_bytes(data)
         report.append({"name": name, "size": size, "sha256": hashlib.sha256(data).hexdigest()})
     return report
 
 
-def commit_step(store: LocalStore, step: int, names=NAMES) -> None:
-    store.record_pieces(step, write_step(store, step, names))
-    store.commit(step, units=UNITS)
+def commit_step(store: LocalStore, step: int, names=NAMES, generation: int = 0) -> None:
+    store.record_pieces(step, write_step(store, step, names, generation=generation), generation)
+    store.commit(step, units=UNITS, generation=generation)
 
 
 def test_commit_writes_a_verifiable_manifest_and_lists_the_step(tmp_path: Path):
@@ -95,7 +98,7 @@ def test_pinned_step_is_hidden_at_once_but_deleted_only_after_release(tmp_path: 
     commit_step(store, 1)
     with store.open_piece("n0", 1, NAMES[0]) as (f, info):
         commit_step(store, 2)
-        assert store.committed_steps() == [1, 2]
+        assert store.committed_steps() == [2]
         assert list(store.holdings().steps) == [("n0", 2)]
         assert (store.own_dir / step_dirname(1)).is_dir()
         assert len(f.read()) == info.size  # the reader is not disturbed
@@ -168,3 +171,68 @@ def test_replica_commit_checks_presence_and_keeps_newest_per_origin(tmp_path: Pa
     assert not (tmp_path / "replicas" / "n1" / step_dirname(1)).exists()
     with pytest.raises(ConfigError, match="not a replica"):
         store.replica_step_dir("n0", 1)
+
+
+def test_a_recomputed_step_is_a_new_commit_and_never_rewrites_the_committed_one(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=2)
+    commit_step(store, 5, generation=1)
+    old_dir = store.step_dir("n0", 5)
+    old_bytes = (old_dir / NAMES[0]).read_bytes()
+    # Generation 2 recomputes step 5 after a rollback: its worker writes elsewhere.
+    report = write_step(store, 5, generation=2)
+    assert (old_dir / NAMES[0]).read_bytes() == old_bytes
+    verify_step_dir(old_dir)  # the committed step still matches its manifest
+    store.record_pieces(5, report, 2)
+    held = store.commit(5, UNITS, generation=2)
+    assert held.generation == 2 and store.holdings().steps[("n0", 5)] == held
+    assert store.step_dir("n0", 5) != old_dir and not old_dir.exists()
+    assert verify_step_dir(store.step_dir("n0", 5)).generation == 2
+    store.verify_piece("n0", 5, NAMES[0])
+    # A late report or commit of the older generation cannot take the step back.
+    with pytest.raises(CheckpointError, match="generation 2"):
+        store.record_pieces(5, write_step(store, 5, generation=1), 1)
+    with pytest.raises(CheckpointError, match="older generation 1"):
+        store.commit(5, UNITS, generation=1)
+
+
+def test_pruning_keeps_the_newest_commits_by_generation_then_step(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=2)
+    for step in (8, 9, 10):
+        commit_step(store, step, generation=1)
+    write_step(store, 11, generation=1)  # in flight when the job rolled back
+    # Rolled back to step 5: generation 2 recomputes 6 and 7, which must survive their commit.
+    commit_step(store, 6, generation=2)
+    assert store.committed_steps() == [6, 10]
+    commit_step(store, 7, generation=2)
+    assert store.committed_steps() == [6, 7]
+    assert store.holdings().newest_step_of("n0") == 7
+    assert not (store.snapshot_dir(1)).exists()  # the abandoned timeline is gone from disk
+    again = LocalStore(tmp_path, "n0", keep_steps=2)
+    assert again.holdings() == store.holdings()
+
+
+def test_a_restart_keeps_the_newer_generation_of_a_step_found_twice_on_disk(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=2)
+    commit_step(store, 3, generation=1)
+    kept = store.step_dir("n0", 3)
+    # A crash between the new commit's manifest and the old directory's deletion.
+    import shutil
+
+    saved = tmp_path / "saved"
+    shutil.copytree(kept, saved)
+    commit_step(store, 3, generation=2)
+    shutil.copytree(saved, kept)
+    again = LocalStore(tmp_path, "n0", keep_steps=2)
+    assert again.holdings().steps[("n0", 3)].generation == 2
+    assert not kept.exists()
+
+
+def test_replicas_of_a_recomputed_step_replace_the_older_generation(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=2)
+    for gen, payload in ((1, b"abc"), (2, b"xyz")):
+        entry = PieceEntry(PieceKey.parse(NAMES[0]), 3, hashlib.sha256(payload).hexdigest())
+        (store.replica_step_dir("n1", 4, gen) / NAMES[0]).write_bytes(payload)
+        store.commit_replica("n1", 4, UNITS, [entry], gen)
+    assert store.holdings().steps[("n1", 4)].generation == 2
+    assert store.path_of("n1", 4, NAMES[0]).read_bytes() == b"xyz"
+    assert not (tmp_path / "replicas" / "n1" / "gen-00000001").exists()

@@ -23,16 +23,18 @@ class PieceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class StepHolding(_message.Message):
-    __slots__ = ("origin_node", "step", "pieces", "units")
+    __slots__ = ("origin_node", "step", "pieces", "units", "generation")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[PieceInfo]
     units: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ...) -> None: ...
+    generation: int
+    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("node_id", "generation", "steps")
