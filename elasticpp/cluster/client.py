@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T", "Registration", "Leadership", "Watch")
 
 MIN_LEASE_TTL_S = 2  # etcd grants no shorter lease
+# The one member of barrier `resume-<G>`: the instruction of whichever leader wrote it.
+RESUME_MEMBER = "resume"
+HISTORY_KEPT = 100  # generations of history and recovery timelines kept in etcd
 _RETRY_MIN_S = 0.1
 _RETRY_MAX_S = 2.0
 
@@ -183,6 +186,12 @@ class Registration:
     @property
     def lease_id(self) -> int:
         return self._keeper.lease_id
+
+    def may_have_lapsed(self) -> bool:
+        """True when this node cannot know that its membership still stands: no keep-alive
+        succeeded for a whole TTL (etcd unreachable, or this process stalled), or the lease
+        was lost and the key is not re-put yet. The agent fences itself meanwhile."""
+        return self._keeper.seconds_since_refresh() >= self._keeper.ttl_s
 
     def update(self, info: dict[str, Any]) -> None:
         """Replace the registered info (same lease)."""
@@ -612,6 +621,23 @@ class ClusterClient:
             dumps({"node_id": node_id, "value": value, "at": time.time()}),
         )
 
+    def write_resume(self, generation: int, value: Any, leader: Leadership) -> bool:
+        """Publish generation `generation`'s resume instruction (barrier `resume-<G>`, member
+        `RESUME_MEMBER`) once, fenced by `leader`'s term.
+
+        Whichever leader writes first wins; a later one (elected mid-transition) reads it
+        instead of writing its own, so followers never wait on a record that names a
+        leader they do not expect. False if one exists already or `leader` lost its term."""
+        key = self.keys.barrier(f"resume-{generation}", RESUME_MEMBER)
+        compares = [
+            Compare(key, "create", 0),
+            Compare(self.keys.leader, "value", leader.node_id),
+            Compare(self.keys.leader, "create", leader.create_revision),
+        ]
+        record = dumps({"node_id": leader.node_id, "value": value, "at": time.time()})
+        ok, _, _ = self._kv.txn(compares, [Put(key, record)])
+        return ok
+
     def barrier_state(self, barrier: str) -> tuple[dict[str, Any], int]:
         """Who arrived (node id -> value) and the revision read."""
         kvs, revision = self._kv.get_prefix(self.keys.barrier_prefix(barrier))
@@ -678,12 +704,56 @@ class ClusterClient:
                 self.skip_value(self.keys.commit(generation, node), exc)
         return out
 
+    def ever_committed(self) -> bool:
+        """Whether any node recorded a commit in any generation still on record
+        (`housekeep` keeps the newest generation that has commits)."""
+        kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
+        return bool(kvs)
+
     def clear_commits_before(self, generation: int) -> None:
         """Drop commit records of generations older than `generation` (housekeeping)."""
         kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
         old = {_gen_of(kv.key) for kv in kvs} - {-1}
         for gen in sorted(g for g in old if g < generation):
             self._kv.delete_prefix(self.keys.commits_of(gen))
+
+    # ------------------------------------------------------------------ housekeeping
+    def housekeep(self, generation: int, *, keep_history: int = HISTORY_KEPT) -> int:
+        """Remove what a running `generation` no longer needs, so that etcd holds a bounded
+        number of keys however long the job runs: the barriers of generations before the
+        previous one, generation history and recovery timelines older than `keep_history`
+        generations, and the commit records of all but the newest generation that has any
+        (it keeps the job's "ever committed" mark). Idempotent; a watermark record makes
+        each call cost only the generations since the last one. Returns keys deleted."""
+        kv = self._kv.get(self.keys.housekeeping)
+        marks = {"barriers_below": 1, "history_below": 1}
+        if kv is not None:
+            try:
+                stored = loads(kv.value, "housekeeping")
+                marks = {k: max(1, int(stored.get(k, 1))) for k in marks}
+            except (ClusterDataError, TypeError, ValueError) as exc:
+                self.skip_value(self.keys.housekeeping, exc)
+        deleted = 0
+        barriers_upto = generation - 1  # the current and the previous generation stay
+        for g in range(marks["barriers_below"], barriers_upto):
+            for name in ("stopped", "resume", "started", "failed"):
+                deleted += self._kv.delete_prefix(self.keys.barrier_prefix(f"{name}-{g}"))
+        history_upto = generation - keep_history
+        for g in range(marks["history_below"], history_upto):
+            deleted += int(self._kv.delete(self.keys.generation_history(g)))
+            deleted += int(self._kv.delete(self.keys.barrier("timelines", f"gen-{g}")))
+        kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
+        with_commits = {_gen_of(kv.key) for kv in kvs} - {-1}
+        if with_commits:
+            newest = max(with_commits)
+            for g in sorted(g for g in with_commits if g < newest):
+                deleted += self._kv.delete_prefix(self.keys.commits_of(g))
+        marks = {
+            "barriers_below": max(marks["barriers_below"], barriers_upto),
+            "history_below": max(marks["history_below"], history_upto),
+        }
+        self._kv.put(self.keys.housekeeping, dumps(marks))
+        return deleted
 
     # ------------------------------------------------------------------ suspicion
     def report_suspect(self, node_id: str, by: str, reason: str) -> None:

@@ -108,6 +108,10 @@ class JobKeys:
         return self.barrier_prefix(barrier) + check_name("node_id", node_id)
 
     @property
+    def housekeeping(self) -> str:
+        return self.root + "housekeeping"
+
+    @property
     def commits_prefix(self) -> str:
         return self.root + "commits/"
 

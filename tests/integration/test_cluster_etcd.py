@@ -177,6 +177,55 @@ def test_resigned_leader_is_replaced_at_once(clients: Callable[[], ClusterClient
     assert b.campaign("n2", ttl_s=30) is not None
 
 
+def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leader(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    from elasticpp.cluster.client import RESUME_MEMBER
+
+    a, b = clients(), clients()
+    old = a.campaign("n1", ttl_s=5)
+    assert old is not None
+    assert a.write_resume(3, {"step": 7}, old)
+    assert not a.write_resume(3, {"step": 9}, old)  # written once
+    # Leadership moves mid-transition: the new leader finds the instruction, under the one
+    # member name followers read, and cannot replace it.
+    old.resign()
+    new = b.campaign("n2", ttl_s=5)
+    assert new is not None
+    assert b.barrier_state("resume-3")[0] == {RESUME_MEMBER: {"step": 7}}
+    assert not b.write_resume(3, {"step": 0}, new)
+    assert not a.write_resume(4, {"step": 7}, old)  # a deposed term writes nothing
+    assert b.write_resume(4, {"step": 8}, new)
+    assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: {"step": 8}}
+
+
+def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a = clients()
+    lead = a.campaign("n1", ttl_s=5)
+    assert lead is not None
+    for g in range(1, 7):
+        _, rev = a.read_generation()
+        assert a.write_generation(record(g, "n1"), rev, lead)
+        for name in ("stopped", "started", "failed"):
+            a.arrive(f"{name}-{g}", "n1", {"at": g})
+        assert a.write_resume(g, {"step": g}, lead)
+        a.arrive("timelines", f"gen-{g}", {"generation": g})
+        if g <= 4:
+            a.record_commit(g, "n1", g)
+    assert a.housekeep(6, keep_history=2) > 0
+    for g in range(1, 7):
+        kept = g >= 5  # the running generation and the one before it
+        for name in ("stopped", "resume", "started", "failed"):
+            assert bool(a.barrier_state(f"{name}-{g}")[0]) == kept, (name, g)
+    assert [r.generation for r in a.generation_history()] == [4, 5, 6]
+    assert sorted(a.barrier_state("timelines")[0]) == ["gen-4", "gen-5", "gen-6"]
+    assert a.commits(4) == {"n1": 4} and a.commits(3) == {} and a.ever_committed()
+    assert a.read_generation()[0] is not None
+    assert a.housekeep(6, keep_history=2) == 0  # the watermark: nothing is looked at twice
+
+
 # ---------------------------------------------------------------------------- generations
 def test_generation_cas_refuses_stale_revision_and_wrong_number(
     clients: Callable[[], ClusterClient],
@@ -275,6 +324,20 @@ def test_watch_keeps_delivering_after_etcd_restart_without_loss(
     assert steps == [0, 1, 2, 3, 4, 5]  # none lost, none twice, in order
     assert revisions == sorted(set(revisions))
     assert watch.next_revision == revisions[-1] + 1
+
+
+@pytest.mark.timeout(60)
+def test_a_registration_cut_off_for_a_ttl_says_it_may_have_lapsed_until_renewed(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a = clients()
+    reg = a.register("n1", {"address": "x"}, ttl_s=2)
+    assert not reg.may_have_lapsed()
+    etcd.stop()
+    wait_for(reg.may_have_lapsed, timeout_s=10, what="fenced while etcd is down")
+    etcd.start()
+    wait_for(lambda: not reg.may_have_lapsed(), timeout_s=20, what="renewed after etcd")
+    assert "n1" in a.members().nodes
 
 
 @pytest.mark.timeout(60)
