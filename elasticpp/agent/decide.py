@@ -4,6 +4,8 @@ say what to do. No I/O here, so every case is unit-tested with plain values.
 - `decide_replan`: does the leader need a new plan generation, and why?
 - `is_hung`: has a worker made no step progress for too long?
 - `WorkerState` and its `TRANSITIONS`: the life of one supervised worker.
+- `Phase` and its `PHASE_TRANSITIONS`: one agent's way through one generation, with a
+  deadline for every phase that waits on someone else (`phase_deadline_s`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,54 @@ def transition(current: WorkerState, new: WorkerState) -> WorkerState:
     if new not in TRANSITIONS[current]:
         raise TransitionError(f"worker cannot go from {current.value} to {new.value}")
     return new
+
+
+class Phase(enum.StrEnum):
+    """Where this agent is in the current generation (DESIGN.md, "Recovery, step by step")."""
+
+    STOPPING = "stopping"  # old workers stop (at a boundary, or killed)
+    MOVING = "moving"  # holdings reported; waiting for the resume instruction, fetching state
+    STARTING = "starting"  # ranks handed to warm workers; waiting for their "started"
+    RUNNING = "running"  # every rank of this node trains
+    IDLE = "idle"  # no rank on this node in this plan (a spare)
+    DONE = "done"  # this node's ranks trained every step
+    FAILED = "failed"  # this generation cannot go on here; a failure was reported
+
+
+PHASE_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.STOPPING: frozenset({Phase.MOVING, Phase.FAILED}),
+    Phase.MOVING: frozenset({Phase.STARTING, Phase.IDLE, Phase.FAILED}),
+    Phase.STARTING: frozenset({Phase.RUNNING, Phase.DONE, Phase.FAILED}),
+    Phase.RUNNING: frozenset({Phase.DONE, Phase.FAILED}),
+    Phase.IDLE: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+
+# Floors of the phase deadlines: the rendezvous of a generation times out after 60 s, and
+# a warm worker that is still importing torch on a loaded node may take tens of seconds.
+MOVING_DEADLINE_FLOOR_S = 60.0
+STARTING_DEADLINE_FLOOR_S = 90.0
+
+
+def phase_transition(current: Phase, new: Phase) -> Phase:
+    if new is current:
+        return current
+    if new not in PHASE_TRANSITIONS[current]:
+        raise TransitionError(f"generation phase cannot go from {current.value} to {new.value}")
+    return new
+
+
+def phase_deadline_s(phase: Phase, hang_timeout_s: float) -> float | None:
+    """How long an agent may wait in `phase` before it escalates (reports the generation
+    failed, so the leader re-plans); None for phases that wait on nobody. STOPPING has its
+    own grace (a graceful stop turns into a kill); MOVING's clock runs only while no state
+    transfer is in flight (transfers have their own per-call timeouts)."""
+    if phase is Phase.MOVING:
+        return max(MOVING_DEADLINE_FLOOR_S, hang_timeout_s)
+    if phase is Phase.STARTING:
+        return max(STARTING_DEADLINE_FLOOR_S, 2 * hang_timeout_s)
+    return None
 
 
 def is_hung(last_progress_s: float, now_s: float, timeout_s: float) -> bool:

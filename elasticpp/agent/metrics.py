@@ -29,6 +29,7 @@ class AgentMetrics:
     step_seconds: Histogram
     state_fetched_bytes_total: Counter
     etcd_values_skipped_total: Counter
+    errors_total: Counter
     labels: dict[str, str]
 
     @classmethod
@@ -76,6 +77,13 @@ class AgentMetrics:
             etcd_values_skipped_total=c(
                 "elasticpp_etcd_values_skipped",
                 "etcd values this agent could not read (malformed or a newer format) and skipped",
+            ),
+            errors_total=Counter(
+                "elasticpp_agent_errors",
+                "Errors the agent survived, by where they came from (etcd, disk, worker, "
+                "internal): each was logged and the decision loop went on",
+                [*labels, "source"],
+                registry=r,
             ),
             labels=labels,
         )

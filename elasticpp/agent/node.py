@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -44,6 +45,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from elasticpp.agent import probe
 from elasticpp.agent.decide import (
     ClusterView,
+    Phase,
     Replan,
     TransitionError,
     Wait,
@@ -51,13 +53,16 @@ from elasticpp.agent.decide import (
     decide_replan,
     is_hung,
     live_nodes,
+    phase_deadline_s,
+    phase_transition,
     transition,
 )
 from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.metrics import WORKER_STATES, AgentMetrics
-from elasticpp.checkpoint.manifest import step_dirname
+from elasticpp.checkpoint.manifest import PieceKey, step_dirname
 from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.errors import (
     ClusterDataError,
     ClusterUnavailableError,
@@ -70,13 +75,7 @@ from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE, NodeHoldings
 from elasticpp.store.local import LocalStore
-from elasticpp.store.persist import (
-    checkpoint_holdings,
-    copy_verified,
-    finalize_checkpoint,
-    persist_pieces,
-    prune_checkpoints,
-)
+from elasticpp.store.persist import Persister, checkpoint_holdings, copy_verified
 from elasticpp.store.resolver import resolve
 from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
 from elasticpp.train.procs import EXITED, WorkerProcess
@@ -89,6 +88,13 @@ STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
 GPU_CHECK_INTERVAL_S = 10.0  # NVML health poll, only with --device cuda
+LOOP_STALL_S = 10.0  # health turns NOT_SERVING when the decision loop has not run this long
+EVENT_STREAMS = 4  # concurrent `ctl events` streams per agent
+FETCH_STREAMS = 16  # concurrent piece transfers served per agent
+UNARY_THREADS = 8  # server threads kept for health, status, drain and ListSteps
+WORKER_LOGS_KEPT = 32  # newest worker log files kept in <state_dir>/logs
+METRICS_ROTATE_BYTES = 64 << 20  # metrics.jsonl is rotated (one old file kept) past this
+STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPCs read
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,8 @@ class _GenState:
     """This agent's progress through one generation."""
 
     record: GenerationRecord
-    phase: str = "stopping"  # stopping | moving | starting | running | idle | done
+    phase: Phase = Phase.STOPPING
+    phase_since_s: float = field(default_factory=time.monotonic)
     stop_sent: bool = False
     stop_began_s: float = field(default_factory=time.monotonic)
     fetch_thread: threading.Thread | None = None
@@ -157,6 +164,17 @@ class _GenState:
     @property
     def generation(self) -> int:
         return self.record.generation
+
+    def enter(self, phase: Phase) -> None:
+        self.phase = phase_transition(self.phase, phase)
+        self.phase_since_s = time.monotonic()
+
+    def overdue(self, now_s: float, hang_timeout_s: float) -> float | None:
+        """The deadline of the current phase if it has passed, else None."""
+        deadline = phase_deadline_s(self.phase, hang_timeout_s)
+        if deadline is None or now_s - self.phase_since_s <= deadline:
+            return None
+        return deadline
 
     @functools.cached_property
     def plan(self) -> Plan:
@@ -193,6 +211,14 @@ class Agent:
         self._drain_announced = False
         self._drain_requested_gen = 0
         self._snap_reports: dict[tuple[int, int], set[int]] = {}
+        self._pending_failures: dict[int, dict[str, Any]] = {}  # generation -> report
+        self._errors_seen: set[tuple[str, str, str]] = set()
+        self._fence_logged = False
+        self._persister: Persister | None = None
+        self._joined = False
+        self._heartbeat_s = time.monotonic()  # the loop's last iteration (loop-watchdog)
+        self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
+        self._status_at_s = 0.0
         self._written_steps: set[tuple[int, int]] = set()
         self.last_step = -1
         self.last_loss = float("nan")
@@ -245,9 +271,19 @@ class Agent:
         from elasticpp.agent.service import AgentServicer
         from elasticpp.rpc.agent.v1 import agent_pb2_grpc
 
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS)
-        add_to_server(self._server, StateServicer(self.store, lambda: self.generation))
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self), self._server)
+        # Separate limits: event streams and piece transfers each have their own, and the
+        # pool keeps UNARY_THREADS beyond both for health checks, status and drains.
+        threads = EVENT_STREAMS + FETCH_STREAMS + UNARY_THREADS
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS
+        )
+        add_to_server(
+            self._server,
+            StateServicer(self.store, lambda: self.generation, max_fetch_streams=FETCH_STREAMS),
+        )
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentServicer(self, max_event_streams=EVENT_STREAMS), self._server
+        )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(self.cfg.listen)
@@ -284,10 +320,32 @@ class Agent:
                     "joining job %s: etcd not available (%s); retrying", self.spec.name, exc
                 )
                 time.sleep(0.5)
+        self._joined = True
+        self._heartbeat_s = time.monotonic()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._watch_loop, daemon=True, name="loop-watchdog").start()
         self._event(
             "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
         )
+
+    def _watch_loop(self) -> None:
+        """Health follows the decision loop's heartbeat: a wedged loop (a blocked call, a
+        stalled disk) makes the node NOT_SERVING, so probes and Kubernetes see the truth."""
+        serving = True
+        while not self._stop.wait(0.5):
+            stalled_s = time.monotonic() - self._heartbeat_s
+            ok = stalled_s < LOOP_STALL_S
+            if ok == serving:
+                continue
+            serving = ok
+            status = health_pb2.HealthCheckResponse
+            if self._server is None:
+                return
+            self._health.set("", status.SERVING if ok else status.NOT_SERVING)
+            if ok:
+                log.warning("decision loop running again: health SERVING")
+            else:
+                log.warning("decision loop stalled for %.1f s: health NOT_SERVING", stalled_s)
 
     def _prepare_init(self) -> None:
         """A job that starts from trained weights (`init_from`) starts every worker from a
@@ -353,12 +411,33 @@ class Agent:
             while not self._stop.is_set():
                 self._wake.wait(0.05)
                 self._wake.clear()
-                self._tick()
+                self._heartbeat_s = time.monotonic()
+                try:
+                    self._tick()
+                    if self._heartbeat_s - self._status_at_s >= STATUS_EVERY_S:
+                        self._status_at_s = self._heartbeat_s
+                        self._status = self.status()
+                except Exception as exc:  # a daemon survives what comes from outside
+                    self._survive("internal", exc)
                 if self._done:
                     return 0
             return 0
         finally:
             self.shutdown()
+
+    def _survive(self, source: str, exc: BaseException) -> None:
+        """Error policy: nothing from outside (an etcd value, a disk error, a worker event)
+        ends the agent. Logged once per distinct error, with its traceback; always counted."""
+        self.metrics.errors_total.labels(**self.metrics.labels, source=source).inc()
+        key = (source, type(exc).__name__, str(exc)[:200])
+        if key in self._errors_seen:
+            return
+        if len(self._errors_seen) > 1000:
+            self._errors_seen.clear()  # bounded: a flood of distinct errors is logged again
+        self._errors_seen.add(key)
+        log.error(
+            "%s error, the agent goes on: %s: %s", source, type(exc).__name__, exc, exc_info=exc
+        )
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -366,11 +445,14 @@ class Agent:
 
     def shutdown(self) -> None:
         """Kill every process this agent started; leave etcd cleanly if it can."""
+        self._stop.set()  # ends the loop watchdog too
         for w in list(self._workers.values()):
             w.proc.kill()
         for p in self._warm:
             p.kill()
         self._warm.clear()
+        if self._persister is not None:
+            self._persister.close(timeout_s=10.0)
         if self.cluster is not None:
             with contextlib.suppress(ElasticppError):
                 if self._leadership is not None:
@@ -444,6 +526,7 @@ class Agent:
         if not self._etcd_ok:
             return  # training goes on; membership changes wait for etcd
         try:
+            self._publish_failures()
             self._maybe_campaign()
             self._follow_generation()
             if self._is_leader():
@@ -544,6 +627,10 @@ class Agent:
                 self._on_worker_event(proc, event)
             except TransitionError as exc:  # a late or reordered event must not end the agent
                 log.warning("worker %d: event %s ignored: %s", proc.pid, event.get("event"), exc)
+            except (OSError, ElasticppError, ValueError, KeyError, TypeError) as exc:
+                # A malformed event, or a disk error (ENOSPC on metrics.jsonl or a manifest):
+                # this event is lost, the loop and the other events are not.
+                self._survive("worker", exc)
 
     def _on_worker_event(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -620,16 +707,20 @@ class Agent:
             "grad_norm": event.get("grad_norm"),
             "step_seconds": event.get("step_seconds"),
         }
+        # Rotated, one old file kept: a job that runs for weeks must not fill the disk.
+        with contextlib.suppress(FileNotFoundError):
+            if self.metrics_path.stat().st_size > METRICS_ROTATE_BYTES:
+                os.replace(self.metrics_path, self.metrics_path.with_name("metrics.jsonl.1"))
         with self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
     def _on_snapshot(self, w: _Worker, event: dict[str, Any]) -> None:
         step = int(event["step"])
         try:
-            self.store.record_pieces(step, event["pieces"])
+            self.store.record_pieces(step, event["pieces"], w.generation)
         except CheckpointError as exc:
-            # A step recomputed after a loss may already be committed here from the
-            # generation before; the committed copy stays.
+            # A report that is late (its generation already committed the step) or
+            # malformed: what is committed stays as it is.
             log.info("snapshot of step %d from rank %d not recorded: %s", step, w.rank, exc)
             return
         reports = self._snap_reports.setdefault((w.generation, step), set())
@@ -637,8 +728,22 @@ class Agent:
         plan = w.plan
         writers = {s.rank for s in plan.ranks_on(self.node_id) if is_snapshot_writer(plan, s.rank)}
         if writers <= reports:
+            if self._fenced():
+                # Self-fencing: the job may have re-planned without this node; what it
+                # computes now must not become state that others resume from.
+                if not self._fence_logged:
+                    self._fence_logged = True
+                    self._event(
+                        "decision",
+                        f"membership lease may have lapsed: step {step} and later are not "
+                        "committed, replicated or persisted until it is renewed",
+                    )
+                return
+            if self._fence_logged:
+                self._fence_logged = False
+                self._event("decision", "membership lease renewed: committing again")
             try:
-                self.store.commit(step, plan.model.units)
+                self.store.commit(step, plan.model.units, w.generation)
             except CheckpointError as exc:
                 log.warning("step %d not committed: %s", step, exc)
                 return
@@ -658,18 +763,34 @@ class Agent:
             ):
                 self._persist_async(step, plan.model)
 
+    def _fenced(self) -> bool:
+        reg = self._registration
+        return reg is not None and bool(reg.may_have_lapsed())
+
     def _report_failure(self, generation: int, reason: str) -> None:
         self._event("worker", f"failure in generation {generation}: {reason}")
         self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
         self._detected.setdefault(generation + 1, time.time())
-        if self.cluster is None:
-            return
-        try:
-            self.cluster.arrive(
-                f"failed-{generation}", self.node_id, {"reason": reason, "at": time.time()}
-            )
-        except ClusterUnavailableError as exc:
-            self._etcd_down(exc)
+        # Level-triggered: the report stays pending until etcd has it, so a failure seen
+        # while etcd is down is published when it returns instead of being lost.
+        self._pending_failures.setdefault(generation, {"reason": reason, "at": time.time()})
+        self._publish_failures()
+
+    def _publish_failures(self) -> None:
+        for generation in sorted(self._pending_failures):
+            if self._gen is not None and generation < self._gen.generation:
+                del self._pending_failures[generation]  # a newer plan already replaced it
+                continue
+            if self.cluster is None:
+                return
+            try:
+                self.cluster.arrive(
+                    f"failed-{generation}", self.node_id, self._pending_failures[generation]
+                )
+            except ClusterUnavailableError as exc:
+                self._etcd_down(exc)
+                return
+            del self._pending_failures[generation]
 
     def _check_hangs(self) -> None:
         now = time.monotonic()
@@ -718,12 +839,32 @@ class Agent:
         gs = self._gen
         if gs is None:
             return
-        if gs.phase == "stopping":
+        if gs.phase is Phase.STOPPING:
             self._stop_old_workers(gs)
-        if gs.phase == "moving":
+        if gs.phase is Phase.MOVING:
             self._move_state(gs)
-        if gs.phase == "starting":
+        if gs.phase is Phase.STARTING:
             self._check_started(gs)
+        self._check_phase_deadline(gs)
+
+    def _check_phase_deadline(self, gs: _GenState) -> None:
+        """Every phase that waits on someone else has a deadline; past it, the agent reports
+        the generation failed so that the leader re-plans, instead of waiting for good."""
+        if gs.phase is Phase.MOVING and gs.fetch_thread is not None and gs.fetch_thread.is_alive():
+            gs.phase_since_s = time.monotonic()  # a transfer in flight has its own timeouts
+            return
+        deadline = gs.overdue(time.monotonic(), self.spec.hang_timeout_s)
+        if deadline is None:
+            return
+        waited = (
+            "the resume instruction or a warm worker"
+            if gs.phase is Phase.MOVING
+            else ("its ranks to start")
+        )
+        self._report_failure(
+            gs.generation, f"waited {deadline:.0f} s for {waited} ({gs.phase.value})"
+        )
+        gs.enter(Phase.FAILED)
 
     def _enter_generation(self, rec: GenerationRecord) -> None:
         old = self._gen
@@ -778,17 +919,19 @@ class Agent:
                 "at": time.time(),
             },
         )
-        gs.phase = "moving"
+        gs.enter(Phase.MOVING)
         log.info("generation %d: old workers stopped; holdings reported", gs.generation)
 
     def _move_state(self, gs: _GenState) -> None:
-        resume = self._barriers.get(f"resume-{gs.generation}", {}).get(gs.record.leader)
+        # Whoever leads now may have written it (a leader elected mid-transition takes over
+        # the one written by the leader of the record, or writes it if none exists).
+        resume = self._barriers.get(f"resume-{gs.generation}", {}).get(RESUME_MEMBER)
         if resume is None:
             return
         plan = gs.plan
         mine = plan.ranks_on(self.node_id)
         if not mine:
-            gs.phase = "idle"
+            gs.enter(Phase.IDLE)
             self._event("decision", f"generation {gs.generation}: no ranks on this node (spare)")
             self._arrive_started(gs, moved_s=0.0)
             return
@@ -806,14 +949,14 @@ class Agent:
                 "decision", f"generation {gs.generation}: state fetch failed: {gs.fetch_error}"
             )
             self._report_failure(gs.generation, f"state fetch failed: {gs.fetch_error}")
-            gs.phase = "failed"
+            gs.enter(Phase.FAILED)
             return
         workers = self._take_warm(len(mine))
         if workers is None:
             return  # warm workers still importing torch
         self._assign(gs, resume, mine, workers)
         self._spawn_warm()
-        gs.phase = "starting"
+        gs.enter(Phase.STARTING)
 
     def _init_path(self) -> str | None:
         return None if self._init_dir is None else str(self._init_dir)
@@ -830,7 +973,13 @@ class Agent:
             wanted: dict[str, tuple[str, str, str, int]] = {}
             for s in plan.ranks_on(self.node_id):
                 for name, origin, source, sha, size in resume["fetches"].get(str(s.rank), []):
-                    wanted[name] = (origin, source, sha, size)
+                    # Names come from etcd: only a piece name, never a path, is used.
+                    wanted[PieceKey.parse(str(name)).filename] = (
+                        str(origin),
+                        str(source),
+                        str(sha),
+                        int(size),
+                    )
             local = [(o, step, n) for n, (o, src, _, _) in wanted.items() if src == self.node_id]
             self.store.materialize(target, local)
             for name, (_o, source, sha, size) in sorted(wanted.items()):
@@ -862,20 +1011,12 @@ class Agent:
 
     def _persist_async(self, step: int, model: ModelSpec) -> None:
         """Copy this node's pieces of `step` into the (shared) checkpoint directory; the
-        last node to contribute writes the manifest. Off the training path."""
+        last node to contribute writes the manifest. Off the training path, on one thread
+        with a bounded queue: a newer checkpoint supersedes one that is still waiting."""
         assert self.spec.persist_dir is not None
-        root = Path(self.spec.persist_dir)
-
-        def run() -> None:
-            try:
-                persist_pieces(self.store, root, step)
-                if finalize_checkpoint(root, step, model.units, model) is not None:
-                    log.info("checkpoint of step %d complete in %s", step, root)
-                    prune_checkpoints(root, keep=2)
-            except (ElasticppError, OSError) as exc:
-                log.warning("checkpoint of step %d failed: %s", step, exc)
-
-        threading.Thread(target=run, daemon=True, name="persist").start()
+        if self._persister is None:
+            self._persister = Persister(self.store, Path(self.spec.persist_dir), keep=2)
+        self._persister.submit(step, model)
 
     def _replicate_async(self) -> None:
         gs = self._gen
@@ -921,7 +1062,7 @@ class Agent:
                 "job": job,
                 "start_step": step,
                 "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
-                "snapshot_dir": str(self.store.own_dir),
+                "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
                 "snapshot_every": self.spec.snapshot_every,
                 "backend": self.cfg.backend,
                 "device": self.cfg.device,
@@ -942,7 +1083,21 @@ class Agent:
         if mine and all(w.state is not WorkerState.STARTING for w in mine):
             moved = gs.fetch_done_at or time.time()
             self._arrive_started(gs, moved_s=moved)
-            gs.phase = "running"
+            gs.enter(Phase.RUNNING)
+            self._clean_local(gs.generation)
+
+    def _clean_local(self, generation: int) -> None:
+        """Bounded disk use for weeks of uptime: resume directories of older generations
+        (their workers are gone) and all but the newest worker logs."""
+        resume_root = self.cfg.state_dir / "resume"
+        if resume_root.is_dir():
+            for d in resume_root.iterdir():
+                if d.name.startswith("gen-") and d.name < f"gen-{generation:06d}":
+                    shutil.rmtree(d, ignore_errors=True)
+        if self.log_dir.is_dir():
+            logs = sorted(self.log_dir.glob("*.log"), key=lambda p: p.stat().st_mtime)
+            for old in logs[:-WORKER_LOGS_KEPT]:
+                old.unlink(missing_ok=True)
 
     def _arrive_started(self, gs: _GenState, moved_s: float) -> None:
         assert self.cluster is not None
@@ -952,9 +1107,22 @@ class Agent:
 
     # ------------------------------------------------------------------ leader
     def _is_leader(self) -> bool:
-        return self._leadership is not None and self._leader == self.node_id
+        # Acts only while the term is held: a loop that stalled past the lease TTL, or whose
+        # keep-alive failed, must not write on the strength of what it read before.
+        return (
+            self._leadership is not None
+            and self._leadership.is_held()
+            and self._leader == self.node_id
+        )
 
     def _maybe_campaign(self) -> None:
+        if self._leadership is not None and not self._leadership.is_held():
+            self._event("decision", f"node {self.node_id} lost the leadership")
+            with contextlib.suppress(ElasticppError):
+                self._leadership.resign()
+            self._leadership = None
+            self._dirty = True
+            return
         if self._leader is not None or self._draining or self._done:
             return
         assert self.cluster is not None
@@ -1065,7 +1233,7 @@ class Agent:
             gs is not None
             and rec is not None
             and gs.generation == rec.generation
-            and gs.phase in ("stopping", "moving")
+            and gs.phase in (Phase.STOPPING, Phase.MOVING)
             and not gs.resume_written
         )
         if isinstance(decision, Replan):
@@ -1145,7 +1313,7 @@ class Agent:
 
     def _never_committed(self, generation: int) -> bool:
         assert self.cluster is not None
-        return not any(self.cluster.commits(g) for g in range(generation - 1, 0, -1))
+        return not self.cluster.ever_committed()
 
     def _detection_time(self, generation: int) -> float:
         """When the change behind `generation` was first seen: a failure report of the
@@ -1162,6 +1330,9 @@ class Agent:
         if gs.resume_written:
             return
         assert self.cluster is not None
+        if RESUME_MEMBER in self._barriers.get(f"resume-{gs.generation}", {}):
+            gs.resume_written = True  # an earlier leader of this generation wrote it
+            return
         stopped = self._barriers.get(f"stopped-{gs.generation}", {})
         expected = set(live_nodes(view))
         missing = expected - set(stopped)
@@ -1201,16 +1372,23 @@ class Agent:
                     [f.piece_name, f.origin_node, f.source_node, f.sha256, f.size] for f in items
                 ]
         next_steps = [int(v.get("next_step", 0)) for v in stopped.values()]
-        self.cluster.arrive(
-            f"resume-{gs.generation}",
-            self.node_id,
+        written = self.cluster.write_resume(
+            gs.generation,
             {
                 "step": step,
                 "fetches": fetches,
                 "at": time.time(),
                 "recomputed": max([*next_steps, step]) - step,
             },
+            self._leadership,
         )
+        self._dirty = True
+        if not written:
+            log.info(
+                "generation %d: resume not written (written before or leadership lost)",
+                gs.generation,
+            )
+            return
         gs.resume_written = True
         self._event("decision", f"leader: generation {gs.generation} resumes at step {step}")
 
@@ -1229,7 +1407,7 @@ class Agent:
         self._replan_failures = 0
         assert self.cluster is not None
         resumes = self._barriers.get(f"resume-{gs.generation}", {})
-        resume = resumes.get(self.node_id) or resumes.get(gs.record.leader) or {}
+        resume = resumes.get(RESUME_MEMBER) or {}
         stopped = self._barriers.get(f"stopped-{gs.generation}", {})
         detected = float(gs.record.extra.get("detected_at", gs.record.created_at))
         stopped_at = max(float(v.get("at", 0)) for v in stopped.values()) if stopped else detected
@@ -1250,6 +1428,10 @@ class Agent:
         }
         self.cluster.arrive("timelines", f"gen-{gs.generation}", timeline)
         gs.timeline_written = True
+        # The generation runs: what older ones left in etcd goes (bounded growth).
+        removed = self.cluster.housekeep(gs.generation)
+        if removed:
+            log.info("leader: removed %d etcd key(s) of older generations", removed)
         if gs.record.extra.get("previous_layout"):
             self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
             self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(
@@ -1273,8 +1455,8 @@ class Agent:
             self._job_done_step = self.spec.steps
         gs = self._gen
         mine = {s.rank for s in gs.plan.ranks_on(self.node_id)} if gs else set()
-        if gs and mine and mine <= gs.done_ranks and gs.phase != "done":
-            gs.phase = "done"
+        if gs and mine and mine <= gs.done_ranks and gs.phase is not Phase.DONE:
+            gs.enter(Phase.DONE)
             assert self.cluster is not None
             self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
             self._event("decision", f"job finished all {self.spec.steps} steps")
@@ -1324,6 +1506,12 @@ class Agent:
             self._done = True
 
     # ------------------------------------------------------------------ status
+    def status_snapshot(self) -> dict[str, Any]:
+        """What the control RPCs read: a snapshot the loop publishes (at most STATUS_EVERY_S
+        old), never the loop's live state, which another thread must not iterate."""
+        snap = self._status
+        return snap if snap is not None else self.status()
+
     def status(self) -> dict[str, Any]:
         gs = self._gen
         return {
@@ -1331,7 +1519,7 @@ class Agent:
             "job": self.spec.name,
             "generation": self.generation,
             "leader": self._leader or "",
-            "phase": ("draining" if self._draining else gs.phase if gs else "waiting"),
+            "phase": ("draining" if self._draining else gs.phase.value if gs else "waiting"),
             "layout": str(gs.plan.layout) if gs else "",
             "last_step": self.last_step,
             "last_loss": self.last_loss,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -15,13 +16,16 @@ if TYPE_CHECKING:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, max_event_streams: int = 4) -> None:
         self._agent = agent
+        # Event streams live as long as their clients (`ctl events`); a limit of their own
+        # keeps them from taking the threads that health checks and drains need.
+        self._event_slots = threading.BoundedSemaphore(max_event_streams)
 
     def GetStatus(
         self, request: agent_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> agent_pb2.GetStatusResponse:
-        s = self._agent.status()
+        s = self._agent.status_snapshot()
         reply = agent_pb2.GetStatusResponse(
             node_id=s["node_id"],
             job=s["job"],
@@ -71,10 +75,18 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def WatchEvents(
         self, request: agent_pb2.WatchEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[agent_pb2.AgentEvent]:
-        index = 0
-        while context.is_active():
-            items, index = self._agent.events_since(index, timeout_s=1.0)
-            for at, kind, message, generation in items:
-                yield agent_pb2.AgentEvent(
-                    time=at, kind=kind, message=message, generation=generation
-                )
+        if not self._event_slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "too many event streams open on this agent; close one and retry",
+            )
+        try:
+            index = 0
+            while context.is_active():
+                items, index = self._agent.events_since(index, timeout_s=1.0)
+                for at, kind, message, generation in items:
+                    yield agent_pb2.AgentEvent(
+                        time=at, kind=kind, message=message, generation=generation
+                    )
+        finally:
+            self._event_slots.release()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,34 @@ def test_unreadable_etcd_values_are_skipped_and_counted_not_fatal(
     logs = "".join(n.log_path.read_text() for n in cluster.nodes)
     for key in (keys.barrier("done", "intruder"),):
         assert f"etcd value of {key} skipped" in logs, key
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_failure_seen_while_etcd_is_down_is_reported_when_it_returns(
+    cluster: LocalCluster, reference: dict[int, float]
+) -> None:
+    # Before: the failure report was sent once, dropped while etcd was down, and never
+    # derived again: with every rank gone, the job stalled for good.
+    cluster.start()
+    cluster.wait_for(lambda: cluster.max_step() >= 2, 120, "step 2")
+    cluster.etcd.stop()
+    for pid in _training_pids(cluster, cluster.nodes[1].node_id):
+        os.kill(pid, signal.SIGKILL)
+
+    # The surviving rank's collective fails too: both agents see a failure during the outage.
+    def failures_seen() -> bool:
+        return all(
+            n.log_path is not None and "failure in generation" in n.log_path.read_text()
+            for n in cluster.nodes
+        )
+
+    assert wait_until(failures_seen, 60)
+    # The outage outlasts every report's retries (etcd client retry window + request
+    # timeout, about 3 s): this is the fault's length, not a wait for a condition.
+    time.sleep(5.0)
+    cluster.etcd.start()
+    cluster.wait_finished(180)
+    curve = cluster.curve()
+    assert sorted(curve) == list(range(STEPS)), sorted(curve)
+    for step, (loss, _gen) in curve.items():
+        assert loss == pytest.approx(reference[step], rel=1e-4), step

@@ -102,3 +102,26 @@ def test_worker_transitions_refuse_what_is_not_written_down() -> None:
         transition(WorkerState.DONE, WorkerState.RUNNING)
     with pytest.raises(TransitionError):
         transition(WorkerState.WARM, WorkerState.RUNNING)
+
+
+def test_generation_phases_refuse_a_transition_not_written_down() -> None:
+    from elasticpp.agent.decide import PHASE_TRANSITIONS, Phase, phase_transition
+
+    assert phase_transition(Phase.STOPPING, Phase.MOVING) is Phase.MOVING
+    assert phase_transition(Phase.RUNNING, Phase.RUNNING) is Phase.RUNNING
+    with pytest.raises(TransitionError, match="from done to running"):
+        phase_transition(Phase.DONE, Phase.RUNNING)
+    with pytest.raises(TransitionError):
+        phase_transition(Phase.STOPPING, Phase.RUNNING)  # ranks start only after moving
+    assert set(PHASE_TRANSITIONS) == set(Phase)
+
+
+def test_every_phase_that_waits_on_others_has_a_deadline_of_at_least_the_hang_timeout() -> None:
+    from elasticpp.agent.decide import Phase, phase_deadline_s
+
+    for phase in (Phase.MOVING, Phase.STARTING):
+        deadline = phase_deadline_s(phase, 300.0)
+        assert deadline is not None and deadline >= 300.0
+        floor = phase_deadline_s(phase, 1.0)
+        assert floor is not None and floor >= 60.0  # never under a rendezvous timeout
+    assert phase_deadline_s(Phase.RUNNING, 5.0) is None  # hangs are the hang check's

@@ -3,13 +3,15 @@ constructed agent, recorded events, a fake of the cluster's one call it makes he
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.decide import WorkerState
+from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.train.procs import EXITED
@@ -51,6 +53,9 @@ class _Cluster:
     def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
         self.arrivals.append((barrier, node_id, value))
 
+    def housekeep(self, generation: int) -> int:
+        return 0
+
 
 def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_done(
     tmp_path: Path,
@@ -60,7 +65,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent = Agent(cfg, spec)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._gen = _GenState(record=record, phase="running")
+    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
     for rank in range(2):
@@ -88,18 +93,221 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), spec)
     plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
-    gs = _GenState(record=record, phase="running", resume_written=True)
+    gs = _GenState(record=record, phase=Phase.RUNNING, resume_written=True)
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
     agent._barriers = {
         "timelines": {"gen-2": {"generation": 2, "resume_step": 10}},
         "started-2": {"n0": {"at": time.time(), "moved_at": time.time()}},
-        "resume-2": {"n9": {"step": 10, "recomputed": 1}},
+        "resume-2": {RESUME_MEMBER: {"step": 10, "recomputed": 1}},
     }
     agent._lead_timeline(gs)
     assert cluster.arrivals == []  # n9's timeline of generation 2 stays
     del agent._barriers["timelines"]["gen-2"]
-    agent._lead_timeline(_GenState(record=record, phase="running", resume_written=True))
+    agent._lead_timeline(_GenState(record=record, phase=Phase.RUNNING, resume_written=True))
     [(barrier, key, timeline)] = cluster.arrivals
     assert (barrier, key) == ("timelines", "gen-2")
     assert timeline["resume_step"] == 10 and timeline["steps_recomputed"] == 1  # n9's resume
+
+
+def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
+    tmp_path: Path,
+) -> None:
+    """Leadership moved mid-transition: the record names n9, the instruction came from the
+    leader after it. Before, followers read only n9's and waited for good."""
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    agent._gen = gs
+    agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
+    agent._move_state(gs)
+    assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch_thread is not None
+    gs.fetch_thread.join(timeout=10)
+    assert gs.fetch_error is None
+
+
+def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Path) -> None:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    agent.cluster = _Cluster()  # type: ignore[assignment]  # any write would fail here
+    agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
+    agent._lead_resume(gs, agent._view())
+    assert gs.resume_written
+
+
+def _errors(agent: Agent, source: str) -> float:
+    value = agent.metrics.registry.get_sample_value(
+        "elasticpp_agent_errors_total", {**agent.metrics.labels, "source": source}
+    )
+    return value or 0.0
+
+
+def test_a_disk_error_on_a_worker_event_is_counted_and_the_next_events_still_count(
+    tmp_path: Path,
+) -> None:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    plan = _plan(1)
+    record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
+    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent.metrics_path.mkdir()  # every append to metrics.jsonl now fails, as on a full disk
+    proc = _Proc(100)
+    agent._workers[proc.pid] = _Worker(
+        proc=proc,  # type: ignore[arg-type]
+        rank=0,
+        generation=1,
+        plan=plan,
+        state=WorkerState.RUNNING,
+    )
+    agent._wq.put((proc, {"event": "step", "step": 0, "loss": 2.5}))  # type: ignore[arg-type]
+    agent._wq.put((proc, {"event": "step", "step": 1}))  # type: ignore[arg-type]  # malformed
+    agent._wq.put((proc, {"event": "stopped", "step": 2}))  # type: ignore[arg-type]
+    agent._drain_worker_events()
+    assert _errors(agent, "worker") == 2
+    assert agent._workers[100].state is WorkerState.STOPPED  # the event after them counted
+
+
+def test_the_loop_survives_an_error_from_a_tick_and_goes_on(tmp_path: Path) -> None:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    ticks: list[int] = []
+
+    def tick() -> None:
+        ticks.append(1)
+        if len(ticks) < 3:
+            raise OSError(28, "No space left on device")
+        agent._done = True
+
+    agent._tick = tick  # type: ignore[method-assign]
+    assert agent.run() == 0
+    assert len(ticks) == 3 and _errors(agent, "internal") == 2
+
+
+def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_failed(
+    tmp_path: Path,
+) -> None:
+    """The wedge: a node waiting for its ranks to start (or for a resume instruction) waited
+    for good. Past the phase's deadline it now reports a failure, so the leader re-plans."""
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
+    cluster = _Cluster()
+    agent.cluster = cluster  # type: ignore[assignment]
+    for phase in (Phase.MOVING, Phase.STARTING):
+        gs = _GenState(record=record, phase=phase)
+        agent._gen = gs
+        agent._check_phase_deadline(gs)
+        assert gs.phase is phase and cluster.arrivals == []  # within the deadline
+        gs.phase_since_s -= 1000.0
+        agent._check_phase_deadline(gs)
+        assert gs.phase is Phase.FAILED
+        [(barrier, node, value)] = cluster.arrivals
+        assert (barrier, node) == ("failed-3", "n0") and "waited" in value["reason"]
+        cluster.arrivals.clear()
+        agent._pending_failures.clear()
+
+
+class _LapsedRegistration:
+    def __init__(self) -> None:
+        self.lapsed = True
+
+    def may_have_lapsed(self) -> bool:
+        return self.lapsed
+
+
+def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewed(
+    tmp_path: Path,
+) -> None:
+    import hashlib
+
+    from elasticpp.checkpoint.manifest import step_dirname
+
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    plan = _plan(1)
+    record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
+    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    reg = _LapsedRegistration()
+    agent._registration = reg
+    proc = _Proc(100)
+    agent._workers[proc.pid] = _Worker(
+        proc=proc,  # type: ignore[arg-type]
+        rank=0,
+        generation=1,
+        plan=plan,
+        state=WorkerState.RUNNING,
+    )
+
+    def snapshot(step: int) -> dict[str, Any]:
+        d = agent.store.snapshot_dir(1) / step_dirname(step)
+        d.mkdir(parents=True)
+        pieces = []
+        for unit in plan.model.units:
+            name = f"{unit}.tp0-1.safetensors"
+            data = f"{name}{step}".encode()
+            (d / name).write_bytes(data)
+            pieces.append(
+                {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            )
+        return {"event": "snapshot", "step": step, "pieces": pieces}
+
+    agent._wq.put((proc, snapshot(1)))  # type: ignore[arg-type]
+    agent._drain_worker_events()
+    assert agent.store.committed_steps() == []  # fenced
+    reg.lapsed = False
+    agent._wq.put((proc, snapshot(2)))  # type: ignore[arg-type]
+    agent._drain_worker_events()
+    assert agent.store.committed_steps() == [2]
+
+
+def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_copy(
+    tmp_path: Path,
+) -> None:
+    spec = parse_job_spec(
+        {
+            "name": "j",
+            "model": "tiny",
+            "global_batch": 4,
+            "micro_batch": 2,
+            "steps": 5,
+            "seed": 0,
+            "min_nodes": 1,
+            "max_nodes": 1,
+            "persist_dir": str(tmp_path / "ckpt"),
+        }
+    )
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "a"), spec)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not state")
+    record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=3)
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    bad = ["../../secret.txt", "<disk>", "<disk>", "0" * 64, 9]
+    agent._fetch(gs, {"step": 3, "fetches": {"0": [bad]}})
+    assert gs.fetch_error is not None and "secret.txt" in gs.fetch_error
+    assert not any(p.name == "secret.txt" for p in (tmp_path / "a").rglob("*"))
+
+
+def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path: Path) -> None:
+    import os
+
+    from elasticpp.agent.node import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
+
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    for g in (1, 2, 3):
+        (tmp_path / "resume" / f"gen-{g:06d}").mkdir(parents=True)
+    agent.log_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(WORKER_LOGS_KEPT + 8):
+        log_file = agent.log_dir / f"n0-w{i:04d}.log"
+        log_file.write_text("x")
+        os.utime(log_file, (1000 + i, 1000 + i))
+    agent._clean_local(3)
+    assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["gen-000003"]
+    logs = sorted(p.name for p in agent.log_dir.iterdir())
+    assert len(logs) == WORKER_LOGS_KEPT and logs[0] == "n0-w0008.log"  # the newest kept
+
+    with agent.metrics_path.open("wb") as f:
+        f.truncate(METRICS_ROTATE_BYTES + 1)  # sparse: a file that grew for weeks
+    plan = _plan(1)
+    proc = _Proc(100)
+    w = _Worker(proc=proc, rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    agent._on_step(w, {"step": 7, "loss": 1.5})
+    rotated = agent.metrics_path.with_name("metrics.jsonl.1")
+    assert rotated.stat().st_size == METRICS_ROTATE_BYTES + 1
+    assert [json.loads(x)["step"] for x in agent.metrics_path.read_text().splitlines()] == [7]

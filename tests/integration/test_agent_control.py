@@ -1,0 +1,134 @@
+"""The agent's control surface on real gRPC: health follows the decision loop's heartbeat,
+and event streams and piece transfers have limits of their own, so neither can take the
+threads that health checks need."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from elasticpp.agent.jobspec import parse_job_spec
+from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.service import AgentServicer
+from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+from elasticpp.waiting import wait_until
+
+SPEC = parse_job_spec(
+    {
+        "name": "ctl",
+        "model": "tiny",
+        "global_batch": 4,
+        "micro_batch": 2,
+        "steps": 5,
+        "seed": 0,
+        "min_nodes": 1,
+        "max_nodes": 1,
+    }
+)
+
+
+def _health(address: str) -> str:
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[grpc.Server, str]]:
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    yield srv, f"127.0.0.1:{port}"
+    srv.stop(grace=None)
+
+
+@pytest.mark.timeout(60)
+def test_health_is_not_serving_while_the_decision_loop_is_stalled(
+    tmp_path: Path, server: tuple[grpc.Server, str]
+) -> None:
+    srv, address = server
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    agent._health = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(agent._health, srv)
+    srv.start()
+    agent._health.set("", health_pb2.HealthCheckResponse.SERVING)
+    agent._server = srv
+    agent._heartbeat_s = time.monotonic() - 60.0  # the loop last ran a minute ago
+    watchdog = threading.Thread(target=agent._watch_loop, daemon=True)
+    watchdog.start()
+    try:
+        assert wait_until(lambda: _health(address) == "NOT_SERVING", 10)
+        agent._heartbeat_s = time.monotonic() + 3600.0  # the loop runs again
+        assert wait_until(lambda: _health(address) == "SERVING", 10)
+    finally:
+        agent._stop.set()
+        watchdog.join(timeout=5)
+
+
+class _Agent:
+    """The two calls the control servicer makes, on a quiet agent."""
+
+    def status_snapshot(self) -> dict[str, Any]:
+        return {
+            "node_id": "n0",
+            "job": "ctl",
+            "generation": 1,
+            "leader": "n0",
+            "phase": "running",
+            "layout": "",
+            "last_step": 3,
+            "last_loss": 1.0,
+            "members": ["n0"],
+            "workers": [],
+            "recoveries": [],
+        }
+
+    def events_since(self, index: int, timeout_s: float) -> tuple[list[Any], int]:
+        time.sleep(min(timeout_s, 0.2))  # a stream with nothing to say
+        return [], index
+
+
+@pytest.mark.timeout(60)
+def test_event_streams_beyond_their_limit_are_refused_and_health_still_answers(
+    server: tuple[grpc.Server, str],
+) -> None:
+    srv, address = server
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(
+        AgentServicer(_Agent(), max_event_streams=2),  # type: ignore[arg-type]
+        srv,
+    )
+    srv.start()
+    channel = grpc.insecure_channel(address)
+    stub = agent_pb2_grpc.AgentServiceStub(channel)
+    try:
+        streams = [stub.WatchEvents(agent_pb2.WatchEventsRequest()) for _ in range(2)]
+        # Streams are admitted as the server gets to them: wait until both hold their slot.
+        assert wait_until(lambda: _refused(stub), 10)
+        assert _health(address) == "SERVING"
+        assert stub.GetStatus(agent_pb2.GetStatusRequest(), timeout=5).last_step == 3
+        for s in streams:
+            s.cancel()
+        assert wait_until(lambda: not _refused(stub), 10)  # a closed stream frees its slot
+    finally:
+        channel.close()
+
+
+def _refused(stub: agent_pb2_grpc.AgentServiceStub) -> bool:
+    """Whether one more event stream is refused with RESOURCE_EXHAUSTED now."""
+    probe = stub.WatchEvents(agent_pb2.WatchEventsRequest(), timeout=0.5)
+    try:
+        next(probe)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        probe.cancel()
+    return False
