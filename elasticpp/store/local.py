@@ -29,7 +29,8 @@ Invariants this module keeps:
 - On the hot path (a worker reports a step, the agent commits it) files are only stat'ed:
   the worker computed the sha256 while writing. A piece's bytes are hashed at most once by
   the store, on its first local use (`verify_piece`, `materialize`); every remote transfer is
-  verified end to end by the receiver.
+  verified end to end by the receiver. A commit one of whose pieces fails its checksum on
+  local use leaves the holdings at once (and is deleted): no later resume is planned on it.
 """
 
 from __future__ import annotations
@@ -421,6 +422,21 @@ class LocalStore:
         except FileNotFoundError:
             ok = False
         if not ok:
+            # A commit with a corrupt piece leaves the holdings at once: the next resume
+            # must take that state from a replica, a twin or an older step, not fail on the
+            # same piece generation after generation.
+            with self._lock:
+                held = self._committed.get((key[0], key[1]))
+                if held is not None and held.generation == key[2]:
+                    del self._committed[(key[0], key[1])]
+                    self._retire(key)
+            log.warning(
+                "store %s: piece %s of %s step %d fails its checksum; that commit is dropped",
+                self.node_id,
+                name,
+                key[0],
+                key[1],
+            )
             raise CheckpointError(f"piece {name} of {key[0]} step {key[1]} fails its checksum")
         with self._lock:
             self._verified.add((key, name))

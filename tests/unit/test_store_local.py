@@ -157,6 +157,9 @@ def test_materialize_links_verified_pieces_and_refuses_corrupt_ones(tmp_path: Pa
     bad.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="fails its checksum"):
         store.materialize(tmp_path / "r2", [("n0", 2, NAMES[1])])
+    # The corrupt commit leaves the holdings: no resume is planned on it again.
+    assert list(store.holdings().steps) == [("n0", 1)]
+    assert not store.step_dir("n0", 2, 0).exists()
 
 
 def test_replica_commit_checks_presence_and_keeps_newest_per_origin(tmp_path: Path):
