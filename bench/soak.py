@@ -1,0 +1,539 @@
+"""Soak: a local elastic job under a long random sequence of mixed faults.
+
+    python bench/soak.py --faults 100 [--seed 0] [--nodes 3] [--slots 1] [--kinds a,b,...]
+
+N agents on a real etcd (a `LocalCluster`), one job, and a fault injector that draws a fault
+kind at random (seeded; every kind comes up once before any comes up again) whenever the job
+is steady: every node is in the newest generation, training makes progress and every warm
+pool is full. After each fault it checks that training resumes (two new steps within
+`--resume-timeout-s`), gives back what the fault took (restarts a killed node, continues a
+stopped process) and waits until the job is steady again. At the end the job runs to its
+last step and the harness checks:
+
+- every step's loss equals the uninterrupted single-worker run of the same job (`elasticpp
+  train`, same seed, same global batch, same step count) to 1e-4 relative;
+- no committed step was lost: no recovery recomputed more than the one step in flight;
+- no process is left behind.
+
+Per fault kind it prints (and writes to `soak.json`) the count, how many survived, the stall
+p50/p95/max and the steps recomputed. Stall = the longest gap between consecutive steps
+between this fault and the next, minus the median gap of the whole run (DESIGN.md targets:
+≤ 1 s after a worker crash or a non-leader node loss, ≤ 2 s after the leader's node dies).
+
+Fault kinds (`KINDS`): worker_kill, node_kill, leader_kill, worker_hang, agent_stop,
+etcd_restart, etcd_outage_worker_death, corrupt_piece, second_fault_in_recovery. Not yet
+here: a full disk (tmpfs) and a network partition (namespaces), both needing root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.localcluster import LocalCluster
+from elasticpp.proctree import descendants
+from elasticpp.waiting import wait_until
+
+GLOBAL_BATCH = 12
+MICRO_BATCH = 2
+STEPS_PER_FAULT = 60  # the job's length: enough steps for every fault and its recovery
+LEASE_TTL_S = 3
+HANG_TIMEOUT_S = 5
+
+
+# A slot modelled without per-message latency, so that the planner picks pipeline and
+# tensor-parallel layouts and recoveries must move sliced state between nodes (with the
+# calibrated `cpu` preset the planner picks pure data parallelism for this model, and any
+# survivor holds every layer).
+SLICED_DEVICE: dict[str, Any] = {
+    "name": "cpu-no-latency",
+    "memory_gib": 8,
+    "peak_tflops": 0.03,
+    "intra_node_gbps": 5,
+    "inter_node_gbps": 1,
+    "intra_node_latency_us": 0,
+    "inter_node_latency_us": 0,
+}
+
+
+def job_spec(steps: int, seed: int, device: str = "sliced") -> dict[str, Any]:
+    return {
+        "device": SLICED_DEVICE if device == "sliced" else device,
+        "name": "soak",
+        "model": "tiny",
+        "global_batch": GLOBAL_BATCH,
+        "micro_batch": MICRO_BATCH,
+        "steps": steps,
+        "seed": seed,
+        "min_nodes": 1,
+        "max_nodes": 8,
+        "lease_ttl_s": LEASE_TTL_S,
+        "join_settle_s": 0.5,
+        "hang_timeout_s": HANG_TIMEOUT_S,
+    }
+
+
+def reference_curve(workdir: Path, steps: int, seed: int) -> dict[int, float]:
+    out = workdir / "reference.jsonl"
+    subprocess.run(
+        [
+            sys.executable, "-m", "elasticpp.cli.main", "train", "--model", "tiny",
+            "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH),
+            "--steps", str(steps), "--seed", str(seed), "--metrics", str(out),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return {int(r["step"]): float(r["loss"]) for r in map(json.loads, out.read_text().splitlines())}
+
+
+# --------------------------------------------------------------------------- observing
+
+
+def newest_times(lc: LocalCluster) -> dict[int, float]:
+    """step -> when the newest generation that trained it had it on every node."""
+    best: dict[int, tuple[int, float]] = {}
+    for r in lc.metrics():
+        step, gen, at = int(r["step"]), int(r["generation"]), float(r["time"])
+        g, t = best.get(step, (-1, 0.0))
+        if gen > g:
+            best[step] = (gen, at)
+        elif gen == g:
+            best[step] = (gen, max(t, at))
+    return {s: t for s, (_, t) in best.items()}
+
+
+def status(lc: LocalCluster, node_id: str) -> Any:
+    import grpc
+
+    from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+
+    with grpc.insecure_channel(lc.node(node_id).address) as ch:
+        return agent_pb2_grpc.AgentServiceStub(ch).GetStatus(
+            agent_pb2.GetStatusRequest(), timeout=5
+        )
+
+
+def training_pids(lc: LocalCluster, node_id: str) -> list[int]:
+    with contextlib.suppress(Exception):
+        return [w.pid for w in status(lc, node_id).workers if w.state == "running"]
+    return []
+
+
+def cluster_state(lc: LocalCluster) -> tuple[str | None, int]:
+    from elasticpp.cluster import ClusterClient
+
+    with ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c:
+        record, _ = c.read_generation()
+        return c.leader(), record.generation if record else 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for child in descendants(pid):
+        with contextlib.suppress(OSError, ValueError):
+            stat = Path(f"/proc/{child}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(child)
+    return out
+
+
+def _idle_worker(pid: int) -> bool:
+    """A warm worker that imported torch and waits for work blocks in read(0, ...)."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0
+
+
+def steady(lc: LocalCluster, since_step: int) -> bool:
+    """Every node runs its ranks in the newest generation, which trained two steps past
+    `since_step`, and every node's warm pool is full."""
+    rows = lc.metrics()
+    if not rows:
+        return False
+    gen = max(int(r["generation"]) for r in rows)
+    in_gen = [r for r in rows if int(r["generation"]) == gen]
+    if {r["node"] for r in in_gen} != {n.node_id for n in lc.nodes}:
+        return False
+    if max(int(r["step"]) for r in in_gen) < since_step + 2:
+        return False
+    for n in lc.nodes:
+        if n.proc is None or n.proc.poll() is not None:
+            return False
+        if sum(_idle_worker(p) for p in _children(n.proc.pid)) < lc.slots:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@dataclass
+class Ctx:
+    lc: LocalCluster
+    rng: random.Random
+    undo: list[Callable[[], None]] = field(default_factory=list)
+
+    def non_leader(self) -> str:
+        leader, _ = cluster_state(self.lc)
+        others = [n.node_id for n in self.lc.nodes if n.node_id != leader]
+        return self.rng.choice(others)
+
+    def any_node(self) -> str:
+        return self.rng.choice([n.node_id for n in self.lc.nodes])
+
+    def kill_a_worker(self, node_id: str | None = None) -> str:
+        node = node_id or self.any_node()
+        pids = training_pids(self.lc, node)
+        if not pids:
+            raise RuntimeError(f"{node}: no training worker to kill")
+        os.kill(self.rng.choice(pids), signal.SIGKILL)
+        return node
+
+
+def f_worker_kill(ctx: Ctx) -> str:
+    return f"kill -9 of a worker on {ctx.kill_a_worker()}"
+
+
+def _kill_node(ctx: Ctx, node: str) -> None:
+    ctx.lc.kill_node(node)
+
+    def restart() -> None:
+        ctx.lc.start_node(node)
+
+    ctx.undo.append(restart)
+
+
+def f_node_kill(ctx: Ctx) -> str:
+    node = ctx.non_leader()
+    _kill_node(ctx, node)
+    return f"kill -9 of {node} (agent and workers)"
+
+
+def f_leader_kill(ctx: Ctx) -> str:
+    leader, _ = cluster_state(ctx.lc)
+    if leader is None:
+        raise RuntimeError("no leader")
+    _kill_node(ctx, leader)
+    return f"kill -9 of the leader's node {leader}"
+
+
+def f_worker_hang(ctx: Ctx) -> str:
+    node = ctx.any_node()
+    pid = ctx.rng.choice(training_pids(ctx.lc, node))
+    os.kill(pid, signal.SIGSTOP)
+    ctx.undo.append(lambda: _signal(pid, signal.SIGCONT))
+    return f"SIGSTOP of a worker on {node} (hang)"
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def f_agent_stop(ctx: Ctx) -> str:
+    node = ctx.non_leader()
+    proc = ctx.lc.node(node).proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    # Past its lease: the job re-plans without it; when it runs again it must come back
+    # fenced (nothing committed meanwhile) and rejoin.
+    time.sleep(LEASE_TTL_S + 2.0)
+    os.kill(proc.pid, signal.SIGCONT)
+    return f"SIGSTOP of {node}'s agent for {LEASE_TTL_S + 2.0:.0f} s"
+
+
+def f_etcd_restart(ctx: Ctx) -> str:
+    ctx.lc.etcd.kill()
+    ctx.lc.etcd.start()
+    ctx.kill_a_worker()  # a membership change right after, so etcd is needed at once
+    return "kill -9 and restart of etcd, then a worker kill"
+
+
+def f_etcd_outage_worker_death(ctx: Ctx) -> str:
+    ctx.lc.etcd.stop()
+    node = ctx.kill_a_worker()
+    time.sleep(HANG_TIMEOUT_S + 1.0)  # the outage outlasts the hang timeout
+    ctx.lc.etcd.start()
+    return f"etcd down {HANG_TIMEOUT_S + 1.0:.0f} s with a worker on {node} killed inside"
+
+
+def f_corrupt_piece(ctx: Ctx) -> str:
+    node = ctx.any_node()
+    own = ctx.lc.node(node).state_dir / "store" / "own"
+    steps = sorted(
+        (p for p in own.glob("gen-*/step-*") if (p / "manifest.json").is_file()),
+        key=lambda p: (p.parent.name, p.name),
+    )
+    if not steps:
+        raise RuntimeError(f"{node}: no committed step to corrupt")
+    pieces = sorted(steps[-1].glob("*.safetensors"))
+    victim = ctx.rng.choice(pieces)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))  # in place: hard links (resume dirs) see it too
+    ctx.kill_a_worker(node)
+    return f"corrupted {victim.name} of {steps[-1].name} on {node}, then a worker kill there"
+
+
+def f_second_fault_in_recovery(ctx: Ctx) -> str:
+    _, gen = cluster_state(ctx.lc)
+    ctx.kill_a_worker()
+    wait_until(lambda: cluster_state(ctx.lc)[1] > gen, 30, interval_s=0.02)
+    delay = ctx.rng.uniform(0.0, 1.5)  # lands in stopping, moving or starting
+    time.sleep(delay)
+    for n in ctx.rng.sample([n.node_id for n in ctx.lc.nodes], len(ctx.lc.nodes)):
+        pids = [p for p in _children(ctx.lc.node(n).proc.pid) if not _idle_worker(p)]  # type: ignore[union-attr]
+        if pids:
+            os.kill(ctx.rng.choice(pids), signal.SIGKILL)
+            return f"worker kill, then another on {n} {delay:.2f} s into the recovery"
+    return f"worker kill; no second worker found {delay:.2f} s into the recovery"
+
+
+KINDS: dict[str, Callable[[Ctx], str]] = {
+    "worker_kill": f_worker_kill,
+    "node_kill": f_node_kill,
+    "leader_kill": f_leader_kill,
+    "worker_hang": f_worker_hang,
+    "agent_stop": f_agent_stop,
+    "etcd_restart": f_etcd_restart,
+    "etcd_outage_worker_death": f_etcd_outage_worker_death,
+    "corrupt_piece": f_corrupt_piece,
+    "second_fault_in_recovery": f_second_fault_in_recovery,
+}
+
+
+# --------------------------------------------------------------------------- the soak
+
+
+@dataclass
+class FaultRecord:
+    index: int
+    kind: str
+    what: str
+    at: float
+    step_before: int
+    survived: bool
+    resumed_s: float | None
+    stall_s: float = float("nan")
+    recomputed: int = 0
+
+
+@dataclass
+class SoakResult:
+    faults: list[FaultRecord]
+    curve_ok: bool
+    curve_errors: list[str]
+    steps: int
+    lost_steps: int
+    leftover_processes: list[int]
+    median_step_s: float
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.curve_ok
+            and not self.leftover_processes
+            and self.lost_steps == 0
+            and all(f.survived for f in self.faults)
+        )
+
+
+def kind_order(kinds: list[str], count: int, rng: random.Random) -> list[str]:
+    """`count` kinds, every kind once per round, each round in a seeded random order."""
+    out: list[str] = []
+    while len(out) < count:
+        round_ = list(kinds)
+        rng.shuffle(round_)
+        out += round_
+    return out[:count]
+
+
+def run_soak(
+    workdir: Path,
+    *,
+    faults: int,
+    seed: int = 0,
+    nodes: int = 3,
+    slots: int = 1,
+    kinds: list[str] | None = None,
+    device: str = "sliced",
+    resume_timeout_s: float = 120.0,
+    log: Callable[[str], None] = print,
+) -> SoakResult:
+    kinds = kinds or list(KINDS)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown fault kind(s) {unknown}; known: {sorted(KINDS)}")
+    rng = random.Random(seed)
+    steps = 20 + STEPS_PER_FAULT * faults
+    started = time.monotonic()
+    reference = reference_curve(workdir, steps, seed)
+    lc = LocalCluster(workdir / "job", job_spec(steps, seed, device), nodes=nodes, slots=slots)
+    records: list[FaultRecord] = []
+    try:
+        lc.start()
+        lc.wait_for(lambda: steady(lc, 0), 180, "the job to start")
+        for i, kind in enumerate(kind_order(kinds, faults, rng)):
+            step0 = lc.max_step()
+            if step0 >= steps - STEPS_PER_FAULT // 2:
+                log(f"job near its end at step {step0}: {faults - i} fault(s) not injected")
+                break
+            ctx = Ctx(lc, rng)
+            at = time.time()
+            what = KINDS[kind](ctx)
+            survived = wait_until(
+                lambda s=step0: lc.max_step() >= s + 2 or lc.max_step() >= steps - 1,
+                resume_timeout_s,
+                interval_s=0.05,
+            )
+            resumed_s = time.time() - at if survived else None
+            for undo in ctx.undo:
+                undo()
+            records.append(FaultRecord(i, kind, what, at, step0, survived, resumed_s))
+            log(
+                f"fault {i + 1}/{faults} {kind}: {what}: "
+                + (f"training resumed after {resumed_s:.2f} s" if survived else "NOT RESUMED")
+            )
+            if not survived:
+                break
+            now_step = lc.max_step()
+            if not wait_until(
+                lambda s=now_step: steady(lc, s) or lc.max_step() >= steps - 1,
+                resume_timeout_s,
+                interval_s=0.2,
+            ):
+                log(f"fault {i + 1}: the job did not become steady again")
+                records[-1].survived = False
+                break
+        lc.wait_finished(600)
+        curve = lc.curve()
+        timelines = lc.timelines()
+    finally:
+        lc.close()
+    leftover = list(descendants(os.getpid()))
+    errors = [
+        f"step {s}: {curve[s][0]} vs {reference[s]}"
+        for s in sorted(reference)
+        if s not in curve or abs(curve[s][0] - reference[s]) > 1e-4 * abs(reference[s])
+    ]
+    times = newest_times_from(curve, lc)
+    gaps = [b - a for (_, a), (_, b) in itertools.pairwise(sorted(times.items()))]
+    median_gap = statistics.median(gaps) if gaps else float("nan")
+    lost = 0
+    for rec, nxt in itertools.zip_longest(records, records[1:]):
+        end = nxt.at if nxt else float("inf")
+        window = [
+            b - a
+            for (_, a), (_, b) in itertools.pairwise(sorted(times.items()))
+            if rec.at < b <= end
+        ]
+        rec.stall_s = max(window, default=float("nan")) - median_gap
+        created = [t for t in timelines if rec.at <= float(t.get("detected_at", 0)) < end]
+        rec.recomputed = sum(int(t.get("steps_recomputed", 0)) for t in created)
+        lost += sum(max(0, int(t.get("steps_recomputed", 0)) - 1) for t in created)
+    return SoakResult(
+        records,
+        not errors,
+        errors[:10],
+        steps,
+        lost,
+        leftover,
+        median_gap,
+        time.monotonic() - started,
+    )
+
+
+def newest_times_from(curve: dict[int, tuple[float, int]], lc: LocalCluster) -> dict[int, float]:
+    """The step times of the run as it ended (read from the closed cluster's files)."""
+    times = newest_times(lc)
+    return {s: t for s, t in times.items() if s in curve}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def table(result: SoakResult) -> str:
+    lines = [
+        "| fault kind | count | survived | stall p50 (s) | stall p95 (s) | stall max (s) "
+        "| steps recomputed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind in sorted({f.kind for f in result.faults}):
+        fs = [f for f in result.faults if f.kind == kind]
+        stalls = [f.stall_s for f in fs]
+        lines.append(
+            f"| {kind} | {len(fs)} | {sum(f.survived for f in fs)} | {_pct(stalls, 0.5):.2f} "
+            f"| {_pct(stalls, 0.95):.2f} | {max(stalls):.2f} | {sum(f.recomputed for f in fs)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--faults", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--slots", type=int, default=1)
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds")
+    p.add_argument(
+        "--device",
+        default="sliced",
+        help="'sliced' (a latency-free slot model: pipeline/tensor layouts) or a preset (cpu)",
+    )
+    p.add_argument("--workdir", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.faults < 1 or args.nodes < 2 or args.slots < 1:
+        p.error("--faults >= 1, --nodes >= 2 and --slots >= 1 are required")
+    kinds = [k for k in args.kinds.split(",") if k]
+    if set(kinds) - set(KINDS):
+        p.error(f"unknown fault kind(s) {sorted(set(kinds) - set(KINDS))}; known: {sorted(KINDS)}")
+    with contextlib.ExitStack() as stack:
+        workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = run_soak(
+            workdir,
+            faults=args.faults,
+            seed=args.seed,
+            nodes=args.nodes,
+            slots=args.slots,
+            kinds=kinds,
+            device=args.device,
+        )
+        (workdir / "soak.json").write_text(
+            json.dumps({**asdict(result), "ok": result.ok}, indent=1, default=str)
+        )
+    print(table(result))
+    print(
+        f"\n{len(result.faults)} fault(s) in {result.wall_s:.0f} s over {result.steps} steps "
+        f"(median step {result.median_step_s:.3f} s); curve "
+        + ("matches" if result.curve_ok else f"DIFFERS: {result.curve_errors}")
+        + f"; committed steps lost: {result.lost_steps}; processes left: "
+        f"{result.leftover_processes or 'none'}"
+    )
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""A short soak in CI: one fault of every kind `bench/soak.py` knows, drawn in a seeded
+order against a 3-node job; every fault must be survived, the loss curve must be the
+uninterrupted run's, no committed step may be lost and no process left behind. The long
+soak (100+ faults) is `python bench/soak.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.soak import KINDS, run_soak, table
+
+
+@pytest.mark.timeout(900)
+def test_a_short_soak_survives_one_fault_of_every_kind_on_the_reference_curve(
+    tmp_path: Path,
+) -> None:
+    lines: list[str] = []
+    result = run_soak(tmp_path, faults=len(KINDS), seed=1, nodes=3, slots=1, log=lines.append)
+    report = "\n".join([*lines, table(result)])
+    assert [f.kind for f in result.faults] and sorted({f.kind for f in result.faults}) == sorted(
+        KINDS
+    ), report
+    assert all(f.survived for f in result.faults), report
+    assert result.curve_ok, f"{result.curve_errors}\n{report}"
+    assert result.lost_steps == 0, report
+    assert not result.leftover_processes, report
