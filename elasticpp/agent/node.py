@@ -84,6 +84,7 @@ from elasticpp.train.worker import is_snapshot_writer
 log = logging.getLogger("elasticpp.agent")
 
 DEAD_RECHECK_S = 2.0  # how often the leader probes nodes it confirmed dead
+LEADER_SUSPECT_S = 0.3  # a failure left unanswered this long makes followers probe the leader
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
@@ -214,6 +215,8 @@ class Agent:
         self._pending_failures: dict[int, dict[str, Any]] = {}  # generation -> report
         self._errors_seen: set[tuple[str, str, str]] = set()
         self._fence_logged = False
+        self._suspect_since: dict[int, float] = {}  # generation -> failure first seen
+        self._leader_probed_s = 0.0
         self._persister: Persister | None = None
         self._joined = False
         self._heartbeat_s = time.monotonic()  # the loop's last iteration (loop-watchdog)
@@ -527,6 +530,7 @@ class Agent:
             return  # training goes on; membership changes wait for etcd
         try:
             self._publish_failures()
+            self._check_leader()
             self._maybe_campaign()
             self._follow_generation()
             if self._is_leader():
@@ -1115,8 +1119,35 @@ class Agent:
             and self._leader == self.node_id
         )
 
+    def _check_leader(self) -> None:
+        """Detect by suspicion, confirm by probe, for the leader too: when a failure of the
+        current generation has waited LEADER_SUSPECT_S without a new plan, a follower probes
+        the leader's agent and, if it is dead (a refused connection is final at once),
+        deposes its term so that a new leader is elected now, not after its lease lapses."""
+        rec, leader = self._record, self._leader
+        if rec is None or leader is None or leader == self.node_id:
+            return
+        failed = self._barriers.get(f"failed-{rec.generation}", {})
+        if not failed:
+            self._suspect_since.clear()
+            return
+        now = time.monotonic()
+        since = self._suspect_since.setdefault(rec.generation, now)
+        if now - since < LEADER_SUSPECT_S or now - self._leader_probed_s < DEAD_RECHECK_S:
+            return
+        self._leader_probed_s = now
+        address = self._members.get(leader, {}).get("address")
+        if address and probe.answers(str(address)):
+            return
+        assert self.cluster is not None
+        if self.cluster.depose(leader):
+            self._event("decision", f"leader {leader} confirmed dead by probe: deposed")
+            self._dead[leader] = str(self._members.get(leader, {}).get("incarnation", ""))
+            self._dirty = True
+
     def _maybe_campaign(self) -> None:
-        if self._leadership is not None and not self._leadership.is_held():
+        deposed = self._leader is not None and self._leader != self.node_id
+        if self._leadership is not None and (deposed or not self._leadership.is_held()):
             self._event("decision", f"node {self.node_id} lost the leadership")
             with contextlib.suppress(ElasticppError):
                 self._leadership.resign()

@@ -35,6 +35,7 @@ from elasticpp.cluster.errors import (
 )
 from elasticpp.cluster.etcd_client import (
     Compare,
+    Delete,
     EtcdKV,
     Put,
     WatchBatch,
@@ -507,6 +508,25 @@ class ClusterClient:
             self._kv, self.keys.leader, node_id, ttl, lease_id, revision, on_lost
         )
         return self._own(leadership)
+
+    def depose(self, node_id: str) -> bool:
+        """Remove the leader key of `node_id`'s term, for a leader confirmed dead by probe,
+        so that a new leader is elected now instead of when its lease lapses. Fenced: the
+        key is deleted only if it still holds that term (value and create revision read
+        here), so a leader elected meanwhile is never touched. True if deleted."""
+        kv = self._kv.get(self.keys.leader)
+        if kv is None or kv.value != node_id:
+            return False
+        ok, _, _ = self._kv.txn(
+            [
+                Compare(self.keys.leader, "value", node_id),
+                Compare(self.keys.leader, "create", kv.create_revision),
+            ],
+            [Delete(self.keys.leader)],
+        )
+        if ok:
+            log.info("leader %s deposed (confirmed dead)", node_id)
+        return ok
 
     def _revoke_quietly(self, lease_id: int) -> None:
         # An unused lease lapses by itself; revoking only frees it sooner.

@@ -73,6 +73,11 @@ class Put:
 
 
 @dataclass(frozen=True)
+class Delete:
+    key: str
+
+
+@dataclass(frozen=True)
 class WatchBatch:
     """Events of one watch response (in revision order)."""
 
@@ -218,7 +223,7 @@ class EtcdKV:
     def txn(
         self,
         compares: Sequence[Compare],
-        success: Sequence[Put],
+        success: Sequence[Put | Delete],
         failure_get: Sequence[str] = (),
     ) -> tuple[bool, list[KeyValue | None], int]:
         """All `compares` equal -> apply `success`; else read `failure_get` (one entry each).
@@ -232,7 +237,12 @@ class EtcdKV:
             if kind is None:
                 raise ConfigError(f"compare target {c.target!r}: allowed value, mod, create")
             built.append(kind(c.key) == c.value)
-        ops = [self._t.put(p.key, p.value, lease=p.lease_id) for p in success]
+        ops = [
+            self._t.delete(p.key)
+            if isinstance(p, Delete)
+            else self._t.put(p.key, p.value, lease=p.lease_id)
+            for p in success
+        ]
         gets = [self._t.get(k) for k in failure_get]
         ok, responses, revision = self._call(
             "txn", lambda: self._transaction(built, ops, gets), retry=False

@@ -167,6 +167,21 @@ def test_leader_fails_over_when_its_lease_lapses(clients: Callable[[], ClusterCl
     assert b.leader() == "n2"
 
 
+def test_a_leader_confirmed_dead_is_deposed_at_once_and_only_its_own_term(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    old = a.campaign("n1", ttl_s=30)  # a lease that would hold the key for 30 s
+    assert old is not None
+    assert not b.depose("n2")  # not the leader: nothing happens
+    assert b.depose("n1")
+    assert b.leader() is None
+    new = b.campaign("n2", ttl_s=30)
+    assert new is not None
+    assert not a.write_resume(1, {"step": 0}, old)  # the deposed term writes nothing
+    assert not a.depose("n1") and b.leader() == "n2"
+
+
 def test_resigned_leader_is_replaced_at_once(clients: Callable[[], ClusterClient]) -> None:
     a, b = clients(), clients()
     lead_a = a.campaign("n1", ttl_s=30)
