@@ -58,7 +58,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.localcluster import LocalCluster, descendants, kill_tree
+from elasticpp.agent.localcluster import LocalCluster, kill_tree
+from elasticpp.proctree import blocked_reading_stdin, children
 
 BASELINE_DIR = Path(__file__).resolve().parent / "torchrun_baseline"
 GLOBAL_BATCH = 16
@@ -172,31 +173,11 @@ def elasticpp_spec(name: str) -> dict[str, Any]:
     }
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for child in descendants(pid):
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{child}/stat").read_text()
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(child)
-    return out
-
-
-def _blocked_reading_stdin(pid: int) -> bool:
-    """A warm worker that has imported torch and said "ready" blocks in read(0, ...)."""
-    try:
-        fields = Path(f"/proc/{pid}/syscall").read_text().split()
-    except OSError:
-        return False
-    # x86-64 and arm64 number read 0 and 63; the first argument is the descriptor.
-    return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0
-
-
 def warm_pool_ready(lc: LocalCluster, node_id: str) -> bool:
     n = lc.node(node_id)
     if n.proc is None or n.proc.poll() is not None:
         return False
-    idle = [p for p in _children(n.proc.pid) if _blocked_reading_stdin(p)]
+    idle = [p for p in children(n.proc.pid) if blocked_reading_stdin(p)]
     return len(idle) >= lc.slots
 
 

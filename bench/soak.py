@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.proctree import descendants
+from elasticpp.proctree import blocked_reading_stdin, children, descendants
 from elasticpp.waiting import wait_until
 
 GLOBAL_BATCH = 12
@@ -142,25 +142,6 @@ def cluster_state(lc: LocalCluster) -> tuple[str | None, int]:
         return c.leader(), record.generation if record else 0
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for child in descendants(pid):
-        with contextlib.suppress(OSError, ValueError):
-            stat = Path(f"/proc/{child}/stat").read_text()
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(child)
-    return out
-
-
-def _idle_worker(pid: int) -> bool:
-    """A warm worker that imported torch and waits for work blocks in read(0, ...)."""
-    try:
-        fields = Path(f"/proc/{pid}/syscall").read_text().split()
-    except OSError:
-        return False
-    return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0
-
-
 def steady(lc: LocalCluster, since_step: int) -> bool:
     """Every node runs its ranks in the newest generation, which trained two steps past
     `since_step`, and every node's warm pool is full."""
@@ -176,7 +157,7 @@ def steady(lc: LocalCluster, since_step: int) -> bool:
     for n in lc.nodes:
         if n.proc is None or n.proc.poll() is not None:
             return False
-        if sum(_idle_worker(p) for p in _children(n.proc.pid)) < lc.slots:
+        if sum(blocked_reading_stdin(p) for p in children(n.proc.pid)) < lc.slots:
             return False
     return True
 
@@ -299,7 +280,7 @@ def f_second_fault_in_recovery(ctx: Ctx) -> str:
     delay = ctx.rng.uniform(0.0, 1.5)  # lands in stopping, moving or starting
     time.sleep(delay)
     for n in ctx.rng.sample([n.node_id for n in ctx.lc.nodes], len(ctx.lc.nodes)):
-        pids = [p for p in _children(ctx.lc.node(n).proc.pid) if not _idle_worker(p)]  # type: ignore[union-attr]
+        pids = [p for p in children(ctx.lc.node(n).proc.pid) if not blocked_reading_stdin(p)]  # type: ignore[union-attr]
         if pids:
             os.kill(ctx.rng.choice(pids), signal.SIGKILL)
             return f"worker kill, then another on {n} {delay:.2f} s into the recovery"

@@ -38,3 +38,26 @@ def process_tree(root_pid: int) -> dict[int, str]:
 
 def descendants(root_pid: int) -> list[int]:
     return list(process_tree(root_pid))
+
+
+def children(pid: int) -> list[int]:
+    """Live direct children of `pid`."""
+    out = []
+    for child in descendants(pid):
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(child)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def blocked_reading_stdin(pid: int) -> bool:
+    """Whether `pid` waits in read(0, ...): a warm worker that imported torch and waits for
+    its assignment does (x86-64 and arm64 number read 0 and 63)."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0

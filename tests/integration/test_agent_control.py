@@ -15,24 +15,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.service import AgentServicer
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 from elasticpp.waiting import wait_until
-
-SPEC = parse_job_spec(
-    {
-        "name": "ctl",
-        "model": "tiny",
-        "global_batch": 4,
-        "micro_batch": 2,
-        "steps": 5,
-        "seed": 0,
-        "min_nodes": 1,
-        "max_nodes": 1,
-    }
-)
+from tests.unit.test_agent_done import SPEC
 
 
 def _health(address: str) -> str:

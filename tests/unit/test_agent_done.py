@@ -16,18 +16,19 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.train.procs import EXITED
 
-SPEC = parse_job_spec(
-    {
-        "name": "j",
-        "model": "tiny",
-        "global_batch": 4,
-        "micro_batch": 2,
-        "steps": 5,
-        "seed": 0,
-        "min_nodes": 1,
-        "max_nodes": 1,
-    }
-)
+# One node, one tiny model: the job of every constructed agent here (and in the control
+# tests on real gRPC).
+SPEC_FIELDS: dict[str, Any] = {
+    "name": "j",
+    "model": "tiny",
+    "global_batch": 4,
+    "micro_batch": 2,
+    "steps": 5,
+    "seed": 0,
+    "min_nodes": 1,
+    "max_nodes": 1,
+}
+SPEC = parse_job_spec(SPEC_FIELDS)
 
 
 def _plan(generation: int) -> Plan:
@@ -260,19 +261,7 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
 def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_copy(
     tmp_path: Path,
 ) -> None:
-    spec = parse_job_spec(
-        {
-            "name": "j",
-            "model": "tiny",
-            "global_batch": 4,
-            "micro_batch": 2,
-            "steps": 5,
-            "seed": 0,
-            "min_nodes": 1,
-            "max_nodes": 1,
-            "persist_dir": str(tmp_path / "ckpt"),
-        }
-    )
+    spec = parse_job_spec({**SPEC_FIELDS, "persist_dir": str(tmp_path / "ckpt")})
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "a"), spec)
     secret = tmp_path / "secret.txt"
     secret.write_text("not state")
@@ -287,7 +276,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
 def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path: Path) -> None:
     import os
 
-    from elasticpp.agent.node import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
+    from elasticpp.agent.limits import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
 
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     for g in (1, 2, 3):

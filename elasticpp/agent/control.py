@@ -1,0 +1,186 @@
+"""The control part of the agent: what operators and probes see and ask.
+
+The gRPC servicers read a status snapshot the loop publishes, never the loop's live state;
+a drain is a request the loop carries out; health follows the loop's heartbeat (NOT_SERVING
+until joined and while the loop stalls); errors from outside are logged once and counted,
+never fatal. Also the end of the job and of a drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+
+from elasticpp.agent.decide import (
+    Phase,
+)
+from elasticpp.agent.limits import LOOP_STALL_S
+from elasticpp.agent.metrics import WORKER_STATES
+
+log = logging.getLogger("elasticpp.agent")
+
+
+class ControlPart:
+    """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
+
+    def _watch_loop(self) -> None:
+        """Health follows the decision loop's heartbeat: a wedged loop (a blocked call, a
+        stalled disk) makes the node NOT_SERVING, so probes and Kubernetes see the truth."""
+        serving = True
+        while not self._stop.wait(0.5):
+            stalled_s = time.monotonic() - self._heartbeat_s
+            ok = stalled_s < LOOP_STALL_S
+            if ok == serving:
+                continue
+            serving = ok
+            status = health_pb2.HealthCheckResponse
+            if self._server is None:
+                return
+            self._health.set("", status.SERVING if ok else status.NOT_SERVING)
+            if ok:
+                log.warning("decision loop running again: health SERVING")
+            else:
+                log.warning("decision loop stalled for %.1f s: health NOT_SERVING", stalled_s)
+
+    def _survive(self, source: str, exc: BaseException) -> None:
+        """Error policy: nothing from outside (an etcd value, a disk error, a worker event)
+        ends the agent. Logged once per distinct error, with its traceback; always counted."""
+        self.metrics.errors_total.labels(**self.metrics.labels, source=source).inc()
+        key = (source, type(exc).__name__, str(exc)[:200])
+        if key in self._errors_seen:
+            return
+        if len(self._errors_seen) > 1000:
+            self._errors_seen.clear()  # bounded: a flood of distinct errors is logged again
+        self._errors_seen.add(key)
+        log.error(
+            "%s error, the agent goes on: %s: %s", source, type(exc).__name__, exc, exc_info=exc
+        )
+
+    def _event(self, kind: str, message: str) -> None:
+        log.info("%s", message)
+        with self._event_cond:
+            self._events.append((time.time(), kind, message, self.generation))
+            self._total_events += 1
+            self._event_cond.notify_all()
+
+    def events_since(
+        self, index: int, timeout_s: float
+    ) -> tuple[list[tuple[float, str, str, int]], int]:
+        """Events after the `index`-th one ever logged (for the WatchEvents stream)."""
+        with self._event_cond:
+            total = self._events_total()
+            if total <= index:
+                self._event_cond.wait(timeout_s)
+                total = self._events_total()
+            items = list(self._events)
+            first = total - len(items)
+            return items[max(0, index - first) :], total
+
+    def _events_total(self) -> int:
+        return self._total_events
+
+    def _update_gauges(self) -> None:
+        m, lbl = self.metrics, self.metrics.labels
+        m.etcd_up.labels(**lbl).set(1 if self._etcd_ok else 0)
+        m.members.labels(**lbl).set(len(self._members))
+        m.is_leader.labels(**lbl).set(1 if self._is_leader() else 0)
+        m.generation.labels(**lbl).set(self.generation)
+        counts = dict.fromkeys(WORKER_STATES, 0)
+        counts["warm"] = len(self._warm)
+        for w in self._workers.values():
+            counts[w.state.value] += 1
+        for state, n in counts.items():
+            m.workers.labels(**lbl, state=state).set(n)
+
+    def _check_done(self) -> None:
+        done = self._barriers.get("done", {})
+        if any(int(v.get("step", -1)) >= self.spec.steps for v in done.values()):
+            self._job_done_step = self.spec.steps
+        gs = self._gen
+        mine = {s.rank for s in gs.plan.ranks_on(self.node_id)} if gs else set()
+        if gs and mine and mine <= gs.done_ranks and gs.phase is not Phase.DONE:
+            gs.enter(Phase.DONE)
+            assert self.cluster is not None
+            self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
+            self._event("decision", f"job finished all {self.spec.steps} steps")
+            self._job_done_step = self.spec.steps
+        if (
+            self._job_done_step is not None
+            and self.cfg.exit_when_done
+            and not any(w.proc.alive() for w in self._workers.values())
+        ):
+            self._done = True
+
+    def drain(self, timeout_s: float) -> tuple[bool, str]:
+        """Leave the job: the leader re-plans without this node at a step boundary, the new
+        layout takes this node's state, then the agent exits 0."""
+        if self._draining:
+            return True, "already draining"
+        self._draining = True
+        self._drain_deadline_s = time.monotonic() + max(timeout_s, 1.0)
+        self._drain_requested_gen = self.generation
+        self._wake.set()
+        return True, "draining: the job moves off this node at the next step boundary"
+
+    def _check_drain(self) -> None:
+        if not self._draining:
+            return
+        assert self.cluster is not None
+        if not self._drain_announced:
+            self._registration.update(self._member_info())
+            if self._leadership is not None:
+                self._leadership.resign()
+                self._leadership = None
+                self._leader = None
+            self._drain_announced = True
+            self._event("decision", "draining: announced; waiting for the hand-off")
+        gs = self._gen
+        handed_off = (
+            gs is not None
+            and self.node_id not in gs.record.extra.get("nodes", {})
+            and gs.generation > self._drain_requested_gen
+            and set(gs.record.extra.get("nodes", {}))
+            <= set(self._barriers.get(f"started-{gs.generation}", {}))
+        )
+        no_job = gs is None or self._job_done_step is not None
+        expired = self._drain_deadline_s is not None and time.monotonic() > self._drain_deadline_s
+        if handed_off or no_job or expired:
+            self._event("decision", "drained" if handed_off or no_job else "drain timed out")
+            self._done = True
+
+    def status_snapshot(self) -> dict[str, Any]:
+        """What the control RPCs read: a snapshot the loop publishes (at most STATUS_EVERY_S
+        old), never the loop's live state, which another thread must not iterate."""
+        snap = self._status
+        return snap if snap is not None else self.status()
+
+    def status(self) -> dict[str, Any]:
+        gs = self._gen
+        return {
+            "node_id": self.node_id,
+            "job": self.spec.name,
+            "generation": self.generation,
+            "leader": self._leader or "",
+            "phase": ("draining" if self._draining else gs.phase.value if gs else "waiting"),
+            "layout": str(gs.plan.layout) if gs else "",
+            "last_step": self.last_step,
+            "last_loss": self.last_loss,
+            "members": sorted(self._members),
+            "workers": [
+                {
+                    "rank": w.rank,
+                    "pid": w.proc.pid,
+                    "state": w.state.value,
+                    "last_step": w.last_step,
+                    "generation": w.generation,
+                    "coord": gs.plan.slot(w.rank).coord
+                    if gs and w.generation == gs.generation
+                    else None,
+                }
+                for w in self._workers.values()
+            ],
+            "recoveries": self.timelines(),
+        }

@@ -1,0 +1,227 @@
+"""The durability part of the agent: what the workers hand over becomes committed state.
+
+Steps are committed by (generation, step) into the node's `LocalStore` (a committed piece is
+never rewritten), replicated to ring peers and persisted to the checkpoint directory off the
+training path; resume state is fetched (local pieces linked, remote ones streamed with
+checksums; piece names from etcd parsed before use). An agent whose membership lease may
+have lapsed commits nothing (self-fencing). Local leftovers (older resume directories, worker
+logs, metrics.jsonl) are bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.follower import _GenState
+from elasticpp.agent.limits import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
+from elasticpp.agent.supervisor import _Worker
+from elasticpp.checkpoint.manifest import PieceKey, step_dirname
+from elasticpp.cluster.errors import (
+    ClusterUnavailableError,
+)
+from elasticpp.errors import CheckpointError
+from elasticpp.plan import ModelSpec
+from elasticpp.store.client import StateClient
+from elasticpp.store.holdings import DISK_SOURCE
+from elasticpp.store.persist import Persister, copy_verified
+from elasticpp.train.worker import is_snapshot_writer
+
+log = logging.getLogger("elasticpp.agent")
+
+
+class DurabilityPart:
+    """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
+
+    def _on_step(self, w: _Worker, event: dict[str, Any]) -> None:
+        step, gen = int(event["step"]), int(event.get("generation", w.generation))
+        self.last_step = max(self.last_step, step)
+        self._next_step_committed = max(self._next_step_committed, step + 1)
+        self.last_loss = float(event["loss"])
+        if (gen, step) in self._written_steps:
+            return
+        self._written_steps.add((gen, step))
+        m, lbl = self.metrics, self.metrics.labels
+        m.step.labels(**lbl).set(step)
+        m.loss.labels(**lbl).set(self.last_loss)
+        m.steps_total.labels(**lbl).inc()
+        if event.get("step_seconds") is not None:
+            m.step_seconds.labels(**lbl).observe(float(event["step_seconds"]))
+        plan = self._gen.plan if self._gen else None
+        line = {
+            "step": step,
+            "loss": event["loss"],
+            "generation": gen,
+            "layout": str(plan.layout) if plan else "",
+            "time": time.time(),
+            "node": self.node_id,
+            "lr": event.get("lr"),
+            "grad_norm": event.get("grad_norm"),
+            "step_seconds": event.get("step_seconds"),
+        }
+        # Rotated, one old file kept: a job that runs for weeks must not fill the disk.
+        with contextlib.suppress(FileNotFoundError):
+            if self.metrics_path.stat().st_size > METRICS_ROTATE_BYTES:
+                os.replace(self.metrics_path, self.metrics_path.with_name("metrics.jsonl.1"))
+        with self.metrics_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _on_snapshot(self, w: _Worker, event: dict[str, Any]) -> None:
+        step = int(event["step"])
+        try:
+            self.store.record_pieces(step, event["pieces"], w.generation)
+        except CheckpointError as exc:
+            # A report that is late (its generation already committed the step) or
+            # malformed: what is committed stays as it is.
+            log.info("snapshot of step %d from rank %d not recorded: %s", step, w.rank, exc)
+            return
+        reports = self._snap_reports.setdefault((w.generation, step), set())
+        reports.add(w.rank)
+        plan = w.plan
+        writers = {s.rank for s in plan.ranks_on(self.node_id) if is_snapshot_writer(plan, s.rank)}
+        if writers <= reports:
+            if self._fenced():
+                # Self-fencing: the job may have re-planned without this node; what it
+                # computes now must not become state that others resume from.
+                if not self._fence_logged:
+                    self._fence_logged = True
+                    self._event(
+                        "decision",
+                        f"membership lease may have lapsed: step {step} and later are not "
+                        "committed, replicated or persisted until it is renewed",
+                    )
+                return
+            if self._fence_logged:
+                self._fence_logged = False
+                self._event("decision", "membership lease renewed: committing again")
+            try:
+                self.store.commit(step, plan.model.units, w.generation)
+            except CheckpointError as exc:
+                log.warning("step %d not committed: %s", step, exc)
+                return
+            for old in [k for k in self._snap_reports if k[1] <= step]:
+                del self._snap_reports[old]
+            if self.cluster is not None:
+                # The job's high-water mark: a job that ever committed a step never silently
+                # starts over from step 0 when its state is lost.
+                with contextlib.suppress(ClusterUnavailableError):
+                    self.cluster.record_commit(w.generation, self.node_id, step)
+            if self.spec.replication_copies and step % self.spec.replication_every == 0:
+                self._replicate_async()
+            if (
+                self.spec.persist_dir
+                and self.spec.persist_every
+                and (step % self.spec.persist_every == 0 or step == self.spec.steps)
+            ):
+                self._persist_async(step, plan.model)
+
+    def _fenced(self) -> bool:
+        reg = self._registration
+        return reg is not None and bool(reg.may_have_lapsed())
+
+    def _init_path(self) -> str | None:
+        return None if self._init_dir is None else str(self._init_dir)
+
+    def _resume_dir(self, gs: _GenState) -> Path:
+        return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
+
+    def _fetch(self, gs: _GenState, resume: dict[str, Any]) -> None:
+        try:
+            step = int(resume["step"])
+            target = self._resume_dir(gs)
+            target.mkdir(parents=True, exist_ok=True)
+            plan = gs.plan
+            wanted: dict[str, tuple[str, str, str, int]] = {}
+            for s in plan.ranks_on(self.node_id):
+                for name, origin, source, sha, size in resume["fetches"].get(str(s.rank), []):
+                    # Names come from etcd: only a piece name, never a path, is used.
+                    wanted[PieceKey.parse(str(name)).filename] = (
+                        str(origin),
+                        str(source),
+                        str(sha),
+                        int(size),
+                    )
+            local = [(o, step, n) for n, (o, src, _, _) in wanted.items() if src == self.node_id]
+            self.store.materialize(target, local)
+            for name, (_o, source, sha, size) in sorted(wanted.items()):
+                if source == DISK_SOURCE:  # the persistent checkpoint, for whole-cluster loss
+                    assert self.spec.persist_dir is not None
+                    src = Path(self.spec.persist_dir) / step_dirname(step) / name
+                    copy_verified(src, target / name, sha, size)
+            # Sources may lie outside the new plan (a draining node hands its state over).
+            addresses = {n: str(i.get("address")) for n, i in self._members.items()}
+            addresses.update(gs.record.extra.get("sources", {}))
+            addresses.update(gs.record.extra.get("nodes", {}))
+            clients: dict[str, StateClient] = {}
+            try:
+                for name, (origin, source, sha, size) in sorted(wanted.items()):
+                    if source in (self.node_id, DISK_SOURCE):
+                        continue
+                    client = clients.get(source)
+                    if client is None:
+                        client = clients[source] = StateClient(addresses[source], timeout_s=60)
+                    client.fetch_piece(
+                        step, name, origin, target / name, sha, gs.generation, expected_size=size
+                    )
+            finally:
+                for c in clients.values():
+                    c.close()
+            gs.fetch_done_at = time.time()
+        except Exception as exc:  # reported to the loop, which reports it to the leader
+            gs.fetch_error = f"{type(exc).__name__}: {exc}"
+
+    def _persist_async(self, step: int, model: ModelSpec) -> None:
+        """Copy this node's pieces of `step` into the (shared) checkpoint directory; the
+        last node to contribute writes the manifest. Off the training path, on one thread
+        with a bounded queue: a newer checkpoint supersedes one that is still waiting."""
+        assert self.spec.persist_dir is not None
+        if self._persister is None:
+            self._persister = Persister(self.store, Path(self.spec.persist_dir), keep=2)
+        self._persister.submit(step, model)
+
+    def _replicate_async(self) -> None:
+        gs = self._gen
+        if gs is None or self._replicating:
+            return
+        try:
+            from elasticpp.store.replicate import replicate_once
+        except ImportError:
+            return
+        addresses = dict(gs.record.extra.get("nodes", {}))
+        members = {n: str(i.get("address")) for n, i in self._members.items()}
+        addresses.update(members)
+        ring = sorted(addresses)
+        generation = gs.generation
+
+        def run() -> None:
+            try:
+                replicate_once(
+                    self.store, addresses, ring, self.spec.replication_copies, generation
+                )
+            except Exception as exc:  # replication is best effort; the next round retries
+                log.warning("replication failed: %s", exc)
+            finally:
+                self._replicating = False
+
+        self._replicating = True
+        threading.Thread(target=run, daemon=True, name="replicate").start()
+
+    def _clean_local(self, generation: int) -> None:
+        """Bounded disk use for weeks of uptime: resume directories of older generations
+        (their workers are gone) and all but the newest worker logs."""
+        resume_root = self.cfg.state_dir / "resume"
+        if resume_root.is_dir():
+            for d in resume_root.iterdir():
+                if d.name.startswith("gen-") and d.name < f"gen-{generation:06d}":
+                    shutil.rmtree(d, ignore_errors=True)
+        if self.log_dir.is_dir():
+            logs = sorted(self.log_dir.glob("*.log"), key=lambda p: p.stat().st_mtime)
+            for old in logs[:-WORKER_LOGS_KEPT]:
+                old.unlink(missing_ok=True)

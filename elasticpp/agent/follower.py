@@ -1,0 +1,284 @@
+"""The follower part of the agent: this node's way through each plan generation.
+
+Phases (`decide.Phase`, transitions written down there): stopping -> moving -> starting ->
+running (or idle for a spare, done at the end, failed). Every phase that waits on someone
+else has a deadline (`decide.phase_deadline_s`); past it the node reports the generation
+failed so that the leader re-plans. Failure reports are level-triggered: pending until etcd
+has them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticpp.agent.decide import (
+    Phase,
+    WorkerState,
+    phase_deadline_s,
+    phase_transition,
+)
+from elasticpp.agent.limits import STOP_GRACE_S
+from elasticpp.agent.supervisor import _Worker
+from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.errors import (
+    ClusterUnavailableError,
+)
+from elasticpp.cluster.records import GenerationRecord
+from elasticpp.errors import ElasticppError
+from elasticpp.plan import Plan
+from elasticpp.train.procs import WorkerProcess
+
+log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class _GenState:
+    """This agent's progress through one generation."""
+
+    record: GenerationRecord
+    phase: Phase = Phase.STOPPING
+    phase_since_s: float = field(default_factory=time.monotonic)
+    stop_sent: bool = False
+    stop_began_s: float = field(default_factory=time.monotonic)
+    fetch_thread: threading.Thread | None = None
+    fetch_error: str | None = None
+    fetch_done_at: float | None = None
+    resume: dict[str, Any] | None = None
+    # Ranks of this node that reported "done": kept here, not on the worker, because a
+    # worker's "done" and its exit can arrive in one tick and the exit forgets the worker.
+    done_ranks: set[int] = field(default_factory=set)
+    # leader bookkeeping
+    resume_written: bool = False
+    timeline_written: bool = False
+    stopped_waiting_since_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def generation(self) -> int:
+        return self.record.generation
+
+    def enter(self, phase: Phase) -> None:
+        self.phase = phase_transition(self.phase, phase)
+        self.phase_since_s = time.monotonic()
+
+    def overdue(self, now_s: float, hang_timeout_s: float) -> float | None:
+        """The deadline of the current phase if it has passed, else None."""
+        deadline = phase_deadline_s(self.phase, hang_timeout_s)
+        if deadline is None or now_s - self.phase_since_s <= deadline:
+            return None
+        return deadline
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        return Plan.from_dict(self.record.plan)
+
+    @property
+    def graceful(self) -> bool:
+        return bool(self.record.extra.get("graceful"))
+
+
+class FollowerPart:
+    """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
+
+    def _report_failure(self, generation: int, reason: str) -> None:
+        self._event("worker", f"failure in generation {generation}: {reason}")
+        self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
+        self._detected.setdefault(generation + 1, time.time())
+        # Level-triggered: the report stays pending until etcd has it, so a failure seen
+        # while etcd is down is published when it returns instead of being lost.
+        self._pending_failures.setdefault(generation, {"reason": reason, "at": time.time()})
+        self._publish_failures()
+
+    def _publish_failures(self) -> None:
+        for generation in sorted(self._pending_failures):
+            if self._gen is not None and generation < self._gen.generation:
+                del self._pending_failures[generation]  # a newer plan already replaced it
+                continue
+            if self.cluster is None:
+                return
+            try:
+                self.cluster.arrive(
+                    f"failed-{generation}", self.node_id, self._pending_failures[generation]
+                )
+            except ClusterUnavailableError as exc:
+                self._etcd_down(exc)
+                return
+            del self._pending_failures[generation]
+
+    def _follow_generation(self) -> None:
+        rec = self._record
+        if rec is not None and rec.generation > self.generation:
+            self._enter_generation(rec)
+        gs = self._gen
+        if gs is None:
+            return
+        if gs.phase is Phase.STOPPING:
+            self._stop_old_workers(gs)
+        if gs.phase is Phase.MOVING:
+            self._move_state(gs)
+        if gs.phase is Phase.STARTING:
+            self._check_started(gs)
+        self._check_phase_deadline(gs)
+
+    def _check_phase_deadline(self, gs: _GenState) -> None:
+        """Every phase that waits on someone else has a deadline; past it, the agent reports
+        the generation failed so that the leader re-plans, instead of waiting for good."""
+        if gs.phase is Phase.MOVING and gs.fetch_thread is not None and gs.fetch_thread.is_alive():
+            gs.phase_since_s = time.monotonic()  # a transfer in flight has its own timeouts
+            return
+        deadline = gs.overdue(time.monotonic(), self.spec.hang_timeout_s)
+        if deadline is None:
+            return
+        waited = (
+            "the resume instruction or a warm worker"
+            if gs.phase is Phase.MOVING
+            else ("its ranks to start")
+        )
+        self._report_failure(
+            gs.generation, f"waited {deadline:.0f} s for {waited} ({gs.phase.value})"
+        )
+        gs.enter(Phase.FAILED)
+
+    def _enter_generation(self, rec: GenerationRecord) -> None:
+        old = self._gen
+        self._gen = _GenState(rec)
+        plan = Plan.from_dict(rec.plan)
+        self._event(
+            "decision",
+            f"generation {rec.generation}: layout {plan.layout} on "
+            f"{len(rec.extra.get('nodes', {}))} node(s) ({rec.extra.get('reason', '')}); "
+            + (
+                "stopping at the next step boundary"
+                if rec.extra.get("graceful")
+                else "stopping now"
+            ),
+        )
+        del old
+
+    def _old_workers(self, gs: _GenState) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.generation < gs.generation]
+
+    def _stop_old_workers(self, gs: _GenState) -> None:
+        old = [w for w in self._old_workers(gs) if w.proc.alive()]
+        active = [
+            w
+            for w in old
+            if w.state in (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
+        ]
+        if gs.graceful and active and not gs.stop_sent:
+            for w in active:
+                with contextlib.suppress(ElasticppError):
+                    w.proc.stop_at(0)  # 0: at the next boundary; ranks agree by all-reduce
+                w.move(WorkerState.STOPPING)
+            gs.stop_sent = True
+        elif (not gs.graceful or time.monotonic() - gs.stop_began_s > STOP_GRACE_S) and old:
+            for w in old:
+                w.killed_by_us = True
+                if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
+                    w.move(WorkerState.FAILED)
+                w.proc.kill()
+        if any(w.proc.alive() for w in self._old_workers(gs)):
+            return
+        self._drain_worker_events()
+        # Exits are processed; old workers are gone. Report what this node holds.
+        assert self.cluster is not None
+        holdings = self.store.holdings()
+        self.cluster.arrive(
+            f"stopped-{gs.generation}",
+            self.node_id,
+            {
+                "holdings": holdings.to_dict(),
+                "next_step": self._next_step_committed,
+                "at": time.time(),
+            },
+        )
+        gs.enter(Phase.MOVING)
+        log.info("generation %d: old workers stopped; holdings reported", gs.generation)
+
+    def _move_state(self, gs: _GenState) -> None:
+        # Whoever leads now may have written it (a leader elected mid-transition takes over
+        # the one written by the leader of the record, or writes it if none exists).
+        resume = self._barriers.get(f"resume-{gs.generation}", {}).get(RESUME_MEMBER)
+        if resume is None:
+            return
+        plan = gs.plan
+        mine = plan.ranks_on(self.node_id)
+        if not mine:
+            gs.enter(Phase.IDLE)
+            self._event("decision", f"generation {gs.generation}: no ranks on this node (spare)")
+            self._arrive_started(gs, moved_s=0.0)
+            return
+        if gs.fetch_thread is None:
+            gs.resume = resume
+            gs.fetch_thread = threading.Thread(
+                target=self._fetch, args=(gs, resume), daemon=True, name="fetch-state"
+            )
+            gs.fetch_thread.start()
+            return
+        if gs.fetch_thread.is_alive():
+            return
+        if gs.fetch_error is not None:
+            self._event(
+                "decision", f"generation {gs.generation}: state fetch failed: {gs.fetch_error}"
+            )
+            self._report_failure(gs.generation, f"state fetch failed: {gs.fetch_error}")
+            gs.enter(Phase.FAILED)
+            return
+        workers = self._take_warm(len(mine))
+        if workers is None:
+            return  # warm workers still importing torch
+        self._assign(gs, resume, mine, workers)
+        self._spawn_warm()
+        gs.enter(Phase.STARTING)
+
+    def _assign(
+        self, gs: _GenState, resume: dict[str, Any], mine: list[Any], workers: list[WorkerProcess]
+    ) -> None:
+        step = int(resume["step"])
+        host, _, port = (gs.record.store_address or "").rpartition(":")
+        job = self.spec.train_config().to_dict()
+        for slot, proc in zip(mine, workers, strict=True):
+            assignment = {
+                "format_version": 1,
+                "plan": gs.record.plan,
+                "rank": slot.rank,
+                "store_host": host,
+                "store_port": int(port),
+                "store_prefix": f"gen{gs.generation}",
+                "job": job,
+                "start_step": step,
+                "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
+                "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
+                "snapshot_every": self.spec.snapshot_every,
+                "backend": self.cfg.backend,
+                "device": self.cfg.device,
+                "num_threads": self.cfg.worker_threads,
+                "gpu_index": self._gpus[slot.local_rank] if self.cfg.device == "cuda" else None,
+            }
+            w = _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
+            self._workers[proc.pid] = w
+            self._ready.discard(proc.pid)
+            proc.assign(assignment)
+        self._event(
+            "decision",
+            f"generation {gs.generation}: started ranks {[s.rank for s in mine]} at step {step}",
+        )
+
+    def _check_started(self, gs: _GenState) -> None:
+        mine = [w for w in self._workers.values() if w.generation == gs.generation]
+        if mine and all(w.state is not WorkerState.STARTING for w in mine):
+            moved = gs.fetch_done_at or time.time()
+            self._arrive_started(gs, moved_s=moved)
+            gs.enter(Phase.RUNNING)
+            self._clean_local(gs.generation)
+
+    def _arrive_started(self, gs: _GenState, moved_s: float) -> None:
+        assert self.cluster is not None
+        self.cluster.arrive(
+            f"started-{gs.generation}", self.node_id, {"moved_at": moved_s, "at": time.time()}
+        )

@@ -1,0 +1,347 @@
+"""The leader part of the agent: one agent plans for the job.
+
+It acts only while its term holds (`Leadership.is_held()` and the leader key still names it).
+It writes each generation by compare-and-swap, resolves where the resume state comes from
+and publishes it once as a fenced record any later leader reads, records the recovery
+timeline, and removes what older generations left in etcd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import (
+    ClusterView,
+    Phase,
+    Replan,
+    Wait,
+    decide_replan,
+    live_nodes,
+)
+from elasticpp.agent.follower import _GenState
+from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S
+from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.records import GenerationRecord
+from elasticpp.errors import ElasticppError
+from elasticpp.plan import ClusterSpec, NodeSpec, Plan
+from elasticpp.plan.search import plan as plan_layout
+from elasticpp.store.holdings import NodeHoldings
+from elasticpp.store.persist import checkpoint_holdings
+from elasticpp.store.resolver import resolve
+
+log = logging.getLogger("elasticpp.agent")
+
+
+class LeaderPart:
+    """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
+
+    def _is_leader(self) -> bool:
+        # Acts only while the term is held: a loop that stalled past the lease TTL, or whose
+        # keep-alive failed, must not write on the strength of what it read before.
+        return (
+            self._leadership is not None
+            and self._leadership.is_held()
+            and self._leader == self.node_id
+        )
+
+    def _maybe_campaign(self) -> None:
+        deposed = self._leader is not None and self._leader != self.node_id
+        if self._leadership is not None and (deposed or not self._leadership.is_held()):
+            self._event("decision", f"node {self.node_id} lost the leadership")
+            with contextlib.suppress(ElasticppError):
+                self._leadership.resign()
+            self._leadership = None
+            self._dirty = True
+            return
+        if self._leader is not None or self._draining or self._done:
+            return
+        assert self.cluster is not None
+        if not self._torch_ready.is_set():
+            return  # the leader hosts the rendezvous store; wait until torch is imported
+        leadership = self.cluster.campaign(self.node_id, ttl_s=self.spec.lease_ttl_s)
+        if leadership is None:
+            return
+        self._leadership = leadership
+        self._leader = self.node_id
+        self._start_rendezvous_store()
+        self._event("decision", f"node {self.node_id} is the leader")
+
+    def _start_rendezvous_store(self) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self._tcpstore = TCPStore(
+            self.cfg.advertise_host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=60),
+        )
+        self._store_address = f"{self.cfg.advertise_host}:{self._tcpstore.port}"
+
+    def _view(self) -> ClusterView:
+        rec = self._record
+        current = tuple(sorted(rec.extra.get("nodes", {}))) if rec else None
+        failed = set(self._barriers.get(f"failed-{rec.generation}", {})) if rec else set()
+        dead = {
+            n for n, inc in self._dead.items() if self._members.get(n, {}).get("incarnation") == inc
+        }
+        recorded = rec.extra.get("incarnations", {}) if rec else {}
+        restarted = {
+            n
+            for n, inc in recorded.items()
+            if n in self._members and self._members[n].get("incarnation") != inc
+        }
+        return ClusterView(
+            members=self._members,
+            dead=dead,
+            current_nodes=current,
+            failed=failed,
+            now_s=time.monotonic(),
+            last_join_s=self._last_join_s,
+            job_done=self._job_done_step is not None,
+            restarted=restarted,
+        )
+
+    def _lead(self) -> None:
+        self._recheck_dead()
+        rec = self._record
+        view = self._view()
+        if (
+            rec is not None
+            and view.failed
+            and not (set(self._dead) & set(view.current_nodes or ()))
+        ):
+            # Suspicion (a worker failure) is confirmed by probing before the TTL lapses.
+            self._confirm_dead([n for n in (view.current_nodes or ()) if n != self.node_id])
+            view = self._view()
+        decision = decide_replan(
+            view,
+            min_nodes=self.spec.min_nodes,
+            max_nodes=self.spec.max_nodes,
+            settle_s=self.spec.join_settle_s,
+        )
+        gs = self._gen
+        in_progress = (
+            gs is not None
+            and rec is not None
+            and gs.generation == rec.generation
+            and gs.phase in (Phase.STOPPING, Phase.MOVING)
+            and not gs.resume_written
+        )
+        if isinstance(decision, Replan):
+            if time.monotonic() < self._replan_not_before_s:
+                return
+            if not (decision.graceful and in_progress):
+                self._write_generation(decision, view)
+                return
+        elif isinstance(decision, Wait) and self._last_wait != decision.reason:
+            self._last_wait = decision.reason
+            self._event("decision", f"waiting: {decision.reason}")
+        if rec is None or gs is None or gs.generation != rec.generation:
+            return
+        self._lead_resume(gs, view)
+        self._lead_timeline(gs)
+
+    def _write_generation(self, decision: Replan, view: ClusterView) -> None:
+        assert self.cluster is not None
+        rec = self._record
+        generation = (rec.generation if rec else 0) + 1
+        nodes = [NodeSpec(n, int(self._members[n].get("slots", 1))) for n in decision.nodes]
+        cluster = ClusterSpec(tuple(nodes), self.spec.device_spec())
+        try:
+            result = plan_layout(
+                self.spec.model,
+                cluster,
+                self.spec.global_batch,
+                micro_batch=self.spec.micro_batch,
+                top_k=0,
+            )
+        except ElasticppError as exc:
+            if self._last_wait != str(exc):
+                self._last_wait = str(exc)
+                self._event("decision", f"cannot plan for {list(decision.nodes)}: {exc}")
+            return
+        plan = result.best.with_generation(generation)
+        extra = {
+            "reason": decision.reason,
+            "graceful": decision.graceful if rec is not None else False,
+            "nodes": {n: str(self._members[n]["address"]) for n in decision.nodes},
+            # Every live node may serve state, also one outside the new plan (draining).
+            "sources": {
+                n: str(self._members[n]["address"]) for n in live_nodes(view) if n in self._members
+            },
+            # A node whose agent restarts lost its workers: the plan must change even if the
+            # node id came back before its lease lapsed.
+            "incarnations": {n: str(self._members[n].get("incarnation")) for n in decision.nodes},
+            "previous_layout": Plan.from_dict(rec.plan).layout.__str__() if rec else "",
+            "detected_at": self._detection_time(generation),
+            "planned_at": time.time(),
+        }
+        record = GenerationRecord(
+            generation=generation,
+            plan=plan.to_dict(),
+            leader=self.node_id,
+            created_at=time.time(),
+            store_address=self._store_address,
+            extra=extra,
+        )
+        if self.cluster.write_generation(record, self._record_rev, self._leadership):
+            # Back off when generations keep failing before they train (a bug or a bad
+            # node must not turn into a re-plan storm); a generation that trains resets it.
+            self._replan_failures = 0 if decision.graceful else self._replan_failures + 1
+            backoff_s = 0.0
+            if self._replan_failures > 2:
+                backoff_s = min(MAX_REPLAN_BACKOFF_S, 0.25 * 2 ** (self._replan_failures - 3))
+            self._replan_not_before_s = time.monotonic() + backoff_s
+            for g in [g for g in self._detected if g <= generation]:
+                del self._detected[g]
+            self._event(
+                "decision",
+                f"leader: generation {generation} = {plan.layout}, "
+                f"micro-batches {list(plan.microbatches)} "
+                f"({decision.reason})",
+            )
+            self._dirty = True
+
+    def _never_committed(self, generation: int) -> bool:
+        assert self.cluster is not None
+        return not self.cluster.ever_committed()
+
+    def _detection_time(self, generation: int) -> float:
+        """When the change behind `generation` was first seen: a failure report of the
+        current generation (by any agent), a lapsed lease or a join seen here, else now."""
+        seen = [self._detected.get(generation, time.time())]
+        rec = self._record
+        if rec is not None:
+            for v in self._barriers.get(f"failed-{rec.generation}", {}).values():
+                if isinstance(v, dict) and isinstance(v.get("at"), (int, float)):
+                    seen.append(float(v["at"]))
+        return min(seen)
+
+    def _lead_resume(self, gs: _GenState, view: ClusterView) -> None:
+        if gs.resume_written:
+            return
+        assert self.cluster is not None
+        if RESUME_MEMBER in self._barriers.get(f"resume-{gs.generation}", {}):
+            gs.resume_written = True  # an earlier leader of this generation wrote it
+            return
+        stopped = self._barriers.get(f"stopped-{gs.generation}", {})
+        expected = set(live_nodes(view))
+        missing = expected - set(stopped)
+        if missing:
+            if time.monotonic() - gs.stopped_waiting_since_s > 2.0:
+                gs.stopped_waiting_since_s = time.monotonic()
+                self._confirm_dead(sorted(missing))
+            return
+        holdings = {
+            n: NodeHoldings.from_dict(v["holdings"]) for n, v in stopped.items() if n in expected
+        }
+        plan = gs.plan
+        disk = None
+        if self.spec.persist_dir and Path(self.spec.persist_dir).is_dir():
+            disk = checkpoint_holdings(Path(self.spec.persist_dir))
+        try:
+            rp = resolve(holdings, plan, live_nodes=sorted(expected), disk=disk)
+        except ElasticppError as exc:
+            if self._never_committed(gs.generation):
+                rp = None  # a fresh job: nothing was ever committed
+            else:
+                msg = (
+                    f"generation {gs.generation}: cannot resume: {exc}; the job committed "
+                    "steps before, so it does not start over (restore a checkpoint into "
+                    "persist_dir or bring back a node that holds the state)"
+                )
+                if self._last_wait != msg:
+                    self._last_wait = msg
+                    self._event("decision", msg)
+                return
+        fetches: dict[str, list[list[Any]]] = {}
+        step = 0
+        if rp is not None:
+            step = rp.step
+            for rank, items in rp.fetches.items():
+                fetches[str(rank)] = [
+                    [f.piece_name, f.origin_node, f.source_node, f.sha256, f.size] for f in items
+                ]
+        next_steps = [int(v.get("next_step", 0)) for v in stopped.values()]
+        written = self.cluster.write_resume(
+            gs.generation,
+            {
+                "step": step,
+                "fetches": fetches,
+                "at": time.time(),
+                "recomputed": max([*next_steps, step]) - step,
+            },
+            self._leadership,
+        )
+        self._dirty = True
+        if not written:
+            log.info(
+                "generation %d: resume not written (written before or leadership lost)",
+                gs.generation,
+            )
+            return
+        gs.resume_written = True
+        self._event("decision", f"leader: generation {gs.generation} resumes at step {step}")
+
+    def _lead_timeline(self, gs: _GenState) -> None:
+        if gs.timeline_written or not gs.resume_written:
+            return
+        if f"gen-{gs.generation}" in self._barriers.get("timelines", {}):
+            # Written by the leader that ran this generation; a leader elected later (at the
+            # job's end, say) must not overwrite it with what it did not see.
+            gs.timeline_written = True
+            return
+        started = self._barriers.get(f"started-{gs.generation}", {})
+        nodes = set(gs.record.extra.get("nodes", {}))
+        if not nodes <= set(started):
+            return
+        self._replan_failures = 0
+        assert self.cluster is not None
+        resumes = self._barriers.get(f"resume-{gs.generation}", {})
+        resume = resumes.get(RESUME_MEMBER) or {}
+        stopped = self._barriers.get(f"stopped-{gs.generation}", {})
+        detected = float(gs.record.extra.get("detected_at", gs.record.created_at))
+        stopped_at = max(float(v.get("at", 0)) for v in stopped.values()) if stopped else detected
+        moved_at = max(float(v.get("moved_at", 0)) for v in started.values())
+        resumed_at = max(float(v.get("at", 0)) for v in started.values())
+        timeline = {
+            "generation": gs.generation,
+            "reason": gs.record.extra.get("reason", ""),
+            "layout_before": gs.record.extra.get("previous_layout", ""),
+            "layout_after": str(gs.plan.layout),
+            "resume_step": int(resume.get("step", 0)),
+            "steps_recomputed": int(resume.get("recomputed", 0)),
+            "detected_at": detected,
+            "planned_s": float(gs.record.extra.get("planned_at", detected)) - detected,
+            "stopped_s": stopped_at - detected,
+            "moved_s": max(moved_at, stopped_at) - detected,
+            "resumed_s": resumed_at - detected,
+        }
+        self.cluster.arrive("timelines", f"gen-{gs.generation}", timeline)
+        gs.timeline_written = True
+        # The generation runs: what older ones left in etcd goes (bounded growth).
+        removed = self.cluster.housekeep(gs.generation)
+        if removed:
+            log.info("leader: removed %d etcd key(s) of older generations", removed)
+        if gs.record.extra.get("previous_layout"):
+            self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
+            self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(
+                timeline["resumed_s"]
+            )
+        self._event(
+            "recovery",
+            "generation {generation} ({reason}): {layout_before} -> "
+            "{layout_after}, resumed at step {resume_step} after {resumed_s:.2f} s, "
+            "{steps_recomputed} step(s) recomputed".format(**timeline),
+        )
+
+    def timelines(self) -> list[dict[str, Any]]:
+        values = self._barriers.get("timelines", {})
+        return sorted(values.values(), key=lambda t: int(t.get("generation", 0)))

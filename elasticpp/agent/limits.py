@@ -1,0 +1,15 @@
+"""Timeouts, intervals and limits of the agent, in one place (seconds unless named)."""
+
+DEAD_RECHECK_S = 2.0  # how often the leader probes nodes it confirmed dead
+LEADER_SUSPECT_S = 0.3  # a failure left unanswered this long makes followers probe the leader
+STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
+MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
+JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
+GPU_CHECK_INTERVAL_S = 10.0  # NVML health poll, only with --device cuda
+LOOP_STALL_S = 10.0  # health turns NOT_SERVING when the decision loop has not run this long
+EVENT_STREAMS = 4  # concurrent `ctl events` streams per agent
+FETCH_STREAMS = 16  # concurrent piece transfers served per agent
+UNARY_THREADS = 8  # server threads kept for health, status, drain and ListSteps
+WORKER_LOGS_KEPT = 32  # newest worker log files kept in <state_dir>/logs
+METRICS_ROTATE_BYTES = 64 << 20  # metrics.jsonl is rotated (one old file kept) past this
+STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPCs read

@@ -1,0 +1,178 @@
+"""The supervisor part of the agent: the node's worker processes.
+
+It keeps `slots` warm workers (spawned ahead, torch imported, idle until assigned), replaces
+a spare that dies at once, turns worker events (read on each worker's own pipe by a reader
+thread, queued, drained only by the decision loop) into worker state transitions
+(`decide.WorkerState`), and acts on hangs and unhealthy GPUs. A malformed event or a disk
+error while handling one is counted and the next event still counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticpp.agent.decide import (
+    TransitionError,
+    WorkerState,
+    is_hung,
+    transition,
+)
+from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
+from elasticpp.agent.limits import GPU_CHECK_INTERVAL_S
+from elasticpp.errors import ElasticppError
+from elasticpp.plan import Plan
+from elasticpp.train.procs import EXITED, WorkerProcess
+
+log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class _Worker:
+    proc: WorkerProcess
+    rank: int
+    generation: int
+    plan: Plan
+    state: WorkerState = WorkerState.STARTING
+    last_progress_s: float = field(default_factory=time.monotonic)
+    last_step: int = -1
+    killed_by_us: bool = False
+
+    def move(self, new: WorkerState) -> None:
+        self.state = transition(self.state, new)
+
+
+class SupervisorPart:
+    """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
+
+    def _spawn_warm(self) -> None:
+        """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work."""
+        env = dict(os.environ)
+        env["ELASTICPP_NODE_ID"] = self.node_id
+        if self.cfg.worker_threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(self.cfg.worker_threads))
+        while len(self._warm) < self.cfg.slots:
+            name = f"{self.node_id}-w{uuid.uuid4().hex[:6]}"
+            kwargs: dict[str, Any] = {"env": env, "name": name}
+            if self.python:
+                kwargs["python"] = self.python
+            proc = WorkerProcess(self.log_dir / f"{name}.log", **kwargs)
+            proc.listen(lambda p, e: (self._wq.put((p, e)), self._wake.set()))
+            self._warm.append(proc)
+
+    def _take_warm(self, count: int) -> list[WorkerProcess] | None:
+        ready = [p for p in self._warm if p.pid in self._ready and p.alive()]
+        if len(ready) < count:
+            return None
+        taken = ready[:count]
+        self._warm = [p for p in self._warm if p not in taken]
+        return taken
+
+    def _drain_worker_events(self) -> None:
+        while True:
+            try:
+                proc, event = self._wq.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._on_worker_event(proc, event)
+            except TransitionError as exc:  # a late or reordered event must not end the agent
+                log.warning("worker %d: event %s ignored: %s", proc.pid, event.get("event"), exc)
+            except (OSError, ElasticppError, ValueError, KeyError, TypeError) as exc:
+                # A malformed event, or a disk error (ENOSPC on metrics.jsonl or a manifest):
+                # this event is lost, the loop and the other events are not.
+                self._survive("worker", exc)
+
+    def _on_worker_event(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "ready":
+            self._ready.add(proc.pid)
+            return
+        w = self._workers.get(proc.pid)
+        if w is None:
+            if kind == EXITED and proc in self._warm:
+                # A spare that dies (an OOM kill, a crash while importing torch) is replaced
+                # at once: the next recovery on this node needs it, and nothing else would
+                # refill the pool until an assignment that can no longer happen.
+                log.warning(
+                    "warm worker %d exited with %s; starting a replacement",
+                    proc.pid,
+                    event.get("returncode"),
+                )
+                self._warm.remove(proc)
+                self._ready.discard(proc.pid)
+                self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
+                if not (self._done or self._draining):
+                    self._spawn_warm()
+            return
+        w.last_progress_s = time.monotonic()
+        if kind == "started":
+            if w.state is WorkerState.STARTING:  # a stop may already have been asked for
+                w.move(WorkerState.RUNNING)
+        elif kind == "step":
+            w.last_step = int(event["step"])
+            self._on_step(w, event)
+        elif kind == "snapshot":
+            self._on_snapshot(w, event)
+        elif kind == "stopped":
+            w.move(WorkerState.STOPPED)
+        elif kind == "done":
+            w.move(WorkerState.DONE)
+            if self._gen is not None and w.generation == self._gen.generation:
+                self._gen.done_ranks.add(w.rank)
+        elif kind == "error":
+            log.warning("worker rank %d: %s", w.rank, event.get("message"))
+        elif kind == EXITED:
+            rc = event.get("returncode")
+            if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
+                w.move(WorkerState.FAILED)
+                if not w.killed_by_us:
+                    self._report_failure(
+                        w.generation, f"worker rank {w.rank} exited with code {rc}"
+                    )
+            del self._workers[proc.pid]
+
+    def _check_hangs(self) -> None:
+        now = time.monotonic()
+        for w in list(self._workers.values()):
+            if w.state is WorkerState.RUNNING and is_hung(
+                w.last_progress_s, now, self.spec.hang_timeout_s
+            ):
+                self._event(
+                    "worker",
+                    f"worker rank {w.rank} made no progress for "
+                    f"{self.spec.hang_timeout_s:.0f} s: killing it",
+                )
+                w.killed_by_us = True
+                w.move(WorkerState.FAILED)
+                w.proc.kill()
+                self._report_failure(w.generation, f"worker rank {w.rank} hung")
+
+    def _check_gpus(self) -> None:
+        """Drop GPUs that NVML reports unhealthy from this node's slots, and have the leader
+        re-plan around them."""
+        now = time.monotonic()
+        if self.cfg.device != "cuda" or now - self._gpu_checked_s < GPU_CHECK_INTERVAL_S:
+            return
+        self._gpu_checked_s = now
+        readings = read_gpu_health()
+        if readings is None:
+            return
+        healthy = set(healthy_gpus(readings))
+        lost = [g for g in self._gpus if g not in healthy]
+        if not lost:
+            return
+        self._gpus = [g for g in self._gpus if g in healthy]
+        self._event("worker", "unhealthy: " + "; ".join(describe_unhealthy(readings)))
+        if self._registration is not None:
+            with contextlib.suppress(ElasticppError):
+                self._registration.update(self._member_info())
+        gs = self._gen
+        if gs is not None:
+            self._report_failure(gs.generation, f"GPU(s) {lost} unhealthy")
