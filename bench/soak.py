@@ -179,13 +179,25 @@ class Ctx:
     def any_node(self) -> str:
         return self.rng.choice([n.node_id for n in self.lc.nodes])
 
+    def signal_a_worker(self, sig: int, node_id: str | None = None) -> tuple[str, int]:
+        """Send `sig` to a training worker (of `node_id`, or of any node). The agent's
+        status may be a moment old: a worker that is gone already is skipped."""
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            node = node_id or self.any_node()
+            pids = training_pids(self.lc, node)
+            if pids:
+                pid = self.rng.choice(pids)
+                try:
+                    os.kill(pid, sig)
+                    return node, pid
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{node_id or 'any node'}: no training worker to signal")
+
     def kill_a_worker(self, node_id: str | None = None) -> str:
-        node = node_id or self.any_node()
-        pids = training_pids(self.lc, node)
-        if not pids:
-            raise RuntimeError(f"{node}: no training worker to kill")
-        os.kill(self.rng.choice(pids), signal.SIGKILL)
-        return node
+        return self.signal_a_worker(signal.SIGKILL, node_id)[0]
 
 
 def f_worker_kill(ctx: Ctx) -> str:
@@ -216,9 +228,7 @@ def f_leader_kill(ctx: Ctx) -> str:
 
 
 def f_worker_hang(ctx: Ctx) -> str:
-    node = ctx.any_node()
-    pid = ctx.rng.choice(training_pids(ctx.lc, node))
-    os.kill(pid, signal.SIGSTOP)
+    node, pid = ctx.signal_a_worker(signal.SIGSTOP)
     ctx.undo.append(lambda: _signal(pid, signal.SIGCONT))
     return f"SIGSTOP of a worker on {node} (hang)"
 
@@ -281,9 +291,10 @@ def f_second_fault_in_recovery(ctx: Ctx) -> str:
     time.sleep(delay)
     for n in ctx.rng.sample([n.node_id for n in ctx.lc.nodes], len(ctx.lc.nodes)):
         pids = [p for p in children(ctx.lc.node(n).proc.pid) if not blocked_reading_stdin(p)]  # type: ignore[union-attr]
-        if pids:
-            os.kill(ctx.rng.choice(pids), signal.SIGKILL)
-            return f"worker kill, then another on {n} {delay:.2f} s into the recovery"
+        with contextlib.suppress(ProcessLookupError):
+            if pids:
+                os.kill(ctx.rng.choice(pids), signal.SIGKILL)
+                return f"worker kill, then another on {n} {delay:.2f} s into the recovery"
     return f"worker kill; no second worker found {delay:.2f} s into the recovery"
 
 
