@@ -55,10 +55,10 @@ LEASE_TTL_S = 3
 HANG_TIMEOUT_S = 5
 
 
-# A slot modelled without per-message latency, so that the planner picks pipeline and
-# tensor-parallel layouts and recoveries must move sliced state between nodes (with the
-# calibrated `cpu` preset the planner picks pure data parallelism for this model, and any
-# survivor holds every layer).
+# A slot modelled without per-message latency, so that the planner picks pipeline layouts
+# where the calibrated `cpu` preset would keep pure data parallelism (3 nodes train dp=3, the
+# 2 survivors of a node loss a pp=2 pipeline): recoveries then move stage state between
+# nodes instead of finding every layer on any survivor.
 SLICED_DEVICE: dict[str, Any] = {
     "name": "cpu-no-latency",
     "memory_gib": 8,
