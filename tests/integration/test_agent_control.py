@@ -60,7 +60,11 @@ def test_health_is_not_serving_while_the_decision_loop_is_stalled(
 
 
 class _Agent:
-    """The two calls the control servicer makes, on a quiet agent."""
+    """The two calls the control servicer makes, on a quiet agent: `events_since` long-polls
+    like the real one and returns nothing (or at once, when `quiet` is set)."""
+
+    def __init__(self) -> None:
+        self.quiet = threading.Event()
 
     def status_snapshot(self) -> dict[str, Any]:
         return {
@@ -78,7 +82,7 @@ class _Agent:
         }
 
     def events_since(self, index: int, timeout_s: float) -> tuple[list[Any], int]:
-        time.sleep(min(timeout_s, 0.2))  # a stream with nothing to say
+        self.quiet.wait(min(timeout_s, 0.2))
         return [], index
 
 

@@ -137,6 +137,15 @@ def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Pa
     assert gs.resume_written
 
 
+def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:
+    """A constructed agent of node n0, running generation 1 of `_plan(1)`."""
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    plan = _plan(1)
+    record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
+    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    return agent, plan
+
+
 def _errors(agent: Agent, source: str) -> float:
     value = agent.metrics.registry.get_sample_value(
         "elasticpp_agent_errors_total", {**agent.metrics.labels, "source": source}
@@ -147,10 +156,7 @@ def _errors(agent: Agent, source: str) -> float:
 def test_a_disk_error_on_a_worker_event_is_counted_and_the_next_events_still_count(
     tmp_path: Path,
 ) -> None:
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    plan = _plan(1)
-    record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent, plan = _running_agent(tmp_path)
     agent.metrics_path.mkdir()  # every append to metrics.jsonl now fails, as on a full disk
     proc = _Proc(100)
     agent._workers[proc.pid] = _Worker(
@@ -221,10 +227,7 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
 
     from elasticpp.checkpoint.manifest import step_dirname
 
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    plan = _plan(1)
-    record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent, plan = _running_agent(tmp_path)
     reg = _LapsedRegistration()
     agent._registration = reg
     proc = _Proc(100)
