@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
+from bench.soak import SLICED_DEVICE
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster import ClusterClient
 from elasticpp.proctree import descendants
@@ -39,15 +40,7 @@ SPEC: dict[str, Any] = {
     # A slot modelled without per-message latency, so that the planner picks tensor-parallel
     # layouts and recoveries move TP-sliced state (the calibrated `cpu` preset would choose
     # pure data parallelism for this model).
-    "device": {
-        "name": "cpu-no-latency",
-        "memory_gib": 8,
-        "peak_tflops": 0.03,
-        "intra_node_gbps": 5,
-        "inter_node_gbps": 1,
-        "intra_node_latency_us": 0,
-        "inter_node_latency_us": 0,
-    },
+    "device": SLICED_DEVICE,
 }
 
 
