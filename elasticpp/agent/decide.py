@@ -67,16 +67,18 @@ class Phase(enum.StrEnum):
     RUNNING = "running"  # every rank of this node trains
     IDLE = "idle"  # no rank on this node in this plan (a spare)
     DONE = "done"  # this node's ranks trained every step
+    HALTED = "halted"  # a step's loss or gradient norm was not finite: training holds
     FAILED = "failed"  # this generation cannot go on here; a failure was reported
 
 
 PHASE_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.STOPPING: frozenset({Phase.MOVING, Phase.FAILED}),
     Phase.MOVING: frozenset({Phase.STARTING, Phase.IDLE, Phase.FAILED}),
-    Phase.STARTING: frozenset({Phase.RUNNING, Phase.DONE, Phase.FAILED}),
-    Phase.RUNNING: frozenset({Phase.DONE, Phase.FAILED}),
+    Phase.STARTING: frozenset({Phase.RUNNING, Phase.DONE, Phase.HALTED, Phase.FAILED}),
+    Phase.RUNNING: frozenset({Phase.DONE, Phase.HALTED, Phase.FAILED}),
     Phase.IDLE: frozenset({Phase.DONE}),
     Phase.DONE: frozenset(),
+    Phase.HALTED: frozenset(),
     Phase.FAILED: frozenset(),
 }
 

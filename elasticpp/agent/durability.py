@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
 from elasticpp.agent.supervisor import _Worker
@@ -98,6 +99,9 @@ class DurabilityPart:
                         "committed, replicated or persisted until it is renewed",
                     )
                 return
+            if self._snap_failures:
+                self._snap_failures = 0
+                self._event("worker", f"snapshots are written again: step {step} committed")
             if self._fence_logged:
                 self._fence_logged = False
                 self._event("decision", "membership lease renewed: committing again")
@@ -121,6 +125,37 @@ class DurabilityPart:
                 and (step % self.spec.persist_every == 0 or step == self.spec.steps)
             ):
                 self._persist_async(step, plan.model)
+
+    def _on_snapshot_failed(self, w: _Worker, event: dict[str, Any]) -> None:
+        """A snapshot the worker could not write (a full disk, an I/O error): training goes
+        on, the step is never committed here. Logged once per run of failures, counted."""
+        self.metrics.snapshot_failures_total.labels(**self.metrics.labels).inc()
+        self._snap_failures += 1
+        if self._snap_failures == 1:
+            self._event(
+                "worker",
+                f"rank {w.rank} could not write the snapshot of step {event.get('step')}: "
+                f"{event.get('message')}; training goes on, steps are not committed here "
+                "until snapshots can be written again",
+            )
+
+    def _on_halted(self, w: _Worker, event: dict[str, Any]) -> None:
+        """A step's loss or gradient norm was not finite. The workers wrote nothing from it
+        on; the job holds at the last finite state instead of replicating poison to every
+        copy or re-planning into the same step again."""
+        gs = self._gen
+        if gs is None or w.generation != gs.generation or gs.phase is Phase.HALTED:
+            return
+        gs.enter(Phase.HALTED)
+        self.metrics.halted.labels(**self.metrics.labels).set(1)
+        own = self.store.committed_steps(self.node_id)
+        newest = f"step {own[-1]}" if own else "none"
+        self._event(
+            "decision",
+            f"training halted: {event.get('message')}. Nothing after the last finite state "
+            f"is committed (the newest committed step here: {newest}); fix the job (learning "
+            "rate, data) and start it again from that step",
+        )
 
     def _fenced(self) -> bool:
         reg = self._registration

@@ -30,6 +30,8 @@ class AgentMetrics:
     state_fetched_bytes_total: Counter
     etcd_values_skipped_total: Counter
     errors_total: Counter
+    snapshot_failures_total: Counter
+    halted: Gauge
     labels: dict[str, str]
 
     @classmethod
@@ -84,6 +86,15 @@ class AgentMetrics:
                 "internal): each was logged and the decision loop went on",
                 [*labels, "source"],
                 registry=r,
+            ),
+            snapshot_failures_total=c(
+                "elasticpp_snapshot_failures",
+                "Snapshots a worker could not write (a full disk, an I/O error); their steps "
+                "are not committed on this node",
+            ),
+            halted=g(
+                "elasticpp_halted",
+                "1 if training halted because a step's loss or gradient norm was not finite",
             ),
             labels=labels,
         )

@@ -138,6 +138,7 @@ class Agent(
         self._pending_failures: dict[int, dict[str, Any]] = {}  # generation -> report
         self._errors_seen: set[tuple[str, str, str]] = set()
         self._fence_logged = False
+        self._snap_failures = 0  # snapshot writes failed since the last commit
         self._suspect_since: dict[int, float] = {}  # generation -> failure first seen
         self._leader_probed_s = 0.0
         self._persister: Persister | None = None

@@ -120,8 +120,13 @@ class SupervisorPart:
             self._on_step(w, event)
         elif kind == "snapshot":
             self._on_snapshot(w, event)
+        elif kind == "snapshot_failed":
+            self._on_snapshot_failed(w, event)
         elif kind == "stopped":
             w.move(WorkerState.STOPPED)
+        elif kind == "halted":
+            w.move(WorkerState.STOPPED)
+            self._on_halted(w, event)
         elif kind == "done":
             w.move(WorkerState.DONE)
             if self._gen is not None and w.generation == self._gen.generation:

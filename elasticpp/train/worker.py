@@ -12,14 +12,21 @@ stdout (events)
      "peak_activation_bytes"}
     {"event": "snapshot", "step", "dir", "pieces": [{"name", "size", "sha256"}],
      "generation", "rank"}
+    {"event": "snapshot_failed", "step", "message", "generation", "rank"}
     {"event": "stopped", "step"} | {"event": "done", "step"} | {"event": "error", "message"}
+    {"event": "halted", "step", "message"}             the step's loss or gradient norm is
+                                                       not finite: nothing after it is written
 
 stdin
     first line: the assignment (`Assignment`); later lines: {"cmd": "stop_at", "step": S}.
     EOF does not stop training.
 
-Exit code 0 after "done" or "stopped", 1 after "error". The process ends with `os._exit`
-so that a peer that died cannot hold it in process-group teardown.
+A snapshot that cannot be written (a full disk, an I/O error) is reported by
+"snapshot_failed" and training goes on: the step is simply not committed. A step whose loss or
+gradient norm is not finite ends the assignment with "halted": its state, and every later one,
+is poisoned, so nothing from it is ever written; the last finite state is the newest
+snapshot. Exit code 0 after "done", "stopped" or "halted", 1 after "error". The process
+ends with `os._exit` so that a peer that died cannot hold it in process-group teardown.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -207,6 +216,7 @@ class SnapshotWriter:
         self._queue: queue.Queue[tuple[int, list[Any]] | None] = queue.Queue()
         self._failure: BaseException | None = None
         self.last_step: int | None = None  # the newest step handed over
+        self.failed = 0  # snapshots lost to disk errors
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -239,10 +249,26 @@ class SnapshotWriter:
                 self._queue.task_done()
 
     def _write(self, step: int, states: list[Any]) -> None:
+        """Write one snapshot. A disk error (ENOSPC, EIO) loses this snapshot, not the
+        training: the partial directory is removed, the failure is reported, and the step is
+        simply never committed. Any other exception is a bug and ends the worker."""
         from elasticpp.checkpoint.manifest import step_dirname
 
         step_dir = self.root / step_dirname(step)
-        entries = [s.write(step_dir) for s in states]
+        try:
+            entries = [s.write(step_dir) for s in states]
+        except OSError as exc:
+            shutil.rmtree(step_dir, ignore_errors=True)
+            self.failed += 1
+            self._emit(
+                {
+                    "event": "snapshot_failed",
+                    "step": step,
+                    "message": f"{type(exc).__name__}: {exc}",
+                    **self._extra,
+                }
+            )
+            return
         self._emit(
             {
                 "event": "snapshot",
@@ -268,7 +294,7 @@ def is_snapshot_writer(plan: Plan, rank: int) -> bool:
 
 
 def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str:
-    """Train as assigned; returns "done" or "stopped" (after emitting it)."""
+    """Train as assigned; returns "done", "stopped" or "halted" (after emitting it)."""
     from datetime import timedelta
 
     import torch
@@ -349,6 +375,18 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
                 "peak_activation_bytes": res.peak_activation_bytes,
             }
         )
+        if not (math.isfinite(res.loss) and math.isfinite(res.grad_norm)):
+            # Every rank sees the same global loss and norm, so every rank halts here. The
+            # optimizer has applied a poisoned update: no state from here on is written.
+            message = (
+                f"step {step}: loss {res.loss} / gradient norm {res.grad_norm} is not finite; "
+                "training halts at the last finite state"
+            )
+            if writer is not None:
+                writer.flush()
+            log.error("rank %d %s", rank, message)
+            out.emit({"event": "halted", "step": step, "message": message})
+            return "halted"
         step += 1
         stop = res.stop_at
         if writer is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import signal
 import time
@@ -162,6 +163,83 @@ def test_closing_stdin_does_not_stop_training_and_snapshots_follow_every_step(
             "step-0000000002",
             "step-0000000003",
         ]
+    finally:
+        w.kill()
+
+
+def run_to_exit(w: WorkerProcess, timeout_s: float) -> list[dict[str, Any]]:
+    events = []
+    deadline = time.monotonic() + timeout_s
+    while not events or events[-1]["event"] != EXITED:
+        ev = w.poll_event(max(deadline - time.monotonic(), 0.01))
+        assert ev is not None, f"no exit within {timeout_s} s; events: {events}"
+        events.append(ev)
+    return events
+
+
+@pytest.mark.timeout(90)
+def test_a_snapshot_that_cannot_be_written_is_reported_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    plan = make_plan("pp=1,tp=1,dp=1", generation=0)
+    s = store()
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    # Where step 2's directory goes, a file: every write into it fails as on a full disk.
+    (snap / "step-0000000002").write_text("in the way")
+    (w,) = spawn_workers(1, tmp_path / "logs")
+    try:
+        w.wait_ready(60)
+        w.assign(assignment(plan, 0, s.port, TrainConfig(steps=4), snapshot_dir=str(snap)))
+        events = run_to_exit(w, 60)
+        kinds = [ev["event"] for ev in events]
+        assert kinds[-2:] == ["done", EXITED] and events[-1]["returncode"] == 0
+        assert [ev["step"] for ev in events if ev["event"] == "step"] == [0, 1, 2, 3]
+        failed = [ev for ev in events if ev["event"] == "snapshot_failed"]
+        assert [ev["step"] for ev in failed] == [2]
+        assert "step-0000000002" in failed[0]["message"]
+        written = [ev["step"] for ev in events if ev["event"] == "snapshot"]
+        assert written == [1, 3, 4]
+    finally:
+        w.kill()
+
+
+@pytest.mark.timeout(90)
+def test_a_step_that_is_not_finite_halts_training_and_nothing_after_it_is_written(
+    tmp_path: Path,
+) -> None:
+    plan = make_plan("pp=1,tp=1,dp=1", generation=0)
+    s = store()
+    snap = tmp_path / "snap"
+    # A learning rate this large overflows the weights after the first update.
+    job = TrainConfig(steps=6, lr=1e30, min_lr=0.0, warmup_steps=0, clip_grad=0.0)
+    (w,) = spawn_workers(1, tmp_path / "logs")
+    try:
+        w.wait_ready(60)
+        w.assign(assignment(plan, 0, s.port, job, snapshot_dir=str(snap)))
+        events = run_to_exit(w, 60)
+        assert events[-1]["returncode"] == 0
+        halted = [ev for ev in events if ev["event"] == "halted"]
+        assert len(halted) == 1 and "not finite" in halted[0]["message"]
+        k = halted[0]["step"]
+        assert not any(ev["event"] in ("done", "stopped", "error") for ev in events)
+        steps = [ev for ev in events if ev["event"] == "step"]
+        assert [ev["step"] for ev in steps] == list(range(k + 1))
+        assert all(math.isfinite(ev["loss"]) for ev in steps[:-1])
+        assert not (math.isfinite(steps[-1]["loss"]) and math.isfinite(steps[-1]["grad_norm"]))
+        # Snapshots hold only states before the poisoned update, and every tensor is finite.
+        written = [ev for ev in events if ev["event"] == "snapshot"]
+        assert [ev["step"] for ev in written] == list(range(1, k + 1))
+        assert sorted(p.name for p in snap.iterdir()) == [f"step-{i:010d}" for i in range(1, k + 1)]
+        for ev in written:
+            step_dir = Path(ev["dir"])
+            entries = [
+                PieceEntry(PieceKey.parse(p["name"]), p["size"], p["sha256"]) for p in ev["pieces"]
+            ]
+            write_manifest(step_dir, Manifest(ev["step"], MODEL.units, tuple(entries)))
+            for unit in load_units(step_dir, MODEL.units, 0, 1).values():
+                for t in unit.tensors.values():
+                    assert bool(t.isfinite().all())
     finally:
         w.kill()
 

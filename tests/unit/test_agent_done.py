@@ -303,3 +303,46 @@ def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path
     rotated = agent.metrics_path.with_name("metrics.jsonl.1")
     assert rotated.stat().st_size == METRICS_ROTATE_BYTES + 1
     assert [json.loads(x)["step"] for x in agent.metrics_path.read_text().splitlines()] == [7]
+
+
+def _worker_on(agent: Agent, plan: Plan, pid: int, rank: int) -> _Proc:
+    proc = _Proc(pid)
+    agent._workers[pid] = _Worker(
+        proc=proc,  # type: ignore[arg-type]
+        rank=rank,
+        generation=1,
+        plan=plan,
+        state=WorkerState.RUNNING,
+    )
+    return proc
+
+
+def _sample(agent: Agent, name: str) -> float:
+    return agent.metrics.registry.get_sample_value(name, agent.metrics.labels) or 0.0
+
+
+def test_a_snapshot_that_failed_is_counted_and_the_next_one_commits(tmp_path: Path) -> None:
+    agent, plan = _running_agent(tmp_path)
+    procs = [_worker_on(agent, plan, 100 + r, r) for r in (0, 1)]
+    writer = procs[0]  # dp twins on one node: only the lowest dp index writes
+    agent._wq.put((writer, {"event": "snapshot_failed", "step": 1, "message": "OSError: ENOSPC"}))  # type: ignore[arg-type]
+    agent._drain_worker_events()
+    assert _sample(agent, "elasticpp_snapshot_failures_total") == 1
+    assert not agent._pending_failures  # a lost snapshot is no reason to re-plan
+    assert all(w.state is WorkerState.RUNNING for w in agent._workers.values())
+    assert "could not write the snapshot of step 1" in agent._events[-1][2]
+
+
+def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path: Path) -> None:
+    agent, plan = _running_agent(tmp_path)
+    procs = [_worker_on(agent, plan, 100 + r, r) for r in (0, 1)]
+    message = "step 3: loss nan / gradient norm nan is not finite"
+    for p in procs:
+        agent._wq.put((p, {"event": "halted", "step": 3, "message": message}))  # type: ignore[arg-type]
+        agent._wq.put((p, {"event": EXITED, "returncode": 0}))  # type: ignore[arg-type]
+    agent._drain_worker_events()
+    assert agent._gen is not None and agent._gen.phase is Phase.HALTED
+    assert not agent._pending_failures
+    assert _sample(agent, "elasticpp_halted") == 1
+    halts = [e[2] for e in agent._events if "training halted" in e[2]]
+    assert len(halts) == 1 and message in halts[0]
