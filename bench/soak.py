@@ -12,7 +12,8 @@ last step and the harness checks:
 
 - every step's loss equals the uninterrupted single-worker run of the same job (`elasticpp
   train`, same seed, same global batch, same step count) to 1e-4 relative;
-- no committed step was lost: no recovery recomputed more than the one step in flight;
+- no committed step was lost: no recovery resumed before the newest step that every node
+  had recorded as committed in etcd when its fault struck;
 - no process is left behind.
 
 Per fault kind it prints (and writes to `soak.json`) the count, how many survived, the stall
@@ -21,8 +22,11 @@ between this fault and the next, minus the median gap of the whole run (DESIGN.m
 ≤ 1 s after a worker crash or a non-leader node loss, ≤ 2 s after the leader's node dies).
 
 Fault kinds (`KINDS`): worker_kill, node_kill, leader_kill, worker_hang, agent_stop,
-etcd_restart, etcd_outage_worker_death, corrupt_piece, second_fault_in_recovery. Not yet
-here: a full disk (tmpfs) and a network partition (namespaces), both needing root.
+etcd_restart, etcd_outage_worker_death, corrupt_piece, second_fault_in_recovery, and, as
+root with nftables and cgroup v2 (`ROOT_KINDS`), full_disk (each node's state dir is a
+small tmpfs; the fault fills one) and network_partition (each node's agent and workers run
+in a cgroup of their own; the fault drops every packet they send, loopback included, until
+it heals). Without root those two are left out, and the run says so.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ MICRO_BATCH = 2
 STEPS_PER_FAULT = 60  # the job's length: enough steps for every fault and its recovery
 LEASE_TTL_S = 3
 HANG_TIMEOUT_S = 5
+STATE_DIR_SIZE = "256m"  # each node's tmpfs state dir (root only)
+FULL_DISK_S = 3.0  # how long a full disk stays full
+PARTITION_S = LEASE_TTL_S + 3.0  # past the lease: the job re-plans without the node
 
 
 # A slot modelled without per-message latency, so that the planner picks pipeline layouts
@@ -142,6 +149,25 @@ def cluster_state(lc: LocalCluster) -> tuple[str | None, int]:
         return c.leader(), record.generation if record else 0
 
 
+def committed_everywhere(lc: LocalCluster) -> int | None:
+    """The newest step that every node of the current generation recorded as committed
+    (etcd's commit records), or None if some node has not committed in it yet. A commit
+    record names the newest state a node holds: `step` steps applied."""
+    from elasticpp.cluster import ClusterClient
+
+    with contextlib.suppress(Exception):
+        with ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c:
+            record, _ = c.read_generation()
+            if record is None:
+                return None
+            commits = c.commits(record.generation)
+        nodes = set(record.extra.get("nodes", {})) or {n.node_id for n in lc.nodes}
+        if not nodes <= set(commits):
+            return None
+        return min(commits[n] for n in nodes)
+    return None
+
+
 def steady(lc: LocalCluster, since_step: int) -> bool:
     """Every node runs its ranks in the newest generation, which trained two steps past
     `since_step`, and every node's warm pool is full."""
@@ -162,6 +188,112 @@ def steady(lc: LocalCluster, since_step: int) -> bool:
     return True
 
 
+# --------------------------------------------------------------------------- sandbox
+
+
+def _cgroup2_mount() -> Path | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and parts[2] == "cgroup2":
+                return Path(parts[1])
+    return None
+
+
+def _run(*cmd: str, stdin: str | None = None) -> None:
+    proc = subprocess.run(list(cmd), input=stdin, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
+
+
+class Sandbox:
+    """Root-only fault machinery, all undone by `close()`: a tmpfs per node state dir (a
+    disk that can fill), a cgroup v2 per node and an nftables table whose output chain can
+    drop every packet a node's processes send (a partition; rules match the socket's
+    cgroup, so only that node is cut off, loopback addresses included)."""
+
+    def __init__(self, workdir: Path, node_dirs: list[Path]) -> None:
+        self.table = f"elasticpp_soak_{os.getpid()}"
+        self.mounts: list[Path] = []
+        self.cgroup: Path | None = None
+        self._nft = False
+        mount = _cgroup2_mount()
+        if mount is None:
+            raise RuntimeError("no cgroup v2 mount")
+        try:
+            for d in node_dirs:
+                d.mkdir(parents=True, exist_ok=True)
+                _run("mount", "-t", "tmpfs", "-o", f"size={STATE_DIR_SIZE}", "tmpfs", str(d))
+                self.mounts.append(d)
+            self.cgroup = mount / f"elasticpp-soak-{os.getpid()}"
+            self.cgroup.mkdir()
+            # nft resolves cgroup paths below /sys/fs/cgroup (a hybrid host mounts v2 deeper)
+            self._rel = os.path.relpath(self.cgroup, "/sys/fs/cgroup")
+            _run("nft", "add", "table", "inet", self.table)
+            self._nft = True
+            _run(
+                "nft", "add", "chain", "inet", self.table, "out",
+                "{ type filter hook output priority 0; policy accept; }",
+            )  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def available() -> str | None:
+        """Why the root-only kinds cannot run here, or None if they can."""
+        if os.geteuid() != 0:
+            return "not root"
+        if _cgroup2_mount() is None:
+            return "no cgroup v2 mount"
+        for tool in ("nft", "mount", "umount"):
+            if not any((Path(d) / tool).exists() for d in os.environ.get("PATH", "").split(":")):
+                return f"no {tool} on PATH"
+        return None
+
+    def partition(self, node_id: str) -> None:
+        # The node's cgroup is two levels below the cgroup v2 root: <soak>/<node id>.
+        _run(
+            "nft", "add", "rule", "inet", self.table, "out", "socket", "cgroupv2", "level",
+            "2", f'"{self._rel}/{node_id}"', "drop",
+        )  # fmt: skip
+
+    def heal(self) -> None:
+        _run("nft", "flush", "chain", "inet", self.table, "out")
+
+    def fill(self, state_dir: Path) -> Path:
+        """Fill the node's tmpfs: every later write there fails with ENOSPC."""
+        filler = state_dir / "filler"
+        st = os.statvfs(state_dir)
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize)
+            with contextlib.suppress(OSError):  # what fallocate's rounding left
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        return filler
+
+    def close(self) -> None:
+        if self._nft:
+            with contextlib.suppress(RuntimeError):
+                _run("nft", "delete", "table", "inet", self.table)
+            self._nft = False
+        if self.cgroup is not None and self.cgroup.is_dir():
+            for d in sorted(self.cgroup.iterdir()):
+                if d.is_dir():
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+            with contextlib.suppress(OSError):
+                self.cgroup.rmdir()
+        for d in reversed(self.mounts):
+            with contextlib.suppress(RuntimeError):
+                _run("umount", "-l", str(d))
+        self.mounts.clear()
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -170,6 +302,7 @@ class Ctx:
     lc: LocalCluster
     rng: random.Random
     undo: list[Callable[[], None]] = field(default_factory=list)
+    sandbox: Sandbox | None = None
 
     def non_leader(self) -> str:
         leader, _ = cluster_state(self.lc)
@@ -298,6 +431,27 @@ def f_second_fault_in_recovery(ctx: Ctx) -> str:
     return f"worker kill; no second worker found {delay:.2f} s into the recovery"
 
 
+def f_full_disk(ctx: Ctx) -> str:
+    assert ctx.sandbox is not None
+    node = ctx.any_node()
+    filler = ctx.sandbox.fill(ctx.lc.node(node).state_dir)
+    # Training goes on (snapshots fail and are reported, nothing is committed there); the
+    # disk is given back after a while and commits resume.
+    time.sleep(FULL_DISK_S)
+    filler.unlink()
+    return f"{node}'s state dir full for {FULL_DISK_S:.0f} s"
+
+
+def f_network_partition(ctx: Ctx) -> str:
+    assert ctx.sandbox is not None
+    node = ctx.any_node()
+    ctx.sandbox.partition(node)
+    # Past its lease: the job re-plans without it; healed, it must come back fenced.
+    time.sleep(PARTITION_S)
+    ctx.sandbox.heal()
+    return f"{node} cut off (every packet it sends dropped) for {PARTITION_S:.0f} s"
+
+
 KINDS: dict[str, Callable[[Ctx], str]] = {
     "worker_kill": f_worker_kill,
     "node_kill": f_node_kill,
@@ -308,7 +462,10 @@ KINDS: dict[str, Callable[[Ctx], str]] = {
     "etcd_outage_worker_death": f_etcd_outage_worker_death,
     "corrupt_piece": f_corrupt_piece,
     "second_fault_in_recovery": f_second_fault_in_recovery,
+    "full_disk": f_full_disk,
+    "network_partition": f_network_partition,
 }
+ROOT_KINDS = ("full_disk", "network_partition")  # need root, nftables and cgroup v2
 
 
 # --------------------------------------------------------------------------- the soak
@@ -325,6 +482,8 @@ class FaultRecord:
     resumed_s: float | None
     stall_s: float = float("nan")
     recomputed: int = 0
+    committed: int | None = None  # the newest step every node had committed at the fault
+    lost: int = 0  # committed steps a recovery after it went back past
 
 
 @dataclass
@@ -378,8 +537,22 @@ def run_soak(
     steps = 20 + STEPS_PER_FAULT * faults
     started = time.monotonic()
     reference = reference_curve(workdir, steps, seed)
-    lc = LocalCluster(workdir / "job", job_spec(steps, seed, device), nodes=nodes, slots=slots)
+    sandbox = None
+    if set(kinds) & set(ROOT_KINDS):
+        why = Sandbox.available()
+        if why is not None:
+            raise RuntimeError(f"fault kinds {sorted(set(kinds) & set(ROOT_KINDS))}: {why}")
+        node_dirs = [workdir / "job" / f"node-{i}" for i in range(nodes)]
+        sandbox = Sandbox(workdir, node_dirs)
+    lc = LocalCluster(
+        workdir / "job",
+        job_spec(steps, seed, device),
+        nodes=nodes,
+        slots=slots,
+        cgroup_root=sandbox.cgroup if sandbox else None,
+    )
     records: list[FaultRecord] = []
+    timelines: dict[int, dict[str, Any]] = {}  # read as the run goes: the leader keeps 100
     try:
         lc.start()
         lc.wait_for(lambda: steady(lc, 0), 180, "the job to start")
@@ -388,7 +561,8 @@ def run_soak(
             if step0 >= steps - STEPS_PER_FAULT // 2:
                 log(f"job near its end at step {step0}: {faults - i} fault(s) not injected")
                 break
-            ctx = Ctx(lc, rng)
+            ctx = Ctx(lc, rng, sandbox=sandbox)
+            committed = committed_everywhere(lc)
             at = time.time()
             what = KINDS[kind](ctx)
             survived = wait_until(
@@ -399,7 +573,9 @@ def run_soak(
             resumed_s = time.time() - at if survived else None
             for undo in ctx.undo:
                 undo()
-            records.append(FaultRecord(i, kind, what, at, step0, survived, resumed_s))
+            records.append(
+                FaultRecord(i, kind, what, at, step0, survived, resumed_s, committed=committed)
+            )
             log(
                 f"fault {i + 1}/{faults} {kind}: {what}: "
                 + (f"training resumed after {resumed_s:.2f} s" if survived else "NOT RESUMED")
@@ -415,18 +591,21 @@ def run_soak(
                 log(f"fault {i + 1}: the job did not become steady again")
                 records[-1].survived = False
                 break
+            timelines.update({int(t["generation"]): t for t in lc.timelines()})
         lc.wait_finished(600)
         curve = lc.curve()
-        timelines = lc.timelines()
+        times = {st: t for st, t in newest_times(lc).items() if st in curve}
+        timelines.update({int(t["generation"]): t for t in lc.timelines()})
     finally:
         lc.close()
+        if sandbox is not None:
+            sandbox.close()
     leftover = list(descendants(os.getpid()))
     errors = [
         f"step {s}: {curve[s][0]} vs {reference[s]}"
         for s in sorted(reference)
         if s not in curve or abs(curve[s][0] - reference[s]) > 1e-4 * abs(reference[s])
     ]
-    times = newest_times_from(curve, lc)
     gaps = [b - a for (_, a), (_, b) in itertools.pairwise(sorted(times.items()))]
     median_gap = statistics.median(gaps) if gaps else float("nan")
     lost = 0
@@ -438,9 +617,14 @@ def run_soak(
             if rec.at < b <= end
         ]
         rec.stall_s = max(window, default=float("nan")) - median_gap
-        created = [t for t in timelines if rec.at <= float(t.get("detected_at", 0)) < end]
+        created = [t for t in timelines.values() if rec.at <= float(t.get("detected_at", 0)) < end]
         rec.recomputed = sum(int(t.get("steps_recomputed", 0)) for t in created)
-        lost += sum(max(0, int(t.get("steps_recomputed", 0)) - 1) for t in created)
+        # A committed step is lost when a recovery resumes before a step every node had
+        # committed (in etcd's commit records) when the fault struck.
+        resumed_at = [int(t.get("resume_step", 0)) for t in created]
+        if resumed_at and rec.committed is not None:
+            rec.lost = max(0, rec.committed - min(resumed_at))
+        lost += rec.lost
     return SoakResult(
         records,
         not errors,
@@ -451,12 +635,6 @@ def run_soak(
         median_gap,
         time.monotonic() - started,
     )
-
-
-def newest_times_from(curve: dict[int, tuple[float, int]], lc: LocalCluster) -> dict[int, float]:
-    """The step times of the run as it ended (read from the closed cluster's files)."""
-    times = newest_times(lc)
-    return {s: t for s, t in times.items() if s in curve}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -501,6 +679,12 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     if set(kinds) - set(KINDS):
         p.error(f"unknown fault kind(s) {sorted(set(kinds) - set(KINDS))}; known: {sorted(KINDS)}")
+    why = Sandbox.available()
+    if why is not None and set(kinds) & set(ROOT_KINDS):
+        if args.kinds != p.get_default("kinds"):
+            p.error(f"fault kinds {list(ROOT_KINDS)} need root, nftables and cgroup v2: {why}")
+        kinds = [k for k in kinds if k not in ROOT_KINDS]
+        print(f"left out {list(ROOT_KINDS)}: {why}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         workdir.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,11 @@ class LocalCluster:
         nodes: int = 4,
         slots: int = 2,
         python: str = sys.executable,
+        cgroup_root: Path | None = None,
     ) -> None:
+        """`cgroup_root` (a cgroup v2 directory, optional): each node's agent starts in
+        `cgroup_root/<node id>`, and its workers with it, so that a harness can act on one
+        node's processes and sockets at once (a firewall rule that partitions it)."""
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.spec_path = workdir / "job.yaml"
@@ -82,6 +86,7 @@ class LocalCluster:
         self.python = python
         self.etcd = EtcdServer(workdir / "etcd-data")
         self.nodes = [Node(f"node-{i}", workdir / f"node-{i}") for i in range(nodes)]
+        self.cgroup_root = cgroup_root
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -132,8 +137,20 @@ class LocalCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=self._enter_cgroup(node_id),
             )
         return n
+
+    def _enter_cgroup(self, node_id: str) -> Callable[[], None] | None:
+        if self.cgroup_root is None:
+            return None
+        procs = self.cgroup_root / node_id / "cgroup.procs"
+        procs.parent.mkdir(exist_ok=True)
+
+        def enter() -> None:  # in the child, before exec: "0" moves the writer itself
+            procs.write_text("0")
+
+        return enter
 
     def kill_node(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         """kill -9 the node: its agent and every worker it started, all at once."""
