@@ -12,8 +12,9 @@ last step and the harness checks:
 
 - every step's loss equals the uninterrupted single-worker run of the same job (`elasticpp
   train`, same seed, same global batch, same step count) to 1e-4 relative;
-- no committed step was lost: no recovery resumed before the newest step that every node
-  had recorded as committed in etcd when its fault struck;
+- no committed step was lost: no recovery resumed before the job's committed step (the safe
+  step the leader publishes: held by every node and its replica holders) of the moment its
+  fault struck;
 - no process is left behind.
 
 Per fault kind it prints (and writes to `soak.json`) the count, how many survived, the stall
@@ -149,22 +150,18 @@ def cluster_state(lc: LocalCluster) -> tuple[str | None, int]:
         return c.leader(), record.generation if record else 0
 
 
-def committed_everywhere(lc: LocalCluster) -> int | None:
-    """The newest step that every node of the current generation recorded as committed
-    (etcd's commit records), or None if some node has not committed in it yet. A commit
-    record names the newest state a node holds: `step` steps applied."""
+def committed_step(lc: LocalCluster) -> int | None:
+    """The job's committed step: the safe step the leader published (held by every node
+    and by the replica holders of each, so any single node loss leaves it resumable), or
+    None before the first one."""
     from elasticpp.cluster import ClusterClient
 
-    with contextlib.suppress(Exception):
-        with ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c:
-            record, _ = c.read_generation()
-            if record is None:
-                return None
-            commits = c.commits(record.generation)
-        nodes = set(record.extra.get("nodes", {})) or {n.node_id for n in lc.nodes}
-        if not nodes <= set(commits):
-            return None
-        return min(commits[n] for n in nodes)
+    with (
+        contextlib.suppress(Exception),
+        ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c,
+    ):
+        safe, _ = c.read_safe()
+        return None if safe is None else safe.step
     return None
 
 
@@ -482,7 +479,7 @@ class FaultRecord:
     resumed_s: float | None
     stall_s: float = float("nan")
     recomputed: int = 0
-    committed: int | None = None  # the newest step every node had committed at the fault
+    committed: int | None = None  # the job's committed (safe) step when the fault struck
     lost: int = 0  # committed steps a recovery after it went back past
 
 
@@ -562,7 +559,7 @@ def run_soak(
                 log(f"job near its end at step {step0}: {faults - i} fault(s) not injected")
                 break
             ctx = Ctx(lc, rng, sandbox=sandbox)
-            committed = committed_everywhere(lc)
+            committed = committed_step(lc)
             at = time.time()
             what = KINDS[kind](ctx)
             survived = wait_until(
@@ -619,8 +616,8 @@ def run_soak(
         rec.stall_s = max(window, default=float("nan")) - median_gap
         created = [t for t in timelines.values() if rec.at <= float(t.get("detected_at", 0)) < end]
         rec.recomputed = sum(int(t.get("steps_recomputed", 0)) for t in created)
-        # A committed step is lost when a recovery resumes before a step every node had
-        # committed (in etcd's commit records) when the fault struck.
+        # A committed step is lost when a recovery resumes before the job's committed step
+        # (the published safe step) of the moment the fault struck.
         resumed_at = [int(t.get("resume_step", 0)) for t in created]
         if resumed_at and rec.committed is not None:
             rec.lost = max(0, rec.committed - min(resumed_at))

@@ -88,6 +88,8 @@ class ControlPart:
         m.members.labels(**lbl).set(len(self._members))
         m.is_leader.labels(**lbl).set(1 if self._is_leader() else 0)
         m.generation.labels(**lbl).set(self.generation)
+        floor = self.store.floor
+        m.safe_step.labels(**lbl).set(floor[1] if floor is not None else -1)
         counts = dict.fromkeys(WORKER_STATES, 0)
         counts["warm"] = len(self._warm)
         for w in self._workers.values():

@@ -1,11 +1,12 @@
 """The durability part of the agent: what the workers hand over becomes committed state.
 
 Steps are committed by (generation, step) into the node's `LocalStore` (a committed piece is
-never rewritten), replicated to ring peers and persisted to the checkpoint directory off the
-training path; resume state is fetched (local pieces linked, remote ones streamed with
-checksums; piece names from etcd parsed before use). An agent whose membership lease may
-have lapsed commits nothing (self-fencing). Local leftovers (older resume directories, worker
-logs, metrics.jsonl) are bounded.
+never rewritten), reported in the node's commit record with the anchor steps it holds (own
+and replicas: the leader's safe step is computed from them), replicated to ring peers and
+persisted to the checkpoint directory off the training path; resume state is fetched (local
+pieces linked, remote ones streamed with checksums; piece names from etcd parsed before use).
+An agent whose membership lease may have lapsed commits nothing (self-fencing). Local
+leftovers (older resume directories, worker logs, metrics.jsonl) are bounded.
 """
 
 from __future__ import annotations
@@ -112,11 +113,11 @@ class DurabilityPart:
                 return
             for old in [k for k in self._snap_reports if k[1] <= step]:
                 del self._snap_reports[old]
-            if self.cluster is not None:
-                # The job's high-water mark: a job that ever committed a step never silently
-                # starts over from step 0 when its state is lost.
-                with contextlib.suppress(ClusterUnavailableError):
-                    self.cluster.record_commit(w.generation, self.node_id, step)
+            self._last_commit_step = step
+            # The job's high-water mark: a job that ever committed a step never silently
+            # starts over from step 0 when its state is lost. It also reports the anchors.
+            with contextlib.suppress(ClusterUnavailableError):
+                self._record_commit(w.generation)
             if self.spec.replication_copies and step % self.spec.replication_every == 0:
                 self._replicate_async()
             if (
@@ -155,6 +156,23 @@ class DurabilityPart:
             f"training halted: {event.get('message')}. Nothing after the last finite state "
             f"is committed (the newest committed step here: {newest}); fix the job (learning "
             "rate, data) and start it again from that step",
+        )
+
+    def _record_commit(self, generation: int) -> None:
+        """This node's commit record of `generation`: its newest committed step and the
+        anchors of that generation it holds, own and replicas (what the leader's safe step
+        is computed from). Called after a commit and after a replication round."""
+        cluster = self.cluster
+        if cluster is None:
+            return
+        origins = {o for o, _ in self.store.holdings().steps}
+        replicas = {o: self.store.anchors(o, generation) for o in origins if o != self.node_id}
+        cluster.record_commit(
+            generation,
+            self.node_id,
+            self._last_commit_step,
+            self.store.anchors(self.node_id, generation),
+            {o: steps for o, steps in replicas.items() if steps},
         )
 
     def _fenced(self) -> bool:
@@ -232,14 +250,23 @@ class DurabilityPart:
         addresses = dict(gs.record.extra.get("nodes", {}))
         members = {n: str(i.get("address")) for n, i in self._members.items()}
         addresses.update(members)
-        ring = sorted(addresses)
+        # The plan's nodes with ranks, as the leader's safe step computes it: a member that
+        # is not planned (yet) changes nobody's replica holders.
+        ring = sorted({s.node_id for s in gs.plan.placement})
         generation = gs.generation
 
         def run() -> None:
             try:
-                replicate_once(
-                    self.store, addresses, ring, self.spec.replication_copies, generation
+                results = replicate_once(
+                    self.store,
+                    addresses,
+                    ring,
+                    self.spec.replication_copies,
+                    generation,
+                    every=self.spec.replication_every,
                 )
+                if any(r.step is not None for r in results) and not self._fenced():
+                    self._record_commit(generation)  # the replicas it holds now
             except Exception as exc:  # replication is best effort; the next round retries
                 log.warning("replication failed: %s", exc)
             finally:

@@ -3,7 +3,8 @@
 It acts only while its term holds (`Leadership.is_held()` and the leader key still names it).
 It writes each generation by compare-and-swap, resolves where the resume state comes from
 and publishes it once as a fenced record any later leader reads, records the recovery
-timeline, and removes what older generations left in etcd.
+timeline, removes what older generations left in etcd, and publishes the safe step (fenced,
+only when it rises) from the running generation's commit records.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from elasticpp.agent.decide import (
     live_nodes,
 )
 from elasticpp.agent.follower import _GenState
-from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S
+from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
 from elasticpp.cluster.client import RESUME_MEMBER
-from elasticpp.cluster.records import GenerationRecord
+from elasticpp.cluster.records import GenerationRecord, SafeStep
 from elasticpp.errors import ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.holdings import NodeHoldings
 from elasticpp.store.persist import checkpoint_holdings
+from elasticpp.store.replicate import safe_step
 from elasticpp.store.resolver import resolve
 
 log = logging.getLogger("elasticpp.agent")
@@ -147,6 +149,7 @@ class LeaderPart:
             return
         self._lead_resume(gs, view)
         self._lead_timeline(gs)
+        self._lead_safe_step(gs)
 
     def _write_generation(self, decision: Replan, view: ClusterView) -> None:
         assert self.cluster is not None
@@ -341,6 +344,42 @@ class LeaderPart:
             "{layout_after}, resumed at step {resume_step} after {resumed_s:.2f} s, "
             "{steps_recomputed} step(s) recomputed".format(**timeline),
         )
+
+    def _lead_safe_step(self, gs: _GenState) -> None:
+        """Publish the newest safe step of the running generation when it rises (every
+        `SAFE_EVERY_S`): the newest anchor that every node with ranks holds, and its replica
+        holders hold a replica of, by their commit records (elasticpp.store.replicate)."""
+        r = self.spec.replication_copies
+        now = time.monotonic()
+        if not r or not gs.resume_written or now - self._safe_checked_s < SAFE_EVERY_S:
+            return
+        self._safe_checked_s = now
+        assert self.cluster is not None
+        records = self.cluster.commit_records(gs.generation)
+        # The ring replication uses (`_replicate_async`): the plan's nodes with ranks.
+        ring = sorted({s.node_id for s in gs.plan.placement})
+        step = safe_step(
+            ring,
+            r,
+            ring,
+            {n: rec.anchors for n, rec in records.items()},
+            {n: rec.replicas for n, rec in records.items()},
+        )
+        if step is None:
+            return
+        new = SafeStep(gs.generation, step)
+        current, revision = self.cluster.read_safe()
+        if current is not None and new <= current:
+            return
+        if self.cluster.write_safe(new, revision, self._leadership):
+            log.info(
+                "leader: step %d of generation %d is safe (held by its node and %d replica "
+                "holder(s) of every node); it was %s",
+                step,
+                gs.generation,
+                r,
+                "none" if current is None else f"step {current.step} of {current.generation}",
+            )
 
     def timelines(self) -> list[dict[str, Any]]:
         values = self._barriers.get("timelines", {})

@@ -13,3 +13,4 @@ UNARY_THREADS = 8  # server threads kept for health, status, drain and ListSteps
 WORKER_LOGS_KEPT = 32  # newest worker log files kept in <state_dir>/logs
 METRICS_ROTATE_BYTES = 64 << 20  # metrics.jsonl is rotated (one old file kept) past this
 STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPCs read
+SAFE_EVERY_S = 0.5  # how often the leader computes the safe step and every agent reads it

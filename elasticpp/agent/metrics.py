@@ -21,6 +21,7 @@ class AgentMetrics:
     is_leader: Gauge
     etcd_up: Gauge
     members: Gauge
+    safe_step: Gauge
     workers: Gauge
     steps_total: Counter
     worker_failures_total: Counter
@@ -53,6 +54,11 @@ class AgentMetrics:
             is_leader=g("elasticpp_is_leader", "1 if this agent is the leader"),
             etcd_up=g("elasticpp_etcd_up", "1 if the agent's last etcd call succeeded"),
             members=g("elasticpp_members", "Registered nodes of the job, as this agent sees"),
+            safe_step=g(
+                "elasticpp_safe_step",
+                "Newest step this node knows to survive any single node loss (its store's "
+                "floor); -1 until the leader first publishes one",
+            ),
             workers=g("elasticpp_workers", "Local worker processes by state", ("state",)),
             steps_total=c("elasticpp_steps", "Steps completed by this node's workers"),
             worker_failures_total=c(

@@ -116,7 +116,13 @@ class Agent(
         self.node_id = cfg.node_id
         self.incarnation = uuid.uuid4().hex[:12]
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = LocalStore(cfg.state_dir / "store", cfg.node_id)
+        # Anchors (replicated steps) at or above the safe step stay until a newer one is
+        # published: see elasticpp.store.replicate for the guarantee.
+        self.store = LocalStore(
+            cfg.state_dir / "store",
+            cfg.node_id,
+            anchor_every=spec.replication_every if spec.replication_copies else None,
+        )
         self.metrics_path = cfg.state_dir / "metrics.jsonl"
         self.log_dir = cfg.state_dir / "logs"
         self.python = python
@@ -131,6 +137,9 @@ class Agent(
         self._event_cond = threading.Condition()
         self._total_events = 0
         self._replicating = False
+        self._last_commit_step = -1  # this node's newest own commit (its commit records say it)
+        self._safe_checked_s = 0.0  # when the leader last computed the safe step
+        self._safe_read_s = 0.0  # when this agent last read the published safe step
         self._last_wait = ""
         self._drain_announced = False
         self._drain_requested_gen = 0

@@ -1,6 +1,7 @@
 """The agent's view of the cluster: members, the generation record, the leader and the
 barriers of the current generation, read from etcd by the decision loop (on a watch event,
-and at least every second). An unreachable etcd keeps the last view (training goes on,
+and at least every second), and the published safe step (at most every `SAFE_EVERY_S`), which
+becomes the store's floor. An unreachable etcd keeps the last view (training goes on,
 changes wait); an unreadable generation record keeps it too, since acting on a guess could
 break the fencing; joins and losses are noted for the recovery timeline.
 """
@@ -11,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.cluster.errors import (
     ClusterDataError,
     ClusterUnavailableError,
@@ -50,6 +52,10 @@ class ViewPart:
                 names += [f"{b}-{gen}" for b in ("stopped", "resume", "started", "failed")]
             for name in names:
                 barriers[name], _ = self.cluster.barrier_state(name)
+            safe = None
+            if time.monotonic() - self._safe_read_s >= SAFE_EVERY_S:
+                self._safe_read_s = time.monotonic()
+                safe, _ = self.cluster.read_safe()
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
             return
@@ -87,4 +93,7 @@ class ViewPart:
         self._record, self._record_rev = record, rev
         self._leader = leader
         self._barriers = barriers
+        if safe is not None:
+            # The floor only rises: anchors below it may go now (elasticpp.store.replicate).
+            self.store.set_floor(safe.step, safe.generation)
         self._update_gauges()

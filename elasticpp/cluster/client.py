@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from elasticpp.cluster import keys as keymod
@@ -43,9 +43,11 @@ from elasticpp.cluster.etcd_client import (
     WatchItem,
 )
 from elasticpp.cluster.records import (
+    CommitRecord,
     EventType,
     GenerationRecord,
     Members,
+    SafeStep,
     WatchEvent,
     dumps,
     loads,
@@ -707,12 +709,46 @@ class ClusterClient:
         return self._kv.delete_prefix(self.keys.barrier_prefix(barrier))
 
     # ------------------------------------------------------------------ commits
-    def record_commit(self, generation: int, node_id: str, step: int) -> None:
-        """Record `step` as this node's newest committed step in `generation`."""
-        self._kv.put(
-            self.keys.commit(generation, node_id),
-            dumps({"node_id": node_id, "generation": generation, "step": step, "at": time.time()}),
+    def record_commit(
+        self,
+        generation: int,
+        node_id: str,
+        step: int,
+        anchors: Sequence[int] = (),
+        replicas: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        """Record `step` as this node's newest committed step in `generation` (-1: none), and
+        the anchor steps of `generation` it holds: its own and, per origin, its replicas."""
+        record = CommitRecord(
+            node_id,
+            generation,
+            step,
+            tuple(sorted(anchors, reverse=True)),
+            {o: tuple(sorted(s, reverse=True)) for o, s in (replicas or {}).items()},
         )
+        self._kv.put(
+            self.keys.commit(generation, node_id), dumps({**record.to_dict(), "at": time.time()})
+        )
+
+    def commit_records(self, generation: int) -> dict[str, CommitRecord]:
+        """The readable commit records of `generation` by node id; unreadable ones (malformed,
+        a newer format, or naming another node or generation) are skipped and logged once."""
+        kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
+        out: dict[str, CommitRecord] = {}
+        for node, data in self._records(kvs, "commit record").items():
+            key = self.keys.commit(generation, node)
+            try:
+                record = CommitRecord.from_dict(data)
+                if (record.node_id, record.generation) != (node, generation):
+                    raise ClusterDataError(
+                        f"commit record under {node}/{generation} names "
+                        f"{record.node_id}/{record.generation}"
+                    )
+            except ClusterDataError as exc:
+                self.skip_value(key, exc)
+                continue
+            out[node] = record
+        return out
 
     def commits(self, generation: int) -> dict[str, int]:
         kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
@@ -723,6 +759,31 @@ class ClusterClient:
             except (KeyError, TypeError, ValueError) as exc:
                 self.skip_value(self.keys.commit(generation, node), exc)
         return out
+
+    # ------------------------------------------------------------------ safe step
+    def read_safe(self) -> tuple[SafeStep | None, int]:
+        """The published safe step (None if none, or unreadable: skipped and logged once) and
+        the key's mod revision (0 if absent), for `write_safe`."""
+        kv = self._kv.get(self.keys.safe)
+        if kv is None:
+            return None, 0
+        try:
+            return SafeStep.from_dict(loads(kv.value, "safe step")), kv.mod_revision
+        except ClusterDataError as exc:
+            self.skip_value(self.keys.safe, exc)
+            return None, kv.mod_revision
+
+    def write_safe(self, safe: SafeStep, expected_mod_revision: int, leader: Leadership) -> bool:
+        """Publish `safe`, fenced by `leader`'s term and by the revision read. The caller
+        writes only a rise; False if the key changed since it was read or the term is over."""
+        compares = [
+            Compare(self.keys.safe, "mod", expected_mod_revision),
+            Compare(self.keys.leader, "value", leader.node_id),
+            Compare(self.keys.leader, "create", leader.create_revision),
+        ]
+        value = dumps({"generation": safe.generation, "step": safe.step, "at": time.time()})
+        ok, _, _ = self._kv.txn(compares, [Put(self.keys.safe, value)])
+        return ok
 
     def ever_committed(self) -> bool:
         """Whether any node recorded a commit in any generation still on record

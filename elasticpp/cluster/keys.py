@@ -18,7 +18,13 @@ generations/<generation:012d>        none            the same record, as history
 suspects/<node_id>                   none            {format_version, node_id, by, reason, at}
 barriers/<name>/<node_id>            none            {format_version, node_id, value, at}
 commits/<generation:012d>/<node_id>  none            {format_version, node_id, generation, step,
-                                                     at} (each node, newest committed step)
+                                                     at, anchors, replicas} (each node: newest
+                                                     committed step, -1 if none; the anchor
+                                                     steps of this generation it holds, own
+                                                     and per origin, newest first, bounded)
+safe                                 none            {format_version, generation, step, at}: the
+                                                     newest safe step (leader, compare-and-swap,
+                                                     only when it rises)
 
 Generation numbers in key names are zero-padded to 12 digits so that etcd's byte order is the
 numeric order. Node ids and barrier names must not contain `/` (checked by `check_name`).
@@ -120,6 +126,10 @@ class JobKeys:
 
     def commit(self, generation: int, node_id: str) -> str:
         return self.commits_of(generation) + check_name("node_id", node_id)
+
+    @property
+    def safe(self) -> str:
+        return self.root + "safe"
 
 
 def last_segment(key: str) -> str:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.cluster.errors import ClusterDataError
 
 FORMAT_VERSION = 1
+# Anchor steps a commit record lists per origin (newest first): etcd values stay small.
+ANCHORS_REPORTED = 16
 
 
 def dumps(obj: dict[str, Any]) -> str:
@@ -124,3 +127,76 @@ class GenerationRecord:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterDataError(f"generation record: bad field ({exc!r})") from None
+
+
+def _steps(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value
+    ):
+        raise ClusterDataError(f"{what}: expected a list of steps, got {value!r}")
+    return tuple(sorted(set(value), reverse=True))
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What one node reports after a commit or a replication round in one generation: its
+    newest committed step (-1: none) and the anchor steps of that generation it holds, its own
+    and the replicas per origin, newest first (at most `ANCHORS_REPORTED` each)."""
+
+    node_id: str
+    generation: int
+    step: int
+    anchors: tuple[int, ...] = ()
+    replicas: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "generation": self.generation,
+            "step": self.step,
+            "anchors": list(self.anchors[:ANCHORS_REPORTED]),
+            "replicas": {o: list(s[:ANCHORS_REPORTED]) for o, s in sorted(self.replicas.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CommitRecord:
+        """Parse a record (as `loads` returned it); `ClusterDataError` naming the bad field.
+        A record of an older release (no anchors) reads as holding none."""
+        try:
+            node_id, generation, step = data["node_id"], data["generation"], data["step"]
+        except KeyError as exc:
+            raise ClusterDataError(f"commit record: missing field {exc}") from None
+        if not isinstance(node_id, str):
+            raise ClusterDataError(f"commit record: node_id must be a string, got {node_id!r}")
+        for name, value in (("generation", generation), ("step", step)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise ClusterDataError(f"commit record: {name} must be an integer, got {value!r}")
+        replicas = data.get("replicas", {})
+        if not isinstance(replicas, dict):
+            raise ClusterDataError(f"commit record: replicas must be an object, got {replicas!r}")
+        return cls(
+            node_id,
+            generation,
+            step,
+            _steps(data.get("anchors", []), "commit record: anchors"),
+            {str(o): _steps(s, f"commit record: replicas of {o}") for o, s in replicas.items()},
+        )
+
+
+@dataclass(frozen=True, order=True)
+class SafeStep:
+    """The newest step every node holds so that it survives any single node loss, as the
+    leader published it. Ordered like commits: by generation, then step."""
+
+    generation: int
+    step: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SafeStep:
+        values = []
+        for name in ("generation", "step"):
+            value = data.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ClusterDataError(f"safe step: {name} must be an integer >= 0, got {value!r}")
+            values.append(value)
+        return cls(*values)

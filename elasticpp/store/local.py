@@ -26,6 +26,14 @@ Invariants this module keeps:
   `pinned`/`open_piece`) leaves `holdings` at once but its files are deleted only when its
   last pin is released. Deletion removes the manifest first, so a crash mid-delete leaves an
   incomplete directory, never a wrong one.
+- Anchors and the floor (the replication guarantee, see `elasticpp.store.replicate`): with
+  `anchor_every` set, a committed step divisible by it is an anchor. Besides the newest
+  `keep_steps`, `_prune` never deletes an anchor commit (own or replica) whose (generation,
+  step) is at or above the floor, the newest safe step this node has learnt (`set_floor`,
+  monotonic in commit order). Before any floor is known every anchor counts as above it.
+  Anchors strictly above the floor are capped at `anchor_cap` per origin (the oldest beyond it
+  go, with a warning): a stalled replication cannot fill the disk. The cap can break the
+  guarantee only while the safe step lags this node's anchors by more than `anchor_cap`.
 - On the hot path (a worker reports a step, the agent commits it) files are only stat'ed:
   the worker computed the sha256 while writing. A piece's bytes are hashed at most once by
   the store, on its first local use (`verify_piece`, `materialize`); every remote transfer is
@@ -68,6 +76,8 @@ OWN_DIRNAME = "own"
 REPLICAS_DIRNAME = "replicas"
 STAGING_DIRNAME = "staging"
 _GEN_RE = re.compile(r"^gen-(\d{8})$")
+# Anchors kept per origin above the floor while the safe step stalls (a slow or dead node).
+ANCHORS_ABOVE_FLOOR = 16
 
 # A commit's identity on disk: (origin, step, generation).
 _Key = tuple[str, int, int]
@@ -125,12 +135,28 @@ class LocalStore:
     """The committed steps one node keeps. Thread-safe: the gRPC server reads while the
     agent records and commits."""
 
-    def __init__(self, root: Path, node_id: str, keep_steps: int = 2) -> None:
-        if isinstance(keep_steps, bool) or not isinstance(keep_steps, int) or keep_steps < 1:
-            raise ConfigError(f"store: keep_steps must be an integer >= 1, got {keep_steps!r}")
+    def __init__(
+        self,
+        root: Path,
+        node_id: str,
+        keep_steps: int = 2,
+        *,
+        anchor_every: int | None = None,
+        anchor_cap: int = ANCHORS_ABOVE_FLOOR,
+    ) -> None:
+        for name, value in (("keep_steps", keep_steps), ("anchor_cap", anchor_cap)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"store: {name} must be an integer >= 1, got {value!r}")
+        if anchor_every is not None and (
+            isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1
+        ):
+            raise ConfigError(f"store: anchor_every must be an integer >= 1, got {anchor_every!r}")
         self.root = Path(root)
         self.node_id = check_node_id(node_id)
         self.keep_steps = keep_steps
+        self.anchor_every = anchor_every  # None: no anchors, only the newest keep_steps
+        self.anchor_cap = anchor_cap
+        self._floor: tuple[int, int] | None = None  # (generation, step) of the safe step
         self.own_dir = self.root / OWN_DIRNAME
         self.replicas_dir = self.root / REPLICAS_DIRNAME
         self.staging_dir = self.root / STAGING_DIRNAME
@@ -327,6 +353,45 @@ class LocalStore:
                 generation,
             )
             return holding
+
+    # ----- anchors and the floor
+
+    def is_anchor(self, step: int) -> bool:
+        return self.anchor_every is not None and step % self.anchor_every == 0
+
+    @property
+    def floor(self) -> tuple[int, int] | None:
+        """(generation, step) of the newest safe step this node has learnt, or None."""
+        with self._lock:
+            return self._floor
+
+    def set_floor(self, step: int, generation: int) -> bool:
+        """Learn a newer safe step: anchors below it may go now. A floor only rises (in
+        commit order, (generation, step)); an older one is ignored. True if it rose."""
+        with self._lock:
+            new = (generation, step)
+            if self._floor is not None and new <= self._floor:
+                return False
+            self._floor = new
+            for origin in sorted({o for o, _ in self._committed}):
+                self._prune(origin)
+            log.info("store %s: floor is step %d of generation %d", self.node_id, step, generation)
+            return True
+
+    def anchors(self, origin: str, generation: int | None = None) -> list[int]:
+        """Committed anchor steps of `origin` held here (of `generation` only, if given),
+        newest first."""
+        with self._lock:
+            return sorted(
+                (
+                    s
+                    for (o, s), h in self._committed.items()
+                    if o == origin
+                    and self.is_anchor(s)
+                    and (generation is None or h.generation == generation)
+                ),
+                reverse=True,
+            )
 
     # ----- reading
 
@@ -533,15 +598,33 @@ class LocalStore:
             self._delete(key)
 
     def _prune(self, origin: str) -> None:
-        """Drop commits beyond the newest `keep_steps` by (generation, step), and stale
-        uncommitted directories."""
+        """Drop commits beyond the newest `keep_steps` by (generation, step) that are not
+        anchors at or above the floor (capped), and stale uncommitted directories."""
         held = sorted(
             (h for (o, _), h in self._committed.items() if o == origin), key=lambda h: h.order
         )
-        kept = held[-self.keep_steps :]
-        for h in held[: -self.keep_steps]:
-            del self._committed[(origin, h.step)]
-            self._retire((origin, h.step, h.generation))
+        keep = {h.order for h in held[-self.keep_steps :]}
+        floor = self._floor or (0, -1)
+        above = [h for h in held if self.is_anchor(h.step) and h.order > floor]
+        keep |= {h.order for h in held if self.is_anchor(h.step) and h.order == floor}
+        keep |= {h.order for h in above[-self.anchor_cap :]}
+        for h in above[: -self.anchor_cap]:
+            if h.order not in keep:
+                log.warning(
+                    "store %s: more than %d anchors of %s above the safe step %s: anchor step "
+                    "%d dropped (replication or a node lags; the guarantee holds again once "
+                    "a newer safe step is published)",
+                    self.node_id,
+                    self.anchor_cap,
+                    origin,
+                    "(none yet)" if self._floor is None else self._floor[1],
+                    h.step,
+                )
+        kept = [h for h in held if h.order in keep]
+        for h in held:
+            if h.order not in keep:
+                del self._committed[(origin, h.step)]
+                self._retire((origin, h.step, h.generation))
         if not kept:
             return
         oldest = kept[0].order

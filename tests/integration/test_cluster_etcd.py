@@ -469,3 +469,65 @@ def test_unreadable_values_are_skipped_counted_and_logged_once(
     assert c.skipped_values == 8
     warnings = [r for r in caplog.records if "skipped" in r.getMessage()]
     assert len(warnings) == 4  # one line per key, however often it is read
+
+
+def test_commit_records_carry_anchors_and_skip_what_they_cannot_read(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a = clients()
+    a.record_commit(5, "n1", 42, anchors=[40, 42], replicas={"n3": [42, 40, 38]})
+    a.record_commit(5, "n2", -1, replicas={"n1": [40]})  # replicas only, no own commit yet
+    raw = EtcdKV([etcd.endpoint])
+    try:
+        newer = {"format_version": 2, "node_id": "n4", "generation": 5, "step": 3}
+        raw.put(a.keys.commit(5, "n4"), json.dumps(newer))
+        bad = {"format_version": 1, "node_id": "n5", "generation": 5, "step": 3, "anchors": "40"}
+        raw.put(a.keys.commit(5, "n5"), json.dumps(bad))
+        elsewhere = {"format_version": 1, "node_id": "n1", "generation": 5, "step": 3}
+        raw.put(a.keys.commit(5, "n6"), json.dumps(elsewhere))
+        old = {"format_version": 1, "node_id": "n7", "generation": 5, "step": 9, "at": 0.0}
+        raw.put(a.keys.commit(5, "n7"), json.dumps(old))  # an older release's record
+    finally:
+        raw.close()
+    records = a.commit_records(5)
+    assert sorted(records) == ["n1", "n2", "n7"]
+    assert records["n1"].step == 42 and records["n1"].anchors == (42, 40)
+    assert records["n1"].replicas == {"n3": (42, 40, 38)}
+    assert records["n2"].step == -1 and records["n2"].replicas == {"n1": (40,)}
+    assert records["n7"].anchors == () and records["n7"].replicas == {}
+    assert a.skipped_values == 3
+    assert a.commits(5)["n1"] == 42  # the high-water mark reads the same records
+    assert a.commit_records(4) == {}
+
+
+def test_the_safe_step_is_written_by_the_leaders_term_against_the_revision_it_read(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    from elasticpp.cluster.records import SafeStep
+
+    a, b = clients(), clients()
+    assert a.read_safe() == (None, 0)
+    old = a.campaign("n1", ttl_s=5)
+    assert old is not None
+    assert a.write_safe(SafeStep(2, 40), 0, old)
+    safe, rev = b.read_safe()
+    assert safe == SafeStep(2, 40) and rev > 0
+    assert not a.write_safe(SafeStep(2, 44), 0, old)  # the key changed since revision 0
+    assert a.write_safe(SafeStep(2, 44), rev, old)
+    assert SafeStep(3, 2) > SafeStep(2, 44)  # commit order: generation, then step
+    old.resign()
+    new = b.campaign("n2", ttl_s=5)
+    assert new is not None
+    _, rev = a.read_safe()
+    assert not a.write_safe(SafeStep(2, 48), rev, old)  # a deposed term writes nothing
+    # A value this build cannot read is skipped (logged once), never acted on, and the
+    # leader may replace it.
+    raw = EtcdKV([etcd.endpoint])
+    try:
+        raw.put(b.keys.safe, json.dumps({"format_version": 2, "generation": 9, "step": 1}))
+    finally:
+        raw.close()
+    safe, rev = b.read_safe()
+    assert safe is None and b.skipped_values == 1
+    assert b.write_safe(SafeStep(3, 2), rev, new)
+    assert a.read_safe()[0] == SafeStep(3, 2)

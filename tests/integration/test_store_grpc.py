@@ -50,8 +50,10 @@ def commit_step(store: LocalStore, step: int, names: list[str], size: int = 5000
 class Node:
     """A store and its state service on a free loopback port."""
 
-    def __init__(self, root: Path, node_id: str, servicer_cls=StateServicer, **kw) -> None:
-        self.store = LocalStore(root / node_id, node_id)
+    def __init__(
+        self, root: Path, node_id: str, servicer_cls=StateServicer, store_kw=None, **kw
+    ) -> None:
+        self.store = LocalStore(root / node_id, node_id, **(store_kw or {}))
         self.generation = 0
         self.servicer = servicer_cls(self.store, lambda: self.generation, **kw)
         self.server = grpc.server(ThreadPoolExecutor(4), options=GRPC_OPTIONS)
@@ -229,6 +231,24 @@ def test_replication_copies_the_peers_newest_committed_step(tmp_path: Path, node
     # a is dead (not in peers): its replica on b stays.
     assert replicate_once(b.store, {"b": b.address}, ["a", "b"], 1, 0) == []
     assert b.store.committed_steps("a") == [4, 5]
+
+
+def test_replication_walks_through_the_anchors_it_lacks_oldest_first(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", store_kw={"anchor_every": 2})
+    nodes["b"] = b = Node(tmp_path, "b", store_kw={"anchor_every": 2})
+    peers = {"a": a.address, "b": b.address}
+    for step in range(1, 8):
+        commit_step(a.store, step, ALL_TP2[:1])
+    # Nothing of a held yet: start at its newest anchor (7 is no anchor).
+    results = replicate_once(b.store, peers, ["a", "b"], 1, 0, every=2)
+    assert [(r.origin, r.step) for r in results] == [("a", 6)]
+    for step in range(8, 13):
+        commit_step(a.store, step, ALL_TP2[:1])
+    results = replicate_once(b.store, peers, ["a", "b"], 1, 0, every=2)
+    assert [(r.origin, r.step) for r in results] == [("a", 12)]
+    assert results[0].fetched_bytes == 3 * 5000
+    assert b.store.anchors("a") == [12, 10, 8, 6]
+    assert replicate_once(b.store, peers, ["a", "b"], 1, 0, every=2)[0].fetched_bytes == 0
 
 
 def test_replication_reports_a_refusing_peer_without_raising(tmp_path: Path, nodes):

@@ -239,3 +239,58 @@ def test_replicas_of_a_recomputed_step_replace_the_older_generation(tmp_path: Pa
     assert store.holdings().steps[("n1", 4)].generation == 2
     assert store.path_of("n1", 4, NAMES[0]).read_bytes() == b"xyz"
     assert not (tmp_path / "replicas" / "n1" / "gen-00000001").exists()
+
+
+def commit_replica_step(store: LocalStore, origin: str, step: int, generation: int = 0) -> None:
+    entry = PieceEntry(PieceKey.parse(NAMES[0]), 3, hashlib.sha256(b"abc").hexdigest())
+    (store.replica_step_dir(origin, step, generation) / NAMES[0]).write_bytes(b"abc")
+    store.commit_replica(origin, step, UNITS, [entry], generation)
+
+
+def test_anchors_at_or_above_the_floor_outlive_the_newest_steps(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=2, anchor_every=2)
+    assert store.set_floor(4, 0)
+    for step in range(1, 11):
+        commit_step(store, step)
+        commit_replica_step(store, "n1", step)
+    # 4, 6, 8, 10 are anchors at or above the floor; 9 and 10 the newest two.
+    assert store.committed_steps() == [4, 6, 8, 9, 10]
+    assert store.committed_steps("n1") == [4, 6, 8, 9, 10]
+    assert store.anchors("n0") == [10, 8, 6, 4] and store.anchors("n1", 1) == []
+    assert not store.step_dir("n0", 2).exists() and not store.step_dir("n0", 5).exists()
+    again = LocalStore(tmp_path, "n0", keep_steps=2, anchor_every=2)
+    assert again.committed_steps() == [4, 6, 8, 9, 10]  # no floor known yet: all anchors stay
+
+
+def test_the_floor_only_rises_in_commit_order_and_releases_older_anchors(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=1, anchor_every=1)
+    for step in range(1, 6):
+        commit_step(store, step)
+    assert store.floor is None and store.committed_steps() == [1, 2, 3, 4, 5]
+    assert store.set_floor(3, 0)
+    assert store.committed_steps() == [3, 4, 5]
+    assert not store.set_floor(2, 0) and not store.set_floor(3, 0)  # lower or equal: ignored
+    assert store.floor == (0, 3) and store.committed_steps() == [3, 4, 5]
+    # A newer generation's safe step is newer in commit order even when its number is lower
+    # (after a rollback): it only keeps more, here the recomputed step 2.
+    commit_step(store, 2, generation=1)
+    assert store.set_floor(2, 1)
+    assert store.floor == (1, 2) and store.committed_steps() == [2]
+
+
+def test_anchors_above_the_floor_are_capped_per_origin_and_the_floor_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    store = LocalStore(tmp_path, "n0", keep_steps=2, anchor_every=1, anchor_cap=3)
+    commit_step(store, 2)
+    store.set_floor(2, 0)
+    for step in range(3, 13):
+        commit_step(store, step)
+        commit_replica_step(store, "n1", step)
+    assert store.committed_steps() == [2, 10, 11, 12]  # the floor, then the newest three
+    assert store.committed_steps("n1") == [10, 11, 12]
+    assert any("anchor step 9 dropped" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="anchor_every"):
+        LocalStore(tmp_path, "n0", anchor_every=0)
+    with pytest.raises(ConfigError, match="anchor_cap"):
+        LocalStore(tmp_path, "n0", anchor_cap=0)

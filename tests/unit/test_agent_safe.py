@@ -1,0 +1,120 @@
+"""The agent's part of the replication guarantee, on a constructed agent with a fake of the
+cluster calls it makes: commit records report anchors, the leader publishes the safe step
+only when it rises, and every agent takes the published step as its store's floor."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import Phase
+from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.cluster.records import CommitRecord, GenerationRecord, Members, SafeStep
+from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
+from tests.unit.test_agent_done import SPEC
+from tests.unit.test_store_local import commit_replica_step, commit_step
+
+
+def _plan(generation: int) -> Plan:
+    """Two pipeline stages, on n0 and n1."""
+    cluster = ClusterSpec((NodeSpec("n0", 1), NodeSpec("n1", 1)), load_device_spec("cpu"))
+    return build_plan(
+        SPEC.model, cluster, Layout(2, 1, 1), global_batch=4, micro_batch=2
+    ).with_generation(generation)
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.records: dict[str, CommitRecord] = {}
+        self.safe: SafeStep | None = None
+        self.revision = 0
+        self.writes: list[SafeStep] = []
+
+    def record_commit(self, generation, node_id, step, anchors=(), replicas=None) -> None:
+        replicas = {o: tuple(s) for o, s in (replicas or {}).items()}
+        self.records[node_id] = CommitRecord(node_id, generation, step, tuple(anchors), replicas)
+
+    def commit_records(self, generation: int) -> dict[str, CommitRecord]:
+        return {n: r for n, r in self.records.items() if r.generation == generation}
+
+    def read_safe(self) -> tuple[SafeStep | None, int]:
+        return self.safe, self.revision
+
+    def write_safe(self, safe: SafeStep, expected: int, leader: Any) -> bool:
+        assert expected == self.revision
+        self.safe, self.revision = safe, self.revision + 1
+        self.writes.append(safe)
+        return True
+
+    # what `_refresh` reads besides the safe step
+    keys: Any = None
+    skipped_values = 0
+
+    def members(self) -> Members:
+        return Members({}, 1)
+
+    def read_generation(self) -> tuple[GenerationRecord | None, int]:
+        return None, 0
+
+    def leader(self) -> str | None:
+        return None
+
+    def barrier_state(self, name: str) -> tuple[dict[str, Any], int]:
+        return {}, 1
+
+
+def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
+    gs = _GenState(record=record, phase=Phase.RUNNING, resume_written=True)
+    agent._gen = gs
+    cluster = _Cluster()
+    agent.cluster = cluster  # type: ignore[assignment]
+    return agent, cluster, gs
+
+
+def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -> None:
+    agent, cluster, _ = _agent(tmp_path)
+    assert agent.store.anchor_every == SPEC.replication_every == 1
+    for step in (4, 5):
+        commit_step(agent.store, step, generation=3)
+        commit_replica_step(agent.store, "n1", step, generation=3)
+    commit_replica_step(agent.store, "n2", 9, generation=2)  # another generation: not listed
+    agent._last_commit_step = 5
+    agent._record_commit(3)
+    assert cluster.records["n0"] == CommitRecord("n0", 3, 5, (5, 4), {"n1": (5, 4)})
+
+
+def test_the_leader_publishes_the_safe_step_only_when_it_rises(tmp_path: Path) -> None:
+    agent, cluster, gs = _agent(tmp_path)
+    cluster.record_commit(3, "n0", 8, [8, 7, 6], {"n1": [7, 6]})
+    cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [6]})
+    agent._lead_safe_step(gs)
+    assert cluster.writes == [SafeStep(3, 6)]
+    cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [8, 7, 6]})
+    agent._lead_safe_step(gs)
+    assert cluster.writes == [SafeStep(3, 6)]  # computed at most every SAFE_EVERY_S
+    agent._safe_checked_s = 0.0
+    agent._lead_safe_step(gs)
+    assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]
+    agent._safe_checked_s = 0.0
+    cluster.safe = SafeStep(4, 1)  # a newer generation's, read back: no lower write
+    agent._lead_safe_step(gs)
+    assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]
+
+
+def test_every_agent_takes_the_published_safe_step_as_its_floor(tmp_path: Path) -> None:
+    agent, cluster, _ = _agent(tmp_path)
+    for step in range(1, 6):
+        commit_step(agent.store, step, generation=3)
+    assert agent.store.committed_steps() == [1, 2, 3, 4, 5]  # no floor known: anchors stay
+    cluster.safe = SafeStep(3, 4)
+    agent._refresh()
+    assert agent.store.floor == (3, 4) and agent.store.committed_steps() == [4, 5]
+    gauge = agent.metrics.registry.get_sample_value("elasticpp_safe_step", agent.metrics.labels)
+    assert gauge == 4
+    cluster.safe = SafeStep(3, 2)  # an older value (a stale read): the floor stays
+    agent._safe_read_s = 0.0
+    agent._refresh()
+    assert agent.store.floor == (3, 4)
