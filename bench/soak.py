@@ -18,7 +18,9 @@ last step and the harness checks:
 - no process is left behind.
 
 Per fault kind it prints (and writes to `soak.json`) the count, how many survived, the stall
-p50/p95/max and the steps recomputed. Stall = the longest gap between consecutive steps
+p50/p95/max, the steps recomputed and the committed steps lost (and, for a killed node, the
+stall of its rejoin once the harness restarts it: a join, timed apart from the fault whose
+window ends at the restart). Stall = the longest gap between consecutive steps
 between this fault and the next, minus the median gap of the whole run (DESIGN.md targets:
 ≤ 1 s after a worker crash or a non-leader node loss, ≤ 2 s after the leader's node dies).
 
@@ -300,6 +302,7 @@ class Ctx:
     rng: random.Random
     undo: list[Callable[[], None]] = field(default_factory=list)
     sandbox: Sandbox | None = None
+    rejoin: bool = False  # the undo restarts a node: its join is timed apart from the fault
 
     def non_leader(self) -> str:
         leader, _ = cluster_state(self.lc)
@@ -341,6 +344,7 @@ def _kill_node(ctx: Ctx, node: str) -> None:
         ctx.lc.start_node(node)
 
     ctx.undo.append(restart)
+    ctx.rejoin = True
 
 
 def f_node_kill(ctx: Ctx) -> str:
@@ -477,10 +481,13 @@ class FaultRecord:
     step_before: int
     survived: bool
     resumed_s: float | None
-    stall_s: float = float("nan")
-    recomputed: int = 0
     committed: int | None = None  # the job's committed (safe) step when the fault struck
+    undo_at: float | None = None  # when the harness restarted the node the fault killed
+    stall_s: float = float("nan")  # of the fault, up to the harness's undo
+    rejoin_stall_s: float = float("nan")  # after the undo (the node's rejoin), if any
+    recomputed: int = 0
     lost: int = 0  # committed steps a recovery after it went back past
+    timelines: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -568,10 +575,13 @@ def run_soak(
                 interval_s=0.05,
             )
             resumed_s = time.time() - at if survived else None
+            undo_at = time.time() if ctx.rejoin else None
             for undo in ctx.undo:
                 undo()
             records.append(
-                FaultRecord(i, kind, what, at, step0, survived, resumed_s, committed=committed)
+                FaultRecord(
+                    i, kind, what, at, step0, survived, resumed_s, committed, undo_at=undo_at
+                )
             )
             log(
                 f"fault {i + 1}/{faults} {kind}: {what}: "
@@ -608,14 +618,18 @@ def run_soak(
     lost = 0
     for rec, nxt in itertools.zip_longest(records, records[1:]):
         end = nxt.at if nxt else float("inf")
-        window = [
-            b - a
-            for (_, a), (_, b) in itertools.pairwise(sorted(times.items()))
-            if rec.at < b <= end
-        ]
+        cut = rec.undo_at if rec.undo_at is not None else end
+        pairs = list(itertools.pairwise(sorted(times.items())))
+        # The fault's stall ends where the harness gives back what it took: a killed node
+        # restarting is a join, timed on its own (the rejoin stall).
+        window = [b - a for (_, a), (_, b) in pairs if rec.at < b <= cut]
         rec.stall_s = max(window, default=float("nan")) - median_gap
+        if rec.undo_at is not None:
+            rejoin = [b - a for (_, a), (_, b) in pairs if cut < b <= end]
+            rec.rejoin_stall_s = max(rejoin, default=float("nan")) - median_gap
         created = [t for t in timelines.values() if rec.at <= float(t.get("detected_at", 0)) < end]
         rec.recomputed = sum(int(t.get("steps_recomputed", 0)) for t in created)
+        rec.timelines = sorted(created, key=lambda t: int(t["generation"]))
         # A committed step is lost when a recovery resumes before the job's committed step
         # (the published safe step) of the moment the fault struck.
         resumed_at = [int(t.get("resume_step", 0)) for t in created]
@@ -644,15 +658,17 @@ def _pct(values: list[float], q: float) -> float:
 def table(result: SoakResult) -> str:
     lines = [
         "| fault kind | count | survived | stall p50 (s) | stall p95 (s) | stall max (s) "
-        "| steps recomputed |",
-        "|---|---|---|---|---|---|---|",
+        "| steps recomputed | committed steps lost | rejoin stall p50 (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in sorted({f.kind for f in result.faults}):
         fs = [f for f in result.faults if f.kind == kind]
         stalls = [f.stall_s for f in fs]
+        rejoin = [f.rejoin_stall_s for f in fs if f.undo_at is not None]
         lines.append(
             f"| {kind} | {len(fs)} | {sum(f.survived for f in fs)} | {_pct(stalls, 0.5):.2f} "
-            f"| {_pct(stalls, 0.95):.2f} | {max(stalls):.2f} | {sum(f.recomputed for f in fs)} |"
+            f"| {_pct(stalls, 0.95):.2f} | {max(stalls):.2f} | {sum(f.recomputed for f in fs)} "
+            f"| {sum(f.lost for f in fs)} | " + (f"{_pct(rejoin, 0.5):.2f} |" if rejoin else "– |")
         )
     return "\n".join(lines)
 

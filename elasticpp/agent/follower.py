@@ -233,8 +233,7 @@ class FollowerPart:
         if workers is None:
             return  # warm workers still importing torch
         self._assign(gs, resume, mine, workers)
-        self._spawn_warm()
-        gs.enter(Phase.STARTING)
+        gs.enter(Phase.STARTING)  # the pool is refilled once they run (_refill_warm)
 
     def _assign(
         self, gs: _GenState, resume: dict[str, Any], mine: list[Any], workers: list[WorkerProcess]

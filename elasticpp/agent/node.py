@@ -378,6 +378,7 @@ class Agent(
     def _tick(self) -> None:
         self._drain_worker_events()
         self._check_hangs()
+        self._refill_warm()
         self._check_gpus()
         now = time.monotonic()
         if self._dirty or now - self._last_refresh_s > 1.0:
@@ -395,16 +396,6 @@ class Agent(
             self._check_drain()
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
-
-    # ------------------------------------------------------------------ workers
-
-    # ------------------------------------------------------------------ following plans
-
-    # ------------------------------------------------------------------ leader
-
-    # ------------------------------------------------------------------ done, drain
-
-    # ------------------------------------------------------------------ status
 
 
 def run_agent(

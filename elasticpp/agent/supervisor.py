@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.decide import (
+    Phase,
     TransitionError,
     WorkerState,
     is_hung,
@@ -66,6 +67,17 @@ class SupervisorPart:
             proc.listen(lambda p, e: (self._wq.put((p, e)), self._wake.set()))
             self._warm.append(proc)
 
+    def _refill_warm(self) -> None:
+        """Level-triggered: the pool is refilled every tick, except while this node's ranks
+        of the current generation are starting. Spares import torch, and on a loaded node
+        that would compete for the CPU with the ranks the recovery waits for; the pool is
+        full again a moment after they run, well before a next fault needs it."""
+        gs = self._gen
+        if self._done or self._draining or (gs is not None and gs.phase is Phase.STARTING):
+            return
+        if len(self._warm) < self.cfg.slots:
+            self._spawn_warm()
+
     def _take_warm(self, count: int) -> list[WorkerProcess] | None:
         ready = [p for p in self._warm if p.pid in self._ready and p.alive()]
         if len(ready) < count:
@@ -98,8 +110,8 @@ class SupervisorPart:
         if w is None:
             if kind == EXITED and proc in self._warm:
                 # A spare that dies (an OOM kill, a crash while importing torch) is replaced
-                # at once: the next recovery on this node needs it, and nothing else would
-                # refill the pool until an assignment that can no longer happen.
+                # at once (once this node's ranks run, if they are starting): the next
+                # recovery on this node needs it.
                 log.warning(
                     "warm worker %d exited with %s; starting a replacement",
                     proc.pid,
@@ -108,13 +120,19 @@ class SupervisorPart:
                 self._warm.remove(proc)
                 self._ready.discard(proc.pid)
                 self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
-                if not (self._done or self._draining):
-                    self._spawn_warm()
+                self._refill_warm()
             return
         w.last_progress_s = time.monotonic()
         if kind == "started":
             if w.state is WorkerState.STARTING:  # a stop may already have been asked for
                 w.move(WorkerState.RUNNING)
+            log.info(
+                "rank %d of generation %d started in %.2f s %s",
+                w.rank,
+                w.generation,
+                float(event.get("setup_seconds") or 0.0),
+                event.get("setup") or "",
+            )
         elif kind == "step":
             w.last_step = int(event["step"])
             self._on_step(w, event)

@@ -6,7 +6,7 @@ description; in short:
 
 stdout (events)
     {"event": "ready", "pid": N}                      torch imported, idle, waiting
-    {"event": "started", "generation", "rank", "start_step", "setup_seconds"}
+    {"event": "started", "generation", "rank", "start_step", "setup_seconds", "setup"}
     {"event": "step", "step", "loss", "lr", "grad_norm", "samples", "step_seconds",
      "max_in_flight", "generation", "rank", "busy_seconds", "pipeline_seconds",
      "peak_activation_bytes"}
@@ -317,6 +317,15 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    setup: dict[str, float] = {}  # where the setup time went (the "started" event says)
+    mark = time.monotonic()
+
+    def took(what: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        setup[what] = round(now - mark, 4)
+        mark = now
+
     store = dist.TCPStore(  # type: ignore[attr-defined]
         a.store_host, a.store_port, is_master=False, timeout=timeout
     )
@@ -324,14 +333,19 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     dist.init_process_group(
         a.backend, store=prefixed, rank=rank, world_size=plan.gpus_used, timeout=timeout
     )
+    took("rendezvous_s")
     model = build_model(plan.model)
+    took("model_s")
     groups = ParallelGroups.build(plan, rank, job.pg_timeout_s, tie_stages(model, plan))
+    took("groups_s")
     corpus = open_corpus(job, plan.model.seq_len, plan.model.vocab_size)
     trainer = Trainer(plan, job, groups, corpus, device, model)
+    took("trainer_s")
     if a.resume_dir is not None:
         trainer.load(Path(a.resume_dir), a.start_step)
     else:
         trainer.init_fresh()
+    took("state_s")
     writer = None
     if a.snapshot_dir is not None and is_snapshot_writer(plan, rank):
         writer = SnapshotWriter(Path(a.snapshot_dir), out.emit, {"generation": gen, "rank": rank})
@@ -342,6 +356,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
             "rank": rank,
             "start_step": a.start_step,
             "setup_seconds": time.monotonic() - t0,
+            "setup": setup,
         }
     )
     log.info(
