@@ -138,6 +138,16 @@ def status(lc: LocalCluster, node_id: str) -> Any:
         )
 
 
+def describe(lc: LocalCluster, node_id: str) -> str:
+    """One node as its agent reports it (for a harness error that must be diagnosable)."""
+    try:
+        st = status(lc, node_id)
+    except Exception as exc:
+        return f"{node_id}: no status ({type(exc).__name__})"
+    workers = ", ".join(f"rank {w.rank} {w.state}" for w in st.workers) or "no workers"
+    return f"{node_id}: generation {st.generation} {st.phase}, {workers}"
+
+
 def training_pids(lc: LocalCluster, node_id: str) -> list[int]:
     with contextlib.suppress(Exception):
         return [w.pid for w in status(lc, node_id).workers if w.state == "running"]
@@ -317,17 +327,22 @@ class Ctx:
         status may be a moment old: a worker that is gone already is skipped."""
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
-            node = node_id or self.any_node()
-            pids = training_pids(self.lc, node)
-            if pids:
-                pid = self.rng.choice(pids)
-                try:
-                    os.kill(pid, sig)
-                    return node, pid
-                except ProcessLookupError:
-                    pass
+            nodes = [node_id] if node_id else [n.node_id for n in self.lc.nodes]
+            for node in self.rng.sample(nodes, len(nodes)):
+                pids = training_pids(self.lc, node)
+                if pids:
+                    pid = self.rng.choice(pids)
+                    try:
+                        os.kill(pid, sig)
+                        return node, pid
+                    except ProcessLookupError:
+                        pass
             time.sleep(0.05)
-        raise RuntimeError(f"{node_id or 'any node'}: no training worker to signal")
+        raise RuntimeError(
+            f"{node_id or 'any node'}: no training worker to signal in 30 s; newest step "
+            f"{self.lc.max_step()}; "
+            + "; ".join(describe(self.lc, n.node_id) for n in self.lc.nodes)
+        )
 
     def kill_a_worker(self, node_id: str | None = None) -> str:
         return self.signal_a_worker(signal.SIGKILL, node_id)[0]
