@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import queue
 import shutil
 import signal
 import sys
@@ -205,7 +204,13 @@ def read_commands(stream: TextIO, control: StopControl) -> None:
 
 
 class SnapshotWriter:
-    """Writes snapshots on a background thread, one after another, in step order."""
+    """Writes snapshots on a background thread, in step order, at most one waiting.
+
+    Each snapshot holds a copy of the rank's state. When the disk is slower than training,
+    `submit` waits while a snapshot is already waiting (backpressure): memory stays bounded
+    (the copy being written and one waiting) and a failure recomputes at most the steps of
+    those two. Snapshots are never skipped: every rank writing a snapshot of every step it
+    was asked for is what lets a node (and the job) commit the same step everywhere."""
 
     def __init__(
         self, root: Path, emit: Callable[[dict[str, Any]], None], extra: dict[str, Any]
@@ -213,16 +218,31 @@ class SnapshotWriter:
         self.root = root
         self._emit = emit
         self._extra = extra
-        self._queue: queue.Queue[tuple[int, list[Any]] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._waiting: tuple[int, list[Any]] | None = None
+        self._busy = False
         self._failure: BaseException | None = None
         self.last_step: int | None = None  # the newest step handed over
         self.failed = 0  # snapshots lost to disk errors
+        self.waited = 0  # submits that waited for the writer (the disk is the bottleneck)
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
 
+    def wait_for_room(self) -> None:
+        """Wait until no snapshot is waiting: call it before copying the next one's state,
+        so that no more than two copies (one being written, one waiting) ever exist."""
+        with self._cond:
+            if self._waiting is not None:
+                self.waited += 1
+            while self._waiting is not None:
+                self._cond.wait()
+
     def submit(self, step: int, states: list[Any]) -> None:
+        self.wait_for_room()
         self.last_step = step
-        self._queue.put((step, states))
+        with self._cond:
+            self._waiting = (step, states)
+            self._cond.notify_all()
 
     def write_now(self, step: int, states: list[Any]) -> None:
         self.flush()
@@ -230,7 +250,10 @@ class SnapshotWriter:
         self._write(step, states)
 
     def flush(self) -> None:
-        self._queue.join()
+        """Wait until nothing is waiting or being written."""
+        with self._cond:
+            while self._waiting is not None or self._busy:
+                self._cond.wait()
         self.check()
 
     def check(self) -> None:
@@ -239,14 +262,19 @@ class SnapshotWriter:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            with self._cond:
+                while self._waiting is None:
+                    self._cond.wait()
+                item, self._waiting, self._busy = self._waiting, None, True
             try:
-                if item is not None and self._failure is None:
+                if self._failure is None:
                     self._write(*item)
             except BaseException as exc:  # reported to the training thread by check()
                 self._failure = exc
             finally:
-                self._queue.task_done()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _write(self, step: int, states: list[Any]) -> None:
         """Write one snapshot. A disk error (ENOSPC, EIO) loses this snapshot, not the
@@ -408,6 +436,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
             writer.check()
             periodic = a.snapshot_every > 0 and step % a.snapshot_every == 0
             if periodic and step < job.steps and step < stop:
+                writer.wait_for_room()
                 writer.submit(step, trainer.snapshot())
     outcome = "done" if step >= job.steps else "stopped"
     if writer is not None and writer.last_step != step:
