@@ -3,9 +3,12 @@
 A `WorkerProcess` runs `python -m elasticpp.train.worker` in its own session (its own
 process group, so a kill takes every child with it and a terminal's Ctrl-C never reaches
 it). It is started with exec, never a bare fork: a supervisor that holds gRPC or etcd
-connections must not fork. A reader thread turns stdout lines into dicts; when stdout
-closes it adds one synthesized event `{"event": "exited", "returncode": rc}` so a
-supervisor learns of a death from the same queue as of everything else.
+connections must not fork. Events come on a pipe of their own (its descriptor is named by
+`EVENT_FD_ENV`), not on stdout: whatever a C library prints goes to the worker's log with
+stdout and stderr and can never be taken for an event or split one. A reader thread turns
+event lines into dicts; when the pipe closes it adds one synthesized event
+`{"event": "exited", "returncode": rc}` so a supervisor learns of a death from the same
+queue as of everything else.
 
 Pure standard library (no torch): the supervisor stays light.
 """
@@ -31,6 +34,7 @@ from elasticpp.errors import ElasticppError
 log = logging.getLogger(__name__)
 
 EXITED = "exited"  # the synthesized last event of every worker
+EVENT_FD_ENV = "ELASTICPP_EVENT_FD"  # the worker's descriptor of the event pipe
 
 
 class WorkerError(ElasticppError):
@@ -58,31 +62,39 @@ class WorkerProcess:
         self.returncode: int | None = None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
+        read_fd, write_fd = os.pipe()
+        child_env = dict(env) if env is not None else dict(os.environ)
+        child_env[EVENT_FD_ENV] = str(write_fd)
         try:
             self.proc = subprocess.Popen(
                 [python, "-m", "elasticpp.train.worker"],
                 stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
+                stdout=self._log,
                 stderr=self._log,
-                env=dict(env) if env is not None else None,
+                env=child_env,
                 start_new_session=True,
                 text=True,
                 bufsize=1,
+                pass_fds=(write_fd,),
             )
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
-            self._log.close()  # the child holds its own descriptor
+            self._log.close()  # the child holds its own descriptors
+            os.close(write_fd)
+        self._event_pipe: IO[str] = os.fdopen(read_fd, "r", encoding="utf-8")
         self.pid = self.proc.pid
         self._reader = threading.Thread(
-            target=self._read, name=f"worker-{self.pid}-stdout", daemon=True
+            target=self._read, name=f"worker-{self.pid}-events", daemon=True
         )
         self._reader.start()
 
     # ----- events -----
 
     def _read(self) -> None:
-        stdout: IO[str] | None = self.proc.stdout
-        if stdout is not None:
-            for line in stdout:
+        with self._event_pipe as events:
+            for line in events:
                 line = line.strip()
                 if not line:
                     continue

@@ -4,7 +4,8 @@ supervisor (the node agent, `elasticpp train`) and the training engine.
 Protocol: JSON lines, one object per line, flushed. See docs/train.md for the full
 description; in short:
 
-stdout (events)
+events: one JSON object per line on the pipe whose descriptor `ELASTICPP_EVENT_FD` names
+(stdout when it is not set; with it set, stdout is the log's, like stderr)
     {"event": "ready", "pid": N}                      torch imported, idle, waiting
     {"event": "started", "generation", "rank", "start_step", "setup_seconds", "setup"}
     {"event": "step", "step", "loss", "lr", "grad_norm", "samples", "step_seconds",
@@ -472,13 +473,23 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _event_stream() -> TextIO:
+    """The event pipe the supervisor handed over (not inherited by anything this process
+    starts, so its end closes when this process does), else stdout."""
+    fd = os.environ.pop("ELASTICPP_EVENT_FD", None)
+    if fd is None:
+        return sys.stdout
+    os.set_inheritable(int(fd), False)
+    return os.fdopen(int(fd), "w", encoding="utf-8", buffering=1)
+
+
 def main() -> int:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
     )
-    out = EventWriter(sys.stdout)
+    out = EventWriter(_event_stream())
     _die_with_parent()
     # Import everything the assignment needs before saying "ready": a warm worker must
     # never pay the import on the recovery path.

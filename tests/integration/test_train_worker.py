@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import queue
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -305,3 +306,30 @@ def test_terminate_and_kill_take_the_whole_process_group(tmp_path: Path) -> None
         assert workers[1].returncode == -signal.SIGKILL or workers[1].proc.returncode == -9
     finally:
         kill_all(workers)
+
+
+@pytest.mark.timeout(60)
+def test_what_a_library_prints_to_stdout_is_logged_and_never_taken_for_an_event(
+    tmp_path: Path,
+) -> None:
+    # A stand-in for a C library that writes to the process's stdout: a line that looks
+    # like an event, and half a line, before the worker itself starts.
+    wrapper = tmp_path / "python-that-prints"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'printf \'%s\\n\' \'{"event": "done", "step": 999}\'\n'
+        "printf 'half a line without its end'\n"
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    w = WorkerProcess(tmp_path / "w.log", python=str(wrapper))
+    try:
+        ready = w.wait_ready(60)
+        assert ready["event"] == "ready" and ready["pid"] == w.pid
+        w.send({"format_version": 1, "rank": 0})  # refused: an error event, then exit 1
+        events = run_to_exit(w, 30)
+        assert [ev["event"] for ev in events] == ["error", EXITED]
+        log = (tmp_path / "w.log").read_text()
+        assert '{"event": "done", "step": 999}' in log and "half a line" in log
+    finally:
+        w.kill()
