@@ -501,6 +501,7 @@ class FaultRecord:
     stall_s: float = float("nan")  # of the fault, up to the harness's undo
     rejoin_stall_s: float = float("nan")  # after the undo (the node's rejoin), if any
     recomputed: int = 0
+    most_recomputed: int = 0  # in one recovery (invariant 4: the step in flight)
     lost: int = 0  # committed steps a recovery after it went back past
     timelines: list[dict[str, Any]] = field(default_factory=list)
 
@@ -644,6 +645,7 @@ def run_soak(
             rec.rejoin_stall_s = max(rejoin, default=float("nan")) - median_gap
         created = [t for t in timelines.values() if rec.at <= float(t.get("detected_at", 0)) < end]
         rec.recomputed = sum(int(t.get("steps_recomputed", 0)) for t in created)
+        rec.most_recomputed = max((int(t.get("steps_recomputed", 0)) for t in created), default=0)
         rec.timelines = sorted(created, key=lambda t: int(t["generation"]))
         # A committed step is lost when a recovery resumes before the job's committed step
         # (the published safe step) of the moment the fault struck.
@@ -673,8 +675,9 @@ def _pct(values: list[float], q: float) -> float:
 def table(result: SoakResult) -> str:
     lines = [
         "| fault kind | count | survived | stall p50 (s) | stall p95 (s) | stall max (s) "
-        "| steps recomputed | committed steps lost | rejoin stall p50 (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| steps recomputed | most in one recovery | committed steps lost "
+        "| rejoin stall p50 (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in sorted({f.kind for f in result.faults}):
         fs = [f for f in result.faults if f.kind == kind]
@@ -683,7 +686,8 @@ def table(result: SoakResult) -> str:
         lines.append(
             f"| {kind} | {len(fs)} | {sum(f.survived for f in fs)} | {_pct(stalls, 0.5):.2f} "
             f"| {_pct(stalls, 0.95):.2f} | {max(stalls):.2f} | {sum(f.recomputed for f in fs)} "
-            f"| {sum(f.lost for f in fs)} | " + (f"{_pct(rejoin, 0.5):.2f} |" if rejoin else "– |")
+            f"| {max(f.most_recomputed for f in fs)} | {sum(f.lost for f in fs)} | "
+            + (f"{_pct(rejoin, 0.5):.2f} |" if rejoin else "– |")
         )
     return "\n".join(lines)
 
