@@ -299,7 +299,8 @@ class LocalStore:
             write_manifest(step_dir, manifest)
             holding = StepHolding(self.node_id, step, units, dict(pieces), generation)
             self._install(holding)
-            log.info(
+            # Per step: debug, or weeks of uptime fill the log (the metrics show progress).
+            log.debug(
                 "store %s: committed step %d of generation %d (%d pieces)",
                 self.node_id,
                 step,
@@ -345,7 +346,7 @@ class LocalStore:
             )
             self._verified.update(((origin, step, generation), e.key.filename) for e in entries)
             self._install(holding)
-            log.info(
+            log.debug(
                 "store %s: holds replica of %s step %d (generation %d)",
                 self.node_id,
                 origin,
@@ -375,7 +376,7 @@ class LocalStore:
             self._floor = new
             for origin in sorted({o for o, _ in self._committed}):
                 self._prune(origin)
-            log.info("store %s: floor is step %d of generation %d", self.node_id, step, generation)
+            log.debug("store %s: floor is step %d of generation %d", self.node_id, step, generation)
             return True
 
     def anchors(self, origin: str, generation: int | None = None) -> list[int]:

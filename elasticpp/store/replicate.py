@@ -207,7 +207,7 @@ def _copy(
             step, name, origin, dest, info.sha256, generation, expected_size=info.size
         )
     store.commit_replica(origin, step, holding.units, holding.entries(), holding.generation)
-    log.info(
+    log.debug(
         "replication: %s holds %s step %d (%d bytes fetched, %d pieces linked)",
         store.node_id,
         origin,
