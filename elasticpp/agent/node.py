@@ -19,14 +19,15 @@ refused by a store on a newer generation, and every generation write is a CAS gu
 the leader key. One loop thread makes every decision; watches and worker readers only wake
 it, so there is no lock-ordering to get wrong.
 
-This module composes the agent: configuration, start-up, joining the job, the decision loop
-and shutdown. The parts live in their own modules, each with its invariants in its
-docstring: `view` (what the agent knows of etcd), `supervisor` (worker processes),
-`durability` (commits, replication, persistence, resume state), `follower` (the phases of
-a generation, with deadlines), `liveness` (probes), `leader` (plans and resume
-instructions) and `control` (status, events, drain, health, the error policy). Timeouts and
-limits are in `limits`. The parts are mixins of one `Agent` and share its state; making
-each own its state behind a `tick(now, view) -> actions` is the next step.
+This module composes the agent: start-up, joining the job, the decision loop and shutdown
+(its flags are `config.AgentConfig`). The parts live in their own modules, each with its
+invariants in its docstring: `view` (what the agent knows of etcd), `supervisor` (worker
+processes), `durability` (commits, replication, persistence, resume state), `follower` (the
+phases of a generation, with deadlines), `liveness` (probes), `leader` (plans, resume
+instructions, the safe step) and `control` (status, events, drain, health, the error
+policy). Timeouts and limits are in `limits`. The parts are mixins of one `Agent` and
+share its state; making each own its state behind a `tick(now, view) -> actions` is the
+next step.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart
 from elasticpp.agent.durability import DurabilityPart
 from elasticpp.agent.follower import FollowerPart, _GenState
@@ -77,34 +78,6 @@ from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
 from elasticpp.train.procs import WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    node_id: str
-    etcd: tuple[str, ...]
-    listen: str  # host:port of the agent's gRPC server; port 0 picks a free one
-    slots: int
-    state_dir: Path
-    advertise_host: str = ""  # what peers dial; default: the listen host (127.0.0.1 for 0.0.0.0)
-    exit_when_done: bool = True
-    backend: str = "gloo"
-    device: str = "cpu"
-    worker_threads: int | None = 1  # torch threads per CPU worker (None: torch's default)
-    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = not served
-
-    def __post_init__(self) -> None:
-        if self.slots < 1:
-            raise ConfigError(f"agent: slots must be >= 1, got {self.slots}")
-        if not self.etcd:
-            raise ConfigError("agent: --etcd needs at least one HOST:PORT")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"agent: --listen must be HOST:PORT, got {self.listen!r}")
-        if not self.advertise_host:
-            object.__setattr__(
-                self, "advertise_host", "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
-            )
 
 
 class Agent(
