@@ -106,9 +106,17 @@ class FollowerPart:
                     f"failed-{generation}", self.node_id, self._pending_failures[generation]
                 )
             except ClusterUnavailableError as exc:
+                if generation not in self._failures_held:
+                    self._failures_held.add(generation)
+                    log.warning(
+                        "failure report of generation %d held until etcd is back: %s",
+                        generation,
+                        exc,
+                    )
                 self._etcd_down(exc)
                 return
             del self._pending_failures[generation]
+            self._failures_held.discard(generation)
 
     def _follow_generation(self) -> None:
         rec = self._record

@@ -118,6 +118,7 @@ class Agent(
         self._drain_requested_gen = 0
         self._snap_reports: dict[tuple[int, int], set[int]] = {}
         self._pending_failures: dict[int, dict[str, Any]] = {}  # generation -> report
+        self._failures_held: set[int] = set()  # reports etcd refused once (logged once)
         self._errors_seen: set[tuple[str, str, str]] = set()
         self._fence_logged = False
         self._snap_failures = 0  # snapshot writes failed since the last commit

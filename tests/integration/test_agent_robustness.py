@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,9 +188,12 @@ def test_a_worker_failure_seen_while_etcd_is_down_is_reported_when_it_returns(
         )
 
     assert wait_until(failures_seen, 60)
-    # The outage outlasts every report's retries (etcd client retry window + request
-    # timeout, about 3 s): this is the fault's length, not a wait for a condition.
-    time.sleep(5.0)
+
+    # The outage lasts until every agent's report has failed past the etcd client's retries.
+    def reports_held() -> bool:
+        return all("held until etcd is back" in n.log_path.read_text() for n in cluster.nodes)
+
+    assert wait_until(reports_held, 60)
     cluster.etcd.start()
     cluster.wait_finished(180)
     curve = cluster.curve()
