@@ -1,11 +1,14 @@
 """Cluster state on etcd v3: membership leases, leader election, plan generations, barriers,
 commit records and suspicion. The only package that talks to etcd (through `etcd_client`).
 
-The key layout is documented in `elasticpp.cluster.keys`. Import `EtcdServer` from
-`elasticpp.cluster.etcd_server` (it starts a local etcd for tests and the demo).
+Modules: `client` (the `ClusterClient` calls), `leases` (membership and leadership keys
+under leases), `watch` (watches that survive etcd restarts), `commits` (commit records,
+the safe step, housekeeping), `records` (the versioned values), `keys` (the key layout).
+Import `EtcdServer` from `elasticpp.cluster.etcd_server` (it starts a local etcd for tests
+and the demo).
 """
 
-from elasticpp.cluster.client import ClusterClient, Leadership, Registration, Watch
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import (
     BarrierTimeoutError,
     ClusterDataError,
@@ -14,7 +17,9 @@ from elasticpp.cluster.errors import (
     GenerationConflictError,
     LeaseNotFoundError,
 )
+from elasticpp.cluster.leases import Leadership, Registration
 from elasticpp.cluster.records import EventType, GenerationRecord, Members, WatchEvent
+from elasticpp.cluster.watch import Watch
 
 __all__ = [
     "BarrierTimeoutError",

@@ -1,0 +1,173 @@
+"""The durable side of a job in etcd: per-node commit records (the newest committed step
+and the anchors held, own and replicas), the published safe step, and housekeeping that
+keeps the number of keys bounded however long the job runs.
+
+Invariants: the safe step is written only fenced by the leader's term and the revision it
+read, and only when it rises (the caller's rule); a record that cannot be read (malformed,
+a newer format, filed under another node) is skipped and logged once, never fatal.
+Housekeeping keeps the newest generation's commit records as the job's "ever committed"
+mark. `ClusterClient` composes this part (its `_kv`, `keys`, `skip_value`, `_records`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from elasticpp.cluster import keys as keymod
+from elasticpp.cluster.errors import ClusterDataError
+from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
+from elasticpp.cluster.leases import Leadership
+from elasticpp.cluster.records import CommitRecord, SafeStep, dumps, loads
+
+HISTORY_KEPT = 100  # generations of history and recovery timelines kept in etcd
+
+
+class CommitsPart:
+    """Methods of `ClusterClient` (elasticpp.cluster.client)."""
+
+    _kv: EtcdKV
+    keys: keymod.JobKeys
+
+    if TYPE_CHECKING:  # defined by ClusterClient
+
+        def skip_value(self, key: str, exc: Exception) -> None: ...
+
+        def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
+
+    # ------------------------------------------------------------------ commits
+    def record_commit(
+        self,
+        generation: int,
+        node_id: str,
+        step: int,
+        anchors: Sequence[int] = (),
+        replicas: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        """Record `step` as this node's newest committed step in `generation` (-1: none), and
+        the anchor steps of `generation` it holds: its own and, per origin, its replicas."""
+        record = CommitRecord(
+            node_id,
+            generation,
+            step,
+            tuple(sorted(anchors, reverse=True)),
+            {o: tuple(sorted(s, reverse=True)) for o, s in (replicas or {}).items()},
+        )
+        self._kv.put(
+            self.keys.commit(generation, node_id), dumps({**record.to_dict(), "at": time.time()})
+        )
+
+    def commit_records(self, generation: int) -> dict[str, CommitRecord]:
+        """The readable commit records of `generation` by node id; unreadable ones (malformed,
+        a newer format, or naming another node or generation) are skipped and logged once."""
+        kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
+        out: dict[str, CommitRecord] = {}
+        for node, data in self._records(kvs, "commit record").items():
+            key = self.keys.commit(generation, node)
+            try:
+                record = CommitRecord.from_dict(data)
+                if (record.node_id, record.generation) != (node, generation):
+                    raise ClusterDataError(
+                        f"commit record under {node}/{generation} names "
+                        f"{record.node_id}/{record.generation}"
+                    )
+            except ClusterDataError as exc:
+                self.skip_value(key, exc)
+                continue
+            out[node] = record
+        return out
+
+    def commits(self, generation: int) -> dict[str, int]:
+        kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
+        out: dict[str, int] = {}
+        for node, record in self._records(kvs, "commit record").items():
+            try:
+                out[node] = int(record["step"])
+            except (KeyError, TypeError, ValueError) as exc:
+                self.skip_value(self.keys.commit(generation, node), exc)
+        return out
+
+    # ------------------------------------------------------------------ safe step
+    def read_safe(self) -> tuple[SafeStep | None, int]:
+        """The published safe step (None if none, or unreadable: skipped and logged once) and
+        the key's mod revision (0 if absent), for `write_safe`."""
+        kv = self._kv.get(self.keys.safe)
+        if kv is None:
+            return None, 0
+        try:
+            return SafeStep.from_dict(loads(kv.value, "safe step")), kv.mod_revision
+        except ClusterDataError as exc:
+            self.skip_value(self.keys.safe, exc)
+            return None, kv.mod_revision
+
+    def write_safe(self, safe: SafeStep, expected_mod_revision: int, leader: Leadership) -> bool:
+        """Publish `safe`, fenced by `leader`'s term and by the revision read. The caller
+        writes only a rise; False if the key changed since it was read or the term is over."""
+        compares = [
+            Compare(self.keys.safe, "mod", expected_mod_revision),
+            Compare(self.keys.leader, "value", leader.node_id),
+            Compare(self.keys.leader, "create", leader.create_revision),
+        ]
+        value = dumps({"generation": safe.generation, "step": safe.step, "at": time.time()})
+        ok, _, _ = self._kv.txn(compares, [Put(self.keys.safe, value)])
+        return ok
+
+    def ever_committed(self) -> bool:
+        """Whether any node recorded a commit in any generation still on record
+        (`housekeep` keeps the newest generation that has commits)."""
+        kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
+        return bool(kvs)
+
+    def clear_commits_before(self, generation: int | None = None) -> int:
+        """Drop the commit records of generations older than `generation` (default: the
+        newest generation that has any, whose records stay as the job's "ever committed"
+        mark). Returns the keys deleted."""
+        kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
+        held = {_gen_of(kv.key) for kv in kvs} - {-1}
+        if not held:
+            return 0
+        below = max(held) if generation is None else generation
+        return sum(
+            self._kv.delete_prefix(self.keys.commits_of(g)) for g in sorted(held) if g < below
+        )
+
+    # ------------------------------------------------------------------ housekeeping
+    def housekeep(self, generation: int, *, keep_history: int = HISTORY_KEPT) -> int:
+        """Remove what a running `generation` no longer needs, so that etcd holds a bounded
+        number of keys however long the job runs: the barriers of generations before the
+        previous one, generation history and recovery timelines older than `keep_history`
+        generations, and the commit records of all but the newest generation that has any
+        (it keeps the job's "ever committed" mark). Idempotent; a watermark record makes
+        each call cost only the generations since the last one. Returns keys deleted."""
+        kv = self._kv.get(self.keys.housekeeping)
+        marks = {"barriers_below": 1, "history_below": 1}
+        if kv is not None:
+            try:
+                stored = loads(kv.value, "housekeeping")
+                marks = {k: max(1, int(stored.get(k, 1))) for k in marks}
+            except (ClusterDataError, TypeError, ValueError) as exc:
+                self.skip_value(self.keys.housekeeping, exc)
+        deleted = 0
+        barriers_upto = generation - 1  # the current and the previous generation stay
+        for g in range(marks["barriers_below"], barriers_upto):
+            for name in ("stopped", "resume", "started", "failed"):
+                deleted += self._kv.delete_prefix(self.keys.barrier_prefix(f"{name}-{g}"))
+        history_upto = generation - keep_history
+        for g in range(marks["history_below"], history_upto):
+            deleted += int(self._kv.delete(self.keys.generation_history(g)))
+            deleted += int(self._kv.delete(self.keys.barrier("timelines", f"gen-{g}")))
+        deleted += self.clear_commits_before()
+        marks = {
+            "barriers_below": max(marks["barriers_below"], barriers_upto),
+            "history_below": max(marks["history_below"], history_upto),
+        }
+        self._kv.put(self.keys.housekeeping, dumps(marks))
+        return deleted
+
+
+def _gen_of(commit_key: str) -> int:
+    try:
+        return int(commit_key.rsplit("/", 2)[-2])
+    except ValueError:
+        return -1

@@ -1,0 +1,123 @@
+"""`Watch`: a key or prefix watch that survives etcd restarts. When a stream ends it is
+re-created from the last delivered revision + 1, so no event is lost or delivered twice;
+callbacks run on the watch's own thread, and one that raises is logged, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from elasticpp.cluster import keys as keymod
+from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchEnded, WatchItem
+from elasticpp.cluster.leases import RETRY_MAX_S, RETRY_MIN_S
+from elasticpp.cluster.records import EventType, WatchEvent
+
+log = logging.getLogger("elasticpp.cluster.client")
+
+
+class Watch:
+    """A watch that outlives etcd restarts. The callback runs on this watch's own thread,
+    one event at a time, in revision order; it may call the client (even create watches)."""
+
+    def __init__(
+        self,
+        kv: EtcdKV,
+        key: str,
+        callback: Callable[[WatchEvent], None],
+        *,
+        prefix: bool,
+        start_revision: int | None,
+    ) -> None:
+        self.key = key
+        self._kv = kv
+        self._range_end = keymod.prefix_end(key) if prefix else None
+        self._callback = callback
+        self._items: queue.Queue[tuple[int, WatchItem]] = queue.Queue()
+        self._cancelled = threading.Event()
+        self._stream = 0  # items of older streams are dropped
+        self._watch_id = -1
+        if start_revision is None:
+            start_revision = kv.revision() + 1
+        self._next_revision = start_revision
+        self._open()  # the first creation is synchronous: a dead etcd raises here
+        self._thread = threading.Thread(target=self._run, name=f"watch-{key}", daemon=True)
+        self._thread.start()
+
+    @property
+    def next_revision(self) -> int:
+        """The revision the watch would resume from (last delivered + 1)."""
+        return self._next_revision
+
+    def _open(self) -> None:
+        self._stream += 1
+        stream = self._stream
+
+        def sink(item: WatchItem) -> None:
+            self._items.put((stream, item))
+
+        self._watch_id = self._kv.add_watch(self.key, self._range_end, self._next_revision, sink)
+
+    def _run(self) -> None:
+        broken: str | None = None
+        backoff_s = RETRY_MIN_S
+        while not self._cancelled.is_set():
+            if broken is not None:
+                if self._cancelled.wait(backoff_s):
+                    break
+                try:
+                    self._open()
+                    log.info(
+                        "watch %s re-created from revision %d after: %s",
+                        self.key,
+                        self._next_revision,
+                        broken,
+                    )
+                    broken, backoff_s = None, RETRY_MIN_S
+                except ClusterUnavailableError:
+                    backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+                continue
+            try:
+                stream, item = self._items.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if stream != self._stream or self._cancelled.is_set():
+                continue
+            if isinstance(item, WatchBatch):
+                self._deliver(item)
+            elif isinstance(item, WatchEnded):
+                self._kv.cancel_watch(self._watch_id)
+                if item.compact_revision:
+                    log.warning(
+                        "watch %s: revisions before %d were compacted; events lost, resync",
+                        self.key,
+                        item.compact_revision,
+                    )
+                    self._next_revision = item.compact_revision
+                    self._safe_call(
+                        WatchEvent(EventType.RESYNC, self.key, None, item.compact_revision)
+                    )
+                broken = item.reason
+
+    def _deliver(self, batch: WatchBatch) -> None:
+        floor = self._next_revision
+        for event in batch.events:
+            if event.mod_revision < floor:
+                continue  # already delivered before a re-creation
+            self._safe_call(event)
+            self._next_revision = max(self._next_revision, event.mod_revision + 1)
+
+    def _safe_call(self, event: WatchEvent) -> None:
+        try:
+            self._callback(event)
+        except Exception:
+            log.exception("watch %s: callback failed on %s", self.key, event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._kv.cancel_watch(self._watch_id)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
