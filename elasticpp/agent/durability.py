@@ -34,7 +34,7 @@ from elasticpp.plan import ModelSpec
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.store.persist import Persister, copy_verified
-from elasticpp.train.worker import is_snapshot_writer
+from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
 

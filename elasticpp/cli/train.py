@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.checkpoint.manifest import PieceEntry as Entry
     from elasticpp.train.launch import default_threads, kill_all, run_local, spawn_workers
     from elasticpp.train.procs import WorkerError
-    from elasticpp.train.worker import is_snapshot_writer
+    from elasticpp.train.snapshots import is_snapshot_writer
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="elasticpp-train-"))
     if init_from is not None:

@@ -37,12 +37,10 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -50,6 +48,7 @@ from typing import Any, TextIO
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
+from elasticpp.train.snapshots import SnapshotWriter, is_snapshot_writer
 
 ASSIGNMENT_FORMAT_VERSION = 1
 BACKENDS = ("gloo", "nccl")
@@ -202,124 +201,6 @@ def read_commands(stream: TextIO, control: StopControl) -> None:
                 log.warning("ignoring unknown command %r", cmd.get("cmd"))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring malformed command line %r: %s", line[:200], exc)
-
-
-class SnapshotWriter:
-    """Writes snapshots on a background thread, in step order, at most one waiting.
-
-    Each snapshot holds a copy of the rank's state. When the disk is slower than training,
-    `submit` waits while a snapshot is already waiting (backpressure): memory stays bounded
-    (the copy being written and one waiting) and a failure recomputes at most the steps of
-    those two. Snapshots are never skipped: every rank writing a snapshot of every step it
-    was asked for is what lets a node (and the job) commit the same step everywhere."""
-
-    def __init__(
-        self, root: Path, emit: Callable[[dict[str, Any]], None], extra: dict[str, Any]
-    ) -> None:
-        self.root = root
-        self._emit = emit
-        self._extra = extra
-        self._cond = threading.Condition()
-        self._waiting: tuple[int, list[Any]] | None = None
-        self._busy = False
-        self._failure: BaseException | None = None
-        self.last_step: int | None = None  # the newest step handed over
-        self.failed = 0  # snapshots lost to disk errors
-        self.waited = 0  # submits that waited for the writer (the disk is the bottleneck)
-        self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
-        self._thread.start()
-
-    def wait_for_room(self) -> None:
-        """Wait until no snapshot is waiting: call it before copying the next one's state,
-        so that no more than two copies (one being written, one waiting) ever exist."""
-        with self._cond:
-            if self._waiting is not None:
-                self.waited += 1
-            while self._waiting is not None:
-                self._cond.wait()
-
-    def submit(self, step: int, states: list[Any]) -> None:
-        self.wait_for_room()
-        self.last_step = step
-        with self._cond:
-            self._waiting = (step, states)
-            self._cond.notify_all()
-
-    def write_now(self, step: int, states: list[Any]) -> None:
-        self.flush()
-        self.last_step = step
-        self._write(step, states)
-
-    def flush(self) -> None:
-        """Wait until nothing is waiting or being written."""
-        with self._cond:
-            while self._waiting is not None or self._busy:
-                self._cond.wait()
-        self.check()
-
-    def check(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"snapshot write failed: {self._failure}") from self._failure
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._waiting is None:
-                    self._cond.wait()
-                item, self._waiting, self._busy = self._waiting, None, True
-            try:
-                if self._failure is None:
-                    self._write(*item)
-            except BaseException as exc:  # reported to the training thread by check()
-                self._failure = exc
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _write(self, step: int, states: list[Any]) -> None:
-        """Write one snapshot. A disk error (ENOSPC, EIO) loses this snapshot, not the
-        training: the partial directory is removed, the failure is reported, and the step is
-        simply never committed. Any other exception is a bug and ends the worker."""
-        from elasticpp.checkpoint.manifest import step_dirname
-
-        step_dir = self.root / step_dirname(step)
-        try:
-            entries = [s.write(step_dir) for s in states]
-        except OSError as exc:
-            shutil.rmtree(step_dir, ignore_errors=True)
-            self.failed += 1
-            self._emit(
-                {
-                    "event": "snapshot_failed",
-                    "step": step,
-                    "message": f"{type(exc).__name__}: {exc}",
-                    **self._extra,
-                }
-            )
-            return
-        self._emit(
-            {
-                "event": "snapshot",
-                "step": step,
-                "dir": str(step_dir),
-                "pieces": [
-                    {"name": e.key.filename, "size": e.size, "sha256": e.sha256} for e in entries
-                ],
-                **self._extra,
-            }
-        )
-
-
-def is_snapshot_writer(plan: Plan, rank: int) -> bool:
-    """Only the lowest dp index of each (pp, tp) on a node writes, so twins do not both write."""
-    me = plan.slot(rank)
-    twins = [
-        s.coord.dp
-        for s in plan.placement
-        if s.node_id == me.node_id and s.coord.pp == me.coord.pp and s.coord.tp == me.coord.tp
-    ]
-    return me.coord.dp == min(twins)
 
 
 def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str:

@@ -17,7 +17,8 @@ from elasticpp.train.contract import init_unit
 from elasticpp.train.data import Corpus, load_corpus
 from elasticpp.train.families import build_model
 from elasticpp.train.schedule import BACKWARD, FORWARD, max_in_flight, schedule_ops
-from elasticpp.train.worker import Assignment, SnapshotWriter, StopControl, is_snapshot_writer
+from elasticpp.train.snapshots import SnapshotWriter, is_snapshot_writer
+from elasticpp.train.worker import Assignment, StopControl
 
 MODEL = ModelSpec("t", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 
