@@ -18,22 +18,13 @@ Invariants this module keeps:
   newer generation into its own directory and committed there; the commit replaces the
   older generation's commit of that step, whose directory is then deleted. Each origin holds
   at most one commit per step.
-- Commits order by (generation, step). The newest `keep_steps` commits of every origin in that
-  order are never deleted, so a recomputed step is kept over the higher-numbered steps of
-  the timeline the job abandoned. Older commits are deleted after a newer commit;
-  uncommitted directories older than the oldest kept commit are deleted with them (a worker
-  that died mid-write leaves one). A commit that a running transfer reads (a pin, see
+- Which commits stay is `retention.Retention` (the newest `keep_steps` by (generation,
+  step), anchors at or above the floor, capped). Older commits are deleted after a newer
+  commit; uncommitted directories older than the oldest kept commit are deleted with them (a
+  worker that died mid-write leaves one). A commit that a running transfer reads (a pin, see
   `pinned`/`open_piece`) leaves `holdings` at once but its files are deleted only when its
   last pin is released. Deletion removes the manifest first, so a crash mid-delete leaves an
   incomplete directory, never a wrong one.
-- Anchors and the floor (the replication guarantee, see `elasticpp.store.replicate`): with
-  `anchor_every` set, a committed step divisible by it is an anchor. Besides the newest
-  `keep_steps`, `_prune` never deletes an anchor commit (own or replica) whose (generation,
-  step) is at or above the floor, the newest safe step this node has learnt (`set_floor`,
-  monotonic in commit order). Before any floor is known every anchor counts as above it.
-  Anchors strictly above the floor are capped at `anchor_cap` per origin (the oldest beyond it
-  go, with a warning): a stalled replication cannot fill the disk. The cap can break the
-  guarantee only while the safe step lags this node's anchors by more than `anchor_cap`.
 - On the hot path (a worker reports a step, the agent commits it) files are only stat'ed:
   the worker computed the sha256 while writing. A piece's bytes are hashed at most once by
   the store, on its first local use (`verify_piece`, `materialize`); every remote transfer is
@@ -69,6 +60,7 @@ from elasticpp.checkpoint.manifest import (
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
+from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR, Retention
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +68,6 @@ OWN_DIRNAME = "own"
 REPLICAS_DIRNAME = "replicas"
 STAGING_DIRNAME = "staging"
 _GEN_RE = re.compile(r"^gen-(\d{8})$")
-# Anchors kept per origin above the floor while the safe step stalls (a slow or dead node).
-ANCHORS_ABOVE_FLOOR = 16
 
 # A commit's identity on disk: (origin, step, generation).
 _Key = tuple[str, int, int]
@@ -153,9 +143,7 @@ class LocalStore:
             raise ConfigError(f"store: anchor_every must be an integer >= 1, got {anchor_every!r}")
         self.root = Path(root)
         self.node_id = check_node_id(node_id)
-        self.keep_steps = keep_steps
-        self.anchor_every = anchor_every  # None: no anchors, only the newest keep_steps
-        self.anchor_cap = anchor_cap
+        self.retention = Retention(keep_steps, anchor_every, anchor_cap)
         self._floor: tuple[int, int] | None = None  # (generation, step) of the safe step
         self.own_dir = self.root / OWN_DIRNAME
         self.replicas_dir = self.root / REPLICAS_DIRNAME
@@ -357,9 +345,6 @@ class LocalStore:
 
     # ----- anchors and the floor
 
-    def is_anchor(self, step: int) -> bool:
-        return self.anchor_every is not None and step % self.anchor_every == 0
-
     @property
     def floor(self) -> tuple[int, int] | None:
         """(generation, step) of the newest safe step this node has learnt, or None."""
@@ -388,7 +373,7 @@ class LocalStore:
                     s
                     for (o, s), h in self._committed.items()
                     if o == origin
-                    and self.is_anchor(s)
+                    and self.retention.is_anchor(s)
                     and (generation is None or h.generation == generation)
                 ),
                 reverse=True,
@@ -599,29 +584,21 @@ class LocalStore:
             self._delete(key)
 
     def _prune(self, origin: str) -> None:
-        """Drop commits beyond the newest `keep_steps` by (generation, step) that are not
-        anchors at or above the floor (capped), and stale uncommitted directories."""
-        held = sorted(
-            (h for (o, _), h in self._committed.items() if o == origin), key=lambda h: h.order
-        )
-        keep = {h.order for h in held[-self.keep_steps :]}
-        floor = self._floor or (0, -1)
-        above = [h for h in held if self.is_anchor(h.step) and h.order > floor]
-        keep |= {h.order for h in held if self.is_anchor(h.step) and h.order == floor}
-        keep |= {h.order for h in above[-self.anchor_cap :]}
-        for h in above[: -self.anchor_cap]:
-            if h.order not in keep:
-                log.warning(
-                    "store %s: more than %d anchors of %s above the safe step %s: anchor step "
-                    "%d dropped (replication or a node lags; the guarantee holds again once "
-                    "a newer safe step is published)",
-                    self.node_id,
-                    self.anchor_cap,
-                    origin,
-                    "(none yet)" if self._floor is None else self._floor[1],
-                    h.step,
-                )
-        kept = [h for h in held if h.order in keep]
+        """Drop the commits `retention` does not keep, and stale uncommitted directories."""
+        held = [h for (o, _), h in self._committed.items() if o == origin]
+        kept, over_cap = self.retention.kept(held, self._floor)
+        for h in over_cap:
+            log.warning(
+                "store %s: more than %d anchors of %s above the safe step %s: anchor step "
+                "%d dropped (replication or a node lags; the guarantee holds again once "
+                "a newer safe step is published)",
+                self.node_id,
+                self.retention.cap,
+                origin,
+                "(none yet)" if self._floor is None else self._floor[1],
+                h.step,
+            )
+        keep = {h.order for h in kept}
         for h in held:
             if h.order not in keep:
                 del self._committed[(origin, h.step)]

@@ -18,7 +18,7 @@ held by all when it is published, and no node drops an anchor at or above its kn
 so it stays held by all until a newer one is published; until then, the previous one was.
 Hence at every moment after the first publication the nodes hold a common step that survives
 any single node loss. Caveat: anchors above the floor are capped per origin
-(`LocalStore.anchor_cap`); while the safe step lags by more than that, the guarantee can break.
+(`retention.Retention.cap`); while the safe step lags by more than that, the guarantee can break.
 """
 
 from __future__ import annotations

@@ -127,4 +127,4 @@ def test_anchors_stay_bounded_while_a_node_stalls_replication(job: Job):
         store = node.store
         for origin in RING:
             above = [s for s in store.anchors(origin) if s > 3]
-            assert len(above) <= store.anchor_cap
+            assert len(above) <= store.retention.cap

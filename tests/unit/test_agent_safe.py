@@ -76,7 +76,7 @@ def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
 
 def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -> None:
     agent, cluster, _ = _agent(tmp_path)
-    assert agent.store.anchor_every == SPEC.replication_every == 1
+    assert agent.store.retention.anchor_every == SPEC.replication_every == 1
     for step in (4, 5):
         commit_step(agent.store, step, generation=3)
         commit_replica_step(agent.store, "n1", step, generation=3)
