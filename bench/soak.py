@@ -221,7 +221,7 @@ class Sandbox:
     drop every packet a node's processes send (a partition; rules match the socket's
     cgroup, so only that node is cut off, loopback addresses included)."""
 
-    def __init__(self, workdir: Path, node_dirs: list[Path]) -> None:
+    def __init__(self, node_dirs: list[Path]) -> None:
         self.table = f"elasticpp_soak_{os.getpid()}"
         self.mounts: list[Path] = []
         self.cgroup: Path | None = None
@@ -563,7 +563,7 @@ def run_soak(
         if why is not None:
             raise RuntimeError(f"fault kinds {sorted(set(kinds) & set(ROOT_KINDS))}: {why}")
         node_dirs = [workdir / "job" / f"node-{i}" for i in range(nodes)]
-        sandbox = Sandbox(workdir, node_dirs)
+        sandbox = Sandbox(node_dirs)
     lc = LocalCluster(
         workdir / "job",
         job_spec(steps, seed, device),

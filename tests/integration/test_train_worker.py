@@ -251,13 +251,7 @@ def test_a_bad_assignment_gives_an_error_event_and_exit_1(tmp_path: Path) -> Non
     try:
         w.wait_ready(60)
         w.send({"format_version": 1, "rank": 0})
-        events = []
-        while True:
-            ev = w.poll_event(30)
-            assert ev is not None
-            events.append(ev)
-            if ev["event"] == EXITED:
-                break
+        events = run_to_exit(w, 30)
         assert events[0]["event"] == "error" and "plan" in events[0]["message"]
         assert events[-1]["returncode"] == 1
     finally:

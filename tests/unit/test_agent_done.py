@@ -146,6 +146,18 @@ def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:
     return agent, plan
 
 
+def _worker_on(agent: Agent, plan: Plan, pid: int, rank: int) -> _Proc:
+    proc = _Proc(pid)
+    agent._workers[pid] = _Worker(
+        proc=proc,  # type: ignore[arg-type]
+        rank=rank,
+        generation=1,
+        plan=plan,
+        state=WorkerState.RUNNING,
+    )
+    return proc
+
+
 def _errors(agent: Agent, source: str) -> float:
     value = agent.metrics.registry.get_sample_value(
         "elasticpp_agent_errors_total", {**agent.metrics.labels, "source": source}
@@ -158,14 +170,7 @@ def test_a_disk_error_on_a_worker_event_is_counted_and_the_next_events_still_cou
 ) -> None:
     agent, plan = _running_agent(tmp_path)
     agent.metrics_path.mkdir()  # every append to metrics.jsonl now fails, as on a full disk
-    proc = _Proc(100)
-    agent._workers[proc.pid] = _Worker(
-        proc=proc,  # type: ignore[arg-type]
-        rank=0,
-        generation=1,
-        plan=plan,
-        state=WorkerState.RUNNING,
-    )
+    proc = _worker_on(agent, plan, 100, 0)
     agent._wq.put((proc, {"event": "step", "step": 0, "loss": 2.5}))  # type: ignore[arg-type]
     agent._wq.put((proc, {"event": "step", "step": 1}))  # type: ignore[arg-type]  # malformed
     agent._wq.put((proc, {"event": "stopped", "step": 2}))  # type: ignore[arg-type]
@@ -230,14 +235,7 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
     agent, plan = _running_agent(tmp_path)
     reg = _LapsedRegistration()
     agent._registration = reg
-    proc = _Proc(100)
-    agent._workers[proc.pid] = _Worker(
-        proc=proc,  # type: ignore[arg-type]
-        rank=0,
-        generation=1,
-        plan=plan,
-        state=WorkerState.RUNNING,
-    )
+    proc = _worker_on(agent, plan, 100, 0)
 
     def snapshot(step: int) -> dict[str, Any]:
         d = agent.store.snapshot_dir(1) / step_dirname(step)
@@ -303,18 +301,6 @@ def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path
     rotated = agent.metrics_path.with_name("metrics.jsonl.1")
     assert rotated.stat().st_size == METRICS_ROTATE_BYTES + 1
     assert [json.loads(x)["step"] for x in agent.metrics_path.read_text().splitlines()] == [7]
-
-
-def _worker_on(agent: Agent, plan: Plan, pid: int, rank: int) -> _Proc:
-    proc = _Proc(pid)
-    agent._workers[pid] = _Worker(
-        proc=proc,  # type: ignore[arg-type]
-        rank=rank,
-        generation=1,
-        plan=plan,
-        state=WorkerState.RUNNING,
-    )
-    return proc
 
 
 def _sample(agent: Agent, name: str) -> float:
