@@ -1,15 +1,7 @@
 """One node's keep of committed steps: its own and the replicas it holds of peers.
 
-Layout under `root` (every step directory has the checkpoint format of
-`elasticpp.checkpoint.manifest`: piece files + `manifest.json` written last):
-
-    own/gen-<G>/step-<k>/              written by this node's workers of plan generation G
-                                       (`snapshot_dir(G)`); the manifest is written by `commit`
-    replicas/<origin>/gen-<G>/step-<k>/  copies of a peer's committed steps
-    staging/                           transfers in flight and resume directories' sources
-
-Generation 0 (steps written outside any plan generation: tools, benchmarks, stores of an
-older release) lives directly under `own/` and `replicas/<origin>/`.
+The files' layout (own steps by generation, replicas by origin, staging) is
+`elasticpp.store.layout`.
 
 Invariants this module keeps:
 - A step is listed (by `holdings`, served, linked) only once committed, i.e. once its
@@ -36,11 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import shutil
 import threading
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -52,59 +41,23 @@ from elasticpp.checkpoint.manifest import (
     PieceEntry,
     PieceKey,
     fsync_dir,
-    parse_step_dirname,
     read_manifest,
     sha256_file,
-    step_dirname,
     write_manifest,
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
+from elasticpp.store.layout import StoreLayout, link_or_copy, parse_gen_dirname
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR, Retention
 
 log = logging.getLogger(__name__)
-
-OWN_DIRNAME = "own"
-REPLICAS_DIRNAME = "replicas"
-STAGING_DIRNAME = "staging"
-_GEN_RE = re.compile(r"^gen-(\d{8})$")
 
 # A commit's identity on disk: (origin, step, generation).
 _Key = tuple[str, int, int]
 
 
-def gen_dirname(generation: int) -> str:
-    return f"gen-{generation:08d}"
-
-
-def parse_gen_dirname(name: str) -> int | None:
-    m = _GEN_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
 class PieceNotFoundError(CheckpointError):
     """The store holds no committed piece of that (origin, step, name)."""
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Make `dst` hold the bytes of `src`: a hard link where possible, else a copy.
-
-    The new name appears atomically (link/copy to a temporary name, then rename), so a
-    reader never sees half a file.
-    """
-    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            # Another filesystem, or links not allowed: copy, and make it durable.
-            with src.open("rb") as fin, tmp.open("wb") as fout:
-                shutil.copyfileobj(fin, fout, 4 << 20)
-                fout.flush()
-                os.fsync(fout.fileno())
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _entry_info(entry: PieceEntry | Mapping[str, Any]) -> tuple[str, PieceInfo]:
@@ -145,11 +98,10 @@ class LocalStore:
         self.node_id = check_node_id(node_id)
         self.retention = Retention(keep_steps, anchor_every, anchor_cap)
         self._floor: tuple[int, int] | None = None  # (generation, step) of the safe step
-        self.own_dir = self.root / OWN_DIRNAME
-        self.replicas_dir = self.root / REPLICAS_DIRNAME
-        self.staging_dir = self.root / STAGING_DIRNAME
-        for d in (self.own_dir, self.replicas_dir, self.staging_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        self.layout = StoreLayout(self.root, self.node_id)
+        self.own_dir = self.layout.own_dir
+        self.replicas_dir = self.layout.replicas_dir
+        self.staging_dir = self.layout.staging_dir
         self._lock = threading.RLock()
         self._reported: dict[tuple[int, int], dict[str, PieceInfo]] = {}  # (gen, step) ->
         self._committed: dict[tuple[str, int], StepHolding] = {}
@@ -161,19 +113,14 @@ class LocalStore:
     # ----- paths
 
     def _base(self, origin: str) -> Path:
-        check_node_id(origin, field_name="origin_node")
-        return self.own_dir if origin == self.node_id else self.replicas_dir / origin
+        return self.layout.base(origin)
 
     def _dir(self, origin: str, step: int, generation: int) -> Path:
-        base = self._base(origin)
-        if generation:
-            base = base / gen_dirname(generation)
-        return base / step_dirname(step)
+        return self.layout.step_dir(origin, step, generation)
 
     def snapshot_dir(self, generation: int) -> Path:
         """Where this node's workers of `generation` write their steps (`<dir>/step-<k>/`)."""
-        base = self.own_dir
-        return base / gen_dirname(generation) if generation else base
+        return self.layout.snapshot_dir(generation)
 
     def step_dir(self, origin: str, step: int, generation: int | None = None) -> Path:
         """The directory of `origin`'s step `step` (by default: of its commit held here, or
@@ -516,32 +463,11 @@ class LocalStore:
     # ----- internals
 
     def _step_dirs(self, origin: str) -> Iterator[tuple[int, int, Path]]:
-        """(generation, step, directory) of every step directory of `origin` on disk."""
-        base = self._base(origin)
-        if not base.is_dir():
-            return
-        for d in sorted(base.iterdir()):
-            step = parse_step_dirname(d.name)
-            if step is not None:
-                yield 0, step, d
-                continue
-            gen = parse_gen_dirname(d.name)
-            if gen is None or not d.is_dir():
-                continue
-            for sd in sorted(d.iterdir()):
-                step = parse_step_dirname(sd.name)
-                if step is not None:
-                    yield gen, step, sd
+        return self.layout.step_dirs(origin)
 
     def _load(self) -> None:
         """Pick up the committed steps a previous run of this node left."""
-        origins = [self.node_id]
-        for d in sorted(self.replicas_dir.iterdir()):
-            try:
-                origins.append(check_node_id(d.name))
-            except ConfigError:
-                log.warning("store %s: ignoring unexpected directory %s", self.node_id, d)
-        for origin in origins:
+        for origin in self.layout.origins():
             for gen, step, d in list(self._step_dirs(origin)):
                 if not (d / MANIFEST_NAME).is_file():
                     continue

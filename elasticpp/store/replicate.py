@@ -31,7 +31,8 @@ from elasticpp.checkpoint.manifest import sha256_file
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import NodeHoldings, StepHolding
-from elasticpp.store.local import LocalStore, link_or_copy
+from elasticpp.store.layout import link_or_copy
+from elasticpp.store.local import LocalStore
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from elasticpp.checkpoint.manifest import (
 )
 from elasticpp.errors import ConfigError, StateUnavailableError
 from elasticpp.store.client import StateClient
-from elasticpp.store.local import LocalStore, link_or_copy
+from elasticpp.store.layout import link_or_copy
+from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import copy_verified
 from elasticpp.store.resolver import DISK_SOURCE, Fetch, FetchKind, ResumePlan
 

@@ -1,0 +1,127 @@
+"""Where one node's store keeps its files, under `root` (every step directory has the
+checkpoint format of `elasticpp.checkpoint.manifest`: piece files + `manifest.json` written
+last):
+
+    own/gen-<G>/step-<k>/              written by this node's workers of plan generation G
+                                       (`snapshot_dir(G)`); the manifest is written by `commit`
+    replicas/<origin>/gen-<G>/step-<k>/  copies of a peer's committed steps
+    staging/                           transfers in flight and resume directories' sources
+
+Generation 0 (steps written outside any plan generation: tools, benchmarks, stores of an
+older release) lives directly under `own/` and `replicas/<origin>/`. Paths only: what is
+committed, and when files go, is `elasticpp.store.local`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticpp.checkpoint.manifest import parse_step_dirname, step_dirname
+from elasticpp.errors import ConfigError
+from elasticpp.store.holdings import check_node_id
+
+log = logging.getLogger("elasticpp.store.local")
+
+OWN_DIRNAME = "own"
+REPLICAS_DIRNAME = "replicas"
+STAGING_DIRNAME = "staging"
+_GEN_RE = re.compile(r"^gen-(\d{8})$")
+
+
+def gen_dirname(generation: int) -> str:
+    return f"gen-{generation:08d}"
+
+
+def parse_gen_dirname(name: str) -> int | None:
+    m = _GEN_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Make `dst` hold the bytes of `src`: a hard link where possible, else a copy.
+
+    The new name appears atomically (link/copy to a temporary name, then rename), so a
+    reader never sees half a file.
+    """
+    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            # Another filesystem, or links not allowed: copy, and make it durable.
+            with src.open("rb") as fin, tmp.open("wb") as fout:
+                shutil.copyfileobj(fin, fout, 4 << 20)
+                fout.flush()
+                os.fsync(fout.fileno())
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """The directories of one node's store; `own/`, `replicas/` and `staging/` exist."""
+
+    root: Path
+    node_id: str
+    own_dir: Path = field(init=False)
+    replicas_dir: Path = field(init=False)
+    staging_dir: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name, dirname in (
+            ("own_dir", OWN_DIRNAME),
+            ("replicas_dir", REPLICAS_DIRNAME),
+            ("staging_dir", STAGING_DIRNAME),
+        ):
+            d = self.root / dirname
+            d.mkdir(parents=True, exist_ok=True)
+            object.__setattr__(self, name, d)
+
+    def base(self, origin: str) -> Path:
+        check_node_id(origin, field_name="origin_node")
+        return self.own_dir if origin == self.node_id else self.replicas_dir / origin
+
+    def step_dir(self, origin: str, step: int, generation: int) -> Path:
+        base = self.base(origin)
+        if generation:
+            base = base / gen_dirname(generation)
+        return base / step_dirname(step)
+
+    def snapshot_dir(self, generation: int) -> Path:
+        return self.own_dir / gen_dirname(generation) if generation else self.own_dir
+
+    def origins(self) -> list[str]:
+        """This node and every origin it has a replica directory of (odd names skipped)."""
+        origins = [self.node_id]
+        for d in sorted(self.replicas_dir.iterdir()):
+            try:
+                origins.append(check_node_id(d.name))
+            except ConfigError:
+                log.warning("store %s: ignoring unexpected directory %s", self.node_id, d)
+        return origins
+
+    def step_dirs(self, origin: str) -> Iterator[tuple[int, int, Path]]:
+        """(generation, step, directory) of every step directory of `origin` on disk."""
+        base = self.base(origin)
+        if not base.is_dir():
+            return
+        for d in sorted(base.iterdir()):
+            step = parse_step_dirname(d.name)
+            if step is not None:
+                yield 0, step, d
+                continue
+            gen = parse_gen_dirname(d.name)
+            if gen is None or not d.is_dir():
+                continue
+            for sd in sorted(d.iterdir()):
+                step = parse_step_dirname(sd.name)
+                if step is not None:
+                    yield gen, step, sd
