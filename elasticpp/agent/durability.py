@@ -34,6 +34,7 @@ from elasticpp.plan import ModelSpec
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.store.persist import Persister, copy_verified
+from elasticpp.store.replicate import replicate_once
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
@@ -243,10 +244,6 @@ class DurabilityPart:
         gs = self._gen
         if gs is None or self._replicating:
             return
-        try:
-            from elasticpp.store.replicate import replicate_once
-        except ImportError:
-            return
         addresses = dict(gs.record.extra.get("nodes", {}))
         members = {n: str(i.get("address")) for n, i in self._members.items()}
         addresses.update(members)
@@ -265,7 +262,7 @@ class DurabilityPart:
                     generation,
                     every=self.spec.replication_every,
                 )
-                if any(r.step is not None for r in results) and not self._fenced():
+                if any(r.copied for r in results) and not self._fenced():
                     self._record_commit(generation)  # the replicas it holds now
             except Exception as exc:  # replication is best effort; the next round retries
                 log.warning("replication failed: %s", exc)

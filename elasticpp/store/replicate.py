@@ -111,6 +111,7 @@ class ReplicaResult:
     fetched_bytes: int = 0
     linked: int = 0  # pieces taken from this node's own holdings instead of the network
     error: str = ""
+    copied: int = 0  # steps committed here by this round
 
 
 def replicate_once(
@@ -170,25 +171,26 @@ def _pull(
     with client_factory(address) as client:
         held = client.list_steps(generation)
         step: int | None = None
-        fetched = linked = 0
+        fetched = linked = copied = 0
         for holding in _wanted(store, held, origin, every):
-            f, n = _copy(store, client, origin, holding, generation)
-            step, fetched, linked = holding.step, fetched + f, linked + n
+            f, n, done = _copy(store, client, origin, holding, generation)
+            step, fetched, linked, copied = holding.step, fetched + f, linked + n, copied + done
         if step is None:
             newest = held.newest_step_of(origin)
             mine = None if newest is None else store.committed(origin, newest)
             step = newest if mine is not None else None
-        return ReplicaResult(origin, step, fetched, linked)
+        return ReplicaResult(origin, step, fetched, linked, copied=copied)
 
 
 def _copy(
     store: LocalStore, client: StateClient, origin: str, holding: StepHolding, generation: int
-) -> tuple[int, int]:
-    """Copy one committed step of `origin` and commit it here: (bytes fetched, pieces linked)."""
+) -> tuple[int, int, bool]:
+    """Copy one committed step of `origin` and commit it here: (bytes fetched, pieces linked,
+    whether it was committed here now)."""
     step = holding.step
     mine = store.committed(origin, step)
     if mine is not None and mine.generation >= holding.generation:
-        return 0, 0
+        return 0, 0, False
     # A newer generation's commit of a step held here (recomputed after a rollback) is
     # a new commit: it goes into its own directory and replaces the older one.
     step_dir = store.replica_step_dir(origin, step, holding.generation)
@@ -216,4 +218,4 @@ def _copy(
         fetched,
         linked,
     )
-    return fetched, linked
+    return fetched, linked, True

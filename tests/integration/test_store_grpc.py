@@ -241,14 +241,16 @@ def test_replication_walks_through_the_anchors_it_lacks_oldest_first(tmp_path: P
         commit_step(a.store, step, ALL_TP2[:1])
     # Nothing of a held yet: start at its newest anchor (7 is no anchor).
     results = replicate_once(b.store, peers, ["a", "b"], 1, 0, every=2)
-    assert [(r.origin, r.step) for r in results] == [("a", 6)]
+    assert [(r.origin, r.step, r.copied) for r in results] == [("a", 6, 1)]
     for step in range(8, 13):
         commit_step(a.store, step, ALL_TP2[:1])
     results = replicate_once(b.store, peers, ["a", "b"], 1, 0, every=2)
-    assert [(r.origin, r.step) for r in results] == [("a", 12)]
+    assert [(r.origin, r.step, r.copied) for r in results] == [("a", 12, 3)]
     assert results[0].fetched_bytes == 3 * 5000
     assert b.store.anchors("a") == [12, 10, 8, 6]
-    assert replicate_once(b.store, peers, ["a", "b"], 1, 0, every=2)[0].fetched_bytes == 0
+    # Nothing new: nothing copied, so the agent writes no new commit record for it.
+    again = replicate_once(b.store, peers, ["a", "b"], 1, 0, every=2)[0]
+    assert (again.step, again.copied, again.fetched_bytes) == (12, 0, 0)
 
 
 def test_replication_reports_a_refusing_peer_without_raising(tmp_path: Path, nodes):
