@@ -40,6 +40,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -256,7 +257,7 @@ class Sandbox:
         if _cgroup2_mount() is None:
             return "no cgroup v2 mount"
         for tool in ("nft", "mount", "umount"):
-            if not any((Path(d) / tool).exists() for d in os.environ.get("PATH", "").split(":")):
+            if shutil.which(tool) is None:
                 return f"no {tool} on PATH"
         return None
 
