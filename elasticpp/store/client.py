@@ -5,6 +5,16 @@ stream breaks it asks again from the last byte it has (the hash state carries ov
 checks size and sha256 before an atomic rename, and on a mismatch fetches the whole piece
 again, a bounded number of times, then raises `CheckpointError` naming the piece. Nothing
 received is interpreted: bytes go to a file.
+
+Invariants:
+- a busy source (RESOURCE_EXHAUSTED: all its transfer slots taken) is asked again after a
+  jittered, exponentially growing pause, within `busy_budget_s` per piece; being busy is
+  load, not a fault, and does not count against the broken-stream attempts;
+- the size a peer announces must be the size the caller expects (refused at the first
+  chunk), and nothing past that size is ever written: a buggy or hostile peer cannot fill
+  the receiver's disk;
+- a fetch can be cancelled (`cancel`): it stops between chunks and during a pause, and
+  leaves no file behind.
 """
 
 from __future__ import annotations
@@ -12,7 +22,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -35,8 +49,20 @@ _RETRYABLE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+# A busy source is asked again after BUSY_FIRST_PAUSE_S, doubling up to BUSY_MAX_PAUSE_S,
+# each pause drawn from [pause/2, pause] so that the receivers a source turned away do not
+# come back in lockstep; after BUSY_BUDGET_S of refusals the piece fails.
+BUSY_FIRST_PAUSE_S = 0.05
+BUSY_MAX_PAUSE_S = 2.0
+BUSY_BUDGET_S = 30.0
+
+
+def busy_pause_s(refusals: int, rng: random.Random) -> float:
+    """The pause after the `refusals`-th RESOURCE_EXHAUSTED in a row (1, 2, ...)."""
+    ceiling = min(BUSY_MAX_PAUSE_S, BUSY_FIRST_PAUSE_S * 2.0 ** min(refusals - 1, 30))
+    return ceiling * (0.5 + 0.5 * rng.random())
 
 
 class PieceFetchError(CheckpointError):
@@ -62,11 +88,17 @@ class StateClient:
         timeout_s: float = 300.0,
         resume_attempts: int = 5,
         checksum_retries: int = 2,
+        busy_budget_s: float = BUSY_BUDGET_S,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.resume_attempts = resume_attempts
         self.checksum_retries = checksum_retries
+        self.busy_budget_s = busy_budget_s
+        self._clock = clock
+        self._rng = rng or random.Random()
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = state_pb2_grpc.StateServiceStub(self._channel)
         self._fetch = fetch_piece_callable(self._channel)
@@ -114,6 +146,8 @@ class StateClient:
         *,
         expected_size: int | None = None,
         fsync: bool = False,
+        cancel: threading.Event | None = None,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> int:
         """Fetch `origin`'s piece `name` of `step` into `dest_path`; returns its size.
 
@@ -122,15 +156,31 @@ class StateClient:
         peer does not hold the piece or every attempt failed its checksum. `fsync=True`
         makes the bytes durable before the rename (persistent copies); replicas and resume
         sources need not be, since every use re-verifies a piece's sha256 first.
+        `expected_size` (the size the holdings list) is enforced from the first chunk on.
+        `cancel`, once set, stops the fetch (`PieceFetchError`); `on_bytes(n)` is called
+        with every `n` bytes written (progress, for a caller's deadline).
         """
         PieceKey.parse(name)
         check_node_id(origin, field_name="origin_node")
         dest_path = Path(dest_path)
         what = f"piece {name} of {origin} step {step} from {self.address}"
+        if expected_size is not None and expected_size < 0:
+            raise ConfigError(f"{what}: expected_size must be >= 0, got {expected_size}")
+        stop = cancel or threading.Event()
         for attempt in range(self.checksum_retries + 1):
             tmp = dest_path.with_name(f".{dest_path.name}.{uuid.uuid4().hex}.part")
             try:
-                size, digest = self._fetch_to(tmp, step, name, origin, generation, what, fsync)
+                size, digest = self._fetch_to(
+                    tmp,
+                    state_pb2.FetchPieceRequest(
+                        generation=generation, step=step, name=name, origin_node=origin
+                    ),
+                    what,
+                    fsync,
+                    expected_size,
+                    stop,
+                    on_bytes,
+                )
                 if digest == expected_sha256 and expected_size in (None, size):
                     os.replace(tmp, dest_path)
                     if fsync:
@@ -151,22 +201,26 @@ class StateClient:
     def _fetch_to(
         self,
         tmp: Path,
-        step: int,
-        name: str,
-        origin: str,
-        generation: int,
+        request: state_pb2.FetchPieceRequest,
         what: str,
         fsync: bool,
+        expected_size: int | None,
+        cancel: threading.Event,
+        on_bytes: Callable[[int], None] | None,
     ) -> tuple[int, str]:
         digest = hashlib.sha256()
         offset = 0
-        total: int | None = None
+        total = expected_size  # the announced size must match it; nothing is written past it
+        announced = False
         breaks = 0
+        refusals = 0
+        busy_since_s: float | None = None
         with tmp.open("wb") as f:
-            while total is None or offset < total:
-                request = state_pb2.FetchPieceRequest(
-                    generation=generation, step=step, name=name, origin_node=origin, offset=offset
-                )
+            while not announced or offset < (total or 0):
+                if cancel.is_set():
+                    raise PieceFetchError(f"{what}: cancelled at byte {offset}")
+                request.offset = offset
+                first = True
                 try:
                     for chunk in self._fetch(request, timeout=self.timeout_s):
                         if chunk.offset != offset:
@@ -174,20 +228,51 @@ class StateClient:
                             raise PieceFetchError(
                                 f"{what}: chunk at {chunk.offset}, expected {offset}"
                             )
-                        if total is None:
-                            total = chunk.total_size
+                        if first:  # it announces the piece's size
+                            first = False
+                            if total is not None and chunk.total_size != total:
+                                raise PieceFetchError(
+                                    f"{what}: the peer announces {chunk.total_size} bytes, "
+                                    f"expected {total}"
+                                )
+                            total, announced = chunk.total_size, True
+                            refusals, busy_since_s = 0, None
                         data = chunk.data
+                        if offset + len(data) > (total or 0):
+                            raise PieceFetchError(
+                                f"{what}: the peer sends more than the {total} bytes announced"
+                            )
                         f.write(data)
                         digest.update(data)
                         offset += len(data)
-                    if total is None or offset < total:
+                        if on_bytes is not None:
+                            on_bytes(len(data))
+                        if cancel.is_set():
+                            raise PieceFetchError(f"{what}: cancelled at byte {offset}")
+                    if not announced or offset < (total or 0):
                         raise PieceFetchError(f"{what}: stream ended at byte {offset}")
                 except grpc.RpcError as exc:
-                    if exc.code() not in _RETRYABLE or breaks >= self.resume_attempts:
+                    code = exc.code()
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        # Busy, not broken: wait and ask again, within a budget of its own.
+                        now_s = self._clock()
+                        busy_since_s = now_s if busy_since_s is None else busy_since_s
+                        refusals += 1
+                        left_s = self.busy_budget_s - (now_s - busy_since_s)
+                        if left_s <= 0:
+                            raise PieceFetchError(
+                                f"{what}: source busy (RESOURCE_EXHAUSTED) for "
+                                f"{now_s - busy_since_s:.1f} s, {refusals} refusals"
+                            ) from exc
+                        pause_s = min(left_s, busy_pause_s(refusals, self._rng))
+                        log.debug("%s: source busy; asking again in %.2f s", what, pause_s)
+                        cancel.wait(pause_s)
+                        continue
+                    if code not in _RETRYABLE or breaks >= self.resume_attempts:
                         _raise_for(exc, what)
                     breaks += 1
                     log.warning(
-                        "%s: stream broke at byte %d (%s); resuming", what, offset, exc.code().name
+                        "%s: stream broke at byte %d (%s); resuming", what, offset, code.name
                     )
             if fsync:
                 f.flush()

@@ -113,7 +113,7 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         slots = self._fetch_slots
         if slots is not None and not slots.acquire(blocking=False):
-            # The client retries RESOURCE_EXHAUSTED like a broken stream.
+            # The client asks again after a jittered, growing pause (busy, not broken).
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many piece transfers now")
         try:
             yield from self._serve_piece(origin, key, request, context)

@@ -324,3 +324,136 @@ def test_serve_helper_binds_a_free_port(tmp_path: Path):
             assert client.list_steps(0).node_id == "solo"
     finally:
         server.stop(None)
+
+
+class _WatchedSlots:
+    """A servicer's fetch slots that call `on_refusal` whenever a transfer is turned away."""
+
+    def __init__(self, inner, on_refusal) -> None:
+        self.inner, self.on_refusal = inner, on_refusal
+
+    def acquire(self, blocking: bool = True) -> bool:
+        ok = self.inner.acquire(blocking)
+        if not ok:
+            self.on_refusal()
+        return ok
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+def _hold_the_only_slot(a: Node):
+    """A slow reader: a raw FetchPiece stream that reads one chunk and then nothing."""
+    channel = grpc.insecure_channel(a.address)
+    request = state_pb2.FetchPieceRequest(generation=0, step=1, name=NAME, origin_node="a")
+    held = state_pb2_grpc.StateServiceStub(channel).FetchPiece(request, timeout=30)
+    next(held)
+    return channel, held
+
+
+def test_a_busy_source_is_asked_again_after_a_pause_until_its_slot_is_free(tmp_path, nodes):
+    # One transfer slot, held by a slow reader; the slot is freed only after the second
+    # fetch has been turned away more often than it may resume a broken stream. Busy is
+    # load, not a broken stream: the fetch waits and then succeeds.
+    nodes["a"] = a = Node(tmp_path, "a", max_fetch_streams=1, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=16 << 20)
+    sha = a.store.piece_info("a", 1, NAME).sha256
+    channel, held = _hold_the_only_slot(a)
+    refusals: list[int] = []
+
+    def refused() -> None:
+        refusals.append(1)
+        if len(refusals) == 3:
+            held.cancel()  # the slow reader goes away
+
+    a.servicer._fetch_slots = _WatchedSlots(a.servicer._fetch_slots, refused)
+    try:
+        with StateClient(a.address, resume_attempts=1) as client:
+            assert client.fetch_piece(1, NAME, "a", tmp_path / "out", sha, 0) == 16 << 20
+    finally:
+        channel.close()
+    assert len(refusals) >= 3
+    assert hashlib.sha256((tmp_path / "out").read_bytes()).hexdigest() == sha
+
+
+def test_a_source_busy_past_the_budget_fails_the_piece_naming_it(tmp_path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", max_fetch_streams=1, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=16 << 20)
+    sha = a.store.piece_info("a", 1, NAME).sha256
+    channel, _held = _hold_the_only_slot(a)
+    now = [0.0]
+
+    def clock() -> float:  # every look at the clock finds 0.4 s more gone
+        now[0] += 0.4
+        return now[0]
+
+    try:
+        with (
+            StateClient(a.address, busy_budget_s=1.0, clock=clock) as client,
+            pytest.raises(PieceFetchError, match=f"piece {NAME}.*busy"),
+        ):
+            client.fetch_piece(1, NAME, "a", tmp_path / "out", sha, 0)
+    finally:
+        channel.close()
+    assert list(tmp_path.glob("*out*")) == []
+
+
+class LyingServicer(StateServicer):
+    """Announces `announce` bytes in the first chunk, or sends `extra` bytes past the end."""
+
+    def __init__(self, *args, announce: int | None = None, extra: int = 0, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.announce, self.extra = announce, extra
+        self.requests = 0
+
+    def FetchPiece(self, request, context):
+        self.requests += 1
+        end = 0
+        for i, chunk in enumerate(super().FetchPiece(request, context)):
+            if i == 0 and self.announce is not None:
+                chunk = Chunk(chunk.offset, chunk.data, self.announce, chunk.sha256)
+            end = chunk.offset + len(chunk.data)
+            yield chunk
+        for _ in range(self.extra // 4096):
+            yield Chunk(end, b"\0" * 4096)
+            end += 4096
+
+
+def test_a_peer_announcing_another_size_is_refused_at_the_first_chunk(tmp_path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", LyingServicer, announce=1 << 40, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=1 << 20)
+    info = a.store.piece_info("a", 1, NAME)
+    with (
+        StateClient(a.address) as client,
+        pytest.raises(PieceFetchError, match=f"announces {1 << 40} bytes, expected {1 << 20}"),
+    ):
+        client.fetch_piece(1, NAME, "a", tmp_path / "out", info.sha256, 0, expected_size=info.size)
+    assert a.servicer.requests == 1  # refused, not fetched again as if it were corrupt
+    assert list(tmp_path.glob("*out*")) == []
+
+
+@pytest.mark.parametrize("expected", [True, False])
+def test_a_peer_sending_more_than_the_size_is_refused_and_nothing_past_it_is_written(
+    tmp_path, nodes, expected
+):
+    nodes["a"] = a = Node(tmp_path, "a", LyingServicer, extra=1 << 20, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=1 << 20)
+    info = a.store.piece_info("a", 1, NAME)
+    written: list[int] = []
+    with (
+        StateClient(a.address) as client,
+        pytest.raises(PieceFetchError, match=f"more than the {1 << 20} bytes"),
+    ):
+        client.fetch_piece(
+            1,
+            NAME,
+            "a",
+            tmp_path / "out",
+            info.sha256,
+            0,
+            expected_size=info.size if expected else None,
+            on_bytes=written.append,
+        )
+    assert sum(written) == 1 << 20  # the file never grew past the size
+    assert a.servicer.requests == 1
+    assert list(tmp_path.glob("*out*")) == []
