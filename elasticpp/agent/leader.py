@@ -119,8 +119,9 @@ class LeaderPart:
             and view.failed
             and not (set(self._dead) & set(view.current_nodes or ()))
         ):
-            # Suspicion (a worker failure) is confirmed by probing before the TTL lapses.
-            self._confirm_dead([n for n in (view.current_nodes or ()) if n != self.node_id])
+            # Suspicion (a worker failure) is confirmed by probing before the TTL lapses;
+            # results are kept for DEAD_RECHECK_S, so a failure that waits is no probe storm.
+            self._confirm_dead(self._suspects(rec.generation, view.current_nodes or ()))
             view = self._view()
         decision = decide_replan(
             view,

@@ -1,6 +1,7 @@
 """Timeouts, intervals and limits of the agent, in one place (seconds unless named)."""
 
-DEAD_RECHECK_S = 2.0  # how often the leader probes nodes it confirmed dead
+DEAD_RECHECK_S = 2.0  # how often a node is probed at most (also nodes confirmed dead)
+PROBE_THREADS = 16  # the agent's pool for health probes of peers
 LEADER_SUSPECT_S = 0.3  # a failure left unanswered this long makes followers probe the leader
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations

@@ -1,20 +1,31 @@
 """The liveness part of the agent: suspicion confirmed by probe.
 
-The leader probes the nodes of a failed generation (a dead agent refuses the connection at
-once; a slow reply is retried within a budget) and takes back a node confirmed dead that
-answers again. A follower does the same for the leader: a failure left unanswered makes it
-probe the leader, and a dead leader's term is deposed so that a new one is elected without
-waiting for its lease to lapse.
+The leader probes the suspects of a failed generation — its nodes that have not reported the
+failure themselves (a report is proof of life; a dead agent cannot write one) and nodes that
+do not arrive at `stopped-G` — and takes back a node confirmed dead that answers again. A
+follower does the same for the leader: a failure left unanswered makes it probe the leader,
+and a leader that fails the probe (dead, or alive with a stalled loop) has its term deposed
+so that a new one is elected without waiting for its lease to lapse.
+
+Invariants:
+- nobody is declared dead or deposed without a failed probe: a node whose address is not
+  known (no member key) is not probed and gets no verdict; its lease decides;
+- a node is probed at most once per DEAD_RECHECK_S: results are kept per (node, incarnation)
+  for that long, so a failure that waits (re-plan backoff, too few nodes) causes no storm;
+- probes run on one bounded pool of PROBE_THREADS threads, reused;
+- a node that answers NOT_SERVING is alive: it is recorded as unhealthy (`_unhealthy`,
+  node -> incarnation), never as dead, so that its own recovery is not raced.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent import futures
+from collections.abc import Iterable
 
 from elasticpp.agent import probe
 from elasticpp.agent.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S
+from elasticpp.agent.probe import ProbeResult
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -25,8 +36,9 @@ class LivenessPart:
     def _check_leader(self) -> None:
         """Detect by suspicion, confirm by probe, for the leader too: when a failure of the
         current generation has waited LEADER_SUSPECT_S without a new plan, a follower probes
-        the leader's agent and, if it is dead (a refused connection is final at once),
-        deposes its term so that a new leader is elected now, not after its lease lapses."""
+        the leader's agent and, if it fails the probe (a refused connection is final at
+        once; NOT_SERVING means its loop stalled), deposes its term so that a new leader is
+        elected now, not after its lease lapses."""
         rec, leader = self._record, self._leader
         if rec is None or leader is None or leader == self.node_id:
             return
@@ -39,26 +51,47 @@ class LivenessPart:
         if now - since < LEADER_SUSPECT_S or now - self._leader_probed_s < DEAD_RECHECK_S:
             return
         self._leader_probed_s = now
-        address = self._members.get(leader, {}).get("address")
-        if address and probe.answers(str(address)):
+        info = self._members.get(leader, {})
+        address = info.get("address")
+        if not address:
+            # Its member key is absent (re-registering after a lost lease): no probe, no
+            # verdict. A leader that is really gone loses its term with its lease.
+            return
+        result = probe.check(str(address))
+        if result is ProbeResult.SERVING:
             return
         assert self.cluster is not None
         if self.cluster.depose(leader):
-            self._event("decision", f"leader {leader} confirmed dead by probe: deposed")
-            self._dead[leader] = str(self._members.get(leader, {}).get("incarnation", ""))
+            why = "dead" if result is ProbeResult.DEAD else "not serving (its loop stalled)"
+            self._event("decision", f"leader {leader} confirmed {why} by probe: deposed")
+            if result is ProbeResult.DEAD:
+                self._dead[leader] = str(info.get("incarnation", ""))
             self._dirty = True
 
-    def _probe(self, nodes: list[str]) -> set[str]:
-        """The nodes whose agent does not answer a health check (dead, not just slow)."""
-
-        def check(node: str) -> bool:
-            address = self._members.get(node, {}).get("address")
-            return bool(address) and probe.answers(str(address))
-
-        others = [n for n in nodes if n != self.node_id]
-        with futures.ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
-            alive = dict(zip(others, pool.map(check, others), strict=True))
-        return {n for n, ok in alive.items() if not ok}
+    def _probe(self, nodes: Iterable[str]) -> dict[str, ProbeResult]:
+        """The health of `nodes` (this node and nodes without an address left out), probed
+        on the bounded pool; a result younger than DEAD_RECHECK_S for the same incarnation
+        is reused instead of probing again."""
+        now = time.monotonic()
+        cache = self._probe_cache
+        for key in [k for k, (at, _) in cache.items() if now - at >= DEAD_RECHECK_S]:
+            del cache[key]
+        results: dict[str, ProbeResult] = {}
+        todo: dict[str, tuple[str, str]] = {}  # node -> (incarnation, address)
+        for n in sorted(set(nodes) - {self.node_id}):
+            info = self._members.get(n, {})
+            address, inc = info.get("address"), str(info.get("incarnation", ""))
+            if not address:
+                continue
+            if (n, inc) in cache:
+                results[n] = cache[(n, inc)][1]
+            else:
+                todo[n] = (inc, str(address))
+        futures = {n: self._probe_pool.submit(probe.check, a) for n, (_, a) in todo.items()}
+        for n, future in futures.items():
+            results[n] = future.result()
+            cache[(n, todo[n][0])] = (time.monotonic(), results[n])
+        return results
 
     def _recheck_dead(self) -> None:
         """A node confirmed dead that still holds its registration is probed again now and
@@ -71,15 +104,30 @@ class LivenessPart:
         registered = [
             n for n, inc in self._dead.items() if self._members.get(n, {}).get("incarnation") == inc
         ]
-        back = set(registered) - self._probe(registered)
-        for n in sorted(back):
+        results = self._probe(registered)
+        for n in sorted(n for n, r in results.items() if r is not ProbeResult.DEAD):
             del self._dead[n]
             self._last_join_s = now
             self._event("decision", f"node {n} answers again: no longer dead")
 
-    def _confirm_dead(self, nodes: list[str]) -> None:
-        for n in self._probe(nodes):
+    def _confirm_dead(self, nodes: Iterable[str]) -> None:
+        """Probe the suspects `nodes`: a dead one is recorded in `_dead` (the view leaves it
+        out), one that answers NOT_SERVING in `_unhealthy` (alive: not dead)."""
+        for n, result in sorted(self._probe(nodes).items()):
             inc = str(self._members.get(n, {}).get("incarnation", ""))
-            if self._dead.get(n) != inc:
-                self._dead[n] = inc
-                self._event("decision", f"node {n} confirmed dead by probe")
+            if result is ProbeResult.DEAD:
+                if self._dead.get(n) != inc:
+                    self._dead[n] = inc
+                    self._event("decision", f"node {n} confirmed dead by probe")
+            elif result is ProbeResult.NOT_SERVING:
+                if self._unhealthy.get(n) != inc:
+                    self._unhealthy[n] = inc
+                    self._event("decision", f"node {n} answers the probe NOT_SERVING: unhealthy")
+            elif self._unhealthy.pop(n, None) is not None:
+                self._event("decision", f"node {n} answers the probe SERVING again")
+
+    def _suspects(self, generation: int, nodes: Iterable[str]) -> list[str]:
+        """The nodes of failed `generation` worth probing: those that did not report the
+        failure themselves (a report is proof of life: a dead agent writes none)."""
+        reports = self._barriers.get(f"failed-{generation}", {})
+        return sorted(set(nodes) - set(reports) - {self.node_id})

@@ -58,6 +58,7 @@ from elasticpp.agent.limits import (
     EVENT_STREAMS,
     FETCH_STREAMS,
     JOIN_TIMEOUT_S,
+    PROBE_THREADS,
     STATUS_EVERY_S,
     UNARY_THREADS,
 )
@@ -145,6 +146,9 @@ class Agent(
         self._skipped_seen = 0  # unreadable etcd values already counted in the metrics
         self._dead: dict[str, str] = {}  # node -> incarnation confirmed dead by probe
         self._dead_checked_s = 0.0  # when dead nodes were last probed again
+        self._unhealthy: dict[str, str] = {}  # node -> incarnation that answered NOT_SERVING
+        self._probe_cache: dict[tuple[str, str], tuple[float, Any]] = {}  # see liveness
+        self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
         self._etcd_ok = True
         self._last_refresh_s = 0.0
         self._leadership: Any = None
@@ -343,6 +347,7 @@ class Agent(
         if self._server is not None:
             self._server.stop(grace=0.5)
             self._server = None
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ events log
 

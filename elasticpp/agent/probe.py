@@ -1,14 +1,22 @@
-"""Is a peer agent alive? One gRPC health check, retried within a budget.
+"""Is a peer agent alive, and is it healthy? One gRPC health check, retried within a budget.
 
-A dead agent's port refuses the connection at once (UNAVAILABLE): that answer is final. A
-check that times out comes from a live but slow or briefly stopped process (a long GIL hold,
-a page-in, a SIGSTOP): it is retried until `budget_s` is spent, so one slow reply never
-gets a live node evicted. Any reply, SERVING or not, means the process is alive.
+`check` tells three answers apart:
+- DEAD: the connection is refused or reset (a dead agent's port refuses at once: final), or
+  no reply came within `budget_s`;
+- NOT_SERVING: the process answers but says it is not healthy (its decision loop stalled,
+  or it has not joined the job yet). It is alive: it must not be declared dead, since it may
+  recover on its own; a caller may still leave it out of the next plan;
+- SERVING: alive and healthy.
+A check that times out comes from a live but slow or briefly stopped process (a long GIL hold,
+a page-in, a SIGSTOP): it is retried until `budget_s` is spent, so one slow reply never gets a
+live node evicted. The budget is measured on `clock` (monotonic by default).
 """
 
 from __future__ import annotations
 
+import enum
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -16,23 +24,50 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 PROBE_TIMEOUT_S = 0.5  # one attempt
 PROBE_BUDGET_S = 1.0  # all attempts of one probe
 
+# Answers from a process that is there but does not offer a healthy service.
+_ALIVE_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED}
+
+
+class ProbeResult(enum.Enum):
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"
+    DEAD = "dead"
+
+
+def check(
+    address: str,
+    *,
+    timeout_s: float = PROBE_TIMEOUT_S,
+    budget_s: float = PROBE_BUDGET_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> ProbeResult:
+    """The health of the agent at `address`, within the budget."""
+    deadline = clock() + budget_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            left_s = deadline - clock()
+            try:
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(), timeout=max(0.05, min(timeout_s, left_s))
+                )
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in _ALIVE_CODES:
+                    return ProbeResult.NOT_SERVING
+                if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return ProbeResult.DEAD  # refused or reset: the process is gone
+                if clock() >= deadline:
+                    return ProbeResult.DEAD
+                continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return ProbeResult.SERVING
+            return ProbeResult.NOT_SERVING
+
 
 def answers(
     address: str, *, timeout_s: float = PROBE_TIMEOUT_S, budget_s: float = PROBE_BUDGET_S
 ) -> bool:
-    """True if the agent at `address` answers a health check within the budget."""
-    deadline = time.monotonic() + budget_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            left_s = deadline - time.monotonic()
-            try:
-                stub.Check(
-                    health_pb2.HealthCheckRequest(), timeout=max(0.05, min(timeout_s, left_s))
-                )
-                return True
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return False  # refused or reset: the process is gone
-                if time.monotonic() >= deadline:
-                    return False
+    """True if the agent at `address` answers a health check within the budget (healthy or
+    not): the process is alive."""
+    return check(address, timeout_s=timeout_s, budget_s=budget_s) is not ProbeResult.DEAD

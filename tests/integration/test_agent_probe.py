@@ -1,6 +1,6 @@
 """Peer probes on real gRPC: a slow reply is retried within the budget instead of evicting
-a live node, a closed port is final at once, and a node confirmed dead that answers again
-is taken back."""
+a live node, a refusal is final at once, NOT_SERVING is told apart from dead, and a node
+confirmed dead that answers again is taken back."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elasticpp.agent import probe
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.probe import ProbeResult
+from elasticpp.cluster.records import GenerationRecord
 from tests.unit.test_agent_done import SPEC
 
 
@@ -69,18 +71,75 @@ def test_a_reply_slower_than_one_attempt_is_retried_not_taken_for_death(
     assert servicer.calls >= 2
 
 
-def test_a_closed_port_is_dead_at_once() -> None:
-    started = time.monotonic()
-    assert not probe.answers(_closed_port(), timeout_s=0.5, budget_s=5.0)
-    assert time.monotonic() - started < 2.0  # refused: no retries until the budget
+class _Refusing(health_pb2_grpc.HealthServicer):
+    """A server that answers every health check UNAVAILABLE (a process going away)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def Check(self, request: Any, context: Any) -> Any:
+        self.calls += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+
+def test_a_closed_port_is_dead() -> None:
+    assert probe.check(_closed_port(), timeout_s=0.5, budget_s=5.0) is ProbeResult.DEAD
+
+
+def test_a_refusal_is_final_at_once_not_retried_until_the_budget() -> None:
+    servicer = _Refusing()
+    for address in _serve(servicer):  # type: ignore[arg-type]
+        assert probe.check(address, timeout_s=0.5, budget_s=5.0) is ProbeResult.DEAD
+    assert servicer.calls == 1
 
 
 def test_a_process_that_never_answers_is_dead_when_the_budget_is_spent() -> None:
     servicer = _SlowFirstHealth([3.0])
+    now = [0.0]
+
+    def clock() -> float:  # every look at the clock finds 0.25 s more gone
+        now[0] += 0.25
+        return now[0]
+
     for address in _serve(servicer):
-        started = time.monotonic()
-        assert not probe.answers(address, timeout_s=0.2, budget_s=0.6)
-        assert time.monotonic() - started < 2.0
+        # Attempts of 0.2 s against a budget of 1 s on the injected clock: the probe gives
+        # up when that clock says the budget is spent, whatever the machine's load.
+        assert probe.check(address, timeout_s=0.2, budget_s=1.0, clock=clock) is ProbeResult.DEAD
+    assert 1 <= servicer.calls <= 4
+
+
+def test_a_process_that_answers_not_serving_is_alive_but_not_healthy() -> None:
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    for address in _serve(servicer):  # type: ignore[arg-type]
+        assert probe.check(address) is ProbeResult.NOT_SERVING
+        assert probe.answers(address)  # alive: never declared dead for it
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert probe.check(address) is ProbeResult.SERVING
+
+
+def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # a wedged decision loop
+    deposed: list[str] = []
+
+    class _Cluster:
+        def depose(self, node_id: str) -> bool:
+            deposed.append(node_id)
+            return True
+
+    agent = Agent(AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    for address in _serve(servicer):  # type: ignore[arg-type]
+        agent._members = {"n0": {"address": address, "incarnation": "a"}}
+        agent._record = GenerationRecord(2, {}, "n0", time.time())
+        agent._leader = "n0"
+        agent._barriers = {"failed-2": {"n1": {"reason": "worker exited 1"}}}
+        agent._suspect_since = {2: time.monotonic() - 10}
+        agent.cluster = _Cluster()  # type: ignore[assignment]
+        agent._check_leader()
+    assert deposed == ["n0"]
+    assert agent._dead == {}  # alive: deposed, not declared dead
+    agent._probe_pool.shutdown()
 
 
 def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
@@ -95,3 +154,4 @@ def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
     agent._dead = {"n1": "a", "n2": "b"}
     agent._recheck_dead()
     assert agent._dead == {"n2": "b"}  # n1 answered (after one slow reply); n2 is gone
+    agent._probe_pool.shutdown()

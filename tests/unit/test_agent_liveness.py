@@ -1,0 +1,146 @@
+"""Who the agent probes, how often, and what it does with the answer (pure logic: a
+constructed agent, a counting stand-in for the probe, a fake of the cluster's one call)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticpp.agent import probe
+from elasticpp.agent.limits import DEAD_RECHECK_S
+from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.probe import ProbeResult
+from elasticpp.cluster.records import GenerationRecord
+from tests.unit.test_agent_done import SPEC, _plan
+
+NODES = [f"n{i:02d}" for i in range(16)]
+
+
+class _Probes:
+    """Stands in for `probe.check` (and the old `probe.answers`); counts who is probed."""
+
+    def __init__(self, results: dict[str, ProbeResult] | None = None) -> None:
+        self.calls: list[str] = []
+        self.results = results or {}
+
+    def check(self, address: str, **_: Any) -> ProbeResult:
+        self.calls.append(address)
+        return self.results.get(address, ProbeResult.SERVING)
+
+    def answers(self, address: str, **_: Any) -> bool:
+        return self.check(address) is not ProbeResult.DEAD
+
+
+@pytest.fixture
+def probes(monkeypatch: pytest.MonkeyPatch) -> _Probes:
+    fake = _Probes()
+    monkeypatch.setattr(probe, "check", fake.check, raising=False)
+    monkeypatch.setattr(probe, "answers", fake.answers)
+    return fake
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.deposed: list[str] = []
+
+    def depose(self, node_id: str) -> bool:
+        self.deposed.append(node_id)
+        return True
+
+
+def _agent(tmp_path: Path, node_id: str = "n00") -> Agent:
+    agent = Agent(AgentConfig(node_id, ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    agent._members = {n: {"address": f"{n}:1", "incarnation": f"i-{n}"} for n in NODES}
+    agent._record = GenerationRecord(
+        5,
+        _plan(5).to_dict(),
+        "n00",
+        time.time(),
+        extra={"nodes": {n: f"{n}:1" for n in NODES}},
+    )
+    agent._barriers = {"failed-5": {"n03": {"reason": "worker exited 1", "at": time.time()}}}
+    agent.cluster = _Cluster()  # type: ignore[assignment]
+    return agent
+
+
+def test_a_failed_generation_probes_each_suspect_once_per_recheck_period_not_every_tick(
+    tmp_path: Path, probes: _Probes
+) -> None:
+    agent = _agent(tmp_path)
+    agent._replan_not_before_s = time.monotonic() + 60  # in re-plan backoff: the failure waits
+    for _ in range(20):
+        agent._lead()
+    # Not the leader itself, not n03 (its report is proof of life): the 14 silent nodes,
+    # once each, not 15 per tick.
+    assert sorted(probes.calls) == [f"{n}:1" for n in NODES if n not in ("n00", "n03")]
+    # Once the results are older than DEAD_RECHECK_S, each suspect is probed once more.
+    agent._probe_cache = {k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent._probe_cache.items()}
+    probes.calls.clear()
+    for _ in range(20):
+        agent._lead()
+    assert len(probes.calls) == 14
+    agent._probe_pool.shutdown()
+
+
+def test_a_new_incarnation_is_probed_without_waiting_for_the_old_ones_result_to_expire(
+    tmp_path: Path, probes: _Probes
+) -> None:
+    agent = _agent(tmp_path)
+    assert agent._probe(["n05"]) == {"n05": ProbeResult.SERVING}
+    assert agent._probe(["n05"]) == {"n05": ProbeResult.SERVING}
+    agent._members["n05"]["incarnation"] = "restarted"
+    agent._probe(["n05"])
+    assert probes.calls == ["n05:1", "n05:1"]
+    agent._probe_pool.shutdown()
+
+
+def test_a_suspect_that_answers_not_serving_is_unhealthy_not_dead(
+    tmp_path: Path, probes: _Probes
+) -> None:
+    probes.results = {"n07:1": ProbeResult.NOT_SERVING, "n08:1": ProbeResult.DEAD}
+    agent = _agent(tmp_path)
+    agent._confirm_dead(["n07", "n08", "n09"])
+    assert agent._dead == {"n08": "i-n08"}
+    assert agent._unhealthy == {"n07": "i-n07"}
+    agent._probe_pool.shutdown()
+
+
+def _follower(tmp_path: Path) -> Agent:
+    agent = _agent(tmp_path, "n05")
+    agent._leader = "n00"
+    agent._suspect_since = {5: time.monotonic() - 10}  # the failure waits for a new plan
+    return agent
+
+
+def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
+    tmp_path: Path, probes: _Probes
+) -> None:
+    agent = _follower(tmp_path)
+    del agent._members["n00"]  # re-registering after a lost lease: no address known
+    agent._check_leader()
+    assert agent.cluster.deposed == []  # type: ignore[union-attr]
+    assert "n00" not in agent._dead
+    agent._probe_pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("result", "deposed", "dead"),
+    [
+        (ProbeResult.SERVING, [], False),
+        (ProbeResult.NOT_SERVING, ["n00"], False),
+        (ProbeResult.DEAD, ["n00"], True),
+    ],
+)
+def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
+    tmp_path: Path, probes: _Probes, result: ProbeResult, deposed: list[str], dead: bool
+) -> None:
+    probes.results = {"n00:1": result}
+    agent = _follower(tmp_path)
+    agent._check_leader()
+    assert probes.calls == ["n00:1"]
+    assert agent.cluster.deposed == deposed  # type: ignore[union-attr]
+    assert ("n00" in agent._dead) is dead
+    agent._probe_pool.shutdown()
