@@ -99,8 +99,8 @@ def phase_transition(current: Phase, new: Phase) -> Phase:
 def phase_deadline_s(phase: Phase, hang_timeout_s: float) -> float | None:
     """How long an agent may wait in `phase` before it escalates (reports the generation
     failed, so the leader re-plans); None for phases that wait on nobody. STOPPING has its
-    own grace (a graceful stop turns into a kill); MOVING's clock runs only while no state
-    transfer is in flight (transfers have their own per-call timeouts)."""
+    own grace (a graceful stop turns into a kill); MOVING's clock is held while a state
+    transfer is receiving bytes, and runs when it stalls."""
     if phase is Phase.MOVING:
         return max(MOVING_DEADLINE_FLOOR_S, hang_timeout_s)
     if phase is Phase.STARTING:

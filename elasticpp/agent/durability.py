@@ -23,7 +23,14 @@ from typing import Any
 
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
-from elasticpp.agent.limits import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
+from elasticpp.agent.limits import (
+    FETCH_MIN_BYTES_PER_S,
+    FETCH_PARALLEL,
+    FETCH_PER_SOURCE,
+    FETCH_STALL_S,
+    METRICS_ROTATE_BYTES,
+    WORKER_LOGS_KEPT,
+)
 from elasticpp.agent.supervisor import _Worker
 from elasticpp.checkpoint.manifest import PieceKey, step_dirname
 from elasticpp.cluster.errors import (
@@ -35,6 +42,7 @@ from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.store.persist import Persister, copy_verified
 from elasticpp.store.replicate import replicate_once
+from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
@@ -187,6 +195,7 @@ class DurabilityPart:
         return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
 
     def _fetch(self, gs: _GenState, resume: dict[str, Any]) -> None:
+        gs.fetch_progress = progress = TransferProgress()
         try:
             step = int(resume["step"])
             target = self._resume_dir(gs)
@@ -209,24 +218,31 @@ class DurabilityPart:
                     assert self.spec.persist_dir is not None
                     src = Path(self.spec.persist_dir) / step_dirname(step) / name
                     copy_verified(src, target / name, sha, size)
+                    progress.add(size)
             # Sources may lie outside the new plan (a draining node hands its state over).
             addresses = {n: str(i.get("address")) for n, i in self._members.items()}
             addresses.update(gs.record.extra.get("sources", {}))
             addresses.update(gs.record.extra.get("nodes", {}))
-            clients: dict[str, StateClient] = {}
-            try:
-                for name, (origin, source, sha, size) in sorted(wanted.items()):
-                    if source in (self.node_id, DISK_SOURCE):
-                        continue
-                    client = clients.get(source)
-                    if client is None:
-                        client = clients[source] = StateClient(addresses[source], timeout_s=60)
-                    client.fetch_piece(
-                        step, name, origin, target / name, sha, gs.generation, expected_size=size
-                    )
-            finally:
-                for c in clients.values():
-                    c.close()
+            transfers = [
+                PieceTransfer(name, origin, source, sha, size)
+                for name, (origin, source, sha, size) in sorted(wanted.items())
+                if source not in (self.node_id, DISK_SOURCE)
+            ]
+            # In parallel with bounds; stalled transfers fail (the follower's MOVING clock
+            # is held only while bytes arrive: gs.fetch_progress).
+            fetch_pieces(
+                transfers,
+                target,
+                addresses,
+                step,
+                gs.generation,
+                per_source=FETCH_PER_SOURCE,
+                parallel=FETCH_PARALLEL,
+                progress=progress,
+                stall_s=FETCH_STALL_S,
+                min_bytes_per_s=FETCH_MIN_BYTES_PER_S,
+                client_factory=lambda address: StateClient(address, timeout_s=60),
+            )
             gs.fetch_done_at = time.time()
         except Exception as exc:  # reported to the loop, which reports it to the leader
             gs.fetch_error = f"{type(exc).__name__}: {exc}"

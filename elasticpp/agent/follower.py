@@ -23,7 +23,7 @@ from elasticpp.agent.decide import (
     phase_deadline_s,
     phase_transition,
 )
-from elasticpp.agent.limits import STOP_GRACE_S
+from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.agent.supervisor import _Worker
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.errors import (
@@ -32,6 +32,7 @@ from elasticpp.cluster.errors import (
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ElasticppError
 from elasticpp.plan import Plan
+from elasticpp.store.resume import TransferProgress
 from elasticpp.train.procs import WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
@@ -47,6 +48,7 @@ class _GenState:
     stop_sent: bool = False
     stop_began_s: float = field(default_factory=time.monotonic)
     fetch_thread: threading.Thread | None = None
+    fetch_progress: TransferProgress | None = None  # set by the fetch when it begins
     fetch_error: str | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
@@ -136,8 +138,15 @@ class FollowerPart:
     def _check_phase_deadline(self, gs: _GenState) -> None:
         """Every phase that waits on someone else has a deadline; past it, the agent reports
         the generation failed so that the leader re-plans, instead of waiting for good."""
-        if gs.phase is Phase.MOVING and gs.fetch_thread is not None and gs.fetch_thread.is_alive():
-            gs.phase_since_s = time.monotonic()  # a transfer in flight has its own timeouts
+        progress = gs.fetch_progress
+        if (
+            gs.phase is Phase.MOVING
+            and gs.fetch_thread is not None
+            and gs.fetch_thread.is_alive()
+            and (progress is None or progress.idle_s(time.monotonic()) <= FETCH_STALL_S)
+        ):
+            # Held only while bytes arrive: a stalled or trickling fetch runs out of time.
+            gs.phase_since_s = time.monotonic()
             return
         deadline = gs.overdue(time.monotonic(), self.spec.hang_timeout_s)
         if deadline is None:

@@ -252,6 +252,8 @@ class StateClient:
                     if not announced or offset < (total or 0):
                         raise PieceFetchError(f"{what}: stream ended at byte {offset}")
                 except grpc.RpcError as exc:
+                    if cancel.is_set():  # its channel was closed to stop it
+                        raise PieceFetchError(f"{what}: cancelled at byte {offset}") from exc
                     code = exc.code()
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         # Busy, not broken: wait and ask again, within a budget of its own.

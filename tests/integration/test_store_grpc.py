@@ -51,12 +51,12 @@ class Node:
     """A store and its state service on a free loopback port."""
 
     def __init__(
-        self, root: Path, node_id: str, servicer_cls=StateServicer, store_kw=None, **kw
+        self, root: Path, node_id: str, servicer_cls=StateServicer, store_kw=None, threads=4, **kw
     ) -> None:
         self.store = LocalStore(root / node_id, node_id, **(store_kw or {}))
         self.generation = 0
         self.servicer = servicer_cls(self.store, lambda: self.generation, **kw)
-        self.server = grpc.server(ThreadPoolExecutor(4), options=GRPC_OPTIONS)
+        self.server = grpc.server(ThreadPoolExecutor(threads), options=GRPC_OPTIONS)
         add_to_server(self.server, self.servicer)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
