@@ -98,7 +98,9 @@ class StateClient:
                     PieceKey.parse(p.name)
                     pieces[p.name] = PieceInfo(p.size, p.sha256)
                 units = tuple(parse_name(u, what="unit") for u in s.units)
-                steps[(origin, s.step)] = StepHolding(origin, s.step, units, pieces, s.generation)
+                steps[(origin, s.step)] = StepHolding(
+                    origin, s.step, units, pieces, s.generation, s.epoch
+                )
             return NodeHoldings(check_node_id(reply.node_id), steps)
         except ConfigError as exc:
             raise CheckpointError(f"list steps of {self.address}: bad reply: {exc}") from exc

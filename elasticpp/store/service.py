@@ -49,6 +49,7 @@ def holdings_to_proto(holdings: NodeHoldings, generation: int) -> state_pb2.List
                 origin_node=h.origin,
                 step=h.step,
                 generation=h.generation,
+                epoch=h.epoch,
                 units=list(h.units),
                 pieces=[
                     state_pb2.PieceInfo(name=n, size=i.size, sha256=i.sha256)

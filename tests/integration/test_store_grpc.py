@@ -324,3 +324,31 @@ def test_serve_helper_binds_a_free_port(tmp_path: Path):
             assert client.list_steps(0).node_id == "solo"
     finally:
         server.stop(None)
+
+
+def test_replication_follows_an_origin_into_a_new_epoch(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", store_kw={"epoch": 1})
+    nodes["b"] = b = Node(tmp_path, "b", store_kw={"epoch": 1})
+    peers = {"a": a.address, "b": b.address}
+
+    def commit(step: int, generation: int) -> None:
+        d = a.store.snapshot_dir(generation) / step_dirname(step)
+        d.mkdir(parents=True, exist_ok=True)
+        data = piece_bytes(NAME, step, "a", 100)
+        (d / NAME).write_bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        a.store.record_pieces(step, [{"name": NAME, "size": 100, "sha256": sha}], generation)
+        a.store.commit(step, MODEL.units, generation)
+
+    for step in (100, 101):
+        commit(step, 5)
+    replicate_once(b.store, peers, ["a", "b"], 1, 5)
+    assert b.store.committed_steps("a") == [101]
+    # etcd was wiped: a commits in a new epoch, generation numbers start again at 1.
+    a.store.set_epoch(2)
+    b.store.set_epoch(2)
+    commit(102, 1)
+    results = replicate_once(b.store, peers, ["a", "b"], 1, 1)
+    assert [(r.origin, r.step, r.copied) for r in results] == [("a", 102, 1)]
+    assert b.store.committed("a", 102).order == (2, 1, 102)
+    assert b.store.committed_steps("a") == [101, 102]

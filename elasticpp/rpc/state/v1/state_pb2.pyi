@@ -23,18 +23,20 @@ class PieceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class StepHolding(_message.Message):
-    __slots__ = ("origin_node", "step", "pieces", "units", "generation")
+    __slots__ = ("origin_node", "step", "pieces", "units", "generation", "epoch")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[PieceInfo]
     units: _containers.RepeatedScalarFieldContainer[str]
     generation: int
-    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("node_id", "generation", "steps")
