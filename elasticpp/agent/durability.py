@@ -222,7 +222,14 @@ class DurabilityPart:
                     if client is None:
                         client = clients[source] = StateClient(addresses[source], timeout_s=60)
                     client.fetch_piece(
-                        step, name, origin, target / name, sha, gs.generation, expected_size=size
+                        step,
+                        name,
+                        origin,
+                        target / name,
+                        sha,
+                        gs.generation,
+                        expected_size=size,
+                        epoch=self.store.epoch,
                     )
             finally:
                 for c in clients.values():

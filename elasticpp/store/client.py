@@ -80,11 +80,14 @@ class StateClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def list_steps(self, generation: int, *, timeout_s: float = 10.0) -> NodeHoldings:
-        """The committed steps the peer holds (its own and its replicas)."""
+    def list_steps(
+        self, generation: int, *, epoch: int = 0, timeout_s: float = 10.0
+    ) -> NodeHoldings:
+        """The committed steps the peer holds (its own and its replicas); the request is of
+        `generation` of job epoch `epoch` (0: unknown)."""
         try:
             reply = self._stub.ListSteps(
-                state_pb2.ListStepsRequest(generation=generation), timeout=timeout_s
+                state_pb2.ListStepsRequest(generation=generation, epoch=epoch), timeout=timeout_s
             )
         except grpc.RpcError as exc:
             _raise_for(exc, f"list steps of {self.address}")
@@ -116,11 +119,13 @@ class StateClient:
         *,
         expected_size: int | None = None,
         fsync: bool = False,
+        epoch: int = 0,
     ) -> int:
         """Fetch `origin`'s piece `name` of `step` into `dest_path`; returns its size.
 
         `dest_path` appears only complete and verified. Raises `StaleGenerationError` if
-        the peer is on a newer generation, `PieceFetchError` (a `CheckpointError`) if the
+        the peer is on a newer generation (of `epoch`, the sender's job epoch; 0: unknown) or
+        a newer epoch, `PieceFetchError` (a `CheckpointError`) if the
         peer does not hold the piece or every attempt failed its checksum. `fsync=True`
         makes the bytes durable before the rename (persistent copies); replicas and resume
         sources need not be, since every use re-verifies a piece's sha256 first.
@@ -132,7 +137,9 @@ class StateClient:
         for attempt in range(self.checksum_retries + 1):
             tmp = dest_path.with_name(f".{dest_path.name}.{uuid.uuid4().hex}.part")
             try:
-                size, digest = self._fetch_to(tmp, step, name, origin, generation, what, fsync)
+                size, digest = self._fetch_to(
+                    tmp, step, name, origin, (generation, epoch), what, fsync
+                )
                 if digest == expected_sha256 and expected_size in (None, size):
                     os.replace(tmp, dest_path)
                     if fsync:
@@ -156,7 +163,7 @@ class StateClient:
         step: int,
         name: str,
         origin: str,
-        generation: int,
+        fence: tuple[int, int],
         what: str,
         fsync: bool,
     ) -> tuple[int, str]:
@@ -167,7 +174,12 @@ class StateClient:
         with tmp.open("wb") as f:
             while total is None or offset < total:
                 request = state_pb2.FetchPieceRequest(
-                    generation=generation, step=step, name=name, origin_node=origin, offset=offset
+                    generation=fence[0],
+                    epoch=fence[1],
+                    step=step,
+                    name=name,
+                    origin_node=origin,
+                    offset=offset,
                 )
                 try:
                     for chunk in self._fetch(request, timeout=self.timeout_s):

@@ -169,7 +169,7 @@ def _pull(
     client_factory: Callable[[str], StateClient],
 ) -> ReplicaResult:
     with client_factory(address) as client:
-        held = client.list_steps(generation)
+        held = client.list_steps(generation, epoch=store.epoch)
         step: int | None = None
         fetched = linked = copied = 0
         for holding in _wanted(store, held, origin, every):
@@ -207,7 +207,14 @@ def _copy(
             linked += 1
             continue
         fetched += client.fetch_piece(
-            step, name, origin, dest, info.sha256, generation, expected_size=info.size
+            step,
+            name,
+            origin,
+            dest,
+            info.sha256,
+            generation,
+            expected_size=info.size,
+            epoch=store.epoch,
         )
     store.commit_replica(
         origin, step, holding.units, holding.entries(), holding.generation, holding.epoch

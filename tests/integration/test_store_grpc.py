@@ -352,3 +352,24 @@ def test_replication_follows_an_origin_into_a_new_epoch(tmp_path: Path, nodes):
     assert [(r.origin, r.step, r.copied) for r in results] == [("a", 102, 1)]
     assert b.store.committed("a", 102).order == (2, 1, 102)
     assert b.store.committed_steps("a") == [101, 102]
+
+
+def test_a_request_of_an_older_epoch_is_refused_and_one_of_a_newer_epoch_served(
+    tmp_path: Path, nodes
+):
+    nodes["a"] = a = Node(tmp_path, "a")
+    commit_step(a.store, 1, [NAME])
+    a.store.set_epoch(7)
+    a.generation = 5
+    with StateClient(a.address) as client:
+        # A node still on the epoch before an etcd wipe: fenced whatever its generation.
+        with pytest.raises(StaleGenerationError, match="epoch 6 is older than this node's"):
+            client.list_steps(9, epoch=6)
+        with pytest.raises(StaleGenerationError, match="epoch 6"):
+            client.fetch_piece(1, NAME, "a", tmp_path / "x", "0" * 64, 9, epoch=6)
+        # Generation numbers restart at 1 in a newer epoch, which this node has not joined.
+        assert ("a", 1) in client.list_steps(1, epoch=8).steps
+        with pytest.raises(StaleGenerationError, match="generation 4 is older"):
+            client.list_steps(4, epoch=7)
+    with StateClient(a.address) as client, pytest.raises(StaleGenerationError):
+        client.list_steps(4)  # an older sender (no epoch): generations alone, as before

@@ -7,10 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ListStepsRequest(_message.Message):
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "epoch")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, generation: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PieceInfo(_message.Message):
     __slots__ = ("name", "size", "sha256")
@@ -49,18 +51,20 @@ class ListStepsResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., generation: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepHolding, _Mapping]]] = ...) -> None: ...
 
 class FetchPieceRequest(_message.Message):
-    __slots__ = ("generation", "step", "name", "origin_node", "offset")
+    __slots__ = ("generation", "step", "name", "origin_node", "offset", "epoch")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     name: str
     origin_node: str
     offset: int
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., origin_node: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., origin_node: _Optional[str] = ..., offset: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class FetchPieceResponse(_message.Message):
     __slots__ = ("offset", "data", "total_size", "sha256")
