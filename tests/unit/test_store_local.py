@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -423,3 +424,20 @@ def test_replication_wants_the_origins_anchors_of_a_new_epoch(tmp_path: Path):
     }
     wanted = _wanted(store, NodeHoldings("n0", theirs), "n0", 1)
     assert [w.order for w in wanted] == [(2, 1, 102), (2, 1, 103)]
+
+
+def test_a_store_of_an_earlier_release_is_epoch_0_and_ranks_below_every_epoch(tmp_path: Path):
+    old = LocalStore(tmp_path, "n0", keep_steps=2)
+    for step in (20, 21):
+        commit_step(old, step, generation=6)
+    for step in (20, 21):  # as an earlier release wrote it: format 3, no epoch, no job
+        path = old.step_dir("n0", step) / "manifest.json"
+        data = json.loads(path.read_text())
+        del data["epoch"]
+        path.write_text(json.dumps({**data, "format_version": 3}))
+    assert old.step_dir("n0", 21).parent.name == "gen-00000006"  # own/gen-<G>/step-<k>/
+    store = LocalStore(tmp_path, "n0", keep_steps=2, job=JOB, epoch=3)
+    assert [(h.epoch, h.generation) for h in store.holdings().steps.values()] == [(0, 6)] * 2
+    commit_step(store, 5, generation=1)  # a lower number, a newer epoch
+    assert store.committed_steps() == [5, 21]
+    assert store.holdings().newest_step_of("n0") == 5
