@@ -242,6 +242,7 @@ class DurabilityPart:
                 stall_s=FETCH_STALL_S,
                 min_bytes_per_s=FETCH_MIN_BYTES_PER_S,
                 client_factory=lambda address: StateClient(address, timeout_s=60),
+                epoch=self.store.epoch,
             )
             gs.fetch_done_at = time.time()
         except Exception as exc:  # reported to the loop, which reports it to the leader

@@ -20,10 +20,17 @@ The first agent stores the canonical JSON form in etcd; an agent whose spec diff
 with the differing fields named (`diff`). The stored form records the model reference
 resolved (paths against the spec file's directory) with a fingerprint of its files, so an
 agent whose model files differ is refused with `model_ref` named.
+
+The job's identity (`JobSpec.identity`) is its name and a fingerprint of what its state
+depends on (invariant 1: the model and its files, seed, batch, steps, optimizer and data,
+initial weights), not of how it runs (nodes, timeouts, replication, persistence). Every
+step a store commits names it, so a node never resumes another job's state, also after the
+job's etcd state started afresh.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from elasticpp.checkpoint.manifest import JobIdentity
 from elasticpp.errors import ConfigError
 from elasticpp.plan import DeviceSpec, ModelSpec, load_device_spec
 from elasticpp.plan.specs import check_fields
@@ -152,6 +160,18 @@ class JobSpec:
                 value = {k: v for k, v in value.to_dict().items() if k not in ("steps", "seed")}
             out[f.name] = value
         return out
+
+    def fingerprint(self) -> str:
+        """sha256 of what the job's state depends on (see the module docstring)."""
+        d = self.to_dict()
+        state = {
+            key: d[key] for key in ("model", "seed", "global_batch", "steps", "train", "init_from")
+        }
+        state["model_files"] = (self.model_ref or {}).get("files", {})
+        return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+    def identity(self) -> JobIdentity:
+        return JobIdentity(self.name, self.fingerprint())
 
     def to_json(self) -> str:
         """Canonical form stored in etcd: equal specs give equal strings."""

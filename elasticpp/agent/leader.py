@@ -249,11 +249,14 @@ class LeaderPart:
         plan = gs.plan
         disk = None
         if self.spec.persist_dir and Path(self.spec.persist_dir).is_dir():
-            disk = checkpoint_holdings(Path(self.spec.persist_dir))
+            disk = checkpoint_holdings(Path(self.spec.persist_dir), self.store.job)
         try:
             rp = resolve(holdings, plan, live_nodes=sorted(expected), disk=disk)
         except ElasticppError as exc:
-            if self._never_committed(gs.generation):
+            # Fresh only if nothing was committed in this etcd state nor held from an earlier
+            # epoch of this job (stores and checkpoints hold only this job's steps).
+            held = any(h.steps for h in holdings.values()) or bool(disk and disk.steps)
+            if not held and self._never_committed(gs.generation):
                 rp = None  # a fresh job: nothing was ever committed
             else:
                 msg = (

@@ -14,6 +14,13 @@ How one generation runs (DESIGN.md, "Recovery, step by step"):
    checksums), hand assignments to WARM workers (torch already imported), and arrive at
    `started-G` when all of theirs report "started".
 
+Job epochs: the first agent to join a job whose etcd state has none creates its epoch (a
+create-if-absent key, `ClusterClient.epoch_if_absent`); every agent reads it at join and its
+store commits in it, so generation numbers that restart at 1 after an etcd wipe never collide
+with the ones before. A running agent that sees the epoch go (the job's etcd state started
+afresh under it) stops its workers and exits with `view.EPOCH_ENDED_EXIT`; restarted, it joins the
+new epoch and the job resumes from what the nodes hold.
+
 Fencing: workers rendezvous under the prefix `gen<G>`, state requests carry G and are
 refused by a store on a newer generation, and every generation write is a CAS guarded by
 the leader key. One loop thread makes every decision; watches and worker readers only wake
@@ -36,6 +43,7 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -71,7 +79,7 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     LeaseNotFoundError,
 )
-from elasticpp.cluster.records import GenerationRecord
+from elasticpp.cluster.records import GenerationRecord, propose_epoch
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import Persister
@@ -90,12 +98,16 @@ class Agent(
         self.node_id = cfg.node_id
         self.incarnation = uuid.uuid4().hex[:12]
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        # Resume directories are links for workers of a run that is over; a generation
+        # number of a later epoch must not find an earlier run's pieces in its directory.
+        shutil.rmtree(cfg.state_dir / "resume", ignore_errors=True)
         # Anchors (replicated steps) at or above the safe step stay until a newer one is
         # published: see elasticpp.store.replicate for the guarantee.
         self.store = LocalStore(
             cfg.state_dir / "store",
             cfg.node_id,
             anchor_every=spec.replication_every if spec.replication_copies else None,
+            job=spec.identity(),
         )
         self.metrics_path = cfg.state_dir / "metrics.jsonl"
         self.log_dir = cfg.state_dir / "logs"
@@ -157,6 +169,8 @@ class Agent(
         self._draining = False
         self._drain_deadline_s: float | None = None
         self._done = False
+        self._exit_code = 0
+        self._epoch_check = False  # the job's epoch key changed: read it again
         self._job_done_step: int | None = None
         self._detected: dict[int, float] = {}  # generation -> wall time the change was seen
         self._server: grpc.Server | None = None
@@ -265,6 +279,11 @@ class Agent(
                 f"job spec differs from the one job {self.spec.name!r} runs with, in: "
                 f"{', '.join(fields) or 'format'}"
             )
+        # Larger than every epoch this node's store knows, even with its clock behind.
+        job_epoch = self.cluster.epoch_if_absent(
+            propose_epoch(self.store.newest_epoch()), self.node_id
+        )
+        self.store.set_epoch(job_epoch.epoch)  # refuses one below this node's own commits
         self._spawn_warm()
         if self._registration is None:
             self._registration = self.cluster.register(
@@ -281,6 +300,9 @@ class Agent(
             if key not in self._watches:
                 self.cluster.watch(key, wake, prefix=prefix)
                 self._watches.add(key)
+        if keys.epoch not in self._watches:
+            self.cluster.watch(keys.epoch, self._on_epoch_event)
+            self._watches.add(keys.epoch)
 
     def _member_info(self) -> dict[str, Any]:
         return {
@@ -315,7 +337,7 @@ class Agent(
                 except Exception as exc:  # a daemon survives what comes from outside
                     self._survive("internal", exc)
                 if self._done:
-                    return 0
+                    return self._exit_code
             return 0
         finally:
             self.shutdown()
@@ -365,6 +387,10 @@ class Agent(
         if not self._etcd_ok:
             return  # training goes on; membership changes wait for etcd
         try:
+            if self._epoch_check or (self._record is None and self.generation > 0):
+                self._check_epoch()
+                if self._done:
+                    return
             self._publish_failures()
             self._check_leader()
             self._maybe_campaign()

@@ -3,7 +3,9 @@ barriers of the current generation, read from etcd by the decision loop (on a wa
 and at least every second), and the published safe step (at most every `SAFE_EVERY_S`), which
 becomes the store's floor. An unreachable etcd keeps the last view (training goes on,
 changes wait); an unreadable generation record keeps it too, since acting on a guess could
-break the fencing; joins and losses are noted for the recovery timeline.
+break the fencing; joins and losses are noted for the recovery timeline. When the job epoch
+this agent joined is gone (the job's etcd state started afresh under it), the agent stops
+(`_check_epoch`, exit status `EPOCH_ENDED_EXIT`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from elasticpp.cluster.errors import (
 )
 
 log = logging.getLogger("elasticpp.agent")
+
+# The exit status of an agent whose job epoch ended under it (EX_TEMPFAIL: start it again;
+# a service manager's restart-on-failure does).
+EPOCH_ENDED_EXIT = 75
 
 
 class ViewPart:
@@ -97,3 +103,30 @@ class ViewPart:
             # The floor only rises: anchors below it may go now (elasticpp.store.replicate).
             self.store.set_floor(safe.step, safe.generation)
         self._update_gauges()
+
+    def _on_epoch_event(self, _event: Any) -> None:
+        self._epoch_check = True
+        self._on_watch(_event)
+
+    def _check_epoch(self) -> None:
+        """The job's epoch key changed, or the generation record vanished: if the epoch this
+        agent joined is gone (etcd wiped, the job's prefix deleted), its generation numbering
+        is gone with it; stop, so that a restart joins the new epoch."""
+        assert self.cluster is not None
+        self._epoch_check = False
+        try:
+            current = self.cluster.epoch()
+        except ClusterDataError as exc:
+            self.cluster.skip_value(self.cluster.keys.epoch, exc)
+            return
+        if current is not None and current.epoch == self.store.epoch:
+            return
+        self._event(
+            "decision",
+            f"the job's etcd state started afresh (epoch {self.store.epoch} is gone"
+            + ("" if current is None else f", epoch {current.epoch} began")
+            + "): stopping; started again, this agent joins the new epoch and the job "
+            "resumes from the state the nodes hold",
+        )
+        self._exit_code = EPOCH_ENDED_EXIT
+        self._done = True

@@ -20,7 +20,12 @@ Step directories
     size and sha256. A directory without a manifest is incomplete and never read.
 
 Manifest versions
-    2 (written now): `units` lists the model's units in order, so a reader knows what a
+    4 (written now): also `epoch`, the job epoch that committed the step (a new epoch
+    begins whenever the job's etcd state starts afresh; commits order by (epoch,
+    generation, step)), and `job`, the job's identity (its name and the fingerprint of what
+    its state depends on): a store never takes another job's step for its own.
+    3 (still read): `generation`, the plan generation that committed the step.
+    2 (still read): `units` lists the model's units in order, so a reader knows what a
     full checkpoint holds for any model; `model`, when the writer knew it, is the model's
     spec (what `elasticpp export` needs to rebuild a Hugging Face directory).
     1 (still read): `num_layers` of the built-in naming, read as the units `embed`,
@@ -41,10 +46,11 @@ from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.names import NAME_PATTERN, parse_name
 from elasticpp.plan.specs import ModelSpec, default_units
 
-# 3: a manifest names the generation that committed its step (a step recomputed after a
-# rollback is a new commit, never a rewrite of the old one); 2: units; 1: num_layers.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: the job epoch and the job's identity; 3: a manifest names the generation that committed
+# its step (a step recomputed after a rollback is a new commit, never a rewrite of the old
+# one); 2: units; 1: num_layers.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 
 _PIECE_RE = re.compile(rf"^({NAME_PATTERN})\.tp(\d+)-(\d+)\.safetensors$")
@@ -120,6 +126,36 @@ def fsync_dir(path: Path) -> None:
 
 
 @dataclass(frozen=True)
+class JobIdentity:
+    """Which job a step belongs to: the job's name and the fingerprint of what its state
+    depends on (model, its files, seed, batch, optimizer, data). A step of another identity
+    is another job's, whatever its units."""
+
+    name: str
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        for field_name in ("name", "fingerprint"):
+            value = getattr(self, field_name)
+            if not isinstance(value, str) or not value or len(value) > 128:
+                raise ConfigError(f"job identity: {field_name} must be 1-128 characters")
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.fingerprint[:12]})"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobIdentity:
+        name = data.get("name") if isinstance(data, dict) else None
+        fingerprint = data.get("fingerprint") if isinstance(data, dict) else None
+        if not isinstance(name, str) or not isinstance(fingerprint, str):
+            raise ConfigError(f"job identity: expected name and fingerprint, got {data!r}")
+        return cls(name, fingerprint)
+
+
+@dataclass(frozen=True)
 class PieceEntry:
     key: PieceKey
     size: int
@@ -136,6 +172,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     model: ModelSpec | None = None
     generation: int = 0  # the plan generation that committed the step; 0: none recorded
+    epoch: int = 0  # the job epoch that committed the step; 0: none recorded
+    job: JobIdentity | None = None  # the job whose step it is; None: not recorded
 
     def entry(self, key: PieceKey) -> PieceEntry | None:
         for e in self.pieces:
@@ -165,6 +203,8 @@ class Manifest:
                 "step": self.step,
                 "units": list(self.units),
                 "generation": self.generation,
+                "epoch": self.epoch,
+                **({} if self.job is None else {"job": self.job.to_dict()}),
                 **({} if self.model is None else {"model": self.model.to_dict()}),
                 "pieces": [
                     {"name": e.key.filename, "size": e.size, "sha256": e.sha256}
@@ -197,9 +237,11 @@ class Manifest:
                 if data.get("model") is not None:
                     model = ModelSpec.from_dict(dict(data["model"]), source=f"{source} model")
             generation = int(data.get("generation", 0)) if version >= 3 else 0
-            if generation < 0:
-                raise ValueError(f"generation {generation} is negative")
-            return cls(int(data["step"]), units, pieces, version, model, generation)
+            epoch = int(data.get("epoch", 0)) if version >= 4 else 0
+            if generation < 0 or epoch < 0:
+                raise ValueError(f"generation {generation} or epoch {epoch} is negative")
+            job = JobIdentity.from_dict(data["job"]) if data.get("job") is not None else None
+            return cls(int(data["step"]), units, pieces, version, model, generation, epoch, job)
         except CheckpointError:
             raise
         except (ValueError, KeyError, TypeError, ConfigError) as exc:

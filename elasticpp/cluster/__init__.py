@@ -18,7 +18,7 @@ from elasticpp.cluster.errors import (
     LeaseNotFoundError,
 )
 from elasticpp.cluster.leases import Leadership, Registration
-from elasticpp.cluster.records import EventType, GenerationRecord, Members, WatchEvent
+from elasticpp.cluster.records import EventType, GenerationRecord, JobEpoch, Members, WatchEvent
 from elasticpp.cluster.watch import Watch
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "EventType",
     "GenerationConflictError",
     "GenerationRecord",
+    "JobEpoch",
     "Leadership",
     "LeaseNotFoundError",
     "Members",

@@ -40,6 +40,7 @@ from elasticpp.cluster.leases import Leadership, Registration, check_ttl
 from elasticpp.cluster.records import (
     EventType,
     GenerationRecord,
+    JobEpoch,
     Members,
     WatchEvent,
     dumps,
@@ -128,6 +129,29 @@ class ClusterClient(CommitsPart):
     def spec(self) -> str | None:
         kv = self._kv.get(self.keys.spec)
         return kv.value if kv else None
+
+    def epoch_if_absent(self, proposed: int, node_id: str) -> JobEpoch:
+        """The job's epoch: `proposed` stored by `node_id` if the job's etcd state has none
+        yet (create-if-absent: the first writer wins), else the one stored. A stored value
+        that cannot be read raises `ClusterDataError`: guessing would break the ordering."""
+        record = JobEpoch(proposed, node_id, time.time())
+        ok, found, _ = self._kv.txn(
+            [Compare(self.keys.epoch, "create", 0)],
+            [Put(self.keys.epoch, record.to_json())],
+            [self.keys.epoch],
+        )
+        if ok:
+            log.info("job %s: epoch %d begins (created by %s)", self.job, proposed, node_id)
+            return record
+        stored = found[0]
+        if stored is None:  # deleted between compare and read: cannot happen in one txn
+            raise ClusterDataError(f"job {self.job}: epoch vanished")
+        return JobEpoch.from_json(stored.value)
+
+    def epoch(self) -> JobEpoch | None:
+        """The job's epoch as stored, or None (etcd state started afresh, not joined yet)."""
+        kv = self._kv.get(self.keys.epoch)
+        return JobEpoch.from_json(kv.value) if kv else None
 
     # ------------------------------------------------------------------ membership
     def register(self, node_id: str, info: dict[str, Any], ttl_s: float = 5) -> Registration:

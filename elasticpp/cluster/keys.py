@@ -7,6 +7,10 @@ transaction can compare it.
 key (under /elasticpp/<job>/)        lease           value (writer)
 -----------------------------------  --------------  ------------------------------------------
 spec                                 none            job spec JSON; first writer wins (any agent)
+epoch                                none            {format_version, epoch, created_by,
+                                                     created_at}: the job epoch, new whenever
+                                                     the job's etcd state starts afresh;
+                                                     created once (first agent to join)
 nodes/<node_id>                      node's lease    {format_version, node_id, registered_at,
                                                      address, slots, started_at, ...} (the node)
 leader                               leader's lease  the leader's node id, plain text (winner)
@@ -73,6 +77,10 @@ class JobKeys:
     @property
     def spec(self) -> str:
         return self.root + "spec"
+
+    @property
+    def epoch(self) -> str:
+        return self.root + "epoch"
 
     @property
     def nodes_prefix(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,3 +201,41 @@ class SafeStep:
                 raise ClusterDataError(f"safe step: {name} must be an integer >= 0, got {value!r}")
             values.append(value)
         return cls(*values)
+
+
+@dataclass(frozen=True)
+class JobEpoch:
+    """The job's epoch: generation numbers restart at 1 whenever the job's etcd state starts
+    afresh (an etcd wiped, the job's prefix deleted), so state kept outside etcd (the nodes'
+    stores, checkpoints) orders its commits by (epoch, generation, step). Created once, by
+    the first agent to join a job whose etcd state has none; every agent reads it at join.
+    An epoch is larger than every epoch before it (see `docs/cluster.md`)."""
+
+    epoch: int
+    created_by: str
+    created_at: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 1:
+            raise ClusterDataError(f"job epoch: epoch must be an integer >= 1, got {self.epoch!r}")
+
+    def to_json(self) -> str:
+        return dumps(
+            {"epoch": self.epoch, "created_by": self.created_by, "created_at": self.created_at}
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobEpoch:
+        data = loads(text, "job epoch")
+        try:
+            return cls(int(data["epoch"]), str(data["created_by"]), float(data["created_at"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ClusterDataError(f"job epoch: bad field ({exc!r})") from None
+
+
+def propose_epoch(newest_known: int, now_ns: int | None = None) -> int:
+    """The epoch an agent proposes for a job whose etcd state has none: the wall clock in
+    nanoseconds, or one more than the newest epoch the agent knows of (its store's), whichever
+    is larger. Pure given `now_ns`."""
+    now = time.time_ns() if now_ns is None else now_ns
+    return max(now, newest_known + 1, 1)

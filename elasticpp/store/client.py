@@ -112,11 +112,14 @@ class StateClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def list_steps(self, generation: int, *, timeout_s: float = 10.0) -> NodeHoldings:
-        """The committed steps the peer holds (its own and its replicas)."""
+    def list_steps(
+        self, generation: int, *, epoch: int = 0, timeout_s: float = 10.0
+    ) -> NodeHoldings:
+        """The committed steps the peer holds (its own and its replicas); the request is of
+        `generation` of job epoch `epoch` (0: unknown)."""
         try:
             reply = self._stub.ListSteps(
-                state_pb2.ListStepsRequest(generation=generation), timeout=timeout_s
+                state_pb2.ListStepsRequest(generation=generation, epoch=epoch), timeout=timeout_s
             )
         except grpc.RpcError as exc:
             _raise_for(exc, f"list steps of {self.address}")
@@ -130,7 +133,9 @@ class StateClient:
                     PieceKey.parse(p.name)
                     pieces[p.name] = PieceInfo(p.size, p.sha256)
                 units = tuple(parse_name(u, what="unit") for u in s.units)
-                steps[(origin, s.step)] = StepHolding(origin, s.step, units, pieces, s.generation)
+                steps[(origin, s.step)] = StepHolding(
+                    origin, s.step, units, pieces, s.generation, s.epoch
+                )
             return NodeHoldings(check_node_id(reply.node_id), steps)
         except ConfigError as exc:
             raise CheckpointError(f"list steps of {self.address}: bad reply: {exc}") from exc
@@ -148,11 +153,13 @@ class StateClient:
         fsync: bool = False,
         cancel: threading.Event | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        epoch: int = 0,
     ) -> int:
         """Fetch `origin`'s piece `name` of `step` into `dest_path`; returns its size.
 
         `dest_path` appears only complete and verified. Raises `StaleGenerationError` if
-        the peer is on a newer generation, `PieceFetchError` (a `CheckpointError`) if the
+        the peer is on a newer generation (of `epoch`, the sender's job epoch; 0: unknown) or
+        a newer epoch, `PieceFetchError` (a `CheckpointError`) if the
         peer does not hold the piece or every attempt failed its checksum. `fsync=True`
         makes the bytes durable before the rename (persistent copies); replicas and resume
         sources need not be, since every use re-verifies a piece's sha256 first.
@@ -173,7 +180,11 @@ class StateClient:
                 size, digest = self._fetch_to(
                     tmp,
                     state_pb2.FetchPieceRequest(
-                        generation=generation, step=step, name=name, origin_node=origin
+                        generation=generation,
+                        epoch=epoch,
+                        step=step,
+                        name=name,
+                        origin_node=origin,
                     ),
                     what,
                     fsync,

@@ -20,9 +20,10 @@ from elasticpp.checkpoint.manifest import Manifest, PieceEntry, PieceKey
 from elasticpp.errors import ConfigError
 from elasticpp.names import parse_name
 
-# 3: each step names the generation that committed it; 2 (read as generation 0): units.
-HOLDINGS_FORMAT_VERSION = 3
-READABLE_HOLDINGS_VERSIONS = (2, 3)
+# 4: each step names the job epoch that committed it; 3 (read as epoch 0): the generation;
+# 2 (read as generation 0): units.
+HOLDINGS_FORMAT_VERSION = 4
+READABLE_HOLDINGS_VERSIONS = (2, 3, 4)
 
 # The source/origin name of pieces in the persistent checkpoint; never a valid node id.
 DISK_SOURCE = "<disk>"
@@ -54,12 +55,21 @@ class StepHolding:
     units: tuple[str, ...]  # the model's units, in order (from the step's manifest)
     pieces: Mapping[str, PieceInfo]  # piece file name -> (size, sha256)
     # The plan generation whose workers computed the step. A step recomputed after a
-    # rollback is a new commit of a newer generation; commits order by (generation, step).
+    # rollback is a new commit of a newer generation.
     generation: int = 0
+    # The job epoch of that generation: generation numbers start again at 1 when the job's
+    # etcd state starts afresh, in a new, larger epoch. Commits order by (epoch,
+    # generation, step).
+    epoch: int = 0
 
     @property
-    def order(self) -> tuple[int, int]:
-        return (self.generation, self.step)
+    def order(self) -> tuple[int, int, int]:
+        return (self.epoch, self.generation, self.step)
+
+    @property
+    def commit(self) -> tuple[int, int]:
+        """(epoch, generation): which commit of its step this is."""
+        return (self.epoch, self.generation)
 
     @classmethod
     def from_manifest(cls, origin: str, manifest: Manifest) -> StepHolding:
@@ -69,6 +79,7 @@ class StepHolding:
             manifest.units,
             {e.key.filename: PieceInfo(e.size, e.sha256) for e in manifest.pieces},
             manifest.generation,
+            manifest.epoch,
         )
 
     def entries(self) -> tuple[PieceEntry, ...]:
@@ -89,7 +100,7 @@ class NodeHoldings:
         return sorted(step for o, step in self.steps if o == origin)
 
     def newest_step_of(self, origin: str) -> int | None:
-        """The origin's newest commit by (generation, step): after a rollback, the step the
+        """The origin's newest commit by (epoch, generation, step): after a rollback, the step the
         job recomputed, not the higher-numbered step of the abandoned timeline."""
         held = [h for (o, _), h in self.steps.items() if o == origin]
         return max(held, key=lambda h: h.order).step if held else None
@@ -103,6 +114,7 @@ class NodeHoldings:
                     "origin_node": h.origin,
                     "step": h.step,
                     "generation": h.generation,
+                    "epoch": h.epoch,
                     "units": list(h.units),
                     "pieces": [
                         {"name": n, "size": i.size, "sha256": i.sha256}
@@ -132,10 +144,10 @@ class NodeHoldings:
                     PieceKey.parse(str(p["name"]))
                     pieces[str(p["name"])] = PieceInfo(int(p["size"]), str(p["sha256"]))
                 units = tuple(parse_name(u, what="unit") for u in s["units"])
-                generation = int(s.get("generation", 0))
-                if generation < 0:
-                    raise ValueError(f"generation {generation} is negative")
-                holding = StepHolding(origin, int(s["step"]), units, pieces, generation)
+                generation, epoch = int(s.get("generation", 0)), int(s.get("epoch", 0))
+                if generation < 0 or epoch < 0:
+                    raise ValueError(f"generation {generation} or epoch {epoch} is negative")
+                holding = StepHolding(origin, int(s["step"]), units, pieces, generation, epoch)
                 steps[(origin, holding.step)] = holding
             return cls(check_node_id(str(data["node_id"])), steps)
         except (KeyError, TypeError, ValueError) as exc:

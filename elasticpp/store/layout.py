@@ -2,13 +2,16 @@
 checkpoint format of `elasticpp.checkpoint.manifest`: piece files + `manifest.json` written
 last):
 
-    own/gen-<G>/step-<k>/              written by this node's workers of plan generation G
-                                       (`snapshot_dir(G)`); the manifest is written by `commit`
-    replicas/<origin>/gen-<G>/step-<k>/  copies of a peer's committed steps
+    own/epoch-<E>/gen-<G>/step-<k>/    written by this node's workers of plan generation G of
+                                       job epoch E (`snapshot_dir(E, G)`); the manifest is
+                                       written by `commit`
+    replicas/<origin>/epoch-<E>/gen-<G>/step-<k>/  copies of a peer's committed steps
     staging/                           transfers in flight and resume directories' sources
 
-Generation 0 (steps written outside any plan generation: tools, benchmarks, stores of an
-older release) lives directly under `own/` and `replicas/<origin>/`. Paths only: what is
+Epoch 0 (no job epoch: tools, benchmarks, stores of an older release) has no `epoch-` level,
+generation 0 (steps written outside any plan generation) no `gen-` level: an older release's
+`own/gen-<G>/step-<k>/` is epoch 0, generation G. A disk scan (`step_dirs`) yields every
+(epoch, generation, step) found, so a restart rebuilds the commit order. Paths only: what is
 committed, and when files go, is `elasticpp.store.local`.
 """
 
@@ -33,6 +36,7 @@ OWN_DIRNAME = "own"
 REPLICAS_DIRNAME = "replicas"
 STAGING_DIRNAME = "staging"
 _GEN_RE = re.compile(r"^gen-(\d{8})$")
+_EPOCH_RE = re.compile(r"^epoch-(\d{20})$")
 
 
 def gen_dirname(generation: int) -> str:
@@ -41,6 +45,16 @@ def gen_dirname(generation: int) -> str:
 
 def parse_gen_dirname(name: str) -> int | None:
     m = _GEN_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def epoch_dirname(epoch: int) -> str:
+    # 20 digits: an epoch is about a time in nanoseconds (19 digits); names sort numerically.
+    return f"epoch-{epoch:020d}"
+
+
+def parse_epoch_dirname(name: str) -> int | None:
+    m = _EPOCH_RE.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -89,14 +103,20 @@ class StoreLayout:
         check_node_id(origin, field_name="origin_node")
         return self.own_dir if origin == self.node_id else self.replicas_dir / origin
 
-    def step_dir(self, origin: str, step: int, generation: int) -> Path:
+    def commit_dir(self, origin: str, epoch: int, generation: int) -> Path:
+        """The directory of `origin`'s steps of one (epoch, generation)."""
         base = self.base(origin)
+        if epoch:
+            base = base / epoch_dirname(epoch)
         if generation:
             base = base / gen_dirname(generation)
-        return base / step_dirname(step)
+        return base
 
-    def snapshot_dir(self, generation: int) -> Path:
-        return self.own_dir / gen_dirname(generation) if generation else self.own_dir
+    def step_dir(self, origin: str, step: int, epoch: int, generation: int) -> Path:
+        return self.commit_dir(origin, epoch, generation) / step_dirname(step)
+
+    def snapshot_dir(self, epoch: int, generation: int) -> Path:
+        return self.commit_dir(self.node_id, epoch, generation)
 
     def origins(self) -> list[str]:
         """This node and every origin it has a replica directory of (odd names skipped)."""
@@ -108,20 +128,46 @@ class StoreLayout:
                 log.warning("store %s: ignoring unexpected directory %s", self.node_id, d)
         return origins
 
-    def step_dirs(self, origin: str) -> Iterator[tuple[int, int, Path]]:
-        """(generation, step, directory) of every step directory of `origin` on disk."""
+    def step_dirs(self, origin: str) -> Iterator[tuple[int, int, int, Path]]:
+        """(epoch, generation, step, directory) of every step directory of `origin` on disk."""
+        base = self.base(origin)
+        if not base.is_dir():
+            return
+        yield from _gen_step_dirs(base, 0)
+        for d in sorted(base.iterdir()):
+            epoch = parse_epoch_dirname(d.name)
+            if epoch is not None and d.is_dir():
+                yield from _gen_step_dirs(d, epoch)
+
+    def empty_dirs(self, origin: str) -> Iterator[tuple[int, int, Path]]:
+        """(epoch, generation, directory) of the `epoch-`/`gen-` directories of `origin`,
+        deepest first (for removing the empty ones)."""
         base = self.base(origin)
         if not base.is_dir():
             return
         for d in sorted(base.iterdir()):
-            step = parse_step_dirname(d.name)
-            if step is not None:
-                yield 0, step, d
-                continue
+            epoch = parse_epoch_dirname(d.name)
             gen = parse_gen_dirname(d.name)
-            if gen is None or not d.is_dir():
-                continue
-            for sd in sorted(d.iterdir()):
-                step = parse_step_dirname(sd.name)
-                if step is not None:
-                    yield gen, step, sd
+            if epoch is not None and d.is_dir():
+                for g in sorted(d.iterdir()):
+                    g_gen = parse_gen_dirname(g.name)
+                    if g_gen is not None:
+                        yield epoch, g_gen, g
+                yield epoch, 0, d
+            elif gen is not None:
+                yield 0, gen, d
+
+
+def _gen_step_dirs(base: Path, epoch: int) -> Iterator[tuple[int, int, int, Path]]:
+    for d in sorted(base.iterdir()):
+        step = parse_step_dirname(d.name)
+        if step is not None:
+            yield epoch, 0, step, d
+            continue
+        gen = parse_gen_dirname(d.name)
+        if gen is None or not d.is_dir():
+            continue
+        for sd in sorted(d.iterdir()):
+            step = parse_step_dirname(sd.name)
+            if step is not None:
+                yield epoch, gen, step, sd

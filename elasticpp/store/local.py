@@ -10,8 +10,16 @@ Invariants this module keeps:
   newer generation into its own directory and committed there; the commit replaces the
   older generation's commit of that step, whose directory is then deleted. Each origin holds
   at most one commit per step.
-- Which commits stay is `retention.Retention` (the newest `keep_steps` by (generation,
-  step), anchors at or above the floor, capped). Older commits are deleted after a newer
+- Commits order by (epoch, generation, step). The job epoch (`set_epoch`) is new whenever
+  the job's etcd state starts afresh and generation numbers restart at 1: the commits of a
+  new epoch are newer than every commit of an older one, whatever their numbers. The epoch
+  never goes back below the newest epoch of this node's own commits.
+- A store with a job identity (`job`) holds only that job's steps: a step directory whose
+  manifest names another job is never listed, served, linked or deleted; it stays on disk
+  untouched, reported once in the log. Manifests of an older release name no job and are
+  taken as this job's.
+- Which commits stay is `retention.Retention` (the newest `keep_steps` by (epoch,
+  generation, step), anchors at or above the floor, capped). Older commits are deleted after a newer
   commit; uncommitted directories older than the oldest kept commit are deleted with them (a
   worker that died mid-write leaves one). A commit that a running transfer reads (a pin, see
   `pinned`/`open_piece`) leaves `holdings` at once but its files are deleted only when its
@@ -37,6 +45,7 @@ from typing import IO, Any
 
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
+    JobIdentity,
     Manifest,
     PieceEntry,
     PieceKey,
@@ -47,13 +56,14 @@ from elasticpp.checkpoint.manifest import (
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
-from elasticpp.store.layout import StoreLayout, link_or_copy, parse_gen_dirname
+from elasticpp.store.layout import StoreLayout, link_or_copy
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR, Retention
 
 log = logging.getLogger(__name__)
 
-# A commit's identity on disk: (origin, step, generation).
-_Key = tuple[str, int, int]
+# A commit's identity on disk: (origin, step, epoch, generation).
+_Key = tuple[str, int, int, int]
+Order = tuple[int, int, int]  # (epoch, generation, step)
 
 
 class PieceNotFoundError(CheckpointError):
@@ -86,6 +96,8 @@ class LocalStore:
         *,
         anchor_every: int | None = None,
         anchor_cap: int = ANCHORS_ABOVE_FLOOR,
+        job: JobIdentity | None = None,
+        epoch: int = 0,
     ) -> None:
         for name, value in (("keep_steps", keep_steps), ("anchor_cap", anchor_cap)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -97,66 +109,113 @@ class LocalStore:
         self.root = Path(root)
         self.node_id = check_node_id(node_id)
         self.retention = Retention(keep_steps, anchor_every, anchor_cap)
-        self._floor: tuple[int, int] | None = None  # (generation, step) of the safe step
+        self.job = job
+        self._epoch = 0
+        self._floor: Order | None = None  # (epoch, generation, step) of the safe step
+        self._foreign: set[Path] = set()  # step dirs of another job: never touched
         self.layout = StoreLayout(self.root, self.node_id)
         self.own_dir = self.layout.own_dir
         self.replicas_dir = self.layout.replicas_dir
         self.staging_dir = self.layout.staging_dir
         self._lock = threading.RLock()
-        self._reported: dict[tuple[int, int], dict[str, PieceInfo]] = {}  # (gen, step) ->
+        # (epoch, generation, step) -> pieces reported, not yet committed
+        self._reported: dict[Order, dict[str, PieceInfo]] = {}
         self._committed: dict[tuple[str, int], StepHolding] = {}
         self._verified: set[tuple[_Key, str]] = set()
         self._pins: Counter[_Key] = Counter()
         self._doomed: set[_Key] = set()  # no longer committed; deleted at the last unpin
         self._load()
+        if epoch:
+            self.set_epoch(epoch)
 
     # ----- paths
 
-    def _base(self, origin: str) -> Path:
-        return self.layout.base(origin)
+    def _dir(self, origin: str, step: int, epoch: int, generation: int) -> Path:
+        return self.layout.step_dir(origin, step, epoch, generation)
 
-    def _dir(self, origin: str, step: int, generation: int) -> Path:
-        return self.layout.step_dir(origin, step, generation)
+    @property
+    def epoch(self) -> int:
+        """The job epoch this node's commits are made in (0: none)."""
+        with self._lock:
+            return self._epoch
+
+    def newest_epoch(self) -> int:
+        """The newest epoch of any commit held here (own or replica); 0 if none."""
+        with self._lock:
+            return max((h.epoch for h in self._committed.values()), default=0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Commit in job epoch `epoch` from now on. `CheckpointError` for an epoch older than
+        this node's own newest commit: its commits would order below what it holds."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"store: epoch must be an integer >= 0, got {epoch!r}")
+        with self._lock:
+            own = max(
+                (h.epoch for (o, _), h in self._committed.items() if o == self.node_id), default=0
+            )
+            if epoch < own:
+                raise CheckpointError(
+                    f"store {self.node_id}: job epoch {epoch} is older than epoch {own} of "
+                    "steps this node committed (a node clock far behind?); refusing to commit "
+                    "below them"
+                )
+            if epoch != self._epoch:
+                self._epoch = epoch
+                log.info("store %s: job epoch %d", self.node_id, epoch)
 
     def snapshot_dir(self, generation: int) -> Path:
-        """Where this node's workers of `generation` write their steps (`<dir>/step-<k>/`)."""
-        return self.layout.snapshot_dir(generation)
+        """Where this node's workers of `generation` (of the current epoch) write their
+        steps (`<dir>/step-<k>/`)."""
+        return self.layout.snapshot_dir(self.epoch, generation)
 
-    def step_dir(self, origin: str, step: int, generation: int | None = None) -> Path:
-        """The directory of `origin`'s step `step` (by default: of its commit held here, or
-        of generation 0 when none is). It may not exist."""
-        if generation is None:
-            with self._lock:
-                held = self._committed.get((origin, step))
-            generation = held.generation if held is not None else 0
-        return self._dir(origin, step, generation)
+    def step_dir(
+        self, origin: str, step: int, generation: int | None = None, epoch: int | None = None
+    ) -> Path:
+        """The directory of `origin`'s step `step` of `generation` of `epoch` (by default: the
+        current epoch), or by default of its commit held here (of epoch and generation 0 when
+        none is). It may not exist."""
+        if generation is not None:
+            return self._dir(origin, step, self.epoch if epoch is None else epoch, generation)
+        with self._lock:
+            held = self._committed.get((origin, step))
+        if held is None:
+            return self._dir(origin, step, 0, 0)
+        return self._dir(origin, step, held.epoch, held.generation)
 
     def path_of(self, origin: str, step: int, name: str) -> Path:
         """The path of a committed piece; refuses any name that is not a piece name (and so
         any path)."""
         return self.step_dir(origin, step) / PieceKey.parse(name).filename
 
-    def replica_step_dir(self, origin: str, step: int, generation: int = 0) -> Path:
+    def replica_step_dir(self, origin: str, step: int, generation: int = 0, epoch: int = 0) -> Path:
         """Created on demand: where fetched pieces of a peer's step go before `commit_replica`."""
         if origin == self.node_id:
             raise ConfigError(f"origin_node {origin!r} is this node: not a replica")
-        d = self._dir(origin, step, generation)
+        d = self._dir(origin, step, epoch, generation)
+        self._check_not_foreign(d)
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def _check_not_foreign(self, step_dir: Path) -> None:
+        if step_dir in self._foreign:
+            raise CheckpointError(f"{step_dir} holds a step of another job; not written")
+
     # ----- own steps: report, commit
 
-    def _check_newer(self, origin: str, step: int, generation: int) -> StepHolding | None:
-        """The commit held of (origin, step) if it is of `generation` (idempotent calls);
-        `CheckpointError` if a commit of that generation or a newer one is held."""
+    def _check_newer(
+        self, origin: str, step: int, epoch: int, generation: int
+    ) -> StepHolding | None:
+        """The commit held of (origin, step) if it is of (`epoch`, `generation`) (idempotent
+        calls); `CheckpointError` if a commit of that one or a newer one is held."""
         held = self._committed.get((origin, step))
-        if held is None or held.generation < generation:
+        if held is None or held.commit < (epoch, generation):
             return None
-        if held.generation == generation:
+        if held.commit == (epoch, generation):
             return held
         raise CheckpointError(
-            f"{origin} step {step}: generation {held.generation} committed it; a commit of "
-            f"older generation {generation} is refused"
+            f"{origin} step {step}: generation {held.generation} of epoch {held.epoch} "
+            f"committed it; a commit of older generation {generation} of epoch {epoch} is "
+            "refused"
         )
 
     def record_pieces(
@@ -172,15 +231,16 @@ class LocalStore:
         trusted until the piece's first use, which verifies it. Two reports of the same piece
         (data-parallel twins on one node write the same file) must agree, or the file decides.
         """
-        step_dir = self._dir(self.node_id, step, generation)
         with self._lock:
+            epoch = self._epoch
+            step_dir = self._dir(self.node_id, step, epoch, generation)
             held = self._committed.get((self.node_id, step))
-            if held is not None and held.generation >= generation:
+            if held is not None and held.commit >= (epoch, generation):
                 raise CheckpointError(
-                    f"step {step} is already committed by generation {held.generation}; "
-                    f"late report of generation {generation} refused"
+                    f"step {step} is already committed by generation {held.generation} of "
+                    f"epoch {held.epoch}; late report of generation {generation} refused"
                 )
-            reported = self._reported.setdefault((generation, step), {})
+            reported = self._reported.setdefault((epoch, generation, step), {})
             for entry in entries:
                 name, info = _entry_info(entry)
                 path = step_dir / name
@@ -200,26 +260,28 @@ class LocalStore:
                     if actual not in (prior.sha256, info.sha256):
                         raise CheckpointError(f"step {step}: piece {name} matches no report")
                     info = PieceInfo(size, actual)
-                    self._verified.add(((self.node_id, step, generation), name))
+                    self._verified.add(((self.node_id, step, epoch, generation), name))
                 reported[name] = info
 
     def reported(self, step: int, generation: int = 0) -> dict[str, PieceInfo]:
         """Pieces recorded for an uncommitted own step."""
         with self._lock:
-            return dict(self._reported.get((generation, step), {}))
+            return dict(self._reported.get((self._epoch, generation, step), {}))
 
     def commit(self, step: int, units: tuple[str, ...], generation: int = 0) -> StepHolding:
-        """Mark own step `step` of `generation` committed (writes its manifest) and drop old
-        steps. It replaces a commit of that step by an older generation.
+        """Mark own step `step` of `generation` (of the current epoch) committed (writes its
+        manifest) and drop old steps. It replaces an older commit of that step.
 
         Idempotent: committing a committed step returns what was committed.
         """
         with self._lock:
-            existing = self._check_newer(self.node_id, step, generation)
+            epoch = self._epoch
+            existing = self._check_newer(self.node_id, step, epoch, generation)
             if existing is not None:
                 return existing
-            pieces = self._reported.pop((generation, step), {})
-            step_dir = self._dir(self.node_id, step, generation)
+            step_dir = self._dir(self.node_id, step, epoch, generation)
+            self._check_not_foreign(step_dir)
+            pieces = self._reported.pop((epoch, generation, step), {})
             step_dir.mkdir(parents=True, exist_ok=True)
             manifest = Manifest(
                 step,
@@ -229,10 +291,12 @@ class LocalStore:
                     for n, i in sorted(pieces.items())
                 ),
                 generation=generation,
+                epoch=epoch,
+                job=self.job,
             )
             # The manifest is the commit point: written last, atomically.
             write_manifest(step_dir, manifest)
-            holding = StepHolding(self.node_id, step, units, dict(pieces), generation)
+            holding = StepHolding(self.node_id, step, units, dict(pieces), generation, epoch)
             self._install(holding)
             # Per step: debug, or weeks of uptime fill the log (the metrics show progress).
             log.debug(
@@ -253,13 +317,15 @@ class LocalStore:
         units: tuple[str, ...],
         entries: Iterable[PieceEntry],
         generation: int = 0,
+        epoch: int = 0,
     ) -> StepHolding:
-        """Commit a peer's step whose pieces are in `replica_step_dir(origin, step, generation)`.
+        """Commit a peer's step whose pieces are in
+        `replica_step_dir(origin, step, generation, epoch)`.
 
         The pieces must have been verified by the transfer that wrote them (the client
         checks the sha256 before its rename); here only presence and sizes are checked.
         """
-        step_dir = self.replica_step_dir(origin, step, generation)
+        step_dir = self.replica_step_dir(origin, step, generation, epoch)
         entries = tuple(entries)
         for e in entries:
             path = step_dir / e.key.filename
@@ -268,18 +334,23 @@ class LocalStore:
                     f"replica {origin} step {step}: piece {e.key.filename} missing or wrong size"
                 )
         with self._lock:
-            existing = self._check_newer(origin, step, generation)
+            existing = self._check_newer(origin, step, epoch, generation)
             if existing is not None:
                 return existing
-            write_manifest(step_dir, Manifest(step, units, entries, generation=generation))
+            manifest = Manifest(
+                step, units, entries, generation=generation, epoch=epoch, job=self.job
+            )
+            write_manifest(step_dir, manifest)
             holding = StepHolding(
                 origin,
                 step,
                 units,
                 {e.key.filename: PieceInfo(e.size, e.sha256) for e in entries},
                 generation,
+                epoch,
             )
-            self._verified.update(((origin, step, generation), e.key.filename) for e in entries)
+            key = (origin, step, epoch, generation)
+            self._verified.update((key, e.key.filename) for e in entries)
             self._install(holding)
             log.debug(
                 "store %s: holds replica of %s step %d (generation %d)",
@@ -294,15 +365,17 @@ class LocalStore:
 
     @property
     def floor(self) -> tuple[int, int] | None:
-        """(generation, step) of the newest safe step this node has learnt, or None."""
+        """(generation, step) of the newest safe step this node has learnt in its current
+        epoch, or None."""
         with self._lock:
-            return self._floor
+            return None if self._floor is None else self._floor[1:]
 
     def set_floor(self, step: int, generation: int) -> bool:
-        """Learn a newer safe step: anchors below it may go now. A floor only rises (in
-        commit order, (generation, step)); an older one is ignored. True if it rose."""
+        """Learn a newer safe step (of the current epoch: the safe step is published in the
+        job's etcd state): anchors below it may go now. A floor only rises (in commit order,
+        (epoch, generation, step)); an older one is ignored. True if it rose."""
         with self._lock:
-            new = (generation, step)
+            new = (self._epoch, generation, step)
             if self._floor is not None and new <= self._floor:
                 return False
             self._floor = new
@@ -312,8 +385,8 @@ class LocalStore:
             return True
 
     def anchors(self, origin: str, generation: int | None = None) -> list[int]:
-        """Committed anchor steps of `origin` held here (of `generation` only, if given),
-        newest first."""
+        """Committed anchor steps of `origin` held here (of `generation` of the current epoch
+        only, if given), newest first."""
         with self._lock:
             return sorted(
                 (
@@ -321,7 +394,7 @@ class LocalStore:
                     for (o, s), h in self._committed.items()
                     if o == origin
                     and self.retention.is_anchor(s)
-                    and (generation is None or h.generation == generation)
+                    and (generation is None or h.commit == (self._epoch, generation))
                 ),
                 reverse=True,
             )
@@ -354,7 +427,7 @@ class LocalStore:
             info = holding.pieces.get(name) if holding is not None else None
             if holding is None or info is None:
                 raise PieceNotFoundError(f"piece {name} of {origin} step {step} is not held here")
-            return (origin, step, holding.generation), info
+            return (origin, step, holding.epoch, holding.generation), info
 
     def find_piece(self, step: int, name: str, sha256: str) -> Path | None:
         """A committed local copy (any origin) of this exact piece, or None."""
@@ -362,7 +435,7 @@ class LocalStore:
             for (origin, s), h in sorted(self._committed.items()):
                 info = h.pieces.get(name)
                 if s == step and info is not None and info.sha256 == sha256:
-                    return self._dir(origin, s, h.generation) / name
+                    return self._dir(origin, s, h.epoch, h.generation) / name
         return None
 
     @contextlib.contextmanager
@@ -371,7 +444,7 @@ class LocalStore:
         newer commit wants it gone."""
         with self._lock:
             held = self._committed.get((origin, step))
-            key = (origin, step, held.generation if held is not None else 0)
+            key = (origin, step, *(held.commit if held is not None else (0, 0)))
             self._pins[key] += 1
         try:
             yield
@@ -425,7 +498,7 @@ class LocalStore:
             # same piece generation after generation.
             with self._lock:
                 held = self._committed.get((key[0], key[1]))
-                if held is not None and held.generation == key[2]:
+                if held is not None and held.commit == key[2:]:
                     del self._committed[(key[0], key[1])]
                     self._retire(key)
             log.warning(
@@ -462,43 +535,60 @@ class LocalStore:
 
     # ----- internals
 
-    def _step_dirs(self, origin: str) -> Iterator[tuple[int, int, Path]]:
-        return self.layout.step_dirs(origin)
-
     def _load(self) -> None:
-        """Pick up the committed steps a previous run of this node left."""
+        """Pick up the committed steps a previous run of this node left (of this job)."""
+        foreign: list[tuple[Path, JobIdentity]] = []
         for origin in self.layout.origins():
-            for gen, step, d in list(self._step_dirs(origin)):
+            for epoch, gen, step, d in list(self.layout.step_dirs(origin)):
                 if not (d / MANIFEST_NAME).is_file():
                     continue
                 try:
                     manifest = read_manifest(d)
                 except CheckpointError as exc:
                     log.warning("store %s: ignoring %s: %s", self.node_id, d, exc)
+                    self._foreign.add(d)  # unreadable: not ours to delete either
                     continue
-                if manifest.generation not in (0, gen):
+                if self.job is not None and manifest.job not in (None, self.job):
+                    self._foreign.add(d)
+                    foreign.append((d, manifest.job))
+                    continue
+                if manifest.generation not in (0, gen) or manifest.epoch not in (0, epoch):
                     log.warning(
-                        "store %s: ignoring %s: its manifest names generation %d",
+                        "store %s: ignoring %s: its manifest names generation %d of epoch %d",
                         self.node_id,
                         d,
                         manifest.generation,
+                        manifest.epoch,
                     )
+                    self._foreign.add(d)
                     continue
                 holding = StepHolding.from_manifest(origin, manifest)
-                holding = StepHolding(origin, step, holding.units, holding.pieces, gen)
+                holding = StepHolding(origin, step, holding.units, holding.pieces, gen, epoch)
                 held = self._committed.get((origin, step))
-                if held is None or held.generation < gen:
+                if held is None or held.commit < holding.commit:
                     self._install(holding, prune=False)
                 else:
-                    self._delete((origin, step, gen))
+                    self._delete((origin, step, epoch, gen))
             self._prune(origin)
+        if foreign:
+            # Once, at start: another job's state (a reused state dir) is left as it is.
+            log.warning(
+                "store %s: %d step director%s of another job left untouched and ignored "
+                "(this job is %s; %s is of %s)",
+                self.node_id,
+                len(foreign),
+                "y" if len(foreign) == 1 else "ies",
+                self.job,
+                foreign[0][0],
+                foreign[0][1],
+            )
 
     def _install(self, holding: StepHolding, *, prune: bool = True) -> None:
         """Make `holding` the commit of its (origin, step); the one it replaces goes."""
         old = self._committed.get((holding.origin, holding.step))
         self._committed[(holding.origin, holding.step)] = holding
-        if old is not None and old.generation != holding.generation:
-            self._retire((old.origin, old.step, old.generation))
+        if old is not None and old.commit != holding.commit:
+            self._retire((old.origin, old.step, old.epoch, old.generation))
         if prune:
             self._prune(holding.origin)
 
@@ -521,27 +611,26 @@ class LocalStore:
                 self.node_id,
                 self.retention.cap,
                 origin,
-                "(none yet)" if self._floor is None else self._floor[1],
+                "(none yet)" if self._floor is None else self._floor[2],
                 h.step,
             )
         keep = {h.order for h in kept}
         for h in held:
             if h.order not in keep:
                 del self._committed[(origin, h.step)]
-                self._retire((origin, h.step, h.generation))
+                self._retire((origin, h.step, h.epoch, h.generation))
         if not kept:
             return
         oldest = kept[0].order
-        live = {(h.generation, h.step) for h in kept} | {(k[2], k[1]) for k in self._doomed}
-        for gen, step, d in list(self._step_dirs(origin)):
-            if (gen, step) < oldest and (gen, step) not in live:
+        live = {h.order for h in kept} | {(k[2], k[3], k[1]) for k in self._doomed}
+        for epoch, gen, step, d in list(self.layout.step_dirs(origin)):
+            order = (epoch, gen, step)
+            if order < oldest and order not in live and d not in self._foreign:
                 shutil.rmtree(d, ignore_errors=True)
                 if origin == self.node_id:
-                    self._reported.pop((gen, step), None)
-        base = self._base(origin)
-        for d in base.iterdir():
-            dir_gen = parse_gen_dirname(d.name)
-            if dir_gen is not None and dir_gen < oldest[0]:
+                    self._reported.pop(order, None)
+        for epoch, gen, d in list(self.layout.empty_dirs(origin)):
+            if (epoch, gen) < oldest[:2]:
                 with contextlib.suppress(OSError):
                     d.rmdir()  # only once empty
 

@@ -23,6 +23,12 @@ Invariants:
   sha256s or sizes for one name) or a listed piece's file is missing or of another size.
   It compares sizes, not hashes (cheap); the loader hashes every piece.
 
+A manifest names the job whose state it is (`JobIdentity`) and the epoch and generation that
+committed the step. What a job reads from a checkpoint root (`checkpoint_holdings`) and
+prunes from it (`prune_checkpoints`) is its own: another job's complete checkpoints in the same
+root are ignored and never deleted (manifests of an older release name no job and count as
+any job's).
+
 Loading (`find_latest_checkpoint`) verifies every piece's sha256 and refuses, with the
 reason, a step that is incomplete or corrupt, falling back to the previous complete one.
 
@@ -49,6 +55,7 @@ from pathlib import Path
 from elasticpp.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    JobIdentity,
     Manifest,
     PieceEntry,
     PieceKey,
@@ -214,9 +221,17 @@ def _read_part(part_path: Path, step: int) -> list[PieceEntry]:
 
 
 def finalize_checkpoint(
-    root: Path, step: int, units: tuple[str, ...], model: ModelSpec | None = None
+    root: Path,
+    step: int,
+    units: tuple[str, ...],
+    model: ModelSpec | None = None,
+    *,
+    job: JobIdentity | None = None,
+    epoch: int = 0,
+    generation: int = 0,
 ) -> Manifest | None:
-    """Write the manifest of `root/step-<step>` if the parts cover the whole model.
+    """Write the manifest of `root/step-<step>` if the parts cover the whole model; it names
+    `job` and the `epoch` and `generation` that committed the step.
 
     Returns the manifest (also when one was already written), or None (logged, saying why)
     while units are missing, while part records disagree about a piece, or while a piece
@@ -264,7 +279,15 @@ def finalize_checkpoint(
             ", ".join(bad_files[:6]),
         )
         return None
-    manifest = Manifest(step, units, tuple(e for _, e in sorted(by_name.items())), model=model)
+    manifest = Manifest(
+        step,
+        units,
+        tuple(e for _, e in sorted(by_name.items())),
+        model=model,
+        generation=generation,
+        epoch=epoch,
+        job=job,
+    )
     missing = manifest.missing_units()
     if missing:
         log.info(
@@ -331,12 +354,18 @@ def load_latest_checkpoint(root: Path) -> tuple[int, Path]:
     return choice.step, choice.path
 
 
-def checkpoint_holdings(root: Path) -> NodeHoldings:
-    """What the checkpoint root holds, for the resolver (`disk=`): finalised steps only.
+def _is_ours(manifest: Manifest, job: JobIdentity | None) -> bool:
+    return job is None or manifest.job is None or manifest.job == job
+
+
+def checkpoint_holdings(root: Path, job: JobIdentity | None = None) -> NodeHoldings:
+    """What the checkpoint root holds, for the resolver (`disk=`): finalised steps only, and
+    with `job` given, only that job's (another job's are skipped, logged once per call).
 
     Cheap (manifests only, no hashing): every piece is verified when it is copied out.
     """
     steps: dict[tuple[str, int], StepHolding] = {}
+    foreign: list[str] = []
     for step, d in _step_dirs(root):
         if not (d / MANIFEST_NAME).is_file():
             continue
@@ -345,17 +374,41 @@ def checkpoint_holdings(root: Path) -> NodeHoldings:
         except CheckpointError as exc:
             log.warning("checkpoint refused: %s", exc)
             continue
-        if manifest.step == step and manifest.is_full_model():
+        if not _is_ours(manifest, job):
+            foreign.append(f"{d.name} ({manifest.job})")
+        elif manifest.step == step and manifest.is_full_model():
             steps[(DISK_SOURCE, step)] = StepHolding.from_manifest(DISK_SOURCE, manifest)
+    if foreign:
+        log.warning(
+            "checkpoints of another job in %s ignored (this job is %s): %s",
+            root,
+            job,
+            ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else ""),
+        )
     return NodeHoldings(DISK_SOURCE, steps)
 
 
-def prune_checkpoints(root: Path, keep: int) -> list[int]:
-    """Delete all but the newest `keep` finalised checkpoints, and unfinished step
-    directories older than the oldest kept. Returns the deleted steps."""
+def _foreign(d: Path, job: JobIdentity | None) -> bool:
+    """Whether `d` holds a finalised checkpoint of a job other than `job` (or unreadable)."""
+    if job is None:
+        return False
+    try:
+        return not _is_ours(read_manifest(d), job)
+    except CheckpointError:
+        return True  # not ours to judge: left alone
+
+
+def prune_checkpoints(root: Path, keep: int, job: JobIdentity | None = None) -> list[int]:
+    """Delete all but the newest `keep` finalised checkpoints (of `job`, if given: another
+    job's are never deleted), and unfinished step directories older than the oldest kept.
+    Returns the deleted steps."""
     if keep < 1:
         raise ConfigError(f"persist keep must be >= 1, got {keep}")
-    dirs = _step_dirs(root)
+    dirs = [
+        (s, d)
+        for s, d in _step_dirs(root)
+        if not ((d / MANIFEST_NAME).is_file() and _foreign(d, job))
+    ]
     final = [(s, d) for s, d in dirs if (d / MANIFEST_NAME).is_file()]
     if len(final) <= keep:
         return []
@@ -451,8 +504,19 @@ class Persister:
     def _persist_one(self, step: int, model: ModelSpec) -> None:
         try:
             persist_pieces(self.store, self.root, step)
-            if finalize_checkpoint(self.root, step, model.units, model) is not None:
-                prune_checkpoints(self.root, self.keep)
+            held = self.store.committed(self.store.node_id, step)
+            job = self.store.job
+            done = finalize_checkpoint(
+                self.root,
+                step,
+                model.units,
+                model,
+                job=job,
+                epoch=held.epoch if held is not None else 0,
+                generation=held.generation if held is not None else 0,
+            )
+            if done is not None:
+                prune_checkpoints(self.root, self.keep, job)
         except (ElasticppError, OSError) as exc:
             log.warning("persist: checkpoint of step %d failed: %s", step, exc)
             self._count_failure(step, exc)

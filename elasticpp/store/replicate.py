@@ -3,12 +3,12 @@
 Ring: the sorted node ids; node i's replicas live on nodes i+1 .. i+r (mod n). Anchors are the
 committed steps divisible by `every` (the job's `replication_every`). Pull model: each node
 calls `replicate_once`, which asks each node it backs up for its holdings and copies, oldest
-first, every anchor of that node newer (by generation, then step) than the newest anchor of it
-held here; holding none yet, it starts at the newest. So every holder walks through the same
-anchors and the holders of different origins meet on common steps however their rounds
-interleave. Pieces it already holds with the same sha256 (a data-parallel twin's identical
-state, an earlier attempt) are hard-linked instead of fetched. A replica step is committed
-(manifest) only when all its pieces are in.
+first, every anchor of that node newer (by epoch, generation, then step) than the newest
+anchor of it held here; holding none yet, it starts at the newest. So every holder walks
+through the same anchors and the holders of different origins meet on common steps however
+their rounds interleave. Pieces it already holds with the same sha256 (a data-parallel twin's
+identical state, an earlier attempt) are hard-linked instead of fetched. A replica step is
+committed (manifest) only when all its pieces are in.
 
 The guarantee (with r >= 1): a step s is safe when every node of the plan holds its own
 commit of s and each of its `replica_holders` holds a replica of it (`safe_step`). The leader
@@ -169,7 +169,7 @@ def _pull(
     client_factory: Callable[[str], StateClient],
 ) -> ReplicaResult:
     with client_factory(address) as client:
-        held = client.list_steps(generation)
+        held = client.list_steps(generation, epoch=store.epoch)
         step: int | None = None
         fetched = linked = copied = 0
         for holding in _wanted(store, held, origin, every):
@@ -189,11 +189,11 @@ def _copy(
     whether it was committed here now)."""
     step = holding.step
     mine = store.committed(origin, step)
-    if mine is not None and mine.generation >= holding.generation:
+    if mine is not None and mine.commit >= holding.commit:
         return 0, 0, False
     # A newer generation's commit of a step held here (recomputed after a rollback) is
     # a new commit: it goes into its own directory and replaces the older one.
-    step_dir = store.replica_step_dir(origin, step, holding.generation)
+    step_dir = store.replica_step_dir(origin, step, holding.generation, holding.epoch)
     fetched = linked = 0
     for name, info in sorted(holding.pieces.items()):
         dest = step_dir / name
@@ -207,9 +207,18 @@ def _copy(
             linked += 1
             continue
         fetched += client.fetch_piece(
-            step, name, origin, dest, info.sha256, generation, expected_size=info.size
+            step,
+            name,
+            origin,
+            dest,
+            info.sha256,
+            generation,
+            expected_size=info.size,
+            epoch=store.epoch,
         )
-    store.commit_replica(origin, step, holding.units, holding.entries(), holding.generation)
+    store.commit_replica(
+        origin, step, holding.units, holding.entries(), holding.generation, holding.epoch
+    )
     log.debug(
         "replication: %s holds %s step %d (%d bytes fetched, %d pieces linked)",
         store.node_id,

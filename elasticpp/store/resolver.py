@@ -3,7 +3,11 @@
 `resolve` reads what the live nodes (and, last, the persistent checkpoint) hold and returns
 a `ResumePlan`: the newest step whose every unit of the model has a complete tensor-parallel
 slice set available (any tp size: the worker reshards), and for each rank of the target plan
-the `Fetch`es it needs. For a unit a rank needs, it takes exactly its own slice when a piece of
+the `Fetch`es it needs. Steps are tried newest first in commit order: by the newest
+(epoch, generation) that committed them, then by number. So after an etcd wipe (a new
+epoch, generation numbers restarting at 1) the steps the new epoch committed come before
+those of older epochs, and before those the new epoch has committed, the newest state of
+the older epochs is resumed. For a unit a rank needs, it takes exactly its own slice when a piece of
 the target's tp size holds it, else every slice of a complete set of another tp size.
 
 Sources of a piece, in order of preference:
@@ -116,8 +120,10 @@ def _index(
     live: set[str],
     disk: NodeHoldings | None,
     units: tuple[str, ...],
+    newest: dict[int, tuple[int, int]],
 ) -> dict[int, dict[str, list[_Candidate]]]:
-    """step -> piece name -> who can supply it."""
+    """step -> piece name -> who can supply it; `newest` gets, per step, the newest
+    (epoch, generation) that committed it."""
     index: dict[int, dict[str, list[_Candidate]]] = {}
     sources = [(n, h) for n, h in sorted(holdings.items()) if n in live]
     if disk is not None:
@@ -127,6 +133,7 @@ def _index(
             if holding.units != units:
                 continue  # another model's state: never usable
             pieces = index.setdefault(step, {})
+            newest[step] = max(newest.get(step, (0, 0)), holding.commit)
             for name, info in holding.pieces.items():
                 origin_name = DISK_SOURCE if node == DISK_SOURCE else origin
                 pieces.setdefault(name, []).append(_Candidate(node, origin_name, info))
@@ -161,13 +168,14 @@ def resolve(
     """
     live = set(live_nodes)
     units = target.model.units
-    index = _index(holdings, live, disk, units)
+    newest: dict[int, tuple[int, int]] = {}
+    index = _index(holdings, live, disk, units, newest)
     if not index:
         raise StateUnavailableError(
             f"no committed state on any live node ({', '.join(sorted(live)) or 'none'})"
             + (" or on disk" if disk is not None else " and no checkpoint given")
         )
-    steps = sorted(index, reverse=True)
+    steps = sorted(index, key=lambda s: (newest[s], s), reverse=True)
     newest_missing: list[str] = []
     for step in steps:
         complete = _complete_sets(index[step])

@@ -119,8 +119,10 @@ def fetch_pieces(
     min_bytes_per_s: float = MIN_BYTES_PER_S,
     client_factory: Callable[[str], StateClient] = StateClient,
     clock: Callable[[], float] = time.monotonic,
+    epoch: int = 0,
 ) -> None:
-    """Fetch every transfer into `dest_dir / name` (see the module's invariants).
+    """Fetch every transfer into `dest_dir / name` (see the module's invariants); requests
+    carry `generation` and the sender's job `epoch` (0: unknown) as their fence.
 
     Raises `StateUnavailableError` for a source without an address, `PieceFetchError`
     when the transfers stall, else the first transfer's error.
@@ -151,6 +153,7 @@ def fetch_pieces(
             expected_size=t.size,
             cancel=cancel,
             on_bytes=progress.add,
+            epoch=epoch,
         )
 
     with ThreadPoolExecutor(

@@ -1,7 +1,10 @@
 """The gRPC servicer of `elasticpp.state.v1.StateService`: a thin translation layer.
 
 Requests become `LocalStore` calls; errors become status codes:
-- a request of an older plan generation than the server's: FAILED_PRECONDITION, naming both;
+- a request of an older job epoch than the server's, or of an older plan generation of the
+  same epoch: FAILED_PRECONDITION, naming both (a newer epoch's request is served whatever its
+  generation: generation numbers restart at 1 in a new epoch; epoch 0 means unknown and
+  compares generations alone);
 - a bad piece name (anything `PieceKey.parse` refuses, e.g. with `..` or `/`), a bad origin
   node id or a negative value: INVALID_ARGUMENT (so no name can address a path outside the
   store);
@@ -49,6 +52,7 @@ def holdings_to_proto(holdings: NodeHoldings, generation: int) -> state_pb2.List
                 origin_node=h.origin,
                 step=h.step,
                 generation=h.generation,
+                epoch=h.epoch,
                 units=list(h.units),
                 pieces=[
                     state_pb2.PieceInfo(name=n, size=i.size, sha256=i.sha256)
@@ -88,7 +92,18 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
             threading.BoundedSemaphore(max_fetch_streams) if max_fetch_streams else None
         )
 
-    def _check_generation(self, requested: int, context: grpc.ServicerContext) -> None:
+    def _check_generation(
+        self, requested: int, requested_epoch: int, context: grpc.ServicerContext
+    ) -> None:
+        epoch = self._store.epoch
+        if requested_epoch and epoch and requested_epoch != epoch:
+            if requested_epoch < epoch:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"request of job epoch {requested_epoch} is older than this node's "
+                    f"epoch {epoch}",
+                )
+            return  # a newer epoch, which this node has not joined yet
         current = self._generation_fn()
         if requested < current:
             context.abort(
@@ -99,13 +114,13 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
     def ListSteps(
         self, request: state_pb2.ListStepsRequest, context: grpc.ServicerContext
     ) -> state_pb2.ListStepsResponse:
-        self._check_generation(request.generation, context)
+        self._check_generation(request.generation, request.epoch, context)
         return holdings_to_proto(self._store.holdings(), self._generation_fn())
 
     def FetchPiece(
         self, request: state_pb2.FetchPieceRequest, context: grpc.ServicerContext
     ) -> Iterator[Chunk]:
-        self._check_generation(request.generation, context)
+        self._check_generation(request.generation, request.epoch, context)
         try:
             key = PieceKey.parse(request.name)
             origin = check_node_id(request.origin_node, field_name="origin_node")
@@ -161,7 +176,7 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
                 first = False
             else:
                 # A plan switch mid-transfer fences the rest of it.
-                self._check_generation(request.generation, context)
+                self._check_generation(request.generation, request.epoch, context)
                 yield Chunk(offset, data)
             offset += len(data)
 

@@ -18,10 +18,12 @@ from elasticpp.cluster import (
     EventType,
     GenerationConflictError,
     GenerationRecord,
+    JobEpoch,
     WatchEvent,
 )
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.records import propose_epoch
 from elasticpp.waiting import wait_until
 
 JOB = "job-test"
@@ -531,3 +533,46 @@ def test_the_safe_step_is_written_by_the_leaders_term_against_the_revision_it_re
     assert safe is None and b.skipped_values == 1
     assert b.write_safe(SafeStep(3, 2), rev, new)
     assert a.read_safe()[0] == SafeStep(3, 2)
+
+
+# ---------------------------------------------------------------------------- job epochs
+def test_the_epoch_is_created_once_and_read_by_every_later_client(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    assert a.epoch() is None
+    results: dict[str, JobEpoch] = {}
+    threads = [
+        threading.Thread(
+            target=lambda c=c, n=n, e=e: results.__setitem__(n, c.epoch_if_absent(e, n))
+        )
+        for c, n, e in ((a, "n1", 1_000), (b, "n2", 2_000))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stored = a.epoch()
+    assert stored is not None and stored.epoch in (1_000, 2_000)
+    assert results["n1"] == results["n2"] == stored == b.epoch()
+    assert clients().epoch_if_absent(3_000, "n3") == stored  # a later joiner reads it
+
+
+def test_a_wiped_job_prefix_gets_a_new_larger_epoch(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a = clients()
+    a.put_spec_if_absent('{"spec": "a"}')
+    first = a.epoch_if_absent(propose_epoch(0), "n1")
+    # An operator deletes the job's prefix; a node whose clock is far behind joins first.
+    kv = EtcdKV([etcd.endpoint])
+    try:
+        assert kv.delete_prefix(a.keys.root) >= 2
+    finally:
+        kv.close()
+    assert a.epoch() is None and a.spec() is None
+    b = clients()
+    b.put_spec_if_absent('{"spec": "a"}')
+    second = b.epoch_if_absent(propose_epoch(first.epoch, now_ns=first.epoch - 10**12), "n2")
+    assert second.epoch > first.epoch
+    assert a.epoch() == second  # every agent of the new etcd state reads the new epoch

@@ -457,3 +457,52 @@ def test_a_peer_sending_more_than_the_size_is_refused_and_nothing_past_it_is_wri
     assert sum(written) == 1 << 20  # the file never grew past the size
     assert a.servicer.requests == 1
     assert list(tmp_path.glob("*out*")) == []
+
+
+def test_replication_follows_an_origin_into_a_new_epoch(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", store_kw={"epoch": 1})
+    nodes["b"] = b = Node(tmp_path, "b", store_kw={"epoch": 1})
+    peers = {"a": a.address, "b": b.address}
+
+    def commit(step: int, generation: int) -> None:
+        d = a.store.snapshot_dir(generation) / step_dirname(step)
+        d.mkdir(parents=True, exist_ok=True)
+        data = piece_bytes(NAME, step, "a", 100)
+        (d / NAME).write_bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        a.store.record_pieces(step, [{"name": NAME, "size": 100, "sha256": sha}], generation)
+        a.store.commit(step, MODEL.units, generation)
+
+    for step in (100, 101):
+        commit(step, 5)
+    replicate_once(b.store, peers, ["a", "b"], 1, 5)
+    assert b.store.committed_steps("a") == [101]
+    # etcd was wiped: a commits in a new epoch, generation numbers start again at 1.
+    a.store.set_epoch(2)
+    b.store.set_epoch(2)
+    commit(102, 1)
+    results = replicate_once(b.store, peers, ["a", "b"], 1, 1)
+    assert [(r.origin, r.step, r.copied) for r in results] == [("a", 102, 1)]
+    assert b.store.committed("a", 102).order == (2, 1, 102)
+    assert b.store.committed_steps("a") == [101, 102]
+
+
+def test_a_request_of_an_older_epoch_is_refused_and_one_of_a_newer_epoch_served(
+    tmp_path: Path, nodes
+):
+    nodes["a"] = a = Node(tmp_path, "a")
+    commit_step(a.store, 1, [NAME])
+    a.store.set_epoch(7)
+    a.generation = 5
+    with StateClient(a.address) as client:
+        # A node still on the epoch before an etcd wipe: fenced whatever its generation.
+        with pytest.raises(StaleGenerationError, match="epoch 6 is older than this node's"):
+            client.list_steps(9, epoch=6)
+        with pytest.raises(StaleGenerationError, match="epoch 6"):
+            client.fetch_piece(1, NAME, "a", tmp_path / "x", "0" * 64, 9, epoch=6)
+        # Generation numbers restart at 1 in a newer epoch, which this node has not joined.
+        assert ("a", 1) in client.list_steps(1, epoch=8).steps
+        with pytest.raises(StaleGenerationError, match="generation 4 is older"):
+            client.list_steps(4, epoch=7)
+    with StateClient(a.address) as client, pytest.raises(StaleGenerationError):
+        client.list_steps(4)  # an older sender (no epoch): generations alone, as before

@@ -128,3 +128,14 @@ def test_a_relative_data_path_is_resolved_beside_the_spec_file(tmp_path: Path) -
     assert cfg.data == str(tmp_path / "data" / "t.bin") and cfg.data_dtype == "uint16"
     absolute = parse_job_spec({**MINIMAL, "data": "/srv/t.npy"}, base_dir=tmp_path)
     assert absolute.train_config().data == "/srv/t.npy"
+
+
+def test_the_jobs_identity_changes_with_what_its_state_depends_on_only() -> None:
+    base = parse_job_spec(dict(MINIMAL)).identity()
+    assert base.name == "job-a" and len(base.fingerprint) == 64
+    assert parse_job_spec(dict(MINIMAL)).identity() == base  # stable
+    how = {"max_nodes": 8, "min_nodes": 2, "micro_batch": 4, "replication_copies": 2}
+    assert parse_job_spec({**MINIMAL, **how}).identity() == base
+    for what in ({"seed": 2}, {"global_batch": 32}, {"optimizer": {"lr": 3e-4}}, {"steps": 11}):
+        assert parse_job_spec({**MINIMAL, **what}).identity() != base, what
+    assert parse_job_spec({**MINIMAL, "name": "job-b"}).identity() != base

@@ -67,19 +67,24 @@ def test_a_unit_name_with_dots_round_trips_through_its_piece_name() -> None:
     assert PieceKey.parse(key.filename) == key
 
 
-def test_manifest_records_units_and_generation_reads_version_2_and_refuses_a_newer() -> None:
+def test_manifest_records_units_generation_and_epoch_reads_versions_2_3_and_refuses_a_newer() -> (
+    None
+):
     entry = PieceEntry(PieceKey("in", 0, 1), 10, "ab" * 32)
-    manifest = Manifest(4, ("in", "mix.0", "out"), (entry,), generation=7)
+    manifest = Manifest(4, ("in", "mix.0", "out"), (entry,), generation=7, epoch=3)
     data = json.loads(manifest.to_json())
-    assert data["format_version"] == FORMAT_VERSION == 3
+    assert data["format_version"] == FORMAT_VERSION == 4
     assert data["units"] == ["in", "mix.0", "out"] and data["generation"] == 7
+    assert data["epoch"] == 3
     back = Manifest.from_json(manifest.to_json())
     assert back.units == manifest.units and back.missing_units() == ["mix.0", "out"]
-    assert back.generation == 7
-    v2 = {k: v for k, v in data.items() if k != "generation"} | {"format_version": 2}
+    assert back.generation == 7 and back.epoch == 3
+    v3 = {k: v for k, v in data.items() if k != "epoch"} | {"format_version": 3}
+    assert Manifest.from_json(json.dumps(v3)).epoch == 0  # an earlier release: epoch 0
+    v2 = {k: v for k, v in v3.items() if k != "generation"} | {"format_version": 2}
     assert Manifest.from_json(json.dumps(v2)).generation == 0
-    data["format_version"] = 4
-    with pytest.raises(CheckpointError, match="format_version 4"):
+    data["format_version"] = 5
+    with pytest.raises(CheckpointError, match="format_version 5"):
         Manifest.from_json(json.dumps(data))
 
 

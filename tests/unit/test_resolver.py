@@ -178,3 +178,24 @@ def test_resolver_prefers_own_step_over_replica_on_the_same_node():
     held = {"a": holds("a", ("a", 4, full), ("b", 4, full))}
     rp = resolve(held, plan({"a": 1}, "pp=1"), live_nodes=["a"])
     assert {(f.origin_node, f.kind) for f in rp.fetches[0]} == {("a", FetchKind.LOCAL)}
+
+
+def test_resolver_prefers_the_new_epochs_step_over_a_higher_numbered_one_of_an_older_epoch():
+    # A node away during an etcd wipe comes back with step 120 of the old epoch; the job
+    # resumed from 101 in the new epoch and committed 105 since: 105 is the job's newest.
+    def held(node: str, step: int, epoch: int, generation: int) -> NodeHoldings:
+        return NodeHoldings(
+            node,
+            {
+                (node, step): StepHolding(
+                    node, step, MODEL.units, pieces(ALL_UNITS, 1), generation, epoch
+                )
+            },
+        )
+
+    target = plan({"a": 1, "b": 1}, "dp=2", generation=2)
+    holdings = {"a": held("a", 120, 1, 9), "b": held("b", 105, 2, 1)}
+    assert resolve(holdings, target, live_nodes="ab").step == 105
+    # Before the new epoch committed anything, the old epoch's newest state is resumed.
+    holdings = {"a": held("a", 120, 1, 9), "b": held("b", 101, 1, 9)}
+    assert resolve(holdings, target, live_nodes="ab").step == 120

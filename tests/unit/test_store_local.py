@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 import pytest
 
-from elasticpp.checkpoint.manifest import PieceEntry, PieceKey, step_dirname, verify_step_dir
+from elasticpp.checkpoint.manifest import (
+    JobIdentity,
+    PieceEntry,
+    PieceKey,
+    step_dirname,
+    verify_step_dir,
+)
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan.specs import default_units
-from elasticpp.store.holdings import NodeHoldings
+from elasticpp.store.holdings import NodeHoldings, StepHolding
+from elasticpp.store.layout import epoch_dirname
 from elasticpp.store.local import LocalStore, PieceNotFoundError
+from elasticpp.store.replicate import _wanted
+from elasticpp.store.retention import Retention
 
 UNITS = default_units(1)  # embed, block.0000, head
 
@@ -294,3 +304,140 @@ def test_anchors_above_the_floor_are_capped_per_origin_and_the_floor_is_kept(
         LocalStore(tmp_path, "n0", anchor_every=0)
     with pytest.raises(ConfigError, match="anchor_cap"):
         LocalStore(tmp_path, "n0", anchor_cap=0)
+
+
+# ----- job epochs: generation numbers restart at 1 when the job's etcd state starts afresh
+
+JOB = JobIdentity("demo", "f" * 64)
+
+
+def test_after_an_etcd_wipe_the_new_epoch_commits_are_kept_and_its_floor_applies(
+    tmp_path: Path,
+):
+    # Appendix A4 of the review: the job reached generation 5 in epoch 1, then etcd was wiped.
+    store = LocalStore(tmp_path, "n0", keep_steps=2, anchor_every=1, job=JOB, epoch=1)
+    for step in (100, 101):
+        commit_step(store, step, generation=5)
+    store.set_floor(100, 5)
+    store.set_epoch(2)  # the fresh etcd: generation 1 again
+    for step in (102, 103, 104):
+        commit_step(store, step, generation=1)
+    held = {k[1]: (h.epoch, h.generation) for k, h in store.holdings().steps.items()}
+    # Nothing of epoch 2 is pruned by epoch 1's numbering; the old floor keeps its anchors.
+    assert held == {100: (1, 5), 101: (1, 5), 102: (2, 1), 103: (2, 1), 104: (2, 1)}
+    assert store.set_floor(103, 1)  # the new epoch's safe step rises over (5, 100)
+    assert store.floor == (1, 103) and store.committed_steps() == [103, 104]
+    # A step recomputed in the new epoch is accepted and replaces the old commit.
+    commit_step(store, 104, generation=2)
+    assert store.committed("n0", 104).commit == (2, 2)  # type: ignore[union-attr]
+    assert verify_step_dir(store.step_dir("n0", 104)).epoch == 2
+    # A restart rebuilds the same order from the disk alone.
+    again = LocalStore(tmp_path, "n0", keep_steps=2, anchor_every=1, job=JOB, epoch=2)
+    assert again.holdings() == store.holdings()
+    assert store.step_dir("n0", 104).parent.parent.name == epoch_dirname(2)
+
+
+def test_a_recomputed_step_of_a_new_epoch_is_accepted_over_a_higher_generation(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=2, job=JOB, epoch=1)
+    commit_step(store, 100, generation=5)
+    commit_step(store, 101, generation=5)
+    store.set_epoch(2)
+    store.record_pieces(101, write_step(store, 101, generation=1), 1)
+    held = store.commit(101, UNITS, generation=1)
+    assert held.commit == (2, 1) and store.committed_steps() == [100, 101]
+    with pytest.raises(CheckpointError, match="older than epoch 2"):
+        store.set_epoch(1)  # never back below its own commits
+
+
+def test_a_store_opened_before_its_epoch_is_known_keeps_the_older_epochs_steps(tmp_path: Path):
+    old = LocalStore(tmp_path, "n0", keep_steps=2, job=JOB, epoch=7)
+    for step in (10, 11):
+        commit_step(old, step, generation=3)
+    # An agent restarts (epoch 0 until it has joined), then learns the new epoch.
+    store = LocalStore(tmp_path, "n0", keep_steps=2, job=JOB)
+    assert store.newest_epoch() == 7 and store.committed_steps() == [10, 11]
+    store.set_epoch(9)
+    commit_step(store, 12, generation=1)
+    assert store.committed_steps() == [11, 12]
+    assert store.holdings().newest_step_of("n0") == 12
+
+
+def test_replicas_keep_the_epoch_of_their_origin_and_order_by_it(tmp_path: Path):
+    store = LocalStore(tmp_path, "n0", keep_steps=2, job=JOB, epoch=2)
+    for epoch, gen, step in ((1, 5, 100), (1, 5, 101), (2, 1, 102)):
+        entry = PieceEntry(PieceKey.parse(NAMES[0]), 3, hashlib.sha256(b"abc").hexdigest())
+        (store.replica_step_dir("n1", step, gen, epoch) / NAMES[0]).write_bytes(b"abc")
+        store.commit_replica("n1", step, UNITS, [entry], gen, epoch)
+    assert store.committed_steps("n1") == [101, 102]
+    assert store.committed("n1", 102).order == (2, 1, 102)  # type: ignore[union-attr]
+    assert verify_step_dir(store.step_dir("n1", 102)).job == JOB
+
+
+def test_a_store_never_reports_serves_or_deletes_another_jobs_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    other = LocalStore(tmp_path, "n0", keep_steps=5, job=JobIdentity("demo", "0" * 64), epoch=3)
+    for step in (1, 2, 3):
+        commit_step(other, step, generation=1)
+    theirs = other.step_dir("n0", 3)
+    legacy = LocalStore(tmp_path / "legacy", "n0")  # an older release: no job recorded
+    commit_step(legacy, 4, generation=2)
+    # The same node id and model, another job (another fingerprint): its steps are invisible.
+    store = LocalStore(tmp_path, "n0", keep_steps=1, job=JOB, epoch=4)
+    assert store.holdings().steps == {} and store.newest_epoch() == 0
+    assert sum("of another job left untouched" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(PieceNotFoundError):
+        store.piece_info("n0", 3, NAMES[0])
+    assert store.find_piece(3, NAMES[0], other.piece_info("n0", 3, NAMES[0]).sha256) is None
+    for step in (5, 6, 7):
+        commit_step(store, step, generation=1)
+    assert store.committed_steps() == [7]
+    verify_step_dir(theirs)  # left on disk as it was
+    theirs_again = LocalStore(tmp_path, "n0", keep_steps=5, job=other.job)
+    assert theirs_again.committed_steps() == [1, 2, 3]
+    # A step of an older release names no job: taken as this job's (epoch 0).
+    assert LocalStore(tmp_path / "legacy", "n0", job=JOB).committed_steps() == [4]
+
+
+def test_retention_orders_by_epoch_before_generation_and_step():
+    def h(epoch: int, gen: int, step: int) -> StepHolding:
+        return StepHolding("n0", step, UNITS, {}, gen, epoch)
+
+    held = [h(1, 5, 100), h(1, 5, 101), h(2, 1, 3), h(2, 1, 4)]
+    kept, _ = Retention(keep_steps=2).kept(held, None)
+    assert [x.order for x in kept] == [(2, 1, 3), (2, 1, 4)]
+    # Anchors at or above a floor of the old epoch stay; one of the new epoch releases them.
+    anchors = Retention(keep_steps=1, anchor_every=1)
+    assert len(anchors.kept(held, (1, 5, 101))[0]) == 3
+    assert [x.step for x in anchors.kept(held, (2, 1, 3))[0]] == [3, 4]
+
+
+def test_replication_wants_the_origins_anchors_of_a_new_epoch(tmp_path: Path):
+    store = LocalStore(tmp_path, "n1", keep_steps=2, job=JOB, epoch=1)
+    for step in (100, 101):
+        (store.replica_step_dir("n0", step, 5, 1) / NAMES[0]).write_bytes(b"abc")
+        entry = PieceEntry(PieceKey.parse(NAMES[0]), 3, hashlib.sha256(b"abc").hexdigest())
+        store.commit_replica("n0", step, UNITS, [entry], 5, 1)
+    theirs = {
+        ("n0", s): StepHolding("n0", s, UNITS, {}, g, e)
+        for e, g, s in ((1, 5, 101), (2, 1, 102), (2, 1, 103))
+    }
+    wanted = _wanted(store, NodeHoldings("n0", theirs), "n0", 1)
+    assert [w.order for w in wanted] == [(2, 1, 102), (2, 1, 103)]
+
+
+def test_a_store_of_an_earlier_release_is_epoch_0_and_ranks_below_every_epoch(tmp_path: Path):
+    old = LocalStore(tmp_path, "n0", keep_steps=2)
+    for step in (20, 21):
+        commit_step(old, step, generation=6)
+    for step in (20, 21):  # as an earlier release wrote it: format 3, no epoch, no job
+        path = old.step_dir("n0", step) / "manifest.json"
+        data = json.loads(path.read_text())
+        del data["epoch"]
+        path.write_text(json.dumps({**data, "format_version": 3}))
+    assert old.step_dir("n0", 21).parent.name == "gen-00000006"  # own/gen-<G>/step-<k>/
+    store = LocalStore(tmp_path, "n0", keep_steps=2, job=JOB, epoch=3)
+    assert [(h.epoch, h.generation) for h in store.holdings().steps.values()] == [(0, 6)] * 2
+    commit_step(store, 5, generation=1)  # a lower number, a newer epoch
+    assert store.committed_steps() == [5, 21]
+    assert store.holdings().newest_step_of("n0") == 5

@@ -6,16 +6,20 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
+    JobIdentity,
     PieceKey,
+    read_manifest,
     sha256_file,
     step_dirname,
     verify_step_dir,
+    write_manifest,
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan.layout import Layout, build_plan
@@ -272,3 +276,25 @@ def test_policy_validates_and_schedules():
     assert not PersistPolicy().due(5)
     with pytest.raises(ConfigError, match="keep"):
         PersistPolicy(every_steps=1, keep=0)
+
+
+def test_another_jobs_checkpoints_are_never_resumed_or_pruned(two_nodes, tmp_path: Path):
+    a, b = two_nodes
+    root = tmp_path / "ckpt"
+    theirs, ours = JobIdentity("demo", "0" * 64), JobIdentity("demo", "f" * 64)
+    for step in (1, 2, 3):  # another job with the same model wrote into this directory
+        persist_step(a, b, root, step)
+        manifest = read_manifest(root / step_dirname(step))
+        write_manifest(root / step_dirname(step), replace(manifest, job=theirs))
+    assert checkpoint_holdings(root, ours).steps == {}
+    assert sorted(checkpoint_holdings(root, theirs).steps) == [(DISK_SOURCE, s) for s in (1, 2, 3)]
+    commit_step(a, 7, STAGE0)
+    commit_step(b, 7, STAGE1)
+    persist_pieces(a, root, 7)
+    persist_pieces(b, root, 7)
+    mine = finalize_checkpoint(root, 7, UNITS, job=ours, epoch=4, generation=2)
+    assert mine is not None and (mine.job, mine.epoch, mine.generation) == (ours, 4, 2)
+    assert prune_checkpoints(root, keep=1, job=ours) == []  # theirs are not ours to delete
+    assert list(checkpoint_holdings(root, ours).steps) == [(DISK_SOURCE, 7)]
+    assert checkpoint_holdings(root, ours).steps[(DISK_SOURCE, 7)].order == (4, 2, 7)
+    assert sorted(prune_checkpoints(root, keep=1, job=theirs)) == [1, 2]

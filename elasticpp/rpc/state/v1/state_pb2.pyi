@@ -7,10 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ListStepsRequest(_message.Message):
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "epoch")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, generation: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PieceInfo(_message.Message):
     __slots__ = ("name", "size", "sha256")
@@ -23,18 +25,20 @@ class PieceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class StepHolding(_message.Message):
-    __slots__ = ("origin_node", "step", "pieces", "units", "generation")
+    __slots__ = ("origin_node", "step", "pieces", "units", "generation", "epoch")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[PieceInfo]
     units: _containers.RepeatedScalarFieldContainer[str]
     generation: int
-    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("node_id", "generation", "steps")
@@ -47,18 +51,20 @@ class ListStepsResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., generation: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepHolding, _Mapping]]] = ...) -> None: ...
 
 class FetchPieceRequest(_message.Message):
-    __slots__ = ("generation", "step", "name", "origin_node", "offset")
+    __slots__ = ("generation", "step", "name", "origin_node", "offset", "epoch")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     name: str
     origin_node: str
     offset: int
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., origin_node: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., origin_node: _Optional[str] = ..., offset: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class FetchPieceResponse(_message.Message):
     __slots__ = ("offset", "data", "total_size", "sha256")

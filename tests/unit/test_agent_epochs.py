@@ -1,0 +1,79 @@
+"""The agent across job epochs (pure logic: a constructed agent, a fake of the cluster calls
+it makes here): a fresh etcd state does not make a job that holds state start over, and an
+agent whose epoch is gone stops so that a restart joins the new one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import Phase
+from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.view import EPOCH_ENDED_EXIT
+from elasticpp.cluster.records import GenerationRecord, JobEpoch
+from tests.unit.test_agent_done import SPEC, _plan
+from tests.unit.test_store_local import commit_step
+
+
+class _FreshCluster:
+    """etcd state that started afresh: no commit records, a job epoch as given."""
+
+    def __init__(self, epoch: JobEpoch | None) -> None:
+        self.resumes: list[Any] = []
+        self.stored_epoch = epoch
+
+    def ever_committed(self) -> bool:
+        return False
+
+    def write_resume(self, generation: int, value: Any, leader: Any) -> bool:
+        self.resumes.append(value)
+        return True
+
+    def epoch(self) -> JobEpoch | None:
+        return self.stored_epoch
+
+
+def _agent(tmp_path: Path) -> Agent:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    agent._members = {"n0": {"address": "127.0.0.1:1", "incarnation": agent.incarnation}}
+    return agent
+
+
+def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_epochs(
+    tmp_path: Path,
+) -> None:
+    agent = _agent(tmp_path)
+    agent.store.set_epoch(1)
+    # The node holds step 40 of epoch 1, but not every unit of the model: no step resolves.
+    commit_step(agent.store, 40, generation=7)
+    agent.store.set_epoch(2)
+    cluster = _FreshCluster(JobEpoch(2, "n0", time.time()))
+    agent.cluster = cluster  # type: ignore[assignment]
+    record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    holdings = agent.store.holdings().to_dict()
+    agent._barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
+    agent._lead_resume(gs, agent._view())
+    assert cluster.resumes == [] and not gs.resume_written  # before: resumed at step 0
+    assert "does not start over" in agent._last_wait
+    # Nothing held anywhere, nothing committed in etcd: a fresh job starts at step 0.
+    agent._barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
+    agent._lead_resume(gs, agent._view())
+    assert [r["step"] for r in cluster.resumes] == [0]
+
+
+def test_an_agent_whose_job_epoch_is_gone_stops_with_the_epoch_exit_status(
+    tmp_path: Path,
+) -> None:
+    agent = _agent(tmp_path)
+    agent.store.set_epoch(5)
+    cluster = _FreshCluster(JobEpoch(5, "n1", time.time()))
+    agent.cluster = cluster  # type: ignore[assignment]
+    agent._epoch_check = True
+    agent._check_epoch()
+    assert not agent._done and not agent._epoch_check  # the same epoch: nothing to do
+    cluster.stored_epoch = None  # the job's prefix was deleted
+    agent._check_epoch()
+    assert agent._done and agent._exit_code == EPOCH_ENDED_EXIT
+    assert any("started afresh" in e[2] for e in agent._events)
