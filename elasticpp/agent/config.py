@@ -16,13 +16,17 @@ class AgentConfig:
     slots: int
     state_dir: Path
     advertise_host: str = ""  # what peers dial; default: the listen host (127.0.0.1 for 0.0.0.0)
-    exit_when_done: bool = True
+    # When the job ends (finished, failed, halted): "exit" (code 0, 3 or 4; systemd) or
+    # "idle" (stay up, healthy and idle until removed; a Kubernetes StatefulSet).
+    on_job_end: str = "exit"
     backend: str = "gloo"
     device: str = "cpu"
     worker_threads: int | None = 1  # torch threads per CPU worker (None: torch's default)
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = not served
 
     def __post_init__(self) -> None:
+        if self.on_job_end not in ("exit", "idle"):
+            raise ConfigError(f"agent: --on-job-end must be exit or idle, got {self.on_job_end!r}")
         if self.slots < 1:
             raise ConfigError(f"agent: slots must be >= 1, got {self.slots}")
         if not self.etcd:

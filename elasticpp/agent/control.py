@@ -109,12 +109,18 @@ class ControlPart:
             self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
             self._event("decision", f"job finished all {self.spec.steps} steps")
             self._job_done_step = self.spec.steps
-        if (
-            self._job_done_step is not None
-            and self.cfg.exit_when_done
-            and not any(w.proc.alive() for w in self._workers.values())
+        if self._job_done_step is not None and not any(
+            w.proc.alive() for w in self._workers.values()
         ):
-            self._done = True
+            if self.cfg.on_job_end == "exit":
+                self._done = True
+            elif self._warm:
+                # Idle until removed: the warm pool is of no use to a finished job.
+                for p in self._warm:
+                    p.kill(wait=False)
+                self._warm.clear()
+                self._ready.clear()
+                self._event("decision", "job finished: this agent idles until it is removed")
 
     def drain(self, timeout_s: float) -> tuple[bool, str]:
         """Leave the job: the leader re-plans without this node at a step boundary, the new
@@ -161,12 +167,18 @@ class ControlPart:
 
     def status(self) -> dict[str, Any]:
         gs = self._gen
+        end = self._job_end
+        phase = "draining" if self._draining else gs.phase.value if gs else "waiting"
+        if end is not None:
+            phase = "ended"
         return {
             "node_id": self.node_id,
             "job": self.spec.name,
             "generation": self.generation,
             "leader": self._leader or "",
-            "phase": ("draining" if self._draining else gs.phase.value if gs else "waiting"),
+            "phase": phase,
+            "ended": f"{end.status}: {end.reason}" if end is not None else "",
+            "quarantined": self.quarantine_status(),
             "layout": str(gs.plan.layout) if gs else "",
             "last_step": self.last_step,
             "last_loss": self.last_loss,

@@ -137,6 +137,7 @@ class ClusterView:
     last_join_s: float  # when the newest member registered
     job_done: bool = False
     restarted: Set[str] = frozenset()  # nodes of the generation whose agent restarted since
+    quarantined: Set[str] = frozenset()  # set aside by the leader (elasticpp.agent.sick)
 
 
 def live_nodes(view: ClusterView) -> list[str]:
@@ -144,8 +145,26 @@ def live_nodes(view: ClusterView) -> list[str]:
 
 
 def candidates(view: ClusterView) -> list[str]:
-    """Live nodes that may receive work: not draining."""
-    return [n for n in live_nodes(view) if not view.members[n].get("draining")]
+    """Live nodes that may receive work: not draining, not quarantined."""
+    return [
+        n
+        for n in live_nodes(view)
+        if not view.members[n].get("draining") and n not in view.quarantined
+    ]
+
+
+def lost_nodes(view: ClusterView) -> list[str]:
+    """Nodes of the current generation that are gone: dead, lease lapsed, or restarted."""
+    if view.current_nodes is None:
+        return []
+    current = set(view.current_nodes)
+    return sorted((current - set(live_nodes(view))) | (current & set(view.restarted)))
+
+
+def _short_of(view: ClusterView, usable: list[str], min_nodes: int) -> str:
+    held = sorted(view.quarantined & set(view.members))
+    aside = f" ({len(held)} quarantined: {', '.join(held)})" if held else ""
+    return f"only {len(usable)} usable node(s){aside}, min_nodes is {min_nodes}"
 
 
 def decide_replan(
@@ -158,17 +177,20 @@ def decide_replan(
     chosen = tuple(usable[:max_nodes])
     if view.current_nodes is None:
         if len(usable) < min_nodes:
-            return Wait(f"{len(usable)} node(s) registered, min_nodes is {min_nodes}")
+            return Wait(_short_of(view, usable, min_nodes))
         if view.now_s - view.last_join_s < settle_s:
             return Wait("waiting for joins to settle")
         return Replan(f"initial plan for {len(chosen)} node(s)", graceful=False, nodes=chosen)
     current = set(view.current_nodes)
-    lost = sorted((current - set(live_nodes(view))) | (current & set(view.restarted)))
-    if lost or view.failed & current:
+    lost = lost_nodes(view)
+    sick = sorted((current & set(view.quarantined)) - set(lost))
+    if lost or sick or view.failed & current:
         if len(usable) < min_nodes:
-            return Wait(f"only {len(usable)} usable node(s) left, min_nodes is {min_nodes}")
+            return Wait(_short_of(view, usable, min_nodes))
         if lost:
             reason = f"lost node(s) {', '.join(lost)}"
+        elif sick:
+            reason = f"quarantined node(s) {', '.join(sick)}"
         else:
             reason = f"worker failure on {', '.join(sorted(view.failed & current))}"
         return Replan(reason, graceful=False, nodes=chosen)

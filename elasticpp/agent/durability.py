@@ -12,6 +12,7 @@ leftovers (older resume directories, worker logs, metrics.jsonl) are bounded.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -47,6 +48,20 @@ from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
 
+# Errors of this node's own disk: full (ENOSPC, EDQUOT), read-only, or failing (EIO).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+def is_disk_error(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it) is an error of the local disk."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
 
 class DurabilityPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
@@ -56,9 +71,14 @@ class DurabilityPart:
         self.last_step = max(self.last_step, step)
         self._next_step_committed = max(self._next_step_committed, step + 1)
         self.last_loss = float(event["loss"])
-        if (gen, step) in self._written_steps:
+        # Workers of one generation report each step once per rank, in step order: the
+        # newest step written per generation is all it takes to write each step once
+        # (bounded memory for weeks of steps; only the newest generations are kept).
+        if step <= self._written_steps.get(gen, -1):
             return
-        self._written_steps.add((gen, step))
+        self._written_steps[gen] = step
+        for old in sorted(self._written_steps)[:-4]:
+            del self._written_steps[old]
         m, lbl = self.metrics, self.metrics.labels
         m.step.labels(**lbl).set(step)
         m.loss.labels(**lbl).set(self.last_loss)
@@ -160,6 +180,8 @@ class DurabilityPart:
         self.metrics.halted.labels(**self.metrics.labels).set(1)
         own = self.store.committed_steps(self.node_id)
         newest = f"step {own[-1]}" if own else "none"
+        with contextlib.suppress(ClusterUnavailableError):
+            self._record_halt(str(event.get("message")))  # held and retried by the loop
         self._event(
             "decision",
             f"training halted: {event.get('message')}. Nothing after the last finite state "
@@ -246,6 +268,7 @@ class DurabilityPart:
             )
             gs.fetch_done_at = time.time()
         except Exception as exc:  # reported to the loop, which reports it to the leader
+            gs.fetch_disk_error = is_disk_error(exc)
             gs.fetch_error = f"{type(exc).__name__}: {exc}"
 
     def _persist_async(self, step: int, model: ModelSpec) -> None:

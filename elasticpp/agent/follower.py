@@ -47,9 +47,12 @@ class _GenState:
     phase_since_s: float = field(default_factory=time.monotonic)
     stop_sent: bool = False
     stop_began_s: float = field(default_factory=time.monotonic)
+    killed_at_s: float | None = None  # when the old workers were first sent SIGKILL
+    spares_replaced: int = 0  # never-ready spares replaced since this generation began
     fetch_thread: threading.Thread | None = None
     fetch_progress: TransferProgress | None = None  # set by the fetch when it begins
     fetch_error: str | None = None
+    fetch_disk_error: bool = False  # the fetch failed on this node's own disk
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
     # Ranks of this node that reported "done": kept here, not on the worker, because a
@@ -87,13 +90,21 @@ class _GenState:
 class FollowerPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
-    def _report_failure(self, generation: int, reason: str) -> None:
+    def _report_failure(
+        self, generation: int, reason: str, *, culprit: bool = False, severe: bool = False
+    ) -> None:
+        """Report generation `generation` failed here. `culprit`: this node is the cause (its
+        disk, its spares, its workers), not a victim of a peer's failure; `severe`: the
+        leader quarantines it at once (elasticpp.agent.sick)."""
         self._event("worker", f"failure in generation {generation}: {reason}")
         self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
         self._detected.setdefault(generation + 1, time.time())
         # Level-triggered: the report stays pending until etcd has it, so a failure seen
         # while etcd is down is published when it returns instead of being lost.
-        self._pending_failures.setdefault(generation, {"reason": reason, "at": time.time()})
+        self._pending_failures.setdefault(
+            generation,
+            {"reason": reason, "at": time.time(), "culprit": culprit, "severe": severe},
+        )
         self._publish_failures()
 
     def _publish_failures(self) -> None:
@@ -194,12 +205,27 @@ class FollowerPart:
                 w.move(WorkerState.STOPPING)
             gs.stop_sent = True
         elif (not gs.graceful or time.monotonic() - gs.stop_began_s > STOP_GRACE_S) and old:
+            if gs.killed_at_s is None:
+                gs.killed_at_s = time.monotonic()
             for w in old:
                 w.killed_by_us = True
                 if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
                     w.move(WorkerState.FAILED)
-                w.proc.kill()
-        if any(w.proc.alive() for w in self._old_workers(gs)):
+                w.proc.kill(wait=False)  # never block the loop on a process that will not go
+        alive = [w for w in self._old_workers(gs) if w.proc.alive()]
+        if alive:
+            stuck_s = time.monotonic() - (gs.killed_at_s or time.monotonic())
+            if stuck_s > self.spec.stop_timeout_s:
+                pids = ", ".join(str(w.proc.pid) for w in alive)
+                self._report_failure(
+                    gs.generation,
+                    f"old worker(s) {pids} still alive {stuck_s:.0f} s after SIGKILL "
+                    "(uninterruptible sleep: a driver or file system hang?); this node "
+                    "cannot take ranks until they are gone",
+                    culprit=True,
+                    severe=True,
+                )
+                gs.enter(Phase.FAILED)
             return
         self._drain_worker_events()
         # Exits are processed; old workers are gone. Report what this node holds.
@@ -243,11 +269,28 @@ class FollowerPart:
             self._event(
                 "decision", f"generation {gs.generation}: state fetch failed: {gs.fetch_error}"
             )
-            self._report_failure(gs.generation, f"state fetch failed: {gs.fetch_error}")
+            # This node's own disk (full, read-only, failing) cannot hold its state: it is
+            # the cause, and a re-plan onto it would fail the same way.
+            self._report_failure(
+                gs.generation,
+                f"state fetch failed: {gs.fetch_error}",
+                culprit=gs.fetch_disk_error,
+                severe=gs.fetch_disk_error,
+            )
             gs.enter(Phase.FAILED)
             return
         workers = self._take_warm(len(mine))
         if workers is None:
+            if gs.spares_replaced:
+                # A spare this node needs did not become ready within ready_timeout_s.
+                self._report_failure(
+                    gs.generation,
+                    f"warm worker(s) not ready within {self.spec.ready_timeout_s:.0f} s "
+                    "(replaced, but this node's ranks cannot start)",
+                    culprit=True,
+                    severe=True,
+                )
+                gs.enter(Phase.FAILED)
             return  # warm workers still importing torch
         self._assign(gs, resume, mine, workers)
         gs.enter(Phase.STARTING)  # the pool is refilled once they run (_refill_warm)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from elasticpp.agent.sick import SickPolicy
 from elasticpp.checkpoint.manifest import JobIdentity
 from elasticpp.errors import ConfigError
 from elasticpp.plan import DeviceSpec, ModelSpec, load_device_spec
@@ -91,6 +92,20 @@ class JobSpec:
     lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (etcd min 2 s)
     join_settle_s: float = 2.0  # wait this long after the last join before switching layouts
     hang_timeout_s: float = 30.0  # a worker without step progress this long is hung
+    # Deadlines of waits on a node (docs/cluster.md, "Deadlines"): old workers gone and the
+    # node arrived at `stopped-G` this long after a new generation, else it is set aside;
+    # a warm worker not ready this long after its start is replaced.
+    stop_timeout_s: float = 30.0
+    ready_timeout_s: float = 120.0
+    # Quarantine (elasticpp.agent.sick): after this many failed generations in a row blamed
+    # on a node, it is set aside for quarantine_s, doubling each time up to quarantine_max_s.
+    quarantine_after: int = 3
+    quarantine_s: float = 60.0
+    quarantine_max_s: float = 3600.0
+    # The failure budget: more failed generations than this within failure_window_s end the
+    # job (status failed) instead of re-planning for ever.
+    max_failures: int = 50
+    failure_window_s: float = 3600.0
     # What `model:` named, resolved: {"kind", "ref", "files": {name: sha256}}
     # (elasticpp.train.modelref): agents whose model files differ are refused, naming them.
     model_ref: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +125,8 @@ class JobSpec:
             "max_nodes",
             "snapshot_every",
             "replication_every",
+            "quarantine_after",
+            "max_failures",
         ):
             _check_int(key, getattr(self, key), minimum=1)
         for key in ("seed", "replication_copies", "persist_every"):
@@ -132,8 +149,32 @@ class JobSpec:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"job spec: {key} must be a number >= 0, got {v!r}")
+        for key in (
+            "stop_timeout_s",
+            "ready_timeout_s",
+            "quarantine_s",
+            "quarantine_max_s",
+            "failure_window_s",
+        ):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"job spec: {key} must be a number > 0, got {v!r}")
+        if self.quarantine_s > self.quarantine_max_s:
+            raise ConfigError(
+                f"job spec: quarantine_s ({self.quarantine_s}) exceeds quarantine_max_s "
+                f"({self.quarantine_max_s})"
+            )
         if self.persist_every and not self.persist_dir:
             raise ConfigError("job spec: persist_every is set but persist_dir is not")
+
+    def sick_policy(self) -> SickPolicy:
+        return SickPolicy(
+            strikes_to_quarantine=self.quarantine_after,
+            base_s=self.quarantine_s,
+            max_s=self.quarantine_max_s,
+            max_failures=self.max_failures,
+            window_s=self.failure_window_s,
+        )
 
     def device_spec(self) -> DeviceSpec:
         if isinstance(self.device, str):

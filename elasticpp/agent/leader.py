@@ -25,6 +25,7 @@ from elasticpp.agent.decide import (
 )
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
+from elasticpp.agent.sick import SickNodes
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord, SafeStep
 from elasticpp.errors import ElasticppError
@@ -69,6 +70,9 @@ class LeaderPart:
             return
         self._leadership = leadership
         self._leader = self.node_id
+        # A new term: strikes and the failure budget start afresh; quarantines are read
+        # from etcd (elasticpp.agent.sick).
+        self._sick = SickNodes(self.spec.sick_policy())
         self._start_rendezvous_store()
         self._event("decision", f"node {self.node_id} is the leader")
 
@@ -106,8 +110,9 @@ class LeaderPart:
             failed=failed,
             now_s=time.monotonic(),
             last_join_s=self._last_join_s,
-            job_done=self._job_done_step is not None,
+            job_done=self._job_done_step is not None or self._job_end is not None,
             restarted=restarted,
+            quarantined=frozenset(self._quarantine_view),
         )
 
     def _lead(self) -> None:
@@ -123,6 +128,9 @@ class LeaderPart:
             # results are kept for DEAD_RECHECK_S, so a failure that waits is no probe storm.
             self._confirm_dead(self._suspects(rec.generation, view.current_nodes or ()))
             view = self._view()
+        view = self._lead_health(view)
+        if self._job_end is not None:
+            return
         decision = decide_replan(
             view,
             min_nodes=self.spec.min_nodes,
@@ -242,7 +250,11 @@ class LeaderPart:
             if time.monotonic() - gs.stopped_waiting_since_s > 2.0:
                 gs.stopped_waiting_since_s = time.monotonic()
                 self._confirm_dead(sorted(missing))
-            return
+            if not self._exclude_non_arrivers(gs, sorted(missing)):
+                return
+            if missing & set(gs.record.extra.get("nodes", {})):
+                return  # quarantined now: the next tick re-plans without them
+            expected -= missing  # set aside, outside the plan: resume from the others
         holdings = {
             n: NodeHoldings.from_dict(v["holdings"]) for n, v in stopped.items() if n in expected
         }
@@ -310,6 +322,7 @@ class LeaderPart:
         if not nodes <= set(started):
             return
         self._replan_failures = 0
+        self._sick.trained(nodes)
         assert self.cluster is not None
         resumes = self._barriers.get(f"resume-{gs.generation}", {})
         resume = resumes.get(RESUME_MEMBER) or {}

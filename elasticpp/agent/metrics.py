@@ -33,6 +33,10 @@ class AgentMetrics:
     errors_total: Counter
     snapshot_failures_total: Counter
     halted: Gauge
+    quarantined_nodes: Gauge
+    quarantined: Gauge
+    quarantines_total: Counter
+    job_ended: Gauge
     labels: dict[str, str]
 
     @classmethod
@@ -101,6 +105,21 @@ class AgentMetrics:
             halted=g(
                 "elasticpp_halted",
                 "1 if training halted because a step's loss or gradient norm was not finite",
+            ),
+            quarantined_nodes=g(
+                "elasticpp_quarantined_nodes",
+                "Nodes of the job set aside (quarantined) by the leader, as this agent sees",
+            ),
+            quarantined=g("elasticpp_quarantined", "1 if this node is quarantined"),
+            quarantines_total=c(
+                "elasticpp_quarantines",
+                "Quarantines this agent published as leader (a node failed generation after "
+                "generation, missed a deadline, or cannot hold its state)",
+            ),
+            job_ended=g(
+                "elasticpp_job_ended",
+                "1 if the job ended without finishing (failure budget spent, or halted)",
+                ("status",),
             ),
             labels=labels,
         )

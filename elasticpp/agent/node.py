@@ -72,6 +72,8 @@ from elasticpp.agent.limits import (
 )
 from elasticpp.agent.liveness import LivenessPart
 from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.quarantine import QuarantinePart
+from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.supervisor import SupervisorPart, _Worker
 from elasticpp.agent.view import ViewPart
 from elasticpp.cluster import ClusterClient
@@ -90,7 +92,14 @@ log = logging.getLogger("elasticpp.agent")
 
 
 class Agent(
-    ViewPart, SupervisorPart, DurabilityPart, FollowerPart, LivenessPart, LeaderPart, ControlPart
+    ViewPart,
+    SupervisorPart,
+    DurabilityPart,
+    FollowerPart,
+    LivenessPart,
+    LeaderPart,
+    QuarantinePart,
+    ControlPart,
 ):
     def __init__(self, cfg: AgentConfig, spec: JobSpec, *, python: str | None = None) -> None:
         self.cfg = cfg
@@ -142,7 +151,16 @@ class Agent(
         self._heartbeat_s = time.monotonic()  # the loop's last iteration (loop-watchdog)
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
-        self._written_steps: set[tuple[int, int]] = set()
+        self._written_steps: dict[int, int] = {}  # generation -> newest step written
+        self._warm_since: dict[int, float] = {}  # pid of a warm worker -> when spawned
+        # quarantine and the job's end (elasticpp.agent.quarantine)
+        self._sick = SickNodes(spec.sick_policy())  # the leader's; one writer: the loop
+        self._quarantine_view: dict[str, Any] = {}  # node -> QuarantineRecord, from etcd
+        self._health_dirty = True  # the quarantine or end keys changed since read
+        self._job_end: Any = None  # JobEnd once the job ended without finishing
+        self._end_handled = False
+        self._halt_pending: tuple[str, int] | None = None
+        self._stop_wait: tuple[int, float] | None = None  # leader: (generation, since)
         self.last_step = -1
         self.last_loss = float("nan")
         self._next_step_committed = 0  # steps applied as last seen from our workers
@@ -291,14 +309,16 @@ class Agent(
             )
         wake = self._on_watch
         keys = self.cluster.keys
-        for key, prefix in (
-            (keys.nodes_prefix, True),
-            (keys.leader, False),
-            (keys.generation, False),
-            (keys.barriers_prefix, True),
+        for key, prefix, callback in (
+            (keys.nodes_prefix, True, wake),
+            (keys.leader, False, wake),
+            (keys.generation, False, wake),
+            (keys.barriers_prefix, True, wake),
+            (keys.quarantine_prefix, True, self._on_health_watch),
+            (keys.ended, False, self._on_health_watch),
         ):
             if key not in self._watches:
-                self.cluster.watch(key, wake, prefix=prefix)
+                self.cluster.watch(key, callback, prefix=prefix)
                 self._watches.add(key)
         if keys.epoch not in self._watches:
             self.cluster.watch(keys.epoch, self._on_epoch_event)
@@ -338,7 +358,7 @@ class Agent(
                     self._survive("internal", exc)
                 if self._done:
                     return self._exit_code
-            return 0
+            return self._exit_code
         finally:
             self.shutdown()
 
@@ -350,7 +370,11 @@ class Agent(
         """Kill every process this agent started; leave etcd cleanly if it can."""
         self._stop.set()  # ends the loop watchdog too
         for w in list(self._workers.values()):
-            w.proc.kill()
+            w.proc.kill(wait=False)
+        for p in self._warm:
+            p.kill(wait=False)
+        for w in list(self._workers.values()):
+            w.proc.kill()  # reaped, up to 10 s each: no process outlives the agent
         for p in self._warm:
             p.kill()
         self._warm.clear()
@@ -379,6 +403,7 @@ class Agent(
     def _tick(self) -> None:
         self._drain_worker_events()
         self._check_hangs()
+        self._check_warm_ready()
         self._refill_warm()
         self._check_gpus()
         now = time.monotonic()
@@ -391,6 +416,11 @@ class Agent(
                 self._check_epoch()
                 if self._done:
                     return
+            self._read_health()
+            self._publish_halt()
+            if self._job_end is not None:
+                self._check_job_end()
+                return  # an ended job stays ended: nothing is planned or followed again
             self._publish_failures()
             self._check_leader()
             self._maybe_campaign()

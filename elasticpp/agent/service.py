@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.keys import check_name
+from elasticpp.errors import ConfigError
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 
 if TYPE_CHECKING:
@@ -36,7 +39,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             last_step=s["last_step"],
             last_loss=s["last_loss"] if math.isfinite(s["last_loss"]) else 0.0,
             members=s["members"],
+            ended=s.get("ended", ""),
         )
+        for node, q in s.get("quarantined", {}).items():
+            reply.quarantined.add(
+                node_id=node, reason=q["reason"], until=q["until"], count=q["count"]
+            )
         for w in s["workers"]:
             coord = w["coord"]
             reply.workers.add(
@@ -71,6 +79,21 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0 and finite")
         accepted, message = self._agent.drain(timeout_s)
         return agent_pb2.DrainResponse(accepted=accepted, message=message)
+
+    def LiftQuarantine(
+        self, request: agent_pb2.LiftQuarantineRequest, context: grpc.ServicerContext
+    ) -> agent_pb2.LiftQuarantineResponse:
+        try:
+            check_name("node_id", request.node_id)
+        except ConfigError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            lifted, message = self._agent.lift_quarantine(request.node_id)
+        except ClusterUnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+        if not lifted:
+            context.abort(grpc.StatusCode.NOT_FOUND, message)
+        return agent_pb2.LiftQuarantineResponse(lifted=True, message=message)
 
     def WatchEvents(
         self, request: agent_pb2.WatchEventsRequest, context: grpc.ServicerContext

@@ -66,6 +66,29 @@ class SupervisorPart:
             proc = WorkerProcess(self.log_dir / f"{name}.log", **kwargs)
             proc.listen(lambda p, e: (self._wq.put((p, e)), self._wake.set()))
             self._warm.append(proc)
+            self._warm_since[proc.pid] = time.monotonic()
+
+    def _check_warm_ready(self) -> None:
+        """A spare that is not ready `ready_timeout_s` after its start (stuck importing torch,
+        initialising a GPU) is killed and replaced; a generation waiting for it fails here,
+        blaming this node (elasticpp.agent.follower)."""
+        now = time.monotonic()
+        for proc in list(self._warm):
+            since = self._warm_since.get(proc.pid, now)
+            if proc.pid in self._ready or now - since <= self.spec.ready_timeout_s:
+                continue
+            self._event(
+                "worker",
+                f"warm worker {proc.pid} not ready {now - since:.0f} s after its start "
+                f"(ready_timeout_s is {self.spec.ready_timeout_s:.0f}): replacing it",
+            )
+            proc.kill(wait=False)
+            self._warm.remove(proc)
+            self._warm_since.pop(proc.pid, None)
+            self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
+            if self._gen is not None:
+                self._gen.spares_replaced += 1
+        self._refill_warm()
 
     def _refill_warm(self) -> None:
         """Level-triggered: the pool is refilled every tick, except while this node's ranks
@@ -75,6 +98,8 @@ class SupervisorPart:
         gs = self._gen
         if self._done or self._draining or (gs is not None and gs.phase is Phase.STARTING):
             return
+        if self._job_done_step is not None or self._job_end is not None:
+            return  # the job is over: no spare will ever be needed
         if len(self._warm) < self.cfg.slots:
             self._spawn_warm()
 
@@ -84,6 +109,8 @@ class SupervisorPart:
             return None
         taken = ready[:count]
         self._warm = [p for p in self._warm if p not in taken]
+        for p in taken:
+            self._warm_since.pop(p.pid, None)
         return taken
 
     def _drain_worker_events(self) -> None:
@@ -119,6 +146,7 @@ class SupervisorPart:
                 )
                 self._warm.remove(proc)
                 self._ready.discard(proc.pid)
+                self._warm_since.pop(proc.pid, None)
                 self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
                 self._refill_warm()
             return
@@ -174,7 +202,7 @@ class SupervisorPart:
                 )
                 w.killed_by_us = True
                 w.move(WorkerState.FAILED)
-                w.proc.kill()
+                w.proc.kill(wait=False)  # reaped by its reader thread; the loop goes on
                 self._report_failure(w.generation, f"worker rank {w.rank} hung")
 
     def _check_gpus(self) -> None:

@@ -41,6 +41,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         default=9430,
         help="serve Prometheus metrics on this port (0: off)",
     )
+    p.add_argument(
+        "--on-job-end",
+        choices=("exit", "idle"),
+        default="exit",
+        help="when the job ends: exit (0 finished, 3 failed, 4 halted; for systemd) or "
+        "idle, healthy, until removed (for a Kubernetes StatefulSet)",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         backend="nccl" if device == "cuda" else "gloo",
         device=device,
         metrics_port=args.metrics_port,
+        on_job_end=args.on_job_end,
     )
     if not 0 <= args.metrics_port < 65536:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")

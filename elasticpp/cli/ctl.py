@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="seconds the agent waits for the hand-off before exiting anyway",
     )
     sub.add_parser("events", help="stream the agent's decisions")
+    lf = sub.add_parser("lift", help="re-admit a quarantined node now (any agent of the job)")
+    lf.add_argument("node", help="the quarantined node's id")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=1))
                 else:
                     _print_status(s)
+            elif args.action == "lift":
+                r = stub.LiftQuarantine(
+                    agent_pb2.LiftQuarantineRequest(node_id=args.node), timeout=args.timeout
+                )
+                print(r.message)
             elif args.action == "drain":
                 r = stub.Drain(agent_pb2.DrainRequest(timeout_s=args.wait), timeout=args.timeout)
                 print(r.message)
@@ -67,6 +75,11 @@ def _print_status(s: object) -> None:
         f"phase {s.phase}  layout {s.layout or '-'}  last step {s.last_step}  "
         f"loss {s.last_loss:.4f}  members {', '.join(s.members)}"
     )
+    if s.ended:
+        print(f"job ended: {s.ended}")
+    for q in s.quarantined:
+        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q.until))
+        print(f"quarantined {q.node_id} until {until} (the {q.count}. time): {q.reason}")
     for w in s.workers:
         print(
             f"  rank {w.rank:3d} (pp={w.pp} tp={w.tp} dp={w.dp}) pid {w.pid} {w.state} "

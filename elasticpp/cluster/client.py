@@ -36,6 +36,7 @@ from elasticpp.cluster.etcd_client import (
     EtcdKV,
     Put,
 )
+from elasticpp.cluster.health import HealthPart
 from elasticpp.cluster.leases import Leadership, Registration, check_ttl
 from elasticpp.cluster.records import (
     EventType,
@@ -56,7 +57,7 @@ _T = TypeVar("_T", "Registration", "Leadership", "Watch")
 RESUME_MEMBER = "resume"
 
 
-class ClusterClient(CommitsPart):
+class ClusterClient(CommitsPart, HealthPart):
     """One job's cluster state in etcd. Thread-safe; one instance per process is enough.
 
     `request_timeout_s` bounds every etcd call; past it the call raises

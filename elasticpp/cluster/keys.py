@@ -29,6 +29,13 @@ commits/<generation:012d>/<node_id>  none            {format_version, node_id, g
 safe                                 none            {format_version, generation, step, at}: the
                                                      newest safe step (leader, compare-and-swap,
                                                      only when it rises)
+quarantine/<node_id>                 none            {format_version, node_id, reason, since,
+                                                     until, count, incarnation}: a node set
+                                                     aside (leader, fenced by its term; an
+                                                     operator's lift deletes it)
+ended                                none            {format_version, status, reason, by, at,
+                                                     step}: the job ended without finishing
+                                                     (failed, halted); written once (any agent)
 
 Generation numbers in key names are zero-padded to 12 digits so that etcd's byte order is the
 numeric order. Node ids and barrier names must not contain `/` (checked by `check_name`).
@@ -138,6 +145,17 @@ class JobKeys:
     @property
     def safe(self) -> str:
         return self.root + "safe"
+
+    @property
+    def quarantine_prefix(self) -> str:
+        return self.root + "quarantine/"
+
+    def quarantine(self, node_id: str) -> str:
+        return self.quarantine_prefix + check_name("node_id", node_id)
+
+    @property
+    def ended(self) -> str:
+        return self.root + "ended"
 
 
 def last_segment(key: str) -> str:

@@ -193,10 +193,15 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def kill(self) -> None:
-        """SIGKILL the worker's whole process group and reap it."""
+    def kill(self, *, wait: bool = True) -> None:
+        """SIGKILL the worker's whole process group; with `wait`, reap it (up to 10 s).
+
+        A supervisor's loop passes `wait=False`: a process in uninterruptible sleep (a
+        driver or NFS hang) outlives SIGKILL for as long as it likes, and the loop must not
+        wait with it. The reader thread reaps it when it goes and reports `exited`."""
         self._signal_group(signal.SIGKILL)
-        self._reap(10.0)
+        if wait:
+            self._reap(10.0)
 
     def terminate(self, grace_s: float = 5.0) -> None:
         """SIGTERM the group, then SIGKILL what is left after `grace_s`."""

@@ -54,8 +54,20 @@ class Recovery(_message.Message):
     resumed_s: float
     def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ..., layout_before: _Optional[str] = ..., layout_after: _Optional[str] = ..., resume_step: _Optional[int] = ..., steps_recomputed: _Optional[int] = ..., planned_s: _Optional[float] = ..., stopped_s: _Optional[float] = ..., moved_s: _Optional[float] = ..., resumed_s: _Optional[float] = ...) -> None: ...
 
+class QuarantinedNode(_message.Message):
+    __slots__ = ("node_id", "reason", "until", "count")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    until: float
+    count: int
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ..., until: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
+
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node_id", "job", "generation", "leader", "phase", "layout", "last_step", "last_loss", "workers", "recoveries", "members")
+    __slots__ = ("node_id", "job", "generation", "leader", "phase", "layout", "last_step", "last_loss", "workers", "recoveries", "members", "quarantined", "ended")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +79,8 @@ class GetStatusResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job: str
     generation: int
@@ -78,7 +92,23 @@ class GetStatusResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., leader: _Optional[str] = ..., phase: _Optional[str] = ..., layout: _Optional[str] = ..., last_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[QuarantinedNode]
+    ended: str
+    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., leader: _Optional[str] = ..., phase: _Optional[str] = ..., layout: _Optional[str] = ..., last_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., members: _Optional[_Iterable[str]] = ..., quarantined: _Optional[_Iterable[_Union[QuarantinedNode, _Mapping]]] = ..., ended: _Optional[str] = ...) -> None: ...
+
+class LiftQuarantineRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class LiftQuarantineResponse(_message.Message):
+    __slots__ = ("lifted", "message")
+    LIFTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    lifted: bool
+    message: str
+    def __init__(self, lifted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)

@@ -49,6 +49,11 @@ class AgentServiceStub:
                 request_serializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.AgentEvent.FromString,
                 _registered_method=True)
+        self.LiftQuarantine = channel.unary_unary(
+                '/elasticpp.agent.v1.AgentService/LiftQuarantine',
+                request_serializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.LiftQuarantineRequest.SerializeToString,
+                response_deserializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.LiftQuarantineResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -72,6 +77,13 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LiftQuarantine(self, request, context):
+        """Re-admit a quarantined node now (any agent of the job can be asked).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.WatchEventsRequest.FromString,
                     response_serializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.AgentEvent.SerializeToString,
+            ),
+            'LiftQuarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.LiftQuarantine,
+                    request_deserializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.LiftQuarantineRequest.FromString,
+                    response_serializer=elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.LiftQuarantineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class AgentService:
             '/elasticpp.agent.v1.AgentService/WatchEvents',
             elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.WatchEventsRequest.SerializeToString,
             elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.AgentEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LiftQuarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpp.agent.v1.AgentService/LiftQuarantine',
+            elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.LiftQuarantineRequest.SerializeToString,
+            elasticpp_dot_rpc_dot_agent_dot_v1_dot_agent__pb2.LiftQuarantineResponse.FromString,
             options,
             channel_credentials,
             insecure,

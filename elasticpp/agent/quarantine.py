@@ -1,0 +1,231 @@
+"""Quarantine and the job's end, as the agent carries them out.
+
+The decisions are `elasticpp.agent.sick.SickNodes` (pure, owned by the leader); this part
+executes its actions against etcd and carries their outcome to every agent:
+
+- The leader judges each failed generation once (strikes, quarantine, the failure budget),
+  quarantines a node that did not arrive at `stopped-G` within `stop_timeout_s`, re-admits
+  nodes whose quarantine is over (as a join), and ends the job when the budget is spent.
+- Every agent reads the quarantines and the job's end when their keys change (a watch), not
+  on every refresh. A quarantined node keeps its registration and idles (no ranks); it says
+  so in its status, events and metrics. A job that ended (`failed`, `halted`, or finished)
+  stays ended: its agents stop their workers and warm pool, then exit (code 0 finished, 3
+  failed, 4 halted: systemd's `RestartPreventExitStatus` keeps them down) or, with
+  `--on-job-end idle` (the Helm chart's choice), stay up, healthy and idle until removed, so
+  that a StatefulSet does not restart them into a crash loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from elasticpp.agent.decide import ClusterView, lost_nodes
+from elasticpp.agent.follower import _GenState
+from elasticpp.agent.sick import EndJob, Quarantine, Quarantined, Readmit, Report
+from elasticpp.cluster.health import JobEnd, QuarantineRecord
+
+log = logging.getLogger("elasticpp.agent")
+
+EXIT_FINISHED = 0
+EXIT_FAILED = 3  # the failure budget was spent
+EXIT_HALTED = 4  # a step's loss or gradient norm was not finite
+EXIT_CODES = {"failed": EXIT_FAILED, "halted": EXIT_HALTED}
+
+
+def _report(node: str, value: Any) -> Report:
+    v = value if isinstance(value, dict) else {}
+    at = v.get("at")
+    return Report(
+        node=node,
+        reason=str(v.get("reason", "")),
+        at=float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else 0.0,
+        culprit=v.get("culprit") is True,
+        severe=v.get("severe") is True,
+    )
+
+
+class QuarantinePart:
+    """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
+
+    # ------------------------------------------------------------------ every agent
+    def _on_health_watch(self, _event: Any) -> None:
+        self._health_dirty = True
+        self._dirty = True
+        self._wake.set()
+
+    def _read_health(self) -> None:
+        """Read the quarantines and the job's end (called by the refresh when a watch said
+        they changed, and once at the start)."""
+        if not self._health_dirty:
+            return
+        assert self.cluster is not None
+        records = self.cluster.quarantined()
+        ended = self.cluster.job_end()
+        self._health_dirty = False
+        mine = records.get(self.node_id)
+        was = self._quarantine_view.get(self.node_id)
+        if mine is not None and (was is None or was.since != mine.since):
+            self._event(
+                "decision",
+                f"node {self.node_id} is quarantined for {mine.until - mine.since:.0f} s "
+                f"(the {mine.count}. time): {mine.reason}",
+            )
+        elif mine is None and was is not None:
+            self._event("decision", f"node {self.node_id} is no longer quarantined")
+        self._quarantine_view = records
+        if ended is not None and self._job_end is None:
+            self._job_end = ended
+        m, lbl = self.metrics, self.metrics.labels
+        m.quarantined_nodes.labels(**lbl).set(len(records))
+        m.quarantined.labels(**lbl).set(1 if mine is not None else 0)
+
+    def _check_job_end(self) -> None:
+        """A job that ended stays ended: stop the workers and the warm pool once, then exit
+        or idle (`AgentConfig.on_job_end`)."""
+        end = self._job_end
+        if end is None:
+            return
+        if not self._end_handled:
+            self._end_handled = True
+            self._job_done_step = self.spec.steps  # no leader plans again
+            self.metrics.job_ended.labels(**self.metrics.labels, status=end.status).set(1)
+            self._event(
+                "decision",
+                f"job ended ({end.status}, by {end.by}): {end.reason}; "
+                + (
+                    "this agent idles until it is removed"
+                    if self.cfg.on_job_end == "idle"
+                    else f"this agent exits with code {EXIT_CODES[end.status]}"
+                ),
+            )
+        for w in list(self._workers.values()):
+            if w.proc.alive():
+                w.killed_by_us = True
+                w.proc.kill(wait=False)
+        for p in self._warm:
+            p.kill(wait=False)
+        self._warm.clear()
+        self._ready.clear()
+        if self.cfg.on_job_end == "exit" and not any(
+            w.proc.alive() for w in self._workers.values()
+        ):
+            self._exit_code = EXIT_CODES[end.status]
+            self._done = True
+
+    def _record_halt(self, message: str) -> None:
+        """A halt is the job's, not this node's: recorded in etcd so that no later plan
+        (a join, a restarted node) resumes into the same non-finite step again."""
+        own = self.store.committed_steps(self.node_id)
+        self._halt_pending = (message, own[-1] if own else -1)
+        self._publish_halt()
+
+    def _publish_halt(self) -> None:
+        if self._halt_pending is None or self.cluster is None:
+            return
+        message, step = self._halt_pending
+        end = self.cluster.end_job("halted", message, by=self.node_id, step=step)
+        self._halt_pending = None
+        self._health_dirty = True
+        log.info("job end on record: %s (%s)", end.status, end.reason)
+
+    def quarantine_status(self) -> dict[str, dict[str, Any]]:
+        return {
+            n: {"reason": q.reason, "until": q.until, "count": q.count}
+            for n, q in sorted(self._quarantine_view.items())
+        }
+
+    def lift_quarantine(self, node_id: str) -> tuple[bool, str]:
+        """An operator lifts a quarantine (`elasticpp ctl lift NODE`, from any agent)."""
+        assert self.cluster is not None
+        if not self.cluster.lift_quarantine(node_id):
+            return False, f"node {node_id} is not quarantined"
+        self._health_dirty = True
+        self._wake.set()
+        return True, f"quarantine of {node_id} lifted; the leader plans it again as a join"
+
+    # ------------------------------------------------------------------ the leader
+    def _lead_health(self, view: ClusterView) -> ClusterView:
+        """Judge the current generation's failure (once), re-admit nodes whose quarantine
+        is over; returns the view with the quarantines applied."""
+        sick = self._sick
+        published = {n: _as_quarantined(r) for n, r in self._quarantine_view.items()}
+        if published != sick.quarantined:
+            for n in set(sick.quarantined) - set(published):
+                sick.lifted(n)  # an operator lifted it, or a new term reads etcd
+            sick.load(published)
+        incarnations = {n: str(i.get("incarnation", "")) for n, i in self._members.items()}
+        now = time.time()
+        actions = sick.expire(incarnations, now)
+        rec = self._record
+        if rec is not None and view.current_nodes is not None:
+            current = set(view.current_nodes)
+            lost = lost_nodes(view)
+            failed = self._barriers.get(f"failed-{rec.generation}", {})
+            reports = [_report(n, v) for n, v in failed.items() if n in current]
+            if lost or reports:
+                actions += sick.judge(rec.generation, reports, incarnations, now, lost=lost)
+        self._act_sick(actions)
+        return self._view()
+
+    def _exclude_non_arrivers(self, gs: _GenState, missing: list[str]) -> bool:
+        """Nodes that did not arrive at `stopped-G` within `stop_timeout_s` (a wedged agent,
+        workers that will not die) are quarantined: the job goes on without them. True once
+        the deadline has passed (the missing nodes are set aside)."""
+        now_s = time.monotonic()
+        if self._stop_wait is None or self._stop_wait[0] != gs.generation:
+            self._stop_wait = (gs.generation, now_s)
+            return False
+        if now_s - self._stop_wait[1] <= self.spec.stop_timeout_s:
+            return False
+        actions = []
+        for node in missing:
+            inc = str(self._members.get(node, {}).get("incarnation", ""))
+            why = (
+                f"did not arrive at stopped-{gs.generation} within "
+                f"{self.spec.stop_timeout_s:.0f} s (a wedged agent, or workers that will not stop)"
+            )
+            actions += self._sick.exclude(node, why, inc, time.time())
+        self._act_sick(actions)
+        return True
+
+    def _act_sick(self, actions: list[Any]) -> None:
+        assert self.cluster is not None
+        for action in actions:
+            if isinstance(action, Quarantine):
+                q = action.entry
+                record = QuarantineRecord(
+                    q.node, q.reason, q.since, q.until, q.count, q.incarnation
+                )
+                if not self.cluster.quarantine(record, self._leadership):
+                    return  # the term is over; the next leader judges again
+                self.metrics.quarantines_total.labels(**self.metrics.labels).inc()
+                self._quarantine_view = {**self._quarantine_view, q.node: record}
+                self._event(
+                    "decision",
+                    f"leader: node {q.node} quarantined for {q.until - q.since:.0f} s "
+                    f"(the {q.count}. time): {q.reason}",
+                )
+            elif isinstance(action, Readmit):
+                self.cluster.lift_quarantine(action.node)
+                self._quarantine_view = {
+                    n: r for n, r in self._quarantine_view.items() if n != action.node
+                }
+                self._last_join_s = time.monotonic()  # planned again after the settle window
+                self._event("decision", f"leader: node {action.node} re-admitted ({action.reason})")
+            elif isinstance(action, EndJob):
+                end = self.cluster.end_job(
+                    "failed", action.reason, by=self.node_id, step=self.last_step
+                )
+                self._job_end = end
+                self._event("decision", f"leader: the job ends: {end.reason}")
+            self._dirty = True
+
+
+def _as_quarantined(r: QuarantineRecord) -> Quarantined:
+    return Quarantined(r.node_id, r.reason, r.since, r.until, r.count, r.incarnation)
+
+
+def ended_phase(end: JobEnd | None) -> str | None:
+    return None if end is None else f"ended ({end.status})"

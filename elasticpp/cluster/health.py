@@ -1,0 +1,183 @@
+"""The job's health in etcd: quarantined nodes and the end of the job.
+
+- `quarantine/<node_id>`: a node the leader set aside (`QuarantineRecord`): why, since and
+  until when (wall-clock seconds), the how-many-th time, the agent incarnation. Written only
+  fenced by the leader's term; deleted by the leader when it re-admits the node, or by an
+  operator (`lift_quarantine`, from any agent's control service).
+- `ended`: the job ended without finishing (`JobEnd`: `failed` when its failure budget was
+  spent, `halted` when a step's loss or gradient norm was not finite), written once
+  (create-if-absent): the first reason stays. Every agent, also one started later, reads it
+  and ends; a new run of the job needs a new job name or the key removed.
+
+Every value is parsed into its typed record here: a value that cannot be read is skipped
+(counted, logged once), never handed to the agent. `ClusterClient` composes this part.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from elasticpp.cluster import keys as keymod
+from elasticpp.cluster.errors import ClusterDataError
+from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
+from elasticpp.cluster.leases import Leadership
+from elasticpp.cluster.records import dumps, loads
+
+END_STATUSES = ("failed", "halted")
+
+
+def _text(data: Mapping[str, Any], name: str, what: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str):
+        raise ClusterDataError(f"{what}: {name} must be a string, got {value!r}")
+    return value
+
+
+def _number(data: Mapping[str, Any], name: str, what: str) -> float:
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterDataError(f"{what}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class QuarantineRecord:
+    node_id: str
+    reason: str
+    since: float  # wall-clock seconds
+    until: float
+    count: int
+    incarnation: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "reason": self.reason,
+            "since": self.since,
+            "until": self.until,
+            "count": self.count,
+            "incarnation": self.incarnation,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuarantineRecord:
+        what = "quarantine record"
+        count = data.get("count")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ClusterDataError(f"{what}: count must be an integer >= 1, got {count!r}")
+        return cls(
+            node_id=_text(data, "node_id", what),
+            reason=_text(data, "reason", what),
+            since=_number(data, "since", what),
+            until=_number(data, "until", what),
+            count=count,
+            incarnation=_text(data, "incarnation", what),
+        )
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    status: str  # one of END_STATUSES
+    reason: str
+    by: str  # the node that ended it
+    at: float
+    step: int = -1  # the newest committed step known to the writer; -1 if none
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "by": self.by,
+            "at": self.at,
+            "step": self.step,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobEnd:
+        what = "job end record"
+        status = _text(data, "status", what)
+        if status not in END_STATUSES:
+            raise ClusterDataError(f"{what}: status {status!r} is not one of {END_STATUSES}")
+        step = data.get("step", -1)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ClusterDataError(f"{what}: step must be an integer, got {step!r}")
+        return cls(
+            status=status,
+            reason=_text(data, "reason", what),
+            by=_text(data, "by", what),
+            at=_number(data, "at", what),
+            step=step,
+        )
+
+
+class HealthPart:
+    """Methods of `ClusterClient` (elasticpp.cluster.client)."""
+
+    _kv: EtcdKV
+    keys: keymod.JobKeys
+
+    if TYPE_CHECKING:  # defined by ClusterClient
+
+        def skip_value(self, key: str, exc: Exception) -> None: ...
+
+        def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
+
+    # ------------------------------------------------------------------ quarantine
+    def quarantined(self) -> dict[str, QuarantineRecord]:
+        """The quarantined nodes; a value that cannot be read is skipped (counted)."""
+        kvs, _ = self._kv.get_prefix(self.keys.quarantine_prefix)
+        out: dict[str, QuarantineRecord] = {}
+        for kv in kvs:
+            node = keymod.last_segment(kv.key)
+            try:
+                record = QuarantineRecord.from_dict(loads(kv.value, "quarantine record"))
+                if record.node_id != node:
+                    raise ClusterDataError(
+                        f"quarantine record of {record.node_id!r} filed under {node!r}"
+                    )
+            except ClusterDataError as exc:
+                self.skip_value(kv.key, exc)
+                continue
+            out[node] = record
+        return out
+
+    def quarantine(self, record: QuarantineRecord, leader: Leadership) -> bool:
+        """Publish a quarantine, fenced by `leader`'s term; False if the term is over."""
+        compares = [
+            Compare(self.keys.leader, "value", leader.node_id),
+            Compare(self.keys.leader, "create", leader.create_revision),
+        ]
+        put = Put(self.keys.quarantine(record.node_id), dumps(record.to_dict()))
+        ok, _, _ = self._kv.txn(compares, [put])
+        return ok
+
+    def lift_quarantine(self, node_id: str) -> bool:
+        """Remove the quarantine of `node_id` (the leader re-admitting it, or an operator).
+        False if it was not quarantined."""
+        return self._kv.delete(self.keys.quarantine(node_id))
+
+    # ------------------------------------------------------------------ the job's end
+    def job_end(self) -> JobEnd | None:
+        kv = self._kv.get(self.keys.ended)
+        if kv is None:
+            return None
+        try:
+            return JobEnd.from_dict(loads(kv.value, "job end record"))
+        except ClusterDataError as exc:
+            self.skip_value(kv.key, exc)
+            return None
+
+    def end_job(self, status: str, reason: str, by: str, step: int = -1) -> JobEnd:
+        """End the job once: the first end written stays. Returns the end on record."""
+        if status not in END_STATUSES:
+            raise ClusterDataError(f"job end: status {status!r} is not one of {END_STATUSES}")
+        record = JobEnd(status=status, reason=reason, by=by, at=time.time(), step=step)
+        key = self.keys.ended
+        ok, _, _ = self._kv.txn([Compare(key, "create", 0)], [Put(key, dumps(record.to_dict()))])
+        if ok:
+            return record
+        current = self.job_end()
+        return current if current is not None else record

@@ -1,0 +1,84 @@
+"""Quarantine records and the job's end against a real etcd: fenced by the leader's term,
+written once, and a value that cannot be read skipped (counted), never handed on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.etcd_client import EtcdKV
+from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.health import QuarantineRecord
+
+JOB = "job-health"
+
+
+@pytest.fixture
+def clients(no_orphans: None, etcd: EtcdServer) -> Iterator[Callable[[], ClusterClient]]:
+    made: list[ClusterClient] = []
+
+    def make() -> ClusterClient:
+        client = ClusterClient([etcd.endpoint], JOB, request_timeout_s=1.0)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def _record(node: str) -> QuarantineRecord:
+    return QuarantineRecord(node, "disk full", 100.0, 160.0, 1, "inc-1")
+
+
+def test_a_quarantine_is_written_only_in_the_leaders_term_and_lifted_by_anyone(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    lead = a.campaign("n1", ttl_s=30)
+    assert lead is not None
+    assert a.quarantine(_record("n3"), lead)
+    assert b.quarantined() == {"n3": _record("n3")}
+    assert a.depose("n1")
+    new = b.campaign("n2", ttl_s=30)
+    assert new is not None
+    assert not a.quarantine(_record("n4"), lead)  # the old term writes nothing
+    assert set(b.quarantined()) == {"n3"}
+    assert b.lift_quarantine("n3")  # an operator, through any agent
+    assert not b.lift_quarantine("n3")
+    assert b.quarantined() == {}
+
+
+def test_the_job_ends_once_and_the_first_reason_stays(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    assert a.job_end() is None
+    first = a.end_job("halted", "step 7: loss nan", by="n1", step=6)
+    second = b.end_job("failed", "failure budget spent", by="n2")
+    assert second == first
+    end = b.job_end()
+    assert end is not None and (end.status, end.reason, end.step) == ("halted", first.reason, 6)
+
+
+def test_unreadable_health_values_are_skipped_and_counted(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a = clients()
+    kv = EtcdKV([etcd.endpoint])
+    try:
+        root = f"/elasticpp/{JOB}/"
+        kv.put(root + "quarantine/n5", '{"format_version": 1, "node_id": "n5", "count": null}')
+        kv.put(
+            root + "quarantine/n6",
+            '{"format_version": 1, "node_id": "n7", "reason": "x", '
+            '"since": 1, "until": 2, "count": 1, "incarnation": ""}',
+        )
+        kv.put(root + "ended", '{"format_version": 1, "status": "exploded"}')
+    finally:
+        kv.close()
+    assert a.quarantined() == {}
+    assert a.job_end() is None
+    assert a.skipped_values == 3

@@ -1,0 +1,251 @@
+"""Every wait of the agent has a deadline, a sick node is set aside, an ended job stays ended
+(a constructed agent, fake worker handles and a fake of the cluster calls it makes)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import Phase, WorkerState
+from elasticpp.agent.jobspec import parse_job_spec
+from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
+from elasticpp.cluster.health import JobEnd, QuarantineRecord
+from elasticpp.cluster.records import GenerationRecord
+from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
+
+SPEC_FIELDS: dict[str, Any] = {
+    "name": "j",
+    "model": "tiny",
+    "global_batch": 12,
+    "micro_batch": 2,
+    "steps": 5,
+    "seed": 0,
+    "min_nodes": 1,
+    "max_nodes": 3,
+    "stop_timeout_s": 5.0,
+    "ready_timeout_s": 7.0,
+}
+SPEC = parse_job_spec(SPEC_FIELDS)
+
+
+def _plan(generation: int, nodes: tuple[str, ...] = ("n0",)) -> Plan:
+    cluster = ClusterSpec(tuple(NodeSpec(n, 1) for n in nodes), load_device_spec("cpu"))
+    return build_plan(
+        SPEC.model, cluster, Layout(1, 1, len(nodes)), global_batch=12, micro_batch=2
+    ).with_generation(generation)
+
+
+class _StuckProc:
+    """A worker handle whose process never goes away (uninterruptible sleep)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.kills: list[bool] = []
+
+    def alive(self) -> bool:
+        return True
+
+    def kill(self, *, wait: bool = True) -> None:
+        self.kills.append(wait)
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[str, str, Any]] = []
+        self.quarantines: list[QuarantineRecord] = []
+        self.ends: list[tuple[str, str]] = []
+
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        self.arrivals.append((barrier, node_id, value))
+
+    def quarantine(self, record: QuarantineRecord, leader: Any) -> bool:
+        self.quarantines.append(record)
+        return True
+
+    def end_job(self, status: str, reason: str, by: str, step: int = -1) -> JobEnd:
+        self.ends.append((status, reason))
+        return JobEnd(status, reason, by, time.time(), step)
+
+
+def _agent(tmp_path: Path, **cfg: Any) -> tuple[Agent, _Cluster]:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path, **cfg), SPEC)
+    cluster = _Cluster()
+    agent.cluster = cluster  # type: ignore[assignment]
+    return agent, cluster
+
+
+def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node(
+    tmp_path: Path,
+) -> None:
+    """Before, every tick called a kill that waited 10 s for the process, for ever."""
+    agent, cluster = _agent(tmp_path)
+    old = _StuckProc(100)
+    agent._workers[100] = _Worker(
+        proc=old,  # type: ignore[arg-type]
+        rank=0,
+        generation=1,
+        plan=_plan(1),
+        state=WorkerState.RUNNING,
+    )
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
+    gs = _GenState(record=record)  # a loss: stop at once
+    agent._gen = gs
+    agent._stop_old_workers(gs)
+    assert old.kills == [False]  # signalled, not waited for
+    assert gs.phase is Phase.STOPPING and cluster.arrivals == []
+    assert gs.killed_at_s is not None
+    gs.killed_at_s -= SPEC.stop_timeout_s + 1  # the stop deadline passes
+    agent._stop_old_workers(gs)
+    assert gs.phase is Phase.FAILED
+    [(barrier, node, report)] = cluster.arrivals
+    assert (barrier, node) == ("failed-2", "n0")
+    assert report["culprit"] and report["severe"]
+    assert "still alive" in report["reason"] and "100" in report["reason"]
+
+
+class _SlowSpare:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.killed = False
+
+    def alive(self) -> bool:
+        return not self.killed
+
+    def kill(self, *, wait: bool = True) -> None:
+        self.killed = True
+
+
+def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_that_needs_it(
+    tmp_path: Path,
+) -> None:
+    agent, cluster = _agent(tmp_path)
+    spare = _SlowSpare(200)
+    agent._warm = [spare]  # type: ignore[list-item]
+    agent._warm_since[200] = time.monotonic()
+    agent._spawn_warm = lambda: None  # type: ignore[method-assign]
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs.fetch_thread = _DoneThread()  # type: ignore[assignment]
+    agent._gen = gs
+    agent._barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
+    agent._check_warm_ready()
+    assert agent._warm == [spare]  # within ready_timeout_s
+    agent._move_state(gs)
+    assert gs.phase is Phase.MOVING and cluster.arrivals == []  # waits for it
+    agent._warm_since[200] -= SPEC.ready_timeout_s + 1
+    agent._check_warm_ready()
+    assert spare.killed and agent._warm == []
+    agent._move_state(gs)
+    assert gs.phase is Phase.FAILED
+    [(barrier, _node, report)] = cluster.arrivals
+    assert barrier == "failed-2" and report["culprit"] and report["severe"]
+    assert "not ready within 7 s" in report["reason"]
+
+
+class _DoneThread:
+    def is_alive(self) -> bool:
+        return False
+
+
+class _Leadership:
+    node_id = "n0"
+    create_revision = 1
+
+    def is_held(self) -> bool:
+        return True
+
+
+def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
+    tmp_path: Path,
+) -> None:
+    """Before, the leader waited for every live node's `stopped-G` for ever (a wedged agent
+    keeps its lease and answers probes)."""
+    agent, cluster = _agent(tmp_path)
+    agent._leadership = _Leadership()
+    agent._leader = "n0"
+    agent._members = {
+        n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
+        for n in ("n0", "n1", "n2")
+    }
+    plan = _plan(2, ("n0", "n1", "n2"))
+    nodes = {n: "127.0.0.1:1" for n in ("n0", "n1", "n2")}
+    record = GenerationRecord(2, plan.to_dict(), "n0", time.time(), extra={"nodes": nodes})
+    agent._record = record
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    agent._gen = gs
+    agent._confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
+    holdings = {"holdings": {"format_version": 3, "node_id": "", "steps": []}}
+    agent._barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
+    agent._lead_resume(gs, agent._view())
+    agent._lead_resume(gs, agent._view())
+    assert cluster.quarantines == [] and not gs.resume_written  # within the deadline
+    assert agent._stop_wait is not None
+    agent._stop_wait = (2, agent._stop_wait[1] - SPEC.stop_timeout_s - 1)
+    agent._lead_resume(gs, agent._view())
+    [q] = cluster.quarantines
+    assert q.node_id == "n2" and q.incarnation == "in2"
+    assert "did not arrive at stopped-2 within 5 s" in q.reason
+    assert not gs.resume_written  # n2 is in the plan: the next plan goes without it
+    view = agent._view()
+    assert view.quarantined == {"n2"}
+
+
+def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path) -> None:
+    for status, code in (("failed", EXIT_FAILED), ("halted", EXIT_HALTED)):
+        agent, _ = _agent(tmp_path / status)
+        spare = _SlowSpare(300)
+        agent._warm = [spare]  # type: ignore[list-item]
+        agent._job_end = JobEnd(status, "why", "n1", time.time())
+        agent._check_job_end()
+        assert spare.killed and agent._warm == []
+        assert agent._done and agent._exit_code == code
+        assert any(f"job ended ({status}" in e[2] for e in agent._events)
+
+
+def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None:
+    agent, _ = _agent(tmp_path, on_job_end="idle")
+    agent._job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
+    agent._check_job_end()
+    assert not agent._done
+    agent._refill_warm()
+    assert agent._warm == []  # no spares for a job that is over
+    assert agent.status()["phase"] == "ended"
+    assert agent.status()["ended"] == "failed: failure budget spent"
+
+
+def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Path) -> None:
+    agent, cluster = _agent(tmp_path)
+    plan = _plan(1)
+    record = GenerationRecord(1, plan.to_dict(), "n0", time.time())
+    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+
+    class _P:
+        pid = 100
+
+        def alive(self) -> bool:
+            return False
+
+    w = _Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    agent._workers[100] = w
+    agent._on_halted(w, {"event": "halted", "step": 3, "message": "loss nan"})
+    assert cluster.ends == [("halted", "loss nan")]
+
+
+def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> None:
+    agent, _ = _agent(tmp_path)
+    plan = _plan(1)
+
+    class _P:
+        pid = 100
+
+    w = _Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    for gen in range(1, 7):
+        w.generation = gen
+        for step in range(300):
+            agent._on_step(w, {"step": step, "loss": 1.0, "generation": gen})
+            agent._on_step(w, {"step": step, "loss": 1.0, "generation": gen})  # a dp twin
+    assert len(agent._written_steps) <= 4
+    lines = agent.metrics_path.read_text().splitlines()
+    assert len(lines) == 6 * 300  # each step written once
