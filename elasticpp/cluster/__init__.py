@@ -16,8 +16,9 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     GenerationConflictError,
     LeaseNotFoundError,
+    NodeIdConflictError,
 )
-from elasticpp.cluster.leases import Leadership, Registration
+from elasticpp.cluster.leases import Leadership, ProgressGate, Registration
 from elasticpp.cluster.records import EventType, GenerationRecord, Members, WatchEvent
 from elasticpp.cluster.watch import Watch
 
@@ -33,6 +34,8 @@ __all__ = [
     "Leadership",
     "LeaseNotFoundError",
     "Members",
+    "NodeIdConflictError",
+    "ProgressGate",
     "Registration",
     "Watch",
     "WatchEvent",
