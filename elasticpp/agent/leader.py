@@ -64,7 +64,9 @@ class LeaderPart:
         assert self.cluster is not None
         if not self._torch_ready.is_set():
             return  # the leader hosts the rendezvous store; wait until torch is imported
-        leadership = self.cluster.campaign(self.node_id, ttl_s=self.spec.lease_ttl_s)
+        leadership = self.cluster.campaign(
+            self.node_id, ttl_s=self.spec.lease_ttl_s, gate=self._lease_gate()
+        )
         if leadership is None:
             return
         self._leadership = leadership
