@@ -1,6 +1,6 @@
-"""The agent's side of its leases (constructed agent, a fake of its registration): renewal
-follows the decision loop's heartbeat, and an agent whose node id another agent took over
-exits with an error."""
+"""The agent's side of its leases (constructed agent, fakes of its registration and
+leadership): renewal follows the decision loop's heartbeat, an agent whose node id another
+agent took over exits with an error, and a leader plans only while it sees itself a member."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ class _Registration:
 
     def may_have_lapsed(self) -> bool:
         return self.lapsed
+
+
+class _Leadership:
+    def is_held(self) -> bool:
+        return True
 
 
 def test_the_lease_gate_follows_the_decision_loops_heartbeat(tmp_path: Path) -> None:
@@ -60,3 +65,17 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
         agent.run()
     assert len(ticks) == 2
     assert any("another agent" in message for _, _, message, _ in agent._events)
+
+
+def test_a_leader_whose_own_membership_is_lost_or_unseen_does_not_plan(tmp_path: Path) -> None:
+    agent = _agent(tmp_path)
+    agent._leadership = _Leadership()
+    agent._leader = "n0"
+    agent._registration = _Registration()
+    agent._members = {"n0": {"address": "a"}, "n1": {"address": "b"}}
+    assert agent._is_leader()
+    agent._registration.lapsed = True  # its lease is known lost, the key not re-put yet
+    assert not agent._is_leader()
+    agent._registration.lapsed = False
+    agent._members = {"n1": {"address": "b"}}  # re-put, but not yet seen in a members read
+    assert not agent._is_leader()
