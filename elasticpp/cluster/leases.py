@@ -124,8 +124,9 @@ class _LeaseKeeper:
         self._value = value
         self.ttl_s = ttl_s
         self.fence_s = fence_after_s(ttl_s, kv.request_timeout_s)
-        # Several tries fit before the fence point, so one slow reply does not fence.
-        self.interval_s = min(ttl_s / 3.0, self.fence_s / 2.0)
+        # Three tries fit before the fence point: a reply up to two intervals late (a busy
+        # etcd, a busy process) does not fence the holder.
+        self.interval_s = self.fence_s / 3.0
         self._lease_id = lease_id
         self._regrant = regrant
         self._what = what
