@@ -154,11 +154,6 @@ class _LeaseKeeper:
             return self._lease_id
 
     @property
-    def lost(self) -> bool:
-        with self._lock:
-            return self._lost
-
-    @property
     def conflict(self) -> str | None:
         with self._lock:
             return self._conflict
