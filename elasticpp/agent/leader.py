@@ -44,15 +44,21 @@ class LeaderPart:
 
     def _is_leader(self) -> bool:
         # Acts only while the term is held: a loop that stalled past the lease TTL, or whose
-        # keep-alive failed, must not write on the strength of what it read before.
+        # keep-alive failed, must not write on the strength of what it read before. Nor while
+        # its own membership is lost or not yet seen again: it would re-plan without itself,
+        # then again when its key is back (two generations for one blip).
         return (
             self._leadership is not None
             and self._leadership.is_held()
             and self._leader == self.node_id
+            and self.node_id in self._members
+            and not self._fenced()
         )
 
     def _maybe_campaign(self) -> None:
-        deposed = self._leader is not None and self._leader != self.node_id
+        # Deposed (the key deleted or taken) or lapsed: the old term is resigned before any
+        # new campaign, so no keep-alive thread or lease outlives its term.
+        deposed = self._leader != self.node_id
         if self._leadership is not None and (deposed or not self._leadership.is_held()):
             self._event("decision", f"node {self.node_id} lost the leadership")
             with contextlib.suppress(ElasticppError):
@@ -65,7 +71,9 @@ class LeaderPart:
         assert self.cluster is not None
         if not self._torch_ready.is_set():
             return  # the leader hosts the rendezvous store; wait until torch is imported
-        leadership = self.cluster.campaign(self.node_id, ttl_s=self.spec.lease_ttl_s)
+        leadership = self.cluster.campaign(
+            self.node_id, ttl_s=self.spec.lease_ttl_s, gate=self._lease_gate()
+        )
         if leadership is None:
             return
         self._leadership = leadership

@@ -66,6 +66,7 @@ from elasticpp.agent.limits import (
     EVENT_STREAMS,
     FETCH_STREAMS,
     JOIN_TIMEOUT_S,
+    LEASE_STALL_S,
     PROBE_THREADS,
     STATUS_EVERY_S,
     UNARY_THREADS,
@@ -76,10 +77,11 @@ from elasticpp.agent.quarantine import QuarantinePart
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.supervisor import SupervisorPart, _Worker
 from elasticpp.agent.view import ViewPart
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster import ClusterClient, ProgressGate
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     LeaseNotFoundError,
+    NodeIdConflictError,
 )
 from elasticpp.cluster.records import GenerationRecord, propose_epoch
 from elasticpp.errors import ConfigError, ElasticppError
@@ -255,6 +257,7 @@ class Agent(
         self.cluster = ClusterClient(list(self.cfg.etcd), self.spec.name)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
+            self._heartbeat_s = time.monotonic()  # joining is this loop's progress
             try:
                 self._join_cluster()
                 break
@@ -305,7 +308,7 @@ class Agent(
         self._spawn_warm()
         if self._registration is None:
             self._registration = self.cluster.register(
-                self.node_id, self._member_info(), ttl_s=self.spec.lease_ttl_s
+                self.node_id, self._member_info(), self.spec.lease_ttl_s, self._lease_gate()
             )
         wake = self._on_watch
         keys = self.cluster.keys
@@ -333,6 +336,10 @@ class Agent(
             "pid": os.getpid(),
         }
 
+    def _lease_gate(self) -> ProgressGate:
+        """Leases are renewed only while the decision loop runs (see limits.LEASE_STALL_S)."""
+        return ProgressGate(lambda: time.monotonic() - self._heartbeat_s, LEASE_STALL_S)
+
     def _import_torch(self) -> None:
         import torch.distributed  # noqa: F401
 
@@ -356,11 +363,32 @@ class Agent(
                         self._status = self.status()
                 except Exception as exc:  # a daemon survives what comes from outside
                     self._survive("internal", exc)
+                conflict = self._node_id_conflict()
+                if conflict is not None:  # two agents, one node id: this one must go
+                    self._event("decision", f"node {self.node_id}: {conflict}")
+                    raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
                 if self._done:
                     return self._exit_code
             return self._exit_code
         finally:
             self.shutdown()
+
+    def _node_id_conflict(self) -> str | None:
+        """Why this agent must stop because another agent registered its node id: its lease
+        lapsed and the key is another incarnation's (the keeper found it), or the key was
+        taken over while its lease still lived (the members read shows it)."""
+        reg = self._registration
+        if reg is None:
+            return None
+        if reg.conflict is not None:
+            return str(reg.conflict)
+        other = self._members.get(self.node_id, {}).get("incarnation", self.incarnation)
+        if other == self.incarnation:
+            return None
+        return (
+            f"another agent with the same node id is registered: incarnation {other}, "
+            f"this agent is {self.incarnation}; this agent stops"
+        )
 
     def request_stop(self) -> None:
         self._stop.set()

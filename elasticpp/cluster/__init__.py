@@ -16,8 +16,9 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     GenerationConflictError,
     LeaseNotFoundError,
+    NodeIdConflictError,
 )
-from elasticpp.cluster.leases import Leadership, Registration
+from elasticpp.cluster.leases import Leadership, ProgressGate, Registration
 from elasticpp.cluster.records import EventType, GenerationRecord, JobEpoch, Members, WatchEvent
 from elasticpp.cluster.watch import Watch
 
@@ -34,6 +35,8 @@ __all__ = [
     "Leadership",
     "LeaseNotFoundError",
     "Members",
+    "NodeIdConflictError",
+    "ProgressGate",
     "Registration",
     "Watch",
     "WatchEvent",

@@ -37,7 +37,13 @@ from elasticpp.cluster.etcd_client import (
     Put,
 )
 from elasticpp.cluster.health import HealthPart
-from elasticpp.cluster.leases import Leadership, Registration, check_ttl
+from elasticpp.cluster.leases import (
+    Leadership,
+    ProgressGate,
+    Registration,
+    check_ttl,
+    fence_after_s,
+)
 from elasticpp.cluster.records import (
     EventType,
     GenerationRecord,
@@ -155,10 +161,17 @@ class ClusterClient(CommitsPart, HealthPart):
         return JobEpoch.from_json(kv.value) if kv else None
 
     # ------------------------------------------------------------------ membership
-    def register(self, node_id: str, info: dict[str, Any], ttl_s: float = 5) -> Registration:
-        """Put `nodes/<node_id>` under a new lease kept alive from a daemon thread."""
+    def register(
+        self,
+        node_id: str,
+        info: dict[str, Any],
+        ttl_s: float = 5,
+        gate: ProgressGate | None = None,
+    ) -> Registration:
+        """Put `nodes/<node_id>` under a new lease kept alive from a daemon thread (while
+        `gate` says the caller's loop makes progress)."""
         key = self.keys.node(node_id)
-        return self._own(Registration(self._kv, key, node_id, info, check_ttl(ttl_s)))
+        return self._own(Registration(self._kv, key, node_id, info, check_ttl(ttl_s), gate=gate))
 
     def skip_value(self, key: str, exc: Exception) -> None:
         """Count an unreadable value (and log it once per key)."""
@@ -195,12 +208,16 @@ class ClusterClient(CommitsPart, HealthPart):
         node_id: str,
         ttl_s: float = 5,
         on_lost: Callable[[], None] | None = None,
+        gate: ProgressGate | None = None,
     ) -> Leadership | None:
         """Become leader if nobody is: create `leader` under a new lease. None if taken.
 
-        `on_lost` is called (from the keep-alive thread) if the lease is lost later."""
+        `on_lost` is called (from the keep-alive thread) if the lease is lost later; the
+        lease is renewed only while `gate` says the caller's loop makes progress."""
         keymod.check_name("node_id", node_id)
         ttl = check_ttl(ttl_s)
+        fence_after_s(ttl, self._kv.request_timeout_s)  # refused before anything is granted
+        granted_at_s = time.monotonic()
         lease_id = self._kv.grant(ttl)
         try:
             ok, _, revision = self._kv.txn(
@@ -216,7 +233,15 @@ class ClusterClient(CommitsPart, HealthPart):
             return None
         log.info("node %s elected leader (term revision %d)", node_id, revision)
         leadership = Leadership(
-            self._kv, self.keys.leader, node_id, ttl, lease_id, revision, on_lost
+            self._kv,
+            self.keys.leader,
+            node_id,
+            ttl,
+            lease_id,
+            revision,
+            on_lost,
+            granted_at_s=granted_at_s,
+            gate=gate,
         )
         return self._own(leadership)
 

@@ -44,3 +44,7 @@ class ClusterDataError(ClusterError):
 
 class LeaseNotFoundError(ClusterError):
     """The lease a call used has expired or was revoked."""
+
+
+class NodeIdConflictError(ClusterError):
+    """Another agent (another incarnation) is registered under this agent's node id."""

@@ -24,6 +24,7 @@ import etcd3  # type: ignore[import-untyped]
 import etcd3.etcdrpc  # type: ignore[import-untyped]
 import etcd3.events  # type: ignore[import-untyped]
 import etcd3.exceptions  # type: ignore[import-untyped]
+import etcd3.transactions  # type: ignore[import-untyped]
 import grpc  # type: ignore[import-untyped]
 
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
@@ -58,7 +59,8 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Compare:
-    """An equality test of a transaction: `target` is "value", "mod" or "create"."""
+    """An equality test of a transaction: `target` is "value", "mod", "create" or "lease"
+    (the id of the lease the key is on, 0 for none)."""
 
     key: str
     target: str
@@ -93,6 +95,14 @@ class WatchEnded:
 
 
 WatchItem = WatchBatch | WatchEnded
+
+
+class _LeaseCompare(etcd3.transactions.BaseCompare):  # type: ignore[misc]
+    # The library has no compare on a key's lease (etcd >= 3.3 has); "is the key still on
+    # my lease" is how a registration tells its own key from another agent's.
+    def build_compare(self, compare: Any) -> None:
+        compare.target = etcd3.etcdrpc.Compare.LEASE
+        compare.lease = int(self.value)
 
 
 def _raise_mapped(op: str, exc: BaseException) -> NoReturn:
@@ -231,11 +241,14 @@ class EtcdKV:
         Returns (succeeded, what failure_get found, revision of the transaction)."""
         built: list[Any] = []
         for c in compares:
-            kind = {"value": self._t.value, "mod": self._t.mod, "create": self._t.create}.get(
-                c.target
-            )
+            kind = {
+                "value": self._t.value,
+                "mod": self._t.mod,
+                "create": self._t.create,
+                "lease": _LeaseCompare,
+            }.get(c.target)
             if kind is None:
-                raise ConfigError(f"compare target {c.target!r}: allowed value, mod, create")
+                raise ConfigError(f"compare target {c.target!r}: allowed value, mod, create, lease")
             built.append(kind(c.key) == c.value)
         ops = [
             self._t.delete(p.key)

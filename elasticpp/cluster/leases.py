@@ -1,23 +1,37 @@
 """Keys under leases: a node's membership (`Registration`) and the leader's term
-(`Leadership`), each kept alive by one daemon thread (refresh every ttl/3).
+(`Leadership`), each kept alive by one daemon thread.
 
-Invariants: a registration whose lease was lost (expired while etcd was down, revoked) is
-re-granted and re-put; a leadership whose lease was lost is over, never renewed silently —
-the caller must campaign again. `may_have_lapsed` is what self-fencing reads: no keep-alive
-succeeded for a whole TTL.
+Invariants:
+- A lease is renewed only while its owner's loop makes progress (`ProgressGate`): a loop
+  stalled past its bound stops renewing, says so once, and the lease lapses, so the cluster
+  goes on without the wedged node (or leader). Renewal resumes when the loop runs again.
+- Self-fencing has a margin. A keep-alive is credited from the instant it was SENT (etcd
+  restarts the TTL when it serves the request, which may be just after the send), and
+  `may_have_lapsed()` / `is_held()` turn true `fence_after_s(ttl, request timeout)` =
+  `ttl - max(request timeout, ttl/3)` after the last successful send. A lease known lost
+  (LeaseNotFound) fences at once.
+- A registration whose lease was lost is re-granted and its key re-put by a transaction that
+  requires the key to be absent or to hold this incarnation: another agent registered under
+  the same node id is never overwritten; this one stops and reports the conflict instead.
+- A leadership whose lease was lost is over, never renewed silently: the caller must
+  campaign again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.records import dumps
+from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
+from elasticpp.cluster.records import KeyValue, dumps
 from elasticpp.errors import ConfigError
 
 log = logging.getLogger("elasticpp.cluster.client")
@@ -25,6 +39,7 @@ log = logging.getLogger("elasticpp.cluster.client")
 MIN_LEASE_TTL_S = 2  # etcd grants no shorter lease
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 2.0
+FAILING_RETRY_S = RETRY_MIN_S * 5  # keep-alive retry pace while etcd fails
 
 
 def check_ttl(ttl_s: float) -> int:
@@ -33,10 +48,56 @@ def check_ttl(ttl_s: float) -> int:
     return int(ttl_s)
 
 
-class _LeaseKeeper:
-    """Keeps one lease (and the key on it) alive from a daemon thread.
+def fence_after_s(ttl_s: float, request_timeout_s: float) -> float:
+    """How long after a keep-alive's send its holder may still act: `ttl - max(request
+    timeout, ttl/3)`. The margin covers a request that etcd served late in its timeout and
+    the holder's own delays (GIL, scheduling), like Patroni's `loop_wait + 2 x retry_timeout
+    <= ttl`. Refuses a TTL that leaves no time to act."""
+    fence_s = ttl_s - max(request_timeout_s, ttl_s / 3.0)
+    if fence_s <= 0:
+        raise ConfigError(
+            f"lease ttl_s {ttl_s:g}: must be longer than the etcd request timeout "
+            f"({request_timeout_s:g} s), which is the self-fencing margin"
+        )
+    return fence_s
 
-    `regrant=True` (membership): a lost lease is replaced by a new one and the key re-put.
+
+@dataclass(frozen=True)
+class ProgressGate:
+    """Renew a lease only while the owner's loop makes progress.
+
+    `since_progress_s()` is how long ago the loop last ran; past `stall_limit_s` the keeper
+    stops renewing and the lease lapses one TTL later."""
+
+    since_progress_s: Callable[[], float]
+    stall_limit_s: float
+
+    def __post_init__(self) -> None:
+        if not self.stall_limit_s > 0:
+            raise ConfigError(f"stall_limit_s {self.stall_limit_s!r}: must be > 0")
+
+    def stalled_s(self) -> float | None:
+        """How long the loop has stalled, or None while it makes progress."""
+        since_s = self.since_progress_s()
+        return since_s if since_s > self.stall_limit_s else None
+
+
+def incarnation_of(value: str) -> str | None:
+    """The `incarnation` field of a registration value, None if unreadable."""
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return None
+    found = data.get("incarnation") if isinstance(data, dict) else None
+    return found if isinstance(found, str) else None
+
+
+class _LeaseKeeper:
+    """Keeps one lease (and the key on it) alive; `step()` is one keep-alive attempt and
+    returns the pause until the next, run from a daemon thread (or by a test).
+
+    `regrant=True` (membership): a lost lease is replaced by a new one and the key re-put,
+    unless another incarnation holds the key (then `conflict` says so and the keeper ends).
     `regrant=False` (leadership): a lost lease ends the keeper and marks it lost.
     """
 
@@ -50,22 +111,42 @@ class _LeaseKeeper:
         *,
         regrant: bool,
         what: str,
+        kind: str,
+        granted_at_s: float,
+        incarnation: str | None = None,
         on_lost: Callable[[], None] | None = None,
+        gate: ProgressGate | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
     ) -> None:
         self._kv = kv
         self._key = key
         self._value = value
         self.ttl_s = ttl_s
+        self.fence_s = fence_after_s(ttl_s, kv.request_timeout_s)
+        # Three tries fit before the fence point: a reply up to two intervals late (a busy
+        # etcd, a busy process) does not fence the holder.
+        self.interval_s = self.fence_s / 3.0
         self._lease_id = lease_id
         self._regrant = regrant
         self._what = what
+        self._kind = kind
+        self._incarnation = incarnation
         self._on_lost = on_lost
+        self._gate = gate
+        self._clock = clock
         self._stop = threading.Event()
-        self._lost = threading.Event()
         self._lock = threading.Lock()
-        self._last_ok = time.monotonic()
+        self._sent_ok = granted_at_s  # send instant of the last keep-alive etcd answered
+        self._lost = False
+        self._conflict: str | None = None
+        self._need_put = False
+        self._granted_at_s = granted_at_s
+        self._failing = False
+        self._stalled = False
         self._thread = threading.Thread(target=self._run, name=f"lease-{what}", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     @property
     def lease_id(self) -> int:
@@ -73,75 +154,188 @@ class _LeaseKeeper:
             return self._lease_id
 
     @property
-    def lost(self) -> bool:
-        return self._lost.is_set()
-
-    def seconds_since_refresh(self) -> float:
+    def conflict(self) -> str | None:
         with self._lock:
-            return time.monotonic() - self._last_ok
+            return self._conflict
+
+    def may_have_lapsed(self) -> bool:
+        """True when the holder must stop acting: the lease is known lost, or no keep-alive
+        sent within the last `fence_s` was answered."""
+        with self._lock:
+            if self._lost or self._conflict is not None:
+                return True
+            return self._clock() - self._sent_ok >= self.fence_s
 
     def _run(self) -> None:
-        interval_s = self.ttl_s / 3.0
-        failing = False
-        need_put = False
-        while not self._stop.wait(RETRY_MIN_S * 5 if failing else interval_s):
-            try:
-                if need_put:
-                    self._kv.put(self._key, self._value(), self.lease_id)
-                    need_put = False
-                    log.info("%s: key %s re-put on lease %x", self._what, self._key, self.lease_id)
-                else:
-                    self._kv.refresh(self.lease_id)
+        delay_s = self.interval_s
+        while not self._stop.wait(delay_s):
+            delay_s = self.step()
+
+    def step(self) -> float:
+        """One keep-alive attempt (or a re-put); returns the pause before the next."""
+        stalled_s = self._gate.stalled_s() if self._gate is not None else None
+        if stalled_s is not None:
+            if not self._stalled:
+                self._stalled = True
+                log.warning(
+                    "%s: decision loop stalled %.0f s: %s lease not renewed",
+                    self._what,
+                    stalled_s,
+                    self._kind,
+                )
+            return self.interval_s
+        if self._stalled:
+            self._stalled = False
+            log.info("%s: decision loop running again: %s lease renewed", self._what, self._kind)
+        try:
+            if self._need_put:
+                self._reput()
+            else:
+                sent_s = self._clock()
+                self._kv.refresh(self.lease_id)
                 with self._lock:
-                    self._last_ok = time.monotonic()
-                if failing:
-                    log.info("%s: etcd reachable again, lease %x kept", self._what, self.lease_id)
-                failing = False
-            except LeaseNotFoundError:
-                if self._stop.is_set():
-                    return  # revoked on purpose (resign/close)
-                if not self._regrant:
-                    log.info("%s: lease %x lost; giving up the key", self._what, self.lease_id)
-                    self._lost.set()
-                    if self._on_lost is not None:
-                        self._on_lost()
+                    self._sent_ok = sent_s
+            if self._failing:
+                log.info("%s: etcd reachable again, lease %x kept", self._what, self.lease_id)
+            self._failing = False
+        except LeaseNotFoundError:
+            if self._stop.is_set():
+                return self.interval_s  # revoked on purpose (resign/close)
+            with self._lock:
+                self._lost = True  # fences at once, until the key is re-put
+            if not self._regrant:
+                log.warning("%s: lease %x lost; giving up the key", self._what, self.lease_id)
+                self._stop.set()
+                if self._on_lost is not None:
+                    self._on_lost()
+                return self.interval_s
+            self._need_put = True
+            return self._grant()
+        except ClusterUnavailableError as exc:
+            if not self._failing:
+                log.warning("%s: keep-alive failed, retrying: %s", self._what, exc)
+            self._failing = True
+            return FAILING_RETRY_S
+        if self._conflict is not None or not self._need_put:
+            return self.interval_s
+        return FAILING_RETRY_S  # the re-put is retried soon, not after a whole interval
+
+    def _grant(self) -> float:
+        try:
+            sent_s = self._clock()
+            new_id = self._kv.grant(self.ttl_s)
+        except ClusterUnavailableError:
+            self._failing = True
+            return FAILING_RETRY_S
+        with self._lock:
+            old, self._lease_id = self._lease_id, new_id
+        self._granted_at_s = sent_s
+        log.info("%s: lease %x lost; granted lease %x", self._what, old, new_id)
+        return RETRY_MIN_S  # the key is re-put at the next step
+
+    def _reput(self) -> None:
+        """Put the key on the new lease only if it is absent or holds this incarnation."""
+        lease_id = self.lease_id
+        value = self._value()
+        ok, found, _ = self._kv.txn(
+            [Compare(self._key, "create", 0)], [Put(self._key, value, lease_id)], [self._key]
+        )
+        if not ok:
+            held = found[0] if found else None
+            if held is None:
+                return  # deleted between compare and read: the next step tries again
+            if held.lease_id != lease_id:  # else: put by an earlier try whose answer was lost
+                if incarnation_of(held.value) != self._incarnation:
+                    self._give_up(held)
                     return
-                try:
-                    new_id = self._kv.grant(self.ttl_s)
-                except ClusterUnavailableError:
-                    failing = True
-                    continue
-                with self._lock:
-                    old, self._lease_id = self._lease_id, new_id
-                need_put = True
-                failing = True  # retry the put soon instead of after ttl/3
-                log.info("%s: lease %x lost; granted lease %x", self._what, old, new_id)
-            except ClusterUnavailableError as exc:
-                if not failing:
-                    log.warning("%s: keep-alive failed, retrying: %s", self._what, exc)
-                failing = True
+                # Our own key on an older lease (a put whose answer was lost): take it over.
+                ok, _, _ = self._kv.txn(
+                    [Compare(self._key, "mod", held.mod_revision)],
+                    [Put(self._key, value, lease_id)],
+                )
+                if not ok:
+                    return
+        with self._lock:
+            self._lost = False
+            self._sent_ok = self._granted_at_s
+        self._need_put = False
+        log.info("%s: key %s re-put on lease %x", self._what, self._key, lease_id)
+
+    def _give_up(self, held: KeyValue) -> None:
+        message = (
+            f"another agent with the same node id is registered: {self._key} holds "
+            f"incarnation {incarnation_of(held.value) or '?'}, this agent is "
+            f"{self._incarnation or '?'}; not overwriting it, this agent stops"
+        )
+        log.error("%s: %s", self._what, message)
+        with self._lock:
+            self._conflict = message
+        self._stop.set()
+        with contextlib.suppress(ClusterUnavailableError, LeaseNotFoundError):
+            self._kv.revoke(self.lease_id)  # our unused new lease
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._kv.request_timeout_s * 2 + 1)
 
 
 class Registration:
-    """A node's membership key under its own lease; `close()` revokes it (the node leaves)."""
+    """A node's membership key under its own lease; `close()` revokes it (the node leaves).
 
-    def __init__(self, kv: EtcdKV, key: str, node_id: str, info: dict[str, Any], ttl_s: int):
+    The value carries this agent's `incarnation` (from `info`, or a new one): a lost lease is
+    re-put only over an absent key or this incarnation's, never over another agent's."""
+
+    def __init__(
+        self,
+        kv: EtcdKV,
+        key: str,
+        node_id: str,
+        info: dict[str, Any],
+        ttl_s: int,
+        *,
+        gate: ProgressGate | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ) -> None:
         self.node_id = node_id
+        self.incarnation = str(info.get("incarnation") or uuid.uuid4().hex[:12])
         self._kv = kv
         self._key = key
         self._info_lock = threading.Lock()
-        self._value = dumps({**info, "node_id": node_id, "registered_at": time.time()})
+        self._value = self._dump(info)
+        fence_after_s(ttl_s, kv.request_timeout_s)  # refused before anything is written
+        sent_s = clock()
         lease_id = kv.grant(ttl_s)
+        # A newer agent started with this node id takes the key over: the one whose lease
+        # lapsed (a partition, a stall) is the one that must go.
         kv.put(key, self._value, lease_id)
         self._keeper = _LeaseKeeper(
-            kv, key, self._current, ttl_s, lease_id, regrant=True, what=f"node {node_id}"
+            kv,
+            key,
+            self._current,
+            ttl_s,
+            lease_id,
+            regrant=True,
+            what=f"node {node_id}",
+            kind="membership",
+            granted_at_s=sent_s,
+            incarnation=self.incarnation,
+            gate=gate,
+            clock=clock,
+            start=start,
         )
         log.info("node %s registered (lease %x, ttl %d s)", node_id, lease_id, ttl_s)
+
+    def _dump(self, info: dict[str, Any]) -> str:
+        return dumps(
+            {
+                **info,
+                "node_id": self.node_id,
+                "incarnation": self.incarnation,
+                "registered_at": time.time(),
+            }
+        )
 
     def _current(self) -> str:
         with self._info_lock:
@@ -151,22 +345,42 @@ class Registration:
     def lease_id(self) -> int:
         return self._keeper.lease_id
 
+    @property
+    def conflict(self) -> str | None:
+        """Why this registration ended for good: another agent with the same node id holds
+        the key. None otherwise."""
+        return self._keeper.conflict
+
     def may_have_lapsed(self) -> bool:
         """True when this node cannot know that its membership still stands: no keep-alive
-        succeeded for a whole TTL (etcd unreachable, or this process stalled), or the lease
-        was lost and the key is not re-put yet. The agent fences itself meanwhile."""
-        return self._keeper.seconds_since_refresh() >= self._keeper.ttl_s
+        sent in the last `ttl - max(request timeout, ttl/3)` was answered (etcd unreachable,
+        this process or its loop stalled), or the lease is known lost and the key not re-put
+        yet, or another agent holds the key. The agent fences itself meanwhile."""
+        return self._keeper.may_have_lapsed()
 
-    def update(self, info: dict[str, Any]) -> None:
-        """Replace the registered info (same lease)."""
+    def update(self, info: dict[str, Any]) -> bool:
+        """Replace the registered info, only while the key is on this registration's lease
+        (never over another agent's key). False if not written now; the keeper writes the
+        new info when it re-puts the key."""
         with self._info_lock:
-            self._value = dumps({**info, "node_id": self.node_id, "registered_at": time.time()})
-        self._kv.put(self._key, self._current(), self.lease_id)
+            self._value = self._dump(info)
+        lease_id = self.lease_id
+        ok, _, _ = self._kv.txn(
+            [Compare(self._key, "lease", lease_id)], [Put(self._key, self._current(), lease_id)]
+        )
+        if not ok:
+            log.warning(
+                "node %s: info not updated, key %s is not on lease %x",
+                self.node_id,
+                self._key,
+                lease_id,
+            )
+        return ok
 
     def close(self, *, revoke: bool = True) -> None:
         """Stop the keep-alive; with `revoke` the key disappears at once (a clean leave)."""
         self._keeper.stop()
-        if revoke:
+        if revoke and self.conflict is None:
             try:
                 self._kv.revoke(self.lease_id)
                 log.info("node %s deregistered", self.node_id)
@@ -186,6 +400,11 @@ class Leadership:
         lease_id: int,
         create_revision: int,
         on_lost: Callable[[], None] | None,
+        *,
+        granted_at_s: float,
+        gate: ProgressGate | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
     ) -> None:
         self.node_id = node_id
         self.create_revision = create_revision
@@ -201,7 +420,12 @@ class Leadership:
             lease_id,
             regrant=False,
             what=f"leader {node_id}",
+            kind="leader",
+            granted_at_s=granted_at_s,
             on_lost=on_lost,
+            gate=gate,
+            clock=clock,
+            start=start,
         )
 
     @property
@@ -209,13 +433,10 @@ class Leadership:
         return self._keeper.lease_id
 
     def is_held(self) -> bool:
-        """False once lost or resigned, or when the lease may have lapsed unseen (no refresh
-        for a whole TTL). etcd still fences every write; this only says "stop acting"."""
-        return (
-            not self._resigned
-            and not self._keeper.lost
-            and self._keeper.seconds_since_refresh() < self.ttl_s
-        )
+        """False once lost or resigned, or when the lease may have lapsed unseen (no
+        keep-alive sent in the last `ttl - max(request timeout, ttl/3)` was answered). etcd
+        still fences every write; this only says "stop acting"."""
+        return not self._resigned and not self._keeper.may_have_lapsed()
 
     def resign(self) -> None:
         """Give up leadership now: another node can win at once (no TTL wait)."""

@@ -4,6 +4,7 @@ etcd restart, barriers, and behaviour while etcd is down."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,8 @@ from elasticpp.cluster import (
     GenerationConflictError,
     GenerationRecord,
     JobEpoch,
+    ProgressGate,
+    Registration,
     WatchEvent,
 )
 from elasticpp.cluster.etcd_client import EtcdKV
@@ -133,6 +136,87 @@ def test_lost_registration_lease_is_regranted_and_key_reput(
         what="n1 re-registered on a new lease",
     )
     assert b.members().nodes["n1"]["address"] == "x"
+
+
+def _manual_registration(client: ClusterClient, incarnation: str) -> Registration:
+    """n1's registration whose keep-alive steps are taken by the test (no thread)."""
+    info = {"address": "x", "incarnation": incarnation}
+    return Registration(client._kv, client.keys.node("n1"), "n1", info, 2, start=False)
+
+
+@pytest.mark.timeout(30)
+def test_a_revoked_registration_lease_fences_at_once_and_unfences_after_the_re_put(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a, b = clients(), clients()
+    reg = _manual_registration(a, "inc-a")
+    reg._keeper.step()
+    assert not reg.may_have_lapsed()
+    old_lease = reg.lease_id
+    b._kv.revoke(old_lease)  # as if it expired while etcd was unreachable
+    reg._keeper.step()  # etcd says the lease is gone; a new one is granted
+    assert reg.may_have_lapsed()  # at once: no TTL wait for a lease known lost
+    assert "n1" not in b.members().nodes
+    reg._keeper.step()  # the key re-put on the new lease
+    assert not reg.may_have_lapsed()
+    assert reg.lease_id != old_lease
+    assert b.members().nodes["n1"]["incarnation"] == "inc-a"
+    reg.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_lapsed_registration_never_overwrites_another_incarnation_of_its_node(
+    clients: Callable[[], ClusterClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = clients(), clients()
+    old = _manual_registration(a, "inc-old")
+    b._kv.revoke(old.lease_id)  # the old agent was cut off past its TTL...
+    b.register("n1", {"address": "y", "incarnation": "inc-new"}, ttl_s=2)  # ...and replaced
+    with caplog.at_level(logging.ERROR, logger="elasticpp.cluster.client"):
+        old._keeper.step()  # lease lost: granted anew
+        old._keeper.step()  # the key is the replacement's: left alone
+    node = b.members().nodes["n1"]
+    assert node["incarnation"] == "inc-new" and node["address"] == "y"
+    assert old.conflict is not None and "another agent with the same node id" in old.conflict
+    assert old.may_have_lapsed()
+    assert any("inc-new" in r.message and r.levelno == logging.ERROR for r in caplog.records)
+    old._keeper.step()  # and it stays so
+    assert b.members().nodes["n1"]["incarnation"] == "inc-new"
+
+
+@pytest.mark.timeout(40)
+def test_a_registration_whose_loop_stalls_lapses_and_comes_back_when_it_runs(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    stalled = threading.Event()
+    gate = ProgressGate(lambda: 60.0 if stalled.is_set() else 0.0, 5.0)
+    reg = a.register("n1", {"address": "x"}, ttl_s=2, gate=gate)
+    started = time.monotonic()
+    wait_for(lambda: time.monotonic() - started > 2.5, what="a TTL of keep-alive")
+    assert "n1" in b.members().nodes
+    stalled.set()
+    wait_for(lambda: "n1" not in b.members().nodes, timeout_s=10, what="n1's lease to lapse")
+    assert reg.may_have_lapsed()
+    stalled.clear()
+    wait_for(lambda: "n1" in b.members().nodes, timeout_s=10, what="n1 registered again")
+    wait_for(lambda: not reg.may_have_lapsed(), what="n1 unfenced")
+
+
+@pytest.mark.timeout(40)
+def test_a_leadership_whose_loop_stalls_loses_the_term(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    stalled = threading.Event()
+    gate = ProgressGate(lambda: 60.0 if stalled.is_set() else 0.0, 5.0)
+    lead = a.campaign("n1", ttl_s=2, gate=gate)
+    assert lead is not None
+    stalled.set()
+    wait_for(lambda: b.leader() is None, timeout_s=10, what="the leader key to lapse")
+    assert not lead.is_held()
+    stalled.clear()
+    assert b.campaign("n2", ttl_s=2) is not None
 
 
 # ---------------------------------------------------------------------------- election

@@ -1,0 +1,96 @@
+"""An agent's terms against a real etcd: a deposed leader that wins again first resigns its
+old term (no keep-alive thread or lease outlives its term), driven through the agent's own
+campaign step; and a real agent that comes back after its membership lapsed, to find another
+agent registered under its node id, exits 2 saying so and leaves the other's key alone."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticpp.agent.localcluster import LocalCluster, kill_tree
+from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster import ClusterClient, LeaseNotFoundError
+from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.waiting import wait_until
+from tests.unit.test_agent_done import SPEC, SPEC_FIELDS
+
+
+@pytest.fixture
+def agent(tmp_path: Path, etcd: EtcdServer) -> Iterator[Agent]:
+    """Node n0's agent, joined to etcd only for the calls the campaign step makes."""
+    made = Agent(AgentConfig("n0", (etcd.endpoint,), "127.0.0.1:0", 2, tmp_path), SPEC)
+    made.cluster = ClusterClient([etcd.endpoint], SPEC.name, request_timeout_s=1.0)
+    made._torch_ready.set()
+    made._start_rendezvous_store = lambda: None  # type: ignore[method-assign]  # no torch
+    yield made
+    made.shutdown()
+
+
+def _leader_keepers() -> int:
+    return sum(t.name == "lease-leader n0" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.timeout(30)
+def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
+    agent: Agent, etcd: EtcdServer
+) -> None:
+    assert agent.cluster is not None
+    agent._leader = None
+    agent._maybe_campaign()
+    first = agent._leadership
+    assert first is not None and _leader_keepers() == 1
+    with ClusterClient([etcd.endpoint], SPEC.name) as other:
+        assert other.depose("n0")  # confirmed dead by a peer's probe, wrongly
+    agent._leader = agent.cluster.leader()  # what the next refresh reads: no leader
+    assert agent._leader is None
+    for _ in range(2):  # lost the term; then campaigns and wins again
+        agent._maybe_campaign()
+    second = agent._leadership
+    assert second is not None and second is not first and agent.cluster.leader() == "n0"
+    assert _leader_keepers() == 1  # the old term's keep-alive ended
+    with pytest.raises(LeaseNotFoundError):
+        agent.cluster._kv.refresh(first.lease_id)  # and its lease was revoked
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_back_from_a_lapse_finds_its_node_id_taken_and_exits_2(
+    tmp_path: Path, no_orphans: None
+) -> None:
+    spec = {**SPEC_FIELDS, "name": "ids", "steps": 100000, "lease_ttl_s": 3, "max_nodes": 2}
+    lc = LocalCluster(tmp_path / "job", spec, nodes=1, slots=1)
+    first = None
+    try:
+        lc.start()
+        with ClusterClient([lc.etcd.endpoint], "ids") as c:
+
+            def incarnation() -> str | None:
+                node = c.members().nodes.get("node-0")
+                return None if node is None else str(node["incarnation"])
+
+            lc.wait_for(lambda: incarnation() is not None, 120, "node-0 registered")
+            old = incarnation()
+            first = lc.node("node-0").proc
+            assert first is not None
+            kill_tree(first.pid, signal.SIGSTOP)  # cut off: its lease lapses
+            assert wait_until(lambda: incarnation() is None, 30)
+            # A replacement started with the same node id (its own state dir) registers.
+            lc.node("node-0").state_dir = tmp_path / "job" / "node-0-replacement"
+            lc.start_node("node-0")
+            assert wait_until(lambda: incarnation() not in (None, old), 120)
+            new = incarnation()
+            kill_tree(first.pid, signal.SIGCONT)  # the old agent comes back
+            assert first.wait(timeout=60) == 2
+            assert incarnation() == new  # the replacement's key was never overwritten
+        log = lc.node("node-0").log_path.read_text()
+        assert "another agent with the same node id is registered" in log
+    finally:
+        if first is not None and first.poll() is None:
+            kill_tree(first.pid, signal.SIGCONT)
+            kill_tree(first.pid)
+            first.wait(timeout=10)
+        lc.close()
