@@ -105,8 +105,14 @@ class LocalCluster:
                 return n
         raise LocalClusterError(f"no node {node_id}")
 
-    def start_node(self, node_id: str) -> Node:
+    def start_node(
+        self, node_id: str, *, env: dict[str, str] | None = None, state_dir: Path | None = None
+    ) -> Node:
+        """Start `node_id`'s agent; `env` adds to its environment (and its workers'),
+        `state_dir` replaces its state directory (a small file system, say)."""
         n = self.node(node_id)
+        if state_dir is not None:
+            n.state_dir = state_dir
         n.port, n.metrics_port = free_ports(2)
         n.state_dir.mkdir(parents=True, exist_ok=True)
         n.log_path = self.workdir / f"{node_id}.log"
@@ -136,6 +142,7 @@ class LocalCluster:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **env} if env else None,
                 start_new_session=True,
                 preexec_fn=self._enter_cgroup(node_id),
             )
