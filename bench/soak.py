@@ -4,8 +4,9 @@
 
 N agents on a real etcd (a `LocalCluster`), one job, and a fault injector that draws a fault
 kind at random (seeded; every kind comes up once before any comes up again) whenever the job
-is steady: every node is in the newest generation, training makes progress and every warm
-pool is full. After each fault it checks that training resumes (two new steps within
+is steady: the generation in etcd has no failure reported, every node runs its ranks of it
+(live, not stopped worker processes), training makes progress and every warm pool is full.
+After each fault it checks that training resumes (two new steps within
 `--resume-timeout-s`), gives back what the fault took (restarts a killed node, continues a
 stopped process) and waits until the job is steady again. At the end the job runs to its
 last step and the harness checks:
@@ -178,24 +179,92 @@ def committed_step(lc: LocalCluster) -> int | None:
     return None
 
 
-def steady(lc: LocalCluster, since_step: int) -> bool:
-    """Every node runs its ranks in the newest generation, which trained two steps past
-    `since_step`, and every node's warm pool is full."""
-    rows = lc.metrics()
-    if not rows:
+def running(pid: int) -> bool:
+    """Whether `pid` exists and can run: not gone, not a zombie waiting to be reaped, not
+    stopped. The process itself, not what an agent last reported of it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    gen = max(int(r["generation"]) for r in rows)
-    in_gen = [r for r in rows if int(r["generation"]) == gen]
-    if {r["node"] for r in in_gen} != {n.node_id for n in lc.nodes}:
+    return stat[stat.rindex(")") + 2 :].split()[0] not in ("Z", "X", "x", "T", "t")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as the harness sees it when it asks whether the job is steady."""
+
+    node_id: str
+    generation: int  # the agent's, as it reports it (-1: it did not answer)
+    phase: str
+    ranks_planned: frozenset[int]  # this node's ranks in etcd's generation
+    ranks_running: frozenset[int]  # reported running, and the process alive, not stopped
+    warm_ready: int  # warm workers waiting for an assignment
+    agent_alive: bool
+
+
+@dataclass(frozen=True)
+class JobView:
+    generation: int  # etcd's generation record (0: none, or etcd unreadable)
+    failures: frozenset[str]  # nodes that reported a failure in it
+    nodes: tuple[NodeView, ...]
+    newest_step: int  # the newest step trained in etcd's generation (-1: none)
+
+
+def is_steady(view: JobView, since_step: int, slots: int) -> bool:
+    """The job runs undisturbed: the generation in etcd has no failure reported, every node
+    runs its ranks of it (as its agent reports, and the processes are alive and not
+    stopped), it trained two steps past `since_step`, and every node's warm pool is full.
+
+    The processes are checked, not only the agents' word, and the generation is etcd's, not
+    the newest in the metrics: an agent's status and its metrics lag what happened (a worker
+    just killed is still listed; steps of a generation whose workers are dead are still
+    being written after an agent's loop waited on etcd), and a fault injected then finds the
+    job between generations, with no worker to act on."""
+    if view.generation <= 0 or view.failures:
         return False
-    if max(int(r["step"]) for r in in_gen) < since_step + 2:
-        return False
+    for n in view.nodes:
+        if not (n.agent_alive and n.generation == view.generation and n.phase == "running"):
+            return False
+        if not n.ranks_planned or n.ranks_running != n.ranks_planned or n.warm_ready < slots:
+            return False
+    return view.newest_step >= since_step + 2
+
+
+def observe(lc: LocalCluster) -> JobView:
+    from elasticpp.cluster import ClusterClient
+    from elasticpp.plan import Plan
+
+    none = JobView(0, frozenset(), (), -1)
+    try:
+        with ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c:
+            record, _ = c.read_generation()
+            if record is None:
+                return none
+            failed, _ = c.barrier_state(f"failed-{record.generation}")
+    except Exception:  # etcd down or restarting
+        return none
+    plan = Plan.from_dict(record.plan)
+    nodes = []
     for n in lc.nodes:
-        if n.proc is None or n.proc.poll() is not None:
-            return False
-        if sum(blocked_reading_stdin(p) for p in children(n.proc.pid)) < lc.slots:
-            return False
-    return True
+        proc = n.proc
+        alive = proc is not None and proc.poll() is None and running(proc.pid)
+        try:
+            st = status(lc, n.node_id)
+            gen, phase = int(st.generation), str(st.phase)
+            ranks = frozenset(w.rank for w in st.workers if w.state == "running" and running(w.pid))
+        except Exception:  # the agent does not answer (stopped, restarting)
+            gen, phase, ranks = -1, "", frozenset()
+        warm = 0
+        if proc is not None and alive:
+            warm = sum(blocked_reading_stdin(p) for p in children(proc.pid))
+        planned = frozenset(s.rank for s in plan.ranks_on(n.node_id))
+        nodes.append(NodeView(n.node_id, gen, phase, planned, ranks, warm, alive))
+    steps = [int(r["step"]) for r in lc.metrics() if int(r["generation"]) == record.generation]
+    return JobView(record.generation, frozenset(failed), tuple(nodes), max(steps, default=-1))
+
+
+def steady(lc: LocalCluster, since_step: int) -> bool:
+    return is_steady(observe(lc), since_step, lc.slots)
 
 
 # --------------------------------------------------------------------------- sandbox

@@ -166,7 +166,7 @@ class LeaderPart:
             return
         self._lead_resume(gs, view)
         self._lead_timeline(gs)
-        self._lead_safe_step(gs)
+        self._lead_safe_step(gs, time.monotonic())
 
     def _write_generation(self, decision: Replan, view: ClusterView) -> None:
         assert self.cluster is not None
@@ -370,15 +370,15 @@ class LeaderPart:
             "{steps_recomputed} step(s) recomputed".format(**timeline),
         )
 
-    def _lead_safe_step(self, gs: _GenState) -> None:
+    def _lead_safe_step(self, gs: _GenState, now_s: float) -> None:
         """Publish the newest safe step of the running generation when it rises (every
-        `SAFE_EVERY_S`): the newest anchor that every node with ranks holds, and its replica
-        holders hold a replica of, by their commit records (elasticpp.store.replicate)."""
+        `SAFE_EVERY_S` of the monotonic clock, `now_s`): the newest anchor that every node
+        with ranks holds, and its replica holders hold a replica of, by their commit records
+        (elasticpp.store.replicate)."""
         r = self.spec.replication_copies
-        now = time.monotonic()
-        if not r or not gs.resume_written or now - self._safe_checked_s < SAFE_EVERY_S:
+        if not r or not gs.resume_written or now_s - self._safe_checked_s < SAFE_EVERY_S:
             return
-        self._safe_checked_s = now
+        self._safe_checked_s = now_s
         assert self.cluster is not None
         records = self.cluster.commit_records(gs.generation)
         # The ring replication uses (`_replicate_async`): the plan's nodes with ranks.

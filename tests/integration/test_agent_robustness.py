@@ -140,6 +140,16 @@ def test_health_is_not_serving_until_the_agent_has_joined_the_job(cluster: Local
     assert wait_until(lambda: _health_or_none(node.address) == "SERVING", 90)
 
 
+def _skipped_values(port: int) -> float:
+    """An agent's count of unreadable etcd values it skipped (0 until it serves metrics)."""
+    from tests.integration.test_agent_recovery import scrape
+
+    try:
+        return scrape(port).get("elasticpp_etcd_values_skipped_total", 0.0)
+    except OSError:
+        return 0.0  # not serving yet
+
+
 @pytest.mark.timeout(240)
 def test_unreadable_etcd_values_are_skipped_and_counted_not_fatal(
     cluster: LocalCluster, reference: dict[int, float]
@@ -147,14 +157,24 @@ def test_unreadable_etcd_values_are_skipped_and_counted_not_fatal(
     from elasticpp.cluster import ClusterClient
     from elasticpp.cluster.etcd_client import EtcdKV
 
-    cluster.start()
-    cluster.wait_for(lambda: cluster.max_step() >= 2, 120, "step 2")
+    # The barrier values are there before the agents start: every agent reads them on every
+    # refresh from its first on, so its counter is up long before the job can finish (and
+    # its metrics go with it). A commit record, even an unreadable one, says the job
+    # committed before (it would not start from scratch): that one comes once it trains.
+    cluster.etcd.start()
     keys = ClusterClient([cluster.etcd.endpoint], SPEC["name"]).keys
     raw = EtcdKV([cluster.etcd.endpoint])
     try:
         raw.put(keys.barrier("done", "intruder"), "{not json")
         raw.put(keys.barrier("timelines", "intruder"), json.dumps({"format_version": 99}))
         raw.put(keys.suspect("intruder"), "[1, 2, 3]")
+        cluster.start()
+        cluster.wait_for(
+            lambda: all(_skipped_values(n.metrics_port) > 0 for n in cluster.nodes),
+            120,
+            "every agent to count the values it skipped",
+        )
+        cluster.wait_for(lambda: cluster.max_step() >= 2, 120, "step 2")
         raw.put(keys.commit(1, "intruder"), json.dumps({"format_version": 1, "step": "x"}))
     finally:
         raw.close()

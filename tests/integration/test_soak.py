@@ -35,6 +35,7 @@ def test_a_short_soak_survives_a_dozen_mixed_faults_on_the_reference_curve(
     )
     left_out = sorted(set(KINDS) - set(kinds))
     report = "\n".join([*lines, table(result), f"kinds left out here: {left_out or 'none'}"])
+    print(report)  # the harness's log, with -s
     assert len(result.faults) == FAULTS, report
     assert {f.kind for f in result.faults} == set(kinds), report
     assert all(f.survived for f in result.faults), report

@@ -3,6 +3,7 @@ constructed agent, recorded events, a fake of the cluster's one call it makes he
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -11,9 +12,11 @@ from typing import Any
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
+from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.train.procs import EXITED
 
 # One node, one tiny model: the job of every constructed agent here (and in the control
@@ -262,16 +265,33 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
 def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_copy(
     tmp_path: Path,
 ) -> None:
-    spec = parse_job_spec({**SPEC_FIELDS, "persist_dir": str(tmp_path / "ckpt")})
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "a"), spec)
-    secret = tmp_path / "secret.txt"
+    # The traversed source exists with the right checksum and size: only the name check
+    # stands between this resume and a file written outside the generation's resume dir.
+    ckpt = tmp_path / "ckpt"
+    (ckpt / step_dirname(3)).mkdir(parents=True)
+    secret = ckpt / "secret.txt"
     secret.write_text("not state")
+    data = secret.read_bytes()
+    spec = parse_job_spec({**SPEC_FIELDS, "persist_dir": str(ckpt)})
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "a"), spec)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=3)
     gs = _GenState(record=record, phase=Phase.MOVING)
-    bad = ["../../secret.txt", "<disk>", "<disk>", "0" * 64, 9]
+    before = {p for p in (tmp_path / "a").rglob("*")}
+    bad = ["../secret.txt", DISK_SOURCE, DISK_SOURCE, hashlib.sha256(data).hexdigest(), len(data)]
     agent._fetch(gs, {"step": 3, "fetches": {"0": [bad]}})
-    assert gs.fetch_error is not None and "secret.txt" in gs.fetch_error
-    assert not any(p.name == "secret.txt" for p in (tmp_path / "a").rglob("*"))
+    resume_dir = agent._resume_dir(gs)
+    assert resume_dir == tmp_path / "a" / "resume" / "gen-000002"
+    new = {p for p in (tmp_path / "a").rglob("*")} - before
+    outside = [
+        p
+        for p in new
+        if p != resume_dir
+        and resume_dir not in p.parents  # the resume dir and what is in it
+        and not (p.is_dir() and p in resume_dir.parents)  # its parent, created with it
+    ]
+    assert not outside, outside
+    assert not [p for p in new if p.is_file()], new  # refused before any copy
+    assert gs.fetch_error is not None and "not a piece name: '../secret.txt'" in gs.fetch_error
 
 
 def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
+from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.node import Agent, AgentConfig, _GenState
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, Members, SafeStep
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
@@ -88,19 +89,22 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
 
 def test_the_leader_publishes_the_safe_step_only_when_it_rises(tmp_path: Path) -> None:
     agent, cluster, gs = _agent(tmp_path)
+    now = 1000.0  # the monotonic clock, given: no call depends on how fast the test runs
     cluster.record_commit(3, "n0", 8, [8, 7, 6], {"n1": [7, 6]})
     cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [6]})
-    agent._lead_safe_step(gs)
+    agent._lead_safe_step(gs, now)
     assert cluster.writes == [SafeStep(3, 6)]
     cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [8, 7, 6]})
-    agent._lead_safe_step(gs)
+    agent._lead_safe_step(gs, now + SAFE_EVERY_S * 0.9)
     assert cluster.writes == [SafeStep(3, 6)]  # computed at most every SAFE_EVERY_S
-    agent._safe_checked_s = 0.0
-    agent._lead_safe_step(gs)
+    agent._lead_safe_step(gs, now + SAFE_EVERY_S)
     assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]
-    agent._safe_checked_s = 0.0
+    agent._lead_safe_step(gs, now + 2 * SAFE_EVERY_S)
+    assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]  # the same step: no write
     cluster.safe = SafeStep(4, 1)  # a newer generation's, read back: no lower write
-    agent._lead_safe_step(gs)
+    cluster.record_commit(3, "n0", 9, [9, 8, 7], {"n1": [9, 8, 7]})
+    cluster.record_commit(3, "n1", 9, [9, 8, 7], {"n0": [9, 8, 7]})
+    agent._lead_safe_step(gs, now + 3 * SAFE_EVERY_S)
     assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]
 
 
