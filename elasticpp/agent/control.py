@@ -104,7 +104,8 @@ class ControlPart:
         gs = self._gen
         mine = {s.rank for s in gs.plan.ranks_on(self.node_id)} if gs else set()
         if gs and mine and mine <= gs.done_ranks and gs.phase is not Phase.DONE:
-            gs.enter(Phase.DONE)
+            if not gs.enter(Phase.DONE):
+                return  # e.g. halted: the halt, not a finish, is this job's end
             assert self.cluster is not None
             self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
             self._event("decision", f"job finished all {self.spec.steps} steps")

@@ -176,7 +176,8 @@ class DurabilityPart:
         gs = self._gen
         if gs is None or w.generation != gs.generation or gs.phase is Phase.HALTED:
             return
-        gs.enter(Phase.HALTED)
+        if not gs.enter(Phase.HALTED):
+            return
         self.metrics.halted.labels(**self.metrics.labels).set(1)
         own = self.store.committed_steps(self.node_id)
         newest = f"step {own[-1]}" if own else "none"

@@ -20,6 +20,7 @@ from typing import Any
 from elasticpp.agent.decide import (
     Phase,
     WorkerState,
+    may_enter,
     phase_deadline_s,
     phase_transition,
 )
@@ -30,7 +31,7 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
 )
 from elasticpp.cluster.records import GenerationRecord
-from elasticpp.errors import ElasticppError
+from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from elasticpp.train.procs import WorkerProcess
@@ -67,9 +68,20 @@ class _GenState:
     def generation(self) -> int:
         return self.record.generation
 
-    def enter(self, phase: Phase) -> None:
+    def enter(self, phase: Phase) -> bool:
+        """Move to `phase`; a transition not written down (a late or reordered
+        observation) is ignored and reported as False, never raised in the loop."""
+        if not may_enter(self.phase, phase):
+            log.info(
+                "generation %d: %s -> %s ignored (not a transition of a generation)",
+                self.generation,
+                self.phase.value,
+                phase.value,
+            )
+            return False
         self.phase = phase_transition(self.phase, phase)
         self.phase_since_s = time.monotonic()
+        return True
 
     def overdue(self, now_s: float, hang_timeout_s: float) -> float | None:
         """The deadline of the current phase if it has passed, else None."""
@@ -173,9 +185,16 @@ class FollowerPart:
         gs.enter(Phase.FAILED)
 
     def _enter_generation(self, rec: GenerationRecord) -> None:
+        try:
+            plan = Plan.from_dict(rec.plan)
+        except (ElasticppError, KeyError, TypeError, ValueError) as exc:
+            # A plan this build cannot read (a newer leader in a rolling upgrade): following
+            # a guess could break the fencing. Keep the current generation, count the value.
+            assert self.cluster is not None
+            self.cluster.skip_value(self.cluster.keys.generation, exc)
+            return
         old = self._gen
         self._gen = _GenState(rec)
-        plan = Plan.from_dict(rec.plan)
         self._event(
             "decision",
             f"generation {rec.generation}: layout {plan.layout} on "
@@ -292,37 +311,71 @@ class FollowerPart:
                 )
                 gs.enter(Phase.FAILED)
             return  # warm workers still importing torch
-        self._assign(gs, resume, mine, workers)
+        try:
+            self._assign(gs, resume, mine, workers)
+        except (ElasticppError, ValueError, KeyError, TypeError) as exc:
+            # All or nothing: no rank of this generation runs here, so a re-plan never meets
+            # a rank started twice (before, a part-way failure left some ranks assigned and
+            # the next tick assigned them again with fresh spares).
+            self._report_failure(gs.generation, f"ranks could not be handed to workers: {exc}")
+            gs.enter(Phase.FAILED)
+            return
         gs.enter(Phase.STARTING)  # the pool is refilled once they run (_refill_warm)
 
     def _assign(
         self, gs: _GenState, resume: dict[str, Any], mine: list[Any], workers: list[WorkerProcess]
     ) -> None:
+        """Hand this node's ranks to `workers`, all or none: every assignment is built
+        before the first is sent; if one cannot be sent (its spare died in the meantime),
+        the workers already assigned are killed and the untouched ones go back to the pool."""
         step = int(resume["step"])
         host, _, port = (gs.record.store_address or "").rpartition(":")
+        if not host or not port.isdigit():
+            self._warm.extend(workers)
+            raise ConfigError(
+                f"generation {gs.generation}: no rendezvous store address in the record "
+                f"({gs.record.store_address!r})"
+            )
         job = self.spec.train_config().to_dict()
-        for slot, proc in zip(mine, workers, strict=True):
-            assignment = {
-                "format_version": 1,
-                "plan": gs.record.plan,
-                "rank": slot.rank,
-                "store_host": host,
-                "store_port": int(port),
-                "store_prefix": f"gen{gs.generation}",
-                "job": job,
-                "start_step": step,
-                "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
-                "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
-                "snapshot_every": self.spec.snapshot_every,
-                "backend": self.cfg.backend,
-                "device": self.cfg.device,
-                "num_threads": self.cfg.worker_threads,
-                "gpu_index": self._gpus[slot.local_rank] if self.cfg.device == "cuda" else None,
-            }
-            w = _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
-            self._workers[proc.pid] = w
-            self._ready.discard(proc.pid)
-            proc.assign(assignment)
+        assignments = []
+        for slot in mine:
+            assignments.append(
+                {
+                    "format_version": 1,
+                    "plan": gs.record.plan,
+                    "rank": slot.rank,
+                    "store_host": host,
+                    "store_port": int(port),
+                    "store_prefix": f"gen{gs.generation}",
+                    "job": job,
+                    "start_step": step,
+                    "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
+                    "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
+                    "snapshot_every": self.spec.snapshot_every,
+                    "backend": self.cfg.backend,
+                    "device": self.cfg.device,
+                    "num_threads": self.cfg.worker_threads,
+                    "gpu_index": self._gpus[slot.local_rank] if self.cfg.device == "cuda" else None,
+                }
+            )
+        sent: list[WorkerProcess] = []
+        try:
+            for slot, proc, assignment in zip(mine, workers, assignments, strict=True):
+                sent.append(proc)
+                proc.assign(assignment)
+                self._workers[proc.pid] = _Worker(
+                    proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan
+                )
+                self._ready.discard(proc.pid)
+        except Exception:
+            for proc in sent:
+                w = self._workers.pop(proc.pid, None)
+                if w is not None:
+                    w.killed_by_us = True
+                proc.kill(wait=False)
+                self._ready.discard(proc.pid)
+            self._warm.extend(p for p in workers if p not in sent and p.alive())
+            raise
         self._event(
             "decision",
             f"generation {gs.generation}: started ranks {[s.rank for s in mine]} at step {step}",

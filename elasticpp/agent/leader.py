@@ -199,7 +199,7 @@ class LeaderPart:
             # A node whose agent restarts lost its workers: the plan must change even if the
             # node id came back before its lease lapsed.
             "incarnations": {n: str(self._members[n].get("incarnation")) for n in decision.nodes},
-            "previous_layout": Plan.from_dict(rec.plan).layout.__str__() if rec else "",
+            "previous_layout": _layout_of(rec),
             "detected_at": self._detection_time(generation),
             "planned_at": time.time(),
         }
@@ -409,3 +409,13 @@ class LeaderPart:
     def timelines(self) -> list[dict[str, Any]]:
         values = self._barriers.get("timelines", {})
         return sorted(values.values(), key=lambda t: int(t.get("generation", 0)))
+
+
+def _layout_of(rec: GenerationRecord | None) -> str:
+    """The layout of `rec` for the timeline; "" if none or unreadable (a newer format)."""
+    if rec is None:
+        return ""
+    try:
+        return str(Plan.from_dict(rec.plan).layout)
+    except (ElasticppError, KeyError, TypeError, ValueError):
+        return ""

@@ -429,36 +429,58 @@ class Agent(
 
     # ------------------------------------------------------------------ the loop
     def _tick(self) -> None:
-        self._drain_worker_events()
-        self._check_hangs()
-        self._check_warm_ready()
-        self._refill_warm()
-        self._check_gpus()
+        """One cycle. Each part's step runs in its own error boundary (`_part`): an error
+        in one is logged once and counted, and the parts after it still run; only an
+        unreachable etcd ends the etcd half of the tick early (training goes on)."""
+        for name, step in (
+            ("worker", self._drain_worker_events),
+            ("supervisor", self._check_hangs),
+            ("supervisor", self._check_warm_ready),
+            ("supervisor", self._refill_warm),
+            ("supervisor", self._check_gpus),
+        ):
+            self._part(name, step)
         now = time.monotonic()
         if self._dirty or now - self._last_refresh_s > 1.0:
-            self._refresh()
+            self._part("view", self._refresh)
         if not self._etcd_ok:
             return  # training goes on; membership changes wait for etcd
+        epoch_changed = self._epoch_check or (self._record is None and self.generation > 0)
+        if epoch_changed and (not self._part("view", self._check_epoch) or self._done):
+            return
+        for name, step in (("health", self._read_health), ("health", self._publish_halt)):
+            if not self._part(name, step):
+                return
+        if self._job_end is not None:
+            self._part("health", self._check_job_end)
+            return  # an ended job stays ended: nothing is planned or followed again
+        for name, step in (
+            ("follower", self._publish_failures),
+            ("liveness", self._check_leader),
+            ("leader", self._maybe_campaign),
+            ("follower", self._follow_generation),
+            ("leader", self._lead_if_leader),
+            ("control", self._check_done),
+            ("control", self._check_drain),
+        ):
+            if not self._part(name, step):
+                return
+
+    def _lead_if_leader(self) -> None:
+        if self._is_leader():
+            self._lead()
+
+    def _part(self, source: str, step: Callable[[], object]) -> bool:
+        """Run one part's step in its own error boundary. False when etcd is unreachable
+        (the steps after it that need etcd wait for the next tick)."""
         try:
-            if self._epoch_check or (self._record is None and self.generation > 0):
-                self._check_epoch()
-                if self._done:
-                    return
-            self._read_health()
-            self._publish_halt()
-            if self._job_end is not None:
-                self._check_job_end()
-                return  # an ended job stays ended: nothing is planned or followed again
-            self._publish_failures()
-            self._check_leader()
-            self._maybe_campaign()
-            self._follow_generation()
-            if self._is_leader():
-                self._lead()
-            self._check_done()
-            self._check_drain()
+            step()
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
+            return False
+        except Exception as exc:  # one part's error must not starve the others
+            self._survive(source, exc)
+        return True
 
 
 def run_agent(
