@@ -9,6 +9,7 @@ never fatal. Also the end of the job and of a drain.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from typing import Any
 
@@ -126,15 +127,26 @@ class ControlPart:
     def drain(self, timeout_s: float) -> tuple[bool, str]:
         """Leave the job: the leader re-plans without this node at a step boundary, the new
         layout takes this node's state, then the agent exits 0."""
+        # Called on a gRPC thread: the request is queued for the loop, which alone writes
+        # the agent's state (a flag read here is only a hint for the reply).
         if self._draining:
             return True, "already draining"
-        self._draining = True
-        self._drain_deadline_s = time.monotonic() + max(timeout_s, 1.0)
-        self._drain_requested_gen = self.generation
+        self._drain_requests.put(max(timeout_s, 1.0))
         self._wake.set()
         return True, "draining: the job moves off this node at the next step boundary"
 
+    def _take_drain_request(self) -> None:
+        try:
+            timeout_s = self._drain_requests.get_nowait()
+        except queue.Empty:
+            return
+        if not self._draining:
+            self._draining = True
+            self._drain_deadline_s = time.monotonic() + timeout_s
+            self._drain_requested_gen = self.generation
+
     def _check_drain(self) -> None:
+        self._take_drain_request()
         if not self._draining:
             return
         assert self.cluster is not None
@@ -164,7 +176,24 @@ class ControlPart:
         """What the control RPCs read: a snapshot the loop publishes (at most STATUS_EVERY_S
         old), never the loop's live state, which another thread must not iterate."""
         snap = self._status
-        return snap if snap is not None else self.status()
+        if snap is not None:
+            return snap
+        # Before the loop's first publication: what is known without reading its state.
+        return {
+            "node_id": self.node_id,
+            "job": self.spec.name,
+            "generation": 0,
+            "leader": "",
+            "phase": "waiting",
+            "ended": "",
+            "quarantined": {},
+            "layout": "",
+            "last_step": -1,
+            "last_loss": float("nan"),
+            "members": [],
+            "workers": [],
+            "recoveries": [],
+        }
 
     def status(self) -> dict[str, Any]:
         gs = self._gen

@@ -14,6 +14,8 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,22 @@ from elasticpp.train.procs import WorkerProcess
 log = logging.getLogger("elasticpp.agent")
 
 
+def run_in_thread(name: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Run `fn(*args)` on a daemon thread of its own; its result (or error) comes back
+    through the future, which the loop polls: the thread itself writes no agent state."""
+    future: Future[Any] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the loop, which decides what it means
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future
+
+
 @dataclass
 class _GenState:
     """This agent's progress through one generation."""
@@ -50,10 +68,10 @@ class _GenState:
     stop_began_s: float = field(default_factory=time.monotonic)
     killed_at_s: float | None = None  # when the old workers were first sent SIGKILL
     spares_replaced: int = 0  # never-ready spares replaced since this generation began
-    fetch_thread: threading.Thread | None = None
-    fetch_progress: TransferProgress | None = None  # set by the fetch when it begins
-    fetch_error: str | None = None
-    fetch_disk_error: bool = False  # the fetch failed on this node's own disk
+    # The state fetch runs on a thread of its own that writes nothing here: its outcome
+    # comes back through this future, its bytes through `fetch_progress` (thread-safe).
+    fetch: Future[Any] | None = None
+    fetch_progress: TransferProgress | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
     # Ranks of this node that reported "done": kept here, not on the worker, because a
@@ -164,8 +182,8 @@ class FollowerPart:
         progress = gs.fetch_progress
         if (
             gs.phase is Phase.MOVING
-            and gs.fetch_thread is not None
-            and gs.fetch_thread.is_alive()
+            and gs.fetch is not None
+            and not gs.fetch.done()
             and (progress is None or progress.idle_s(time.monotonic()) <= FETCH_STALL_S)
         ):
             # Held only while bytes arrive: a stalled or trickling fetch runs out of time.
@@ -275,26 +293,33 @@ class FollowerPart:
             self._event("decision", f"generation {gs.generation}: no ranks on this node (spare)")
             self._arrive_started(gs, moved_s=0.0)
             return
-        if gs.fetch_thread is None:
+        if gs.fetch is None:
             gs.resume = resume
-            gs.fetch_thread = threading.Thread(
-                target=self._fetch, args=(gs, resume), daemon=True, name="fetch-state"
+            gs.fetch_progress = TransferProgress()
+            gs.fetch = run_in_thread(
+                "fetch-state",
+                self._fetch,
+                gs,
+                resume,
+                gs.fetch_progress,
+                self._fetch_addresses(gs),
             )
-            gs.fetch_thread.start()
             return
-        if gs.fetch_thread.is_alive():
+        if not gs.fetch.done():
             return
-        if gs.fetch_error is not None:
+        outcome = gs.fetch.result()
+        gs.fetch_done_at = outcome.done_at
+        if outcome.error is not None:
             self._event(
-                "decision", f"generation {gs.generation}: state fetch failed: {gs.fetch_error}"
+                "decision", f"generation {gs.generation}: state fetch failed: {outcome.error}"
             )
             # This node's own disk (full, read-only, failing) cannot hold its state: it is
             # the cause, and a re-plan onto it would fail the same way.
             self._report_failure(
                 gs.generation,
-                f"state fetch failed: {gs.fetch_error}",
-                culprit=gs.fetch_disk_error,
-                severe=gs.fetch_disk_error,
+                f"state fetch failed: {outcome.error}",
+                culprit=outcome.disk_error,
+                severe=outcome.disk_error,
             )
             gs.enter(Phase.FAILED)
             return

@@ -187,6 +187,7 @@ class Agent(
         self._tcpstore: Any = None
         self._store_address: str | None = None
         self._draining = False
+        self._drain_requests: queue.SimpleQueue[float] = queue.SimpleQueue()  # from gRPC
         self._drain_deadline_s: float | None = None
         self._done = False
         self._exit_code = 0
@@ -453,6 +454,7 @@ class Agent(
                 return
         if self._job_end is not None:
             self._part("health", self._check_job_end)
+            self._part("control", self._check_drain)  # an idle agent leaves when drained
             return  # an ended job stays ended: nothing is planned or followed again
         for name, step in (
             ("follower", self._publish_failures),

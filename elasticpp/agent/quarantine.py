@@ -141,8 +141,7 @@ class QuarantinePart:
         assert self.cluster is not None
         if not self.cluster.lift_quarantine(node_id):
             return False, f"node {node_id} is not quarantined"
-        self._health_dirty = True
-        self._wake.set()
+        # The deletion reaches every agent's loop, this one's too, through its watch.
         return True, f"quarantine of {node_id} lifted; the leader plans it again as a join"
 
     # ------------------------------------------------------------------ the leader

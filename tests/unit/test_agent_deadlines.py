@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
+from elasticpp.agent.durability import FetchOutcome
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
 from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
@@ -127,7 +129,8 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     agent._spawn_warm = lambda: None  # type: ignore[method-assign]
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record, phase=Phase.MOVING)
-    gs.fetch_thread = _DoneThread()  # type: ignore[assignment]
+    gs.fetch = Future()
+    gs.fetch.set_result(FetchOutcome(done_at=time.time()))
     agent._gen = gs
     agent._barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
     agent._check_warm_ready()
@@ -142,11 +145,6 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     [(barrier, _node, report)] = cluster.arrivals
     assert barrier == "failed-2" and report["culprit"] and report["severe"]
     assert "not ready within 7 s" in report["reason"]
-
-
-class _DoneThread:
-    def is_alive(self) -> bool:
-        return False
 
 
 class _Leadership:
@@ -249,3 +247,29 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
     assert len(agent._written_steps) <= 4
     lines = agent.metrics_path.read_text().splitlines()
     assert len(lines) == 6 * 300  # each step written once
+
+
+class _Registration:
+    def __init__(self) -> None:
+        self.updates: list[dict[str, Any]] = []
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.updates.append(info)
+
+    def may_have_lapsed(self) -> bool:
+        return False
+
+
+def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
+    tmp_path: Path,
+) -> None:
+    """The drain RPC runs on a gRPC thread: it queues the request and writes nothing of the
+    agent's. An idle agent of an ended job leaves when drained (a pod's preStop hook)."""
+    agent, _ = _agent(tmp_path, on_job_end="idle")
+    agent._registration = _Registration()
+    agent._job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
+    agent._check_job_end()
+    accepted, _message = agent.drain(30.0)
+    assert accepted and not agent._draining  # nothing written from the RPC's thread
+    agent._check_drain()
+    assert agent._draining and agent._done and agent._exit_code == 0

@@ -125,9 +125,8 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     agent._gen = gs
     agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
     agent._move_state(gs)
-    assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch_thread is not None
-    gs.fetch_thread.join(timeout=10)
-    assert gs.fetch_error is None
+    assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch is not None
+    assert gs.fetch.result(timeout=10).error is None
 
 
 def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Path) -> None:
@@ -278,7 +277,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     gs = _GenState(record=record, phase=Phase.MOVING)
     before = {p for p in (tmp_path / "a").rglob("*")}
     bad = ["../secret.txt", DISK_SOURCE, DISK_SOURCE, hashlib.sha256(data).hexdigest(), len(data)]
-    agent._fetch(gs, {"step": 3, "fetches": {"0": [bad]}})
+    outcome = agent._fetch(gs, {"step": 3, "fetches": {"0": [bad]}})
     resume_dir = agent._resume_dir(gs)
     assert resume_dir == tmp_path / "a" / "resume" / "gen-000002"
     new = {p for p in (tmp_path / "a").rglob("*")} - before
@@ -291,7 +290,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     ]
     assert not outside, outside
     assert not [p for p in new if p.is_file()], new  # refused before any copy
-    assert gs.fetch_error is not None and "not a piece name: '../secret.txt'" in gs.fetch_error
+    assert outcome.error is not None and "not a piece name: '../secret.txt'" in outcome.error
 
 
 def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path: Path) -> None:
