@@ -352,10 +352,11 @@ class LeaderPart:
             "moved_s": max(moved_at, stopped_at) - detected,
             "resumed_s": resumed_at - detected,
         }
-        self.cluster.arrive("timelines", f"gen-{gs.generation}", timeline)
+        if not self.cluster.record_timeline(gs.generation, timeline, self._leadership):
+            return  # the term is over: the next leader writes it, or knows better
         gs.timeline_written = True
         # The generation runs: what older ones left in etcd goes (bounded growth).
-        removed = self.cluster.housekeep(gs.generation)
+        removed = self.cluster.housekeep(gs.generation, leader=self._leadership)
         if removed:
             log.info("leader: removed %d etcd key(s) of older generations", removed)
         if gs.record.extra.get("previous_layout"):

@@ -195,18 +195,22 @@ class ClusterClient(CommitsPart, HealthPart):
         return out
 
     def members(self) -> Members:
-        """Registered nodes; a record the planner could not use (no address, no slots) is
-        skipped and counted, never handed on."""
         kvs, revision = self._kv.get_prefix(self.keys.nodes_prefix)
+        return Members(self._records(kvs, "member"), revision)
+
+    def agent_members(self) -> Members:
+        """Registered agents whose records a planner can use (`barriers.check_member`: an
+        address to dial, a positive slot count); any other is skipped and counted."""
+        members = self.members()
         nodes: dict[str, dict[str, Any]] = {}
-        for node, record in self._records(kvs, "member").items():
+        for node, record in members.nodes.items():
             try:
                 check_member(node, record)
             except ClusterDataError as exc:
                 self.skip_value(self.keys.nodes_prefix + node, exc)
                 continue
             nodes[node] = record
-        return Members(nodes, revision)
+        return Members(nodes, members.revision)
 
     def watch_members(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None

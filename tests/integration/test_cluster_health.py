@@ -124,5 +124,23 @@ def test_barrier_values_without_their_shape_are_skipped_and_counted_not_handed_o
     assert a.barrier_state("stopped-3")[0] == {}
     assert a.barrier_state("resume-3")[0] == {}
     assert a.barrier_state("timelines")[0] == {}
-    assert a.members().nodes == {}
+    assert a.agent_members().nodes == {}
+    assert set(a.members().nodes) == {"n8", "n9"}  # the generic read is the cluster's own
     assert a.skipped_values == len(bad) + 2
+
+
+def test_a_deposed_leader_writes_no_timeline_and_housekeeps_nothing(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    """The review's N21: the timeline put and housekeeping were unfenced leader writes."""
+    a, b = clients(), clients()
+    old = a.campaign("n1", ttl_s=30)
+    assert old is not None
+    for g in range(1, 8):
+        a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": 0, "at": 1.0})
+    assert a.depose("n1")
+    assert b.campaign("n2", ttl_s=30) is not None
+    assert not a.record_timeline(7, {"generation": 7}, old)
+    assert a.barrier_state("timelines")[0] == {}
+    assert a.housekeep(7, leader=old) == 0
+    assert set(a.barrier_state("stopped-1")[0]) == {"n1"}  # nothing deleted

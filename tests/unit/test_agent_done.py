@@ -57,7 +57,11 @@ class _Cluster:
     def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
         self.arrivals.append((barrier, node_id, value))
 
-    def housekeep(self, generation: int) -> int:
+    def record_timeline(self, generation: int, timeline: Any, leader: Any) -> bool:
+        self.arrivals.append(("timelines", f"gen-{generation}", timeline))
+        return True
+
+    def housekeep(self, generation: int, **_: Any) -> int:
         return 0
 
 
