@@ -511,19 +511,19 @@ def test_calls_while_etcd_is_down_raise_unavailable_within_bounded_time(
 # ---------------------------------------------------------------------------- barriers etc.
 def test_barrier_completes_when_all_arrive(clients: Callable[[], ClusterClient]) -> None:
     a, b = clients(), clients()
-    a.arrive("gen1-stopped", "n1", {"step": 7, "fetches": {}})
+    a.arrive("gen1-stopped", "n1", {"step": 7})
     result: dict[str, Any] = {}
     waiter = threading.Thread(
         target=lambda: result.update(a.wait_barrier("gen1-stopped", ["n1", "n2", "n3"], 20))
     )
     waiter.start()
-    b.arrive("gen1-stopped", "n2", {"step": 7, "fetches": {}})
+    b.arrive("gen1-stopped", "n2", {"step": 7})
     b.arrive("gen1-stopped", "n3", None)
     waiter.join(timeout=30)
     assert not waiter.is_alive()
     assert result == {
-        "n1": {"step": 7, "fetches": {}},
-        "n2": {"step": 7, "fetches": {}},
+        "n1": {"step": 7},
+        "n2": {"step": 7},
         "n3": None,
     }
     assert a.clear_barrier("gen1-stopped") == 3
