@@ -92,9 +92,7 @@ class ControlPart:
         floor = self.store.floor
         m.safe_step.labels(**lbl).set(floor[1] if floor is not None else -1)
         counts = dict.fromkeys(WORKER_STATES, 0)
-        counts["warm"] = len(self._warm)
-        for w in self._workers.values():
-            counts[w.state.value] += 1
+        counts.update(self.pool.counts())
         for state, n in counts.items():
             m.workers.labels(**lbl, state=state).set(n)
 
@@ -111,17 +109,12 @@ class ControlPart:
             self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
             self._event("decision", f"job finished all {self.spec.steps} steps")
             self._job_done_step = self.spec.steps
-        if self._job_done_step is not None and not any(
-            w.proc.alive() for w in self._workers.values()
-        ):
+        if self._job_done_step is not None and not self.pool.any_alive():
             if self.cfg.on_job_end == "exit":
                 self._done = True
-            elif self._warm:
+            elif self.pool.spares():
                 # Idle until removed: the warm pool is of no use to a finished job.
-                for p in self._warm:
-                    p.kill(wait=False)
-                self._warm.clear()
-                self._ready.clear()
+                self.pool.release_spares()
                 self._event("decision", "job finished: this agent idles until it is removed")
 
     def drain(self, timeout_s: float) -> tuple[bool, str]:
@@ -224,7 +217,7 @@ class ControlPart:
                     if gs and w.generation == gs.generation
                     else None,
                 }
-                for w in self._workers.values()
+                for w in self.pool.workers()
             ],
             "recoveries": self.timelines(),
         }

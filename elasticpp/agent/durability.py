@@ -33,7 +33,7 @@ from elasticpp.agent.limits import (
     METRICS_ROTATE_BYTES,
     WORKER_LOGS_KEPT,
 )
-from elasticpp.agent.supervisor import _Worker
+from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import PieceKey, step_dirname
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,

@@ -9,7 +9,6 @@ has them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -27,7 +26,7 @@ from elasticpp.agent.decide import (
     phase_transition,
 )
 from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
-from elasticpp.agent.supervisor import _Worker
+from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
@@ -226,7 +225,7 @@ class FollowerPart:
         del old
 
     def _old_workers(self, gs: _GenState) -> list[_Worker]:
-        return [w for w in self._workers.values() if w.generation < gs.generation]
+        return self.pool.older_than(gs.generation)
 
     def _stop_old_workers(self, gs: _GenState) -> None:
         old = [w for w in self._old_workers(gs) if w.proc.alive()]
@@ -237,18 +236,13 @@ class FollowerPart:
         ]
         if gs.graceful and active and not gs.stop_sent:
             for w in active:
-                with contextlib.suppress(ElasticppError):
-                    w.proc.stop_at(0)  # 0: at the next boundary; ranks agree by all-reduce
-                w.move(WorkerState.STOPPING)
+                self.pool.ask_stop(w)
             gs.stop_sent = True
         elif (not gs.graceful or time.monotonic() - gs.stop_began_s > STOP_GRACE_S) and old:
             if gs.killed_at_s is None:
                 gs.killed_at_s = time.monotonic()
             for w in old:
-                w.killed_by_us = True
-                if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
-                    w.move(WorkerState.FAILED)
-                w.proc.kill(wait=False)  # never block the loop on a process that will not go
+                self.pool.kill_worker(w)  # never blocks the loop on a process that will not go
         alive = [w for w in self._old_workers(gs) if w.proc.alive()]
         if alive:
             stuck_s = time.monotonic() - (gs.killed_at_s or time.monotonic())
@@ -356,7 +350,7 @@ class FollowerPart:
         step = int(resume["step"])
         host, _, port = (gs.record.store_address or "").rpartition(":")
         if not host or not port.isdigit():
-            self._warm.extend(workers)
+            self.pool.give_back(workers)
             raise ConfigError(
                 f"generation {gs.generation}: no rendezvous store address in the record "
                 f"({gs.record.store_address!r})"
@@ -388,18 +382,16 @@ class FollowerPart:
             for slot, proc, assignment in zip(mine, workers, assignments, strict=True):
                 sent.append(proc)
                 proc.assign(assignment)
-                self._workers[proc.pid] = _Worker(
-                    proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan
+                self.pool.add_worker(
+                    _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
                 )
-                self._ready.discard(proc.pid)
         except Exception:
             for proc in sent:
-                w = self._workers.pop(proc.pid, None)
+                w = self.pool.forget(proc.pid)
                 if w is not None:
                     w.killed_by_us = True
                 proc.kill(wait=False)
-                self._ready.discard(proc.pid)
-            self._warm.extend(p for p in workers if p not in sent and p.alive())
+            self.pool.give_back(p for p in workers if p not in sent)
             raise
         self._event(
             "decision",
@@ -407,7 +399,7 @@ class FollowerPart:
         )
 
     def _check_started(self, gs: _GenState) -> None:
-        mine = [w for w in self._workers.values() if w.generation == gs.generation]
+        mine = self.pool.of_generation(gs.generation)
         if mine and all(w.state is not WorkerState.STARTING for w in mine):
             moved = gs.fetch_done_at or time.time()
             self._arrive_started(gs, moved_s=moved)

@@ -73,9 +73,10 @@ from elasticpp.agent.limits import (
 )
 from elasticpp.agent.liveness import LivenessPart
 from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.pool import WorkerPool
 from elasticpp.agent.quarantine import QuarantinePart
 from elasticpp.agent.sick import SickNodes
-from elasticpp.agent.supervisor import SupervisorPart, _Worker
+from elasticpp.agent.supervisor import SupervisorPart
 from elasticpp.agent.view import ViewPart
 from elasticpp.cluster import ClusterClient, ProgressGate
 from elasticpp.cluster.errors import (
@@ -88,7 +89,6 @@ from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import Persister
 from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
-from elasticpp.train.procs import WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -125,10 +125,7 @@ class Agent(
         self.python = python
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._wq: queue.Queue[tuple[WorkerProcess, dict[str, Any]]] = queue.Queue()
-        self._warm: list[WorkerProcess] = []  # spawned, maybe not yet ready
-        self._ready: set[int] = set()  # pids of warm workers that reported "ready"
-        self._workers: dict[int, _Worker] = {}  # by pid, current and old generations
+        self.pool = WorkerPool(self._wake)  # the supervisor's state (elasticpp.agent.pool)
         self._gen: _GenState | None = None
         self._events: deque[tuple[float, str, str, int]] = deque(maxlen=500)
         self._event_cond = threading.Condition()
@@ -154,7 +151,6 @@ class Agent(
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._written_steps: dict[int, int] = {}  # generation -> newest step written
-        self._warm_since: dict[int, float] = {}  # pid of a warm worker -> when spawned
         # quarantine and the job's end (elasticpp.agent.quarantine)
         self._sick = SickNodes(spec.sick_policy())  # the leader's; one writer: the loop
         self._quarantine_view: dict[str, Any] = {}  # node -> QuarantineRecord, from etcd
@@ -398,15 +394,7 @@ class Agent(
     def shutdown(self) -> None:
         """Kill every process this agent started; leave etcd cleanly if it can."""
         self._stop.set()  # ends the loop watchdog too
-        for w in list(self._workers.values()):
-            w.proc.kill(wait=False)
-        for p in self._warm:
-            p.kill(wait=False)
-        for w in list(self._workers.values()):
-            w.proc.kill()  # reaped, up to 10 s each: no process outlives the agent
-        for p in self._warm:
-            p.kill()
-        self._warm.clear()
+        self.pool.kill_all()
         if self._persister is not None:
             self._persister.close(timeout_s=10.0)
         if self.cluster is not None:

@@ -137,8 +137,8 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
         pass
     else:
         raise AssertionError("the assignment must fail")
-    assert first.killed and agent._workers == {}  # no rank of this generation runs here
-    assert agent._warm == []  # the dead spare does not go back to the pool
+    assert first.killed and agent.pool.workers() == ()  # no rank of this generation runs
+    assert agent.pool.spares() == ()  # the dead spare does not go back to the pool
 
     untouched = _Spare(102)
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address=None)
@@ -149,5 +149,5 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
         assert "no rendezvous store address" in str(exc)
     else:
         raise AssertionError("a record without a store address cannot be followed")
-    assert [p.pid for p in agent._warm] == [102, 103]  # handed back, never assigned
+    assert [p.pid for p in agent.pool.spares()] == [102, 103]  # handed back, never assigned
     assert not untouched.assigned and cluster.arrivals == []
