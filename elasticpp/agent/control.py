@@ -9,6 +9,7 @@ never fatal. Also the end of the job and of a drain.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from typing import Any
 
@@ -91,9 +92,7 @@ class ControlPart:
         floor = self.store.floor
         m.safe_step.labels(**lbl).set(floor[1] if floor is not None else -1)
         counts = dict.fromkeys(WORKER_STATES, 0)
-        counts["warm"] = len(self._warm)
-        for w in self._workers.values():
-            counts[w.state.value] += 1
+        counts.update(self.pool.counts())
         for state, n in counts.items():
             m.workers.labels(**lbl, state=state).set(n)
 
@@ -104,36 +103,43 @@ class ControlPart:
         gs = self._gen
         mine = {s.rank for s in gs.plan.ranks_on(self.node_id)} if gs else set()
         if gs and mine and mine <= gs.done_ranks and gs.phase is not Phase.DONE:
-            gs.enter(Phase.DONE)
+            if not gs.enter(Phase.DONE):
+                return  # e.g. halted: the halt, not a finish, is this job's end
             assert self.cluster is not None
             self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
             self._event("decision", f"job finished all {self.spec.steps} steps")
             self._job_done_step = self.spec.steps
-        if self._job_done_step is not None and not any(
-            w.proc.alive() for w in self._workers.values()
-        ):
+        if self._job_done_step is not None and not self.pool.any_alive():
             if self.cfg.on_job_end == "exit":
                 self._done = True
-            elif self._warm:
+            elif self.pool.spares():
                 # Idle until removed: the warm pool is of no use to a finished job.
-                for p in self._warm:
-                    p.kill(wait=False)
-                self._warm.clear()
-                self._ready.clear()
+                self.pool.release_spares()
                 self._event("decision", "job finished: this agent idles until it is removed")
 
     def drain(self, timeout_s: float) -> tuple[bool, str]:
         """Leave the job: the leader re-plans without this node at a step boundary, the new
         layout takes this node's state, then the agent exits 0."""
+        # Called on a gRPC thread: the request is queued for the loop, which alone writes
+        # the agent's state (a flag read here is only a hint for the reply).
         if self._draining:
             return True, "already draining"
-        self._draining = True
-        self._drain_deadline_s = time.monotonic() + max(timeout_s, 1.0)
-        self._drain_requested_gen = self.generation
+        self._drain_requests.put(max(timeout_s, 1.0))
         self._wake.set()
         return True, "draining: the job moves off this node at the next step boundary"
 
+    def _take_drain_request(self) -> None:
+        try:
+            timeout_s = self._drain_requests.get_nowait()
+        except queue.Empty:
+            return
+        if not self._draining:
+            self._draining = True
+            self._drain_deadline_s = time.monotonic() + timeout_s
+            self._drain_requested_gen = self.generation
+
     def _check_drain(self) -> None:
+        self._take_drain_request()
         if not self._draining:
             return
         assert self.cluster is not None
@@ -163,7 +169,24 @@ class ControlPart:
         """What the control RPCs read: a snapshot the loop publishes (at most STATUS_EVERY_S
         old), never the loop's live state, which another thread must not iterate."""
         snap = self._status
-        return snap if snap is not None else self.status()
+        if snap is not None:
+            return snap
+        # Before the loop's first publication: what is known without reading its state.
+        return {
+            "node_id": self.node_id,
+            "job": self.spec.name,
+            "generation": 0,
+            "leader": "",
+            "phase": "waiting",
+            "ended": "",
+            "quarantined": {},
+            "layout": "",
+            "last_step": -1,
+            "last_loss": float("nan"),
+            "members": [],
+            "workers": [],
+            "recoveries": [],
+        }
 
     def status(self) -> dict[str, Any]:
         gs = self._gen
@@ -194,7 +217,7 @@ class ControlPart:
                     if gs and w.generation == gs.generation
                     else None,
                 }
-                for w in self._workers.values()
+                for w in self.pool.workers()
             ],
             "recoveries": self.timelines(),
         }

@@ -79,7 +79,9 @@ PHASE_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.DONE}),
     Phase.DONE: frozenset(),
     Phase.HALTED: frozenset(),
-    Phase.FAILED: frozenset(),
+    # A node that reported its generation failed (a deadline fired) whose ranks then trained
+    # every step after all: the job is finished, whatever the report said.
+    Phase.FAILED: frozenset({Phase.DONE}),
 }
 
 # Floors of the phase deadlines: the rendezvous of a generation times out after 60 s, and
@@ -94,6 +96,12 @@ def phase_transition(current: Phase, new: Phase) -> Phase:
     if new not in PHASE_TRANSITIONS[current]:
         raise TransitionError(f"generation phase cannot go from {current.value} to {new.value}")
     return new
+
+
+def may_enter(current: Phase, new: Phase) -> bool:
+    """Whether `current -> new` is written down (staying is always allowed). Callers that
+    observe something late or out of order ignore the event instead of raising."""
+    return new is current or new in PHASE_TRANSITIONS[current]
 
 
 def phase_deadline_s(phase: Phase, hang_timeout_s: float) -> float | None:

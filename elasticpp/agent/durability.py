@@ -19,6 +19,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from elasticpp.agent.limits import (
     METRICS_ROTATE_BYTES,
     WORKER_LOGS_KEPT,
 )
-from elasticpp.agent.supervisor import _Worker
+from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import PieceKey, step_dirname
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
@@ -47,6 +48,16 @@ from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass(frozen=True)
+class FetchOutcome:
+    """What a state fetch came to, handed back to the loop."""
+
+    done_at: float | None = None  # wall time the last piece was in place
+    error: str | None = None
+    disk_error: bool = False  # the error was this node's own disk (full, read-only, failing)
+
 
 # Errors of this node's own disk: full (ENOSPC, EDQUOT), read-only, or failing (EIO).
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
@@ -176,7 +187,8 @@ class DurabilityPart:
         gs = self._gen
         if gs is None or w.generation != gs.generation or gs.phase is Phase.HALTED:
             return
-        gs.enter(Phase.HALTED)
+        if not gs.enter(Phase.HALTED):
+            return
         self.metrics.halted.labels(**self.metrics.labels).set(1)
         own = self.store.committed_steps(self.node_id)
         newest = f"step {own[-1]}" if own else "none"
@@ -216,8 +228,26 @@ class DurabilityPart:
     def _resume_dir(self, gs: _GenState) -> Path:
         return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
 
-    def _fetch(self, gs: _GenState, resume: dict[str, Any]) -> None:
-        gs.fetch_progress = progress = TransferProgress()
+    def _fetch_addresses(self, gs: _GenState) -> dict[str, str]:
+        # Sources may lie outside the new plan (a draining node hands its state over).
+        addresses = {n: str(i.get("address")) for n, i in self._members.items()}
+        addresses.update(gs.record.extra.get("sources", {}))
+        addresses.update(gs.record.extra.get("nodes", {}))
+        return addresses
+
+    def _fetch(
+        self,
+        gs: _GenState,
+        resume: dict[str, Any],
+        progress: TransferProgress | None = None,
+        addresses: dict[str, str] | None = None,
+    ) -> FetchOutcome:
+        """Fetch this node's state of generation `gs` into its resume directory. Runs on a
+        thread of its own: it writes nothing of the agent's; its outcome is returned (to the
+        loop, through a future) and its bytes are counted in `progress`."""
+        progress = progress if progress is not None else TransferProgress()
+        if addresses is None:
+            addresses = self._fetch_addresses(gs)
         try:
             step = int(resume["step"])
             target = self._resume_dir(gs)
@@ -241,10 +271,6 @@ class DurabilityPart:
                     src = Path(self.spec.persist_dir) / step_dirname(step) / name
                     copy_verified(src, target / name, sha, size)
                     progress.add(size)
-            # Sources may lie outside the new plan (a draining node hands its state over).
-            addresses = {n: str(i.get("address")) for n, i in self._members.items()}
-            addresses.update(gs.record.extra.get("sources", {}))
-            addresses.update(gs.record.extra.get("nodes", {}))
             transfers = [
                 PieceTransfer(name, origin, source, sha, size)
                 for name, (origin, source, sha, size) in sorted(wanted.items())
@@ -266,10 +292,9 @@ class DurabilityPart:
                 client_factory=lambda address: StateClient(address, timeout_s=60),
                 epoch=self.store.epoch,
             )
-            gs.fetch_done_at = time.time()
+            return FetchOutcome(done_at=time.time())
         except Exception as exc:  # reported to the loop, which reports it to the leader
-            gs.fetch_disk_error = is_disk_error(exc)
-            gs.fetch_error = f"{type(exc).__name__}: {exc}"
+            return FetchOutcome(error=f"{type(exc).__name__}: {exc}", disk_error=is_disk_error(exc))
 
     def _persist_async(self, step: int, model: ModelSpec) -> None:
         """Copy this node's pieces of `step` into the (shared) checkpoint directory; the

@@ -9,33 +9,51 @@ has them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.decide import (
     Phase,
     WorkerState,
+    may_enter,
     phase_deadline_s,
     phase_transition,
 )
 from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
-from elasticpp.agent.supervisor import _Worker
+from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
 )
 from elasticpp.cluster.records import GenerationRecord
-from elasticpp.errors import ElasticppError
+from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from elasticpp.train.procs import WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
+
+
+def run_in_thread(name: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Run `fn(*args)` on a daemon thread of its own; its result (or error) comes back
+    through the future, which the loop polls: the thread itself writes no agent state."""
+    future: Future[Any] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the loop, which decides what it means
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future
 
 
 @dataclass
@@ -49,10 +67,10 @@ class _GenState:
     stop_began_s: float = field(default_factory=time.monotonic)
     killed_at_s: float | None = None  # when the old workers were first sent SIGKILL
     spares_replaced: int = 0  # never-ready spares replaced since this generation began
-    fetch_thread: threading.Thread | None = None
-    fetch_progress: TransferProgress | None = None  # set by the fetch when it begins
-    fetch_error: str | None = None
-    fetch_disk_error: bool = False  # the fetch failed on this node's own disk
+    # The state fetch runs on a thread of its own that writes nothing here: its outcome
+    # comes back through this future, its bytes through `fetch_progress` (thread-safe).
+    fetch: Future[Any] | None = None
+    fetch_progress: TransferProgress | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
     # Ranks of this node that reported "done": kept here, not on the worker, because a
@@ -67,9 +85,20 @@ class _GenState:
     def generation(self) -> int:
         return self.record.generation
 
-    def enter(self, phase: Phase) -> None:
+    def enter(self, phase: Phase) -> bool:
+        """Move to `phase`; a transition not written down (a late or reordered
+        observation) is ignored and reported as False, never raised in the loop."""
+        if not may_enter(self.phase, phase):
+            log.info(
+                "generation %d: %s -> %s ignored (not a transition of a generation)",
+                self.generation,
+                self.phase.value,
+                phase.value,
+            )
+            return False
         self.phase = phase_transition(self.phase, phase)
         self.phase_since_s = time.monotonic()
+        return True
 
     def overdue(self, now_s: float, hang_timeout_s: float) -> float | None:
         """The deadline of the current phase if it has passed, else None."""
@@ -152,8 +181,8 @@ class FollowerPart:
         progress = gs.fetch_progress
         if (
             gs.phase is Phase.MOVING
-            and gs.fetch_thread is not None
-            and gs.fetch_thread.is_alive()
+            and gs.fetch is not None
+            and not gs.fetch.done()
             and (progress is None or progress.idle_s(time.monotonic()) <= FETCH_STALL_S)
         ):
             # Held only while bytes arrive: a stalled or trickling fetch runs out of time.
@@ -173,9 +202,16 @@ class FollowerPart:
         gs.enter(Phase.FAILED)
 
     def _enter_generation(self, rec: GenerationRecord) -> None:
+        try:
+            plan = Plan.from_dict(rec.plan)
+        except (ElasticppError, KeyError, TypeError, ValueError) as exc:
+            # A plan this build cannot read (a newer leader in a rolling upgrade): following
+            # a guess could break the fencing. Keep the current generation, count the value.
+            assert self.cluster is not None
+            self.cluster.skip_value(self.cluster.keys.generation, exc)
+            return
         old = self._gen
         self._gen = _GenState(rec)
-        plan = Plan.from_dict(rec.plan)
         self._event(
             "decision",
             f"generation {rec.generation}: layout {plan.layout} on "
@@ -189,7 +225,7 @@ class FollowerPart:
         del old
 
     def _old_workers(self, gs: _GenState) -> list[_Worker]:
-        return [w for w in self._workers.values() if w.generation < gs.generation]
+        return self.pool.older_than(gs.generation)
 
     def _stop_old_workers(self, gs: _GenState) -> None:
         old = [w for w in self._old_workers(gs) if w.proc.alive()]
@@ -200,18 +236,13 @@ class FollowerPart:
         ]
         if gs.graceful and active and not gs.stop_sent:
             for w in active:
-                with contextlib.suppress(ElasticppError):
-                    w.proc.stop_at(0)  # 0: at the next boundary; ranks agree by all-reduce
-                w.move(WorkerState.STOPPING)
+                self.pool.ask_stop(w)
             gs.stop_sent = True
         elif (not gs.graceful or time.monotonic() - gs.stop_began_s > STOP_GRACE_S) and old:
             if gs.killed_at_s is None:
                 gs.killed_at_s = time.monotonic()
             for w in old:
-                w.killed_by_us = True
-                if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
-                    w.move(WorkerState.FAILED)
-                w.proc.kill(wait=False)  # never block the loop on a process that will not go
+                self.pool.kill_worker(w)  # never blocks the loop on a process that will not go
         alive = [w for w in self._old_workers(gs) if w.proc.alive()]
         if alive:
             stuck_s = time.monotonic() - (gs.killed_at_s or time.monotonic())
@@ -256,26 +287,33 @@ class FollowerPart:
             self._event("decision", f"generation {gs.generation}: no ranks on this node (spare)")
             self._arrive_started(gs, moved_s=0.0)
             return
-        if gs.fetch_thread is None:
+        if gs.fetch is None:
             gs.resume = resume
-            gs.fetch_thread = threading.Thread(
-                target=self._fetch, args=(gs, resume), daemon=True, name="fetch-state"
+            gs.fetch_progress = TransferProgress()
+            gs.fetch = run_in_thread(
+                "fetch-state",
+                self._fetch,
+                gs,
+                resume,
+                gs.fetch_progress,
+                self._fetch_addresses(gs),
             )
-            gs.fetch_thread.start()
             return
-        if gs.fetch_thread.is_alive():
+        if not gs.fetch.done():
             return
-        if gs.fetch_error is not None:
+        outcome = gs.fetch.result()
+        gs.fetch_done_at = outcome.done_at
+        if outcome.error is not None:
             self._event(
-                "decision", f"generation {gs.generation}: state fetch failed: {gs.fetch_error}"
+                "decision", f"generation {gs.generation}: state fetch failed: {outcome.error}"
             )
             # This node's own disk (full, read-only, failing) cannot hold its state: it is
             # the cause, and a re-plan onto it would fail the same way.
             self._report_failure(
                 gs.generation,
-                f"state fetch failed: {gs.fetch_error}",
-                culprit=gs.fetch_disk_error,
-                severe=gs.fetch_disk_error,
+                f"state fetch failed: {outcome.error}",
+                culprit=outcome.disk_error,
+                severe=outcome.disk_error,
             )
             gs.enter(Phase.FAILED)
             return
@@ -292,44 +330,76 @@ class FollowerPart:
                 )
                 gs.enter(Phase.FAILED)
             return  # warm workers still importing torch
-        self._assign(gs, resume, mine, workers)
+        try:
+            self._assign(gs, resume, mine, workers)
+        except (ElasticppError, ValueError, KeyError, TypeError) as exc:
+            # All or nothing: no rank of this generation runs here, so a re-plan never meets
+            # a rank started twice (before, a part-way failure left some ranks assigned and
+            # the next tick assigned them again with fresh spares).
+            self._report_failure(gs.generation, f"ranks could not be handed to workers: {exc}")
+            gs.enter(Phase.FAILED)
+            return
         gs.enter(Phase.STARTING)  # the pool is refilled once they run (_refill_warm)
 
     def _assign(
         self, gs: _GenState, resume: dict[str, Any], mine: list[Any], workers: list[WorkerProcess]
     ) -> None:
+        """Hand this node's ranks to `workers`, all or none: every assignment is built
+        before the first is sent; if one cannot be sent (its spare died in the meantime),
+        the workers already assigned are killed and the untouched ones go back to the pool."""
         step = int(resume["step"])
         host, _, port = (gs.record.store_address or "").rpartition(":")
+        if not host or not port.isdigit():
+            self.pool.give_back(workers)
+            raise ConfigError(
+                f"generation {gs.generation}: no rendezvous store address in the record "
+                f"({gs.record.store_address!r})"
+            )
         job = self.spec.train_config().to_dict()
-        for slot, proc in zip(mine, workers, strict=True):
-            assignment = {
-                "format_version": 1,
-                "plan": gs.record.plan,
-                "rank": slot.rank,
-                "store_host": host,
-                "store_port": int(port),
-                "store_prefix": f"gen{gs.generation}",
-                "job": job,
-                "start_step": step,
-                "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
-                "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
-                "snapshot_every": self.spec.snapshot_every,
-                "backend": self.cfg.backend,
-                "device": self.cfg.device,
-                "num_threads": self.cfg.worker_threads,
-                "gpu_index": self._gpus[slot.local_rank] if self.cfg.device == "cuda" else None,
-            }
-            w = _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
-            self._workers[proc.pid] = w
-            self._ready.discard(proc.pid)
-            proc.assign(assignment)
+        assignments = []
+        for slot in mine:
+            assignments.append(
+                {
+                    "format_version": 1,
+                    "plan": gs.record.plan,
+                    "rank": slot.rank,
+                    "store_host": host,
+                    "store_port": int(port),
+                    "store_prefix": f"gen{gs.generation}",
+                    "job": job,
+                    "start_step": step,
+                    "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
+                    "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
+                    "snapshot_every": self.spec.snapshot_every,
+                    "backend": self.cfg.backend,
+                    "device": self.cfg.device,
+                    "num_threads": self.cfg.worker_threads,
+                    "gpu_index": self._gpus[slot.local_rank] if self.cfg.device == "cuda" else None,
+                }
+            )
+        sent: list[WorkerProcess] = []
+        try:
+            for slot, proc, assignment in zip(mine, workers, assignments, strict=True):
+                sent.append(proc)
+                proc.assign(assignment)
+                self.pool.add_worker(
+                    _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
+                )
+        except Exception:
+            for proc in sent:
+                w = self.pool.forget(proc.pid)
+                if w is not None:
+                    w.killed_by_us = True
+                proc.kill(wait=False)
+            self.pool.give_back(p for p in workers if p not in sent)
+            raise
         self._event(
             "decision",
             f"generation {gs.generation}: started ranks {[s.rank for s in mine]} at step {step}",
         )
 
     def _check_started(self, gs: _GenState) -> None:
-        mine = [w for w in self._workers.values() if w.generation == gs.generation]
+        mine = self.pool.of_generation(gs.generation)
         if mine and all(w.state is not WorkerState.STARTING for w in mine):
             moved = gs.fetch_done_at or time.time()
             self._arrive_started(gs, moved_s=moved)

@@ -199,7 +199,7 @@ class LeaderPart:
             # A node whose agent restarts lost its workers: the plan must change even if the
             # node id came back before its lease lapsed.
             "incarnations": {n: str(self._members[n].get("incarnation")) for n in decision.nodes},
-            "previous_layout": Plan.from_dict(rec.plan).layout.__str__() if rec else "",
+            "previous_layout": _layout_of(rec),
             "detected_at": self._detection_time(generation),
             "planned_at": time.time(),
         }
@@ -352,10 +352,11 @@ class LeaderPart:
             "moved_s": max(moved_at, stopped_at) - detected,
             "resumed_s": resumed_at - detected,
         }
-        self.cluster.arrive("timelines", f"gen-{gs.generation}", timeline)
+        if not self.cluster.record_timeline(gs.generation, timeline, self._leadership):
+            return  # the term is over: the next leader writes it, or knows better
         gs.timeline_written = True
         # The generation runs: what older ones left in etcd goes (bounded growth).
-        removed = self.cluster.housekeep(gs.generation)
+        removed = self.cluster.housekeep(gs.generation, leader=self._leadership)
         if removed:
             log.info("leader: removed %d etcd key(s) of older generations", removed)
         if gs.record.extra.get("previous_layout"):
@@ -409,3 +410,13 @@ class LeaderPart:
     def timelines(self) -> list[dict[str, Any]]:
         values = self._barriers.get("timelines", {})
         return sorted(values.values(), key=lambda t: int(t.get("generation", 0)))
+
+
+def _layout_of(rec: GenerationRecord | None) -> str:
+    """The layout of `rec` for the timeline; "" if none or unreadable (a newer format)."""
+    if rec is None:
+        return ""
+    try:
+        return str(Plan.from_dict(rec.plan).layout)
+    except (ElasticppError, KeyError, TypeError, ValueError):
+        return ""

@@ -73,9 +73,10 @@ from elasticpp.agent.limits import (
 )
 from elasticpp.agent.liveness import LivenessPart
 from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.pool import WorkerPool
 from elasticpp.agent.quarantine import QuarantinePart
 from elasticpp.agent.sick import SickNodes
-from elasticpp.agent.supervisor import SupervisorPart, _Worker
+from elasticpp.agent.supervisor import SupervisorPart
 from elasticpp.agent.view import ViewPart
 from elasticpp.cluster import ClusterClient, ProgressGate
 from elasticpp.cluster.errors import (
@@ -88,7 +89,6 @@ from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import Persister
 from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
-from elasticpp.train.procs import WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -125,10 +125,7 @@ class Agent(
         self.python = python
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._wq: queue.Queue[tuple[WorkerProcess, dict[str, Any]]] = queue.Queue()
-        self._warm: list[WorkerProcess] = []  # spawned, maybe not yet ready
-        self._ready: set[int] = set()  # pids of warm workers that reported "ready"
-        self._workers: dict[int, _Worker] = {}  # by pid, current and old generations
+        self.pool = WorkerPool(self._wake)  # the supervisor's state (elasticpp.agent.pool)
         self._gen: _GenState | None = None
         self._events: deque[tuple[float, str, str, int]] = deque(maxlen=500)
         self._event_cond = threading.Condition()
@@ -154,7 +151,6 @@ class Agent(
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._written_steps: dict[int, int] = {}  # generation -> newest step written
-        self._warm_since: dict[int, float] = {}  # pid of a warm worker -> when spawned
         # quarantine and the job's end (elasticpp.agent.quarantine)
         self._sick = SickNodes(spec.sick_policy())  # the leader's; one writer: the loop
         self._quarantine_view: dict[str, Any] = {}  # node -> QuarantineRecord, from etcd
@@ -187,6 +183,7 @@ class Agent(
         self._tcpstore: Any = None
         self._store_address: str | None = None
         self._draining = False
+        self._drain_requests: queue.SimpleQueue[float] = queue.SimpleQueue()  # from gRPC
         self._drain_deadline_s: float | None = None
         self._done = False
         self._exit_code = 0
@@ -397,15 +394,7 @@ class Agent(
     def shutdown(self) -> None:
         """Kill every process this agent started; leave etcd cleanly if it can."""
         self._stop.set()  # ends the loop watchdog too
-        for w in list(self._workers.values()):
-            w.proc.kill(wait=False)
-        for p in self._warm:
-            p.kill(wait=False)
-        for w in list(self._workers.values()):
-            w.proc.kill()  # reaped, up to 10 s each: no process outlives the agent
-        for p in self._warm:
-            p.kill()
-        self._warm.clear()
+        self.pool.kill_all()
         if self._persister is not None:
             self._persister.close(timeout_s=10.0)
         if self.cluster is not None:
@@ -429,36 +418,59 @@ class Agent(
 
     # ------------------------------------------------------------------ the loop
     def _tick(self) -> None:
-        self._drain_worker_events()
-        self._check_hangs()
-        self._check_warm_ready()
-        self._refill_warm()
-        self._check_gpus()
+        """One cycle. Each part's step runs in its own error boundary (`_part`): an error
+        in one is logged once and counted, and the parts after it still run; only an
+        unreachable etcd ends the etcd half of the tick early (training goes on)."""
+        for name, step in (
+            ("worker", self._drain_worker_events),
+            ("supervisor", self._check_hangs),
+            ("supervisor", self._check_warm_ready),
+            ("supervisor", self._refill_warm),
+            ("supervisor", self._check_gpus),
+        ):
+            self._part(name, step)
         now = time.monotonic()
         if self._dirty or now - self._last_refresh_s > 1.0:
-            self._refresh()
+            self._part("view", self._refresh)
         if not self._etcd_ok:
             return  # training goes on; membership changes wait for etcd
+        epoch_changed = self._epoch_check or (self._record is None and self.generation > 0)
+        if epoch_changed and (not self._part("view", self._check_epoch) or self._done):
+            return
+        for name, step in (("health", self._read_health), ("health", self._publish_halt)):
+            if not self._part(name, step):
+                return
+        if self._job_end is not None:
+            self._part("health", self._check_job_end)
+            self._part("control", self._check_drain)  # an idle agent leaves when drained
+            return  # an ended job stays ended: nothing is planned or followed again
+        for name, step in (
+            ("follower", self._publish_failures),
+            ("liveness", self._check_leader),
+            ("leader", self._maybe_campaign),
+            ("follower", self._follow_generation),
+            ("leader", self._lead_if_leader),
+            ("control", self._check_done),
+            ("control", self._check_drain),
+        ):
+            if not self._part(name, step):
+                return
+
+    def _lead_if_leader(self) -> None:
+        if self._is_leader():
+            self._lead()
+
+    def _part(self, source: str, step: Callable[[], object]) -> bool:
+        """Run one part's step in its own error boundary. False when etcd is unreachable
+        (the steps after it that need etcd wait for the next tick)."""
         try:
-            if self._epoch_check or (self._record is None and self.generation > 0):
-                self._check_epoch()
-                if self._done:
-                    return
-            self._read_health()
-            self._publish_halt()
-            if self._job_end is not None:
-                self._check_job_end()
-                return  # an ended job stays ended: nothing is planned or followed again
-            self._publish_failures()
-            self._check_leader()
-            self._maybe_campaign()
-            self._follow_generation()
-            if self._is_leader():
-                self._lead()
-            self._check_done()
-            self._check_drain()
+            step()
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
+            return False
+        except Exception as exc:  # one part's error must not starve the others
+            self._survive(source, exc)
+        return True
 
 
 def run_agent(

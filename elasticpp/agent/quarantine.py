@@ -100,17 +100,11 @@ class QuarantinePart:
                     else f"this agent exits with code {EXIT_CODES[end.status]}"
                 ),
             )
-        for w in list(self._workers.values()):
+        for w in self.pool.workers():
             if w.proc.alive():
-                w.killed_by_us = True
-                w.proc.kill(wait=False)
-        for p in self._warm:
-            p.kill(wait=False)
-        self._warm.clear()
-        self._ready.clear()
-        if self.cfg.on_job_end == "exit" and not any(
-            w.proc.alive() for w in self._workers.values()
-        ):
+                self.pool.kill_worker(w)
+        self.pool.release_spares()
+        if self.cfg.on_job_end == "exit" and not self.pool.any_alive():
             self._exit_code = EXIT_CODES[end.status]
             self._done = True
 
@@ -141,8 +135,7 @@ class QuarantinePart:
         assert self.cluster is not None
         if not self.cluster.lift_quarantine(node_id):
             return False, f"node {node_id} is not quarantined"
-        self._health_dirty = True
-        self._wake.set()
+        # The deletion reaches every agent's loop, this one's too, through its watch.
         return True, f"quarantine of {node_id} lifted; the leader plans it again as a join"
 
     # ------------------------------------------------------------------ the leader

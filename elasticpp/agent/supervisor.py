@@ -12,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.decide import (
@@ -23,30 +21,13 @@ from elasticpp.agent.decide import (
     TransitionError,
     WorkerState,
     is_hung,
-    transition,
 )
 from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
 from elasticpp.agent.limits import GPU_CHECK_INTERVAL_S
 from elasticpp.errors import ElasticppError
-from elasticpp.plan import Plan
 from elasticpp.train.procs import EXITED, WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
-
-
-@dataclass
-class _Worker:
-    proc: WorkerProcess
-    rank: int
-    generation: int
-    plan: Plan
-    state: WorkerState = WorkerState.STARTING
-    last_progress_s: float = field(default_factory=time.monotonic)
-    last_step: int = -1
-    killed_by_us: bool = False
-
-    def move(self, new: WorkerState) -> None:
-        self.state = transition(self.state, new)
 
 
 class SupervisorPart:
@@ -58,33 +39,27 @@ class SupervisorPart:
         env["ELASTICPP_NODE_ID"] = self.node_id
         if self.cfg.worker_threads is not None:
             env.setdefault("OMP_NUM_THREADS", str(self.cfg.worker_threads))
-        while len(self._warm) < self.cfg.slots:
+        while len(self.pool.spares()) < self.cfg.slots:
             name = f"{self.node_id}-w{uuid.uuid4().hex[:6]}"
             kwargs: dict[str, Any] = {"env": env, "name": name}
             if self.python:
                 kwargs["python"] = self.python
             proc = WorkerProcess(self.log_dir / f"{name}.log", **kwargs)
-            proc.listen(lambda p, e: (self._wq.put((p, e)), self._wake.set()))
-            self._warm.append(proc)
-            self._warm_since[proc.pid] = time.monotonic()
+            proc.listen(self.pool.deliver)
+            self.pool.add_spare(proc)
 
     def _check_warm_ready(self) -> None:
         """A spare that is not ready `ready_timeout_s` after its start (stuck importing torch,
         initialising a GPU) is killed and replaced; a generation waiting for it fails here,
         blaming this node (elasticpp.agent.follower)."""
         now = time.monotonic()
-        for proc in list(self._warm):
-            since = self._warm_since.get(proc.pid, now)
-            if proc.pid in self._ready or now - since <= self.spec.ready_timeout_s:
-                continue
+        for proc, waited_s in self.pool.overdue_spares(now, self.spec.ready_timeout_s):
             self._event(
                 "worker",
-                f"warm worker {proc.pid} not ready {now - since:.0f} s after its start "
+                f"warm worker {proc.pid} not ready {waited_s:.0f} s after its start "
                 f"(ready_timeout_s is {self.spec.ready_timeout_s:.0f}): replacing it",
             )
-            proc.kill(wait=False)
-            self._warm.remove(proc)
-            self._warm_since.pop(proc.pid, None)
+            self.pool.drop_spare(proc, kill=True)
             self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
             if self._gen is not None:
                 self._gen.spares_replaced += 1
@@ -100,25 +75,18 @@ class SupervisorPart:
             return
         if self._job_done_step is not None or self._job_end is not None:
             return  # the job is over: no spare will ever be needed
-        if len(self._warm) < self.cfg.slots:
+        if len(self.pool.spares()) < self.cfg.slots:
             self._spawn_warm()
 
     def _take_warm(self, count: int) -> list[WorkerProcess] | None:
-        ready = [p for p in self._warm if p.pid in self._ready and p.alive()]
-        if len(ready) < count:
-            return None
-        taken = ready[:count]
-        self._warm = [p for p in self._warm if p not in taken]
-        for p in taken:
-            self._warm_since.pop(p.pid, None)
-        return taken
+        return self.pool.take_ready(count)
 
     def _drain_worker_events(self) -> None:
         while True:
-            try:
-                proc, event = self._wq.get_nowait()
-            except queue.Empty:
+            item = self.pool.next_event()
+            if item is None:
                 return
+            proc, event = item
             try:
                 self._on_worker_event(proc, event)
             except TransitionError as exc:  # a late or reordered event must not end the agent
@@ -131,11 +99,11 @@ class SupervisorPart:
     def _on_worker_event(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
         kind = event.get("event")
         if kind == "ready":
-            self._ready.add(proc.pid)
+            self.pool.mark_ready(proc.pid)
             return
-        w = self._workers.get(proc.pid)
+        w = self.pool.worker(proc.pid)
         if w is None:
-            if kind == EXITED and proc in self._warm:
+            if kind == EXITED and self.pool.is_spare(proc):
                 # A spare that dies (an OOM kill, a crash while importing torch) is replaced
                 # at once (once this node's ranks run, if they are starting): the next
                 # recovery on this node needs it.
@@ -144,9 +112,7 @@ class SupervisorPart:
                     proc.pid,
                     event.get("returncode"),
                 )
-                self._warm.remove(proc)
-                self._ready.discard(proc.pid)
-                self._warm_since.pop(proc.pid, None)
+                self.pool.drop_spare(proc)
                 self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
                 self._refill_warm()
             return
@@ -187,11 +153,11 @@ class SupervisorPart:
                     self._report_failure(
                         w.generation, f"worker rank {w.rank} exited with code {rc}"
                     )
-            del self._workers[proc.pid]
+            self.pool.forget(proc.pid)
 
     def _check_hangs(self) -> None:
         now = time.monotonic()
-        for w in list(self._workers.values()):
+        for w in self.pool.workers():
             if w.state is WorkerState.RUNNING and is_hung(
                 w.last_progress_s, now, self.spec.hang_timeout_s
             ):
@@ -200,9 +166,7 @@ class SupervisorPart:
                     f"worker rank {w.rank} made no progress for "
                     f"{self.spec.hang_timeout_s:.0f} s: killing it",
                 )
-                w.killed_by_us = True
-                w.move(WorkerState.FAILED)
-                w.proc.kill(wait=False)  # reaped by its reader thread; the loop goes on
+                self.pool.kill_worker(w)  # reaped by its reader thread; the loop goes on
                 self._report_failure(w.generation, f"worker rank {w.rank} hung")
 
     def _check_gpus(self) -> None:

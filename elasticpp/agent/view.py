@@ -48,7 +48,7 @@ class ViewPart:
         self._dirty = False
         self._last_refresh_s = time.monotonic()
         try:
-            members = self.cluster.members().nodes
+            members = self.cluster.agent_members().nodes
             record, rev = self.cluster.read_generation()
             leader = self.cluster.leader()
             barriers: dict[str, dict[str, Any]] = {}

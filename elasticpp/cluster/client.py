@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from elasticpp.cluster import keys as keymod
+from elasticpp.cluster.barriers import check_arrival, check_member
 from elasticpp.cluster.commits import CommitsPart
 from elasticpp.cluster.errors import (
     BarrierTimeoutError,
@@ -176,6 +177,8 @@ class ClusterClient(CommitsPart, HealthPart):
     def skip_value(self, key: str, exc: Exception) -> None:
         """Count an unreadable value (and log it once per key)."""
         self.skipped_values += 1
+        if len(self._skipped_keys) > 10_000:
+            self._skipped_keys.clear()  # bounded: keys of old generations are logged again
         if key not in self._skipped_keys:
             self._skipped_keys.add(key)
             log.warning("etcd value of %s skipped: %s", key, exc)
@@ -194,6 +197,20 @@ class ClusterClient(CommitsPart, HealthPart):
     def members(self) -> Members:
         kvs, revision = self._kv.get_prefix(self.keys.nodes_prefix)
         return Members(self._records(kvs, "member"), revision)
+
+    def agent_members(self) -> Members:
+        """Registered agents whose records a planner can use (`barriers.check_member`: an
+        address to dial, a positive slot count); any other is skipped and counted."""
+        members = self.members()
+        nodes: dict[str, dict[str, Any]] = {}
+        for node, record in members.nodes.items():
+            try:
+                check_member(node, record)
+            except ClusterDataError as exc:
+                self.skip_value(self.keys.nodes_prefix + node, exc)
+                continue
+            nodes[node] = record
+        return Members(nodes, members.revision)
 
     def watch_members(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
@@ -395,10 +412,19 @@ class ClusterClient(CommitsPart, HealthPart):
         return ok
 
     def barrier_state(self, barrier: str) -> tuple[dict[str, Any], int]:
-        """Who arrived (node id -> value) and the revision read."""
-        kvs, revision = self._kv.get_prefix(self.keys.barrier_prefix(barrier))
+        """Who arrived (node id -> value) and the revision read. A value without the shape
+        its barrier needs (`barriers.check_arrival`) is skipped and counted, like an
+        unreadable one: the caller never sees it."""
+        prefix = self.keys.barrier_prefix(barrier)
+        kvs, revision = self._kv.get_prefix(prefix)
         records = self._records(kvs, f"{barrier} arrival")
-        return {node: r.get("value") for node, r in records.items()}, revision
+        out: dict[str, Any] = {}
+        for node, r in records.items():
+            try:
+                out[node] = check_arrival(barrier, node, r.get("value"))
+            except ClusterDataError as exc:
+                self.skip_value(prefix + node, exc)
+        return out, revision
 
     def wait_barrier(
         self, barrier: str, expected_nodes: Iterable[str], timeout_s: float

@@ -133,13 +133,33 @@ class CommitsPart:
         )
 
     # ------------------------------------------------------------------ housekeeping
-    def housekeep(self, generation: int, *, keep_history: int = HISTORY_KEPT) -> int:
+    def _term(self, leader: Leadership) -> list[Compare]:
+        """The compares that hold while `leader`'s term does (value and create revision)."""
+        return [
+            Compare(self.keys.leader, "value", leader.node_id),
+            Compare(self.keys.leader, "create", leader.create_revision),
+        ]
+
+    def housekeep(
+        self,
+        generation: int,
+        *,
+        keep_history: int = HISTORY_KEPT,
+        leader: Leadership | None = None,
+    ) -> int:
         """Remove what a running `generation` no longer needs, so that etcd holds a bounded
         number of keys however long the job runs: the barriers of generations before the
         previous one, generation history and recovery timelines older than `keep_history`
         generations, and the commit records of all but the newest generation that has any
         (it keeps the job's "ever committed" mark). Idempotent; a watermark record makes
-        each call cost only the generations since the last one. Returns keys deleted."""
+        each call cost only the generations since the last one. Returns keys deleted.
+
+        With `leader`, nothing is done unless its term holds, and the watermark is written
+        only while it does (a deposed leader deletes nothing and moves no mark)."""
+        if leader is not None:
+            ok, _, _ = self._kv.txn(self._term(leader), [])
+            if not ok:
+                return 0
         kv = self._kv.get(self.keys.housekeeping)
         marks = {"barriers_below": 1, "history_below": 1}
         if kv is not None:
@@ -162,8 +182,19 @@ class CommitsPart:
             "barriers_below": max(marks["barriers_below"], barriers_upto),
             "history_below": max(marks["history_below"], history_upto),
         }
-        self._kv.put(self.keys.housekeeping, dumps(marks))
+        put = Put(self.keys.housekeeping, dumps(marks))
+        if leader is None:
+            self._kv.put(put.key, put.value)
+        else:
+            self._kv.txn(self._term(leader), [put])
         return deleted
+
+    def record_timeline(self, generation: int, timeline: Any, leader: Leadership) -> bool:
+        """Publish the recovery timeline of `generation`, fenced by `leader`'s term."""
+        key = self.keys.barrier("timelines", f"gen-{generation}")
+        value = dumps({"node_id": f"gen-{generation}", "value": timeline, "at": time.time()})
+        ok, _, _ = self._kv.txn(self._term(leader), [Put(key, value)])
+        return ok
 
 
 def _gen_of(commit_key: str) -> int:

@@ -264,7 +264,7 @@ def test_a_leader_confirmed_dead_is_deposed_at_once_and_only_its_own_term(
     assert b.leader() is None
     new = b.campaign("n2", ttl_s=30)
     assert new is not None
-    assert not a.write_resume(1, {"step": 0}, old)  # the deposed term writes nothing
+    assert not a.write_resume(1, {"step": 0, "fetches": {}}, old)  # the deposed term writes nothing
     assert not a.depose("n1") and b.leader() == "n2"
 
 
@@ -286,18 +286,34 @@ def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leade
     a, b = clients(), clients()
     old = a.campaign("n1", ttl_s=5)
     assert old is not None
-    assert a.write_resume(3, {"step": 7}, old)
-    assert not a.write_resume(3, {"step": 9}, old)  # written once
+    assert a.write_resume(3, {"step": 7, "fetches": {}}, old)
+    assert not a.write_resume(3, {"step": 9, "fetches": {}}, old)  # written once
     # Leadership moves mid-transition: the new leader finds the instruction, under the one
     # member name followers read, and cannot replace it.
     old.resign()
     new = b.campaign("n2", ttl_s=5)
     assert new is not None
-    assert b.barrier_state("resume-3")[0] == {RESUME_MEMBER: {"step": 7}}
-    assert not b.write_resume(3, {"step": 0}, new)
-    assert not a.write_resume(4, {"step": 7}, old)  # a deposed term writes nothing
-    assert b.write_resume(4, {"step": 8}, new)
-    assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: {"step": 8}}
+    assert b.barrier_state("resume-3")[0] == {RESUME_MEMBER: {"step": 7, "fetches": {}}}
+    assert not b.write_resume(3, {"step": 0, "fetches": {}}, new)
+    assert not a.write_resume(4, {"step": 7, "fetches": {}}, old)  # a deposed term writes nothing
+    assert b.write_resume(4, {"step": 8, "fetches": {}}, new)
+    assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: {"step": 8, "fetches": {}}}
+
+
+def _timeline(generation: int) -> dict[str, Any]:
+    return {
+        "generation": generation,
+        "reason": "a reason",
+        "layout_before": "",
+        "layout_after": "pp=1,tp=1,dp=1",
+        "resume_step": 0,
+        "steps_recomputed": 0,
+        "detected_at": 1.0,
+        "planned_s": 0.1,
+        "stopped_s": 0.2,
+        "moved_s": 0.3,
+        "resumed_s": 0.4,
+    }
 
 
 def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
@@ -309,10 +325,11 @@ def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
     for g in range(1, 7):
         _, rev = a.read_generation()
         assert a.write_generation(record(g, "n1"), rev, lead)
-        for name in ("stopped", "started", "failed"):
-            a.arrive(f"{name}-{g}", "n1", {"at": g})
-        assert a.write_resume(g, {"step": g}, lead)
-        a.arrive("timelines", f"gen-{g}", {"generation": g})
+        a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": g, "at": g})
+        a.arrive(f"started-{g}", "n1", {"at": g, "moved_at": g})
+        a.arrive(f"failed-{g}", "n1", {"reason": "a worker exited", "at": g})
+        assert a.write_resume(g, {"step": g, "fetches": {}}, lead)
+        a.arrive("timelines", f"gen-{g}", _timeline(g))
         if g <= 4:
             a.record_commit(g, "n1", g)
     assert a.housekeep(6, keep_history=2) > 0
@@ -504,7 +521,11 @@ def test_barrier_completes_when_all_arrive(clients: Callable[[], ClusterClient])
     b.arrive("gen1-stopped", "n3", None)
     waiter.join(timeout=30)
     assert not waiter.is_alive()
-    assert result == {"n1": {"step": 7}, "n2": {"step": 7}, "n3": None}
+    assert result == {
+        "n1": {"step": 7},
+        "n2": {"step": 7},
+        "n3": None,
+    }
     assert a.clear_barrier("gen1-stopped") == 3
 
 

@@ -82,3 +82,65 @@ def test_unreadable_health_values_are_skipped_and_counted(
     assert a.quarantined() == {}
     assert a.job_end() is None
     assert a.skipped_values == 3
+
+
+def test_barrier_values_without_their_shape_are_skipped_and_counted_not_handed_on(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    """The review's A2: each of these reached the agent and raised in its loop every tick."""
+    a = clients()
+    root = f"/elasticpp/{JOB}/barriers/"
+
+    def arrival(value: str) -> str:
+        return '{"format_version": 1, "node_id": "x", "at": 1.0, "value": ' + value + "}"
+
+    bad = {
+        "done/x": arrival("null"),
+        "started-3/x": arrival('"x"'),
+        "stopped-3/x": arrival('{"holdings": 7, "next_step": 1, "at": 1.0}'),
+        "failed-3/x": arrival('{"reason": "r", "at": "soon"}'),
+        "resume-3/resume": arrival('{"step": 4, "fetches": {"0": [["only", "two"]]}}'),
+        "timelines/gen-3": arrival("null"),
+    }
+    good = {
+        "done/y": arrival('{"step": 5, "at": 1.0}'),
+        "started-3/y": arrival('{"at": 2.0, "moved_at": 1.5}'),
+        "failed-3/y": arrival('{"reason": "worker exited", "at": 1.0, "culprit": false}'),
+    }
+    kv = EtcdKV([etcd.endpoint])
+    try:
+        for key, value in {**bad, **good}.items():
+            kv.put(root + key, value)
+        kv.put(f"/elasticpp/{JOB}/nodes/n8", '{"format_version": 1, "node_id": "n8"}')
+        kv.put(
+            f"/elasticpp/{JOB}/nodes/n9",
+            '{"format_version": 1, "node_id": "n9", "address": "h:1", "slots": null}',
+        )
+    finally:
+        kv.close()
+    assert a.barrier_state("done")[0] == {"y": {"step": 5, "at": 1.0}}
+    assert set(a.barrier_state("started-3")[0]) == {"y"}
+    assert set(a.barrier_state("failed-3")[0]) == {"y"}
+    assert a.barrier_state("stopped-3")[0] == {}
+    assert a.barrier_state("resume-3")[0] == {}
+    assert a.barrier_state("timelines")[0] == {}
+    assert a.agent_members().nodes == {}
+    assert set(a.members().nodes) == {"n8", "n9"}  # the generic read is the cluster's own
+    assert a.skipped_values == len(bad) + 2
+
+
+def test_a_deposed_leader_writes_no_timeline_and_housekeeps_nothing(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    """The review's N21: the timeline put and housekeeping were unfenced leader writes."""
+    a, b = clients(), clients()
+    old = a.campaign("n1", ttl_s=30)
+    assert old is not None
+    for g in range(1, 8):
+        a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": 0, "at": 1.0})
+    assert a.depose("n1")
+    assert b.campaign("n2", ttl_s=30) is not None
+    assert not a.record_timeline(7, {"generation": 7}, old)
+    assert a.barrier_state("timelines")[0] == {}
+    assert a.housekeep(7, leader=old) == 0
+    assert set(a.barrier_state("stopped-1")[0]) == {"n1"}  # nothing deleted

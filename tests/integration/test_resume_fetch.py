@@ -69,12 +69,13 @@ def test_the_agent_fetches_a_sources_pieces_in_parallel_within_the_per_source_bo
     pieces = [a.store.piece_info("a", 3, n) for n in ALL_TP2]
     fetches = [[n, "a", "a", p.sha256, p.size] for n, p in zip(ALL_TP2, pieces, strict=True)]
     assert len(fetches) > FETCH_PER_SOURCE
-    agent._fetch(gs, {"step": 3, "fetches": {"0": fetches}})
-    assert gs.fetch_error is None
+    progress = TransferProgress()
+    outcome = agent._fetch(gs, {"step": 3, "fetches": {"0": fetches}}, progress)
+    assert outcome.error is None
     assert 1 < a.servicer.most <= FETCH_PER_SOURCE
     for name in ALL_TP2:
         assert (agent._resume_dir(gs) / name).stat().st_size == 5000
-    assert gs.fetch_progress is not None and gs.fetch_progress.bytes_done == 5000 * len(ALL_TP2)
+    assert progress.bytes_done == 5000 * len(ALL_TP2)
     agent._probe_pool.shutdown()
 
 

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
+from elasticpp.agent.durability import FetchOutcome
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.pool import _Worker
 from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
 from elasticpp.cluster.records import GenerationRecord
@@ -82,12 +85,14 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     """Before, every tick called a kill that waited 10 s for the process, for ever."""
     agent, cluster = _agent(tmp_path)
     old = _StuckProc(100)
-    agent._workers[100] = _Worker(
-        proc=old,  # type: ignore[arg-type]
-        rank=0,
-        generation=1,
-        plan=_plan(1),
-        state=WorkerState.RUNNING,
+    agent.pool.add_worker(
+        _Worker(
+            proc=old,  # type: ignore[arg-type]
+            rank=0,
+            generation=1,
+            plan=_plan(1),
+            state=WorkerState.RUNNING,
+        )
     )
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record)  # a loss: stop at once
@@ -122,31 +127,28 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
 ) -> None:
     agent, cluster = _agent(tmp_path)
     spare = _SlowSpare(200)
-    agent._warm = [spare]  # type: ignore[list-item]
-    agent._warm_since[200] = time.monotonic()
+    start = time.monotonic()
+    agent.pool.add_spare(spare, start)  # type: ignore[arg-type]
     agent._spawn_warm = lambda: None  # type: ignore[method-assign]
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record, phase=Phase.MOVING)
-    gs.fetch_thread = _DoneThread()  # type: ignore[assignment]
+    gs.fetch = Future()
+    gs.fetch.set_result(FetchOutcome(done_at=time.time()))
     agent._gen = gs
     agent._barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
     agent._check_warm_ready()
-    assert agent._warm == [spare]  # within ready_timeout_s
+    assert agent.pool.spares() == (spare,)  # within ready_timeout_s
     agent._move_state(gs)
     assert gs.phase is Phase.MOVING and cluster.arrivals == []  # waits for it
-    agent._warm_since[200] -= SPEC.ready_timeout_s + 1
+    agent.pool.drop_spare(spare)  # type: ignore[arg-type]
+    agent.pool.add_spare(spare, start - SPEC.ready_timeout_s - 1)  # type: ignore[arg-type]
     agent._check_warm_ready()
-    assert spare.killed and agent._warm == []
+    assert spare.killed and agent.pool.spares() == ()
     agent._move_state(gs)
     assert gs.phase is Phase.FAILED
     [(barrier, _node, report)] = cluster.arrivals
     assert barrier == "failed-2" and report["culprit"] and report["severe"]
     assert "not ready within 7 s" in report["reason"]
-
-
-class _DoneThread:
-    def is_alive(self) -> bool:
-        return False
 
 
 class _Leadership:
@@ -196,10 +198,10 @@ def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path
     for status, code in (("failed", EXIT_FAILED), ("halted", EXIT_HALTED)):
         agent, _ = _agent(tmp_path / status)
         spare = _SlowSpare(300)
-        agent._warm = [spare]  # type: ignore[list-item]
+        agent.pool.add_spare(spare)  # type: ignore[arg-type]
         agent._job_end = JobEnd(status, "why", "n1", time.time())
         agent._check_job_end()
-        assert spare.killed and agent._warm == []
+        assert spare.killed and agent.pool.spares() == ()
         assert agent._done and agent._exit_code == code
         assert any(f"job ended ({status}" in e[2] for e in agent._events)
 
@@ -210,7 +212,7 @@ def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None
     agent._check_job_end()
     assert not agent._done
     agent._refill_warm()
-    assert agent._warm == []  # no spares for a job that is over
+    assert agent.pool.spares() == ()  # no spares for a job that is over
     assert agent.status()["phase"] == "ended"
     assert agent.status()["ended"] == "failed: failure budget spent"
 
@@ -228,7 +230,7 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
             return False
 
     w = _Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
-    agent._workers[100] = w
+    agent.pool.add_worker(w)
     agent._on_halted(w, {"event": "halted", "step": 3, "message": "loss nan"})
     assert cluster.ends == [("halted", "loss nan")]
 
@@ -249,3 +251,29 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
     assert len(agent._written_steps) <= 4
     lines = agent.metrics_path.read_text().splitlines()
     assert len(lines) == 6 * 300  # each step written once
+
+
+class _Registration:
+    def __init__(self) -> None:
+        self.updates: list[dict[str, Any]] = []
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.updates.append(info)
+
+    def may_have_lapsed(self) -> bool:
+        return False
+
+
+def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
+    tmp_path: Path,
+) -> None:
+    """The drain RPC runs on a gRPC thread: it queues the request and writes nothing of the
+    agent's. An idle agent of an ended job leaves when drained (a pod's preStop hook)."""
+    agent, _ = _agent(tmp_path, on_job_end="idle")
+    agent._registration = _Registration()
+    agent._job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
+    agent._check_job_end()
+    accepted, _message = agent.drain(30.0)
+    assert accepted and not agent._draining  # nothing written from the RPC's thread
+    agent._check_drain()
+    assert agent._draining and agent._done and agent._exit_code == 0

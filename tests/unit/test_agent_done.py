@@ -11,7 +11,8 @@ from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
@@ -57,7 +58,11 @@ class _Cluster:
     def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
         self.arrivals.append((barrier, node_id, value))
 
-    def housekeep(self, generation: int) -> int:
+    def record_timeline(self, generation: int, timeline: Any, leader: Any) -> bool:
+        self.arrivals.append(("timelines", f"gen-{generation}", timeline))
+        return True
+
+    def housekeep(self, generation: int, **_: Any) -> int:
         return 0
 
 
@@ -74,16 +79,18 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent.cluster = cluster  # type: ignore[assignment]
     for rank in range(2):
         proc = _Proc(100 + rank)
-        agent._workers[proc.pid] = _Worker(
-            proc=proc,  # type: ignore[arg-type]
-            rank=rank,
-            generation=1,
-            plan=plan,
-            state=WorkerState.RUNNING,
+        agent.pool.add_worker(
+            _Worker(
+                proc=proc,  # type: ignore[arg-type]
+                rank=rank,
+                generation=1,
+                plan=plan,
+                state=WorkerState.RUNNING,
+            )
         )
         # Both events of each worker arrive before the loop looks at the job's state.
-        agent._wq.put((proc, {"event": "done", "step": 5}))  # type: ignore[arg-type]
-        agent._wq.put((proc, {"event": EXITED, "returncode": 0}))  # type: ignore[arg-type]
+        agent.pool.deliver(proc, {"event": "done", "step": 5})  # type: ignore[arg-type]
+        agent.pool.deliver(proc, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent._drain_worker_events()
     agent._check_done()
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
@@ -125,9 +132,8 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     agent._gen = gs
     agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
     agent._move_state(gs)
-    assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch_thread is not None
-    gs.fetch_thread.join(timeout=10)
-    assert gs.fetch_error is None
+    assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch is not None
+    assert gs.fetch.result(timeout=10).error is None
 
 
 def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Path) -> None:
@@ -151,12 +157,14 @@ def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:
 
 def _worker_on(agent: Agent, plan: Plan, pid: int, rank: int) -> _Proc:
     proc = _Proc(pid)
-    agent._workers[pid] = _Worker(
-        proc=proc,  # type: ignore[arg-type]
-        rank=rank,
-        generation=1,
-        plan=plan,
-        state=WorkerState.RUNNING,
+    agent.pool.add_worker(
+        _Worker(
+            proc=proc,  # type: ignore[arg-type]
+            rank=rank,
+            generation=1,
+            plan=plan,
+            state=WorkerState.RUNNING,
+        )
     )
     return proc
 
@@ -174,12 +182,13 @@ def test_a_disk_error_on_a_worker_event_is_counted_and_the_next_events_still_cou
     agent, plan = _running_agent(tmp_path)
     agent.metrics_path.mkdir()  # every append to metrics.jsonl now fails, as on a full disk
     proc = _worker_on(agent, plan, 100, 0)
-    agent._wq.put((proc, {"event": "step", "step": 0, "loss": 2.5}))  # type: ignore[arg-type]
-    agent._wq.put((proc, {"event": "step", "step": 1}))  # type: ignore[arg-type]  # malformed
-    agent._wq.put((proc, {"event": "stopped", "step": 2}))  # type: ignore[arg-type]
+    agent.pool.deliver(proc, {"event": "step", "step": 0, "loss": 2.5})  # type: ignore[arg-type]
+    agent.pool.deliver(proc, {"event": "step", "step": 1})  # type: ignore[arg-type]  # malformed
+    agent.pool.deliver(proc, {"event": "stopped", "step": 2})  # type: ignore[arg-type]
     agent._drain_worker_events()
     assert _errors(agent, "worker") == 2
-    assert agent._workers[100].state is WorkerState.STOPPED  # the event after them counted
+    w = agent.pool.worker(100)
+    assert w is not None and w.state is WorkerState.STOPPED  # the event after them counted
 
 
 def test_the_loop_survives_an_error_from_a_tick_and_goes_on(tmp_path: Path) -> None:
@@ -253,11 +262,11 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
             )
         return {"event": "snapshot", "step": step, "pieces": pieces}
 
-    agent._wq.put((proc, snapshot(1)))  # type: ignore[arg-type]
+    agent.pool.deliver(proc, snapshot(1))  # type: ignore[arg-type]
     agent._drain_worker_events()
     assert agent.store.committed_steps() == []  # fenced
     reg.lapsed = False
-    agent._wq.put((proc, snapshot(2)))  # type: ignore[arg-type]
+    agent.pool.deliver(proc, snapshot(2))  # type: ignore[arg-type]
     agent._drain_worker_events()
     assert agent.store.committed_steps() == [2]
 
@@ -278,7 +287,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     gs = _GenState(record=record, phase=Phase.MOVING)
     before = {p for p in (tmp_path / "a").rglob("*")}
     bad = ["../secret.txt", DISK_SOURCE, DISK_SOURCE, hashlib.sha256(data).hexdigest(), len(data)]
-    agent._fetch(gs, {"step": 3, "fetches": {"0": [bad]}})
+    outcome = agent._fetch(gs, {"step": 3, "fetches": {"0": [bad]}})
     resume_dir = agent._resume_dir(gs)
     assert resume_dir == tmp_path / "a" / "resume" / "gen-000002"
     new = {p for p in (tmp_path / "a").rglob("*")} - before
@@ -291,7 +300,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     ]
     assert not outside, outside
     assert not [p for p in new if p.is_file()], new  # refused before any copy
-    assert gs.fetch_error is not None and "not a piece name: '../secret.txt'" in gs.fetch_error
+    assert outcome.error is not None and "not a piece name: '../secret.txt'" in outcome.error
 
 
 def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path: Path) -> None:
@@ -331,11 +340,13 @@ def test_a_snapshot_that_failed_is_counted_and_the_next_one_commits(tmp_path: Pa
     agent, plan = _running_agent(tmp_path)
     procs = [_worker_on(agent, plan, 100 + r, r) for r in (0, 1)]
     writer = procs[0]  # dp twins on one node: only the lowest dp index writes
-    agent._wq.put((writer, {"event": "snapshot_failed", "step": 1, "message": "OSError: ENOSPC"}))  # type: ignore[arg-type]
+    agent.pool.deliver(
+        writer, {"event": "snapshot_failed", "step": 1, "message": "OSError: ENOSPC"}
+    )  # type: ignore[arg-type]
     agent._drain_worker_events()
     assert _sample(agent, "elasticpp_snapshot_failures_total") == 1
     assert not agent._pending_failures  # a lost snapshot is no reason to re-plan
-    assert all(w.state is WorkerState.RUNNING for w in agent._workers.values())
+    assert all(w.state is WorkerState.RUNNING for w in agent.pool.workers())
     assert "could not write the snapshot of step 1" in agent._events[-1][2]
 
 
@@ -344,8 +355,8 @@ def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path:
     procs = [_worker_on(agent, plan, 100 + r, r) for r in (0, 1)]
     message = "step 3: loss nan / gradient norm nan is not finite"
     for p in procs:
-        agent._wq.put((p, {"event": "halted", "step": 3, "message": message}))  # type: ignore[arg-type]
-        agent._wq.put((p, {"event": EXITED, "returncode": 0}))  # type: ignore[arg-type]
+        agent.pool.deliver(p, {"event": "halted", "step": 3, "message": message})  # type: ignore[arg-type]
+        agent.pool.deliver(p, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent._drain_worker_events()
     assert agent._gen is not None and agent._gen.phase is Phase.HALTED
     assert not agent._pending_failures

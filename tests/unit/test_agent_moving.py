@@ -1,11 +1,11 @@
 """MOVING's deadline while the state fetch runs: held while bytes arrive, not for ever
-(pure logic: a constructed agent, a fetch thread that never ends, a progress record on a
+(pure logic: a constructed agent, a fetch that never ends, a progress record on a
 fake clock, a fake of the cluster's one call)."""
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from elasticpp.agent.decide import Phase
@@ -25,9 +25,7 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
     record = GenerationRecord(3, _plan(3).to_dict(), "n9", time.time(), resume_step=5)
     gs = _GenState(record=record, phase=Phase.MOVING)
     agent._gen = gs
-    never = threading.Event()
-    gs.fetch_thread = threading.Thread(target=never.wait, daemon=True)  # a fetch in flight
-    gs.fetch_thread.start()
+    gs.fetch = Future()  # a fetch in flight
     now = [time.monotonic()]
     gs.fetch_progress = TransferProgress(clock=lambda: now[0])
     try:
@@ -45,5 +43,4 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
         [(barrier, node, _)] = cluster.arrivals
         assert (barrier, node) == ("failed-3", "n0")
     finally:
-        never.set()
         agent._probe_pool.shutdown()

@@ -52,7 +52,7 @@ class _Cluster:
     keys: Any = None
     skipped_values = 0
 
-    def members(self) -> Members:
+    def agent_members(self) -> Members:
         return Members({}, 1)
 
     def read_generation(self) -> tuple[GenerationRecord | None, int]:

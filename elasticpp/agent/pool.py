@@ -1,0 +1,177 @@
+"""The node's worker processes, as one object: the supervisor's state.
+
+`WorkerPool` holds the warm spares (spawned ahead, torch imported, idle until assigned),
+which of them reported ready and since when they wait, the workers of every generation still
+alive, and the queue their reader threads put events on. It is written only through its
+methods, all called from the agent's decision loop; the reader threads only `deliver` events
+(a thread-safe queue) and wake the loop. Other parts read it through `workers()`, `spares()`
+and `counts()` and act on it through commands (`take_ready`, `add_worker`, `ask_stop`,
+`kill_worker`, `release_spares`), never by writing its fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticpp.agent.decide import WorkerState, transition
+from elasticpp.errors import ElasticppError
+from elasticpp.plan import Plan
+from elasticpp.train.procs import WorkerProcess
+
+
+@dataclass
+class _Worker:
+    """A worker with a rank of one generation (the pool's record of it)."""
+
+    proc: WorkerProcess
+    rank: int
+    generation: int
+    plan: Plan
+    state: WorkerState = WorkerState.STARTING
+    last_progress_s: float = field(default_factory=time.monotonic)
+    last_step: int = -1
+    killed_by_us: bool = False
+
+    def move(self, new: WorkerState) -> None:
+        self.state = transition(self.state, new)
+
+
+class WorkerPool:
+    def __init__(self, wake: threading.Event | None = None) -> None:
+        self._wake = wake
+        self._events: queue.Queue[tuple[WorkerProcess, dict[str, Any]]] = queue.Queue()
+        self._spares: list[WorkerProcess] = []  # spawned, maybe not yet ready
+        self._ready: set[int] = set()  # pids of spares that reported "ready"
+        self._since: dict[int, float] = {}  # pid of a spare -> when it was spawned
+        self._workers: dict[int, _Worker] = {}  # by pid, current and old generations
+
+    # ------------------------------------------------------------------ events
+    def deliver(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
+        """From a worker's reader thread: queue the event and wake the loop."""
+        self._events.put((proc, event))
+        if self._wake is not None:
+            self._wake.set()
+
+    def next_event(self) -> tuple[WorkerProcess, dict[str, Any]] | None:
+        try:
+            return self._events.get_nowait()
+        except queue.Empty:
+            return None
+
+    # ------------------------------------------------------------------ spares
+    def add_spare(self, proc: WorkerProcess, now_s: float | None = None) -> None:
+        self._spares.append(proc)
+        self._since[proc.pid] = time.monotonic() if now_s is None else now_s
+
+    def spares(self) -> tuple[WorkerProcess, ...]:
+        return tuple(self._spares)
+
+    def is_spare(self, proc: WorkerProcess) -> bool:
+        return proc in self._spares
+
+    def mark_ready(self, pid: int) -> None:
+        self._ready.add(pid)
+
+    def ready_spares(self) -> int:
+        return sum(1 for p in self._spares if p.pid in self._ready)
+
+    def overdue_spares(self, now_s: float, timeout_s: float) -> list[tuple[WorkerProcess, float]]:
+        """Spares not ready `timeout_s` after their start, with how long they waited."""
+        return [
+            (p, now_s - self._since.get(p.pid, now_s))
+            for p in self._spares
+            if p.pid not in self._ready and now_s - self._since.get(p.pid, now_s) > timeout_s
+        ]
+
+    def drop_spare(self, proc: WorkerProcess, *, kill: bool = False) -> None:
+        if kill:
+            proc.kill(wait=False)
+        with contextlib.suppress(ValueError):
+            self._spares.remove(proc)
+        self._ready.discard(proc.pid)
+        self._since.pop(proc.pid, None)
+
+    def take_ready(self, count: int) -> list[WorkerProcess] | None:
+        """`count` ready spares out of the pool, or None (and nothing taken) if fewer."""
+        ready = [p for p in self._spares if p.pid in self._ready and p.alive()]
+        if len(ready) < count:
+            return None
+        taken = ready[:count]
+        for p in taken:
+            self._spares.remove(p)
+            self._since.pop(p.pid, None)
+        return taken
+
+    def give_back(self, procs: Iterable[WorkerProcess]) -> None:
+        """Spares taken but never assigned go back (still ready, still waiting)."""
+        for p in procs:
+            if p.alive() and p not in self._spares:
+                self._spares.append(p)
+                self._since.setdefault(p.pid, time.monotonic())
+
+    def release_spares(self) -> None:
+        """Kill every spare (the job is over, or the agent leaves)."""
+        for p in self._spares:
+            p.kill(wait=False)
+        self._spares.clear()
+        self._ready.clear()
+        self._since.clear()
+
+    # ------------------------------------------------------------------ workers with ranks
+    def add_worker(self, w: _Worker) -> None:
+        self._workers[w.proc.pid] = w
+        self._ready.discard(w.proc.pid)
+
+    def worker(self, pid: int) -> _Worker | None:
+        return self._workers.get(pid)
+
+    def forget(self, pid: int) -> _Worker | None:
+        return self._workers.pop(pid, None)
+
+    def workers(self) -> tuple[_Worker, ...]:
+        return tuple(self._workers.values())
+
+    def older_than(self, generation: int) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.generation < generation]
+
+    def of_generation(self, generation: int) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.generation == generation]
+
+    def any_alive(self) -> bool:
+        return any(w.proc.alive() for w in self._workers.values())
+
+    def ask_stop(self, w: _Worker) -> None:
+        """Stop `w` at the next step boundary (ranks agree on it by all-reduce)."""
+        with contextlib.suppress(ElasticppError):
+            w.proc.stop_at(0)
+        w.move(WorkerState.STOPPING)
+
+    def kill_worker(self, w: _Worker) -> None:
+        """SIGKILL `w` without waiting: its reader thread reports the exit."""
+        w.killed_by_us = True
+        if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
+            w.move(WorkerState.FAILED)
+        w.proc.kill(wait=False)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {"warm": len(self._spares)}
+        for w in self._workers.values():
+            out[w.state.value] = out.get(w.state.value, 0) + 1
+        return out
+
+    def kill_all(self) -> None:
+        """No process outlives the agent: signal all at once, then reap each (bounded)."""
+        procs = [w.proc for w in self._workers.values()] + list(self._spares)
+        for p in procs:
+            p.kill(wait=False)
+        for p in procs:
+            p.kill()
+        self._spares.clear()
+        self._ready.clear()
+        self._since.clear()

@@ -1,0 +1,124 @@
+"""What each barrier's and member's value must look like, checked where it leaves etcd.
+
+A value with a valid envelope and a bad payload (a `done` arrival whose value is null, a
+`started` arrival that is a string, a member without an address) used to reach the agent and
+raise in the middle of its decision loop, every tick, for as long as it stayed in etcd: the
+rest of the tick never ran. Here each value is checked against its barrier's shape; one that
+does not fit is skipped and counted like an unreadable value, and only that key is lost.
+
+Barrier names are `<kind>` or `<kind>-<generation>`; kinds not listed here pass unchecked.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from elasticpp.cluster.errors import ClusterDataError
+
+_Check = Callable[[str, Any], None]
+
+
+def _number(what: str, value: Any, name: str, *, required: bool = True) -> None:
+    if name not in value and not required:
+        return
+    v = value.get(name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ClusterDataError(f"{what}: {name} must be a number, got {v!r}")
+
+
+def _integer(what: str, value: Any, name: str, *, required: bool = True) -> None:
+    if name not in value and not required:
+        return
+    v = value.get(name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ClusterDataError(f"{what}: {name} must be an integer, got {v!r}")
+
+
+def _text(what: str, value: Any, name: str, *, required: bool = True) -> None:
+    if name not in value and not required:
+        return
+    if not isinstance(value.get(name), str):
+        raise ClusterDataError(f"{what}: {name} must be a string, got {value.get(name)!r}")
+
+
+def _done(what: str, v: Any) -> None:
+    _integer(what, v, "step")
+
+
+def _failed(what: str, v: Any) -> None:
+    _text(what, v, "reason")
+    _number(what, v, "at")
+    for flag in ("culprit", "severe"):
+        if flag in v and not isinstance(v[flag], bool):
+            raise ClusterDataError(f"{what}: {flag} must be true or false, got {v[flag]!r}")
+
+
+def _stopped(what: str, v: Any) -> None:
+    if not isinstance(v.get("holdings"), dict):
+        raise ClusterDataError(f"{what}: holdings must be an object")
+    _integer(what, v, "next_step")
+    _number(what, v, "at")
+
+
+def _started(what: str, v: Any) -> None:
+    _number(what, v, "at")
+    _number(what, v, "moved_at")
+
+
+def _resume(what: str, v: Any) -> None:
+    _integer(what, v, "step")
+    _integer(what, v, "recomputed", required=False)
+    fetches = v.get("fetches")
+    if not isinstance(fetches, dict) or not all(
+        isinstance(items, list) and all(isinstance(i, list) and len(i) == 5 for i in items)
+        for items in fetches.values()
+    ):
+        raise ClusterDataError(f"{what}: fetches must map ranks to lists of 5-item entries")
+
+
+def _timeline(what: str, v: Any) -> None:
+    for name in ("generation", "resume_step", "steps_recomputed"):
+        _integer(what, v, name)
+    for name in ("reason", "layout_before", "layout_after"):
+        _text(what, v, name)
+    for name in ("detected_at", "planned_s", "stopped_s", "moved_s", "resumed_s"):
+        _number(what, v, name)
+
+
+CHECKS: dict[str, _Check] = {
+    "done": _done,
+    "failed": _failed,
+    "stopped": _stopped,
+    "started": _started,
+    "resume": _resume,
+    "timelines": _timeline,
+}
+_KIND = re.compile(r"^(?P<kind>[a-z]+)(?:-\d+)?$")
+
+
+def check_arrival(barrier: str, member: str, value: Any) -> Any:
+    """`value` if it has the shape barrier `barrier` needs; raises ClusterDataError if not."""
+    m = _KIND.match(barrier)
+    check = CHECKS.get(m.group("kind")) if m else None
+    if check is None:
+        return value
+    what = f"{barrier} arrival of {member}"
+    if not isinstance(value, dict):
+        raise ClusterDataError(f"{what}: expected an object, got {type(value).__name__}")
+    check(what, value)
+    return value
+
+
+def check_member(node_id: str, value: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A member record the planner can use: an address to dial, a positive slot count."""
+    what = f"member {node_id}"
+    address = value.get("address")
+    if not isinstance(address, str) or not address.rpartition(":")[2].isdigit():
+        raise ClusterDataError(f"{what}: address must be HOST:PORT, got {address!r}")
+    slots = value.get("slots", 1)
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ClusterDataError(f"{what}: slots must be an integer >= 1, got {slots!r}")
+    _text(what, value, "incarnation", required=False)
+    return value

@@ -1,0 +1,153 @@
+"""One part's error never starves another, an out-of-order observation is ignored rather
+than raised every tick, and ranks are handed to workers all or none (a constructed agent,
+fake worker handles and a fake of the cluster calls it makes)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import Phase
+from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.cluster.records import GenerationRecord
+from elasticpp.errors import ConfigError
+from elasticpp.train.procs import WorkerError
+from tests.unit.test_agent_done import SPEC, _plan
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[str, str, Any]] = []
+        self.skipped: list[str] = []
+
+    class keys:  # the one key name the agent asks for here
+        generation = "/elasticpp/j/generation"
+
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        self.arrivals.append((barrier, node_id, value))
+
+    def skip_value(self, key: str, exc: Exception) -> None:
+        self.skipped.append(key)
+
+
+def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    cluster = _Cluster()
+    agent.cluster = cluster  # type: ignore[assignment]
+    return agent, cluster
+
+
+def _errors(agent: Agent, source: str) -> float:
+    value = agent.metrics.registry.get_sample_value(
+        "elasticpp_agent_errors_total", {**agent.metrics.labels, "source": source}
+    )
+    return value or 0.0
+
+
+def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path) -> None:
+    """Before, one exception ended the tick: a bad value that made the follower raise
+    stopped the leader, the job's end and every drain, every tick, for good."""
+    agent, _ = _agent(tmp_path)
+    ran: list[str] = []
+    agent._refresh = lambda: None  # type: ignore[method-assign]
+    agent._read_health = lambda: None  # type: ignore[method-assign]
+    agent._dirty = False
+    agent._last_refresh_s = time.monotonic()
+
+    def broken() -> None:
+        raise AttributeError("'NoneType' object has no attribute 'get'")
+
+    agent._follow_generation = broken  # type: ignore[method-assign]
+    agent._lead_if_leader = lambda: ran.append("leader")  # type: ignore[method-assign]
+    agent._check_done = lambda: ran.append("done")  # type: ignore[method-assign]
+    agent._check_drain = lambda: ran.append("drain")  # type: ignore[method-assign]
+    for _ in range(3):
+        agent._tick()
+    assert ran == ["leader", "done", "drain"] * 3
+    assert _errors(agent, "follower") == 3
+
+
+def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_job(
+    tmp_path: Path,
+) -> None:
+    """The review's A3: FAILED -> DONE raised TransitionError every tick; `done` was never
+    written and no drain ever completed."""
+    agent, cluster = _agent(tmp_path)
+    record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
+    gs = _GenState(record=record, phase=Phase.FAILED)  # the STARTING deadline fired
+    gs.done_ranks |= {0, 1}  # then both ranks trained every step
+    agent._gen = gs
+    agent._check_done()
+    assert gs.phase is Phase.DONE
+    assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
+
+
+def test_an_observation_out_of_order_is_ignored_not_raised(tmp_path: Path) -> None:
+    record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
+    gs = _GenState(record=record, phase=Phase.DONE)
+    assert not gs.enter(Phase.HALTED)  # a late halt after the end
+    assert gs.phase is Phase.DONE
+
+
+def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path: Path) -> None:
+    """The review's A2: the agent switched to the new generation before parsing its plan,
+    then raised on it every tick."""
+    agent, cluster = _agent(tmp_path)
+    current = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
+    agent._gen = _GenState(record=current, phase=Phase.RUNNING)
+    newer = GenerationRecord(3, {**_plan(3).to_dict(), "format_version": 99}, "n9", time.time())
+    agent._record = newer
+    agent._follow_generation()
+    assert agent.generation == 2 and agent._gen.phase is Phase.RUNNING
+    assert cluster.skipped == [_Cluster.keys.generation]
+
+
+class _Spare:
+    def __init__(self, pid: int, *, dies: bool = False) -> None:
+        self.pid = pid
+        self.dies = dies
+        self.assigned: list[dict[str, Any]] = []
+        self.killed = False
+
+    def alive(self) -> bool:
+        return not (self.killed or self.dies)
+
+    def assign(self, assignment: dict[str, Any]) -> None:
+        if self.dies:
+            raise WorkerError(f"worker {self.pid}: cannot write: [Errno 32] Broken pipe")
+        self.assigned.append(assignment)
+
+    def kill(self, *, wait: bool = True) -> None:
+        self.killed = True
+
+
+def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
+    """The review's N7: a spare that died between `ready` and its assignment left rank 0
+    running, the other spare orphaned, and the next tick assigned rank 0 again."""
+    agent, cluster = _agent(tmp_path)
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address="h:1234")
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    agent._gen = gs
+    first, dead = _Spare(100), _Spare(101, dies=True)
+    mine = gs.plan.ranks_on("n0")
+    try:
+        agent._assign(gs, {"step": 0, "fetches": {}}, mine, [first, dead])  # type: ignore[list-item]
+    except WorkerError:
+        pass
+    else:
+        raise AssertionError("the assignment must fail")
+    assert first.killed and agent.pool.workers() == ()  # no rank of this generation runs
+    assert agent.pool.spares() == ()  # the dead spare does not go back to the pool
+
+    untouched = _Spare(102)
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address=None)
+    gs = _GenState(record=record, phase=Phase.MOVING)
+    try:
+        agent._assign(gs, {"step": 0, "fetches": {}}, mine, [untouched, _Spare(103)])  # type: ignore[list-item]
+    except ConfigError as exc:
+        assert "no rendezvous store address" in str(exc)
+    else:
+        raise AssertionError("a record without a store address cannot be followed")
+    assert [p.pid for p in agent.pool.spares()] == [102, 103]  # handed back, never assigned
+    assert not untouched.assigned and cluster.arrivals == []
