@@ -48,6 +48,9 @@ from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
 
+# A commit record's value: (newest committed step, own anchors, replica anchors by origin).
+CommitValue = tuple[int, tuple[int, ...], dict[str, tuple[int, ...]]]
+
 # Errors of this node's own disk: full (ENOSPC, EDQUOT), read-only, or failing (EIO).
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 
@@ -145,8 +148,7 @@ class DurabilityPart:
             self._last_commit_step = step
             # The job's high-water mark: a job that ever committed a step never silently
             # starts over from step 0 when its state is lost. It also reports the anchors.
-            with contextlib.suppress(ClusterUnavailableError):
-                self._record_commit(w.generation)
+            self._record_commit(w.generation)
             if self.spec.replication_copies and step % self.spec.replication_every == 0:
                 self._replicate_async()
             if (
@@ -192,19 +194,30 @@ class DurabilityPart:
     def _record_commit(self, generation: int) -> None:
         """This node's commit record of `generation`: its newest committed step and the
         anchors of that generation it holds, own and replicas (what the leader's safe step
-        is computed from). Called after a commit and after a replication round."""
+        is computed from). Called after a commit (the loop) and after a replication round
+        (the replicate thread). Made now, put by the record's one writer off the loop, at
+        most every COMMIT_RECORD_EVERY_S: a slow etcd never holds the loop, and a record made
+        earlier never lands after a newer one (elasticpp.agent.latest)."""
+        if self.cluster is None:
+            return
+        self._commit_records.offer(generation, lambda: self._commit_record(generation))
+
+    def _commit_record(self, generation: int) -> CommitValue:
+        origins = {o for o, _ in self.store.holdings().steps}
+        replicas = {o: self.store.anchors(o, generation) for o in origins if o != self.node_id}
+        return (
+            self._last_commit_step,
+            tuple(self.store.anchors(self.node_id, generation)),
+            {o: tuple(steps) for o, steps in replicas.items() if steps},
+        )
+
+    def _put_commit_record(self, generation: int, value: CommitValue) -> None:
+        """The writer thread's put (errors are the writer's: it keeps the value, retries)."""
         cluster = self.cluster
         if cluster is None:
             return
-        origins = {o for o, _ in self.store.holdings().steps}
-        replicas = {o: self.store.anchors(o, generation) for o in origins if o != self.node_id}
-        cluster.record_commit(
-            generation,
-            self.node_id,
-            self._last_commit_step,
-            self.store.anchors(self.node_id, generation),
-            {o: steps for o, steps in replicas.items() if steps},
-        )
+        step, anchors, replicas = value
+        cluster.record_commit(generation, self.node_id, step, anchors, replicas)
 
     def _fenced(self) -> bool:
         reg = self._registration

@@ -1,0 +1,121 @@
+"""Bounded disk, memory and etcd waits of the agent over many steps and generations (a
+constructed agent, fake worker handles and fakes of the cluster calls it makes): the commit
+record has one writer off the loop, failed generations' resume directories go, a fenced
+node keeps a few uncommitted snapshots, and per-generation bookkeeping does not grow."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import Phase, WorkerState
+from elasticpp.agent.latest import LatestWriter
+from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.cluster.records import GenerationRecord
+from tests.unit.test_agent_done import SPEC, _plan, _Proc
+
+
+class _SlowCluster:
+    """A slow etcd: every commit record put takes 0.2 s."""
+
+    def __init__(self, put_s: float = 0.2) -> None:
+        self.put_s = put_s
+        self.records: list[tuple[int, int, float]] = []  # (generation, step, when)
+        self.arrivals: list[tuple[str, str, Any]] = []
+
+    def record_commit(self, generation, node_id, step, anchors=(), replicas=None) -> None:
+        time.sleep(self.put_s)  # the latency being modelled, not a wait for a condition
+        self.records.append((generation, step, time.monotonic()))
+
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        self.arrivals.append((barrier, node_id, value))
+
+
+def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[Agent, _Proc]:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    plan = _plan(generation)
+    record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
+    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._replicating = True  # no replication rounds here: one node
+    agent.cluster = cluster
+    writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
+    agent._workers[writer.pid] = _Worker(
+        proc=writer,  # type: ignore[arg-type]
+        rank=0,
+        generation=generation,
+        plan=plan,
+        state=WorkerState.RUNNING,
+    )
+    return agent, writer
+
+
+def test_a_slow_etcd_does_not_hold_the_loop_and_the_newest_commit_record_lands_last(
+    tmp_path: Path,
+) -> None:
+    cluster = _SlowCluster()
+    agent, writer = _running_agent(tmp_path, cluster)
+    steps = 20
+    fed = threading.Event()
+
+    def feed() -> None:
+        for step in range(1, steps + 1):
+            agent._wq.put((writer, {"event": "snapshot", "step": step, "pieces": []}))  # type: ignore[arg-type]
+            fed.wait(0.1)  # a step every 0.1 s: faster than a put
+        fed.set()
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    started = time.monotonic()
+    feeder.start()
+    drains: list[float] = []
+    while not fed.is_set() and time.monotonic() - started < 30:
+        t0 = time.monotonic()
+        agent._drain_worker_events()
+        drains.append(time.monotonic() - t0)
+        fed.wait(0.02)  # the loop's cadence
+    feeder.join(5)
+    agent._drain_worker_events()
+    assert max(drains) < 0.5, f"a drain took {max(drains):.2f} s: the loop waits on etcd"
+    assert agent.store.committed_steps()[-1] == steps
+    assert agent._commit_records.flush(timeout_s=10)
+    written = [step for _, step, _ in cluster.records]
+    assert written == sorted(written), f"a commit record went back: {written}"
+    assert written[-1] == steps  # the newest is what stays
+    # Paced: one put at once, then at most one a COMMIT_RECORD_EVERY_S (the flush aside).
+    assert len(written) < steps / 2
+
+
+def test_the_writer_keeps_only_the_newest_value_and_retries_a_failed_put(tmp_path: Path) -> None:
+    puts: list[tuple[int, int]] = []
+    fail = threading.Event()
+    gate = threading.Event()
+
+    def put(key: int, value: int) -> None:
+        gate.wait(10)  # the first put is held until the test has offered more
+        if fail.is_set():
+            fail.clear()
+            raise OSError("etcd unavailable")
+        puts.append((key, value))
+
+    writer: LatestWriter[int] = LatestWriter(put, every_s=0.0, name="record")
+    writer.offer(1, lambda: 1)  # taken at once, held at the gate
+    deadline = time.monotonic() + 10
+    while writer.pending() and time.monotonic() < deadline:
+        gate.wait(0.01)
+    for value in range(2, 50):
+        writer.offer(1, lambda v=value: v)
+    writer.offer(2, lambda: 7)
+    assert writer.pending() == {1: 49, 2: 7}  # one slot per key: the newest
+    gate.set()
+    assert writer.flush(timeout_s=10)
+    assert puts == [(1, 1), (1, 49), (2, 7)]
+    fail.set()
+    writer.offer(2, lambda: 8)
+    assert writer.flush(timeout_s=10)  # failed once, retried
+    assert puts[-1] == (2, 8)
+    for key in range(3, 20):
+        writer.offer(key, lambda k=key: k)
+    assert len(writer.pending()) <= 4
+    writer.close(timeout_s=10)
+    assert puts[-1] == (19, 19)
