@@ -25,6 +25,7 @@ from typing import Any
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import (
+    FENCED_SNAPSHOTS_KEPT,
     FETCH_MIN_BYTES_PER_S,
     FETCH_PARALLEL,
     FETCH_PER_SOURCE,
@@ -131,6 +132,11 @@ class DurabilityPart:
                         f"membership lease may have lapsed: step {step} and later are not "
                         "committed, replicated or persisted until it is renewed",
                     )
+                # Nothing is committed, so nothing is pruned: without this, a long etcd
+                # outage fills the disk with a snapshot per step.
+                for epoch, gen, old_step in self.store.drop_uncommitted(FENCED_SNAPSHOTS_KEPT):
+                    if epoch == self.store.epoch:
+                        self._snap_reports.pop((gen, old_step), None)
                 return
             if self._snap_failures:
                 self._snap_failures = 0

@@ -12,9 +12,11 @@ from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.latest import LatestWriter
+from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
 from elasticpp.cluster.records import GenerationRecord
 from tests.unit.test_agent_done import SPEC, _plan, _Proc
+from tests.unit.test_store_local import write_step
 
 
 class _SlowCluster:
@@ -119,3 +121,23 @@ def test_the_writer_keeps_only_the_newest_value_and_retries_a_failed_put(tmp_pat
     assert len(writer.pending()) <= 4
     writer.close(timeout_s=10)
     assert puts[-1] == (19, 19)
+
+
+class _Lapsed:
+    """A membership registration whose lease may have lapsed: the node is fenced."""
+
+    def may_have_lapsed(self) -> bool:
+        return True
+
+
+def test_a_fenced_node_keeps_only_the_newest_few_uncommitted_snapshots(tmp_path: Path) -> None:
+    agent, writer = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    agent._registration = _Lapsed()
+    for step in range(1, 101):
+        report = write_step(agent.store, step, generation=1)
+        agent._on_snapshot(agent._workers[writer.pid], {"step": step, "pieces": report})
+    steps = sorted(step for _, _, step, _ in agent.store.layout.step_dirs("n0"))
+    assert steps == [98, 99, 100]  # FENCED_SNAPSHOTS_KEPT, nothing committed
+    assert sorted(agent._snap_reports) == [(1, 98), (1, 99), (1, 100)]
+    assert len(agent.store._reported) == FENCED_SNAPSHOTS_KEPT
+    assert agent.store.committed_steps() == []
