@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -48,6 +49,8 @@ from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
+
+_RESUME_DIR = re.compile(r"^gen-(\d+)$")  # resume/gen-<G>, see _resume_dir
 
 # A commit record's value: (newest committed step, own anchors, replica anchors by origin).
 CommitValue = tuple[int, tuple[int, ...], dict[str, tuple[int, ...]]]
@@ -331,14 +334,24 @@ class DurabilityPart:
         self._replicating = True
         threading.Thread(target=run, daemon=True, name="replicate").start()
 
+    def _clean_resume(self, generation: int) -> None:
+        """Delete the resume directories of generations older than `generation`: called once
+        this node's workers of those generations are gone (no reader is left), so a re-plan
+        storm leaves at most the directory of the generation that runs and of one that
+        failed, not one with fetched bytes per failed generation. Numbers compare as
+        integers: `gen-%06d` names sort wrongly from generation 1,000,000 on."""
+        resume_root = self.cfg.state_dir / "resume"
+        if not resume_root.is_dir():
+            return
+        for d in resume_root.iterdir():
+            m = _RESUME_DIR.match(d.name)
+            if m is not None and int(m.group(1)) < generation:
+                shutil.rmtree(d, ignore_errors=True)
+
     def _clean_local(self, generation: int) -> None:
         """Bounded disk use for weeks of uptime: resume directories of older generations
         (their workers are gone) and all but the newest worker logs."""
-        resume_root = self.cfg.state_dir / "resume"
-        if resume_root.is_dir():
-            for d in resume_root.iterdir():
-                if d.name.startswith("gen-") and d.name < f"gen-{generation:06d}":
-                    shutil.rmtree(d, ignore_errors=True)
+        self._clean_resume(generation)
         if self.log_dir.is_dir():
             logs = sorted(self.log_dir.glob("*.log"), key=lambda p: p.stat().st_mtime)
             for old in logs[:-WORKER_LOGS_KEPT]:

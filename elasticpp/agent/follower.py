@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -228,6 +229,8 @@ class FollowerPart:
                 gs.enter(Phase.FAILED)
             return
         self._drain_worker_events()
+        # Old workers are gone: no one reads an older generation's resume directory now.
+        self._clean_resume(gs.generation)
         # Exits are processed; old workers are gone. Report what this node holds.
         assert self.cluster is not None
         holdings = self.store.holdings()
@@ -278,6 +281,8 @@ class FollowerPart:
                 severe=gs.fetch_disk_error,
             )
             gs.enter(Phase.FAILED)
+            # No worker was given it and the fetch is over: what it fetched is of no use.
+            shutil.rmtree(self._resume_dir(gs), ignore_errors=True)
             return
         workers = self._take_warm(len(mine))
         if workers is None:

@@ -14,6 +14,7 @@ from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
+from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
 from tests.unit.test_agent_done import SPEC, _plan, _Proc
 from tests.unit.test_store_local import write_step
@@ -141,3 +142,53 @@ def test_a_fenced_node_keeps_only_the_newest_few_uncommitted_snapshots(tmp_path:
     assert sorted(agent._snap_reports) == [(1, 98), (1, 99), (1, 100)]
     assert len(agent.store._reported) == FENCED_SNAPSHOTS_KEPT
     assert agent.store.committed_steps() == []
+
+
+def _resume_dirs(agent: Agent) -> list[str]:
+    return sorted(d.name for d in (agent.cfg.state_dir / "resume").iterdir())
+
+
+def _fetched(agent: Agent, gs: _GenState) -> None:
+    """What a fetch leaves: the generation's resume directory with a piece in it."""
+    d = agent._resume_dir(gs)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "embed.tp0-1.safetensors").write_bytes(b"x" * 4096)
+
+
+def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    agent._workers.clear()  # the generation before is over here
+    for generation in range(2, 6):
+        record = GenerationRecord(
+            generation, _plan(generation).to_dict(), "n0", time.time(), resume_step=3
+        )
+        gs = agent._gen = _GenState(record=record)
+        agent._stop_old_workers(gs)  # no old workers: holdings reported, MOVING
+        assert gs.phase is Phase.MOVING
+        _fetched(agent, gs)
+        gs.enter(Phase.FAILED)  # e.g. a peer's transfer failed: the leader re-plans
+    assert _resume_dirs(agent) == ["gen-000005"]  # only the newest generation's
+
+
+def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), resume_step=3)
+    gs = agent._gen = _GenState(record=record, phase=Phase.MOVING)
+    agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
+    _fetched(agent, gs)
+    gs.fetch_thread = threading.Thread(target=lambda: None)
+    gs.fetch_thread.start()
+    gs.fetch_thread.join()
+    gs.fetch_error = "StateUnavailableError: a peer went away"
+    agent._move_state(gs)
+    assert gs.phase is Phase.FAILED
+    assert _resume_dirs(agent) == []
+
+
+def test_resume_directories_compare_generations_as_numbers(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    for generation in (999_999, 1_000_000, 1_000_001):
+        record = GenerationRecord(generation, _plan(1).to_dict(), "n0", time.time())
+        _fetched(agent, _GenState(record=record))
+    agent._clean_local(1_000_001)
+    assert _resume_dirs(agent) == ["gen-1000001"]
