@@ -112,6 +112,7 @@ class FollowerPart:
         for generation in sorted(self._pending_failures):
             if self._gen is not None and generation < self._gen.generation:
                 del self._pending_failures[generation]  # a newer plan already replaced it
+                self._failures_held.discard(generation)
                 continue
             if self.cluster is None:
                 return
@@ -176,6 +177,10 @@ class FollowerPart:
     def _enter_generation(self, rec: GenerationRecord) -> None:
         old = self._gen
         self._gen = _GenState(rec)
+        # Detection times of generations up to this one are of no use now (the leader drops
+        # them when it writes a generation; every agent drops them here).
+        for g in [g for g in self._detected if g <= rec.generation]:
+            del self._detected[g]
         plan = Plan.from_dict(rec.plan)
         self._event(
             "decision",

@@ -15,6 +15,7 @@ from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig, _GenState, _Worker
 from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from tests.unit.test_agent_done import SPEC, _plan, _Proc
 from tests.unit.test_store_local import write_step
@@ -34,6 +35,9 @@ class _SlowCluster:
 
     def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
         self.arrivals.append((barrier, node_id, value))
+
+    def housekeep(self, generation: int) -> int:
+        return 0
 
 
 def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[Agent, _Proc]:
@@ -192,3 +196,67 @@ def test_resume_directories_compare_generations_as_numbers(tmp_path: Path) -> No
         _fetched(agent, _GenState(record=record))
     agent._clean_local(1_000_001)
     assert _resume_dirs(agent) == ["gen-1000001"]
+
+
+def _record(generation: int) -> GenerationRecord:
+    return GenerationRecord(generation, _plan(1).to_dict(), "n9", time.time(), resume_step=0)
+
+
+def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    for generation in range(2, 202):
+        agent._report_failure(generation - 1, "worker rank 0 exited with code 1")
+        agent._enter_generation(_record(generation))
+    assert len(agent._detected) <= 1  # only the leader deleted them before
+
+
+class _Unreachable(_SlowCluster):
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        raise ClusterUnavailableError("etcd: connection refused", fast=True)
+
+
+def test_failure_reports_replaced_by_a_newer_plan_are_not_remembered(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _Unreachable())
+    for generation in range(1, 201):
+        agent._gen = _GenState(record=_record(generation))
+        agent._report_failure(generation, "worker rank 0 exited with code 1")  # held
+    agent._gen = _GenState(record=_record(201))
+    agent._publish_failures()
+    assert agent._pending_failures == {}
+    assert agent._failures_held == set()
+
+
+def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
+    tmp_path: Path,
+) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    agent._tcpstore = dist.TCPStore(  # what the leader starts for its term (real, loopback)
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    client = dist.TCPStore(
+        "127.0.0.1", agent._tcpstore.port, is_master=False, timeout=timedelta(seconds=30)
+    )
+    for generation in range(1, 51):
+        ranks = dist.PrefixStore(f"gen{generation}", client)  # what each worker does
+        for rank in range(4):
+            ranks.set(f"rank{rank}", "127.0.0.1:29500")
+            ranks.add("arrived", 1)
+        now = time.time()
+        agent._barriers = {
+            f"started-{generation}": {"n0": {"at": now, "moved_at": now}},
+            f"resume-{generation}": {RESUME_MEMBER: {"step": 0}},
+        }
+        gs = _GenState(record=_record(generation), phase=Phase.RUNNING, resume_written=True)
+        agent._lead_timeline(gs)  # the generation runs on every node
+        assert gs.timeline_written
+    assert sorted(agent._tcpstore.list_keys()) == [
+        "gen50/arrived",
+        "gen50/rank0",
+        "gen50/rank1",
+        "gen50/rank2",
+        "gen50/rank3",
+    ]
