@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import (
+    FENCED_SNAPSHOTS_KEPT,
     FETCH_MIN_BYTES_PER_S,
     FETCH_PARALLEL,
     FETCH_PER_SOURCE,
@@ -58,6 +60,11 @@ class FetchOutcome:
     error: str | None = None
     disk_error: bool = False  # the error was this node's own disk (full, read-only, failing)
 
+
+_RESUME_DIR = re.compile(r"^gen-(\d+)$")  # resume/gen-<G>, see _resume_dir
+
+# A commit record's value: (newest committed step, own anchors, replica anchors by origin).
+CommitValue = tuple[int, tuple[int, ...], dict[str, tuple[int, ...]]]
 
 # Errors of this node's own disk: full (ENOSPC, EDQUOT), read-only, or failing (EIO).
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
@@ -139,6 +146,11 @@ class DurabilityPart:
                         f"membership lease may have lapsed: step {step} and later are not "
                         "committed, replicated or persisted until it is renewed",
                     )
+                # Nothing is committed, so nothing is pruned: without this, a long etcd
+                # outage fills the disk with a snapshot per step.
+                for epoch, gen, old_step in self.store.drop_uncommitted(FENCED_SNAPSHOTS_KEPT):
+                    if epoch == self.store.epoch:
+                        self._snap_reports.pop((gen, old_step), None)
                 return
             if self._snap_failures:
                 self._snap_failures = 0
@@ -156,8 +168,7 @@ class DurabilityPart:
             self._last_commit_step = step
             # The job's high-water mark: a job that ever committed a step never silently
             # starts over from step 0 when its state is lost. It also reports the anchors.
-            with contextlib.suppress(ClusterUnavailableError):
-                self._record_commit(w.generation)
+            self._record_commit(w.generation)
             if self.spec.replication_copies and step % self.spec.replication_every == 0:
                 self._replicate_async()
             if (
@@ -204,19 +215,30 @@ class DurabilityPart:
     def _record_commit(self, generation: int) -> None:
         """This node's commit record of `generation`: its newest committed step and the
         anchors of that generation it holds, own and replicas (what the leader's safe step
-        is computed from). Called after a commit and after a replication round."""
+        is computed from). Called after a commit (the loop) and after a replication round
+        (the replicate thread). Made now, put by the record's one writer off the loop, at
+        most every COMMIT_RECORD_EVERY_S: a slow etcd never holds the loop, and a record made
+        earlier never lands after a newer one (elasticpp.agent.latest)."""
+        if self.cluster is None:
+            return
+        self._commit_records.offer(generation, lambda: self._commit_record(generation))
+
+    def _commit_record(self, generation: int) -> CommitValue:
+        origins = {o for o, _ in self.store.holdings().steps}
+        replicas = {o: self.store.anchors(o, generation) for o in origins if o != self.node_id}
+        return (
+            self._last_commit_step,
+            tuple(self.store.anchors(self.node_id, generation)),
+            {o: tuple(steps) for o, steps in replicas.items() if steps},
+        )
+
+    def _put_commit_record(self, generation: int, value: CommitValue) -> None:
+        """The writer thread's put (errors are the writer's: it keeps the value, retries)."""
         cluster = self.cluster
         if cluster is None:
             return
-        origins = {o for o, _ in self.store.holdings().steps}
-        replicas = {o: self.store.anchors(o, generation) for o in origins if o != self.node_id}
-        cluster.record_commit(
-            generation,
-            self.node_id,
-            self._last_commit_step,
-            self.store.anchors(self.node_id, generation),
-            {o: steps for o, steps in replicas.items() if steps},
-        )
+        step, anchors, replicas = value
+        cluster.record_commit(generation, self.node_id, step, anchors, replicas)
 
     def _fenced(self) -> bool:
         reg = self._registration
@@ -337,14 +359,24 @@ class DurabilityPart:
         self._replicating = True
         threading.Thread(target=run, daemon=True, name="replicate").start()
 
+    def _clean_resume(self, generation: int) -> None:
+        """Delete the resume directories of generations older than `generation`: called once
+        this node's workers of those generations are gone (no reader is left), so a re-plan
+        storm leaves at most the directory of the generation that runs and of one that
+        failed, not one with fetched bytes per failed generation. Numbers compare as
+        integers: `gen-%06d` names sort wrongly from generation 1,000,000 on."""
+        resume_root = self.cfg.state_dir / "resume"
+        if not resume_root.is_dir():
+            return
+        for d in resume_root.iterdir():
+            m = _RESUME_DIR.match(d.name)
+            if m is not None and int(m.group(1)) < generation:
+                shutil.rmtree(d, ignore_errors=True)
+
     def _clean_local(self, generation: int) -> None:
         """Bounded disk use for weeks of uptime: resume directories of older generations
         (their workers are gone) and all but the newest worker logs."""
-        resume_root = self.cfg.state_dir / "resume"
-        if resume_root.is_dir():
-            for d in resume_root.iterdir():
-                if d.name.startswith("gen-") and d.name < f"gen-{generation:06d}":
-                    shutil.rmtree(d, ignore_errors=True)
+        self._clean_resume(generation)
         if self.log_dir.is_dir():
             logs = sorted(self.log_dir.glob("*.log"), key=lambda p: p.stat().st_mtime)
             for old in logs[:-WORKER_LOGS_KEPT]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -140,6 +141,7 @@ class FollowerPart:
         for generation in sorted(self._pending_failures):
             if self._gen is not None and generation < self._gen.generation:
                 del self._pending_failures[generation]  # a newer plan already replaced it
+                self._failures_held.discard(generation)
                 continue
             if self.cluster is None:
                 return
@@ -212,6 +214,10 @@ class FollowerPart:
             return
         old = self._gen
         self._gen = _GenState(rec)
+        # Detection times of generations up to this one are of no use now (the leader drops
+        # them when it writes a generation; every agent drops them here).
+        for g in [g for g in self._detected if g <= rec.generation]:
+            del self._detected[g]
         self._event(
             "decision",
             f"generation {rec.generation}: layout {plan.layout} on "
@@ -259,6 +265,8 @@ class FollowerPart:
                 gs.enter(Phase.FAILED)
             return
         self._drain_worker_events()
+        # Old workers are gone: no one reads an older generation's resume directory now.
+        self._clean_resume(gs.generation)
         # Exits are processed; old workers are gone. Report what this node holds.
         assert self.cluster is not None
         holdings = self.store.holdings()
@@ -316,6 +324,8 @@ class FollowerPart:
                 severe=outcome.disk_error,
             )
             gs.enter(Phase.FAILED)
+            # No worker was given it and the fetch is over: what it fetched is of no use.
+            shutil.rmtree(self._resume_dir(gs), ignore_errors=True)
             return
         workers = self._take_warm(len(mine))
         if workers is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ from elasticpp.store.replicate import safe_step
 from elasticpp.store.resolver import resolve
 
 log = logging.getLogger("elasticpp.agent")
+
+# A key of the rendezvous store: workers of generation G use the prefix `gen<G>` (`_assign`).
+_GEN_KEY = re.compile(r"^gen(\d+)/")
 
 
 class LeaderPart:
@@ -97,6 +101,21 @@ class LeaderPart:
             timeout=timedelta(seconds=60),
         )
         self._store_address = f"{self.cfg.advertise_host}:{self._tcpstore.port}"
+
+    def _clean_rendezvous(self, generation: int) -> None:
+        """Delete the rendezvous keys of generations before `generation` (prefix `gen<G>/`)
+        once every rank of `generation` has started: no worker of an older one meets there
+        again, and the store of a term that lasts weeks must not keep every generation's."""
+        store = self._tcpstore
+        if store is None:
+            return
+        try:
+            for key in store.list_keys():
+                m = _GEN_KEY.match(key)
+                if m is not None and int(m.group(1)) < generation:
+                    store.delete_key(key)
+        except RuntimeError as exc:  # best effort: the keys go with the next generation
+            log.warning("leader: rendezvous keys of old generations not deleted: %s", exc)
 
     def _view(self) -> ClusterView:
         rec = self._record
@@ -359,6 +378,7 @@ class LeaderPart:
         removed = self.cluster.housekeep(gs.generation, leader=self._leadership)
         if removed:
             log.info("leader: removed %d etcd key(s) of older generations", removed)
+        self._clean_rendezvous(gs.generation)
         if gs.record.extra.get("previous_layout"):
             self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
             self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(

@@ -58,11 +58,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart
-from elasticpp.agent.durability import DurabilityPart
+from elasticpp.agent.durability import CommitValue, DurabilityPart
 from elasticpp.agent.follower import FollowerPart, _GenState
 from elasticpp.agent.jobspec import JobSpec, diff
+from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
 from elasticpp.agent.limits import (
+    COMMIT_RECORD_EVERY_S,
     EVENT_STREAMS,
     FETCH_STREAMS,
     JOIN_TIMEOUT_S,
@@ -151,6 +153,10 @@ class Agent(
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._written_steps: dict[int, int] = {}  # generation -> newest step written
+        # The one writer of this node's commit records (loop and replicate thread feed it).
+        self._commit_records: LatestWriter[CommitValue] = LatestWriter(
+            self._put_commit_record, every_s=COMMIT_RECORD_EVERY_S, name="commit record"
+        )
         # quarantine and the job's end (elasticpp.agent.quarantine)
         self._sick = SickNodes(spec.sick_policy())  # the leader's; one writer: the loop
         self._quarantine_view: dict[str, Any] = {}  # node -> QuarantineRecord, from etcd
@@ -398,6 +404,7 @@ class Agent(
         if self._persister is not None:
             self._persister.close(timeout_s=10.0)
         if self.cluster is not None:
+            self._commit_records.close(timeout_s=5.0)  # the newest record, while etcd is ours
             with contextlib.suppress(ElasticppError):
                 if self._leadership is not None:
                     self._leadership.resign()

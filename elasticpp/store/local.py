@@ -21,10 +21,11 @@ Invariants this module keeps:
 - Which commits stay is `retention.Retention` (the newest `keep_steps` by (epoch,
   generation, step), anchors at or above the floor, capped). Older commits are deleted after a newer
   commit; uncommitted directories older than the oldest kept commit are deleted with them (a
-  worker that died mid-write leaves one). A commit that a running transfer reads (a pin, see
-  `pinned`/`open_piece`) leaves `holdings` at once but its files are deleted only when its
-  last pin is released. Deletion removes the manifest first, so a crash mid-delete leaves an
-  incomplete directory, never a wrong one.
+  worker that died mid-write leaves one). While nothing may be committed (a fenced node),
+  `drop_uncommitted` keeps only the newest few uncommitted directories. A commit that a
+  running transfer reads (a pin, see `pinned`/`open_piece`) leaves `holdings` at once but
+  its files are deleted only when its last pin is released. Deletion removes the manifest
+  first, so a crash mid-delete leaves an incomplete directory, never a wrong one.
 - On the hot path (a worker reports a step, the agent commits it) files are only stat'ed:
   the worker computed the sha256 while writing. A piece's bytes are hashed at most once by
   the store, on its first local use (`verify_piece`, `materialize`); every remote transfer is
@@ -307,6 +308,37 @@ class LocalStore:
                 len(pieces),
             )
             return holding
+
+    def drop_uncommitted(self, keep: int) -> list[Order]:
+        """Delete this node's uncommitted step directories, and what was reported of them,
+        but the newest `keep` (in commit order): what a fenced node's workers write while
+        nothing may be committed (so nothing is pruned) is bounded. Commits, directories a
+        transfer still reads (deleted at their last unpin) and another job's are never
+        touched. Returns the (epoch, generation, step) deleted, oldest first."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"store: keep must be an integer >= 1, got {keep!r}")
+        with self._lock:
+            held = {h.order for (o, _), h in self._committed.items() if o == self.node_id}
+            held |= {(k[2], k[3], k[1]) for k in self._doomed if k[0] == self.node_id}
+            loose = sorted(
+                ((e, g, s), d)
+                for e, g, s, d in self.layout.step_dirs(self.node_id)
+                if (e, g, s) not in held and d not in self._foreign
+            )
+            dropped = []
+            for order, d in loose[:-keep]:
+                shutil.rmtree(d, ignore_errors=True)
+                self._reported.pop(order, None)
+                dropped.append(order)
+            if dropped:
+                log.info(
+                    "store %s: %d uncommitted step(s) deleted, the newest %d kept (nothing "
+                    "is committed meanwhile)",
+                    self.node_id,
+                    len(dropped),
+                    keep,
+                )
+            return dropped
 
     # ----- replicas
 

@@ -441,3 +441,22 @@ def test_a_store_of_an_earlier_release_is_epoch_0_and_ranks_below_every_epoch(tm
     commit_step(store, 5, generation=1)  # a lower number, a newer epoch
     assert store.committed_steps() == [5, 21]
     assert store.holdings().newest_step_of("n0") == 5
+
+
+def test_uncommitted_steps_beyond_the_newest_few_are_dropped_and_commits_stay(tmp_path: Path):
+    """A fenced node commits nothing (so nothing is pruned) while its workers write a step
+    per step: the store keeps the newest few uncommitted ones."""
+    store = LocalStore(tmp_path, "n0")
+    commit_step(store, 1, generation=2)
+    for step in range(2, 102):
+        store.record_pieces(step, write_step(store, step, generation=2), 2)
+        store.drop_uncommitted(3)
+    on_disk = sorted(step for _, _, step, _ in store.layout.step_dirs("n0"))
+    assert on_disk == [1, 99, 100, 101]
+    assert sorted(store._reported) == [(0, 2, 99), (0, 2, 100), (0, 2, 101)]
+    assert store.drop_uncommitted(3) == []
+    store.commit(101, UNITS, generation=2)  # committing again: the kept report commits
+    verify_step_dir(store.step_dir("n0", 101))
+    assert store.committed_steps() == [1, 101]
+    with pytest.raises(ConfigError, match="keep must be"):
+        store.drop_uncommitted(0)

@@ -1,0 +1,271 @@
+"""Bounded disk, memory and etcd waits of the agent over many steps and generations (a
+constructed agent, fake worker handles and fakes of the cluster calls it makes): the commit
+record has one writer off the loop, failed generations' resume directories go, a fenced
+node keeps a few uncommitted snapshots, and per-generation bookkeeping does not grow."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import Phase, WorkerState
+from elasticpp.agent.durability import FetchOutcome
+from elasticpp.agent.latest import LatestWriter
+from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
+from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.pool import _Worker
+from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.records import GenerationRecord
+from tests.unit.test_agent_done import SPEC, _plan, _Proc
+from tests.unit.test_store_local import write_step
+
+
+class _SlowCluster:
+    """A slow etcd: every commit record put takes 0.2 s."""
+
+    def __init__(self, put_s: float = 0.2) -> None:
+        self.put_s = put_s
+        self.records: list[tuple[int, int, float]] = []  # (generation, step, when)
+        self.arrivals: list[tuple[str, str, Any]] = []
+
+    def record_commit(self, generation, node_id, step, anchors=(), replicas=None) -> None:
+        time.sleep(self.put_s)  # the latency being modelled, not a wait for a condition
+        self.records.append((generation, step, time.monotonic()))
+
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        self.arrivals.append((barrier, node_id, value))
+
+    def record_timeline(self, generation: int, timeline: Any, leader: Any) -> bool:
+        self.arrivals.append(("timelines", f"gen-{generation}", timeline))
+        return True
+
+    def housekeep(self, generation: int, **_: Any) -> int:
+        return 0
+
+
+def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[Agent, _Proc]:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    plan = _plan(generation)
+    record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
+    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._replicating = True  # no replication rounds here: one node
+    agent.cluster = cluster
+    writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
+    agent.pool.add_worker(
+        _Worker(
+            proc=writer,  # type: ignore[arg-type]
+            rank=0,
+            generation=generation,
+            plan=plan,
+            state=WorkerState.RUNNING,
+        )
+    )
+    return agent, writer
+
+
+def test_a_slow_etcd_does_not_hold_the_loop_and_the_newest_commit_record_lands_last(
+    tmp_path: Path,
+) -> None:
+    cluster = _SlowCluster()
+    agent, writer = _running_agent(tmp_path, cluster)
+    steps = 20
+    fed = threading.Event()
+
+    def feed() -> None:
+        for step in range(1, steps + 1):
+            agent.pool.deliver(writer, {"event": "snapshot", "step": step, "pieces": []})  # type: ignore[arg-type]
+            fed.wait(0.1)  # a step every 0.1 s: faster than a put
+        fed.set()
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    started = time.monotonic()
+    feeder.start()
+    drains: list[float] = []
+    while not fed.is_set() and time.monotonic() - started < 30:
+        t0 = time.monotonic()
+        agent._drain_worker_events()
+        drains.append(time.monotonic() - t0)
+        fed.wait(0.02)  # the loop's cadence
+    feeder.join(5)
+    agent._drain_worker_events()
+    assert max(drains) < 0.5, f"a drain took {max(drains):.2f} s: the loop waits on etcd"
+    assert agent.store.committed_steps()[-1] == steps
+    assert agent._commit_records.flush(timeout_s=10)
+    written = [step for _, step, _ in cluster.records]
+    assert written == sorted(written), f"a commit record went back: {written}"
+    assert written[-1] == steps  # the newest is what stays
+    # Paced: one put at once, then at most one a COMMIT_RECORD_EVERY_S (the flush aside).
+    assert len(written) < steps / 2
+
+
+def test_the_writer_keeps_only_the_newest_value_and_retries_a_failed_put(tmp_path: Path) -> None:
+    puts: list[tuple[int, int]] = []
+    fail = threading.Event()
+    gate = threading.Event()
+
+    def put(key: int, value: int) -> None:
+        gate.wait(10)  # the first put is held until the test has offered more
+        if fail.is_set():
+            fail.clear()
+            raise OSError("etcd unavailable")
+        puts.append((key, value))
+
+    writer: LatestWriter[int] = LatestWriter(put, every_s=0.0, name="record")
+    writer.offer(1, lambda: 1)  # taken at once, held at the gate
+    deadline = time.monotonic() + 10
+    while writer.pending() and time.monotonic() < deadline:
+        gate.wait(0.01)
+    for value in range(2, 50):
+        writer.offer(1, lambda v=value: v)
+    writer.offer(2, lambda: 7)
+    assert writer.pending() == {1: 49, 2: 7}  # one slot per key: the newest
+    gate.set()
+    assert writer.flush(timeout_s=10)
+    assert puts == [(1, 1), (1, 49), (2, 7)]
+    fail.set()
+    writer.offer(2, lambda: 8)
+    assert writer.flush(timeout_s=10)  # failed once, retried
+    assert puts[-1] == (2, 8)
+    for key in range(3, 20):
+        writer.offer(key, lambda k=key: k)
+    assert len(writer.pending()) <= 4
+    writer.close(timeout_s=10)
+    assert puts[-1] == (19, 19)
+
+
+class _Lapsed:
+    """A membership registration whose lease may have lapsed: the node is fenced."""
+
+    def may_have_lapsed(self) -> bool:
+        return True
+
+
+def test_a_fenced_node_keeps_only_the_newest_few_uncommitted_snapshots(tmp_path: Path) -> None:
+    agent, writer = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    agent._registration = _Lapsed()
+    for step in range(1, 101):
+        report = write_step(agent.store, step, generation=1)
+        w = agent.pool.worker(writer.pid)
+        assert w is not None
+        agent._on_snapshot(w, {"step": step, "pieces": report})
+    steps = sorted(step for _, _, step, _ in agent.store.layout.step_dirs("n0"))
+    assert steps == [98, 99, 100]  # FENCED_SNAPSHOTS_KEPT, nothing committed
+    assert sorted(agent._snap_reports) == [(1, 98), (1, 99), (1, 100)]
+    assert len(agent.store._reported) == FENCED_SNAPSHOTS_KEPT
+    assert agent.store.committed_steps() == []
+
+
+def _resume_dirs(agent: Agent) -> list[str]:
+    return sorted(d.name for d in (agent.cfg.state_dir / "resume").iterdir())
+
+
+def _fetched(agent: Agent, gs: _GenState) -> None:
+    """What a fetch leaves: the generation's resume directory with a piece in it."""
+    d = agent._resume_dir(gs)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "embed.tp0-1.safetensors").write_bytes(b"x" * 4096)
+
+
+def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    agent.pool.forget(100)  # the generation before is over here
+    for generation in range(2, 6):
+        record = GenerationRecord(
+            generation, _plan(generation).to_dict(), "n0", time.time(), resume_step=3
+        )
+        gs = agent._gen = _GenState(record=record)
+        agent._stop_old_workers(gs)  # no old workers: holdings reported, MOVING
+        assert gs.phase is Phase.MOVING
+        _fetched(agent, gs)
+        gs.enter(Phase.FAILED)  # e.g. a peer's transfer failed: the leader re-plans
+    assert _resume_dirs(agent) == ["gen-000005"]  # only the newest generation's
+
+
+def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), resume_step=3)
+    gs = agent._gen = _GenState(record=record, phase=Phase.MOVING)
+    agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
+    _fetched(agent, gs)
+    gs.fetch = Future()
+    gs.fetch.set_result(FetchOutcome(error="StateUnavailableError: a peer went away"))
+    agent._move_state(gs)
+    assert gs.phase is Phase.FAILED
+    assert _resume_dirs(agent) == []
+
+
+def test_resume_directories_compare_generations_as_numbers(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    for generation in (999_999, 1_000_000, 1_000_001):
+        record = GenerationRecord(generation, _plan(1).to_dict(), "n0", time.time())
+        _fetched(agent, _GenState(record=record))
+    agent._clean_local(1_000_001)
+    assert _resume_dirs(agent) == ["gen-1000001"]
+
+
+def _record(generation: int) -> GenerationRecord:
+    return GenerationRecord(generation, _plan(1).to_dict(), "n9", time.time(), resume_step=0)
+
+
+def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    for generation in range(2, 202):
+        agent._report_failure(generation - 1, "worker rank 0 exited with code 1")
+        agent._enter_generation(_record(generation))
+    assert len(agent._detected) <= 1  # only the leader deleted them before
+
+
+class _Unreachable(_SlowCluster):
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        raise ClusterUnavailableError("etcd: connection refused", fast=True)
+
+
+def test_failure_reports_replaced_by_a_newer_plan_are_not_remembered(tmp_path: Path) -> None:
+    agent, _ = _running_agent(tmp_path, _Unreachable())
+    for generation in range(1, 201):
+        agent._gen = _GenState(record=_record(generation))
+        agent._report_failure(generation, "worker rank 0 exited with code 1")  # held
+    agent._gen = _GenState(record=_record(201))
+    agent._publish_failures()
+    assert agent._pending_failures == {}
+    assert agent._failures_held == set()
+
+
+def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
+    tmp_path: Path,
+) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    agent._tcpstore = dist.TCPStore(  # what the leader starts for its term (real, loopback)
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    client = dist.TCPStore(
+        "127.0.0.1", agent._tcpstore.port, is_master=False, timeout=timedelta(seconds=30)
+    )
+    for generation in range(1, 51):
+        ranks = dist.PrefixStore(f"gen{generation}", client)  # what each worker does
+        for rank in range(4):
+            ranks.set(f"rank{rank}", "127.0.0.1:29500")
+            ranks.add("arrived", 1)
+        now = time.time()
+        agent._barriers = {
+            f"started-{generation}": {"n0": {"at": now, "moved_at": now}},
+            f"resume-{generation}": {RESUME_MEMBER: {"step": 0}},
+        }
+        gs = _GenState(record=_record(generation), phase=Phase.RUNNING, resume_written=True)
+        agent._lead_timeline(gs)  # the generation runs on every node
+        assert gs.timeline_written
+    assert sorted(agent._tcpstore.list_keys()) == [
+        "gen50/arrived",
+        "gen50/rank0",
+        "gen50/rank1",
+        "gen50/rank2",
+        "gen50/rank3",
+    ]
