@@ -17,6 +17,10 @@ per communicator), and a sent tensor is freed one phase after it was made: sent 
 O(1) per rank, so 1F1B's activation memory stays O(p) for any micro-batch count m. The loss
 is summed on the device and read to the host once per step.
 
+Precision (`TrainConfig.precision`): fp32, or bf16 compute under autocast over fp32
+parameters; gradients, AdamW moments and snapshots are fp32 either way. Under bf16 a stage
+boundary crosses the wire as bf16 and is cast back to the model's declared dtype on arrival.
+
 A step ends with one all-gather across the world of (loss sum, known stop step). It follows
 every rank's optimizer update, so when it returns the step is committed everywhere; it also
 gives every rank the same loss and the same agreed stop step.
@@ -203,6 +207,7 @@ class Trainer:
         first_sample = step * B + plan.sample_range(self.coord.dp)[0]
         boundary = self.model.boundary.per_sample
         boundary_dtype = self.model.boundary.torch_dtype()
+        wire_dtype = self._wire_dtype(boundary_dtype)
         for ts in self.params.values():
             for t in ts.values():
                 t.grad = None
@@ -220,7 +225,7 @@ class Trainer:
         for phase in p2p_phases(self.job.schedule, g.pp_size, self.coord.pp, m):
             op, inbox, recv = phase.run, None, None
             if phase.recv is not None:
-                inbox = torch.empty(b, *boundary, dtype=boundary_dtype, device=self.device)
+                inbox = torch.empty(b, *boundary, dtype=wire_dtype, device=self.device)
                 recv = (inbox, g.prev_rank if phase.recv.kind == FORWARD else g.next_rank)
             _exchange(owed, recv)
             owed = None  # its send has completed: the buffer goes now, not at the step's end
@@ -236,7 +241,7 @@ class Trainer:
                     assert tokens is not None  # only the first stage receives no input
                     x = tokens.to(self.device)
                 else:
-                    x = inbox.requires_grad_(True)
+                    x = inbox.to(boundary_dtype).requires_grad_(True)
                 t0 = time.perf_counter()
                 key = (
                     DropoutKey(self.job.seed, step, mb_first, self.job.dropout)
@@ -244,7 +249,7 @@ class Trainer:
                     else None
                 )
                 tgt = targets.to(self.device) if targets is not None and g.is_last_stage else None
-                with self._count_saved() as counter:
+                with self._count_saved() as counter, self._autocast():
                     out = self.stage.forward(
                         self.params, x, self.coord.tp, g.tp_size, g.tp, key, tgt
                     )
@@ -258,21 +263,21 @@ class Trainer:
                 if g.is_last_stage:
                     loss_sum += out.detach().to(torch.float64)
                 else:
-                    owed = (out.detach().contiguous(), g.next_rank)
+                    owed = (out.detach().to(wire_dtype).contiguous(), g.next_rank)
             else:
                 x, out = saved.pop(i)
                 t0 = time.perf_counter()
                 if inbox is None:
                     torch.autograd.backward(out / B)
                 else:
-                    torch.autograd.backward(out, inbox)
+                    torch.autograd.backward(out, inbox.to(out.dtype))
                 busy += time.perf_counter() - t0
                 live -= 1
                 live_bytes -= act_bytes.pop(i)
                 if not g.is_first_stage:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.coord.pp}: no input gradient")
-                    owed = (x.grad.contiguous(), g.prev_rank)
+                    owed = (x.grad.to(wire_dtype).contiguous(), g.prev_rank)
                 del x, out
         pipeline_seconds = time.perf_counter() - started
 
@@ -329,6 +334,22 @@ class Trainer:
             peak_activation_bytes=peak_bytes,
             stop_at=agreed_stop,
         )
+
+    def _autocast(self) -> torch.autocast:
+        """bf16 compute over fp32 parameters: autocast casts each weight for its matmuls and
+        its backward returns fp32 gradients, so the master weights, the AdamW moments and
+        every snapshot stay fp32. Norms, softmax and the loss run in fp32 under it."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.job.precision == "bf16"
+        )
+
+    def _wire_dtype(self, declared: torch.dtype) -> torch.dtype:
+        """The dtype of boundary activations and their gradients on the wire: bf16 under bf16
+        (half the bytes), else what the model declares. A receiver computes in the declared
+        dtype, so a stage's residual stream is the same dtype whatever the pipeline depth."""
+        if self.job.precision == "bf16" and declared.is_floating_point:
+            return torch.bfloat16
+        return declared
 
     def agree_stop(self, local_stop: int) -> int:
         """The world's minimum known stop step (a collective every rank must call)."""

@@ -141,6 +141,7 @@ def test_train_config_validates_fields_and_round_trips() -> None:
         {"lr": -1.0},
         {"dropout": 1.0},
         {"schedule": "zigzag"},
+        {"precision": "fp16"},
         {"betas": (0.9,)},
         {"min_lr": 1.0, "lr": 0.1},
     ):
