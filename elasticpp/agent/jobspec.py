@@ -51,6 +51,7 @@ _OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps
 # Top-level keys of the spec copied into its TrainConfig.
 _TRAIN_KEYS = (
     "schedule",
+    "precision",
     "data",
     "data_dtype",
     "data_shuffle",

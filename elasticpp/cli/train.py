@@ -21,7 +21,7 @@ from typing import Any
 from elasticpp.checkpoint.manifest import find_step_dir
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
-from elasticpp.train.config import DATA_DTYPES, SCHEDULES, TrainConfig
+from elasticpp.train.config import DATA_DTYPES, PRECISIONS, SCHEDULES, TrainConfig
 
 log = logging.getLogger("elasticpp.train")
 _DEFAULTS = TrainConfig()
@@ -58,6 +58,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="total steps")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     parser.add_argument("--schedule", choices=SCHEDULES, default=_DEFAULTS.schedule)
+    parser.add_argument(
+        "--precision",
+        default=_DEFAULTS.precision,
+        help=f"compute precision, one of {', '.join(PRECISIONS)}; bf16 keeps fp32 weights, "
+        "optimizer state and checkpoints (fp32)",
+    )
     parser.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate")
     parser.add_argument("--min-lr", type=float, default=_DEFAULTS.min_lr)
     parser.add_argument("--warmup-steps", type=int, default=_DEFAULTS.warmup_steps)
@@ -158,6 +164,7 @@ def _validate(
         clip_grad=args.clip_grad,
         dropout=args.dropout,
         schedule=args.schedule,
+        precision=args.precision,
         data=None if args.data is None else str(Path(args.data).resolve()),
         data_dtype=args.data_dtype,
         data_shuffle=not args.no_shuffle,

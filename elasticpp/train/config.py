@@ -17,6 +17,7 @@ from elasticpp.errors import ConfigError
 from elasticpp.plan.specs import check_fields
 
 SCHEDULES = ("1f1b", "gpipe")
+PRECISIONS = ("fp32", "bf16")  # of the compute; master weights and optimizer state stay fp32
 DATA_DTYPES = ("uint16", "uint32")  # of a flat little-endian .bin token file
 TOKEN_SUFFIXES = (".bin", ".npy")
 
@@ -42,6 +43,9 @@ class TrainConfig:
     clip_grad: float = 1.0
     dropout: float = 0.0  # on the embedding output and each block's two residual branches
     schedule: str = "1f1b"  # "1f1b" (PipeDream-flush) or "gpipe"
+    # "bf16": forwards and backwards under bf16 autocast, stage boundaries sent as bf16;
+    # parameters, gradients, AdamW moments and checkpoints stay fp32.
+    precision: str = "fp32"
     # A token file (.npy, or .bin with data_dtype), a raw-byte file, or a directory of raw-byte
     # files; None = the stdlib .py corpus. See elasticpp.train.data for the formats.
     data: str | None = None
@@ -87,6 +91,8 @@ class TrainConfig:
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         if self.schedule not in SCHEDULES:
             raise bad("schedule", f"one of {', '.join(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"one of {', '.join(PRECISIONS)}")
         if self.data is not None and (not isinstance(self.data, str) or not self.data):
             raise bad("data", "a non-empty path or null")
         if self.data_dtype is not None and self.data_dtype not in DATA_DTYPES:

@@ -10,6 +10,17 @@ What keeps training layout independent (see the design's invariant 1):
   replicas hold the same gradients), summed over the world;
 - the optimizer is elementwise, so a tp slice updates exactly like its part of the whole.
 
+The pipeline's p2p (see `schedule.p2p_phases`): each op's receive travels in one
+`batch_isend_irecv` with the send the op before it owes, and the batch is waited on whole
+before the op runs. No receive blocks while a send to a neighbour is queued (NCCL orders p2p
+per communicator), and a sent tensor is freed one phase after it was made: sent buffers stay
+O(1) per rank, so 1F1B's activation memory stays O(p) for any micro-batch count m. The loss
+is summed on the device and read to the host once per step.
+
+Precision (`TrainConfig.precision`): fp32, or bf16 compute under autocast over fp32
+parameters; gradients, AdamW moments and snapshots are fp32 either way. Under bf16 a stage
+boundary crosses the wire as bf16 and is cast back to the model's declared dtype on arrival.
+
 A step ends with one all-gather across the world of (loss sum, known stop step). It follows
 every rank's optimizer update, so when it returns the step is committed everywhere; it also
 gives every rank the same loss and the same agreed stop step.
@@ -23,7 +34,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +48,7 @@ from elasticpp.train.data import Corpus
 from elasticpp.train.families import build_model
 from elasticpp.train.model import Stage
 from elasticpp.train.parallel import ParallelGroups
-from elasticpp.train.schedule import FORWARD, schedule_ops
+from elasticpp.train.schedule import FORWARD, p2p_phases
 
 NO_STOP = 2**50  # "no stop requested"; exact in float64
 
@@ -197,30 +207,41 @@ class Trainer:
         first_sample = step * B + plan.sample_range(self.coord.dp)[0]
         boundary = self.model.boundary.per_sample
         boundary_dtype = self.model.boundary.torch_dtype()
+        wire_dtype = self._wire_dtype(boundary_dtype)
         for ts in self.params.values():
             for t in ts.values():
                 t.grad = None
 
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         act_bytes: dict[int, int] = {}
-        sends: list[tuple[Any, torch.Tensor]] = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # What the op just run owes its neighbour; sent with the next phase's receive.
+        owed: tuple[torch.Tensor, int | None] | None = None
+        # Summed on the device, read once per step: a host read per micro-batch would make
+        # every micro-batch wait for the device.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = peak_live = 0
         live_bytes = peak_bytes = 0
         busy = 0.0
-        for op in schedule_ops(self.job.schedule, g.pp_size, self.coord.pp, m):
+        for phase in p2p_phases(self.job.schedule, g.pp_size, self.coord.pp, m):
+            op, inbox, recv = phase.run, None, None
+            if phase.recv is not None:
+                inbox = torch.empty(b, *boundary, dtype=wire_dtype, device=self.device)
+                recv = (inbox, g.prev_rank if phase.recv.kind == FORWARD else g.next_rank)
+            _exchange(owed, recv)
+            owed = None  # its send has completed: the buffer goes now, not at the step's end
+            if op is None:
+                break
             i = op.microbatch
             mb_first = first_sample + i * b
             if op.kind == FORWARD:
                 tokens = targets = None
                 if g.is_first_stage or g.is_last_stage:
                     tokens, targets = self.corpus.batch(mb_first, b)
-                if tokens is not None and g.is_first_stage:
+                if inbox is None:
+                    assert tokens is not None  # only the first stage receives no input
                     x = tokens.to(self.device)
                 else:
-                    x = torch.empty(b, *boundary, dtype=boundary_dtype, device=self.device)
-                    _wait(dist.irecv(x, src=g.prev_rank))
-                    x.requires_grad_(True)
+                    x = inbox.to(boundary_dtype).requires_grad_(True)
                 t0 = time.perf_counter()
                 key = (
                     DropoutKey(self.job.seed, step, mb_first, self.job.dropout)
@@ -228,7 +249,7 @@ class Trainer:
                     else None
                 )
                 tgt = targets.to(self.device) if targets is not None and g.is_last_stage else None
-                with self._count_saved() as counter:
+                with self._count_saved() as counter, self._autocast():
                     out = self.stage.forward(
                         self.params, x, self.coord.tp, g.tp_size, g.tp, key, tgt
                     )
@@ -240,30 +261,24 @@ class Trainer:
                 peak_live = max(peak_live, live)
                 peak_bytes = max(peak_bytes, live_bytes)
                 if g.is_last_stage:
-                    loss_sum += out.detach().to("cpu", torch.float64)
+                    loss_sum += out.detach().to(torch.float64)
                 else:
-                    payload = out.detach().contiguous()
-                    sends.append((dist.isend(payload, dst=g.next_rank), payload))
+                    owed = (out.detach().to(wire_dtype).contiguous(), g.next_rank)
             else:
                 x, out = saved.pop(i)
-                if g.is_last_stage:
-                    t0 = time.perf_counter()
+                t0 = time.perf_counter()
+                if inbox is None:
                     torch.autograd.backward(out / B)
                 else:
-                    grad = torch.empty_like(out)
-                    _wait(dist.irecv(grad, src=g.next_rank))
-                    t0 = time.perf_counter()
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, inbox.to(out.dtype))
                 busy += time.perf_counter() - t0
                 live -= 1
                 live_bytes -= act_bytes.pop(i)
                 if not g.is_first_stage:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.coord.pp}: no input gradient")
-                    payload = x.grad.contiguous()
-                    sends.append((dist.isend(payload, dst=g.prev_rank), payload))
-        for work, _ in sends:
-            _wait(work)
+                    owed = (x.grad.to(wire_dtype).contiguous(), g.prev_rank)
+                del x, out
         pipeline_seconds = time.perf_counter() - started
 
         flat_params = [(u, n, t) for u, ts in self.params.items() for n, t in ts.items()]
@@ -295,7 +310,7 @@ class Trainer:
 
         mine = torch.tensor(
             [
-                float(loss_sum) if g.is_last_stage and self.coord.tp == 0 else 0.0,
+                float(loss_sum.item()) if g.is_last_stage and self.coord.tp == 0 else 0.0,
                 float(min(local_stop, NO_STOP)),
             ],
             dtype=torch.float64,
@@ -319,6 +334,22 @@ class Trainer:
             peak_activation_bytes=peak_bytes,
             stop_at=agreed_stop,
         )
+
+    def _autocast(self) -> torch.autocast:
+        """bf16 compute over fp32 parameters: autocast casts each weight for its matmuls and
+        its backward returns fp32 gradients, so the master weights, the AdamW moments and
+        every snapshot stay fp32. Norms, softmax and the loss run in fp32 under it."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.job.precision == "bf16"
+        )
+
+    def _wire_dtype(self, declared: torch.dtype) -> torch.dtype:
+        """The dtype of boundary activations and their gradients on the wire: bf16 under bf16
+        (half the bytes), else what the model declares. A receiver computes in the declared
+        dtype, so a stage's residual stream is the same dtype whatever the pipeline depth."""
+        if self.job.precision == "bf16" and declared.is_floating_point:
+            return torch.bfloat16
+        return declared
 
     def agree_stop(self, local_stop: int) -> int:
         """The world's minimum known stop step (a collective every rank must call)."""
@@ -406,6 +437,18 @@ def tie_stages(model: ModelDef, plan: Plan) -> tuple[int, ...]:
     )
 
 
-def _wait(work: Any) -> None:
-    if work is not None:  # None only for ranks outside the group, never ours
-        work.wait()
+def _exchange(
+    send: tuple[torch.Tensor, int | None] | None, recv: tuple[torch.Tensor, int | None] | None
+) -> None:
+    """One phase's p2p as one batch (at most a send and a receive, to any neighbours), waited
+    on whole: when it returns the received tensor is filled and the sent one may be freed."""
+    ops = []
+    for item, op in ((send, dist.isend), (recv, dist.irecv)):
+        if item is None:
+            continue
+        if item[1] is None:  # p2p_phases pairs no first stage's input, no last stage's output
+            raise RuntimeError("a pipeline exchange with a neighbour this stage does not have")
+        ops.append(dist.P2POp(op, item[0], item[1]))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

@@ -45,3 +45,43 @@ def max_in_flight(ops: list[Op]) -> int:
         live += 1 if op.kind == FORWARD else -1
         peak = max(peak, live)
     return peak
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One batched exchange (a single `batch_isend_irecv`), then at most one op.
+
+    The send an op owes (a forward's output to the next stage, a backward's input gradient to
+    the previous one) is made together with the receive the following op needs, as
+    Megatron's `send_forward_recv_backward` does: NCCL orders the p2p of a communicator on one
+    stream, so a receive that blocks while a send to the same neighbour is still queued could
+    wait on a peer that waits on us. Waiting on the whole exchange before the op also frees
+    each sent buffer one phase after it was made, whatever the micro-batch count.
+    """
+
+    send: Op | None  # the op whose output is sent now
+    recv: Op | None  # the op whose input is received now
+    run: Op | None  # the op computed after the exchange; None in a final, send-only phase
+
+
+def sends(op: Op, stage: int, pp: int) -> bool:
+    """Whether `op` on `stage` sends its result to a neighbour."""
+    return stage < pp - 1 if op.kind == FORWARD else stage > 0
+
+
+def receives(op: Op, stage: int, pp: int) -> bool:
+    """Whether `op` on `stage` needs its input from a neighbour."""
+    return stage > 0 if op.kind == FORWARD else stage < pp - 1
+
+
+def p2p_phases(kind: str, pp: int, stage: int, microbatches: int) -> list[Phase]:
+    """The schedule of `schedule_ops` as phases: each op's receive batched with the send the
+    op before it owes; a final phase sends what the last op owes."""
+    phases: list[Phase] = []
+    owed: Op | None = None
+    for op in schedule_ops(kind, pp, stage, microbatches):
+        phases.append(Phase(owed, op if receives(op, stage, pp) else None, op))
+        owed = op if sends(op, stage, pp) else None
+    if owed is not None:
+        phases.append(Phase(owed, None, None))
+    return phases

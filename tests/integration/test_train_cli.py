@@ -13,8 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from elasticpp.checkpoint.manifest import verify_step_dir
+from elasticpp.checkpoint.tensors import load_units
 from elasticpp.proctree import descendants
 from elasticpp.train.launch import wait_gone
 from elasticpp.waiting import wait_until
@@ -80,6 +82,7 @@ def children_of(pid: int) -> list[int]:
         (["--model", "no-such-model"], "unknown model"),
         (["--layout", "pp=two"], "must be an integer"),
         (["--dropout", "1.5"], "dropout"),
+        (["--precision", "fp16"], "precision must be one of fp32, bf16, got 'fp16'"),
         (["--resume", "/nonexistent-dir-of-elasticpp"], "--resume"),
     ],
 )
@@ -166,6 +169,32 @@ def test_save_under_one_layout_and_resume_under_another_continues_the_curve(
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
         assert b["lr"] == a["lr"]
     assert {r["layout"] for r in resumed} == {"pp=1,tp=1,dp=2"}
+
+
+@pytest.mark.timeout(120)
+def test_bf16_trains_across_stages_and_saves_fp32_state(tmp_path: Path, model_file: Path) -> None:
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "save"
+    p = subprocess.run(
+        cli(
+            *common(model_file, "pp=2,tp=1,dp=1", 2, metrics),
+            "--precision",
+            "bf16",
+            "--save",
+            str(save),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1]
+    step_dir = save / "step-0000000002"
+    manifest = verify_step_dir(step_dir)
+    loaded = load_units(step_dir, manifest.units, 0, 1)
+    dtypes = {t.dtype for unit in loaded.values() for t in unit.tensors.values()}
+    # Master weights and AdamW moments are fp32 under bf16 compute, and so is what is saved.
+    assert dtypes == {torch.float32}
 
 
 def start_long_run(tmp_path: Path, model_file: Path, metrics: Path) -> subprocess.Popen[str]:

@@ -42,6 +42,12 @@ def test_round_trip_through_canonical_json() -> None:
     assert again.train_config().lr == 3e-4 and again.train_config().schedule == "gpipe"
 
 
+def test_precision_is_copied_to_the_train_config_and_defaults_to_fp32() -> None:
+    assert parse_job_spec(dict(MINIMAL)).train_config().precision == "fp32"
+    spec = parse_job_spec({**MINIMAL, "precision": "bf16"})
+    assert JobSpec.from_json(spec.to_json()).train_config().precision == "bf16"
+
+
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
@@ -54,6 +60,7 @@ def test_round_trip_through_canonical_json() -> None:
         ({"optimizer": {"learning_rate": 1}}, "learning_rate"),
         ({"colour": "blue"}, "colour"),
         ({"schedule": "zigzag"}, "schedule"),
+        ({"precision": "fp16"}, "precision must be one of fp32, bf16"),
         ({"data": "t.bin", "data_dtype": "float16"}, "data_dtype"),
         ({"data": "t.npy", "data_shuffle": "off"}, "data_shuffle"),
         ({"data": "corpus.txt", "data_shuffle": False}, "data_shuffle"),

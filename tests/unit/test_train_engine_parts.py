@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -16,7 +17,15 @@ from elasticpp.train.config import TrainConfig
 from elasticpp.train.contract import init_unit
 from elasticpp.train.data import Corpus, load_corpus
 from elasticpp.train.families import build_model
-from elasticpp.train.schedule import BACKWARD, FORWARD, max_in_flight, schedule_ops
+from elasticpp.train.schedule import (
+    BACKWARD,
+    FORWARD,
+    Op,
+    Phase,
+    max_in_flight,
+    p2p_phases,
+    schedule_ops,
+)
 from elasticpp.train.snapshots import SnapshotWriter, is_snapshot_writer
 from elasticpp.train.worker import Assignment, StopControl
 
@@ -50,6 +59,80 @@ def test_1f1b_warms_up_p_minus_s_minus_1_forwards() -> None:
         schedule_ops("zigzag", 2, 0, 2)
 
 
+def _counterpart(op: Op, stage: int) -> tuple[int, Op]:
+    """Where the receive of `op` on `stage` is sent from: the same op one stage earlier (a
+    forward's input) or later (a backward's output gradient)."""
+    return (stage - 1 if op.kind == FORWARD else stage + 1), op
+
+
+def _runs_to_the_end(plans: list[list[Phase]]) -> bool:
+    """Simulate NCCL's semantics: a rank waits on its whole phase; a send or receive completes
+    only once the peer has posted the phase holding its counterpart."""
+    where: list[dict[tuple[str, str, int], int]] = []
+    for phases in plans:
+        index = {}
+        for k, ph in enumerate(phases):
+            if ph.send is not None:
+                index[("send", ph.send.kind, ph.send.microbatch)] = k
+            if ph.recv is not None:
+                index[("recv", ph.recv.kind, ph.recv.microbatch)] = k
+        where.append(index)
+    pos = [0] * len(plans)
+
+    def reached(stage: int, what: tuple[str, str, int]) -> bool:
+        return pos[stage] >= where[stage][what]
+
+    moved = True
+    while moved:
+        moved = False
+        for s, phases in enumerate(plans):
+            if pos[s] == len(phases):
+                continue
+            ph = phases[pos[s]]
+            ok = True
+            if ph.recv is not None:
+                peer, op = _counterpart(ph.recv, s)
+                ok &= reached(peer, ("send", op.kind, op.microbatch))
+            if ph.send is not None:
+                peer = s + 1 if ph.send.kind == FORWARD else s - 1
+                ok &= reached(peer, ("recv", ph.send.kind, ph.send.microbatch))
+            if ok:
+                pos[s] += 1
+                moved = True
+    return all(p == len(ph) for p, ph in zip(pos, plans, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+def test_batched_p2p_phases_never_deadlock_and_send_every_result_once(
+    kind: str, p: int, m: int
+) -> None:
+    plans = [p2p_phases(kind, p, s, m) for s in range(p)]
+    assert _runs_to_the_end(plans)
+    for s, phases in enumerate(plans):
+        assert [ph.run for ph in phases if ph.run is not None] == schedule_ops(kind, p, s, m)
+        sent = [ph.send for ph in phases if ph.send is not None]
+        assert len(sent) == (m if s < p - 1 else 0) + (m if s > 0 else 0)
+        for before, ph in itertools.pairwise(phases):  # a send is the op run just before it
+            assert ph.send is None or ph.send == before.run
+        assert all(ph.recv is None or ph.recv == ph.run for ph in phases)
+
+
+def test_the_simulation_sees_the_deadlock_of_blocking_sends_in_1f1b() -> None:
+    # A send waited on alone right after its op (no batching with the next receive): in the
+    # steady phase both neighbours send first and wait for a receive that never comes.
+    unbatched = []
+    for s in range(2):
+        phases = []
+        for ph in p2p_phases("1f1b", 2, s, 4):
+            if ph.send is not None:
+                phases.append(Phase(ph.send, None, None))
+            phases.append(Phase(None, ph.recv, ph.run))
+        unbatched.append(phases)
+    assert not _runs_to_the_end(unbatched)
+
+
 def test_train_config_validates_fields_and_round_trips() -> None:
     cfg = TrainConfig(seed=3, steps=7, dropout=0.1, schedule="gpipe", betas=(0.8, 0.9))
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
@@ -58,6 +141,7 @@ def test_train_config_validates_fields_and_round_trips() -> None:
         {"lr": -1.0},
         {"dropout": 1.0},
         {"schedule": "zigzag"},
+        {"precision": "fp16"},
         {"betas": (0.9,)},
         {"min_lr": 1.0, "lr": 0.1},
     ):
