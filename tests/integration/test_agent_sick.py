@@ -22,7 +22,8 @@ from elasticpp.cluster import ClusterClient
 from elasticpp.proctree import descendants
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.test_agent_recovery import SPEC as RECOVERY_SPEC
-from tests.integration.test_agent_recovery import _train_reference, assert_same_curve
+from tests.integration.test_agent_recovery import assert_same_curve
+from tests.integration.test_agent_recovery import references as references  # the fixture
 
 STEPS = 30
 SPEC: dict[str, Any] = {
@@ -46,20 +47,6 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         lc.close()
         left = list(descendants(os.getpid()))
         assert not left, f"processes left behind: {left}"
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[int, float]]:
-    """The uninterrupted curve of the job with `steps` steps (the LR schedule depends on it)."""
-    cache: dict[int, dict[int, float]] = {}
-
-    def get(steps: int) -> dict[int, float]:
-        if steps not in cache:
-            out = tmp_path_factory.mktemp("ref") / f"ref-{steps}.jsonl"
-            cache[steps] = _train_reference(out, steps)
-        return cache[steps]
-
-    return get
 
 
 @pytest.fixture
