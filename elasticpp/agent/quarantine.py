@@ -159,6 +159,11 @@ class QuarantinePart:
             reports = [_report(n, v) for n, v in failed.items() if n in current]
             if lost or reports:
                 actions += sick.judge(rec.generation, reports, incarnations, now, lost=lost)
+            # A node of the generation that answered a probe NOT_SERVING has a stalled
+            # decision loop (elasticpp.agent.liveness): it would fail every plan it is in.
+            for node in sorted(current & set(self._unhealthy)):
+                if self._unhealthy[node] == incarnations.get(node):
+                    actions += sick.not_serving(node, incarnations[node], now)
         self._act_sick(actions)
         return self._view()
 

@@ -141,6 +141,7 @@ class SickNodes:
     failures: deque[float] = field(default_factory=deque)  # when generations failed
     judged: int = 0  # the newest generation whose failure was judged
     ended: bool = False
+    _not_serving: dict[str, str] = field(default_factory=dict)  # node -> incarnation judged
 
     def load(self, published: Mapping[str, Quarantined]) -> None:
         """Take the quarantines etcd holds (a new term, an operator's lift)."""
@@ -187,6 +188,15 @@ class SickNodes:
         """Quarantine `node` at once (it missed a deadline everyone else met)."""
         self.strikes[node] = self.strikes.get(node, 0) + 1
         return self._quarantine(node, reason, incarnation, now)
+
+    def not_serving(self, node: str, incarnation: str, now: float) -> list[Action]:
+        """A probe found `node`'s agent NOT_SERVING (its loop stalled): quarantine it, once
+        per incarnation (a stale observation must not undo its re-admission)."""
+        if self._not_serving.get(node) == incarnation:
+            return []
+        self._not_serving[node] = incarnation
+        why = "answers NOT_SERVING: its decision loop has stalled"
+        return self.exclude(node, why, incarnation, now)
 
     def trained(self, nodes: Iterable[str]) -> None:
         """A generation of `nodes` started training: their strikes start again at zero."""

@@ -192,6 +192,11 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     assert not gs.resume_written  # n2 is in the plan: the next plan goes without it
     view = agent._view()
     assert view.quarantined == {"n2"}
+    # Re-admitted (say by an operator), the same stale observation does not set it aside
+    # again; a new incarnation's would.
+    agent._quarantine_view = {}
+    agent._lead_health(agent._view())
+    assert len(cluster.quarantines) == 1
 
 
 def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path) -> None:
@@ -277,3 +282,30 @@ def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
     assert accepted and not agent._draining  # nothing written from the RPC's thread
     agent._check_drain()
     assert agent._draining and agent._done and agent._exit_code == 0
+
+
+def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path: Path) -> None:
+    """Before, a probe counted NOT_SERVING as alive, and a wedged agent stayed in every
+    plan (the review's N2b)."""
+    agent, cluster = _agent(tmp_path)
+    agent._leadership = _Leadership()
+    agent._leader = "n0"
+    agent._members = {
+        n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
+        for n in ("n0", "n1", "n2")
+    }
+    nodes = {n: "127.0.0.1:1" for n in ("n0", "n1", "n2")}
+    record = GenerationRecord(
+        2, _plan(2, ("n0", "n1", "n2")).to_dict(), "n0", time.time(), extra={"nodes": nodes}
+    )
+    agent._record = record
+    agent._unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
+    view = agent._lead_health(agent._view())
+    [q] = cluster.quarantines
+    assert q.node_id == "n2" and "NOT_SERVING" in q.reason
+    assert view.quarantined == {"n2"}
+    # Re-admitted (say by an operator), the same stale observation does not set it aside
+    # again; a new incarnation's would.
+    agent._quarantine_view = {}
+    agent._lead_health(agent._view())
+    assert len(cluster.quarantines) == 1
