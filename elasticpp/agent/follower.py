@@ -77,10 +77,6 @@ class _GenState:
     # Ranks of this node that reported "done": kept here, not on the worker, because a
     # worker's "done" and its exit can arrive in one tick and the exit forgets the worker.
     done_ranks: set[int] = field(default_factory=set)
-    # leader bookkeeping
-    resume_written: bool = False
-    timeline_written: bool = False
-    stopped_waiting_since_s: float = field(default_factory=time.monotonic)
 
     @property
     def generation(self) -> int:

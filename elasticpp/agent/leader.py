@@ -18,13 +18,13 @@ from typing import Any
 
 from elasticpp.agent.decide import (
     ClusterView,
-    Phase,
     Replan,
     Wait,
     decide_replan,
     live_nodes,
 )
 from elasticpp.agent.follower import _GenState
+from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
 from elasticpp.agent.sick import SickNodes
 from elasticpp.cluster.client import RESUME_MEMBER
@@ -82,9 +82,9 @@ class LeaderPart:
             return
         self._leadership = leadership
         self._leader = self.node_id
-        # A new term: strikes and the failure budget start afresh; quarantines are read
-        # from etcd (elasticpp.agent.sick).
-        self._sick = SickNodes(self.spec.sick_policy())
+        # A new term starts the leader's state afresh: strikes and the failure budget too;
+        # quarantines and what each generation's transition has written are read from etcd.
+        self._ls = LeaderState(SickNodes(self.spec.sick_policy()))
         self._start_rendezvous_store()
         self._event("decision", f"node {self.node_id} is the leader")
 
@@ -165,21 +165,21 @@ class LeaderPart:
             settle_s=self.spec.join_settle_s,
         )
         gs = self._gen
+        # Mid-transition while the current generation's resume instruction is not written,
+        # as etcd says (not as this node's own follower phase says).
         in_progress = (
-            gs is not None
-            and rec is not None
-            and gs.generation == rec.generation
-            and gs.phase in (Phase.STOPPING, Phase.MOVING)
-            and not gs.resume_written
+            rec is not None
+            and not self._ls.at(rec.generation, time.monotonic()).resume_written
+            and RESUME_MEMBER not in self._barriers.get(f"resume-{rec.generation}", {})
         )
         if isinstance(decision, Replan):
-            if time.monotonic() < self._replan_not_before_s:
+            if time.monotonic() < self._ls.replan_not_before_s:
                 return
             if not (decision.graceful and in_progress):
                 self._write_generation(decision, view)
                 return
-        elif isinstance(decision, Wait) and self._last_wait != decision.reason:
-            self._last_wait = decision.reason
+        elif isinstance(decision, Wait) and self._ls.last_wait != decision.reason:
+            self._ls.last_wait = decision.reason
             self._event("decision", f"waiting: {decision.reason}")
         if rec is None or gs is None or gs.generation != rec.generation:
             return
@@ -202,8 +202,8 @@ class LeaderPart:
                 top_k=0,
             )
         except ElasticppError as exc:
-            if self._last_wait != str(exc):
-                self._last_wait = str(exc)
+            if self._ls.last_wait != str(exc):
+                self._ls.last_wait = str(exc)
                 self._event("decision", f"cannot plan for {list(decision.nodes)}: {exc}")
             return
         plan = result.best.with_generation(generation)
@@ -233,11 +233,11 @@ class LeaderPart:
         if self.cluster.write_generation(record, self._record_rev, self._leadership):
             # Back off when generations keep failing before they train (a bug or a bad
             # node must not turn into a re-plan storm); a generation that trains resets it.
-            self._replan_failures = 0 if decision.graceful else self._replan_failures + 1
+            self._ls.replan_failures = 0 if decision.graceful else self._ls.replan_failures + 1
             backoff_s = 0.0
-            if self._replan_failures > 2:
-                backoff_s = min(MAX_REPLAN_BACKOFF_S, 0.25 * 2 ** (self._replan_failures - 3))
-            self._replan_not_before_s = time.monotonic() + backoff_s
+            if self._ls.replan_failures > 2:
+                backoff_s = min(MAX_REPLAN_BACKOFF_S, 0.25 * 2 ** (self._ls.replan_failures - 3))
+            self._ls.replan_not_before_s = time.monotonic() + backoff_s
             for g in [g for g in self._detected if g <= generation]:
                 del self._detected[g]
             self._event(
@@ -264,18 +264,19 @@ class LeaderPart:
         return min(seen)
 
     def _lead_resume(self, gs: _GenState, view: ClusterView) -> None:
-        if gs.resume_written:
+        ls = self._ls.at(gs.generation, time.monotonic())
+        if ls.resume_written:
             return
         assert self.cluster is not None
         if RESUME_MEMBER in self._barriers.get(f"resume-{gs.generation}", {}):
-            gs.resume_written = True  # an earlier leader of this generation wrote it
+            ls.resume_written = True  # an earlier leader of this generation wrote it
             return
         stopped = self._barriers.get(f"stopped-{gs.generation}", {})
         expected = set(live_nodes(view))
         missing = expected - set(stopped)
         if missing:
-            if time.monotonic() - gs.stopped_waiting_since_s > 2.0:
-                gs.stopped_waiting_since_s = time.monotonic()
+            if time.monotonic() - ls.missing_probed_s > 2.0:
+                ls.missing_probed_s = time.monotonic()
                 self._confirm_dead(sorted(missing))
             if not self._exclude_non_arrivers(gs, sorted(missing)):
                 return
@@ -303,8 +304,8 @@ class LeaderPart:
                     "steps before, so it does not start over (restore a checkpoint into "
                     "persist_dir or bring back a node that holds the state)"
                 )
-                if self._last_wait != msg:
-                    self._last_wait = msg
+                if self._ls.last_wait != msg:
+                    self._ls.last_wait = msg
                     self._event("decision", msg)
                 return
         fetches: dict[str, list[list[Any]]] = {}
@@ -333,23 +334,24 @@ class LeaderPart:
                 gs.generation,
             )
             return
-        gs.resume_written = True
+        ls.resume_written = True
         self._event("decision", f"leader: generation {gs.generation} resumes at step {step}")
 
     def _lead_timeline(self, gs: _GenState) -> None:
-        if gs.timeline_written or not gs.resume_written:
+        ls = self._ls.at(gs.generation, time.monotonic())
+        if ls.timeline_written or not ls.resume_written:
             return
         if f"gen-{gs.generation}" in self._barriers.get("timelines", {}):
             # Written by the leader that ran this generation; a leader elected later (at the
             # job's end, say) must not overwrite it with what it did not see.
-            gs.timeline_written = True
+            ls.timeline_written = True
             return
         started = self._barriers.get(f"started-{gs.generation}", {})
         nodes = set(gs.record.extra.get("nodes", {}))
         if not nodes <= set(started):
             return
-        self._replan_failures = 0
-        self._sick.trained(nodes)
+        self._ls.replan_failures = 0
+        self._ls.sick.trained(nodes)
         assert self.cluster is not None
         resumes = self._barriers.get(f"resume-{gs.generation}", {})
         resume = resumes.get(RESUME_MEMBER) or {}
@@ -373,7 +375,7 @@ class LeaderPart:
         }
         if not self.cluster.record_timeline(gs.generation, timeline, self._leadership):
             return  # the term is over: the next leader writes it, or knows better
-        gs.timeline_written = True
+        ls.timeline_written = True
         # The generation runs: what older ones left in etcd goes (bounded growth).
         removed = self.cluster.housekeep(gs.generation, leader=self._leadership)
         if removed:
@@ -397,9 +399,10 @@ class LeaderPart:
         with ranks holds, and its replica holders hold a replica of, by their commit records
         (elasticpp.store.replicate)."""
         r = self.spec.replication_copies
-        if not r or not gs.resume_written or now_s - self._safe_checked_s < SAFE_EVERY_S:
+        ls = self._ls.at(gs.generation, now_s)
+        if not r or not ls.resume_written or now_s - ls.safe_checked_s < SAFE_EVERY_S:
             return
-        self._safe_checked_s = now_s
+        self._ls.safe_checked_s = now_s
         assert self.cluster is not None
         records = self.cluster.commit_records(gs.generation)
         # The ring replication uses (`_replicate_async`): the plan's nodes with ranks.

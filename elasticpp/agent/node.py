@@ -63,6 +63,7 @@ from elasticpp.agent.follower import FollowerPart, _GenState
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
+from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import (
     COMMIT_RECORD_EVERY_S,
     EVENT_STREAMS,
@@ -134,9 +135,7 @@ class Agent(
         self._total_events = 0
         self._replicating = False
         self._last_commit_step = -1  # this node's newest own commit (its commit records say it)
-        self._safe_checked_s = 0.0  # when the leader last computed the safe step
         self._safe_read_s = 0.0  # when this agent last read the published safe step
-        self._last_wait = ""
         self._drain_announced = False
         self._drain_requested_gen = 0
         self._snap_reports: dict[tuple[int, int], set[int]] = {}
@@ -158,13 +157,12 @@ class Agent(
             self._put_commit_record, every_s=COMMIT_RECORD_EVERY_S, name="commit record"
         )
         # quarantine and the job's end (elasticpp.agent.quarantine)
-        self._sick = SickNodes(spec.sick_policy())  # the leader's; one writer: the loop
+        self._ls = LeaderState(SickNodes(spec.sick_policy()))  # the leader part's state
         self._quarantine_view: dict[str, Any] = {}  # node -> QuarantineRecord, from etcd
         self._health_dirty = True  # the quarantine or end keys changed since read
         self._job_end: Any = None  # JobEnd once the job ended without finishing
         self._end_handled = False
         self._halt_pending: tuple[str, int] | None = None
-        self._stop_wait: tuple[int, float] | None = None  # leader: (generation, since)
         self.last_step = -1
         self.last_loss = float("nan")
         self._next_step_committed = 0  # steps applied as last seen from our workers
@@ -202,8 +200,6 @@ class Agent(
         self._registration: Any = None
         self._torch_ready = threading.Event()
         self._watches: set[str] = set()
-        self._replan_failures = 0
-        self._replan_not_before_s = 0.0
         self._gpus = list(range(cfg.slots))  # physical GPUs of the slots, healthy ones only
         self._gpu_checked_s = 0.0
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)

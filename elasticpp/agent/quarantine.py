@@ -142,7 +142,7 @@ class QuarantinePart:
     def _lead_health(self, view: ClusterView) -> ClusterView:
         """Judge the current generation's failure (once), re-admit nodes whose quarantine
         is over; returns the view with the quarantines applied."""
-        sick = self._sick
+        sick = self._ls.sick
         published = {n: _as_quarantined(r) for n, r in self._quarantine_view.items()}
         if published != sick.quarantined:
             for n in set(sick.quarantined) - set(published):
@@ -172,10 +172,11 @@ class QuarantinePart:
         workers that will not die) are quarantined: the job goes on without them. True once
         the deadline has passed (the missing nodes are set aside)."""
         now_s = time.monotonic()
-        if self._stop_wait is None or self._stop_wait[0] != gs.generation:
-            self._stop_wait = (gs.generation, now_s)
+        ls = self._ls.at(gs.generation, now_s)
+        if ls.stop_wait_since_s is None:
+            ls.stop_wait_since_s = now_s
             return False
-        if now_s - self._stop_wait[1] <= self.spec.stop_timeout_s:
+        if now_s - ls.stop_wait_since_s <= self.spec.stop_timeout_s:
             return False
         actions = []
         for node in missing:
@@ -184,7 +185,7 @@ class QuarantinePart:
                 f"did not arrive at stopped-{gs.generation} within "
                 f"{self.spec.stop_timeout_s:.0f} s (a wedged agent, or workers that will not stop)"
             )
-            actions += self._sick.exclude(node, why, inc, time.time())
+            actions += self._ls.sick.exclude(node, why, inc, time.time())
         self._act_sick(actions)
         return True
 

@@ -259,9 +259,10 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
             f"started-{generation}": {"n0": {"at": now, "moved_at": now}},
             f"resume-{generation}": {RESUME_MEMBER: {"step": 0}},
         }
-        gs = _GenState(record=_record(generation), phase=Phase.RUNNING, resume_written=True)
+        gs = _GenState(record=_record(generation), phase=Phase.RUNNING)
+        agent._ls.at(generation, time.monotonic()).resume_written = True
         agent._lead_timeline(gs)  # the generation runs on every node
-        assert gs.timeline_written
+        assert agent._ls.timeline_written
     assert sorted(agent._tcpstore.list_keys()) == [
         "gen50/arrived",
         "gen50/rank0",

@@ -182,14 +182,15 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     agent._barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
     agent._lead_resume(gs, agent._view())
     agent._lead_resume(gs, agent._view())
-    assert cluster.quarantines == [] and not gs.resume_written  # within the deadline
-    assert agent._stop_wait is not None
-    agent._stop_wait = (2, agent._stop_wait[1] - SPEC.stop_timeout_s - 1)
+    assert cluster.quarantines == [] and not agent._ls.resume_written  # within the deadline
+    since = agent._ls.at(2, time.monotonic()).stop_wait_since_s
+    assert since is not None
+    agent._ls.stop_wait_since_s = since - SPEC.stop_timeout_s - 1
     agent._lead_resume(gs, agent._view())
     [q] = cluster.quarantines
     assert q.node_id == "n2" and q.incarnation == "in2"
     assert "did not arrive at stopped-2 within 5 s" in q.reason
-    assert not gs.resume_written  # n2 is in the plan: the next plan goes without it
+    assert not agent._ls.resume_written  # n2 is in the plan: the next plan goes without it
     view = agent._view()
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside

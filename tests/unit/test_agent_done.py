@@ -104,7 +104,8 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), spec)
     plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
-    gs = _GenState(record=record, phase=Phase.RUNNING, resume_written=True)
+    gs = _GenState(record=record, phase=Phase.RUNNING)
+    agent._ls.at(2, time.monotonic()).resume_written = True
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
     agent._barriers = {
@@ -115,7 +116,8 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     agent._lead_timeline(gs)
     assert cluster.arrivals == []  # n9's timeline of generation 2 stays
     del agent._barriers["timelines"]["gen-2"]
-    agent._lead_timeline(_GenState(record=record, phase=Phase.RUNNING, resume_written=True))
+    agent._ls.timeline_written = False  # as a leader elected later knows it
+    agent._lead_timeline(_GenState(record=record, phase=Phase.RUNNING))
     [(barrier, key, timeline)] = cluster.arrivals
     assert (barrier, key) == ("timelines", "gen-2")
     assert timeline["resume_step"] == 10 and timeline["steps_recomputed"] == 1  # n9's resume
@@ -143,7 +145,7 @@ def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Pa
     agent.cluster = _Cluster()  # type: ignore[assignment]  # any write would fail here
     agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
     agent._lead_resume(gs, agent._view())
-    assert gs.resume_written
+    assert agent._ls.at(2, time.monotonic()).resume_written
 
 
 def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:

@@ -55,8 +55,8 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     holdings = agent.store.holdings().to_dict()
     agent._barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
     agent._lead_resume(gs, agent._view())
-    assert cluster.resumes == [] and not gs.resume_written  # before: resumed at step 0
-    assert "does not start over" in agent._last_wait
+    assert cluster.resumes == [] and not agent._ls.resume_written  # before: resumed at step 0
+    assert "does not start over" in agent._ls.last_wait
     # Nothing held anywhere, nothing committed in etcd: a fresh job starts at step 0.
     agent._barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
     agent._lead_resume(gs, agent._view())

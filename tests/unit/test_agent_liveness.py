@@ -70,7 +70,7 @@ def test_a_failed_generation_probes_each_suspect_once_per_recheck_period_not_eve
     tmp_path: Path, probes: _Probes
 ) -> None:
     agent = _agent(tmp_path)
-    agent._replan_not_before_s = time.monotonic() + 60  # in re-plan backoff: the failure waits
+    agent._ls.replan_not_before_s = time.monotonic() + 60  # in re-plan backoff: the failure waits
     for _ in range(20):
         agent._lead()
     # Not the leader itself, not n03 (its report is proof of life): the 14 silent nodes,

@@ -1,0 +1,37 @@
+"""The leader part's own state, as one object with one writer (the leader's steps, on the
+decision loop). A new term starts a new one: what a leader knows of a generation's
+transition (whether its resume instruction and timeline are written) is re-derived from
+etcd by the next leader, never read from this node's follower state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elasticpp.agent.sick import SickNodes
+
+
+@dataclass
+class LeaderState:
+    sick: SickNodes  # quarantines, strikes, the failure budget (elasticpp.agent.sick)
+    # re-planning
+    replan_failures: int = 0  # generations in a row that failed before they trained
+    replan_not_before_s: float = 0.0  # monotonic: the backoff between failed generations
+    last_wait: str = ""  # the last "waiting"/"cannot" sentence, logged once
+    safe_checked_s: float = 0.0  # monotonic: when the safe step was last computed
+    # the transition of `generation` (reset by `at` when the generation changes)
+    generation: int = 0
+    resume_written: bool = False
+    timeline_written: bool = False
+    missing_probed_s: float = 0.0  # monotonic: when nodes missing at stopped-G were probed
+    stop_wait_since_s: float | None = None  # monotonic: first look at a stopped-G wait
+
+    def at(self, generation: int, now_s: float) -> LeaderState:
+        """This state, with the per-generation fields of `generation` (fresh if new)."""
+        if generation != self.generation:
+            self.generation = generation
+            self.resume_written = False
+            self.timeline_written = False
+            self.missing_probed_s = now_s
+            self.stop_wait_since_s = None
+        return self
