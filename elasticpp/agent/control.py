@@ -102,8 +102,9 @@ class ControlPart:
             self._job_done_step = self.spec.steps
         gs = self._gen
         mine = {s.rank for s in gs.plan.ranks_on(self.node_id)} if gs else set()
-        if gs and mine and mine <= gs.done_ranks and gs.phase is not Phase.DONE:
-            if not gs.enter(Phase.DONE):
+        done = self.pool.done_ranks(gs.generation) if gs else frozenset()
+        if gs and mine and mine <= done and gs.phase is not Phase.DONE:
+            if not self._enter_phase(gs, Phase.DONE):
                 return  # e.g. halted: the halt, not a finish, is this job's end
             assert self.cluster is not None
             self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})

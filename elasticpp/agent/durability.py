@@ -198,7 +198,7 @@ class DurabilityPart:
         gs = self._gen
         if gs is None or w.generation != gs.generation or gs.phase is Phase.HALTED:
             return
-        if not gs.enter(Phase.HALTED):
+        if not self._enter_phase(gs, Phase.HALTED):
             return
         self.metrics.halted.labels(**self.metrics.labels).set(1)
         own = self.store.committed_steps(self.node_id)

@@ -67,16 +67,12 @@ class _GenState:
     stop_sent: bool = False
     stop_began_s: float = field(default_factory=time.monotonic)
     killed_at_s: float | None = None  # when the old workers were first sent SIGKILL
-    spares_replaced: int = 0  # never-ready spares replaced since this generation began
     # The state fetch runs on a thread of its own that writes nothing here: its outcome
     # comes back through this future, its bytes through `fetch_progress` (thread-safe).
     fetch: Future[Any] | None = None
     fetch_progress: TransferProgress | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
-    # Ranks of this node that reported "done": kept here, not on the worker, because a
-    # worker's "done" and its exit can arrive in one tick and the exit forgets the worker.
-    done_ranks: set[int] = field(default_factory=set)
 
     @property
     def generation(self) -> int:
@@ -115,6 +111,11 @@ class _GenState:
 
 class FollowerPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
+
+    def _enter_phase(self, gs: _GenState, phase: Phase) -> bool:
+        """The one way other parts move this node's generation (done, halted): the
+        follower's state is written by the follower's code only."""
+        return gs.enter(phase)
 
     def _report_failure(
         self, generation: int, reason: str, *, culprit: bool = False, severe: bool = False
@@ -325,7 +326,7 @@ class FollowerPart:
             return
         workers = self._take_warm(len(mine))
         if workers is None:
-            if gs.spares_replaced:
+            if self.pool.replaced_since(gs.stop_began_s):
                 # A spare this node needs did not become ready within ready_timeout_s.
                 self._report_failure(
                     gs.generation,

@@ -50,6 +50,10 @@ class WorkerPool:
         self._ready: set[int] = set()  # pids of spares that reported "ready"
         self._since: dict[int, float] = {}  # pid of a spare -> when it was spawned
         self._workers: dict[int, _Worker] = {}  # by pid, current and old generations
+        # Ranks that reported "done", by generation: kept here, not on the worker, because
+        # a worker's "done" and its exit can arrive in one tick and the exit forgets it.
+        self._done: dict[int, set[int]] = {}
+        self._replaced: list[float] = []  # when never-ready spares were replaced (newest 16)
 
     # ------------------------------------------------------------------ events
     def deliver(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
@@ -88,6 +92,15 @@ class WorkerPool:
             for p in self._spares
             if p.pid not in self._ready and now_s - self._since.get(p.pid, now_s) > timeout_s
         ]
+
+    def replace_overdue(self, proc: WorkerProcess, now_s: float) -> None:
+        """Kill and drop a spare that never became ready (the caller spawns another)."""
+        self.drop_spare(proc, kill=True)
+        self._replaced = [*self._replaced[-15:], now_s]
+
+    def replaced_since(self, since_s: float) -> int:
+        """Never-ready spares replaced at or after `since_s` (monotonic)."""
+        return sum(1 for t in self._replaced if t >= since_s)
 
     def drop_spare(self, proc: WorkerProcess, *, kill: bool = False) -> None:
         if kill:
@@ -158,6 +171,14 @@ class WorkerPool:
         if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
             w.move(WorkerState.FAILED)
         w.proc.kill(wait=False)
+
+    def rank_done(self, generation: int, rank: int) -> None:
+        self._done.setdefault(generation, set()).add(rank)
+        for old in sorted(self._done)[:-4]:  # bounded: only the newest generations matter
+            del self._done[old]
+
+    def done_ranks(self, generation: int) -> frozenset[int]:
+        return frozenset(self._done.get(generation, ()))
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {"warm": len(self._spares)}

@@ -59,10 +59,8 @@ class SupervisorPart:
                 f"warm worker {proc.pid} not ready {waited_s:.0f} s after its start "
                 f"(ready_timeout_s is {self.spec.ready_timeout_s:.0f}): replacing it",
             )
-            self.pool.drop_spare(proc, kill=True)
+            self.pool.replace_overdue(proc, now)
             self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
-            if self._gen is not None:
-                self._gen.spares_replaced += 1
         self._refill_warm()
 
     def _refill_warm(self) -> None:
@@ -141,8 +139,7 @@ class SupervisorPart:
             self._on_halted(w, event)
         elif kind == "done":
             w.move(WorkerState.DONE)
-            if self._gen is not None and w.generation == self._gen.generation:
-                self._gen.done_ranks.add(w.rank)
+            self.pool.rank_done(w.generation, w.rank)
         elif kind == "error":
             log.warning("worker rank %d: %s", w.rank, event.get("message"))
         elif kind == EXITED:

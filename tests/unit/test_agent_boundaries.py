@@ -76,7 +76,8 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
     agent, cluster = _agent(tmp_path)
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
     gs = _GenState(record=record, phase=Phase.FAILED)  # the STARTING deadline fired
-    gs.done_ranks |= {0, 1}  # then both ranks trained every step
+    for rank in (0, 1):
+        agent.pool.rank_done(1, rank)  # then both ranks trained every step
     agent._gen = gs
     agent._check_done()
     assert gs.phase is Phase.DONE
