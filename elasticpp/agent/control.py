@@ -146,10 +146,7 @@ class ControlPart:
         assert self.cluster is not None
         if not self._drain_announced:
             self._registration.update(self._member_info())
-            if self._leadership is not None:
-                self._leadership.resign()
-                self._leadership = None
-                self._leader = None
+            self._step_down("draining")
             self._drain_announced = True
             self._event("decision", "draining: announced; waiting for the hand-off")
         gs = self._gen

@@ -18,14 +18,13 @@ import logging
 import os
 import re
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower import _GenState, run_in_thread
 from elasticpp.agent.limits import (
     FENCED_SNAPSHOTS_KEPT,
     FETCH_MIN_BYTES_PER_S,
@@ -329,8 +328,8 @@ class DurabilityPart:
 
     def _replicate_async(self) -> None:
         gs = self._gen
-        if gs is None or self._replicating:
-            return
+        if gs is None or (self._replication is not None and not self._replication.done()):
+            return  # one round at a time; the next commit starts the next
         addresses = dict(gs.record.extra.get("nodes", {}))
         members = {n: str(i.get("address")) for n, i in self._members.items()}
         addresses.update(members)
@@ -350,14 +349,13 @@ class DurabilityPart:
                     every=self.spec.replication_every,
                 )
                 if any(r.copied for r in results) and not self._fenced():
-                    self._record_commit(generation)  # the replicas it holds now
+                    self._record_commit(generation)  # the replicas it holds now (a queue)
             except Exception as exc:  # replication is best effort; the next round retries
                 log.warning("replication failed: %s", exc)
-            finally:
-                self._replicating = False
 
-        self._replicating = True
-        threading.Thread(target=run, daemon=True, name="replicate").start()
+        # The round's thread writes nothing of the agent's: the loop sees it end through
+        # the future; the commit record goes to its one writer's queue.
+        self._replication = run_in_thread("replicate", run)
 
     def _clean_resume(self, generation: int) -> None:
         """Delete the resume directories of generations older than `generation`: called once

@@ -64,12 +64,10 @@ class LeaderPart:
         # new campaign, so no keep-alive thread or lease outlives its term.
         deposed = self._leader != self.node_id
         if self._leadership is not None and (deposed or not self._leadership.is_held()):
-            self._event("decision", f"node {self.node_id} lost the leadership")
-            with contextlib.suppress(ElasticppError):
-                self._leadership.resign()
-            self._leadership = None
-            self._dirty = True
+            self._step_down("lost the leadership")
             return
+        if self._leadership is not None:
+            return  # won; the view reads the leader key on the next refresh
         if self._leader is not None or self._draining or self._done:
             return
         assert self.cluster is not None
@@ -81,12 +79,23 @@ class LeaderPart:
         if leadership is None:
             return
         self._leadership = leadership
-        self._leader = self.node_id
+        self._dirty = True  # the view (the one writer of `_leader`) reads the key now
         # A new term starts the leader's state afresh: strikes and the failure budget too;
         # quarantines and what each generation's transition has written are read from etcd.
         self._ls = LeaderState(SickNodes(self.spec.sick_policy()))
         self._start_rendezvous_store()
         self._event("decision", f"node {self.node_id} is the leader")
+
+    def _step_down(self, why: str) -> None:
+        """End this node's term (resign: its lease is revoked, so a successor can win at
+        once). `_leader` is the view's to write: it reads the key again."""
+        if self._leadership is None:
+            return
+        self._event("decision", f"node {self.node_id} {why}: leadership resigned")
+        with contextlib.suppress(ElasticppError):
+            self._leadership.resign()
+        self._leadership = None
+        self._dirty = True
 
     def _start_rendezvous_store(self) -> None:
         from datetime import timedelta

@@ -32,9 +32,19 @@ invariants in its docstring: `view` (what the agent knows of etcd), `supervisor`
 processes), `durability` (commits, replication, persistence, resume state), `follower` (the
 phases of a generation, with deadlines), `liveness` (probes), `leader` (plans, resume
 instructions, the safe step) and `control` (status, events, drain, health, the error
-policy). Timeouts and limits are in `limits`. The parts are mixins of one `Agent` and
-share its state; making each own its state behind a `tick(now, view) -> actions` is the
-next step.
+policy). Timeouts and limits are in `limits`.
+
+Who writes what: the parts are still mixins of one `Agent`, but their state is being moved
+into objects with one writer each. Done: the worker processes (`pool.WorkerPool`, the
+supervisor's), the leader's term state (`leaderstate.LeaderState`, with the pure quarantine
+rules `sick.SickNodes`), the generation's phase (`follower._GenState`, written by the
+follower's code only), the view of etcd (`_members`, `_record`, `_barriers`, `_leader`:
+written by the view's refresh only) and commit records (`latest.LatestWriter`). Threads
+other than the loop only hand things over: worker events through the pool's queue, the
+state fetch and replication rounds through futures, drains through a request queue. Each
+part's step runs in its own error boundary (`_part`). Not yet: pure `step(now, observed) ->
+actions` functions for every part, and the few fields still written by more than one part
+(`_dead`, `_last_join_s`, `_detected`, `_done`).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +144,7 @@ class Agent(
         self._events: deque[tuple[float, str, str, int]] = deque(maxlen=500)
         self._event_cond = threading.Condition()
         self._total_events = 0
-        self._replicating = False
+        self._replication: Future[Any] | None = None  # the replication round in flight
         self._last_commit_step = -1  # this node's newest own commit (its commit records say it)
         self._safe_read_s = 0.0  # when this agent last read the published safe step
         self._drain_announced = False

@@ -52,7 +52,7 @@ def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[A
     plan = _plan(generation)
     record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
     agent._gen = _GenState(record=record, phase=Phase.RUNNING)
-    agent._replicating = True  # no replication rounds here: one node
+    agent._replication = Future()  # a round in flight for good: no rounds here, one node
     agent.cluster = cluster
     writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
     agent.pool.add_worker(
