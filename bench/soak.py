@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -211,12 +211,16 @@ class JobView:
     failures: frozenset[str]  # nodes that reported a failure in it
     nodes: tuple[NodeView, ...]
     newest_step: int  # the newest step trained in etcd's generation (-1: none)
+    quarantined: frozenset[str] = frozenset()  # nodes with a quarantine record in etcd
 
 
 def is_steady(view: JobView, since_step: int, slots: int) -> bool:
     """The job runs undisturbed: the generation in etcd has no failure reported, every node
     runs its ranks of it (as its agent reports, and the processes are alive and not
     stopped), it trained two steps past `since_step`, and every node's warm pool is full.
+    A quarantined node is the exception: it has no ranks (the leader replaced any
+    generation it was in) and that is steady while it is sick, whatever its agent and its
+    spares do.
 
     The processes are checked, not only the agents' word, and the generation is etcd's, not
     the newest in the metrics: an agent's status and its metrics lag what happened (a worker
@@ -226,11 +230,28 @@ def is_steady(view: JobView, since_step: int, slots: int) -> bool:
     if view.generation <= 0 or view.failures:
         return False
     for n in view.nodes:
+        if n.node_id in view.quarantined:
+            if n.ranks_planned:
+                return False  # the leader has yet to replace the generation it is in
+            continue
         if not (n.agent_alive and n.generation == view.generation and n.phase == "running"):
             return False
         if not n.ranks_planned or n.ranks_running != n.ranks_planned or n.warm_ready < slots:
             return False
     return view.newest_step >= since_step + 2
+
+
+def is_set_aside(view: JobView, node_id: str, since_step: int, slots: int, steps: int = 2) -> bool:
+    """A sick node is set aside and the job trains on the others: it has no ranks in etcd's
+    generation (quarantined, or lost: a wedged agent whose lease ran out), the other nodes
+    are steady in it, and it trained `steps` steps past `since_step`. What the sick node's
+    agent reports, or whether it answers at all, does not matter."""
+    if any(n.node_id == node_id and n.ranks_planned for n in view.nodes):
+        return False
+    others = tuple(n for n in view.nodes if n.node_id != node_id)
+    if not others or not is_steady(replace(view, nodes=others), since_step, slots):
+        return False
+    return view.newest_step >= since_step + steps
 
 
 def observe(lc: LocalCluster) -> JobView:
@@ -244,6 +265,7 @@ def observe(lc: LocalCluster) -> JobView:
             if record is None:
                 return none
             failed, _ = c.barrier_state(f"failed-{record.generation}")
+            quarantined = frozenset(c.quarantined())
     except Exception:  # etcd down or restarting
         return none
     plan = Plan.from_dict(record.plan)
@@ -263,7 +285,9 @@ def observe(lc: LocalCluster) -> JobView:
         planned = frozenset(s.rank for s in plan.ranks_on(n.node_id))
         nodes.append(NodeView(n.node_id, gen, phase, planned, ranks, warm, alive))
     steps = [int(r["step"]) for r in lc.metrics() if int(r["generation"]) == record.generation]
-    return JobView(record.generation, frozenset(failed), tuple(nodes), max(steps, default=-1))
+    return JobView(
+        record.generation, frozenset(failed), tuple(nodes), max(steps, default=-1), quarantined
+    )
 
 
 def steady(lc: LocalCluster, since_step: int) -> bool:
