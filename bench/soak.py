@@ -569,22 +569,35 @@ def f_etcd_outage_worker_death(ctx: Ctx) -> str:
     return f"etcd down {HANG_TIMEOUT_S + 1.0:.0f} s with a worker on {node} killed inside"
 
 
+def newest_committed(own: Path, timeout_s: float) -> Path | None:
+    """The newest step directory under a node's `store/own` that has its manifest, waiting
+    up to `timeout_s` for one: a job just started (the soak's first fault) may have
+    trained steps but committed none yet."""
+    found: list[Path] = []
+
+    def committed() -> bool:
+        # store/own/epoch-<E>/gen-<G>/step-<S>, each name zero-padded: sorted as text
+        found[:] = sorted(
+            (p for p in own.glob("epoch-*/gen-*/step-*") if (p / "manifest.json").is_file()),
+            key=lambda p: p.relative_to(own).parts,
+        )
+        return bool(found)
+
+    return found[-1] if wait_until(committed, timeout_s, interval_s=0.1) else None
+
+
 def f_corrupt_piece(ctx: Ctx) -> str:
     node = ctx.any_node()
-    own = ctx.lc.node(node).state_dir / "store" / "own"
-    steps = sorted(
-        (p for p in own.glob("gen-*/step-*") if (p / "manifest.json").is_file()),
-        key=lambda p: (p.parent.name, p.name),
-    )
-    if not steps:
-        raise RuntimeError(f"{node}: no committed step to corrupt")
-    pieces = sorted(steps[-1].glob("*.safetensors"))
+    step = newest_committed(ctx.lc.node(node).state_dir / "store" / "own", 60.0)
+    if step is None:
+        raise RuntimeError(f"{node}: no committed step to corrupt within 60 s")
+    pieces = sorted(step.glob("*.safetensors"))
     victim = ctx.rng.choice(pieces)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))  # in place: hard links (resume dirs) see it too
     ctx.kill_a_worker(node)
-    return f"corrupted {victim.name} of {steps[-1].name} on {node}, then a worker kill there"
+    return f"corrupted {victim.name} of {step.name} on {node}, then a worker kill there"
 
 
 def f_second_fault_in_recovery(ctx: Ctx) -> str:
