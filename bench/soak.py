@@ -27,10 +27,21 @@ between this fault and the next, minus the median gap of the whole run (DESIGN.m
 
 Fault kinds (`KINDS`): worker_kill, node_kill, leader_kill, worker_hang, agent_stop,
 etcd_restart, etcd_outage_worker_death, corrupt_piece, second_fault_in_recovery, and, as
-root with nftables and cgroup v2 (`ROOT_KINDS`), full_disk (each node's state dir is a
+root with nftables and cgroup v2 (`SANDBOX_KINDS`), full_disk (each node's state dir is a
 small tmpfs; the fault fills one) and network_partition (each node's agent and workers run
 in a cgroup of their own; the fault drops every packet they send, loopback included, until
-it heals). Without root those two are left out, and the run says so.
+it heals). Without those, they are left out, and the run says so.
+
+Sick-node kinds (`SICK_KINDS`): a node is killed and restarted sick, and stays sick until
+it has been set aside (quarantined, or lost) and the job has trained `SICK_STEPS` steps on
+the others; then it is healed (killed and restarted healthy: a new incarnation, which the
+leader re-admits at once) and every node must train again. sick_spares: its workers hang
+before they report ready (a `sitecustomize` on their PYTHONPATH); wedged_agent: its agent's
+loop blocks for good on its first step (its metrics.jsonl is a FIFO nobody reads);
+small_disk, root only: its state dir is a 4 MiB tmpfs that cannot hold its share. Such a
+fault is survived when all of that happens, besides the run's curve and committed steps;
+its stall runs from the fault to the heal (the longest pause: from the sickness to
+training again on the others), and its rejoin stall from the heal on.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +71,18 @@ from elasticpp.waiting import wait_until
 GLOBAL_BATCH = 12
 MICRO_BATCH = 2
 STEPS_PER_FAULT = 60  # the job's length: enough steps for every fault and its recovery
+# A sick node's fault lasts longer (two restarts, the sickness, the steps without it), and
+# the job trains on meanwhile.
+STEPS_PER_SICK_FAULT = 150
 LEASE_TTL_S = 3
 HANG_TIMEOUT_S = 5
 STATE_DIR_SIZE = "256m"  # each node's tmpfs state dir (root only)
 FULL_DISK_S = 3.0  # how long a full disk stays full
 PARTITION_S = LEASE_TTL_S + 3.0  # past the lease: the job re-plans without the node
+READY_TIMEOUT_S = 30  # a spare not ready by then fails its generation, blaming its node
+SICK_STEPS = 10  # steps the job trains on the others while a sick node stays sick
+SICK_TIMEOUT_S = 240.0  # for a sick node to be set aside and those steps to be trained
+SMALL_DISK = "4m"  # a sick node's state dir: room for its logs, not for its share
 
 
 # A slot modelled without per-message latency, so that the planner picks pipeline layouts
@@ -96,6 +114,9 @@ def job_spec(steps: int, seed: int, device: str = "sliced") -> dict[str, Any]:
         "lease_ttl_s": LEASE_TTL_S,
         "join_settle_s": 0.5,
         "hang_timeout_s": HANG_TIMEOUT_S,
+        # Healthy spares import torch in a few seconds, far longer on a loaded machine; a
+        # node whose spares never become ready is set aside after this.
+        "ready_timeout_s": READY_TIMEOUT_S,
         # Faults here come back to back by design, a hundred in half an hour: the job's
         # failure budget (which would end it) is not what the soak measures.
         "max_failures": 100_000,
@@ -211,12 +232,16 @@ class JobView:
     failures: frozenset[str]  # nodes that reported a failure in it
     nodes: tuple[NodeView, ...]
     newest_step: int  # the newest step trained in etcd's generation (-1: none)
+    quarantined: frozenset[str] = frozenset()  # nodes with a quarantine record in etcd
 
 
 def is_steady(view: JobView, since_step: int, slots: int) -> bool:
     """The job runs undisturbed: the generation in etcd has no failure reported, every node
     runs its ranks of it (as its agent reports, and the processes are alive and not
     stopped), it trained two steps past `since_step`, and every node's warm pool is full.
+    A quarantined node is the exception: it has no ranks (the leader replaced any
+    generation it was in) and that is steady while it is sick, whatever its agent and its
+    spares do.
 
     The processes are checked, not only the agents' word, and the generation is etcd's, not
     the newest in the metrics: an agent's status and its metrics lag what happened (a worker
@@ -226,11 +251,28 @@ def is_steady(view: JobView, since_step: int, slots: int) -> bool:
     if view.generation <= 0 or view.failures:
         return False
     for n in view.nodes:
+        if n.node_id in view.quarantined:
+            if n.ranks_planned:
+                return False  # the leader has yet to replace the generation it is in
+            continue
         if not (n.agent_alive and n.generation == view.generation and n.phase == "running"):
             return False
         if not n.ranks_planned or n.ranks_running != n.ranks_planned or n.warm_ready < slots:
             return False
     return view.newest_step >= since_step + 2
+
+
+def is_set_aside(view: JobView, node_id: str, since_step: int, slots: int, steps: int = 2) -> bool:
+    """A sick node is set aside and the job trains on the others: it has no ranks in etcd's
+    generation (quarantined, or lost: a wedged agent whose lease ran out), the other nodes
+    are steady in it, and it trained `steps` steps past `since_step`. What the sick node's
+    agent reports, or whether it answers at all, does not matter."""
+    if any(n.node_id == node_id and n.ranks_planned for n in view.nodes):
+        return False
+    others = tuple(n for n in view.nodes if n.node_id != node_id)
+    if not others or not is_steady(replace(view, nodes=others), since_step, slots):
+        return False
+    return view.newest_step >= since_step + steps
 
 
 def observe(lc: LocalCluster) -> JobView:
@@ -244,6 +286,7 @@ def observe(lc: LocalCluster) -> JobView:
             if record is None:
                 return none
             failed, _ = c.barrier_state(f"failed-{record.generation}")
+            quarantined = frozenset(c.quarantined())
     except Exception:  # etcd down or restarting
         return none
     plan = Plan.from_dict(record.plan)
@@ -263,11 +306,16 @@ def observe(lc: LocalCluster) -> JobView:
         planned = frozenset(s.rank for s in plan.ranks_on(n.node_id))
         nodes.append(NodeView(n.node_id, gen, phase, planned, ranks, warm, alive))
     steps = [int(r["step"]) for r in lc.metrics() if int(r["generation"]) == record.generation]
-    return JobView(record.generation, frozenset(failed), tuple(nodes), max(steps, default=-1))
+    return JobView(
+        record.generation, frozenset(failed), tuple(nodes), max(steps, default=-1), quarantined
+    )
 
 
-def steady(lc: LocalCluster, since_step: int) -> bool:
-    return is_steady(observe(lc), since_step, lc.slots)
+def steady(lc: LocalCluster, since_step: int, healed: str | None = None) -> bool:
+    """`is_steady`; with `healed`, that node (sick before, healed now) must not be
+    quarantined: it trains again."""
+    view = observe(lc)
+    return is_steady(view, since_step, lc.slots) and healed not in view.quarantined
 
 
 # --------------------------------------------------------------------------- sandbox
@@ -376,6 +424,36 @@ class Sandbox:
         self.mounts.clear()
 
 
+def small_disk_unavailable() -> str | None:
+    """Why a small disk cannot be mounted here, or None if it can."""
+    if os.geteuid() != 0:
+        return "not root"
+    for tool in ("mount", "umount"):
+        if shutil.which(tool) is None:
+            return f"no {tool} on PATH"
+    return None
+
+
+def unavailable(kind: str) -> str | None:
+    """Why fault kind `kind` cannot run here, or None if it can."""
+    if kind in SANDBOX_KINDS:
+        return Sandbox.available()
+    if kind == "small_disk":
+        return small_disk_unavailable()
+    return None
+
+
+def mount_small_disk(where: Path) -> Path:
+    """A tmpfs of `SMALL_DISK` at `where`, filled but for 512 KiB (room for a node's logs,
+    not for its share of the model's state); the state dir inside it is returned."""
+    where.mkdir(parents=True, exist_ok=True)
+    _run("mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(where))
+    st = os.statvfs(where)
+    with (where / "filler").open("wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - (512 << 10)))
+    return where / "state"
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -386,6 +464,10 @@ class Ctx:
     undo: list[Callable[[], None]] = field(default_factory=list)
     sandbox: Sandbox | None = None
     rejoin: bool = False  # the undo restarts a node: its join is timed apart from the fault
+    failure: str | None = None  # why the fault was not survived, found while injecting it
+    healed: str | None = None  # a sick node the undo heals: it must train again after it
+    mounts: list[Path] = field(default_factory=list)  # the run's small disks still mounted
+    last_step: int | None = None  # the job's: once trained, no fault is waited on any more
 
     def non_leader(self) -> str:
         leader, _ = cluster_state(self.lc)
@@ -487,22 +569,35 @@ def f_etcd_outage_worker_death(ctx: Ctx) -> str:
     return f"etcd down {HANG_TIMEOUT_S + 1.0:.0f} s with a worker on {node} killed inside"
 
 
+def newest_committed(own: Path, timeout_s: float) -> Path | None:
+    """The newest step directory under a node's `store/own` that has its manifest, waiting
+    up to `timeout_s` for one: a job just started (the soak's first fault) may have
+    trained steps but committed none yet."""
+    found: list[Path] = []
+
+    def committed() -> bool:
+        # store/own/epoch-<E>/gen-<G>/step-<S>, each name zero-padded: sorted as text
+        found[:] = sorted(
+            (p for p in own.glob("epoch-*/gen-*/step-*") if (p / "manifest.json").is_file()),
+            key=lambda p: p.relative_to(own).parts,
+        )
+        return bool(found)
+
+    return found[-1] if wait_until(committed, timeout_s, interval_s=0.1) else None
+
+
 def f_corrupt_piece(ctx: Ctx) -> str:
     node = ctx.any_node()
-    own = ctx.lc.node(node).state_dir / "store" / "own"
-    steps = sorted(
-        (p for p in own.glob("gen-*/step-*") if (p / "manifest.json").is_file()),
-        key=lambda p: (p.parent.name, p.name),
-    )
-    if not steps:
-        raise RuntimeError(f"{node}: no committed step to corrupt")
-    pieces = sorted(steps[-1].glob("*.safetensors"))
+    step = newest_committed(ctx.lc.node(node).state_dir / "store" / "own", 60.0)
+    if step is None:
+        raise RuntimeError(f"{node}: no committed step to corrupt within 60 s")
+    pieces = sorted(step.glob("*.safetensors"))
     victim = ctx.rng.choice(pieces)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))  # in place: hard links (resume dirs) see it too
     ctx.kill_a_worker(node)
-    return f"corrupted {victim.name} of {steps[-1].name} on {node}, then a worker kill there"
+    return f"corrupted {victim.name} of {step.name} on {node}, then a worker kill there"
 
 
 def f_second_fault_in_recovery(ctx: Ctx) -> str:
@@ -541,6 +636,124 @@ def f_network_partition(ctx: Ctx) -> str:
     return f"{node} cut off (every packet it sends dropped) for {PARTITION_S:.0f} s"
 
 
+def _sicken(ctx: Ctx, sicken: Callable[[str], Callable[[], None]], what: str) -> str:
+    """Restart a node sick and keep it sick until it is set aside (quarantined, or lost)
+    and the job has trained `SICK_STEPS` steps on the others; then the undo heals it
+    (restarts it healthy, a new incarnation that the leader re-admits at once) and the
+    soak waits until every node trains again. `sicken(node)` starts it sick and returns
+    what to clear once it is killed, before its healthy restart."""
+    lc = ctx.lc
+    node = ctx.non_leader()
+    lc.kill_node(node)
+    cure = sicken(node)
+    _, gen0 = cluster_state(lc)
+
+    def heal() -> None:
+        lc.kill_node(node)
+        cure()
+        lc.start_node(node)
+
+    ctx.undo.append(heal)
+    ctx.rejoin = True
+    ctx.healed = node
+    # Set aside after its restart: quarantined, or planned (a join) and then re-planned
+    # without (a wedged agent's lease runs out). Before that it is merely lost to the kill.
+    seen: dict[str, Any] = {"caught": False, "aside_step": None, "how": ""}
+
+    def trained_without() -> bool:
+        if ctx.last_step is not None and lc.max_step() >= ctx.last_step:
+            seen["ended"] = True  # the job trained to its end: nothing more to wait for
+            return True
+        view = observe(lc)
+        planned = any(n.node_id == node and n.ranks_planned for n in view.nodes)
+        if node in view.quarantined or (view.generation > gen0 and planned):
+            seen["caught"] = True
+        if not seen["caught"]:
+            return False
+        if seen["aside_step"] is None:
+            if is_set_aside(view, node, -2, lc.slots):
+                seen["aside_step"] = view.newest_step
+            return False
+        seen["how"] = "quarantined" if node in view.quarantined else "lost"
+        return is_set_aside(view, node, seen["aside_step"], lc.slots, steps=SICK_STEPS)
+
+    if wait_until(trained_without, SICK_TIMEOUT_S, interval_s=0.2):
+        if not seen.get("ended"):
+            return f"{node} restarted {what}: {seen['how']}, {SICK_STEPS} steps on the others"
+        if seen["aside_step"] is not None:
+            return f"{node} restarted {what}: set aside; the job trained to its end without it"
+        ctx.failure = f"{node} restarted {what}: the job ended before it was set aside"
+        return f"{node} restarted {what}"
+    ctx.failure = (
+        f"{node} restarted {what}: not set aside with {SICK_STEPS} steps on the others "
+        f"within {SICK_TIMEOUT_S:.0f} s ("
+        + ("set aside, too few steps; " if seen["aside_step"] is not None else "")
+        + ("caught" if seen["caught"] else "never planned nor quarantined")
+        + "); "
+        + "; ".join(describe(lc, n.node_id) for n in lc.nodes)
+    )
+    return f"{node} restarted {what}"
+
+
+def f_sick_spares(ctx: Ctx) -> str:
+    hook = ctx.lc.workdir / "sick-spares"
+    hook.mkdir(exist_ok=True)
+
+    def sicken(node: str) -> Callable[[], None]:
+        # Its workers hang before they report ready (a stuck driver initialisation, say):
+        # Python imports sitecustomize at start-up, before the worker's own code runs. The
+        # agent, without the node id in its environment, starts normally.
+        (hook / "sitecustomize.py").write_text(
+            "import os, time\n"
+            f"if os.environ.get('ELASTICPP_NODE_ID') == {node!r}:\n"
+            "    time.sleep(3600)\n"
+        )
+        ctx.lc.start_node(node, env={"PYTHONPATH": os.pathsep.join([str(hook), *sys.path])})
+        return lambda: None
+
+    return _sicken(ctx, sicken, "with spares that never become ready")
+
+
+def f_wedged_agent(ctx: Ctx) -> str:
+    def sicken(node: str) -> Callable[[], None]:
+        # Its agent blocks for good the first time it records a step: its metrics file is a
+        # FIFO nobody reads (a hung file system does the same). Its gRPC threads answer on,
+        # and its workers train: only the lease, renewed by the loop's progress, tells.
+        metrics = ctx.lc.node(node).state_dir / "metrics.jsonl"
+        kept = metrics.with_name("metrics.jsonl.kept")
+        if metrics.is_file():
+            metrics.replace(kept)
+        os.mkfifo(metrics)
+        ctx.lc.start_node(node)
+
+        def cure() -> None:
+            metrics.unlink()
+            if kept.is_file():
+                kept.replace(metrics)
+
+        return cure
+
+    return _sicken(ctx, sicken, "with a loop that wedges")
+
+
+def f_small_disk(ctx: Ctx) -> str:
+    def sicken(node: str) -> Callable[[], None]:
+        n = ctx.lc.node(node)
+        healthy, small = n.state_dir, ctx.lc.workdir / f"small-disk-{node}"
+        state = mount_small_disk(small)
+        ctx.mounts.append(small)
+        ctx.lc.start_node(node, state_dir=state)
+
+        def cure() -> None:
+            n.state_dir = healthy
+            _run("umount", "-l", str(small))
+            ctx.mounts.remove(small)
+
+        return cure
+
+    return _sicken(ctx, sicken, f"on a {SMALL_DISK} state dir")
+
+
 KINDS: dict[str, Callable[[Ctx], str]] = {
     "worker_kill": f_worker_kill,
     "node_kill": f_node_kill,
@@ -553,8 +766,13 @@ KINDS: dict[str, Callable[[Ctx], str]] = {
     "second_fault_in_recovery": f_second_fault_in_recovery,
     "full_disk": f_full_disk,
     "network_partition": f_network_partition,
+    "sick_spares": f_sick_spares,
+    "wedged_agent": f_wedged_agent,
+    "small_disk": f_small_disk,
 }
-ROOT_KINDS = ("full_disk", "network_partition")  # need root, nftables and cgroup v2
+SANDBOX_KINDS = ("full_disk", "network_partition")  # need root, nftables and cgroup v2
+# A node restarted sick, kept sick until it is set aside, then healed (`_sicken`).
+SICK_KINDS = ("sick_spares", "wedged_agent", "small_disk")
 
 
 # --------------------------------------------------------------------------- the soak
@@ -627,14 +845,16 @@ def run_soak(
     if unknown:
         raise ValueError(f"unknown fault kind(s) {unknown}; known: {sorted(KINDS)}")
     rng = random.Random(seed)
-    steps = 20 + STEPS_PER_FAULT * faults
+    order = kind_order(kinds, faults, rng)
+    steps = 20 + sum(STEPS_PER_SICK_FAULT if k in SICK_KINDS else STEPS_PER_FAULT for k in order)
     started = time.monotonic()
     reference = reference_curve(workdir, steps, seed)
     sandbox = None
-    if set(kinds) & set(ROOT_KINDS):
-        why = Sandbox.available()
+    for kind in kinds:
+        why = unavailable(kind)
         if why is not None:
-            raise RuntimeError(f"fault kinds {sorted(set(kinds) & set(ROOT_KINDS))}: {why}")
+            raise RuntimeError(f"fault kind {kind}: {why}")
+    if set(kinds) & set(SANDBOX_KINDS):
         node_dirs = [workdir / "job" / f"node-{i}" for i in range(nodes)]
         sandbox = Sandbox(node_dirs)
     lc = LocalCluster(
@@ -645,20 +865,22 @@ def run_soak(
         cgroup_root=sandbox.cgroup if sandbox else None,
     )
     records: list[FaultRecord] = []
+    mounts: list[Path] = []  # small disks (a sick node's), unmounted as each is healed
     timelines: dict[int, dict[str, Any]] = {}  # read as the run goes: the leader keeps 100
     try:
         lc.start()
         lc.wait_for(lambda: steady(lc, 0), 180, "the job to start")
-        for i, kind in enumerate(kind_order(kinds, faults, rng)):
+        for i, kind in enumerate(order):
             step0 = lc.max_step()
-            if step0 >= steps - STEPS_PER_FAULT // 2:
+            room = STEPS_PER_SICK_FAULT if kind in SICK_KINDS else STEPS_PER_FAULT
+            if step0 >= steps - room // 2:
                 log(f"job near its end at step {step0}: {faults - i} fault(s) not injected")
                 break
-            ctx = Ctx(lc, rng, sandbox=sandbox)
+            ctx = Ctx(lc, rng, sandbox=sandbox, mounts=mounts, last_step=steps - 1)
             committed = committed_step(lc)
             at = time.time()
             what = KINDS[kind](ctx)
-            survived = wait_until(
+            survived = ctx.failure is None and wait_until(
                 lambda s=step0: lc.max_step() >= s + 2 or lc.max_step() >= steps - 1,
                 resume_timeout_s,
                 interval_s=0.05,
@@ -675,12 +897,16 @@ def run_soak(
             log(
                 f"fault {i + 1}/{faults} {kind}: {what}: "
                 + (f"training resumed after {resumed_s:.2f} s" if survived else "NOT RESUMED")
+                + (f": {ctx.failure}" if ctx.failure else "")
             )
             if not survived:
                 break
             now_step = lc.max_step()
+            # A healed node must train again: its quarantine lifted, its ranks running.
             if not wait_until(
-                lambda s=now_step: steady(lc, s) or lc.max_step() >= steps - 1,
+                lambda s=now_step, h=ctx.healed: (
+                    steady(lc, s, healed=h) or lc.max_step() >= steps - 1
+                ),
                 resume_timeout_s,
                 interval_s=0.2,
             ):
@@ -694,6 +920,9 @@ def run_soak(
         timelines.update({int(t["generation"]): t for t in lc.timelines()})
     finally:
         lc.close()
+        for where in mounts:
+            with contextlib.suppress(RuntimeError):
+                _run("umount", "-l", str(where))
         if sandbox is not None:
             sandbox.close()
     leftover = list(descendants(os.getpid()))
@@ -784,12 +1013,12 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     if set(kinds) - set(KINDS):
         p.error(f"unknown fault kind(s) {sorted(set(kinds) - set(KINDS))}; known: {sorted(KINDS)}")
-    why = Sandbox.available()
-    if why is not None and set(kinds) & set(ROOT_KINDS):
+    missing = {k: why for k in kinds if (why := unavailable(k)) is not None}
+    if missing:
         if args.kinds != p.get_default("kinds"):
-            p.error(f"fault kinds {list(ROOT_KINDS)} need root, nftables and cgroup v2: {why}")
-        kinds = [k for k in kinds if k not in ROOT_KINDS]
-        print(f"left out {list(ROOT_KINDS)}: {why}", file=sys.stderr)
+            p.error(f"fault kinds {missing} cannot run here")
+        kinds = [k for k in kinds if k not in missing]
+        print(f"left out {missing}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         workdir.mkdir(parents=True, exist_ok=True)

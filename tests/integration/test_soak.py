@@ -7,6 +7,11 @@ moment of a fault) may be lost and no process left behind. The long soak (100+ f
 The full disk and the network partition need root, nftables and cgroup v2 (a tmpfs per
 node, a firewall rule on one node's cgroup); where those are missing they are not drawn,
 and a failure's report says so.
+
+Of the sick-node kinds (a node restarted sick, set aside, trained without, then healed and
+trained with again; each takes a minute or more) only the cheapest is drawn here,
+wedged_agent (set aside once its lease runs out, with no root needed), to keep this test
+within about four minutes; `python bench/soak.py` draws them all.
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import KINDS, ROOT_KINDS, Sandbox, run_soak, table
+from bench.soak import KINDS, SICK_KINDS, run_soak, table, unavailable
 
 FAULTS = 12
+CHEAPEST_SICK_KIND = "wedged_agent"
 
 
 def _kinds() -> list[str]:
-    return [k for k in KINDS if k not in ROOT_KINDS or Sandbox.available() is None]
+    return [
+        k
+        for k in KINDS
+        if unavailable(k) is None and (k not in SICK_KINDS or k == CHEAPEST_SICK_KIND)
+    ]
 
 
 @pytest.mark.timeout(1200)
@@ -33,7 +43,7 @@ def test_a_short_soak_survives_a_dozen_mixed_faults_on_the_reference_curve(
     result = run_soak(
         tmp_path, faults=FAULTS, seed=1, nodes=3, slots=1, kinds=kinds, log=lines.append
     )
-    left_out = sorted(set(KINDS) - set(kinds))
+    left_out = sorted(set(KINDS) - set(kinds))  # the dearer sick kinds, at least
     report = "\n".join([*lines, table(result), f"kinds left out here: {left_out or 'none'}"])
     print(report)  # the harness's log, with -s
     assert len(result.faults) == FAULTS, report

@@ -8,7 +8,7 @@ import signal
 import subprocess
 from typing import Any
 
-from bench.soak import JobView, NodeView, is_steady, running
+from bench.soak import JobView, NodeView, is_set_aside, is_steady, running
 from elasticpp.waiting import wait_until
 
 
@@ -68,6 +68,51 @@ def test_a_job_with_a_node_unplanned_stopped_or_short_of_spares_is_not_steady() 
     ):
         assert not is_steady(_view(_node(0), _node(1), odd), since_step=24, slots=1), odd
     assert not is_steady(_view(generation=0), since_step=24, slots=1)  # etcd unreadable
+
+
+def test_a_quarantined_node_without_ranks_is_steady_while_it_is_sick() -> None:
+    # node-2's spares never become ready: its agent is alive in an old generation, its warm
+    # pool empty, and it has no ranks in etcd's generation. The others train.
+    sick = _node(
+        2,
+        generation=1,
+        phase="idle",
+        ranks_planned=frozenset(),
+        ranks_running=frozenset(),
+        warm_ready=0,
+    )
+    others = (_node(0, generation=2), _node(1, generation=2))
+    view = _view(*others, sick, generation=2, quarantined=frozenset({"node-2"}))
+    assert is_steady(view, since_step=24, slots=1)
+    # A wedged agent that does not answer, quarantined: steady as well.
+    silent = _node(2, generation=-1, phase="", ranks_planned=frozenset(), ranks_running=frozenset())
+    assert is_steady(_view(*others, silent, generation=2, quarantined=frozenset({"node-2"})), 24, 1)
+    # Not quarantined, the same node is not steady: it is a node to wait for.
+    assert not is_steady(dataclasses.replace(view, quarantined=frozenset()), 24, 1)
+
+
+def test_a_quarantined_node_still_planned_is_not_steady() -> None:
+    # The quarantine is written; the leader has not replaced the generation it is in yet.
+    view = _view(quarantined=frozenset({"node-2"}))
+    assert not is_steady(view, since_step=24, slots=1)
+
+
+def test_a_sick_node_is_set_aside_once_the_others_train_without_it() -> None:
+    others = (_node(0, generation=3), _node(1, generation=3))
+    lost = _node(
+        2, generation=2, phase="starting", ranks_planned=frozenset(), ranks_running=frozenset()
+    )
+    view = _view(*others, lost, generation=3, newest_step=40)
+    assert is_set_aside(view, "node-2", since_step=30, slots=1, steps=10)
+    assert not is_set_aside(view, "node-2", since_step=31, slots=1, steps=10)  # not 10 yet
+    # Still planned (the join generation waits for its spares): not set aside.
+    planned = _node(2, generation=3, phase="moving", ranks_running=frozenset())
+    assert not is_set_aside(_view(*others, planned, generation=3, newest_step=40), "node-2", 30, 1)
+    # The others are not steady (a failure reported in the new generation): not yet.
+    failing = _view(*others, lost, generation=3, newest_step=40, failures=frozenset({"node-0"}))
+    assert not is_set_aside(failing, "node-2", 30, 1)
+    # The other nodes gone too: nothing trains, nothing is set aside.
+    assert not is_set_aside(_view(lost, generation=3, newest_step=40), "node-2", 30, 1)
 
 
 def test_a_process_runs_until_it_is_stopped_killed_or_reaped() -> None:
