@@ -90,7 +90,7 @@ class JobSpec:
     replication_every: int = 1  # replicate every N committed steps
     persist_dir: str | None = None  # persistent checkpoints (a shared directory), or none
     persist_every: int = 0  # steps between persistent checkpoints; 0 = never
-    lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (etcd min 2 s)
+    lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (whole s, >= 3)
     join_settle_s: float = 2.0  # wait this long after the last join before switching layouts
     hang_timeout_s: float = 30.0  # a worker without step progress this long is hung
     # Deadlines of waits on a node (docs/cluster.md, "Deadlines"): old workers gone and the
@@ -142,9 +142,13 @@ class JobSpec:
                 f"micro_batch {self.micro_batch}"
             )
         self.device_spec()  # raises naming the presets or the bad field
-        if self.lease_ttl_s < 2:
+        ttl = self.lease_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl != int(ttl) or ttl < 3:
+            # etcd grants whole seconds, at least 2; and an agent fences itself
+            # max(2 s request timeout, ttl/3) before its lease could lapse, so 2 s would
+            # leave it no time to act (it was refused only when the agent joined).
             raise ConfigError(
-                f"job spec: lease_ttl_s must be >= 2 (etcd's minimum), got {self.lease_ttl_s!r}"
+                f"job spec: lease_ttl_s must be a whole number of seconds >= 3, got {ttl!r}"
             )
         for key in ("join_settle_s", "hang_timeout_s"):
             v = getattr(self, key)

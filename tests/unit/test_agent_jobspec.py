@@ -57,6 +57,8 @@ def test_precision_is_copied_to_the_train_config_and_defaults_to_fp32() -> None:
         ({"model": "gpt-9000"}, "gpt-9000"),
         ({"name": "Bad Name"}, "name"),
         ({"lease_ttl_s": 1}, "lease_ttl_s"),
+        ({"lease_ttl_s": 2}, "lease_ttl_s"),  # no time to act before self-fencing
+        ({"lease_ttl_s": 7.5}, "lease_ttl_s"),  # etcd grants whole seconds
         ({"optimizer": {"learning_rate": 1}}, "learning_rate"),
         ({"colour": "blue"}, "colour"),
         ({"schedule": "zigzag"}, "schedule"),

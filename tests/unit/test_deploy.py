@@ -270,7 +270,7 @@ def test_jobspec_configmap_is_what_the_agent_loads(tmp_path: Path):
     values.write_text(
         "jobSpec:\n  name: llm-run-3\n  model: tiny\n  global_batch: 1048576\n"
         "  micro_batch: 4\n  steps: 100000\n  seed: 123456789\n  min_nodes: 1\n"
-        "  max_nodes: 4\n  lease_ttl_s: 7.5\n",
+        "  max_nodes: 4\n  hang_timeout_s: 7.5\n",
         encoding="utf-8",
     )
     docs = _render("-f", str(values))
@@ -284,7 +284,7 @@ def test_jobspec_configmap_is_what_the_agent_loads(tmp_path: Path):
     spec = load_job_spec(path)
     # Large integers must survive the template (no 1.23456789e+08).
     assert spec.seed == 123456789 and spec.global_batch == 1048576
-    assert spec.name == "llm-run-3" and spec.lease_ttl_s == 7.5
+    assert spec.name == "llm-run-3" and spec.hang_timeout_s == 7.5
     assert (spec.min_nodes, spec.max_nodes) == (1, 4)
 
 
