@@ -73,6 +73,7 @@ class LocalCluster:
         slots: int = 2,
         python: str = sys.executable,
         cgroup_root: Path | None = None,
+        device: str = "cpu",
     ) -> None:
         """`cgroup_root` (a cgroup v2 directory, optional): each node's agent starts in
         `cgroup_root/<node id>`, and its workers with it, so that a harness can act on one
@@ -87,6 +88,7 @@ class LocalCluster:
         self.etcd = EtcdServer(workdir / "etcd-data")
         self.nodes = [Node(f"node-{i}", workdir / f"node-{i}") for i in range(nodes)]
         self.cgroup_root = cgroup_root
+        self.device = device  # the agents' --device: cpu (gloo) or cuda (NCCL, a GPU a slot)
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -136,7 +138,7 @@ class LocalCluster:
                     "--state-dir",
                     str(n.state_dir),
                     "--device",
-                    "cpu",
+                    self.device,
                     "--metrics-port",
                     str(n.metrics_port),
                 ],
