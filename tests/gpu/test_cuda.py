@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.proctree import descendants
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 
 
@@ -76,7 +75,7 @@ def test_one_gpu_trains_the_cpu_curve(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_a_worker_killed_on_cuda_recovers_under_the_agent_on_the_same_curve(
-    tmp_path: Path,
+    tmp_path: Path, no_orphans: None
 ) -> None:
     reference = _train(tmp_path / "ref.jsonl", "cuda")
     lc = LocalCluster(tmp_path / "job", SPEC, nodes=1, slots=1, device="cuda")
@@ -97,4 +96,3 @@ def test_a_worker_killed_on_cuda_recovers_under_the_agent_on_the_same_curve(
         assert recoveries and all(int(t["steps_recomputed"]) <= 1 for t in recoveries)
     finally:
         lc.close()
-    assert not descendants(os.getpid())

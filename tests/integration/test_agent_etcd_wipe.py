@@ -8,7 +8,6 @@ the job. By invariant 1 a step trained in both epochs has the same loss in both.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.agent.view import EPOCH_ENDED_EXIT
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.proctree import descendants
 from elasticpp.waiting import wait_until
 
 STEPS = 10
@@ -39,14 +37,13 @@ SPEC: dict[str, Any] = {
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+def cluster(tmp_path: Path, no_orphans: None) -> Iterator[LocalCluster]:
+    # `no_orphans` (tests/conftest.py) fails the test if any process outlives the cluster.
     lc = LocalCluster(tmp_path / "job", SPEC, nodes=2, slots=1)
     try:
         yield lc
     finally:
         lc.close()
-        left = list(descendants(os.getpid()))
-        assert not left, f"processes left behind: {left}"
 
 
 def _epoch(lc: LocalCluster) -> int | None:
