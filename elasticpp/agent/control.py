@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -22,6 +23,20 @@ from elasticpp.agent.limits import LOOP_STALL_S
 from elasticpp.agent.metrics import WORKER_STATES
 
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class ControlState:
+    """The control part's state: one object, written by this module's code on the loop
+    (gRPC threads only queue drain requests)."""
+
+    draining: bool = False
+    drain_announced: bool = False  # the member key says draining; leadership resigned
+    drain_deadline_s: float | None = None  # monotonic
+    drain_requested_gen: int = 0  # the generation the drain was asked in
+    job_done_step: int | None = None  # the job trained every step (a done barrier says so)
+    errors_seen: set[tuple[str, str, str]] = field(default_factory=set)  # logged once each
+    exit_code: int | None = None  # drained, or finished with on_job_end "exit"
 
 
 class ControlPart:
@@ -51,42 +66,29 @@ class ControlPart:
         ends the agent. Logged once per distinct error, with its traceback; always counted."""
         self.metrics.errors_total.labels(**self.metrics.labels, source=source).inc()
         key = (source, type(exc).__name__, str(exc)[:200])
-        if key in self._errors_seen:
+        if key in self._cs.errors_seen:
             return
-        if len(self._errors_seen) > 1000:
-            self._errors_seen.clear()  # bounded: a flood of distinct errors is logged again
-        self._errors_seen.add(key)
+        if len(self._cs.errors_seen) > 1000:
+            self._cs.errors_seen.clear()  # bounded: a flood of distinct errors is logged again
+        self._cs.errors_seen.add(key)
         log.error(
             "%s error, the agent goes on: %s: %s", source, type(exc).__name__, exc, exc_info=exc
         )
 
     def _event(self, kind: str, message: str) -> None:
         log.info("%s", message)
-        with self._event_cond:
-            self._events.append((time.time(), kind, message, self.generation))
-            self._total_events += 1
-            self._event_cond.notify_all()
+        self._events.append(kind, message, self.generation)
 
     def events_since(
         self, index: int, timeout_s: float
     ) -> tuple[list[tuple[float, str, str, int]], int]:
         """Events after the `index`-th one ever logged (for the WatchEvents stream)."""
-        with self._event_cond:
-            total = self._events_total()
-            if total <= index:
-                self._event_cond.wait(timeout_s)
-                total = self._events_total()
-            items = list(self._events)
-            first = total - len(items)
-            return items[max(0, index - first) :], total
-
-    def _events_total(self) -> int:
-        return self._total_events
+        return self._events.since(index, timeout_s)
 
     def _update_gauges(self) -> None:
         m, lbl = self.metrics, self.metrics.labels
-        m.etcd_up.labels(**lbl).set(1 if self._etcd_ok else 0)
-        m.members.labels(**lbl).set(len(self._members))
+        m.etcd_up.labels(**lbl).set(1 if self._vs.etcd_ok else 0)
+        m.members.labels(**lbl).set(len(self._vs.members))
         m.is_leader.labels(**lbl).set(1 if self._is_leader() else 0)
         m.generation.labels(**lbl).set(self.generation)
         floor = self.store.floor
@@ -97,22 +99,15 @@ class ControlPart:
             m.workers.labels(**lbl, state=state).set(n)
 
     def _check_done(self) -> None:
-        done = self._barriers.get("done", {})
+        done = self._vs.barriers.get("done", {})
         if any(int(v.get("step", -1)) >= self.spec.steps for v in done.values()):
-            self._job_done_step = self.spec.steps
-        gs = self._gen
-        mine = {s.rank for s in gs.plan.ranks_on(self.node_id)} if gs else set()
-        done = self.pool.done_ranks(gs.generation) if gs else frozenset()
-        if gs and mine and mine <= done and gs.phase is not Phase.DONE:
-            if not self._enter_phase(gs, Phase.DONE):
-                return  # e.g. halted: the halt, not a finish, is this job's end
-            assert self.cluster is not None
-            self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
-            self._event("decision", f"job finished all {self.spec.steps} steps")
-            self._job_done_step = self.spec.steps
-        if self._job_done_step is not None and not self.pool.any_alive():
+            self._cs.job_done_step = self.spec.steps
+        gs = self._fs.gen
+        if gs is not None and gs.phase is Phase.DONE:  # the follower's: this node finished
+            self._cs.job_done_step = self.spec.steps
+        if self._cs.job_done_step is not None and not self.pool.any_alive():
             if self.cfg.on_job_end == "exit":
-                self._done = True
+                self._cs.exit_code = 0
             elif self.pool.spares():
                 # Idle until removed: the warm pool is of no use to a finished job.
                 self.pool.release_spares()
@@ -123,7 +118,7 @@ class ControlPart:
         layout takes this node's state, then the agent exits 0."""
         # Called on a gRPC thread: the request is queued for the loop, which alone writes
         # the agent's state (a flag read here is only a hint for the reply).
-        if self._draining:
+        if self._cs.draining:
             return True, "already draining"
         self._drain_requests.put(max(timeout_s, 1.0))
         self._wake.set()
@@ -134,34 +129,36 @@ class ControlPart:
             timeout_s = self._drain_requests.get_nowait()
         except queue.Empty:
             return
-        if not self._draining:
-            self._draining = True
-            self._drain_deadline_s = time.monotonic() + timeout_s
-            self._drain_requested_gen = self.generation
+        if not self._cs.draining:
+            self._cs.draining = True
+            self._cs.drain_deadline_s = time.monotonic() + timeout_s
+            self._cs.drain_requested_gen = self.generation
 
     def _check_drain(self) -> None:
         self._take_drain_request()
-        if not self._draining:
+        if not self._cs.draining:
             return
         assert self.cluster is not None
-        if not self._drain_announced:
+        if not self._cs.drain_announced:
             self._registration.update(self._member_info())
             self._step_down("draining")
-            self._drain_announced = True
+            self._cs.drain_announced = True
             self._event("decision", "draining: announced; waiting for the hand-off")
-        gs = self._gen
+        gs = self._fs.gen
         handed_off = (
             gs is not None
             and self.node_id not in gs.record.extra.get("nodes", {})
-            and gs.generation > self._drain_requested_gen
+            and gs.generation > self._cs.drain_requested_gen
             and set(gs.record.extra.get("nodes", {}))
-            <= set(self._barriers.get(f"started-{gs.generation}", {}))
+            <= set(self._vs.barriers.get(f"started-{gs.generation}", {}))
         )
-        no_job = gs is None or self._job_done_step is not None
-        expired = self._drain_deadline_s is not None and time.monotonic() > self._drain_deadline_s
+        no_job = gs is None or self._cs.job_done_step is not None or self._hs.job_end is not None
+        expired = (
+            self._cs.drain_deadline_s is not None and time.monotonic() > self._cs.drain_deadline_s
+        )
         if handed_off or no_job or expired:
             self._event("decision", "drained" if handed_off or no_job else "drain timed out")
-            self._done = True
+            self._cs.exit_code = 0
 
     def status_snapshot(self) -> dict[str, Any]:
         """What the control RPCs read: a snapshot the loop publishes (at most STATUS_EVERY_S
@@ -187,23 +184,23 @@ class ControlPart:
         }
 
     def status(self) -> dict[str, Any]:
-        gs = self._gen
-        end = self._job_end
-        phase = "draining" if self._draining else gs.phase.value if gs else "waiting"
+        gs = self._fs.gen
+        end = self._hs.job_end
+        phase = "draining" if self._cs.draining else gs.phase.value if gs else "waiting"
         if end is not None:
             phase = "ended"
         return {
             "node_id": self.node_id,
             "job": self.spec.name,
             "generation": self.generation,
-            "leader": self._leader or "",
+            "leader": self._vs.leader or "",
             "phase": phase,
             "ended": f"{end.status}: {end.reason}" if end is not None else "",
             "quarantined": self.quarantine_status(),
             "layout": str(gs.plan.layout) if gs else "",
-            "last_step": self.last_step,
-            "last_loss": self.last_loss,
-            "members": sorted(self._members),
+            "last_step": self._ds.last_step,
+            "last_loss": self._ds.last_loss,
+            "members": sorted(self._vs.members),
             "workers": [
                 {
                     "rank": w.rank,

@@ -19,11 +19,11 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState, run_in_thread
 from elasticpp.agent.limits import (
     FENCED_SNAPSHOTS_KEPT,
@@ -36,9 +36,6 @@ from elasticpp.agent.limits import (
 )
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import PieceKey, step_dirname
-from elasticpp.cluster.errors import (
-    ClusterUnavailableError,
-)
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import ModelSpec
 from elasticpp.store.client import StateClient
@@ -49,6 +46,23 @@ from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class DurabilityState:
+    """The durability part's state: one object, written by this module's code on the loop
+    (the replication round and the persister hand results back through futures)."""
+
+    replication: Future[Any] | None = None  # the replication round in flight
+    last_commit_step: int = -1  # this node's newest own commit (its commit records say it)
+    snap_reports: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    snap_failures: int = 0  # snapshot writes failed since the last commit
+    fence_logged: bool = False
+    persister: Persister | None = None
+    written_steps: dict[int, int] = field(default_factory=dict)  # generation -> newest step
+    next_step_committed: int = 0  # steps applied, as last seen from this node's workers
+    last_step: int = -1
+    last_loss: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -85,24 +99,24 @@ class DurabilityPart:
 
     def _on_step(self, w: _Worker, event: dict[str, Any]) -> None:
         step, gen = int(event["step"]), int(event.get("generation", w.generation))
-        self.last_step = max(self.last_step, step)
-        self._next_step_committed = max(self._next_step_committed, step + 1)
-        self.last_loss = float(event["loss"])
+        self._ds.last_step = max(self._ds.last_step, step)
+        self._ds.next_step_committed = max(self._ds.next_step_committed, step + 1)
+        self._ds.last_loss = float(event["loss"])
         # Workers of one generation report each step once per rank, in step order: the
         # newest step written per generation is all it takes to write each step once
         # (bounded memory for weeks of steps; only the newest generations are kept).
-        if step <= self._written_steps.get(gen, -1):
+        if step <= self._ds.written_steps.get(gen, -1):
             return
-        self._written_steps[gen] = step
-        for old in sorted(self._written_steps)[:-4]:
-            del self._written_steps[old]
+        self._ds.written_steps[gen] = step
+        for old in sorted(self._ds.written_steps)[:-4]:
+            del self._ds.written_steps[old]
         m, lbl = self.metrics, self.metrics.labels
         m.step.labels(**lbl).set(step)
-        m.loss.labels(**lbl).set(self.last_loss)
+        m.loss.labels(**lbl).set(self._ds.last_loss)
         m.steps_total.labels(**lbl).inc()
         if event.get("step_seconds") is not None:
             m.step_seconds.labels(**lbl).observe(float(event["step_seconds"]))
-        plan = self._gen.plan if self._gen else None
+        plan = self._fs.gen.plan if self._fs.gen else None
         line = {
             "step": step,
             "loss": event["loss"],
@@ -130,7 +144,7 @@ class DurabilityPart:
             # malformed: what is committed stays as it is.
             log.info("snapshot of step %d from rank %d not recorded: %s", step, w.rank, exc)
             return
-        reports = self._snap_reports.setdefault((w.generation, step), set())
+        reports = self._ds.snap_reports.setdefault((w.generation, step), set())
         reports.add(w.rank)
         plan = w.plan
         writers = {s.rank for s in plan.ranks_on(self.node_id) if is_snapshot_writer(plan, s.rank)}
@@ -138,8 +152,8 @@ class DurabilityPart:
             if self._fenced():
                 # Self-fencing: the job may have re-planned without this node; what it
                 # computes now must not become state that others resume from.
-                if not self._fence_logged:
-                    self._fence_logged = True
+                if not self._ds.fence_logged:
+                    self._ds.fence_logged = True
                     self._event(
                         "decision",
                         f"membership lease may have lapsed: step {step} and later are not "
@@ -149,22 +163,22 @@ class DurabilityPart:
                 # outage fills the disk with a snapshot per step.
                 for epoch, gen, old_step in self.store.drop_uncommitted(FENCED_SNAPSHOTS_KEPT):
                     if epoch == self.store.epoch:
-                        self._snap_reports.pop((gen, old_step), None)
+                        self._ds.snap_reports.pop((gen, old_step), None)
                 return
-            if self._snap_failures:
-                self._snap_failures = 0
+            if self._ds.snap_failures:
+                self._ds.snap_failures = 0
                 self._event("worker", f"snapshots are written again: step {step} committed")
-            if self._fence_logged:
-                self._fence_logged = False
+            if self._ds.fence_logged:
+                self._ds.fence_logged = False
                 self._event("decision", "membership lease renewed: committing again")
             try:
                 self.store.commit(step, plan.model.units, w.generation)
             except CheckpointError as exc:
                 log.warning("step %d not committed: %s", step, exc)
                 return
-            for old in [k for k in self._snap_reports if k[1] <= step]:
-                del self._snap_reports[old]
-            self._last_commit_step = step
+            for old in [k for k in self._ds.snap_reports if k[1] <= step]:
+                del self._ds.snap_reports[old]
+            self._ds.last_commit_step = step
             # The job's high-water mark: a job that ever committed a step never silently
             # starts over from step 0 when its state is lost. It also reports the anchors.
             self._record_commit(w.generation)
@@ -181,35 +195,14 @@ class DurabilityPart:
         """A snapshot the worker could not write (a full disk, an I/O error): training goes
         on, the step is never committed here. Logged once per run of failures, counted."""
         self.metrics.snapshot_failures_total.labels(**self.metrics.labels).inc()
-        self._snap_failures += 1
-        if self._snap_failures == 1:
+        self._ds.snap_failures += 1
+        if self._ds.snap_failures == 1:
             self._event(
                 "worker",
                 f"rank {w.rank} could not write the snapshot of step {event.get('step')}: "
                 f"{event.get('message')}; training goes on, steps are not committed here "
                 "until snapshots can be written again",
             )
-
-    def _on_halted(self, w: _Worker, event: dict[str, Any]) -> None:
-        """A step's loss or gradient norm was not finite. The workers wrote nothing from it
-        on; the job holds at the last finite state instead of replicating poison to every
-        copy or re-planning into the same step again."""
-        gs = self._gen
-        if gs is None or w.generation != gs.generation or gs.phase is Phase.HALTED:
-            return
-        if not self._enter_phase(gs, Phase.HALTED):
-            return
-        self.metrics.halted.labels(**self.metrics.labels).set(1)
-        own = self.store.committed_steps(self.node_id)
-        newest = f"step {own[-1]}" if own else "none"
-        with contextlib.suppress(ClusterUnavailableError):
-            self._record_halt(str(event.get("message")))  # held and retried by the loop
-        self._event(
-            "decision",
-            f"training halted: {event.get('message')}. Nothing after the last finite state "
-            f"is committed (the newest committed step here: {newest}); fix the job (learning "
-            "rate, data) and start it again from that step",
-        )
 
     def _record_commit(self, generation: int) -> None:
         """This node's commit record of `generation`: its newest committed step and the
@@ -226,7 +219,7 @@ class DurabilityPart:
         origins = {o for o, _ in self.store.holdings().steps}
         replicas = {o: self.store.anchors(o, generation) for o in origins if o != self.node_id}
         return (
-            self._last_commit_step,
+            self._ds.last_commit_step,
             tuple(self.store.anchors(self.node_id, generation)),
             {o: tuple(steps) for o, steps in replicas.items() if steps},
         )
@@ -251,7 +244,7 @@ class DurabilityPart:
 
     def _fetch_addresses(self, gs: _GenState) -> dict[str, str]:
         # Sources may lie outside the new plan (a draining node hands its state over).
-        addresses = {n: str(i.get("address")) for n, i in self._members.items()}
+        addresses = {n: str(i.get("address")) for n, i in self._vs.members.items()}
         addresses.update(gs.record.extra.get("sources", {}))
         addresses.update(gs.record.extra.get("nodes", {}))
         return addresses
@@ -322,16 +315,16 @@ class DurabilityPart:
         last node to contribute writes the manifest. Off the training path, on one thread
         with a bounded queue: a newer checkpoint supersedes one that is still waiting."""
         assert self.spec.persist_dir is not None
-        if self._persister is None:
-            self._persister = Persister(self.store, Path(self.spec.persist_dir), keep=2)
-        self._persister.submit(step, model)
+        if self._ds.persister is None:
+            self._ds.persister = Persister(self.store, Path(self.spec.persist_dir), keep=2)
+        self._ds.persister.submit(step, model)
 
     def _replicate_async(self) -> None:
-        gs = self._gen
-        if gs is None or (self._replication is not None and not self._replication.done()):
+        gs = self._fs.gen
+        if gs is None or (self._ds.replication is not None and not self._ds.replication.done()):
             return  # one round at a time; the next commit starts the next
         addresses = dict(gs.record.extra.get("nodes", {}))
-        members = {n: str(i.get("address")) for n, i in self._members.items()}
+        members = {n: str(i.get("address")) for n, i in self._vs.members.items()}
         addresses.update(members)
         # The plan's nodes with ranks, as the leader's safe step computes it: a member that
         # is not planned (yet) changes nobody's replica holders.
@@ -355,7 +348,7 @@ class DurabilityPart:
 
         # The round's thread writes nothing of the agent's: the loop sees it end through
         # the future; the commit record goes to its one writer's queue.
-        self._replication = run_in_thread("replicate", run)
+        self._ds.replication = run_in_thread("replicate", run)
 
     def _clean_resume(self, generation: int) -> None:
         """Delete the resume directories of generations older than `generation`: called once

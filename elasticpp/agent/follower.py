@@ -9,6 +9,7 @@ has them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import shutil
@@ -109,13 +110,20 @@ class _GenState:
         return bool(self.record.extra.get("graceful"))
 
 
+@dataclass
+class FollowerState:
+    """The follower part's state: one object, written by this module's code on the loop
+    (the fetch thread hands its outcome back through a future)."""
+
+    gen: _GenState | None = None  # this node's way through the newest generation it follows
+    pending_failures: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> report
+    failures_held: set[int] = field(default_factory=set)  # reports etcd refused (logged once)
+    detected: dict[int, float] = field(default_factory=dict)  # generation -> wall time a
+    # failure here that calls for it was first seen (the recovery timeline)
+
+
 class FollowerPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
-
-    def _enter_phase(self, gs: _GenState, phase: Phase) -> bool:
-        """The one way other parts move this node's generation (done, halted): the
-        follower's state is written by the follower's code only."""
-        return gs.enter(phase)
 
     def _report_failure(
         self, generation: int, reason: str, *, culprit: bool = False, severe: bool = False
@@ -125,30 +133,30 @@ class FollowerPart:
         leader quarantines it at once (elasticpp.agent.sick)."""
         self._event("worker", f"failure in generation {generation}: {reason}")
         self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
-        self._detected.setdefault(generation + 1, time.time())
+        self._fs.detected.setdefault(generation + 1, time.time())
         # Level-triggered: the report stays pending until etcd has it, so a failure seen
         # while etcd is down is published when it returns instead of being lost.
-        self._pending_failures.setdefault(
+        self._fs.pending_failures.setdefault(
             generation,
             {"reason": reason, "at": time.time(), "culprit": culprit, "severe": severe},
         )
         self._publish_failures()
 
     def _publish_failures(self) -> None:
-        for generation in sorted(self._pending_failures):
-            if self._gen is not None and generation < self._gen.generation:
-                del self._pending_failures[generation]  # a newer plan already replaced it
-                self._failures_held.discard(generation)
+        for generation in sorted(self._fs.pending_failures):
+            if self._fs.gen is not None and generation < self._fs.gen.generation:
+                del self._fs.pending_failures[generation]  # a newer plan already replaced it
+                self._fs.failures_held.discard(generation)
                 continue
             if self.cluster is None:
                 return
             try:
                 self.cluster.arrive(
-                    f"failed-{generation}", self.node_id, self._pending_failures[generation]
+                    f"failed-{generation}", self.node_id, self._fs.pending_failures[generation]
                 )
             except ClusterUnavailableError as exc:
-                if generation not in self._failures_held:
-                    self._failures_held.add(generation)
+                if generation not in self._fs.failures_held:
+                    self._fs.failures_held.add(generation)
                     log.warning(
                         "failure report of generation %d held until etcd is back: %s",
                         generation,
@@ -156,14 +164,14 @@ class FollowerPart:
                     )
                 self._etcd_down(exc)
                 return
-            del self._pending_failures[generation]
-            self._failures_held.discard(generation)
+            del self._fs.pending_failures[generation]
+            self._fs.failures_held.discard(generation)
 
     def _follow_generation(self) -> None:
-        rec = self._record
+        rec = self._vs.record
         if rec is not None and rec.generation > self.generation:
             self._enter_generation(rec)
-        gs = self._gen
+        gs = self._fs.gen
         if gs is None:
             return
         if gs.phase is Phase.STOPPING:
@@ -172,7 +180,39 @@ class FollowerPart:
             self._move_state(gs)
         if gs.phase is Phase.STARTING:
             self._check_started(gs)
+        self._check_halted(gs)
+        self._check_finished(gs)
         self._check_phase_deadline(gs)
+
+    def _check_halted(self, gs: _GenState) -> None:
+        """A rank's step had a non-finite loss or gradient norm. The workers wrote nothing
+        from it on; the job holds at the last finite state instead of replicating poison to
+        every copy or re-planning into the same step again."""
+        message = self.pool.halted(gs.generation)
+        if message is None or gs.phase is Phase.HALTED or not gs.enter(Phase.HALTED):
+            return
+        self.metrics.halted.labels(**self.metrics.labels).set(1)
+        own = self.store.committed_steps(self.node_id)
+        newest = f"step {own[-1]}" if own else "none"
+        with contextlib.suppress(ClusterUnavailableError):
+            self._record_halt(message)  # held and retried by the loop
+        self._event(
+            "decision",
+            f"training halted: {message}. Nothing after the last finite state "
+            f"is committed (the newest committed step here: {newest}); fix the job (learning "
+            "rate, data) and start it again from that step",
+        )
+
+    def _check_finished(self, gs: _GenState) -> None:
+        """Every rank of this node trained the job's last step."""
+        mine = {s.rank for s in gs.plan.ranks_on(self.node_id)}
+        if not mine or not mine <= self.pool.done_ranks(gs.generation):
+            return
+        if gs.phase is Phase.DONE or not gs.enter(Phase.DONE):
+            return  # e.g. halted: the halt, not a finish, is this job's end
+        assert self.cluster is not None
+        self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
+        self._event("decision", f"job finished all {self.spec.steps} steps")
 
     def _check_phase_deadline(self, gs: _GenState) -> None:
         """Every phase that waits on someone else has a deadline; past it, the agent reports
@@ -209,12 +249,12 @@ class FollowerPart:
             assert self.cluster is not None
             self.cluster.skip_value(self.cluster.keys.generation, exc)
             return
-        old = self._gen
-        self._gen = _GenState(rec)
+        old = self._fs.gen
+        self._fs.gen = _GenState(rec)
         # Detection times of generations up to this one are of no use now (the leader drops
         # them when it writes a generation; every agent drops them here).
-        for g in [g for g in self._detected if g <= rec.generation]:
-            del self._detected[g]
+        for g in [g for g in self._fs.detected if g <= rec.generation]:
+            del self._fs.detected[g]
         self._event(
             "decision",
             f"generation {rec.generation}: layout {plan.layout} on "
@@ -272,7 +312,7 @@ class FollowerPart:
             self.node_id,
             {
                 "holdings": holdings.to_dict(),
-                "next_step": self._next_step_committed,
+                "next_step": self._ds.next_step_committed,
                 "at": time.time(),
             },
         )
@@ -282,7 +322,7 @@ class FollowerPart:
     def _move_state(self, gs: _GenState) -> None:
         # Whoever leads now may have written it (a leader elected mid-transition takes over
         # the one written by the leader of the record, or writes it if none exists).
-        resume = self._barriers.get(f"resume-{gs.generation}", {}).get(RESUME_MEMBER)
+        resume = self._vs.barriers.get(f"resume-{gs.generation}", {}).get(RESUME_MEMBER)
         if resume is None:
             return
         plan = gs.plan
@@ -381,7 +421,9 @@ class FollowerPart:
                     "backend": self.cfg.backend,
                     "device": self.cfg.device,
                     "num_threads": self.cfg.worker_threads,
-                    "gpu_index": self._gpus[slot.local_rank] if self.cfg.device == "cuda" else None,
+                    "gpu_index": self._ss.gpus[slot.local_rank]
+                    if self.cfg.device == "cuda"
+                    else None,
                 }
             )
         sent: list[WorkerProcess] = []
@@ -394,10 +436,7 @@ class FollowerPart:
                 )
         except Exception:
             for proc in sent:
-                w = self.pool.forget(proc.pid)
-                if w is not None:
-                    w.killed_by_us = True
-                proc.kill(wait=False)
+                self.pool.abandon(proc)
             self.pool.give_back(p for p in workers if p not in sent)
             raise
         self._event(

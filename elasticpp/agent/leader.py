@@ -52,23 +52,23 @@ class LeaderPart:
         # its own membership is lost or not yet seen again: it would re-plan without itself,
         # then again when its key is back (two generations for one blip).
         return (
-            self._leadership is not None
-            and self._leadership.is_held()
-            and self._leader == self.node_id
-            and self.node_id in self._members
+            self._ls.leadership is not None
+            and self._ls.leadership.is_held()
+            and self._vs.leader == self.node_id
+            and self.node_id in self._vs.members
             and not self._fenced()
         )
 
     def _maybe_campaign(self) -> None:
         # Deposed (the key deleted or taken) or lapsed: the old term is resigned before any
         # new campaign, so no keep-alive thread or lease outlives its term.
-        deposed = self._leader != self.node_id
-        if self._leadership is not None and (deposed or not self._leadership.is_held()):
+        deposed = self._vs.leader != self.node_id
+        if self._ls.leadership is not None and (deposed or not self._ls.leadership.is_held()):
             self._step_down("lost the leadership")
             return
-        if self._leadership is not None:
+        if self._ls.leadership is not None:
             return  # won; the view reads the leader key on the next refresh
-        if self._leader is not None or self._draining or self._done:
+        if self._vs.leader is not None or self._cs.draining or self._exit_requested() is not None:
             return
         assert self.cluster is not None
         if not self._torch_ready.is_set():
@@ -78,44 +78,43 @@ class LeaderPart:
         )
         if leadership is None:
             return
-        self._leadership = leadership
-        self._dirty = True  # the view (the one writer of `_leader`) reads the key now
         # A new term starts the leader's state afresh: strikes and the failure budget too;
         # quarantines and what each generation's transition has written are read from etcd.
-        self._ls = LeaderState(SickNodes(self.spec.sick_policy()))
+        self._ls = LeaderState(SickNodes(self.spec.sick_policy()), leadership=leadership)
+        self._reread.raise_()  # the view (the one writer of `leader`) reads the key now
         self._start_rendezvous_store()
         self._event("decision", f"node {self.node_id} is the leader")
 
     def _step_down(self, why: str) -> None:
         """End this node's term (resign: its lease is revoked, so a successor can win at
         once). `_leader` is the view's to write: it reads the key again."""
-        if self._leadership is None:
+        if self._ls.leadership is None:
             return
         self._event("decision", f"node {self.node_id} {why}: leadership resigned")
         with contextlib.suppress(ElasticppError):
-            self._leadership.resign()
-        self._leadership = None
-        self._dirty = True
+            self._ls.leadership.resign()
+        self._ls.leadership = None
+        self._reread.raise_()
 
     def _start_rendezvous_store(self) -> None:
         from datetime import timedelta
 
         from torch.distributed import TCPStore
 
-        self._tcpstore = TCPStore(
+        self._ls.tcpstore = TCPStore(
             self.cfg.advertise_host,
             0,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=60),
         )
-        self._store_address = f"{self.cfg.advertise_host}:{self._tcpstore.port}"
+        self._ls.store_address = f"{self.cfg.advertise_host}:{self._ls.tcpstore.port}"
 
     def _clean_rendezvous(self, generation: int) -> None:
         """Delete the rendezvous keys of generations before `generation` (prefix `gen<G>/`)
         once every rank of `generation` has started: no worker of an older one meets there
         again, and the store of a term that lasts weeks must not keep every generation's."""
-        store = self._tcpstore
+        store = self._ls.tcpstore
         if store is None:
             return
         try:
@@ -127,45 +126,40 @@ class LeaderPart:
             log.warning("leader: rendezvous keys of old generations not deleted: %s", exc)
 
     def _view(self) -> ClusterView:
-        rec = self._record
+        rec = self._vs.record
         current = tuple(sorted(rec.extra.get("nodes", {}))) if rec else None
-        failed = set(self._barriers.get(f"failed-{rec.generation}", {})) if rec else set()
-        dead = {
-            n for n, inc in self._dead.items() if self._members.get(n, {}).get("incarnation") == inc
-        }
+        failed = set(self._vs.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
+        dead = self._lvs.dead_now(self._vs.members) & set(self._vs.members)
         recorded = rec.extra.get("incarnations", {}) if rec else {}
         restarted = {
             n
             for n, inc in recorded.items()
-            if n in self._members and self._members[n].get("incarnation") != inc
+            if n in self._vs.members and self._vs.members[n].get("incarnation") != inc
         }
         return ClusterView(
-            members=self._members,
+            members=self._vs.members,
             dead=dead,
             current_nodes=current,
             failed=failed,
             now_s=time.monotonic(),
-            last_join_s=self._last_join_s,
-            job_done=self._job_done_step is not None or self._job_end is not None,
+            # planned again after the settle window: a join, a revived node, a re-admission
+            last_join_s=max(self._vs.last_join_s, self._lvs.revived_s, self._hs.readmitted_s),
+            job_done=self._cs.job_done_step is not None or self._hs.job_end is not None,
             restarted=restarted,
-            quarantined=frozenset(self._quarantine_view),
+            quarantined=frozenset(self._hs.quarantines),
         )
 
     def _lead(self) -> None:
         self._recheck_dead()
-        rec = self._record
+        rec = self._vs.record
         view = self._view()
-        if (
-            rec is not None
-            and view.failed
-            and not (set(self._dead) & set(view.current_nodes or ()))
-        ):
+        if rec is not None and view.failed and not (view.dead & set(view.current_nodes or ())):
             # Suspicion (a worker failure) is confirmed by probing before the TTL lapses;
             # results are kept for DEAD_RECHECK_S, so a failure that waits is no probe storm.
             self._confirm_dead(self._suspects(rec.generation, view.current_nodes or ()))
             view = self._view()
         view = self._lead_health(view)
-        if self._job_end is not None:
+        if self._hs.job_end is not None:
             return
         decision = decide_replan(
             view,
@@ -173,13 +167,13 @@ class LeaderPart:
             max_nodes=self.spec.max_nodes,
             settle_s=self.spec.join_settle_s,
         )
-        gs = self._gen
+        gs = self._fs.gen
         # Mid-transition while the current generation's resume instruction is not written,
         # as etcd says (not as this node's own follower phase says).
         in_progress = (
             rec is not None
             and not self._ls.at(rec.generation, time.monotonic()).resume_written
-            and RESUME_MEMBER not in self._barriers.get(f"resume-{rec.generation}", {})
+            and RESUME_MEMBER not in self._vs.barriers.get(f"resume-{rec.generation}", {})
         )
         if isinstance(decision, Replan):
             if time.monotonic() < self._ls.replan_not_before_s:
@@ -198,9 +192,9 @@ class LeaderPart:
 
     def _write_generation(self, decision: Replan, view: ClusterView) -> None:
         assert self.cluster is not None
-        rec = self._record
+        rec = self._vs.record
         generation = (rec.generation if rec else 0) + 1
-        nodes = [NodeSpec(n, int(self._members[n].get("slots", 1))) for n in decision.nodes]
+        nodes = [NodeSpec(n, int(self._vs.members[n].get("slots", 1))) for n in decision.nodes]
         cluster = ClusterSpec(tuple(nodes), self.spec.device_spec())
         try:
             result = plan_layout(
@@ -219,14 +213,18 @@ class LeaderPart:
         extra = {
             "reason": decision.reason,
             "graceful": decision.graceful if rec is not None else False,
-            "nodes": {n: str(self._members[n]["address"]) for n in decision.nodes},
+            "nodes": {n: str(self._vs.members[n]["address"]) for n in decision.nodes},
             # Every live node may serve state, also one outside the new plan (draining).
             "sources": {
-                n: str(self._members[n]["address"]) for n in live_nodes(view) if n in self._members
+                n: str(self._vs.members[n]["address"])
+                for n in live_nodes(view)
+                if n in self._vs.members
             },
             # A node whose agent restarts lost its workers: the plan must change even if the
             # node id came back before its lease lapsed.
-            "incarnations": {n: str(self._members[n].get("incarnation")) for n in decision.nodes},
+            "incarnations": {
+                n: str(self._vs.members[n].get("incarnation")) for n in decision.nodes
+            },
             "previous_layout": _layout_of(rec),
             "detected_at": self._detection_time(generation),
             "planned_at": time.time(),
@@ -236,10 +234,10 @@ class LeaderPart:
             plan=plan.to_dict(),
             leader=self.node_id,
             created_at=time.time(),
-            store_address=self._store_address,
+            store_address=self._ls.store_address,
             extra=extra,
         )
-        if self.cluster.write_generation(record, self._record_rev, self._leadership):
+        if self.cluster.write_generation(record, self._vs.record_rev, self._ls.leadership):
             # Back off when generations keep failing before they train (a bug or a bad
             # node must not turn into a re-plan storm); a generation that trains resets it.
             self._ls.replan_failures = 0 if decision.graceful else self._ls.replan_failures + 1
@@ -247,15 +245,13 @@ class LeaderPart:
             if self._ls.replan_failures > 2:
                 backoff_s = min(MAX_REPLAN_BACKOFF_S, 0.25 * 2 ** (self._ls.replan_failures - 3))
             self._ls.replan_not_before_s = time.monotonic() + backoff_s
-            for g in [g for g in self._detected if g <= generation]:
-                del self._detected[g]
             self._event(
                 "decision",
                 f"leader: generation {generation} = {plan.layout}, "
                 f"micro-batches {list(plan.microbatches)} "
                 f"({decision.reason})",
             )
-            self._dirty = True
+            self._reread.raise_()
 
     def _never_committed(self, generation: int) -> bool:
         assert self.cluster is not None
@@ -264,10 +260,12 @@ class LeaderPart:
     def _detection_time(self, generation: int) -> float:
         """When the change behind `generation` was first seen: a failure report of the
         current generation (by any agent), a lapsed lease or a join seen here, else now."""
-        seen = [self._detected.get(generation, time.time())]
-        rec = self._record
+        seen = [
+            source.get(generation, time.time()) for source in (self._vs.detected, self._fs.detected)
+        ]
+        rec = self._vs.record
         if rec is not None:
-            for v in self._barriers.get(f"failed-{rec.generation}", {}).values():
+            for v in self._vs.barriers.get(f"failed-{rec.generation}", {}).values():
                 if isinstance(v, dict) and isinstance(v.get("at"), (int, float)):
                     seen.append(float(v["at"]))
         return min(seen)
@@ -277,10 +275,10 @@ class LeaderPart:
         if ls.resume_written:
             return
         assert self.cluster is not None
-        if RESUME_MEMBER in self._barriers.get(f"resume-{gs.generation}", {}):
+        if RESUME_MEMBER in self._vs.barriers.get(f"resume-{gs.generation}", {}):
             ls.resume_written = True  # an earlier leader of this generation wrote it
             return
-        stopped = self._barriers.get(f"stopped-{gs.generation}", {})
+        stopped = self._vs.barriers.get(f"stopped-{gs.generation}", {})
         expected = set(live_nodes(view))
         missing = expected - set(stopped)
         if missing:
@@ -334,9 +332,9 @@ class LeaderPart:
                 "at": time.time(),
                 "recomputed": max([*next_steps, step]) - step,
             },
-            self._leadership,
+            self._ls.leadership,
         )
-        self._dirty = True
+        self._reread.raise_()
         if not written:
             log.info(
                 "generation %d: resume not written (written before or leadership lost)",
@@ -350,21 +348,21 @@ class LeaderPart:
         ls = self._ls.at(gs.generation, time.monotonic())
         if ls.timeline_written or not ls.resume_written:
             return
-        if f"gen-{gs.generation}" in self._barriers.get("timelines", {}):
+        if f"gen-{gs.generation}" in self._vs.barriers.get("timelines", {}):
             # Written by the leader that ran this generation; a leader elected later (at the
             # job's end, say) must not overwrite it with what it did not see.
             ls.timeline_written = True
             return
-        started = self._barriers.get(f"started-{gs.generation}", {})
+        started = self._vs.barriers.get(f"started-{gs.generation}", {})
         nodes = set(gs.record.extra.get("nodes", {}))
         if not nodes <= set(started):
             return
         self._ls.replan_failures = 0
         self._ls.sick.trained(nodes)
         assert self.cluster is not None
-        resumes = self._barriers.get(f"resume-{gs.generation}", {})
+        resumes = self._vs.barriers.get(f"resume-{gs.generation}", {})
         resume = resumes.get(RESUME_MEMBER) or {}
-        stopped = self._barriers.get(f"stopped-{gs.generation}", {})
+        stopped = self._vs.barriers.get(f"stopped-{gs.generation}", {})
         detected = float(gs.record.extra.get("detected_at", gs.record.created_at))
         stopped_at = max(float(v.get("at", 0)) for v in stopped.values()) if stopped else detected
         moved_at = max(float(v.get("moved_at", 0)) for v in started.values())
@@ -382,11 +380,11 @@ class LeaderPart:
             "moved_s": max(moved_at, stopped_at) - detected,
             "resumed_s": resumed_at - detected,
         }
-        if not self.cluster.record_timeline(gs.generation, timeline, self._leadership):
+        if not self.cluster.record_timeline(gs.generation, timeline, self._ls.leadership):
             return  # the term is over: the next leader writes it, or knows better
         ls.timeline_written = True
         # The generation runs: what older ones left in etcd goes (bounded growth).
-        removed = self.cluster.housekeep(gs.generation, leader=self._leadership)
+        removed = self.cluster.housekeep(gs.generation, leader=self._ls.leadership)
         if removed:
             log.info("leader: removed %d etcd key(s) of older generations", removed)
         self._clean_rendezvous(gs.generation)
@@ -429,7 +427,7 @@ class LeaderPart:
         current, revision = self.cluster.read_safe()
         if current is not None and new <= current:
             return
-        if self.cluster.write_safe(new, revision, self._leadership):
+        if self.cluster.write_safe(new, revision, self._ls.leadership):
             log.info(
                 "leader: step %d of generation %d is safe (held by its node and %d replica "
                 "holder(s) of every node); it was %s",
@@ -440,7 +438,7 @@ class LeaderPart:
             )
 
     def timelines(self) -> list[dict[str, Any]]:
-        values = self._barriers.get("timelines", {})
+        values = self._vs.barriers.get("timelines", {})
         return sorted(values.values(), key=lambda t: int(t.get("generation", 0)))
 
 

@@ -7,6 +7,7 @@ etcd by the next leader, never read from this node's follower state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from elasticpp.agent.sick import SickNodes
 
@@ -14,6 +15,9 @@ from elasticpp.agent.sick import SickNodes
 @dataclass
 class LeaderState:
     sick: SickNodes  # quarantines, strikes, the failure budget (elasticpp.agent.sick)
+    leadership: Any = None  # the term (cluster.leases.Leadership) while this node leads
+    tcpstore: Any = None  # the workers' rendezvous store this term hosts
+    store_address: str | None = None
     # re-planning
     replan_failures: int = 0  # generations in a row that failed before they trained
     replan_not_before_s: float = 0.0  # monotonic: the backoff between failed generations

@@ -21,13 +21,37 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from elasticpp.agent import probe
 from elasticpp.agent.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S
 from elasticpp.agent.probe import ProbeResult
 
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class LivenessState:
+    """The liveness part's state: one object, written by this module's code on the loop."""
+
+    dead: dict[str, str] = field(default_factory=dict)  # node -> incarnation found dead
+    dead_checked_s: float = 0.0  # monotonic: dead nodes last probed again
+    unhealthy: dict[str, str] = field(default_factory=dict)  # node -> NOT_SERVING incarnation
+    probe_cache: dict[tuple[str, str], tuple[float, ProbeResult]] = field(default_factory=dict)
+    suspect_since: dict[int, float] = field(default_factory=dict)  # generation -> first seen
+    leader_probed_s: float = 0.0
+    revived_s: float = 0.0  # monotonic: a node found dead last answered again
+
+    def dead_now(self, members: Mapping[str, Mapping[str, Any]]) -> set[str]:
+        """Nodes found dead whose registration is still that incarnation's (or gone): a
+        node registered again by a new agent is not dead."""
+        return {
+            n
+            for n, inc in self.dead.items()
+            if n not in members or members[n].get("incarnation") == inc
+        }
 
 
 class LivenessPart:
@@ -39,19 +63,19 @@ class LivenessPart:
         the leader's agent and, if it fails the probe (a refused connection is final at
         once; NOT_SERVING means its loop stalled), deposes its term so that a new leader is
         elected now, not after its lease lapses."""
-        rec, leader = self._record, self._leader
+        rec, leader = self._vs.record, self._vs.leader
         if rec is None or leader is None or leader == self.node_id:
             return
-        failed = self._barriers.get(f"failed-{rec.generation}", {})
+        failed = self._vs.barriers.get(f"failed-{rec.generation}", {})
         if not failed:
-            self._suspect_since.clear()
+            self._lvs.suspect_since.clear()
             return
         now = time.monotonic()
-        since = self._suspect_since.setdefault(rec.generation, now)
-        if now - since < LEADER_SUSPECT_S or now - self._leader_probed_s < DEAD_RECHECK_S:
+        since = self._lvs.suspect_since.setdefault(rec.generation, now)
+        if now - since < LEADER_SUSPECT_S or now - self._lvs.leader_probed_s < DEAD_RECHECK_S:
             return
-        self._leader_probed_s = now
-        info = self._members.get(leader, {})
+        self._lvs.leader_probed_s = now
+        info = self._vs.members.get(leader, {})
         address = info.get("address")
         if not address:
             # Its member key is absent (re-registering after a lost lease): no probe, no
@@ -65,21 +89,21 @@ class LivenessPart:
             why = "dead" if result is ProbeResult.DEAD else "not serving (its loop stalled)"
             self._event("decision", f"leader {leader} confirmed {why} by probe: deposed")
             if result is ProbeResult.DEAD:
-                self._dead[leader] = str(info.get("incarnation", ""))
-            self._dirty = True
+                self._lvs.dead[leader] = str(info.get("incarnation", ""))
+            self._reread.raise_()
 
     def _probe(self, nodes: Iterable[str]) -> dict[str, ProbeResult]:
         """The health of `nodes` (this node and nodes without an address left out), probed
         on the bounded pool; a result younger than DEAD_RECHECK_S for the same incarnation
         is reused instead of probing again."""
         now = time.monotonic()
-        cache = self._probe_cache
+        cache = self._lvs.probe_cache
         for key in [k for k, (at, _) in cache.items() if now - at >= DEAD_RECHECK_S]:
             del cache[key]
         results: dict[str, ProbeResult] = {}
         todo: dict[str, tuple[str, str]] = {}  # node -> (incarnation, address)
         for n in sorted(set(nodes) - {self.node_id}):
-            info = self._members.get(n, {})
+            info = self._vs.members.get(n, {})
             address, inc = info.get("address"), str(info.get("incarnation", ""))
             if not address:
                 continue
@@ -98,36 +122,38 @@ class LivenessPart:
         then: if it answers (it was only slow or stopped for a while), it is no longer dead,
         and the leader takes it back as it would a joining node."""
         now = time.monotonic()
-        if not self._dead or now - self._dead_checked_s < DEAD_RECHECK_S:
+        if not self._lvs.dead or now - self._lvs.dead_checked_s < DEAD_RECHECK_S:
             return
-        self._dead_checked_s = now
+        self._lvs.dead_checked_s = now
         registered = [
-            n for n, inc in self._dead.items() if self._members.get(n, {}).get("incarnation") == inc
+            n
+            for n, inc in self._lvs.dead.items()
+            if self._vs.members.get(n, {}).get("incarnation") == inc
         ]
         results = self._probe(registered)
         for n in sorted(n for n, r in results.items() if r is not ProbeResult.DEAD):
-            del self._dead[n]
-            self._last_join_s = now
+            del self._lvs.dead[n]
+            self._lvs.revived_s = now
             self._event("decision", f"node {n} answers again: no longer dead")
 
     def _confirm_dead(self, nodes: Iterable[str]) -> None:
         """Probe the suspects `nodes`: a dead one is recorded in `_dead` (the view leaves it
         out), one that answers NOT_SERVING in `_unhealthy` (alive: not dead)."""
         for n, result in sorted(self._probe(nodes).items()):
-            inc = str(self._members.get(n, {}).get("incarnation", ""))
+            inc = str(self._vs.members.get(n, {}).get("incarnation", ""))
             if result is ProbeResult.DEAD:
-                if self._dead.get(n) != inc:
-                    self._dead[n] = inc
+                if self._lvs.dead.get(n) != inc:
+                    self._lvs.dead[n] = inc
                     self._event("decision", f"node {n} confirmed dead by probe")
             elif result is ProbeResult.NOT_SERVING:
-                if self._unhealthy.get(n) != inc:
-                    self._unhealthy[n] = inc
+                if self._lvs.unhealthy.get(n) != inc:
+                    self._lvs.unhealthy[n] = inc
                     self._event("decision", f"node {n} answers the probe NOT_SERVING: unhealthy")
-            elif self._unhealthy.pop(n, None) is not None:
+            elif self._lvs.unhealthy.pop(n, None) is not None:
                 self._event("decision", f"node {n} answers the probe SERVING again")
 
     def _suspects(self, generation: int, nodes: Iterable[str]) -> list[str]:
         """The nodes of failed `generation` worth probing: those that did not report the
         failure themselves (a report is proof of life: a dead agent writes none)."""
-        reports = self._barriers.get(f"failed-{generation}", {})
+        reports = self._vs.barriers.get(f"failed-{generation}", {})
         return sorted(set(nodes) - set(reports) - {self.node_id})

@@ -34,17 +34,22 @@ phases of a generation, with deadlines), `liveness` (probes), `leader` (plans, r
 instructions, the safe step) and `control` (status, events, drain, health, the error
 policy). Timeouts and limits are in `limits`.
 
-Who writes what: the parts are still mixins of one `Agent`, but their state is being moved
-into objects with one writer each. Done: the worker processes (`pool.WorkerPool`, the
-supervisor's), the leader's term state (`leaderstate.LeaderState`, with the pure quarantine
-rules `sick.SickNodes`), the generation's phase (`follower._GenState`, written by the
-follower's code only), the view of etcd (`_members`, `_record`, `_barriers`, `_leader`:
-written by the view's refresh only) and commit records (`latest.LatestWriter`). Threads
-other than the loop only hand things over: worker events through the pool's queue, the
-state fetch and replication rounds through futures, drains through a request queue. Each
-part's step runs in its own error boundary (`_part`). Not yet: pure `step(now, observed) ->
-actions` functions for every part, and the few fields still written by more than one part
-(`_dead`, `_last_join_s`, `_detected`, `_done`).
+Who writes what: each part's state is one object with one writer, that part's module on
+the decision loop: the view's `ViewState` (`_vs`), the supervisor's `WorkerPool` and
+`SupervisorState` (`_ss`), the follower's `FollowerState` (`_fs`, with the generation's
+`_GenState`), durability's `DurabilityState` (`_ds`), liveness's `LivenessState` (`_lvs`),
+the leader's `LeaderState` (`_ls`, a new one per term; quarantine.py holds its health
+decisions), the health records' `HealthState` (`_hs`) and control's `ControlState` (`_cs`).
+A part reads another's state and asks for changes through the owner's methods; watches,
+gRPC and worker threads only raise signals or queue requests (`inbox`), and the fetch and
+replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
+reads the source and fails on a write by anyone else. Values a part derives from several
+sources stay with their sources and are combined by the reader: the newest join
+(`_vs.last_join_s`, `_lvs.revived_s`, `_hs.readmitted_s`), the detection time of a change
+(`_vs.detected`, `_fs.detected`), the exit status (`_exit_requested`). Each part's step runs
+in its own error boundary (`_part`). Not yet: pure `step(now, observed) -> actions`
+functions with actions as data; the rules that are pure today are `decide` (re-planning,
+phases), `sick` (quarantine) and the leader's resolve (`elasticpp.store.resolver`).
 """
 
 from __future__ import annotations
@@ -57,10 +62,8 @@ import shutil
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +71,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elasticpp.agent.config import AgentConfig
-from elasticpp.agent.control import ControlPart
-from elasticpp.agent.durability import CommitValue, DurabilityPart
-from elasticpp.agent.follower import FollowerPart, _GenState
+from elasticpp.agent.control import ControlPart, ControlState
+from elasticpp.agent.durability import CommitValue, DurabilityPart, DurabilityState
+from elasticpp.agent.follower import FollowerPart, FollowerState
+from elasticpp.agent.inbox import EventLog, Signal
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
@@ -85,23 +89,22 @@ from elasticpp.agent.limits import (
     STATUS_EVERY_S,
     UNARY_THREADS,
 )
-from elasticpp.agent.liveness import LivenessPart
+from elasticpp.agent.liveness import LivenessPart, LivenessState
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pool import WorkerPool
-from elasticpp.agent.quarantine import QuarantinePart
+from elasticpp.agent.quarantine import HealthState, QuarantinePart
 from elasticpp.agent.sick import SickNodes
-from elasticpp.agent.supervisor import SupervisorPart
-from elasticpp.agent.view import ViewPart
+from elasticpp.agent.supervisor import SupervisorPart, SupervisorState
+from elasticpp.agent.view import ViewPart, ViewState
 from elasticpp.cluster import ClusterClient, ProgressGate
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     LeaseNotFoundError,
     NodeIdConflictError,
 )
-from elasticpp.cluster.records import GenerationRecord, propose_epoch
+from elasticpp.cluster.records import propose_epoch
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.local import LocalStore
-from elasticpp.store.persist import Persister
 from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
 
 log = logging.getLogger("elasticpp.agent")
@@ -137,82 +140,41 @@ class Agent(
         self.metrics_path = cfg.state_dir / "metrics.jsonl"
         self.log_dir = cfg.state_dir / "logs"
         self.python = python
-        self._wake = threading.Event()
+        # Inboxes: what watches, gRPC threads and other parts may hand over (elasticpp.agent.inbox)
+        self._wake = threading.Event()  # the loop runs its next tick now
         self._stop = threading.Event()
-        self.pool = WorkerPool(self._wake)  # the supervisor's state (elasticpp.agent.pool)
-        self._gen: _GenState | None = None
-        self._events: deque[tuple[float, str, str, int]] = deque(maxlen=500)
-        self._event_cond = threading.Condition()
-        self._total_events = 0
-        self._replication: Future[Any] | None = None  # the replication round in flight
-        self._last_commit_step = -1  # this node's newest own commit (its commit records say it)
-        self._safe_read_s = 0.0  # when this agent last read the published safe step
-        self._drain_announced = False
-        self._drain_requested_gen = 0
-        self._snap_reports: dict[tuple[int, int], set[int]] = {}
-        self._pending_failures: dict[int, dict[str, Any]] = {}  # generation -> report
-        self._failures_held: set[int] = set()  # reports etcd refused once (logged once)
-        self._errors_seen: set[tuple[str, str, str]] = set()
-        self._fence_logged = False
-        self._snap_failures = 0  # snapshot writes failed since the last commit
-        self._suspect_since: dict[int, float] = {}  # generation -> failure first seen
-        self._leader_probed_s = 0.0
-        self._persister: Persister | None = None
-        self._joined = False
-        self._heartbeat_s = time.monotonic()  # the loop's last iteration (loop-watchdog)
-        self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
-        self._status_at_s = 0.0
-        self._written_steps: dict[int, int] = {}  # generation -> newest step written
+        self._reread = Signal(raised=True)  # the view reads etcd again
+        self._epoch_changed = Signal()  # the job's epoch key changed
+        self._health_changed = Signal(raised=True)  # the quarantine or end keys changed
+        self._drain_requests: queue.SimpleQueue[float] = queue.SimpleQueue()  # from gRPC
+        self._events = EventLog()  # every part logs its decisions here (`ctl events`)
+        # Each part's state: one object, one writer (that part's module, on the loop).
+        self.pool = WorkerPool(self._wake)  # the supervisor's workers (elasticpp.agent.pool)
+        self._ss = SupervisorState(gpus=list(range(cfg.slots)))
+        self._vs = ViewState()
+        self._fs = FollowerState()
+        self._ds = DurabilityState()
+        self._lvs = LivenessState()
+        self._ls = LeaderState(SickNodes(spec.sick_policy()))  # a new term starts a new one
+        self._hs = HealthState()
+        self._cs = ControlState()
+        # The executor's own: the lifecycle of this agent's server, registration and loop.
+        self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
         # The one writer of this node's commit records (loop and replicate thread feed it).
         self._commit_records: LatestWriter[CommitValue] = LatestWriter(
             self._put_commit_record, every_s=COMMIT_RECORD_EVERY_S, name="commit record"
         )
-        # quarantine and the job's end (elasticpp.agent.quarantine)
-        self._ls = LeaderState(SickNodes(spec.sick_policy()))  # the leader part's state
-        self._quarantine_view: dict[str, Any] = {}  # node -> QuarantineRecord, from etcd
-        self._health_dirty = True  # the quarantine or end keys changed since read
-        self._job_end: Any = None  # JobEnd once the job ended without finishing
-        self._end_handled = False
-        self._halt_pending: tuple[str, int] | None = None
-        self.last_step = -1
-        self.last_loss = float("nan")
-        self._next_step_committed = 0  # steps applied as last seen from our workers
-        # cluster view, refreshed from etcd by the loop
-        self._dirty = True
-        self._members: dict[str, dict[str, Any]] = {}
-        self._record: GenerationRecord | None = None
-        self._record_rev = 0
-        self._leader: str | None = None
-        self._barriers: dict[str, dict[str, Any]] = {}
-        self._last_join_s = time.monotonic()
+        self._joined = False
+        self._heartbeat_s = time.monotonic()  # the loop's last iteration (loop-watchdog)
+        self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
+        self._status_at_s = 0.0
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
-        self._skipped_seen = 0  # unreadable etcd values already counted in the metrics
-        self._dead: dict[str, str] = {}  # node -> incarnation confirmed dead by probe
-        self._dead_checked_s = 0.0  # when dead nodes were last probed again
-        self._unhealthy: dict[str, str] = {}  # node -> incarnation that answered NOT_SERVING
-        self._probe_cache: dict[tuple[str, str], tuple[float, Any]] = {}  # see liveness
-        self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
-        self._etcd_ok = True
-        self._last_refresh_s = 0.0
-        self._leadership: Any = None
-        self._tcpstore: Any = None
-        self._store_address: str | None = None
-        self._draining = False
-        self._drain_requests: queue.SimpleQueue[float] = queue.SimpleQueue()  # from gRPC
-        self._drain_deadline_s: float | None = None
-        self._done = False
-        self._exit_code = 0
-        self._epoch_check = False  # the job's epoch key changed: read it again
-        self._job_done_step: int | None = None
-        self._detected: dict[int, float] = {}  # generation -> wall time the change was seen
         self._server: grpc.Server | None = None
         self.port = 0
         self.cluster: ClusterClient | None = None
         self._registration: Any = None
         self._torch_ready = threading.Event()
         self._watches: set[str] = set()
-        self._gpus = list(range(cfg.slots))  # physical GPUs of the slots, healthy ones only
-        self._gpu_checked_s = 0.0
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
 
     # ------------------------------------------------------------------ lifecycle
@@ -222,7 +184,7 @@ class Agent(
 
     @property
     def generation(self) -> int:
-        return self._gen.generation if self._gen else 0
+        return self._fs.gen.generation if self._fs.gen else 0
 
     def start(self) -> None:
         """Serve gRPC, join the job in etcd, start warm workers. Raises on a bad spec."""
@@ -340,8 +302,8 @@ class Agent(
     def _member_info(self) -> dict[str, Any]:
         return {
             "address": self.address,
-            "slots": len(self._gpus),
-            "draining": self._draining,
+            "slots": len(self._ss.gpus),
+            "draining": self._cs.draining,
             "incarnation": self.incarnation,
             "pid": os.getpid(),
         }
@@ -356,8 +318,16 @@ class Agent(
         self._torch_ready.set()
 
     def _on_watch(self, _event: Any) -> None:
-        self._dirty = True
+        self._reread.raise_()
         self._wake.set()
+
+    @property
+    def last_step(self) -> int:
+        return self._ds.last_step
+
+    @property
+    def last_loss(self) -> float:
+        return self._ds.last_loss
 
     def run(self) -> int:
         """The decision loop; returns the exit code."""
@@ -377,11 +347,20 @@ class Agent(
                 if conflict is not None:  # two agents, one node id: this one must go
                     self._event("decision", f"node {self.node_id}: {conflict}")
                     raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
-                if self._done:
-                    return self._exit_code
-            return self._exit_code
+                code = self._exit_requested()
+                if code is not None:
+                    return code
+            return 0
         finally:
             self.shutdown()
+
+    def _exit_requested(self) -> int | None:
+        """The exit status a part asked for, if one did: the view (the job's epoch is
+        gone), the health part (the job ended), control (drained, or finished)."""
+        for code in (self._vs.exit_code, self._hs.exit_code, self._cs.exit_code):
+            if code is not None:
+                return code
+        return None
 
     def _node_id_conflict(self) -> str | None:
         """Why this agent must stop because another agent registered its node id: its lease
@@ -392,7 +371,7 @@ class Agent(
             return None
         if reg.conflict is not None:
             return str(reg.conflict)
-        other = self._members.get(self.node_id, {}).get("incarnation", self.incarnation)
+        other = self._vs.members.get(self.node_id, {}).get("incarnation", self.incarnation)
         if other == self.incarnation:
             return None
         return (
@@ -408,13 +387,13 @@ class Agent(
         """Kill every process this agent started; leave etcd cleanly if it can."""
         self._stop.set()  # ends the loop watchdog too
         self.pool.kill_all()
-        if self._persister is not None:
-            self._persister.close(timeout_s=10.0)
+        if self._ds.persister is not None:
+            self._ds.persister.close(timeout_s=10.0)
         if self.cluster is not None:
             self._commit_records.close(timeout_s=5.0)  # the newest record, while etcd is ours
             with contextlib.suppress(ElasticppError):
-                if self._leadership is not None:
-                    self._leadership.resign()
+                if self._ls.leadership is not None:
+                    self._ls.leadership.resign()
             with contextlib.suppress(ElasticppError):
                 if self._registration is not None:
                     self._registration.close()
@@ -444,17 +423,21 @@ class Agent(
         ):
             self._part(name, step)
         now = time.monotonic()
-        if self._dirty or now - self._last_refresh_s > 1.0:
+        if self._reread.is_raised() or now - self._vs.last_refresh_s > 1.0:
             self._part("view", self._refresh)
-        if not self._etcd_ok:
+        if not self._vs.etcd_ok:
             return  # training goes on; membership changes wait for etcd
-        epoch_changed = self._epoch_check or (self._record is None and self.generation > 0)
-        if epoch_changed and (not self._part("view", self._check_epoch) or self._done):
+        epoch_changed = self._epoch_changed.is_raised() or (
+            self._vs.record is None and self.generation > 0
+        )
+        if epoch_changed and (
+            not self._part("view", self._check_epoch) or self._exit_requested() is not None
+        ):
             return
         for name, step in (("health", self._read_health), ("health", self._publish_halt)):
             if not self._part(name, step):
                 return
-        if self._job_end is not None:
+        if self._hs.job_end is not None:
             self._part("health", self._check_job_end)
             self._part("control", self._check_drain)  # an idle agent leaves when drained
             return  # an ended job stays ended: nothing is planned or followed again

@@ -53,6 +53,7 @@ class WorkerPool:
         # Ranks that reported "done", by generation: kept here, not on the worker, because
         # a worker's "done" and its exit can arrive in one tick and the exit forgets it.
         self._done: dict[int, set[int]] = {}
+        self._halted: dict[int, str] = {}  # generation -> the first halt's message
         self._replaced: list[float] = []  # when never-ready spares were replaced (newest 16)
 
     # ------------------------------------------------------------------ events
@@ -144,6 +145,14 @@ class WorkerPool:
     def worker(self, pid: int) -> _Worker | None:
         return self._workers.get(pid)
 
+    def abandon(self, proc: WorkerProcess) -> None:
+        """An assignment that did not go through (all or nothing): kill the worker it
+        went to, without waiting, and forget it."""
+        w = self.forget(proc.pid)
+        if w is not None:
+            w.killed_by_us = True
+        proc.kill(wait=False)
+
     def forget(self, pid: int) -> _Worker | None:
         return self._workers.pop(pid, None)
 
@@ -176,6 +185,15 @@ class WorkerPool:
         self._done.setdefault(generation, set()).add(rank)
         for old in sorted(self._done)[:-4]:  # bounded: only the newest generations matter
             del self._done[old]
+
+    def rank_halted(self, generation: int, message: str) -> None:
+        self._halted.setdefault(generation, message)
+        for old in sorted(self._halted)[:-4]:
+            del self._halted[old]
+
+    def halted(self, generation: int) -> str | None:
+        """Why a rank of `generation` halted (a non-finite step), if one did."""
+        return self._halted.get(generation)
 
     def done_ranks(self, generation: int) -> frozenset[int]:
         return frozenset(self._done.get(generation, ()))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.decide import ClusterView, lost_nodes
@@ -27,6 +28,20 @@ from elasticpp.agent.sick import EndJob, Quarantine, Quarantined, Readmit, Repor
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
 
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class HealthState:
+    """Quarantines and the job's end as this agent knows them: one object, written by this
+    module's code on the loop (watches only raise the agent's `health_changed` signal)."""
+
+    quarantines: dict[str, QuarantineRecord] = field(default_factory=dict)  # from etcd
+    job_end: JobEnd | None = None  # the job ended without finishing
+    end_handled: bool = False
+    halt_pending: tuple[str, int] | None = None  # (message, step) not yet on record
+    readmitted_s: float = 0.0  # monotonic: a node was last re-admitted (planned again)
+    exit_code: int | None = None  # the job ended and on_job_end is "exit"
+
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 3  # the failure budget was spent
@@ -51,21 +66,24 @@ class QuarantinePart:
 
     # ------------------------------------------------------------------ every agent
     def _on_health_watch(self, _event: Any) -> None:
-        self._health_dirty = True
-        self._dirty = True
+        self._health_changed.raise_()
+        self._reread.raise_()
         self._wake.set()
 
     def _read_health(self) -> None:
         """Read the quarantines and the job's end (called by the refresh when a watch said
         they changed, and once at the start)."""
-        if not self._health_dirty:
+        if not self._health_changed.take():
             return
         assert self.cluster is not None
-        records = self.cluster.quarantined()
-        ended = self.cluster.job_end()
-        self._health_dirty = False
+        try:
+            records = self.cluster.quarantined()
+            ended = self.cluster.job_end()
+        except BaseException:
+            self._health_changed.raise_()  # read again on the next tick
+            raise
         mine = records.get(self.node_id)
-        was = self._quarantine_view.get(self.node_id)
+        was = self._hs.quarantines.get(self.node_id)
         if mine is not None and (was is None or was.since != mine.since):
             self._event(
                 "decision",
@@ -74,9 +92,9 @@ class QuarantinePart:
             )
         elif mine is None and was is not None:
             self._event("decision", f"node {self.node_id} is no longer quarantined")
-        self._quarantine_view = records
-        if ended is not None and self._job_end is None:
-            self._job_end = ended
+        self._hs.quarantines = records
+        if ended is not None and self._hs.job_end is None:
+            self._hs.job_end = ended
         m, lbl = self.metrics, self.metrics.labels
         m.quarantined_nodes.labels(**lbl).set(len(records))
         m.quarantined.labels(**lbl).set(1 if mine is not None else 0)
@@ -84,12 +102,11 @@ class QuarantinePart:
     def _check_job_end(self) -> None:
         """A job that ended stays ended: stop the workers and the warm pool once, then exit
         or idle (`AgentConfig.on_job_end`)."""
-        end = self._job_end
+        end = self._hs.job_end
         if end is None:
             return
-        if not self._end_handled:
-            self._end_handled = True
-            self._job_done_step = self.spec.steps  # no leader plans again
+        if not self._hs.end_handled:
+            self._hs.end_handled = True
             self.metrics.job_ended.labels(**self.metrics.labels, status=end.status).set(1)
             self._event(
                 "decision",
@@ -105,29 +122,28 @@ class QuarantinePart:
                 self.pool.kill_worker(w)
         self.pool.release_spares()
         if self.cfg.on_job_end == "exit" and not self.pool.any_alive():
-            self._exit_code = EXIT_CODES[end.status]
-            self._done = True
+            self._hs.exit_code = EXIT_CODES[end.status]
 
     def _record_halt(self, message: str) -> None:
         """A halt is the job's, not this node's: recorded in etcd so that no later plan
         (a join, a restarted node) resumes into the same non-finite step again."""
         own = self.store.committed_steps(self.node_id)
-        self._halt_pending = (message, own[-1] if own else -1)
+        self._hs.halt_pending = (message, own[-1] if own else -1)
         self._publish_halt()
 
     def _publish_halt(self) -> None:
-        if self._halt_pending is None or self.cluster is None:
+        if self._hs.halt_pending is None or self.cluster is None:
             return
-        message, step = self._halt_pending
+        message, step = self._hs.halt_pending
         end = self.cluster.end_job("halted", message, by=self.node_id, step=step)
-        self._halt_pending = None
-        self._health_dirty = True
+        self._hs.halt_pending = None
+        self._health_changed.raise_()
         log.info("job end on record: %s (%s)", end.status, end.reason)
 
     def quarantine_status(self) -> dict[str, dict[str, Any]]:
         return {
             n: {"reason": q.reason, "until": q.until, "count": q.count}
-            for n, q in sorted(self._quarantine_view.items())
+            for n, q in sorted(self._hs.quarantines.items())
         }
 
     def lift_quarantine(self, node_id: str) -> tuple[bool, str]:
@@ -143,26 +159,26 @@ class QuarantinePart:
         """Judge the current generation's failure (once), re-admit nodes whose quarantine
         is over; returns the view with the quarantines applied."""
         sick = self._ls.sick
-        published = {n: _as_quarantined(r) for n, r in self._quarantine_view.items()}
+        published = {n: _as_quarantined(r) for n, r in self._hs.quarantines.items()}
         if published != sick.quarantined:
             for n in set(sick.quarantined) - set(published):
                 sick.lifted(n)  # an operator lifted it, or a new term reads etcd
             sick.load(published)
-        incarnations = {n: str(i.get("incarnation", "")) for n, i in self._members.items()}
+        incarnations = {n: str(i.get("incarnation", "")) for n, i in self._vs.members.items()}
         now = time.time()
         actions = sick.expire(incarnations, now)
-        rec = self._record
+        rec = self._vs.record
         if rec is not None and view.current_nodes is not None:
             current = set(view.current_nodes)
             lost = lost_nodes(view)
-            failed = self._barriers.get(f"failed-{rec.generation}", {})
+            failed = self._vs.barriers.get(f"failed-{rec.generation}", {})
             reports = [_report(n, v) for n, v in failed.items() if n in current]
             if lost or reports:
                 actions += sick.judge(rec.generation, reports, incarnations, now, lost=lost)
             # A node of the generation that answered a probe NOT_SERVING has a stalled
             # decision loop (elasticpp.agent.liveness): it would fail every plan it is in.
-            for node in sorted(current & set(self._unhealthy)):
-                if self._unhealthy[node] == incarnations.get(node):
+            for node in sorted(current & set(self._lvs.unhealthy)):
+                if self._lvs.unhealthy[node] == incarnations.get(node):
                     actions += sick.not_serving(node, incarnations[node], now)
         self._act_sick(actions)
         return self._view()
@@ -180,7 +196,7 @@ class QuarantinePart:
             return False
         actions = []
         for node in missing:
-            inc = str(self._members.get(node, {}).get("incarnation", ""))
+            inc = str(self._vs.members.get(node, {}).get("incarnation", ""))
             why = (
                 f"did not arrive at stopped-{gs.generation} within "
                 f"{self.spec.stop_timeout_s:.0f} s (a wedged agent, or workers that will not stop)"
@@ -197,10 +213,10 @@ class QuarantinePart:
                 record = QuarantineRecord(
                     q.node, q.reason, q.since, q.until, q.count, q.incarnation
                 )
-                if not self.cluster.quarantine(record, self._leadership):
+                if not self.cluster.quarantine(record, self._ls.leadership):
                     return  # the term is over; the next leader judges again
                 self.metrics.quarantines_total.labels(**self.metrics.labels).inc()
-                self._quarantine_view = {**self._quarantine_view, q.node: record}
+                self._hs.quarantines = {**self._hs.quarantines, q.node: record}
                 self._event(
                     "decision",
                     f"leader: node {q.node} quarantined for {q.until - q.since:.0f} s "
@@ -208,18 +224,18 @@ class QuarantinePart:
                 )
             elif isinstance(action, Readmit):
                 self.cluster.lift_quarantine(action.node)
-                self._quarantine_view = {
-                    n: r for n, r in self._quarantine_view.items() if n != action.node
+                self._hs.quarantines = {
+                    n: r for n, r in self._hs.quarantines.items() if n != action.node
                 }
-                self._last_join_s = time.monotonic()  # planned again after the settle window
+                self._hs.readmitted_s = time.monotonic()  # planned again after the settle window
                 self._event("decision", f"leader: node {action.node} re-admitted ({action.reason})")
             elif isinstance(action, EndJob):
                 end = self.cluster.end_job(
-                    "failed", action.reason, by=self.node_id, step=self.last_step
+                    "failed", action.reason, by=self.node_id, step=self._ds.last_step
                 )
-                self._job_end = end
+                self._hs.job_end = end
                 self._event("decision", f"leader: the job ends: {end.reason}")
-            self._dirty = True
+            self._reread.raise_()
 
 
 def _as_quarantined(r: QuarantineRecord) -> Quarantined:

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from elasticpp.agent.decide import (
@@ -28,6 +29,15 @@ from elasticpp.errors import ElasticppError
 from elasticpp.train.procs import EXITED, WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class SupervisorState:
+    """The supervisor's state besides its worker pool (`pool.WorkerPool`): one object,
+    written by this module's code on the loop."""
+
+    gpus: list[int]  # physical GPUs of the slots, healthy ones only
+    gpu_checked_s: float = 0.0  # monotonic
 
 
 class SupervisorPart:
@@ -68,10 +78,14 @@ class SupervisorPart:
         of the current generation are starting. Spares import torch, and on a loaded node
         that would compete for the CPU with the ranks the recovery waits for; the pool is
         full again a moment after they run, well before a next fault needs it."""
-        gs = self._gen
-        if self._done or self._draining or (gs is not None and gs.phase is Phase.STARTING):
+        gs = self._fs.gen
+        if (
+            self._exit_requested() is not None
+            or self._cs.draining
+            or (gs is not None and gs.phase is Phase.STARTING)
+        ):
             return
-        if self._job_done_step is not None or self._job_end is not None:
+        if self._cs.job_done_step is not None or self._hs.job_end is not None:
             return  # the job is over: no spare will ever be needed
         if len(self.pool.spares()) < self.cfg.slots:
             self._spawn_warm()
@@ -136,7 +150,7 @@ class SupervisorPart:
             w.move(WorkerState.STOPPED)
         elif kind == "halted":
             w.move(WorkerState.STOPPED)
-            self._on_halted(w, event)
+            self.pool.rank_halted(w.generation, str(event.get("message")))  # the follower acts
         elif kind == "done":
             w.move(WorkerState.DONE)
             self.pool.rank_done(w.generation, w.rank)
@@ -170,21 +184,21 @@ class SupervisorPart:
         """Drop GPUs that NVML reports unhealthy from this node's slots, and have the leader
         re-plan around them."""
         now = time.monotonic()
-        if self.cfg.device != "cuda" or now - self._gpu_checked_s < GPU_CHECK_INTERVAL_S:
+        if self.cfg.device != "cuda" or now - self._ss.gpu_checked_s < GPU_CHECK_INTERVAL_S:
             return
-        self._gpu_checked_s = now
+        self._ss.gpu_checked_s = now
         readings = read_gpu_health()
         if readings is None:
             return
         healthy = set(healthy_gpus(readings))
-        lost = [g for g in self._gpus if g not in healthy]
+        lost = [g for g in self._ss.gpus if g not in healthy]
         if not lost:
             return
-        self._gpus = [g for g in self._gpus if g in healthy]
+        self._ss.gpus = [g for g in self._ss.gpus if g in healthy]
         self._event("worker", "unhealthy: " + "; ".join(describe_unhealthy(readings)))
         if self._registration is not None:
             with contextlib.suppress(ElasticppError):
                 self._registration.update(self._member_info())
-        gs = self._gen
+        gs = self._fs.gen
         if gs is not None:
             self._report_failure(gs.generation, f"GPU(s) {lost} unhealthy")

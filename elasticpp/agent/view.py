@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.limits import SAFE_EVERY_S
@@ -19,8 +20,30 @@ from elasticpp.cluster.errors import (
     ClusterDataError,
     ClusterUnavailableError,
 )
+from elasticpp.cluster.records import GenerationRecord
 
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass
+class ViewState:
+    """What this agent knows of etcd: one object, written by the view's refresh only.
+    Other parts ask for a fresh read by raising the agent's `refresh` signal."""
+
+    members: dict[str, dict[str, Any]] = field(default_factory=dict)
+    record: GenerationRecord | None = None
+    record_rev: int = 0
+    leader: str | None = None
+    barriers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    etcd_ok: bool = True
+    last_refresh_s: float = 0.0  # monotonic
+    safe_read_s: float = 0.0  # monotonic: when the published safe step was last read
+    skipped_seen: int = 0  # unreadable etcd values already counted in the metrics
+    last_join_s: float = field(default_factory=time.monotonic)  # a member (re)registered
+    detected: dict[int, float] = field(default_factory=dict)  # generation -> wall time a
+    # join or a lease lapse that calls for it was first seen (the recovery timeline)
+    exit_code: int | None = None  # EPOCH_ENDED_EXIT once the job's epoch is gone
+
 
 # The exit status of an agent whose job epoch ended under it (EX_TEMPFAIL: start it again;
 # a service manager's restart-on-failure does).
@@ -31,22 +54,22 @@ class ViewPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
     def _etcd_down(self, exc: Exception) -> None:
-        if self._etcd_ok:
+        if self._vs.etcd_ok:
             self._event("decision", f"etcd unreachable ({exc}); training continues, changes wait")
-        self._etcd_ok = False
+        self._vs.etcd_ok = False
         self.metrics.etcd_up.labels(**self.metrics.labels).set(0)
 
     def _count_skipped(self) -> None:
         assert self.cluster is not None
-        new = self.cluster.skipped_values - self._skipped_seen
+        new = self.cluster.skipped_values - self._vs.skipped_seen
         if new > 0:
-            self._skipped_seen += new
+            self._vs.skipped_seen += new
             self.metrics.etcd_values_skipped_total.labels(**self.metrics.labels).inc(new)
 
     def _refresh(self) -> None:
         assert self.cluster is not None
-        self._dirty = False
-        self._last_refresh_s = time.monotonic()
+        self._reread.take()
+        self._vs.last_refresh_s = time.monotonic()
         try:
             members = self.cluster.agent_members().nodes
             record, rev = self.cluster.read_generation()
@@ -59,8 +82,8 @@ class ViewPart:
             for name in names:
                 barriers[name], _ = self.cluster.barrier_state(name)
             safe = None
-            if time.monotonic() - self._safe_read_s >= SAFE_EVERY_S:
-                self._safe_read_s = time.monotonic()
+            if time.monotonic() - self._vs.safe_read_s >= SAFE_EVERY_S:
+                self._vs.safe_read_s = time.monotonic()
                 safe, _ = self.cluster.read_safe()
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
@@ -72,40 +95,40 @@ class ViewPart:
             return
         finally:
             self._count_skipped()
-        if not self._etcd_ok:
+        if not self._vs.etcd_ok:
             self._event("decision", "etcd reachable again")
-            self._etcd_ok = True
+            self._vs.etcd_ok = True
         joined = [
             n
             for n, info in members.items()
-            if self._members.get(n, {}).get("incarnation") != info.get("incarnation")
+            if self._vs.members.get(n, {}).get("incarnation") != info.get("incarnation")
         ]
-        left = sorted(set(self._members) - set(members))
+        left = sorted(set(self._vs.members) - set(members))
         next_gen = (record.generation if record else 0) + 1
         if joined:
-            self._last_join_s = time.monotonic()
-            self._detected.setdefault(next_gen, time.time())
+            self._vs.last_join_s = time.monotonic()
+            self._vs.detected.setdefault(next_gen, time.time())
             self._event("membership", f"member(s) joined: {', '.join(sorted(joined))}")
-            for n in joined:
-                if self._dead.get(n) != members[n].get("incarnation"):
-                    self._dead.pop(n, None)
         if left:
             self._event("membership", f"member(s) left: {', '.join(left)}")
             planned = set(record.extra.get("nodes", {})) if record else set()
-            if planned & (set(left) - set(self._dead)):
+            if planned & (set(left) - self._lvs.dead_now(self._vs.members)):
                 # A lease lapse is the detection only for a node not already found dead.
-                self._detected.setdefault(next_gen, time.time())
-        self._members = members
-        self._record, self._record_rev = record, rev
-        self._leader = leader
-        self._barriers = barriers
+                self._vs.detected.setdefault(next_gen, time.time())
+        self._vs.members = members
+        self._vs.record, self._vs.record_rev = record, rev
+        # Detection times of generations up to the record's are of no use now.
+        for g in [g for g in self._vs.detected if g < next_gen]:
+            del self._vs.detected[g]
+        self._vs.leader = leader
+        self._vs.barriers = barriers
         if safe is not None:
             # The floor only rises: anchors below it may go now (elasticpp.store.replicate).
             self.store.set_floor(safe.step, safe.generation)
         self._update_gauges()
 
     def _on_epoch_event(self, _event: Any) -> None:
-        self._epoch_check = True
+        self._epoch_changed.raise_()
         self._on_watch(_event)
 
     def _check_epoch(self) -> None:
@@ -113,7 +136,7 @@ class ViewPart:
         agent joined is gone (etcd wiped, the job's prefix deleted), its generation numbering
         is gone with it; stop, so that a restart joins the new epoch."""
         assert self.cluster is not None
-        self._epoch_check = False
+        self._epoch_changed.take()
         try:
             current = self.cluster.epoch()
         except ClusterDataError as exc:
@@ -128,5 +151,4 @@ class ViewPart:
             + "): stopping; started again, this agent joins the new epoch and the job "
             "resumes from the state the nodes hold",
         )
-        self._exit_code = EPOCH_ENDED_EXIT
-        self._done = True
+        self._vs.exit_code = EPOCH_ENDED_EXIT

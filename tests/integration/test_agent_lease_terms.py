@@ -40,17 +40,17 @@ def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
     agent: Agent, etcd: EtcdServer
 ) -> None:
     assert agent.cluster is not None
-    agent._leader = None
+    agent._vs.leader = None
     agent._maybe_campaign()
-    first = agent._leadership
+    first = agent._ls.leadership
     assert first is not None and _leader_keepers() == 1
     with ClusterClient([etcd.endpoint], SPEC.name) as other:
         assert other.depose("n0")  # confirmed dead by a peer's probe, wrongly
-    agent._leader = agent.cluster.leader()  # what the next refresh reads: no leader
-    assert agent._leader is None
+    agent._vs.leader = agent.cluster.leader()  # what the next refresh reads: no leader
+    assert agent._vs.leader is None
     for _ in range(2):  # lost the term; then campaigns and wins again
         agent._maybe_campaign()
-    second = agent._leadership
+    second = agent._ls.leadership
     assert second is not None and second is not first and agent.cluster.leader() == "n0"
     assert _leader_keepers() == 1  # the old term's keep-alive ended
     with pytest.raises(LeaseNotFoundError):

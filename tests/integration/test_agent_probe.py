@@ -130,15 +130,15 @@ def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
 
     agent = Agent(AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     for address in _serve(servicer):  # type: ignore[arg-type]
-        agent._members = {"n0": {"address": address, "incarnation": "a"}}
-        agent._record = GenerationRecord(2, {}, "n0", time.time())
-        agent._leader = "n0"
-        agent._barriers = {"failed-2": {"n1": {"reason": "worker exited 1"}}}
-        agent._suspect_since = {2: time.monotonic() - 10}
+        agent._vs.members = {"n0": {"address": address, "incarnation": "a"}}
+        agent._vs.record = GenerationRecord(2, {}, "n0", time.time())
+        agent._vs.leader = "n0"
+        agent._vs.barriers = {"failed-2": {"n1": {"reason": "worker exited 1"}}}
+        agent._lvs.suspect_since = {2: time.monotonic() - 10}
         agent.cluster = _Cluster()  # type: ignore[assignment]
         agent._check_leader()
     assert deposed == ["n0"]
-    assert agent._dead == {}  # alive: deposed, not declared dead
+    assert agent._lvs.dead == {}  # alive: deposed, not declared dead
     agent._probe_pool.shutdown()
 
 
@@ -147,11 +147,11 @@ def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
 ) -> None:
     address, _ = slow_once
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
-    agent._members = {
+    agent._vs.members = {
         "n1": {"address": address, "incarnation": "a"},
         "n2": {"address": _closed_port(), "incarnation": "b"},
     }
-    agent._dead = {"n1": "a", "n2": "b"}
+    agent._lvs.dead = {"n1": "a", "n2": "b"}
     agent._recheck_dead()
-    assert agent._dead == {"n2": "b"}  # n1 answered (after one slow reply); n2 is gone
+    assert agent._lvs.dead == {"n2": "b"}  # n1 answered (after one slow reply); n2 is gone
     agent._probe_pool.shutdown()

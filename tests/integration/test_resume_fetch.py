@@ -12,8 +12,9 @@ from typing import Any, ClassVar
 import pytest
 
 from elasticpp.agent.decide import Phase
+from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import FETCH_PER_SOURCE
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.store.client import PieceFetchError
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.follower import _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError
 from elasticpp.train.procs import WorkerError
@@ -52,8 +53,8 @@ def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path)
     ran: list[str] = []
     agent._refresh = lambda: None  # type: ignore[method-assign]
     agent._read_health = lambda: None  # type: ignore[method-assign]
-    agent._dirty = False
-    agent._last_refresh_s = time.monotonic()
+    agent._reread.take()
+    agent._vs.last_refresh_s = time.monotonic()
 
     def broken() -> None:
         raise AttributeError("'NoneType' object has no attribute 'get'")
@@ -78,8 +79,8 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
     gs = _GenState(record=record, phase=Phase.FAILED)  # the STARTING deadline fired
     for rank in (0, 1):
         agent.pool.rank_done(1, rank)  # then both ranks trained every step
-    agent._gen = gs
-    agent._check_done()
+    agent._fs.gen = gs
+    agent._follow_generation()
     assert gs.phase is Phase.DONE
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
 
@@ -96,11 +97,11 @@ def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path
     then raised on it every tick."""
     agent, cluster = _agent(tmp_path)
     current = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    agent._gen = _GenState(record=current, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=current, phase=Phase.RUNNING)
     newer = GenerationRecord(3, {**_plan(3).to_dict(), "format_version": 99}, "n9", time.time())
-    agent._record = newer
+    agent._vs.record = newer
     agent._follow_generation()
-    assert agent.generation == 2 and agent._gen.phase is Phase.RUNNING
+    assert agent.generation == 2 and agent._fs.gen.phase is Phase.RUNNING
     assert cluster.skipped == [_Cluster.keys.generation]
 
 
@@ -129,7 +130,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
     agent, cluster = _agent(tmp_path)
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address="h:1234")
     gs = _GenState(record=record, phase=Phase.MOVING)
-    agent._gen = gs
+    agent._fs.gen = gs
     first, dead = _Spare(100), _Spare(101, dies=True)
     mine = gs.plan.ranks_on("n0")
     try:

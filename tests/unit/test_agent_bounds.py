@@ -13,9 +13,10 @@ from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.durability import FetchOutcome
+from elasticpp.agent.follower import _GenState
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
@@ -51,8 +52,8 @@ def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[A
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(generation)
     record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
-    agent._replication = Future()  # a round in flight for good: no rounds here, one node
+    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._ds.replication = Future()  # a round in flight for good: no rounds here, one node
     agent.cluster = cluster
     writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
     agent.pool.add_worker(
@@ -154,7 +155,7 @@ def test_a_fenced_node_keeps_only_the_newest_few_uncommitted_snapshots(tmp_path:
         agent._on_snapshot(w, {"step": step, "pieces": report})
     steps = sorted(step for _, _, step, _ in agent.store.layout.step_dirs("n0"))
     assert steps == [98, 99, 100]  # FENCED_SNAPSHOTS_KEPT, nothing committed
-    assert sorted(agent._snap_reports) == [(1, 98), (1, 99), (1, 100)]
+    assert sorted(agent._ds.snap_reports) == [(1, 98), (1, 99), (1, 100)]
     assert len(agent.store._reported) == FENCED_SNAPSHOTS_KEPT
     assert agent.store.committed_steps() == []
 
@@ -177,7 +178,7 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
         record = GenerationRecord(
             generation, _plan(generation).to_dict(), "n0", time.time(), resume_step=3
         )
-        gs = agent._gen = _GenState(record=record)
+        gs = agent._fs.gen = _GenState(record=record)
         agent._stop_old_workers(gs)  # no old workers: holdings reported, MOVING
         assert gs.phase is Phase.MOVING
         _fetched(agent, gs)
@@ -188,8 +189,8 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
 def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), resume_step=3)
-    gs = agent._gen = _GenState(record=record, phase=Phase.MOVING)
-    agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
+    gs = agent._fs.gen = _GenState(record=record, phase=Phase.MOVING)
+    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
     _fetched(agent, gs)
     gs.fetch = Future()
     gs.fetch.set_result(FetchOutcome(error="StateUnavailableError: a peer went away"))
@@ -216,7 +217,7 @@ def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_pa
     for generation in range(2, 202):
         agent._report_failure(generation - 1, "worker rank 0 exited with code 1")
         agent._enter_generation(_record(generation))
-    assert len(agent._detected) <= 1  # only the leader deleted them before
+    assert len(agent._fs.detected) <= 1  # only the leader deleted them before
 
 
 class _Unreachable(_SlowCluster):
@@ -227,12 +228,12 @@ class _Unreachable(_SlowCluster):
 def test_failure_reports_replaced_by_a_newer_plan_are_not_remembered(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _Unreachable())
     for generation in range(1, 201):
-        agent._gen = _GenState(record=_record(generation))
+        agent._fs.gen = _GenState(record=_record(generation))
         agent._report_failure(generation, "worker rank 0 exited with code 1")  # held
-    agent._gen = _GenState(record=_record(201))
+    agent._fs.gen = _GenState(record=_record(201))
     agent._publish_failures()
-    assert agent._pending_failures == {}
-    assert agent._failures_held == set()
+    assert agent._fs.pending_failures == {}
+    assert agent._fs.failures_held == set()
 
 
 def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
@@ -243,11 +244,11 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
     import torch.distributed as dist
 
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
-    agent._tcpstore = dist.TCPStore(  # what the leader starts for its term (real, loopback)
+    agent._ls.tcpstore = dist.TCPStore(  # what the leader starts for its term (real, loopback)
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
     client = dist.TCPStore(
-        "127.0.0.1", agent._tcpstore.port, is_master=False, timeout=timedelta(seconds=30)
+        "127.0.0.1", agent._ls.tcpstore.port, is_master=False, timeout=timedelta(seconds=30)
     )
     for generation in range(1, 51):
         ranks = dist.PrefixStore(f"gen{generation}", client)  # what each worker does
@@ -255,7 +256,7 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
             ranks.set(f"rank{rank}", "127.0.0.1:29500")
             ranks.add("arrived", 1)
         now = time.time()
-        agent._barriers = {
+        agent._vs.barriers = {
             f"started-{generation}": {"n0": {"at": now, "moved_at": now}},
             f"resume-{generation}": {RESUME_MEMBER: {"step": 0}},
         }
@@ -263,7 +264,7 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
         agent._ls.at(generation, time.monotonic()).resume_written = True
         agent._lead_timeline(gs)  # the generation runs on every node
         assert agent._ls.timeline_written
-    assert sorted(agent._tcpstore.list_keys()) == [
+    assert sorted(agent._ls.tcpstore.list_keys()) == [
         "gen50/arrived",
         "gen50/rank0",
         "gen50/rank1",

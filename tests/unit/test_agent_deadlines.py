@@ -10,8 +10,9 @@ from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.durability import FetchOutcome
+from elasticpp.agent.follower import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
@@ -96,7 +97,7 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     )
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record)  # a loss: stop at once
-    agent._gen = gs
+    agent._fs.gen = gs
     agent._stop_old_workers(gs)
     assert old.kills == [False]  # signalled, not waited for
     assert gs.phase is Phase.STOPPING and cluster.arrivals == []
@@ -134,8 +135,8 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     gs = _GenState(record=record, phase=Phase.MOVING)
     gs.fetch = Future()
     gs.fetch.set_result(FetchOutcome(done_at=time.time()))
-    agent._gen = gs
-    agent._barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
+    agent._fs.gen = gs
+    agent._vs.barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
     agent._check_warm_ready()
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
     agent._move_state(gs)
@@ -165,21 +166,21 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     """Before, the leader waited for every live node's `stopped-G` for ever (a wedged agent
     keeps its lease and answers probes)."""
     agent, cluster = _agent(tmp_path)
-    agent._leadership = _Leadership()
-    agent._leader = "n0"
-    agent._members = {
+    agent._ls.leadership = _Leadership()
+    agent._vs.leader = "n0"
+    agent._vs.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
         for n in ("n0", "n1", "n2")
     }
     plan = _plan(2, ("n0", "n1", "n2"))
     nodes = {n: "127.0.0.1:1" for n in ("n0", "n1", "n2")}
     record = GenerationRecord(2, plan.to_dict(), "n0", time.time(), extra={"nodes": nodes})
-    agent._record = record
+    agent._vs.record = record
     gs = _GenState(record=record, phase=Phase.MOVING)
-    agent._gen = gs
+    agent._fs.gen = gs
     agent._confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
     holdings = {"holdings": {"format_version": 3, "node_id": "", "steps": []}}
-    agent._barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
+    agent._vs.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
     agent._lead_resume(gs, agent._view())
     agent._lead_resume(gs, agent._view())
     assert cluster.quarantines == [] and not agent._ls.resume_written  # within the deadline
@@ -195,7 +196,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside
     # again; a new incarnation's would.
-    agent._quarantine_view = {}
+    agent._hs.quarantines = {}
     agent._lead_health(agent._view())
     assert len(cluster.quarantines) == 1
 
@@ -205,18 +206,18 @@ def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path
         agent, _ = _agent(tmp_path / status)
         spare = _SlowSpare(300)
         agent.pool.add_spare(spare)  # type: ignore[arg-type]
-        agent._job_end = JobEnd(status, "why", "n1", time.time())
+        agent._hs.job_end = JobEnd(status, "why", "n1", time.time())
         agent._check_job_end()
         assert spare.killed and agent.pool.spares() == ()
-        assert agent._done and agent._exit_code == code
+        assert agent._exit_requested() == code
         assert any(f"job ended ({status}" in e[2] for e in agent._events)
 
 
 def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None:
     agent, _ = _agent(tmp_path, on_job_end="idle")
-    agent._job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
+    agent._hs.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
     agent._check_job_end()
-    assert not agent._done
+    assert agent._exit_requested() is None
     agent._refill_warm()
     assert agent.pool.spares() == ()  # no spares for a job that is over
     assert agent.status()["phase"] == "ended"
@@ -227,7 +228,7 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
     agent, cluster = _agent(tmp_path)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time())
-    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
 
     class _P:
         pid = 100
@@ -237,7 +238,9 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
 
     w = _Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
     agent.pool.add_worker(w)
-    agent._on_halted(w, {"event": "halted", "step": 3, "message": "loss nan"})
+    agent.pool.deliver(w.proc, {"event": "halted", "step": 3, "message": "loss nan"})  # type: ignore[arg-type]
+    agent._drain_worker_events()
+    agent._follow_generation()
     assert cluster.ends == [("halted", "loss nan")]
 
 
@@ -254,7 +257,7 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
         for step in range(300):
             agent._on_step(w, {"step": step, "loss": 1.0, "generation": gen})
             agent._on_step(w, {"step": step, "loss": 1.0, "generation": gen})  # a dp twin
-    assert len(agent._written_steps) <= 4
+    assert len(agent._ds.written_steps) <= 4
     lines = agent.metrics_path.read_text().splitlines()
     assert len(lines) == 6 * 300  # each step written once
 
@@ -277,21 +280,21 @@ def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
     agent's. An idle agent of an ended job leaves when drained (a pod's preStop hook)."""
     agent, _ = _agent(tmp_path, on_job_end="idle")
     agent._registration = _Registration()
-    agent._job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
+    agent._hs.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
     agent._check_job_end()
     accepted, _message = agent.drain(30.0)
-    assert accepted and not agent._draining  # nothing written from the RPC's thread
+    assert accepted and not agent._cs.draining  # nothing written from the RPC's thread
     agent._check_drain()
-    assert agent._draining and agent._done and agent._exit_code == 0
+    assert agent._cs.draining and agent._exit_requested() == 0
 
 
 def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path: Path) -> None:
     """Before, a probe counted NOT_SERVING as alive, and a wedged agent stayed in every
     plan (the review's N2b)."""
     agent, cluster = _agent(tmp_path)
-    agent._leadership = _Leadership()
-    agent._leader = "n0"
-    agent._members = {
+    agent._ls.leadership = _Leadership()
+    agent._vs.leader = "n0"
+    agent._vs.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
         for n in ("n0", "n1", "n2")
     }
@@ -299,14 +302,14 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     record = GenerationRecord(
         2, _plan(2, ("n0", "n1", "n2")).to_dict(), "n0", time.time(), extra={"nodes": nodes}
     )
-    agent._record = record
-    agent._unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
+    agent._vs.record = record
+    agent._lvs.unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
     view = agent._lead_health(agent._view())
     [q] = cluster.quarantines
     assert q.node_id == "n2" and "NOT_SERVING" in q.reason
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside
     # again; a new incarnation's would.
-    agent._quarantine_view = {}
+    agent._hs.quarantines = {}
     agent._lead_health(agent._view())
     assert len(cluster.quarantines) == 1

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
+from elasticpp.agent.follower import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.client import RESUME_MEMBER
@@ -74,7 +75,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent = Agent(cfg, spec)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
     for rank in range(2):
@@ -92,9 +93,10 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
         agent.pool.deliver(proc, {"event": "done", "step": 5})  # type: ignore[arg-type]
         agent.pool.deliver(proc, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent._drain_worker_events()
+    agent._follow_generation()
     agent._check_done()
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
-    assert agent._done  # and the agent may exit
+    assert agent._exit_requested() == 0  # and the agent may exit
 
 
 def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
@@ -108,14 +110,14 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     agent._ls.at(2, time.monotonic()).resume_written = True
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
-    agent._barriers = {
+    agent._vs.barriers = {
         "timelines": {"gen-2": {"generation": 2, "resume_step": 10}},
         "started-2": {"n0": {"at": time.time(), "moved_at": time.time()}},
         "resume-2": {RESUME_MEMBER: {"step": 10, "recomputed": 1}},
     }
     agent._lead_timeline(gs)
     assert cluster.arrivals == []  # n9's timeline of generation 2 stays
-    del agent._barriers["timelines"]["gen-2"]
+    del agent._vs.barriers["timelines"]["gen-2"]
     agent._ls.timeline_written = False  # as a leader elected later knows it
     agent._lead_timeline(_GenState(record=record, phase=Phase.RUNNING))
     [(barrier, key, timeline)] = cluster.arrivals
@@ -131,8 +133,8 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
     gs = _GenState(record=record, phase=Phase.MOVING)
-    agent._gen = gs
-    agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
+    agent._fs.gen = gs
+    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
     agent._move_state(gs)
     assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch is not None
     assert gs.fetch.result(timeout=10).error is None
@@ -143,7 +145,7 @@ def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Pa
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
     gs = _GenState(record=record, phase=Phase.MOVING)
     agent.cluster = _Cluster()  # type: ignore[assignment]  # any write would fail here
-    agent._barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
+    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
     agent._lead_resume(gs, agent._view())
     assert agent._ls.at(2, time.monotonic()).resume_written
 
@@ -153,7 +155,7 @@ def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
     return agent, plan
 
 
@@ -201,7 +203,7 @@ def test_the_loop_survives_an_error_from_a_tick_and_goes_on(tmp_path: Path) -> N
         ticks.append(1)
         if len(ticks) < 3:
             raise OSError(28, "No space left on device")
-        agent._done = True
+        agent._cs.exit_code = 0
 
     agent._tick = tick  # type: ignore[method-assign]
     assert agent.run() == 0
@@ -219,7 +221,7 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
     agent.cluster = cluster  # type: ignore[assignment]
     for phase in (Phase.MOVING, Phase.STARTING):
         gs = _GenState(record=record, phase=phase)
-        agent._gen = gs
+        agent._fs.gen = gs
         agent._check_phase_deadline(gs)
         assert gs.phase is phase and cluster.arrivals == []  # within the deadline
         gs.phase_since_s -= 1000.0
@@ -228,7 +230,7 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
         [(barrier, node, value)] = cluster.arrivals
         assert (barrier, node) == ("failed-3", "n0") and "waited" in value["reason"]
         cluster.arrivals.clear()
-        agent._pending_failures.clear()
+        agent._fs.pending_failures.clear()
 
 
 class _LapsedRegistration:
@@ -347,7 +349,7 @@ def test_a_snapshot_that_failed_is_counted_and_the_next_one_commits(tmp_path: Pa
     )  # type: ignore[arg-type]
     agent._drain_worker_events()
     assert _sample(agent, "elasticpp_snapshot_failures_total") == 1
-    assert not agent._pending_failures  # a lost snapshot is no reason to re-plan
+    assert not agent._fs.pending_failures  # a lost snapshot is no reason to re-plan
     assert all(w.state is WorkerState.RUNNING for w in agent.pool.workers())
     assert "could not write the snapshot of step 1" in agent._events[-1][2]
 
@@ -360,8 +362,9 @@ def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path:
         agent.pool.deliver(p, {"event": "halted", "step": 3, "message": message})  # type: ignore[arg-type]
         agent.pool.deliver(p, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent._drain_worker_events()
-    assert agent._gen is not None and agent._gen.phase is Phase.HALTED
-    assert not agent._pending_failures
+    agent._follow_generation()  # the follower acts on the halt the supervisor saw
+    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.HALTED
+    assert not agent._fs.pending_failures
     assert _sample(agent, "elasticpp_halted") == 1
     halts = [e[2] for e in agent._events if "training halted" in e[2]]
     assert len(halts) == 1 and message in halts[0]

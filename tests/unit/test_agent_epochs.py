@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.follower import _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.view import EPOCH_ENDED_EXIT
 from elasticpp.cluster.records import GenerationRecord, JobEpoch
 from tests.unit.test_agent_done import SPEC, _plan
@@ -36,7 +37,7 @@ class _FreshCluster:
 
 def _agent(tmp_path: Path) -> Agent:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    agent._members = {"n0": {"address": "127.0.0.1:1", "incarnation": agent.incarnation}}
+    agent._vs.members = {"n0": {"address": "127.0.0.1:1", "incarnation": agent.incarnation}}
     return agent
 
 
@@ -53,12 +54,12 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
     gs = _GenState(record=record, phase=Phase.MOVING)
     holdings = agent.store.holdings().to_dict()
-    agent._barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
+    agent._vs.barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
     agent._lead_resume(gs, agent._view())
     assert cluster.resumes == [] and not agent._ls.resume_written  # before: resumed at step 0
     assert "does not start over" in agent._ls.last_wait
     # Nothing held anywhere, nothing committed in etcd: a fresh job starts at step 0.
-    agent._barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
+    agent._vs.barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
     agent._lead_resume(gs, agent._view())
     assert [r["step"] for r in cluster.resumes] == [0]
 
@@ -70,10 +71,11 @@ def test_an_agent_whose_job_epoch_is_gone_stops_with_the_epoch_exit_status(
     agent.store.set_epoch(5)
     cluster = _FreshCluster(JobEpoch(5, "n1", time.time()))
     agent.cluster = cluster  # type: ignore[assignment]
-    agent._epoch_check = True
+    agent._epoch_changed.raise_()
     agent._check_epoch()
-    assert not agent._done and not agent._epoch_check  # the same epoch: nothing to do
+    assert agent._exit_requested() is None  # the same epoch: nothing to do
+    assert not agent._epoch_changed.is_raised()
     cluster.stored_epoch = None  # the job's prefix was deleted
     agent._check_epoch()
-    assert agent._done and agent._exit_code == EPOCH_ENDED_EXIT
+    assert agent._exit_requested() == EPOCH_ENDED_EXIT
     assert any("started afresh" in e[2] for e in agent._events)

@@ -53,15 +53,15 @@ class _Cluster:
 
 def _agent(tmp_path: Path, node_id: str = "n00") -> Agent:
     agent = Agent(AgentConfig(node_id, ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
-    agent._members = {n: {"address": f"{n}:1", "incarnation": f"i-{n}"} for n in NODES}
-    agent._record = GenerationRecord(
+    agent._vs.members = {n: {"address": f"{n}:1", "incarnation": f"i-{n}"} for n in NODES}
+    agent._vs.record = GenerationRecord(
         5,
         _plan(5).to_dict(),
         "n00",
         time.time(),
         extra={"nodes": {n: f"{n}:1" for n in NODES}},
     )
-    agent._barriers = {"failed-5": {"n03": {"reason": "worker exited 1", "at": time.time()}}}
+    agent._vs.barriers = {"failed-5": {"n03": {"reason": "worker exited 1", "at": time.time()}}}
     agent.cluster = _Cluster()  # type: ignore[assignment]
     return agent
 
@@ -77,7 +77,9 @@ def test_a_failed_generation_probes_each_suspect_once_per_recheck_period_not_eve
     # once each, not 15 per tick.
     assert sorted(probes.calls) == [f"{n}:1" for n in NODES if n not in ("n00", "n03")]
     # Once the results are older than DEAD_RECHECK_S, each suspect is probed once more.
-    agent._probe_cache = {k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent._probe_cache.items()}
+    agent._lvs.probe_cache = {
+        k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent._lvs.probe_cache.items()
+    }
     probes.calls.clear()
     for _ in range(20):
         agent._lead()
@@ -91,7 +93,7 @@ def test_a_new_incarnation_is_probed_without_waiting_for_the_old_ones_result_to_
     agent = _agent(tmp_path)
     assert agent._probe(["n05"]) == {"n05": ProbeResult.SERVING}
     assert agent._probe(["n05"]) == {"n05": ProbeResult.SERVING}
-    agent._members["n05"]["incarnation"] = "restarted"
+    agent._vs.members["n05"]["incarnation"] = "restarted"
     agent._probe(["n05"])
     assert probes.calls == ["n05:1", "n05:1"]
     agent._probe_pool.shutdown()
@@ -103,15 +105,15 @@ def test_a_suspect_that_answers_not_serving_is_unhealthy_not_dead(
     probes.results = {"n07:1": ProbeResult.NOT_SERVING, "n08:1": ProbeResult.DEAD}
     agent = _agent(tmp_path)
     agent._confirm_dead(["n07", "n08", "n09"])
-    assert agent._dead == {"n08": "i-n08"}
-    assert agent._unhealthy == {"n07": "i-n07"}
+    assert agent._lvs.dead == {"n08": "i-n08"}
+    assert agent._lvs.unhealthy == {"n07": "i-n07"}
     agent._probe_pool.shutdown()
 
 
 def _follower(tmp_path: Path) -> Agent:
     agent = _agent(tmp_path, "n05")
-    agent._leader = "n00"
-    agent._suspect_since = {5: time.monotonic() - 10}  # the failure waits for a new plan
+    agent._vs.leader = "n00"
+    agent._lvs.suspect_since = {5: time.monotonic() - 10}  # the failure waits for a new plan
     return agent
 
 
@@ -119,10 +121,10 @@ def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
     tmp_path: Path, probes: _Probes
 ) -> None:
     agent = _follower(tmp_path)
-    del agent._members["n00"]  # re-registering after a lost lease: no address known
+    del agent._vs.members["n00"]  # re-registering after a lost lease: no address known
     agent._check_leader()
     assert agent.cluster.deposed == []  # type: ignore[union-attr]
-    assert "n00" not in agent._dead
+    assert "n00" not in agent._lvs.dead
     agent._probe_pool.shutdown()
 
 
@@ -142,5 +144,5 @@ def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
     agent._check_leader()
     assert probes.calls == ["n00:1"]
     assert agent.cluster.deposed == deposed  # type: ignore[union-attr]
-    assert ("n00" in agent._dead) is dead
+    assert ("n00" in agent._lvs.dead) is dead
     agent._probe_pool.shutdown()

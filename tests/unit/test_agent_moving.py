@@ -9,8 +9,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from elasticpp.agent.decide import Phase
+from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import FETCH_STALL_S
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.store.resume import TransferProgress
 from tests.unit.test_agent_done import SPEC, _Cluster, _plan
@@ -24,7 +25,7 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
     agent.cluster = cluster  # type: ignore[assignment]
     record = GenerationRecord(3, _plan(3).to_dict(), "n9", time.time(), resume_step=5)
     gs = _GenState(record=record, phase=Phase.MOVING)
-    agent._gen = gs
+    agent._fs.gen = gs
     gs.fetch = Future()  # a fetch in flight
     now = [time.monotonic()]
     gs.fetch_progress = TransferProgress(clock=lambda: now[0])

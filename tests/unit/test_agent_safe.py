@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
+from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import SAFE_EVERY_S
-from elasticpp.agent.node import Agent, AgentConfig, _GenState
+from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, Members, SafeStep
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from tests.unit.test_agent_done import SPEC
@@ -69,7 +70,7 @@ def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     gs = _GenState(record=record, phase=Phase.RUNNING)
-    agent._gen = gs
+    agent._fs.gen = gs
     agent._ls.at(3, 0.0).resume_written = True  # the leader's: generation 3 resumed
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
@@ -83,7 +84,7 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
         commit_step(agent.store, step, generation=3)
         commit_replica_step(agent.store, "n1", step, generation=3)
     commit_replica_step(agent.store, "n2", 9, generation=2)  # another generation: not listed
-    agent._last_commit_step = 5
+    agent._ds.last_commit_step = 5
     agent._record_commit(3)
     assert agent._commit_records.flush(timeout_s=10)  # put off the loop, by one writer
     assert cluster.records["n0"] == CommitRecord("n0", 3, 5, (5, 4), {"n1": (5, 4)})
@@ -121,6 +122,6 @@ def test_every_agent_takes_the_published_safe_step_as_its_floor(tmp_path: Path) 
     gauge = agent.metrics.registry.get_sample_value("elasticpp_safe_step", agent.metrics.labels)
     assert gauge == 4
     cluster.safe = SafeStep(3, 2)  # an older value (a stale read): the floor stays
-    agent._safe_read_s = 0.0
+    agent._vs.safe_read_s = 0.0
     agent._refresh()
     assert agent.store.floor == (3, 4)
