@@ -246,7 +246,7 @@ def prepare(args: argparse.Namespace) -> int:
     _atomic_write(sidecar_path(out), lambda f: f.write(text.encode()))
     print(
         f"wrote {count} tokens ({len(files)} documents, vocabulary {vocab_size}) to {out} as "
-        f"{dtype_name}; train on it with: --data {out} --data-dtype {dtype_name}",
+        f"{dtype_name}; train on it with: --data {out} (its sidecar gives the dtype)",
         flush=True,
     )
     return 0

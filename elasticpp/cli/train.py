@@ -72,15 +72,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
     parser.add_argument(
         "--data",
+        nargs="+",
         default=None,
-        help="token file (.npy, or .bin with --data-dtype), raw-byte file or directory "
-        "(default: stdlib .py)",
+        metavar="PATH",
+        help="token file (.npy, or .bin with its sidecar or --data-dtype), token shards (several "
+        "files, or a directory of them), raw-byte file or directory (default: stdlib .py)",
     )
     parser.add_argument(
         "--data-dtype",
         choices=DATA_DTYPES,
         default=None,
-        help="read a .bin --data as flat little-endian token ids of this type",
+        help="read a .bin --data without a sidecar as flat little-endian token ids of this type",
     )
     parser.add_argument(
         "--no-shuffle",
@@ -125,6 +127,14 @@ def parse_model_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _data_arg(paths: list[str] | None) -> str | tuple[str, ...] | None:
+    """One path as given (a file or a directory), several as a list of token shards."""
+    if paths is None:
+        return None
+    resolved = [str(Path(p).resolve()) for p in paths]
+    return resolved[0] if len(resolved) == 1 else tuple(resolved)
+
+
 def _validate(
     args: argparse.Namespace,
 ) -> tuple[Any, TrainConfig, Path | None, int, Path | None]:
@@ -165,14 +175,15 @@ def _validate(
         dropout=args.dropout,
         schedule=args.schedule,
         precision=args.precision,
-        data=None if args.data is None else str(Path(args.data).resolve()),
+        data=_data_arg(args.data),
         data_dtype=args.data_dtype,
         data_shuffle=not args.no_shuffle,
         corpus_max_bytes=args.corpus_max_bytes,
         pg_timeout_s=args.pg_timeout,
     )
-    if job.data is not None and not Path(job.data).exists():
-        raise ConfigError(f"--data {args.data}: no such file or directory")
+    missing = [p for p in args.data or () if not Path(p).exists()]
+    if missing:
+        raise ConfigError(f"--data {missing[0]}: no such file or directory")
     from elasticpp.train.data import check_data  # numpy only: no torch in this process
 
     check_data(job, model.seq_len, model.vocab_size)

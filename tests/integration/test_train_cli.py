@@ -109,6 +109,8 @@ def test_bad_input_exits_2_with_one_line_before_any_worker_starts(
         ("t.txt", ["--data-dtype", "uint16"], "data_dtype 'uint16' applies to a token file"),
         ("t.txt", ["--no-shuffle"], "data_shuffle false applies to token files"),
         ("t.txt", ["--corpus-max-bytes", "100"], "corpus_max_bytes 100"),
+        ("t32.bin", ["--data-dtype", "uint16"], "holds uint32 ids (its sidecar"),
+        ("t32.bin", [], "vocabulary of 300 tokens"),
     ],
 )
 def test_bad_data_exits_2_with_one_line_before_any_worker_starts(
@@ -118,6 +120,9 @@ def test_bad_data_exits_2_with_one_line_before_any_worker_starts(
     ids[3] = 300
     ids.tofile(tmp_path / "t.bin")
     np.arange(10, dtype="<u2").tofile(tmp_path / "short.bin")
+    np.arange(100, dtype="<u4").tofile(tmp_path / "t32.bin")
+    sidecar = {"format_version": 1, "dtype": "uint32", "tokens": 100, "vocab_size": 300}
+    (tmp_path / "t32.bin.json").write_text(json.dumps(sidecar))
     (tmp_path / "t.txt").write_bytes(b"x" * 200)
     log_dir = tmp_path / "logs"
     base = ["--model", str(model_file), "--log-dir", str(log_dir), "--data", data]

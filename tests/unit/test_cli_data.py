@@ -14,7 +14,7 @@ from elasticpp.cli.data import choose_dtype
 from elasticpp.cli.main import main
 from elasticpp.errors import ConfigError
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.data import open_corpus
+from elasticpp.train.data import check_data, open_corpus
 
 DOCS = {
     "a.txt": "the quick brown fox jumps over the lazy dog\n" * 30,
@@ -84,7 +84,8 @@ def test_prepare_writes_the_tokenizers_ids_and_a_sidecar(
         "eos_id": eos,
         "tokenizer_sha256": hashlib.sha256(tok_path.read_bytes()).hexdigest(),
     }
-    assert "--data-dtype uint16" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"--data {out} (its sidecar" in printed and "--data-dtype" not in printed
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     # What it wrote trains: windows of the model's sequence length over these ids.
     job = TrainConfig(data=str(out), data_dtype="uint16", data_shuffle=False)
@@ -105,6 +106,25 @@ def test_prepare_without_eos_concatenates_and_uint32_on_request(
     assert np.fromfile(out, dtype="<u4").tolist() == expected
     sidecar = json.loads((tmp_path / "c32.bin.json").read_text())
     assert (sidecar["dtype"], sidecar["eos_id"], sidecar["documents"]) == ("uint32", None, 2)
+
+
+def test_training_reads_a_prepared_file_as_its_sidecar_says_and_refuses_another_dtype(
+    tmp_path: Path, corpus: tuple[Path, list[Path]]
+) -> None:
+    tok_path, files = corpus
+    out = tmp_path / "c32.bin"
+    assert prepare("--tokenizer", tok_path, "--out", out, "--dtype", "uint32", *files) == 0
+    ids = np.fromfile(out, dtype="<u4").tolist()
+    # Read as uint16, the low and high halves of every id are ids that all fit the vocabulary:
+    # only the sidecar can tell this is wrong.
+    assert max(np.fromfile(out, dtype="<u2")) < 320
+    wrong = TrainConfig(data=str(out), data_dtype="uint16", data_shuffle=False)
+    with pytest.raises(ConfigError, match=r"holds uint32 ids .*c32\.bin\.json.*'uint16'"):
+        check_data(wrong, 16, 320)
+    job = TrainConfig(data=str(out), data_shuffle=False)  # no dtype: the sidecar's
+    check_data(job, 16, 320)
+    inputs, _ = open_corpus(job, 16, 320).batch(0, 1)
+    assert inputs[0].tolist() == ids[:16]
 
 
 def test_refusals_exit_2_with_one_line_and_overwrite_nothing(
