@@ -20,7 +20,7 @@ from typing import Any
 
 from elasticpp.checkpoint.manifest import find_step_dir
 from elasticpp.errors import CheckpointError, ConfigError
-from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
+from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import DATA_DTYPES, PRECISIONS, SCHEDULES, TrainConfig
 
 log = logging.getLogger("elasticpp.train")
@@ -72,15 +72,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
     parser.add_argument(
         "--data",
+        nargs="+",
         default=None,
-        help="token file (.npy, or .bin with --data-dtype), raw-byte file or directory "
-        "(default: stdlib .py)",
+        metavar="PATH",
+        help="token file (.npy, or .bin with its sidecar or --data-dtype), token shards (several "
+        "files, or a directory of them), raw-byte file or directory (default: stdlib .py)",
     )
     parser.add_argument(
         "--data-dtype",
         choices=DATA_DTYPES,
         default=None,
-        help="read a .bin --data as flat little-endian token ids of this type",
+        help="read a .bin --data without a sidecar as flat little-endian token ids of this type",
     )
     parser.add_argument(
         "--no-shuffle",
@@ -125,6 +127,31 @@ def parse_model_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
+# What names a model rather than defining it: a resumed run may rename its model directory.
+_NOT_IDENTITY = ("name", "numbers")
+
+
+def model_differences(saved: ModelSpec | None, model: ModelSpec) -> list[str]:
+    """`field saved-value (checkpoint) vs value (--model)` for each field that differs; empty
+    when they are the same model or the checkpoint did not record one (its units are checked)."""
+    if saved is None:
+        return []
+    a, b = saved.to_dict(), model.to_dict()
+    return [
+        f"{key} {a.get(key)!r} (checkpoint) vs {b.get(key)!r} (--model)"
+        for key in sorted(set(a) | set(b))
+        if key not in _NOT_IDENTITY and a.get(key) != b.get(key)
+    ]
+
+
+def _data_arg(paths: list[str] | None) -> str | tuple[str, ...] | None:
+    """One path as given (a file or a directory), several as a list of token shards."""
+    if paths is None:
+        return None
+    resolved = [str(Path(p).resolve()) for p in paths]
+    return resolved[0] if len(resolved) == 1 else tuple(resolved)
+
+
 def _validate(
     args: argparse.Namespace,
 ) -> tuple[Any, TrainConfig, Path | None, int, Path | None]:
@@ -135,10 +162,12 @@ def _validate(
     )
     model = ref.spec
     init_from = args.init_from.resolve() if args.init_from is not None else None
-    if init_from is None and ref.init_dir is not None:
-        init_from = Path(ref.init_dir)
     if init_from is not None and args.resume is not None:
         raise ConfigError("--init-from starts a new job; --resume continues one: give one")
+    if init_from is None and ref.init_dir is not None and args.resume is None:
+        # A Hugging Face directory defines the model and, for a new run, its first weights; a
+        # resumed run takes its weights from the checkpoint, as torchtitan and the HF Trainer do.
+        init_from = Path(ref.init_dir)
     if init_from is not None and not init_from.exists():
         raise ConfigError(f"--init-from {init_from}: no such directory")
     layout = Layout.parse(args.layout)
@@ -165,14 +194,15 @@ def _validate(
         dropout=args.dropout,
         schedule=args.schedule,
         precision=args.precision,
-        data=None if args.data is None else str(Path(args.data).resolve()),
+        data=_data_arg(args.data),
         data_dtype=args.data_dtype,
         data_shuffle=not args.no_shuffle,
         corpus_max_bytes=args.corpus_max_bytes,
         pg_timeout_s=args.pg_timeout,
     )
-    if job.data is not None and not Path(job.data).exists():
-        raise ConfigError(f"--data {args.data}: no such file or directory")
+    missing = [p for p in args.data or () if not Path(p).exists()]
+    if missing:
+        raise ConfigError(f"--data {missing[0]}: no such file or directory")
     from elasticpp.train.data import check_data  # numpy only: no torch in this process
 
     check_data(job, model.seq_len, model.vocab_size)
@@ -188,6 +218,12 @@ def _validate(
 
         resume_dir = find_step_dir(args.resume, what="--resume").resolve()
         manifest = verify_step_dir(resume_dir)
+        differ = model_differences(manifest.model, model)
+        if differ:
+            raise CheckpointError(
+                f"--resume {resume_dir}: a checkpoint of another model than --model "
+                f"{args.model}: {'; '.join(differ)}"
+            )
         if manifest.units != model.units or not manifest.is_full_model():
             raise CheckpointError(
                 f"--resume {resume_dir}: not a full state of {model.name} "

@@ -46,10 +46,12 @@ class TrainConfig:
     # "bf16": forwards and backwards under bf16 autocast, stage boundaries sent as bf16;
     # parameters, gradients, AdamW moments and checkpoints stay fp32.
     precision: str = "fp32"
-    # A token file (.npy, or .bin with data_dtype), a raw-byte file, or a directory of raw-byte
-    # files; None = the stdlib .py corpus. See elasticpp.train.data for the formats.
-    data: str | None = None
-    data_dtype: str | None = None  # "uint16" or "uint32": read a .bin `data` as token ids
+    # A token file (.npy, or .bin with a sidecar or data_dtype), a list of token shards
+    # (absolute paths), a directory of token shards, a raw-byte file, or a directory of
+    # raw-byte files; None = the stdlib .py corpus. See elasticpp.train.data for the formats.
+    data: str | tuple[str, ...] | None = None
+    # "uint16" or "uint32": read a .bin without a sidecar as token ids (a sidecar decides)
+    data_dtype: str | None = None
     data_shuffle: bool = True  # token files: a seeded permutation of the windows per epoch
     # A raw-byte corpus larger than this is refused; the built-in corpus is capped at it.
     corpus_max_bytes: int = 4 << 20
@@ -93,37 +95,35 @@ class TrainConfig:
             raise bad("schedule", f"one of {', '.join(SCHEDULES)}")
         if self.precision not in PRECISIONS:
             raise bad("precision", f"one of {', '.join(PRECISIONS)}")
-        if self.data is not None and (not isinstance(self.data, str) or not self.data):
-            raise bad("data", "a non-empty path or null")
+        if isinstance(self.data, (list, tuple)):
+            object.__setattr__(self, "data", tuple(self.data))
+            _check_shard_list(self.data)
+        elif self.data is not None and (not isinstance(self.data, str) or not self.data):
+            raise bad("data", "a non-empty path, a list of token files, or null")
         if self.data_dtype is not None and self.data_dtype not in DATA_DTYPES:
             raise bad("data_dtype", f"one of {', '.join(DATA_DTYPES)} or null")
         if not isinstance(self.data_shuffle, bool):
             raise bad("data_shuffle", "true or false")
-        if self.data_dtype is not None and (
-            self.data is None or _suffix(self.data) not in TOKEN_SUFFIXES
-        ):
+        # What the path alone tells; a directory (of shards or of raw bytes) and a .bin without
+        # a sidecar are told apart when the data is opened (elasticpp.train.data).
+        if self.data_dtype is not None and not self._may_be_tokens():
             raise ConfigError(
-                f"train: data_dtype {self.data_dtype!r} applies to a token file "
-                f"(data ending in {' or '.join(TOKEN_SUFFIXES)}), got data {self.data!r}"
+                f"train: data_dtype {self.data_dtype!r} applies to a token file (data ending in "
+                f"{' or '.join(TOKEN_SUFFIXES)}, or a directory of them), got data {self.data!r}"
             )
-        if not self.data_shuffle and self.data_format == "bytes":
+        if not self.data_shuffle and not self._may_be_tokens():
             # Raw bytes are sampled at hashed offsets, which has no epoch order to keep.
             raise ConfigError(
-                "train: data_shuffle false applies to token files only (a .npy file, or a .bin "
-                "file with data_dtype); raw-byte data is sampled at hashed offsets"
+                "train: data_shuffle false applies to token files only (a .npy file, a .bin "
+                "file, or a directory of them); raw-byte data is sampled at hashed offsets"
             )
 
-    @property
-    def data_format(self) -> str:
-        """How `data` is read: "npy" or "bin" (token ids) or "bytes" (raw bytes)."""
+    def _may_be_tokens(self) -> bool:
         if self.data is None:
-            return "bytes"
-        suffix = _suffix(self.data)
-        if suffix == ".npy":
-            return "npy"
-        if suffix == ".bin" and self.data_dtype is not None:
-            return "bin"
-        return "bytes"
+            return False
+        if isinstance(self.data, tuple):
+            return True
+        return _suffix(self.data) in (*TOKEN_SUFFIXES, "")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of 0-based step `step`."""
@@ -136,6 +136,8 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["betas"] = list(self.betas)
+        if isinstance(self.data, tuple):
+            data["data"] = list(self.data)
         return data
 
     @classmethod
@@ -150,6 +152,23 @@ class TrainConfig:
             return cls(**values)
         except TypeError as exc:
             raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _check_shard_list(shards: tuple[object, ...]) -> None:
+    if not shards:
+        raise ConfigError("train: data is an empty list; name at least one token file")
+    for item in shards:
+        if not isinstance(item, str) or _suffix(item) not in TOKEN_SUFFIXES:
+            raise ConfigError(
+                f"train: data: a list names token files (ending in "
+                f"{' or '.join(TOKEN_SUFFIXES)}), got {item!r}"
+            )
+        if not PurePath(item).is_absolute():
+            # A list is not resolved against a spec file's directory as a single path is;
+            # a relative shard would be read relative to whatever the worker's cwd is.
+            raise ConfigError(
+                f"train: data: a list of token files takes absolute paths, got {item!r}"
+            )
 
 
 def _suffix(path: str) -> str:

@@ -5,11 +5,14 @@ is a pure function of `(seed, i)` and the corpus, whoever computes it. `open_cor
 of two formats from the `TrainConfig`:
 
 **Token files** (`TokenCorpus`): a `.npy` file (a 1-D array of uint16, uint32, int32 or int64)
-is always token ids; a `.bin` file is token ids when `data_dtype` is given (flat little-endian
-uint16 or uint32, as `elasticpp data prepare` writes it). The file is memory-mapped, never
-read whole. With `N` tokens and sequence length `S` there are `W = (N - 1) // S` windows;
-window `w` is `tokens[w*S : w*S + S + 1]` (inputs are its first `S` ids, targets its last
-`S`); the last `N - 1 - W*S` tokens are never read.
+is always token ids; a `.bin` file (flat little-endian uint16 or uint32, as `elasticpp data
+prepare` writes it) is token ids when it has a sidecar, which decides the dtype, or when
+`data_dtype` is given; a list of such files, or a directory holding them, is one stream of
+shards (`elasticpp.train.tokenfiles`: order, sidecar agreement). Files are memory-mapped,
+never read whole. With `N` tokens in the stream and sequence length `S` there are
+`W = (N - 1) // S` windows; window `w` is `tokens[w*S : w*S + S + 1]` of the stream (inputs
+are its first `S` ids, targets its last `S`; it may straddle two shards); the last
+`N - 1 - W*S` tokens are never read.
 
 - `data_shuffle` false: sample `i` is window `i mod W` (the file in order, wrapping at the end).
 - `data_shuffle` true (the default): epoch `e = i // W`, position `q = i mod W`; sample `i` is
@@ -18,12 +21,14 @@ window `w` is `tokens[w*S : w*S + S + 1]` (inputs are its first `S` ids, targets
   permutation are computed the same on every machine for one numpy version (the pinned one);
   numpy does not promise the stream across its releases, so an upgrade may reorder samples.
 
-A file with fewer than `S + 1` tokens (no window) is refused, and so is a token id outside
-`[0, vocab_size)`: a sample of the file is checked when it is opened (its first and last 1 Mi
-ids and 8 strided chunks of 64 Ki), and every window when it is read.
+A stream with fewer than `S + 1` tokens (no window) is refused, and so is a token id outside
+`[0, vocab_size)`: a sample of each shard is checked when it is opened (its first and last
+1 Mi ids and 8 strided chunks of 64 Ki), and every window when it is read; a sidecar whose
+vocabulary is larger than the model's is refused outright.
 
 **Raw bytes** (`Corpus`), the 256-token byte vocabulary (the model's `vocab_size` must be at
-least 256): any other file, or a directory of files (sorted relative paths, concatenated). The
+least 256): any other file (a `.bin` too, without sidecar or `data_dtype`), or a directory
+without `.bin`/`.npy` files (its files in sorted relative paths, concatenated). The
 window of `seq_len + 1` bytes starts at `stable_int("sample", seed, i) % span`, where `span =
 len(corpus) - seq_len`. A corpus larger than `corpus_max_bytes` is refused, never truncated.
 The exception is the built-in demo corpus (`data` unset): the Python standard library's `.py`
@@ -40,13 +45,22 @@ import os
 import sysconfig
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from elasticpp.errors import ConfigError
 from elasticpp.train.config import TrainConfig
+from elasticpp.train.tokenfiles import (
+    Shard,
+    TokenArray,
+    TokenStream,
+    check_agreement,
+    open_shard,
+    read_sidecar,
+    shards_under,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -54,9 +68,6 @@ if TYPE_CHECKING:
 # Directories of third-party code that may sit under the stdlib directory.
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 BYTE_VOCAB = 256
-BIN_DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-# (kind, itemsize) of the .npy dtypes accepted as token ids; any byte order.
-_NPY_KINDS = {("u", 2): "uint16", ("u", 4): "uint32", ("i", 4): "int32", ("i", 8): "int64"}
 # The sample of a token file checked at open: its ends and a few chunks between them.
 _CHECK_END_TOKENS = 1 << 20
 _CHECK_CHUNKS = 8
@@ -183,51 +194,10 @@ class Corpus:
 
 # -- token files -----------------------------------------------------------------------------
 
-TokenArray = npt.NDArray[Any]  # a read-only memory map of uint16/uint32/int32/int64 ids
-
 
 def open_tokens(path: str, data_dtype: str | None) -> TokenArray:
-    """A memory map of the token ids in `path` (.npy, or .bin read as `data_dtype`)."""
-    p = Path(path)
-    if not p.is_file():
-        what = "a directory" if p.is_dir() else "no such file"
-        raise ConfigError(f"train: data {path!r}: {what}; a token file must be a .npy or .bin file")
-    if p.suffix.lower() == ".npy":
-        try:
-            tokens = np.load(p, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"train: data {path!r}: not a readable .npy array: {exc}") from exc
-        if not isinstance(tokens, np.ndarray):
-            raise ConfigError(f"train: data {path!r}: not a .npy array")
-        kind = _NPY_KINDS.get((tokens.dtype.kind, tokens.dtype.itemsize))
-        if kind is None or tokens.ndim != 1:
-            raise ConfigError(
-                f"train: data {path!r}: a .npy token file must be a 1-D array of "
-                f"{', '.join(_NPY_KINDS.values())}; got {tokens.ndim}-D {tokens.dtype}"
-            )
-        if data_dtype is not None and data_dtype != kind:
-            raise ConfigError(
-                f"train: data {path!r} holds {kind} ids but data_dtype is {data_dtype!r}; "
-                "a .npy file carries its own dtype (leave data_dtype unset)"
-            )
-        return tokens
-    if data_dtype not in BIN_DTYPES:
-        raise ConfigError(
-            f"train: data {path!r}: data_dtype must be one of {', '.join(BIN_DTYPES)} to read "
-            f"it as token ids, got {data_dtype!r}"
-        )
-    dtype = BIN_DTYPES[data_dtype]
-    size = p.stat().st_size
-    if size % dtype.itemsize:
-        raise ConfigError(
-            f"train: data {path!r} is {size} bytes, not a whole number of {data_dtype} tokens "
-            f"({dtype.itemsize} bytes each); is data_dtype right?"
-        )
-    if size == 0:  # numpy cannot map an empty file
-        empty: TokenArray = np.zeros(0, dtype=dtype)
-        return empty
-    mapped: TokenArray = np.memmap(p, dtype=dtype, mode="r")
-    return mapped
+    """A memory map of the token ids in one file (.npy, or .bin read as its sidecar says)."""
+    return open_shard(path, data_dtype).tokens
 
 
 def window_count(num_tokens: int, seq_len: int, name: str) -> int:
@@ -280,14 +250,15 @@ def check_token_sample(tokens: TokenArray, vocab_size: int, path: str) -> None:
 
 
 class TokenCorpus(Corpus):
-    """Windows of a memory-mapped token file for one seed (addressing: the module docstring).
+    """Windows of a token stream for one seed (addressing: the module docstring).
 
     Shares `Corpus`'s interface (`batch`, `window`) so the engine takes either; it keeps the
-    token file's memory map instead of a byte buffer."""
+    shards' memory maps instead of a byte buffer. `tokens` is one array or a `TokenStream` of
+    shards; the windows are over the stream, so a window may straddle two shards."""
 
     def __init__(
         self,
-        tokens: TokenArray,
+        tokens: TokenArray | TokenStream,
         seq_len: int,
         seed: int,
         *,
@@ -295,8 +266,11 @@ class TokenCorpus(Corpus):
         shuffle: bool = True,
         name: str = "<tokens>",
     ) -> None:
+        if not isinstance(tokens, TokenStream):
+            tokens = TokenStream([Shard(name, tokens, str(tokens.dtype), None)])
         self.windows = window_count(len(tokens), seq_len, name)
-        check_token_sample(tokens, vocab_size, name)
+        for shard in tokens.shards:
+            check_token_sample(shard.tokens, vocab_size, shard.name)
         self._tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
@@ -327,7 +301,8 @@ class TokenCorpus(Corpus):
         row = np.array(self._tokens[start : start + self.seq_len + 1], dtype=np.int64)
         bad = _bad_id(row, self.vocab_size)
         if bad is not None:
-            raise _out_of_vocab(self.name, int(row[bad]), start + bad, self.vocab_size)
+            shard, position = self._tokens.locate(start + bad)
+            raise _out_of_vocab(shard, int(row[bad]), position, self.vocab_size)
         return torch.from_numpy(row)
 
 
@@ -342,41 +317,104 @@ def _check_byte_vocab(vocab_size: int) -> None:
         )
 
 
-def _check_raw_path(job: TrainConfig) -> None:
-    if job.data is not None and job.data_dtype is not None and Path(job.data).is_dir():
+def token_shards(job: TrainConfig) -> list[str] | None:
+    """The token files `job.data` names, in stream order; None when it is raw bytes.
+
+    Refuses what names token data wrongly, and token-only settings on raw bytes."""
+    data = job.data
+    if isinstance(data, tuple):
+        return sorted(data)  # ordered by name, as a directory's shards are
+    if data is None:
+        return None  # the built-in corpus (TrainConfig refuses token settings with it)
+    path = Path(data)
+    if path.is_dir():
+        found = shards_under(path)
+        if found is not None:
+            return [str(p) for p in found]
+        what = f"a directory of raw-byte files ({data!r} holds no .bin or .npy shard)"
+    elif path.suffix.lower() == ".npy" or (
+        path.suffix.lower() == ".bin"
+        and (job.data_dtype is not None or read_sidecar(path) is not None)
+    ):
+        return [data]
+    elif not path.exists():
+        raise ConfigError(f"train: data {data!r}: no such file or directory")
+    elif path.suffix.lower() == ".bin":
+        what = f"raw bytes ({data!r} has no sidecar and no data_dtype was given)"
+    else:
+        what = f"raw bytes ({data!r} is not a .bin or .npy file)"
+    if job.data_dtype is not None:
         raise ConfigError(
-            f"train: data_dtype {job.data_dtype!r} applies to a token file, but data "
-            f"{job.data!r} is a directory"
+            f"train: data_dtype {job.data_dtype!r} applies to a token file, but data is {what}"
         )
+    if not job.data_shuffle:
+        # Raw bytes are sampled at hashed offsets, which has no epoch order to keep.
+        raise ConfigError(
+            f"train: data_shuffle false applies to token files only, but data is {what}; "
+            "raw-byte data is sampled at hashed offsets"
+        )
+    return None
+
+
+def open_token_stream(paths: list[str], job: TrainConfig, vocab_size: int) -> TokenStream:
+    """The shards of `paths` as one stream, refused unless they are one dataset that fits
+    the model's vocabulary (as far as the sidecars tell; the ids are checked as read)."""
+    if len(set(paths)) != len(paths):
+        dup = next(p for p in paths if paths.count(p) > 1)
+        raise ConfigError(f"train: data names token shard {dup!r} twice")
+    shards = [open_shard(p, job.data_dtype) for p in paths]
+    check_agreement(shards)
+    for shard in shards:
+        sc = shard.sidecar
+        if sc is not None and sc.vocab_size > vocab_size:
+            raise ConfigError(
+                f"train: data {shard.name!r} was tokenised with a vocabulary of {sc.vocab_size} "
+                f"tokens (its sidecar says so), more than the model's vocab_size {vocab_size}"
+            )
+    return TokenStream(shards)
+
+
+def _raw_path(job: TrainConfig) -> str | None:
+    if isinstance(job.data, tuple):  # token_shards never calls a list of shards raw bytes
+        raise ConfigError(f"train: data {job.data!r}: a list of files is token shards")
+    return job.data
+
+
+def _data_name(job: TrainConfig) -> str:
+    data = job.data
+    if isinstance(data, tuple):
+        return f"{data[0]} (+{len(data) - 1} shards)" if len(data) > 1 else data[0]
+    return str(data)
 
 
 def open_corpus(job: TrainConfig, seq_len: int, vocab_size: int) -> Corpus:
     """The corpus of `job.data` in the format `job` names (see the module docstring)."""
-    _check_raw_path(job)
-    if job.data is not None and job.data_format != "bytes":
-        tokens = open_tokens(job.data, job.data_dtype)
+    paths = token_shards(job)
+    if paths is not None:
         return TokenCorpus(
-            tokens,
+            open_token_stream(paths, job, vocab_size),
             seq_len,
             job.seed,
             vocab_size=vocab_size,
             shuffle=job.data_shuffle,
-            name=job.data,
+            name=_data_name(job),
         )
     _check_byte_vocab(vocab_size)
-    return Corpus(load_corpus(job.data, job.corpus_max_bytes), seq_len, job.seed)
+    return Corpus(load_corpus(_raw_path(job), job.corpus_max_bytes), seq_len, job.seed)
 
 
 def check_data(job: TrainConfig, seq_len: int, vocab_size: int) -> None:
     """Refuse what `open_corpus` would refuse at open, with numpy only (no torch import).
 
     The built-in corpus is not read: it always holds enough bytes."""
-    _check_raw_path(job)
-    if job.data is not None and job.data_format != "bytes":
-        tokens = open_tokens(job.data, job.data_dtype)
-        window_count(len(tokens), seq_len, job.data)
-        check_token_sample(tokens, vocab_size, job.data)
+    paths = token_shards(job)
+    if paths is not None:
+        stream = open_token_stream(paths, job, vocab_size)
+        window_count(len(stream), seq_len, _data_name(job))
+        for shard in stream.shards:
+            check_token_sample(shard.tokens, vocab_size, shard.name)
         return
     _check_byte_vocab(vocab_size)
-    if job.data is not None:
-        _check_byte_length(len(load_corpus(job.data, job.corpus_max_bytes)), seq_len)
+    raw = _raw_path(job)
+    if raw is not None:
+        _check_byte_length(len(load_corpus(raw, job.corpus_max_bytes)), seq_len)

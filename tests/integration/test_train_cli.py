@@ -109,6 +109,8 @@ def test_bad_input_exits_2_with_one_line_before_any_worker_starts(
         ("t.txt", ["--data-dtype", "uint16"], "data_dtype 'uint16' applies to a token file"),
         ("t.txt", ["--no-shuffle"], "data_shuffle false applies to token files"),
         ("t.txt", ["--corpus-max-bytes", "100"], "corpus_max_bytes 100"),
+        ("t32.bin", ["--data-dtype", "uint16"], "holds uint32 ids (its sidecar"),
+        ("t32.bin", [], "vocabulary of 300 tokens"),
     ],
 )
 def test_bad_data_exits_2_with_one_line_before_any_worker_starts(
@@ -118,6 +120,9 @@ def test_bad_data_exits_2_with_one_line_before_any_worker_starts(
     ids[3] = 300
     ids.tofile(tmp_path / "t.bin")
     np.arange(10, dtype="<u2").tofile(tmp_path / "short.bin")
+    np.arange(100, dtype="<u4").tofile(tmp_path / "t32.bin")
+    sidecar = {"format_version": 1, "dtype": "uint32", "tokens": 100, "vocab_size": 300}
+    (tmp_path / "t32.bin.json").write_text(json.dumps(sidecar))
     (tmp_path / "t.txt").write_bytes(b"x" * 200)
     log_dir = tmp_path / "logs"
     base = ["--model", str(model_file), "--log-dir", str(log_dir), "--data", data]
@@ -169,6 +174,68 @@ def test_save_under_one_layout_and_resume_under_another_continues_the_curve(
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
         assert b["lr"] == a["lr"]
     assert {r["layout"] for r in resumed} == {"pp=1,tp=1,dp=2"}
+
+
+def save_llama(path: Path, intermediate_size: int = 96) -> Path:
+    """A small random Hugging Face Llama (byte vocabulary), saved as a model directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.timeout(200)
+def test_a_run_of_a_hugging_face_directory_resumes_on_the_uninterrupted_curve(
+    tmp_path: Path,
+) -> None:
+    model = save_llama(tmp_path / "llama")
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    save = tmp_path / "save"
+
+    def run(metrics: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        base = [*common(model, "pp=1,tp=1,dp=1", 4, metrics), "--seq-len", "16"]
+        return subprocess.run(
+            cli(*base, *args), capture_output=True, text=True, timeout=150, cwd=tmp_path
+        )
+
+    # Uninterrupted, from the directory's weights, saving step 2 on the way.
+    p = run(first, "--save", str(save), "--save-every", "2")
+    assert p.returncode == 0, p.stderr
+    # The same --model continues from the checkpoint: its weights win over the directory's.
+    p = run(second, "--resume", str(save / "step-0000000002"))
+    assert p.returncode == 0, p.stderr
+    expected, resumed = read_metrics(first), read_metrics(second)
+    assert [r["step"] for r in resumed] == [2, 3]
+    for b in resumed:
+        a = expected[b["step"]]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    # A checkpoint of another model is refused before any worker starts, naming what differs;
+    # --init-from and --resume together still are.
+    other = save_llama(tmp_path / "llama-wide", intermediate_size=128)
+    log_dir = tmp_path / "logs"
+    for args, message in [
+        (
+            ["--model", str(other), "--resume", str(save / "step-0000000002")],
+            "ffn_hidden_size 96 (checkpoint) vs 128 (--model)",
+        ),
+        (["--init-from", str(model), "--resume", str(save)], "--resume continues one"),
+    ]:
+        p = run(tmp_path / "c.jsonl", *args, "--log-dir", str(log_dir))
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], p.stderr
+    assert not log_dir.exists()
 
 
 @pytest.mark.timeout(120)

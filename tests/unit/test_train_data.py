@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -229,7 +230,10 @@ def test_data_dtype_with_a_directory_or_a_missing_file_is_refused(tmp_path: Path
         ({"data_dtype": "uint16"}, "data_dtype 'uint16' applies to a token file"),
         ({"data": "corpus.txt", "data_dtype": "uint16"}, r"ending in \.bin or \.npy"),
         ({"data": "t.npy", "data_shuffle": "no"}, "data_shuffle must be true or false"),
-        ({"data": "t.bin", "data_shuffle": False}, "data_shuffle false applies to token files"),
+        ({"data": "t.txt", "data_shuffle": False}, "data_shuffle false applies to token files"),
+        ({"data": []}, "data is an empty list"),
+        ({"data": ["/d/a.bin", "/d/b.txt"]}, "a list names token files.*'/d/b.txt'"),
+        ({"data": ["/d/a.bin", "b.bin"]}, "takes absolute paths, got 'b.bin'"),
         ({"data_shuffle": False}, "data_shuffle false applies to token files"),
     ],
 )
@@ -240,10 +244,215 @@ def test_train_config_refuses_bad_data_settings_naming_the_field(
         TrainConfig.from_dict(fields)
 
 
-def test_train_config_names_the_data_format() -> None:
-    assert TrainConfig().data_format == "bytes"
-    assert TrainConfig(data="a.bin").data_format == "bytes"
-    assert TrainConfig(data="a.bin", data_dtype="uint32").data_format == "bin"
-    assert TrainConfig(data="a.NPY").data_format == "npy"
-    cfg = TrainConfig(data="a.npy", data_shuffle=False)
+def test_train_config_keeps_a_list_of_shards_as_a_tuple_through_json() -> None:
+    cfg = TrainConfig(data=["/d/a.bin", "/d/b.npy"], data_shuffle=False)  # type: ignore[arg-type]
+    assert cfg.data == ("/d/a.bin", "/d/b.npy")
+    assert cfg.to_dict()["data"] == ["/d/a.bin", "/d/b.npy"]
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    # A directory may hold shards (decided when it is opened), so the config lets these pass.
+    assert TrainConfig(data="shards", data_dtype="uint16", data_shuffle=False)
+
+
+def write_sidecar(
+    path: Path, dtype: str, count: int, vocab: int, extra: dict[str, object] | None = None
+) -> None:
+    """The sidecar `elasticpp data prepare` writes beside `path` (format 1 fields)."""
+    fields = {
+        "format_version": 1,
+        "dtype": dtype,
+        "byte_order": "little",
+        "tokens": count,
+        "documents": 1,
+        "vocab_size": vocab,
+        "eos_token": None,
+        "eos_id": None,
+        "tokenizer_sha256": "0" * 64,
+        **(extra or {}),
+    }
+    Path(f"{path}.json").write_text(json.dumps(fields))
+
+
+LLAMA3_VOCAB = 128256
+
+
+def test_a_sidecar_decides_the_dtype_and_a_data_dtype_contradicting_it_is_refused(
+    tmp_path: Path,
+) -> None:
+    # A Llama-3 corpus: ids up to 128255 need uint32. Read as uint16, every id is below 65536,
+    # so the vocabulary check alone lets the garbage through.
+    ids = np.random.default_rng(0).integers(0, LLAMA3_VOCAB, size=200)
+    path = tmp_path / "llama3.bin"
+    ids.astype("<u4").tofile(path)
+    write_sidecar(path, "uint32", len(ids), LLAMA3_VOCAB)
+    wrong = TrainConfig(data=str(path), data_dtype="uint16", data_shuffle=False)
+    for check in (open_corpus, check_data):
+        with pytest.raises(
+            ConfigError, match=r"holds uint32 ids .*sidecar.* data_dtype is 'uint16'"
+        ):
+            check(wrong, SEQ, LLAMA3_VOCAB)
+    # Without data_dtype (or with the right one) the sidecar's dtype reads the right ids.
+    for dtype in (None, "uint32"):
+        job = TrainConfig(data=str(path), data_dtype=dtype, data_shuffle=False)
+        check_data(job, SEQ, LLAMA3_VOCAB)
+        corpus = open_corpus(job, SEQ, LLAMA3_VOCAB)
+        assert isinstance(corpus, TokenCorpus)
+        inputs, targets = corpus.batch(1, 1)
+        assert inputs[0].tolist() == window(ids, 1)[:-1]
+        assert targets[0].tolist() == window(ids, 1)[1:]
+
+
+def test_a_sidecar_that_does_not_describe_its_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    np.arange(100).astype("<u2").tofile(path)
+    job = TrainConfig(data=str(path))
+    cases = [
+        ({"tokens": 90}, "holds 100 uint16 tokens but its sidecar says 90"),
+        ({"dtype": "int8"}, "dtype 'int8' is not one of uint16, uint32"),
+        ({"format_version": 9}, "format_version 9"),
+        ({"byte_order": "big"}, "byte_order 'big'"),
+        ({"vocab_size": "many"}, "vocab_size must be an integer"),
+    ]
+    for extra, needle in cases:
+        write_sidecar(path, "uint16", 100, VOCAB, extra)
+        for check in (open_corpus, check_data):
+            with pytest.raises(ConfigError, match=needle):
+                check(job, SEQ, VOCAB)
+    Path(f"{path}.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not readable JSON"):
+        check_data(job, SEQ, VOCAB)
+
+
+def test_a_sidecar_vocabulary_larger_than_the_models_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    np.arange(100).astype("<u2").tofile(path)  # every id fits 256 ...
+    write_sidecar(path, "uint16", 100, 50257)  # ... but the tokenizer had 50257 tokens
+    for check in (open_corpus, check_data):
+        with pytest.raises(ConfigError, match=r"vocabulary of 50257 tokens.*vocab_size 256"):
+            check(TrainConfig(data=str(path)), SEQ, VOCAB)
+
+
+def test_a_bin_file_without_sidecar_or_data_dtype_refuses_token_settings(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    path.write_bytes(bytes(range(256)))
+    job = TrainConfig(data=str(path), data_shuffle=False)
+    for check in (open_corpus, check_data):
+        with pytest.raises(
+            ConfigError, match=r"data_shuffle false applies to token files.*no sidecar"
+        ):
+            check(job, SEQ, VOCAB)
+
+
+def write_shards(
+    folder: Path, ids: np.ndarray, sizes: list[int], dtype: str = "uint16"
+) -> list[Path]:
+    """`ids` split into .bin shards of `sizes` tokens under `folder`, each with a sidecar."""
+    assert sum(sizes) == len(ids)
+    folder.mkdir()
+    paths, start = [], 0
+    for k, size in enumerate(sizes):
+        path = folder / f"part-{k:02d}.bin"
+        ids[start : start + size].astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
+        write_sidecar(path, dtype, size, VOCAB)
+        paths.append(path)
+        start += size
+    return paths
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_one_file_and_uneven_shards_give_the_same_sample_for_every_index(
+    tmp_path: Path, shuffle: bool
+) -> None:
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=203)  # W = 25 windows
+    one = write_tokens(tmp_path, "uint16.bin", ids)
+    # A shard shorter than a window: some windows straddle two shard boundaries.
+    paths = write_shards(tmp_path / "shards", ids, [50, 7, 146])
+    jobs = [
+        with_(one, data_shuffle=shuffle),
+        TrainConfig(data=str(tmp_path / "shards"), data_shuffle=shuffle),
+        TrainConfig(data=tuple(str(p) for p in reversed(paths)), data_shuffle=shuffle),
+    ]
+    corpora = [open_corpus(job, SEQ, VOCAB) for job in jobs]
+    for job in jobs:
+        check_data(job, SEQ, VOCAB)
+    assert {c.windows for c in corpora if isinstance(c, TokenCorpus)} == {25}
+    samples = 3 * 25 + 4  # three epochs and a bit
+    want = corpora[0].batch(0, samples)
+    for corpus in corpora[1:]:
+        got = corpus.batch(0, samples)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        # Any split into micro-batches (any rank's share) reads the same samples.
+        for first, count in ((0, 3), (6, 5), (24, 2), (49, 7)):
+            part = corpus.batch(first, count)
+            assert torch.equal(part[0], want[0][first : first + count])
+    if not shuffle:  # window 6 is ids 48..56: shard 0's last 2, shard 1's 7
+        assert corpora[1].window(6).tolist() == ids[48:57].tolist()
+
+
+def test_shards_that_cannot_be_one_dataset_are_refused_naming_both(tmp_path: Path) -> None:
+    ids = np.arange(100) % VOCAB
+    a, b = write_shards(tmp_path / "s", ids, [60, 40])
+    job = TrainConfig(data=str(tmp_path / "s"))
+    cases = [
+        (
+            {"dtype": "uint32"},
+            r"'.*part-00\.bin' \(dtype 'uint16'\) and '.*part-01\.bin' \(dtype 'uint32'\)",
+        ),
+        ({"vocab_size": 200}, "vocab_size 256.*vocab_size 200"),
+        ({"tokenizer_sha256": "1" * 64}, "must agree on tokenizer_sha256"),
+        ({"eos_id": 3}, "must agree on eod_id"),
+    ]
+    for extra, needle in cases:
+        if extra.get("dtype") == "uint32":
+            np.arange(40).astype("<u4").tofile(b)
+        else:
+            np.arange(40).astype("<u2").tofile(b)
+        write_sidecar(b, "uint16", 40, VOCAB, extra)
+        for check in (open_corpus, check_data):
+            with pytest.raises(ConfigError, match=needle):
+                check(job, SEQ, VOCAB)
+    write_sidecar(b, "uint16", 40, VOCAB)
+    assert open_corpus(job, SEQ, VOCAB)
+    # A shard named twice, and a data_dtype that one shard's sidecar contradicts.
+    with pytest.raises(ConfigError, match=r"names token shard .* twice"):
+        open_corpus(TrainConfig(data=(str(a), str(a))), SEQ, VOCAB)
+    Path(f"{b}.json").unlink()
+    np.arange(40).astype("<u4").tofile(b)
+    with pytest.raises(ConfigError, match=r"part-00\.bin' holds uint16 ids.*'uint32'"):
+        open_corpus(TrainConfig(data=str(tmp_path / "s"), data_dtype="uint32"), SEQ, VOCAB)
+    with pytest.raises(ConfigError, match=r"part-01\.bin' has no sidecar"):
+        open_corpus(job, SEQ, VOCAB)
+
+
+def test_a_directory_of_shards_holds_nothing_else_but_hidden_files(tmp_path: Path) -> None:
+    ids = np.arange(100) % VOCAB
+    write_shards(tmp_path / "s", ids, [60, 40])
+    (tmp_path / "s" / ".part-02.bin.123.tmp").write_bytes(b"half-written")
+    job = TrainConfig(data=str(tmp_path / "s"), data_shuffle=False)
+    assert open_corpus(job, SEQ, VOCAB).window(0).tolist() == ids[: SEQ + 1].tolist()
+    (tmp_path / "s" / "README.txt").write_text("notes")
+    for check in (open_corpus, check_data):
+        with pytest.raises(ConfigError, match=r"token shards .* and other files \(README\.txt\)"):
+            check(job, SEQ, VOCAB)
+
+
+def test_an_id_outside_the_vocabulary_is_named_by_its_shard_and_position(tmp_path: Path) -> None:
+    ids = np.arange(100) % 200
+    ids[70] = 300  # position 10 of the second shard
+    write_shards(tmp_path / "s", ids, [60, 40])
+    for check in (open_corpus, check_data):
+        with pytest.raises(ConfigError, match=r"part-01\.bin': token id 300 at position 10 "):
+            check(TrainConfig(data=str(tmp_path / "s")), SEQ, VOCAB)
+
+
+def test_an_id_found_only_when_read_is_named_by_its_shard_and_position(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(data_mod, "_CHECK_END_TOKENS", 2)
+    monkeypatch.setattr(data_mod, "_CHECK_CHUNK_TOKENS", 1)
+    ids = np.arange(201) % 100
+    ids[150] = 999  # position 50 of the second shard, in window 18 (tokens 144..152)
+    write_shards(tmp_path / "s", ids, [100, 101])
+    corpus = open_corpus(TrainConfig(data=str(tmp_path / "s"), data_shuffle=False), SEQ, VOCAB)
+    corpus.batch(0, 18)
+    with pytest.raises(ConfigError, match=r"part-01\.bin': token id 999 at position 50 "):
+        corpus.batch(18, 1)
