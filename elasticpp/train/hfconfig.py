@@ -6,8 +6,8 @@ fast; the tensors themselves are `elasticpp.train.hf`'s.
 
 - `spec_from_hf(dir)` reads `config.json` into a `ModelSpec` of the `llama` (from
   `LlamaForCausalLM`) or `gpt` (from `GPT2LMHeadModel`) family; anything the family does not
-  implement (another activation, biases where Llama has none, scaled rotary embeddings, ...)
-  is refused, naming the key, rather than trained wrongly.
+  implement (another activation, biases where Llama has none, rotary scaling other than
+  Llama 3's, ...) is refused, naming the key, rather than trained wrongly.
 - `fingerprint(dir)` identifies a model directory cheaply (config, weights index and
   safetensors headers: names, shapes, dtypes and sizes), so agents can refuse to train from
   files that differ.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.errors import CheckpointError, ConfigError
-from elasticpp.plan.specs import ModelSpec
+from elasticpp.plan.specs import ModelSpec, OptionValue
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -65,46 +65,92 @@ def spec_from_hf(directory: str | Path, *, seq_len: int | None = None) -> ModelS
         )
     name = d.resolve().name.lower() or "hf-model"
     try:
-        if family == "llama":
-            return _llama_spec(cfg, d, name, seq_len)
-        return _gpt2_spec(cfg, d, name, seq_len)
+        if family == "gpt":
+            return _gpt2_spec(cfg, d, name, seq_len)
+        return _llama_spec(cfg, d, name, seq_len)
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{d / CONFIG_NAME}: missing or malformed key: {exc!r}") from exc
+
+
+_ROPE_KEYS = frozenset(
+    {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
+     "high_freq_factor", "original_max_position_embeddings"}
+)  # fmt: skip
+_LLAMA3_KEYS = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+}
+
+
+def _rope_options(cfg: Mapping[str, Any], d: Path, positions: int) -> list[tuple[str, OptionValue]]:
+    """The family options of the rotary embedding: `rope_parameters` (transformers 5) or
+    the older `rope_scaling` and `rope_theta`; only the default and `llama3` kinds."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = cfg.get(key) or {}
+    _require(cfg, key, isinstance(rope, dict), "a JSON object", d)
+    older = cfg.get("rope_scaling") or {}
+    if key == "rope_parameters" and older:  # both: they must not disagree
+        same = isinstance(older, dict) and all(rope.get(k) == v for k, v in older.items())
+        _require(cfg, "rope_scaling", same, "none, or what rope_parameters says", d)
+    unknown = sorted(set(rope) - _ROPE_KEYS)
+    _require(cfg, key, not unknown, f"unknown key(s) {', '.join(unknown)}", d)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    _require(cfg, key, kind in ("default", "llama3"), "rope_type default or llama3", d)
+    for where, factor in (
+        (f"{key}.partial_rotary_factor", rope.get("partial_rotary_factor")),
+        ("partial_rotary_factor", cfg.get("partial_rotary_factor")),
+    ):
+        if factor not in (None, 1, 1.0):
+            raise ConfigError(
+                f"{d / CONFIG_NAME}: {where} = {factor!r} is not supported (1.0: every "
+                "dimension of a head rotates)"
+            )
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    out: list[tuple[str, OptionValue]] = [("rope_theta", theta)]
+    if kind == "default":
+        extra = sorted(set(rope) & {*_LLAMA3_KEYS, "original_max_position_embeddings"})
+        _require(cfg, key, not extra, f"no {', '.join(extra)} without rope_type llama3", d)
+        return out
+    for hf_key, option in _LLAMA3_KEYS.items():
+        if hf_key not in rope:
+            raise ConfigError(f"{d / CONFIG_NAME}: {key}: rope_type llama3 needs {hf_key}")
+        out.append((option, float(rope[hf_key])))
+    # As transformers does: a top-level original_max_position_embeddings wins, then the
+    # rope dict's, then max_position_embeddings.
+    original = cfg.get(
+        "original_max_position_embeddings",
+        rope.get("original_max_position_embeddings", positions),
+    )
+    out += [("rope_type", "llama3"), ("rope_original_max_positions", int(original))]
+    return out
 
 
 def _llama_spec(cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None) -> ModelSpec:
     H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     _require(cfg, "hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu", d)
-    for key in ("attention_bias", "mlp_bias"):
-        _require(cfg, key, not cfg.get(key, False), "false", d)
+    _require(cfg, "mlp_bias", not cfg.get("mlp_bias", False), "false", d)
+    _require(cfg, "attention_bias", not cfg.get("attention_bias", False), "false", d)
     _require(cfg, "head_dim", cfg.get("head_dim") in (None, H // nh), f"{H // nh}", d)
-    rope = cfg.get("rope_parameters") or {}
-    _require(
-        cfg,
-        "rope_parameters",
-        rope.get("rope_type", "default") == "default",
-        "rope_type default",
-        d,
-    )
-    _require(cfg, "rope_scaling", not cfg.get("rope_scaling"), "none", d)
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     positions = int(cfg.get("max_position_embeddings", 2048))
+    seq = seq_len or positions
+    options: list[tuple[str, OptionValue]] = [
+        ("max_positions", positions),
+        ("norm_eps", float(cfg.get("rms_norm_eps", 1e-6))),
+        ("tie_embeddings", bool(cfg.get("tie_word_embeddings", False))),
+        *_rope_options(cfg, d, positions),
+    ]
     return ModelSpec(
         name=name,
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=H,
         num_heads=nh,
         vocab_size=int(cfg["vocab_size"]),
-        seq_len=seq_len or positions,
+        seq_len=seq,
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
         family="llama",
-        options=(
-            ("max_positions", positions),
-            ("norm_eps", float(cfg.get("rms_norm_eps", 1e-6))),
-            ("rope_theta", theta),
-            ("tie_embeddings", bool(cfg.get("tie_word_embeddings", False))),
-        ),
+        options=tuple(options),
     )
 
 
@@ -165,6 +211,13 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     o = dict(spec.options)
     if spec.family == "llama":
         theta = float(o.get("rope_theta", 10000.0))  # type: ignore[arg-type]
+        rope: dict[str, Any] = {
+            "rope_theta": theta,
+            "rope_type": str(o.get("rope_type", "default")),
+        }
+        if rope["rope_type"] == "llama3":
+            rope.update({hf: o[option] for hf, option in _LLAMA3_KEYS.items()})
+            rope["original_max_position_embeddings"] = o["rope_original_max_positions"]
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -177,7 +230,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
             "vocab_size": spec.vocab_size,
             "max_position_embeddings": o.get("max_positions", spec.seq_len),
             "rms_norm_eps": o.get("norm_eps", 1e-5),
-            "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
+            "rope_parameters": rope,
             "rope_theta": theta,
             "tie_word_embeddings": bool(o.get("tie_embeddings", False)),
             "hidden_act": "silu",

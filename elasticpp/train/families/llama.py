@@ -14,20 +14,26 @@ Options:
 - `tie_embeddings`: the LM head shares the token embedding, default false;
 - `vocab_parallel`: split the embedding and the LM head along the vocabulary, default false;
 - `max_positions`: the longest sequence the weights were trained for (kept for export; the
-  rotary embedding itself has no table), default `seq_len`.
+  rotary embedding itself has no table), default `seq_len`;
+- `rope_type`: `default` or `llama3` (Llama 3.1's frequency-dependent scaling, with
+  `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor` and
+  `rope_original_max_positions`, all required with it).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, block_unit
+from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, OptionValue, block_unit
 from elasticpp.train.contract import (
     ONES,
+    ContractError,
     ModelDef,
     Param,
     Split,
@@ -51,7 +57,37 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "tie_embeddings": bool,
     "vocab_parallel": bool,
     "max_positions": int,
+    "rope_type": str,
+    "rope_factor": (int, float),
+    "rope_low_freq_factor": (int, float),
+    "rope_high_freq_factor": (int, float),
+    "rope_original_max_positions": int,
 }
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = (
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_positions",
+)
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's rotary scaling: wavelengths longer than `original / low` are stretched by
+    `factor`, shorter than `original / high` kept, and those between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    def __post_init__(self) -> None:
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ContractError(
+                "llama: rope_high_freq_factor must be greater than rope_low_freq_factor, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,11 +97,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def rotary(seq: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: Llama3Scaling | None, device: torch.device
+) -> torch.Tensor:
+    """The rotary embedding's `head_dim / 2` angular frequencies (float32, as `transformers`
+    computes them, so that the rotations agree to the last bits that matter)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    old = scaling.original_max_positions
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    stretched = inv_freq / scaling.factor
+    # 0 at the long-wavelength edge of the band (fully stretched), 1 at the short one (kept).
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * stretched + smooth * inv_freq
+    out = torch.where(wavelen > old / low, stretched, inv_freq)
+    in_band = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(in_band, blended, out)
+
+
+def rotary(
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: Llama3Scaling | None = None,
+) -> torch.Tensor:
     """cos and sin `[2, seq, head_dim]` of the rotary embedding (halves, not interleaved)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-    )
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, device)
     pos = torch.arange(seq, device=device).float()
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -94,9 +155,10 @@ def block_forward(
     group_size: int,
     theta: float,
     eps: float,
+    scaling: Llama3Scaling | None = None,
 ) -> torch.Tensor:
     b, s, _ = x.shape
-    cos_sin = rotary(s, head_dim, theta, x.device).to(x.dtype)
+    cos_sin = rotary(s, head_dim, theta, x.device, scaling).to(x.dtype)
     h = ctx.copy_to_tp(rms_norm(x, p["attn_norm.weight"], eps))
 
     def heads(name: str) -> torch.Tensor:
@@ -123,29 +185,65 @@ def head_forward(
     return to_vocab(ctx, rms_norm(x, p["norm.weight"], eps), p["lm_head.weight"])
 
 
+def _positive_int(opts: Mapping[str, OptionValue], key: str, default: int) -> int:
+    value = opts.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ContractError(f"llama: option {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def rope_scaling(opts: Mapping[str, OptionValue]) -> Llama3Scaling | None:
+    """The rotary scaling the options ask for; its parameters only with `rope_type: llama3`."""
+    kind = opts.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ContractError(f"llama: option rope_type must be one of {ROPE_TYPES}, got {kind!r}")
+    given = [k for k in _LLAMA3_KEYS if k in opts]
+    if kind == "default":
+        if given:
+            raise ContractError(f"llama: option(s) {', '.join(given)} need rope_type llama3")
+        return None
+    missing = [k for k in _LLAMA3_KEYS if k not in opts]
+    if missing:
+        raise ContractError(f"llama: rope_type llama3 needs option(s) {', '.join(missing)}")
+    return Llama3Scaling(
+        factor=option_float(opts, "rope_factor", 1.0),
+        low_freq_factor=option_float(opts, "rope_low_freq_factor", 1.0),
+        high_freq_factor=option_float(opts, "rope_high_freq_factor", 1.0),
+        original_max_positions=_positive_int(opts, "rope_original_max_positions", 1),
+    )
+
+
 def build(spec: ModelSpec) -> ModelDef:
     opts = spec.option_map
     check_options("llama", opts, OPTIONS)
     theta = option_float(opts, "rope_theta", 10000.0)
     eps = option_float(opts, "norm_eps", 1e-5)
+    scaling = rope_scaling(opts)
     vocab = vocab_split(opts)
     H, F_, V, S = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.seq_len
     hd, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     std = normal(INIT_STD)
     embed = Unit(UNIT_EMBED, (Param("tok.weight", (V, H), vocab, std),), embed_forward)
+    attn: list[Param] = [Param("attn_norm.weight", (H,), init=ONES)]
+    for name, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+        attn.append(Param(f"attn.{name}.weight", (rows, H), Split.COLUMN, std))
+    attn.append(Param("attn.o.weight", (H, nh * hd), Split.ROW, std))
     block_params = (
-        Param("attn_norm.weight", (H,), init=ONES),
-        Param("attn.q.weight", (nh * hd, H), Split.COLUMN, std),
-        Param("attn.k.weight", (nkv * hd, H), Split.COLUMN, std),
-        Param("attn.v.weight", (nkv * hd, H), Split.COLUMN, std),
-        Param("attn.o.weight", (H, nh * hd), Split.ROW, std),
+        *attn,
         Param("mlp_norm.weight", (H,), init=ONES),
         Param("mlp.gate.weight", (F_, H), Split.COLUMN, std),
         Param("mlp.up.weight", (F_, H), Split.COLUMN, std),
         Param("mlp.down.weight", (H, F_), Split.ROW, std),
     )
-    forward = partial(block_forward, head_dim=hd, group_size=nh // nkv, theta=theta, eps=eps)
-    flops = 2.0 * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * F_) + 4.0 * S * H
+    forward = partial(
+        block_forward,
+        head_dim=hd,
+        group_size=nh // nkv,
+        theta=theta,
+        eps=eps,
+        scaling=scaling,
+    )
+    flops = 2.0 * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * F_) + 4.0 * S * nh * hd
     blocks = tuple(
         Unit(block_unit(i), block_params, forward, flops) for i in range(spec.num_layers)
     )
