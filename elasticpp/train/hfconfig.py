@@ -4,10 +4,12 @@ write one back, list the safetensors files, and fingerprint a directory.
 Kept free of torch so that `elasticpp plan --model DIR` and the agent's job-spec check stay
 fast; the tensors themselves are `elasticpp.train.hf`'s.
 
-- `spec_from_hf(dir)` reads `config.json` into a `ModelSpec` of the `llama` (from
-  `LlamaForCausalLM`) or `gpt` (from `GPT2LMHeadModel`) family; anything the family does not
-  implement (another activation, biases where Llama has none, rotary scaling other than
-  Llama 3's, ...) is refused, naming the key, rather than trained wrongly.
+- `spec_from_hf(dir)` reads `config.json` into a `ModelSpec` of the `llama` family (from
+  `LlamaForCausalLM`, `Qwen2ForCausalLM`; what differs between them becomes family options)
+  or the `gpt` family (from `GPT2LMHeadModel`); anything the family does not implement
+  (another activation, MLP biases, rotary scaling other than Llama 3's, a sliding window, ...)
+  is refused, naming the key, rather than trained wrongly.
+- `hf_config(spec)` writes the config back, for the architecture the spec came from.
 - `fingerprint(dir)` identifies a model directory cheaply (config, weights index and
   safetensors headers: names, shapes, dtypes and sizes), so agents can refuse to train from
   files that differ.
@@ -27,7 +29,14 @@ from elasticpp.plan.specs import ModelSpec, OptionValue
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
+# Hugging Face class -> how elasticpp reads it: the Llama-shaped ones all become the `llama`
+# family (elasticpp.train.families.llama), told apart by `hf_model_type` for export.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "GPT2LMHeadModel": "gpt",
+}
+ARCH_NAMES = {kind: arch for arch, kind in ARCHITECTURES.items()}
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -67,7 +76,7 @@ def spec_from_hf(directory: str | Path, *, seq_len: int | None = None) -> ModelS
     try:
         if family == "gpt":
             return _gpt2_spec(cfg, d, name, seq_len)
-        return _llama_spec(cfg, d, name, seq_len)
+        return _llama_spec(cfg, d, name, seq_len, family)
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{d / CONFIG_NAME}: missing or malformed key: {exc!r}") from exc
 
@@ -126,11 +135,26 @@ def _rope_options(cfg: Mapping[str, Any], d: Path, positions: int) -> list[tuple
     return out
 
 
-def _llama_spec(cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None) -> ModelSpec:
+def _window_options(cfg: Mapping[str, Any], d: Path, family: str) -> None:
+    """A sliding attention window: elasticpp implements full causal attention, so Qwen2's
+    `use_sliding_window` (a window on the layers from `max_window_layers` on) is refused."""
+    types = cfg.get("layer_types") or []
+    odd = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
+    _require(cfg, "layer_types", not odd, "full_attention or sliding_attention", d)
+    use = cfg.get("use_sliding_window", False)
+    _require(cfg, "use_sliding_window", use is False, "false: full causal attention", d)
+    # without use_sliding_window, transformers' sliding layers do not slide
+
+
+def _llama_spec(
+    cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None, arch: str
+) -> ModelSpec:
+    """Llama and Qwen2: one family, `llama`, with options for what differs."""
     H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     _require(cfg, "hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu", d)
     _require(cfg, "mlp_bias", not cfg.get("mlp_bias", False), "false", d)
-    _require(cfg, "attention_bias", not cfg.get("attention_bias", False), "false", d)
+    bias = cfg.get("attention_bias", False)
+    _require(cfg, "attention_bias", isinstance(bias, bool), "true or false", d)
     _require(cfg, "head_dim", cfg.get("head_dim") in (None, H // nh), f"{H // nh}", d)
     positions = int(cfg.get("max_position_embeddings", 2048))
     seq = seq_len or positions
@@ -140,6 +164,14 @@ def _llama_spec(cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None)
         ("tie_embeddings", bool(cfg.get("tie_word_embeddings", False))),
         *_rope_options(cfg, d, positions),
     ]
+    if arch != "llama":
+        _window_options(cfg, d, arch)
+    if arch == "qwen2" or bias:
+        options.append(("qkv_bias", True))
+    if bias:
+        options.append(("o_bias", True))
+    if arch != "llama":
+        options.append(("hf_model_type", arch))
     return ModelSpec(
         name=name,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -210,34 +242,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """The `config.json` of a spec of the `llama` or `gpt` family."""
     o = dict(spec.options)
     if spec.family == "llama":
-        theta = float(o.get("rope_theta", 10000.0))  # type: ignore[arg-type]
-        rope: dict[str, Any] = {
-            "rope_theta": theta,
-            "rope_type": str(o.get("rope_type", "default")),
-        }
-        if rope["rope_type"] == "llama3":
-            rope.update({hf: o[option] for hf, option in _LLAMA3_KEYS.items()})
-            rope["original_max_position_embeddings"] = o["rope_original_max_positions"]
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.ffn_hidden_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_heads,
-            "num_key_value_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "vocab_size": spec.vocab_size,
-            "max_position_embeddings": o.get("max_positions", spec.seq_len),
-            "rms_norm_eps": o.get("norm_eps", 1e-5),
-            "rope_parameters": rope,
-            "rope_theta": theta,
-            "tie_word_embeddings": bool(o.get("tie_embeddings", False)),
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "dtype": "float32",
-        }
+        return _llama_config(spec)
     if spec.family == "gpt":
         gelu = {"tanh": "gelu_new", "exact": "gelu"}[str(o.get("gelu", "exact"))]
         return {
@@ -258,6 +263,48 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         f"model {spec.name!r}: only the llama and gpt families export to Hugging Face, "
         f"not {spec.family!r}"
     )
+
+
+def _llama_config(spec: ModelSpec) -> dict[str, Any]:
+    """The config of the Hugging Face class a `llama`-family spec came from (its
+    `hf_model_type`), with every option that changes the math written back."""
+    o = dict(spec.options)
+    kind = str(o.get("hf_model_type", "llama"))
+    theta = float(o.get("rope_theta", 10000.0))  # type: ignore[arg-type]
+    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": str(o.get("rope_type", "default"))}
+    if rope["rope_type"] == "llama3":
+        rope.update({hf: o[option] for hf, option in _LLAMA3_KEYS.items()})
+        rope["original_max_position_embeddings"] = o["rope_original_max_positions"]
+    qkv_bias, o_bias = bool(o.get("qkv_bias", False)), bool(o.get("o_bias", False))
+    if kind == "qwen2" and (not qkv_bias or o_bias):
+        raise ConfigError(f"model {spec.name!r}: Qwen2 has q/k/v biases and no output bias")
+    if kind != "qwen2" and qkv_bias != o_bias:
+        raise ConfigError(
+            f"model {spec.name!r}: {ARCH_NAMES[kind]} has biases on all of q, k, v and o or on none"
+        )
+    config: dict[str, Any] = {
+        "architectures": [ARCH_NAMES[kind]],
+        "model_type": kind,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": o.get("max_positions", spec.seq_len),
+        "rms_norm_eps": o.get("norm_eps", 1e-5),
+        "rope_parameters": rope,
+        "rope_theta": theta,
+        "tie_word_embeddings": bool(o.get("tie_embeddings", False)),
+        "hidden_act": "silu",
+        "dtype": "float32",
+    }
+    if kind == "llama":
+        config.update({"attention_bias": o_bias, "mlp_bias": False})
+    else:
+        config.update({"use_sliding_window": False, "sliding_window": None})
+    return config
 
 
 def fingerprint(directory: str | Path) -> dict[str, str]:

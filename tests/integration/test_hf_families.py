@@ -1,5 +1,6 @@
 """The model families users bring, with `transformers` itself as the oracle: Llama 3.x rotary
-scaling. Small random models built here: logits on one rank, one training step's loss,
+scaling, Llama with attention biases, Qwen2 (q/k/v biases, tied embeddings). Small random
+models built here: logits on one rank, one training step's loss,
 gradients and updated weights under a layout that is both tensor- and pipeline-parallel,
 import then export bit for bit; and the configurations elasticpp would train wrongly are
 refused, naming the key."""
@@ -17,6 +18,8 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -68,6 +71,8 @@ def _perturb(model: torch.nn.Module) -> None:
 
 MODELS = {
     "llama3": lambda: LlamaForCausalLM(LlamaConfig(**_shape(rope_parameters=dict(LLAMA3)))),
+    "llama-bias": lambda: LlamaForCausalLM(LlamaConfig(**_shape(attention_bias=True))),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_shape(tie_word_embeddings=True))),
 }
 
 
@@ -157,7 +162,8 @@ def _reference_step(path: Path, data: Path, batch: int) -> tuple[float, float, d
 def test_one_training_step_under_tp_and_pp_equals_transformers(
     hf_dirs: dict[str, Path], tmp_path: Path, name: str
 ) -> None:
-    """pp=2, tp=2: q/k/v split by heads, the blocks on two stages."""
+    """pp=2, tp=2: q/k/v (and their biases) split by heads, the blocks on two stages, a
+    tied head on another stage than its embedding (qwen2)."""
     data = tmp_path / "corpus.bin"
     data.write_bytes(
         bytes(torch.randint(0, VOCAB, (4096,), generator=torch.Generator().manual_seed(1)).tolist())
@@ -205,8 +211,8 @@ def test_one_training_step_under_tp_and_pp_equals_transformers(
             want = w * (1 - lr * wd) if p.weight_decay else w.clone()
             want -= lr * g / (g.abs() + eps)
             got = after[unit.name][p.name]
-            # Where the reference gradient is at rounding level its sign is noise: only the
-            # step's size is known.
+            # Where the reference gradient is at rounding level (a key bias, whose gradient
+            # is zero in exact arithmetic) its sign is noise: only the step's size is known.
             sure = g.abs() > 1e-6
             where = f"{unit.name}/{p.name}"
             torch.testing.assert_close(got[sure], want[sure], rtol=0, atol=1e-6, msg=where)
@@ -251,6 +257,10 @@ def _rope(**changes: Any) -> dict[str, Any]:
         ("llama3", _rope(partial_rotary_factor=0.5), "partial_rotary_factor"),
         ("llama3", _rope(mscale=2.0), "unknown key.*mscale"),
         ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ("llama-bias", {"attention_bias": "qkv"}, "attention_bias = 'qkv'"),
+        ("llama-bias", {"mlp_bias": True}, "mlp_bias"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
     ],
 )
 def test_configurations_elasticpp_would_train_wrongly_are_refused_naming_the_key(

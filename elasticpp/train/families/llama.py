@@ -1,12 +1,14 @@
 """The `llama` family: a Llama-style decoder on the model contract, weight-compatible with
-Hugging Face's `LlamaForCausalLM` (tested against `transformers` itself).
+Hugging Face's `LlamaForCausalLM` and `Qwen2ForCausalLM` (each tested against `transformers`
+itself).
 
 Units: `embed` (token embedding), `block.NNNN` (RMSNorm, attention with rotary position
-embeddings and grouped-query attention, RMSNorm, SwiGLU MLP; no biases), `head` (RMSNorm and
-LM head). Q, K and V are COLUMN-split by heads (tensor parallelism must divide both the query
-heads and the key/value heads: every rank then holds `num_kv_heads / t` key/value heads
-and the `num_heads / t` query heads that use them), the attention output and the MLP's down
-projection are ROW-split, gate and up are COLUMN-split.
+embeddings and grouped-query attention, RMSNorm, SwiGLU MLP), `head` (RMSNorm and LM head).
+Q, K and V are COLUMN-split by heads (tensor parallelism must divide both the query heads and
+the key/value heads: every rank then holds `num_kv_heads / t` key/value heads and the
+`num_heads / t` query heads that use them), and so are their biases; the attention output and
+the MLP's down projection are ROW-split (the output bias is replicated, added after the
+reduce), gate and up are COLUMN-split.
 
 Options:
 - `rope_theta`: the base of the rotary frequencies, default 10000.0;
@@ -17,7 +19,11 @@ Options:
   rotary embedding itself has no table), default `seq_len`;
 - `rope_type`: `default` or `llama3` (Llama 3.1's frequency-dependent scaling, with
   `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor` and
-  `rope_original_max_positions`, all required with it).
+  `rope_original_max_positions`, all required with it);
+- `qkv_bias`: Q, K and V have biases (Qwen2), default false; `o_bias`: the attention output
+  has one too (Llama's `attention_bias`), default false;
+- `hf_model_type`: the Hugging Face architecture to export to (`llama`, `qwen2`), default
+  `llama`; it does not change the math.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, OptionValue, block_unit
 from elasticpp.train.contract import (
     ONES,
+    ZEROS,
     ContractError,
     ModelDef,
     Param,
@@ -62,7 +69,11 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "rope_low_freq_factor": (int, float),
     "rope_high_freq_factor": (int, float),
     "rope_original_max_positions": int,
+    "qkv_bias": bool,
+    "o_bias": bool,
+    "hf_model_type": str,
 }
+HF_MODEL_TYPES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = (
     "rope_factor",
@@ -162,7 +173,8 @@ def block_forward(
     h = ctx.copy_to_tp(rms_norm(x, p["attn_norm.weight"], eps))
 
     def heads(name: str) -> torch.Tensor:
-        return F.linear(h, p[f"attn.{name}.weight"]).view(b, s, -1, head_dim).transpose(1, 2)
+        y = F.linear(h, p[f"attn.{name}.weight"], p.get(f"attn.{name}.bias"))
+        return y.view(b, s, -1, head_dim).transpose(1, 2)
 
     q = apply_rotary(heads("q"), cos_sin)
     k = apply_rotary(heads("k"), cos_sin)
@@ -172,7 +184,10 @@ def block_forward(
         v = v.repeat_interleave(group_size, dim=1)
     a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     a = a.transpose(1, 2).reshape(b, s, -1)
-    x = x + ctx.dropout(ctx.reduce_from_tp(F.linear(a, p["attn.o.weight"])), "attn")
+    o = ctx.reduce_from_tp(F.linear(a, p["attn.o.weight"]))
+    if "attn.o.bias" in p:  # replicated: added once, after the reduce
+        o = o + p["attn.o.bias"]
+    x = x + ctx.dropout(o, "attn")
 
     h = ctx.copy_to_tp(rms_norm(x, p["mlp_norm.weight"], eps))
     h = F.silu(F.linear(h, p["mlp.gate.weight"])) * F.linear(h, p["mlp.up.weight"])
@@ -219,6 +234,12 @@ def build(spec: ModelSpec) -> ModelDef:
     theta = option_float(opts, "rope_theta", 10000.0)
     eps = option_float(opts, "norm_eps", 1e-5)
     scaling = rope_scaling(opts)
+    if opts.get("hf_model_type", "llama") not in HF_MODEL_TYPES:
+        raise ContractError(
+            f"llama: option hf_model_type must be one of {HF_MODEL_TYPES}, "
+            f"got {opts['hf_model_type']!r}"
+        )
+    qkv_bias, o_bias = bool(opts.get("qkv_bias", False)), bool(opts.get("o_bias", False))
     vocab = vocab_split(opts)
     H, F_, V, S = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.seq_len
     hd, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
@@ -227,7 +248,11 @@ def build(spec: ModelSpec) -> ModelDef:
     attn: list[Param] = [Param("attn_norm.weight", (H,), init=ONES)]
     for name, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
         attn.append(Param(f"attn.{name}.weight", (rows, H), Split.COLUMN, std))
+        if qkv_bias:
+            attn.append(Param(f"attn.{name}.bias", (rows,), Split.COLUMN, ZEROS))
     attn.append(Param("attn.o.weight", (H, nh * hd), Split.ROW, std))
+    if o_bias:
+        attn.append(Param("attn.o.bias", (H,), init=ZEROS))
     block_params = (
         *attn,
         Param("mlp_norm.weight", (H,), init=ONES),
