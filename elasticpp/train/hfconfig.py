@@ -5,10 +5,10 @@ Kept free of torch so that `elasticpp plan --model DIR` and the agent's job-spec
 fast; the tensors themselves are `elasticpp.train.hf`'s.
 
 - `spec_from_hf(dir)` reads `config.json` into a `ModelSpec` of the `llama` family (from
-  `LlamaForCausalLM`, `Qwen2ForCausalLM`; what differs between them becomes family options)
-  or the `gpt` family (from `GPT2LMHeadModel`); anything the family does not implement
-  (another activation, MLP biases, rotary scaling other than Llama 3's, a sliding window, ...)
-  is refused, naming the key, rather than trained wrongly.
+  `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; what differs between them
+  becomes family options) or the `gpt` family (from `GPT2LMHeadModel`); anything the family
+  does not implement (another activation, MLP biases, rotary scaling other than Llama 3's, a
+  sliding window, ...) is refused, naming the key, rather than trained wrongly.
 - `hf_config(spec)` writes the config back, for the architecture the spec came from.
 - `fingerprint(dir)` identifies a model directory cheaply (config, weights index and
   safetensors headers: names, shapes, dtypes and sizes), so agents can refuse to train from
@@ -34,6 +34,7 @@ INDEX_NAME = "model.safetensors.index.json"
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "GPT2LMHeadModel": "gpt",
 }
 ARCH_NAMES = {kind: arch for arch, kind in ARCHITECTURES.items()}
@@ -136,7 +137,7 @@ def _rope_options(cfg: Mapping[str, Any], d: Path, positions: int) -> list[tuple
 
 
 def _window_options(cfg: Mapping[str, Any], d: Path, family: str) -> None:
-    """A sliding attention window: elasticpp implements full causal attention, so Qwen2's
+    """A sliding attention window: elasticpp implements full causal attention, so Qwen2/3's
     `use_sliding_window` (a window on the layers from `max_window_layers` on) is refused."""
     types = cfg.get("layer_types") or []
     odd = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
@@ -149,13 +150,14 @@ def _window_options(cfg: Mapping[str, Any], d: Path, family: str) -> None:
 def _llama_spec(
     cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None, arch: str
 ) -> ModelSpec:
-    """Llama and Qwen2: one family, `llama`, with options for what differs."""
+    """Llama, Qwen2 and Qwen3: one family, `llama`, with options for what differs."""
     H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     _require(cfg, "hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu", d)
     _require(cfg, "mlp_bias", not cfg.get("mlp_bias", False), "false", d)
     bias = cfg.get("attention_bias", False)
     _require(cfg, "attention_bias", isinstance(bias, bool), "true or false", d)
-    _require(cfg, "head_dim", cfg.get("head_dim") in (None, H // nh), f"{H // nh}", d)
+    head_dim = int(cfg.get("head_dim") or H // nh)
+    _require(cfg, "head_dim", head_dim > 0 and head_dim % 2 == 0, "an even number", d)
     positions = int(cfg.get("max_position_embeddings", 2048))
     seq = seq_len or positions
     options: list[tuple[str, OptionValue]] = [
@@ -166,10 +168,14 @@ def _llama_spec(
     ]
     if arch != "llama":
         _window_options(cfg, d, arch)
+    if head_dim != H // nh:
+        options.append(("head_dim", head_dim))
     if arch == "qwen2" or bias:
         options.append(("qkv_bias", True))
     if bias:
         options.append(("o_bias", True))
+    if arch == "qwen3":
+        options.append(("qk_norm", True))
     if arch != "llama":
         options.append(("hf_model_type", arch))
     return ModelSpec(
@@ -282,6 +288,8 @@ def _llama_config(spec: ModelSpec) -> dict[str, Any]:
         raise ConfigError(
             f"model {spec.name!r}: {ARCH_NAMES[kind]} has biases on all of q, k, v and o or on none"
         )
+    if bool(o.get("qk_norm", False)) != (kind == "qwen3"):
+        raise ConfigError(f"model {spec.name!r}: qk_norm is Qwen3's, and Qwen3 has it")
     config: dict[str, Any] = {
         "architectures": [ARCH_NAMES[kind]],
         "model_type": kind,
@@ -290,7 +298,7 @@ def _llama_config(spec: ModelSpec) -> dict[str, Any]:
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
+        "head_dim": o.get("head_dim", spec.head_dim),
         "vocab_size": spec.vocab_size,
         "max_position_embeddings": o.get("max_positions", spec.seq_len),
         "rms_norm_eps": o.get("norm_eps", 1e-5),
@@ -304,6 +312,8 @@ def _llama_config(spec: ModelSpec) -> dict[str, Any]:
         config.update({"attention_bias": o_bias, "mlp_bias": False})
     else:
         config.update({"use_sliding_window": False, "sliding_window": None})
+        if kind == "qwen3":
+            config["attention_bias"] = o_bias
     return config
 
 

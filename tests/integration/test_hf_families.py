@@ -1,6 +1,7 @@
 """The model families users bring, with `transformers` itself as the oracle: Llama 3.x rotary
-scaling, Llama with attention biases, Qwen2 (q/k/v biases, tied embeddings). Small random
-models built here: logits on one rank, one training step's loss,
+scaling, Llama with attention biases, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head
+q/k norms, a head_dim other than hidden/heads). Small random models built
+here: logits on one rank, one training step's loss,
 gradients and updated weights under a layout that is both tensor- and pipeline-parallel,
 import then export bit for bit; and the configurations elasticpp would train wrongly are
 refused, naming the key."""
@@ -20,6 +21,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -73,6 +76,7 @@ MODELS = {
     "llama3": lambda: LlamaForCausalLM(LlamaConfig(**_shape(rope_parameters=dict(LLAMA3)))),
     "llama-bias": lambda: LlamaForCausalLM(LlamaConfig(**_shape(attention_bias=True))),
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_shape(tie_word_embeddings=True))),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_shape(head_dim=32))),
 }
 
 
@@ -261,6 +265,8 @@ def _rope(**changes: Any) -> dict[str, Any]:
         ("llama-bias", {"mlp_bias": True}, "mlp_bias"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+        ("qwen3", {"layer_types": ["chunked_attention"] * 2}, "layer_types"),
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
     ],
 )
 def test_configurations_elasticpp_would_train_wrongly_are_refused_naming_the_key(

@@ -1,6 +1,6 @@
 """The `llama` family: a Llama-style decoder on the model contract, weight-compatible with
-Hugging Face's `LlamaForCausalLM` and `Qwen2ForCausalLM` (each tested against `transformers`
-itself).
+Hugging Face's `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` (each tested
+against `transformers` itself).
 
 Units: `embed` (token embedding), `block.NNNN` (RMSNorm, attention with rotary position
 embeddings and grouped-query attention, RMSNorm, SwiGLU MLP), `head` (RMSNorm and LM head).
@@ -8,7 +8,8 @@ Q, K and V are COLUMN-split by heads (tensor parallelism must divide both the qu
 the key/value heads: every rank then holds `num_kv_heads / t` key/value heads and the
 `num_heads / t` query heads that use them), and so are their biases; the attention output and
 the MLP's down projection are ROW-split (the output bias is replicated, added after the
-reduce), gate and up are COLUMN-split.
+reduce), gate and up are COLUMN-split. The per-head q/k norms of `qk_norm` act on one head's
+`head_dim` values, so every rank holds them whole.
 
 Options:
 - `rope_theta`: the base of the rotary frequencies, default 10000.0;
@@ -17,13 +18,16 @@ Options:
 - `vocab_parallel`: split the embedding and the LM head along the vocabulary, default false;
 - `max_positions`: the longest sequence the weights were trained for (kept for export; the
   rotary embedding itself has no table), default `seq_len`;
+- `head_dim`: the width of one attention head, default `hidden_size / num_heads` (Qwen3 and
+  some Mistral models choose another);
 - `rope_type`: `default` or `llama3` (Llama 3.1's frequency-dependent scaling, with
   `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor` and
   `rope_original_max_positions`, all required with it);
 - `qkv_bias`: Q, K and V have biases (Qwen2), default false; `o_bias`: the attention output
-  has one too (Llama's `attention_bias`), default false;
-- `hf_model_type`: the Hugging Face architecture to export to (`llama`, `qwen2`), default
-  `llama`; it does not change the math.
+  has one too (`attention_bias` of Llama and Qwen3), default false;
+- `qk_norm`: RMSNorm on every query and key head before the rotation (Qwen3), default false;
+- `hf_model_type`: the Hugging Face architecture to export to (`llama`, `qwen2`,
+  `qwen3`), default `llama`; it does not change the math.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "tie_embeddings": bool,
     "vocab_parallel": bool,
     "max_positions": int,
+    "head_dim": int,
     "rope_type": str,
     "rope_factor": (int, float),
     "rope_low_freq_factor": (int, float),
@@ -71,9 +76,10 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "rope_original_max_positions": int,
     "qkv_bias": bool,
     "o_bias": bool,
+    "qk_norm": bool,
     "hf_model_type": str,
 }
-HF_MODEL_TYPES = ("llama", "qwen2")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = (
     "rope_factor",
@@ -167,6 +173,7 @@ def block_forward(
     theta: float,
     eps: float,
     scaling: Llama3Scaling | None = None,
+    qk_norm: bool = False,
 ) -> torch.Tensor:
     b, s, _ = x.shape
     cos_sin = rotary(s, head_dim, theta, x.device, scaling).to(x.dtype)
@@ -174,7 +181,13 @@ def block_forward(
 
     def heads(name: str) -> torch.Tensor:
         y = F.linear(h, p[f"attn.{name}.weight"], p.get(f"attn.{name}.bias"))
-        return y.view(b, s, -1, head_dim).transpose(1, 2)
+        y = y.view(b, s, -1, head_dim)
+        if qk_norm and name in ("q", "k"):  # per head, before the rotation (Qwen3)
+            # Replicated weight on this rank's heads only: copy_to_tp sums its gradient
+            # over the tp group, so every rank holds the whole gradient, as for a norm
+            # before a COLUMN split.
+            y = rms_norm(y, ctx.copy_to_tp(p[f"attn.{name}_norm.weight"]), eps)
+        return y.transpose(1, 2)
 
     q = apply_rotary(heads("q"), cos_sin)
     k = apply_rotary(heads("k"), cos_sin)
@@ -240,9 +253,13 @@ def build(spec: ModelSpec) -> ModelDef:
             f"got {opts['hf_model_type']!r}"
         )
     qkv_bias, o_bias = bool(opts.get("qkv_bias", False)), bool(opts.get("o_bias", False))
+    qk_norm = bool(opts.get("qk_norm", False))
     vocab = vocab_split(opts)
     H, F_, V, S = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.seq_len
-    hd, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    hd = _positive_int(opts, "head_dim", spec.head_dim)
+    if hd % 2:
+        raise ContractError(f"llama: option head_dim must be even (rotary pairs), got {hd}")
+    nh, nkv = spec.num_heads, spec.num_kv_heads
     std = normal(INIT_STD)
     embed = Unit(UNIT_EMBED, (Param("tok.weight", (V, H), vocab, std),), embed_forward)
     attn: list[Param] = [Param("attn_norm.weight", (H,), init=ONES)]
@@ -250,6 +267,9 @@ def build(spec: ModelSpec) -> ModelDef:
         attn.append(Param(f"attn.{name}.weight", (rows, H), Split.COLUMN, std))
         if qkv_bias:
             attn.append(Param(f"attn.{name}.bias", (rows,), Split.COLUMN, ZEROS))
+    if qk_norm:
+        attn += [Param("attn.q_norm.weight", (hd,), init=ONES)]
+        attn += [Param("attn.k_norm.weight", (hd,), init=ONES)]
     attn.append(Param("attn.o.weight", (H, nh * hd), Split.ROW, std))
     if o_bias:
         attn.append(Param("attn.o.bias", (H,), init=ZEROS))
@@ -267,6 +287,7 @@ def build(spec: ModelSpec) -> ModelDef:
         theta=theta,
         eps=eps,
         scaling=scaling,
+        qk_norm=qk_norm,
     )
     flops = 2.0 * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * F_) + 4.0 * S * nh * hd
     blocks = tuple(
