@@ -1,7 +1,7 @@
-"""Hugging Face interop: a `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or
-`GPT2LMHeadModel` directory (its `config.json` and `*.safetensors`) in, the same architecture
-on the model contract out, and back again (`elasticpp.train.hfconfig` reads and writes the
-configuration).
+"""Hugging Face interop: a `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM` or `GPT2LMHeadModel` directory (its `config.json` and `*.safetensors`)
+in, the same architecture on the model contract out, and back again
+(`elasticpp.train.hfconfig` reads and writes the configuration).
 
 - `units_from_hf` / `hf_from_units` map tensors between Hugging Face names and
   `unit -> parameter` (GPT-2's fused, transposed `Conv1D` weights are split and transposed;

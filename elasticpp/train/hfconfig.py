@@ -5,10 +5,11 @@ Kept free of torch so that `elasticpp plan --model DIR` and the agent's job-spec
 fast; the tensors themselves are `elasticpp.train.hf`'s.
 
 - `spec_from_hf(dir)` reads `config.json` into a `ModelSpec` of the `llama` family (from
-  `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; what differs between them
-  becomes family options) or the `gpt` family (from `GPT2LMHeadModel`); anything the family
-  does not implement (another activation, MLP biases, rotary scaling other than Llama 3's, a
-  sliding window, ...) is refused, naming the key, rather than trained wrongly.
+  `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; what
+  differs between them becomes family options) or the `gpt` family (from `GPT2LMHeadModel`);
+  anything the family does not implement (another activation, MLP biases, rotary scaling
+  other than Llama 3's, a sliding window shorter than the sequence, ...) is refused, naming
+  the key, rather than trained wrongly.
 - `hf_config(spec)` writes the config back, for the architecture the spec came from.
 - `fingerprint(dir)` identifies a model directory cheaply (config, weights index and
   safetensors headers: names, shapes, dtypes and sizes), so agents can refuse to train from
@@ -33,6 +34,7 @@ INDEX_NAME = "model.safetensors.index.json"
 # family (elasticpp.train.families.llama), told apart by `hf_model_type` for export.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GPT2LMHeadModel": "gpt",
@@ -136,21 +138,38 @@ def _rope_options(cfg: Mapping[str, Any], d: Path, positions: int) -> list[tuple
     return out
 
 
-def _window_options(cfg: Mapping[str, Any], d: Path, family: str) -> None:
-    """A sliding attention window: elasticpp implements full causal attention, so Qwen2/3's
-    `use_sliding_window` (a window on the layers from `max_window_layers` on) is refused."""
-    types = cfg.get("layer_types") or []
-    odd = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
-    _require(cfg, "layer_types", not odd, "full_attention or sliding_attention", d)
-    use = cfg.get("use_sliding_window", False)
-    _require(cfg, "use_sliding_window", use is False, "false: full causal attention", d)
-    # without use_sliding_window, transformers' sliding layers do not slide
+def _window_options(
+    cfg: Mapping[str, Any], d: Path, family: str, seq_len: int
+) -> list[tuple[str, OptionValue]]:
+    """A sliding attention window. elasticpp implements full causal attention, which a
+    window of at least seq_len is exactly: Mistral's `sliding_window` (null: none) is kept
+    when it is that long and refused when shorter; Qwen2/3's `use_sliding_window` (a window
+    on the layers from `max_window_layers` on) is refused."""
+    if family in ("qwen2", "qwen3"):
+        types = cfg.get("layer_types") or []
+        odd = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
+        _require(cfg, "layer_types", not odd, "full_attention or sliding_attention", d)
+        use = cfg.get("use_sliding_window", False)
+        _require(cfg, "use_sliding_window", use is False, "false: full causal attention", d)
+        return []  # without use_sliding_window, transformers' sliding layers do not slide
+    window = cfg.get("sliding_window")
+    if window is None:
+        return []
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{d / CONFIG_NAME}: sliding_window = {window!r}: not a positive integer")
+    if window < seq_len:
+        raise ConfigError(
+            f"{d / CONFIG_NAME}: sliding_window = {window} is not supported for seq_len "
+            f"{seq_len}: elasticpp trains full causal attention, which equals the window only "
+            f"for seq_len <= {window} (choose a shorter seq_len)"
+        )
+    return [("sliding_window", window)]
 
 
 def _llama_spec(
     cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None, arch: str
 ) -> ModelSpec:
-    """Llama, Qwen2 and Qwen3: one family, `llama`, with options for what differs."""
+    """Llama, Mistral, Qwen2 and Qwen3: one family, `llama`, with options for what differs."""
     H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     _require(cfg, "hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu", d)
     _require(cfg, "mlp_bias", not cfg.get("mlp_bias", False), "false", d)
@@ -165,9 +184,8 @@ def _llama_spec(
         ("norm_eps", float(cfg.get("rms_norm_eps", 1e-6))),
         ("tie_embeddings", bool(cfg.get("tie_word_embeddings", False))),
         *_rope_options(cfg, d, positions),
+        *_window_options(cfg, d, arch, seq),
     ]
-    if arch != "llama":
-        _window_options(cfg, d, arch)
     if head_dim != H // nh:
         options.append(("head_dim", head_dim))
     if arch == "qwen2" or bias:
@@ -284,6 +302,8 @@ def _llama_config(spec: ModelSpec) -> dict[str, Any]:
     qkv_bias, o_bias = bool(o.get("qkv_bias", False)), bool(o.get("o_bias", False))
     if kind == "qwen2" and (not qkv_bias or o_bias):
         raise ConfigError(f"model {spec.name!r}: Qwen2 has q/k/v biases and no output bias")
+    if kind in ("qwen2", "mistral") and o_bias:
+        raise ConfigError(f"model {spec.name!r}: {kind} has no attention output bias")
     if kind != "qwen2" and qkv_bias != o_bias:
         raise ConfigError(
             f"model {spec.name!r}: {ARCH_NAMES[kind]} has biases on all of q, k, v and o or on none"
@@ -308,8 +328,13 @@ def _llama_config(spec: ModelSpec) -> dict[str, Any]:
         "hidden_act": "silu",
         "dtype": "float32",
     }
+    window = o.get("sliding_window")
+    if window is not None and kind != "mistral":
+        raise ConfigError(f"model {spec.name!r}: a sliding_window exports only to Mistral")
     if kind == "llama":
         config.update({"attention_bias": o_bias, "mlp_bias": False})
+    elif kind == "mistral":
+        config["sliding_window"] = window
     else:
         config.update({"use_sliding_window": False, "sliding_window": None})
         if kind == "qwen3":

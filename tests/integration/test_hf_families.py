@@ -1,7 +1,7 @@
 """The model families users bring, with `transformers` itself as the oracle: Llama 3.x rotary
 scaling, Llama with attention biases, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head
-q/k norms, a head_dim other than hidden/heads). Small random models built
-here: logits on one rank, one training step's loss,
+q/k norms, a head_dim other than hidden/heads) and Mistral (a sliding window as long as the
+sequence). Small random models built here: logits on one rank, one training step's loss,
 gradients and updated weights under a layout that is both tensor- and pipeline-parallel,
 import then export bit for bit; and the configurations elasticpp would train wrongly are
 refused, naming the key."""
@@ -19,6 +19,8 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -77,6 +79,7 @@ MODELS = {
     "llama-bias": lambda: LlamaForCausalLM(LlamaConfig(**_shape(attention_bias=True))),
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_shape(tie_word_embeddings=True))),
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_shape(head_dim=32))),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_shape(sliding_window=SEQ))),
 }
 
 
@@ -267,6 +270,7 @@ def _rope(**changes: Any) -> dict[str, Any]:
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
         ("qwen3", {"layer_types": ["chunked_attention"] * 2}, "layer_types"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
+        ("mistral", {"sliding_window": SEQ - 1}, f"sliding_window = {SEQ - 1} .*seq_len {SEQ}"),
     ],
 )
 def test_configurations_elasticpp_would_train_wrongly_are_refused_naming_the_key(
@@ -292,3 +296,17 @@ def test_a_llama3_config_of_transformers_4_reads_as_the_same_model(
     old, new = spec_from_hf(tmp_path, seq_len=SEQ), spec_from_hf(hf_dirs["llama3"], seq_len=SEQ)
     assert old.options == new.options
     assert old.option_map["rope_type"] == "llama3"
+
+
+def test_a_mistral_window_is_refused_when_the_sequence_outgrows_it(
+    hf_dirs: dict[str, Path],
+) -> None:
+    assert spec_from_hf(hf_dirs["mistral"], seq_len=SEQ).option_map["sliding_window"] == SEQ
+    with pytest.raises(ConfigError, match="sliding_window"):
+        spec_from_hf(hf_dirs["mistral"], seq_len=SEQ + 1)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        spec_from_hf(hf_dirs["mistral"])  # seq_len defaults to max_position_embeddings
+    # A spec whose sequence grew after it was read is refused by the family itself.
+    spec = spec_from_hf(hf_dirs["mistral"], seq_len=SEQ).with_seq_len(2 * SEQ)
+    with pytest.raises(ConfigError, match="option sliding_window 16 is shorter than seq_len 32"):
+        build_model(spec)

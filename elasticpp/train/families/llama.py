@@ -1,6 +1,6 @@
 """The `llama` family: a Llama-style decoder on the model contract, weight-compatible with
-Hugging Face's `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` (each tested
-against `transformers` itself).
+Hugging Face's `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` and
+`Qwen3ForCausalLM` (each tested against `transformers` itself).
 
 Units: `embed` (token embedding), `block.NNNN` (RMSNorm, attention with rotary position
 embeddings and grouped-query attention, RMSNorm, SwiGLU MLP), `head` (RMSNorm and LM head).
@@ -10,6 +10,9 @@ the key/value heads: every rank then holds `num_kv_heads / t` key/value heads an
 the MLP's down projection are ROW-split (the output bias is replicated, added after the
 reduce), gate and up are COLUMN-split. The per-head q/k norms of `qk_norm` act on one head's
 `head_dim` values, so every rank holds them whole.
+
+Attention is full causal attention over the sequence: a sliding window is accepted only where
+it is at least `seq_len` long, which is exactly full causal attention.
 
 Options:
 - `rope_theta`: the base of the rotary frequencies, default 10000.0;
@@ -26,7 +29,8 @@ Options:
 - `qkv_bias`: Q, K and V have biases (Qwen2), default false; `o_bias`: the attention output
   has one too (`attention_bias` of Llama and Qwen3), default false;
 - `qk_norm`: RMSNorm on every query and key head before the rotation (Qwen3), default false;
-- `hf_model_type`: the Hugging Face architecture to export to (`llama`, `qwen2`,
+- `sliding_window`: the attention window of the weights; refused when shorter than `seq_len`;
+- `hf_model_type`: the Hugging Face architecture to export to (`llama`, `mistral`, `qwen2`,
   `qwen3`), default `llama`; it does not change the math.
 """
 
@@ -77,9 +81,10 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "qkv_bias": bool,
     "o_bias": bool,
     "qk_norm": bool,
+    "sliding_window": int,
     "hf_model_type": str,
 }
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = (
     "rope_factor",
@@ -251,6 +256,12 @@ def build(spec: ModelSpec) -> ModelDef:
         raise ContractError(
             f"llama: option hf_model_type must be one of {HF_MODEL_TYPES}, "
             f"got {opts['hf_model_type']!r}"
+        )
+    window = opts.get("sliding_window")
+    if window is not None and _positive_int(opts, "sliding_window", 1) < spec.seq_len:
+        raise ContractError(
+            f"llama: option sliding_window {window} is shorter than seq_len {spec.seq_len}: "
+            "only full causal attention is implemented (a window >= seq_len is exactly that)"
         )
     qkv_bias, o_bias = bool(opts.get("qkv_bias", False)), bool(opts.get("o_bias", False))
     qk_norm = bool(opts.get("qk_norm", False))
