@@ -9,7 +9,8 @@ fast; the tensors themselves are `elasticpp.train.hf`'s.
   differs between them becomes family options) or the `gpt` family (from `GPT2LMHeadModel`);
   anything the family does not implement (another activation, MLP biases, rotary scaling
   other than Llama 3's, a sliding window shorter than the sequence, ...) is refused, naming
-  the key, rather than trained wrongly.
+  the key, rather than trained wrongly. A Llama-shaped config with a key elasticpp does not
+  know is refused too, naming it: an unknown key may change the math.
 - `hf_config(spec)` writes the config back, for the architecture the spec came from.
 - `fingerprint(dir)` identifies a model directory cheaply (config, weights index and
   safetensors headers: names, shapes, dtypes and sizes), so agents can refuse to train from
@@ -84,6 +85,44 @@ def spec_from_hf(directory: str | Path, *, seq_len: int | None = None) -> ModelS
         raise ConfigError(f"{d / CONFIG_NAME}: missing or malformed key: {exc!r}") from exc
 
 
+# Keys of a Llama-shaped config that do not change the math of training: bookkeeping,
+# tokens' ids, inference switches and initialisation (the weights are given).
+_HARMLESS = frozenset(
+    {
+        "_name_or_path", "architectures", "model_type", "transformers_version", "dtype",
+        "torch_dtype", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+        "initializer_range", "id2label", "label2id", "output_attentions",
+        "output_hidden_states", "return_dict", "problem_type", "chunk_size_feed_forward",
+        "is_encoder_decoder", "tokenizer_class", "pretraining_tp",
+    }
+)  # fmt: skip
+# Keys elasticpp reads (and checks) for every Llama-shaped architecture.
+_LLAMA_SHAPED = frozenset(
+    {
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+        "hidden_act", "head_dim", "rope_theta", "rope_parameters", "rope_scaling",
+        "partial_rotary_factor", "original_max_position_embeddings", "tie_word_embeddings",
+        "attention_dropout",
+    }
+)  # fmt: skip
+# ... and those only some of them have.
+_ARCH_KEYS = {
+    "llama": frozenset({"attention_bias", "mlp_bias"}),
+    "mistral": frozenset({"sliding_window"}),
+    "qwen2": frozenset(
+        {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+    ),
+    "qwen3": frozenset(
+        {
+            "attention_bias",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "layer_types",
+        }
+    ),
+}
 _ROPE_KEYS = frozenset(
     {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
      "high_freq_factor", "original_max_position_embeddings"}
@@ -170,9 +209,17 @@ def _llama_spec(
     cfg: Mapping[str, Any], d: Path, name: str, seq_len: int | None, arch: str
 ) -> ModelSpec:
     """Llama, Mistral, Qwen2 and Qwen3: one family, `llama`, with options for what differs."""
+    unknown = sorted(set(cfg) - _HARMLESS - _LLAMA_SHAPED - _ARCH_KEYS[arch])
+    if unknown:
+        raise ConfigError(
+            f"{d / CONFIG_NAME}: key(s) {', '.join(unknown)} are not supported for "
+            f"{ARCH_NAMES[arch]} (elasticpp cannot tell that they leave the model unchanged)"
+        )
     H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     _require(cfg, "hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu", d)
     _require(cfg, "mlp_bias", not cfg.get("mlp_bias", False), "false", d)
+    dropout = cfg.get("attention_dropout", 0.0)
+    _require(cfg, "attention_dropout", dropout in (0, 0.0), "0 (dropout is a job setting)", d)
     bias = cfg.get("attention_bias", False)
     _require(cfg, "attention_bias", isinstance(bias, bool), "true or false", d)
     head_dim = int(cfg.get("head_dim") or H // nh)

@@ -266,8 +266,11 @@ def _rope(**changes: Any) -> dict[str, Any]:
         ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
         ("llama-bias", {"attention_bias": "qkv"}, "attention_bias = 'qkv'"),
         ("llama-bias", {"mlp_bias": True}, "mlp_bias"),
+        ("llama-bias", {"attention_dropout": 0.1}, "attention_dropout"),
+        ("llama-bias", {"quantization_config": {"bits": 4}}, "quantization_config"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+        ("qwen2", {"attention_bias": True}, "attention_bias"),  # Qwen2 has no such key
         ("qwen3", {"layer_types": ["chunked_attention"] * 2}, "layer_types"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
         ("mistral", {"sliding_window": SEQ - 1}, f"sliding_window = {SEQ - 1} .*seq_len {SEQ}"),
