@@ -1,6 +1,7 @@
-"""Hugging Face interop: a `LlamaForCausalLM` or `GPT2LMHeadModel` directory (its
-`config.json` and `*.safetensors`) in, the same architecture on the model contract out, and
-back again (`elasticpp.train.hfconfig` reads and writes the configuration).
+"""Hugging Face interop: a `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM` or `GPT2LMHeadModel` directory (its `config.json` and `*.safetensors`)
+in, the same architecture on the model contract out, and back again
+(`elasticpp.train.hfconfig` reads and writes the configuration).
 
 - `units_from_hf` / `hf_from_units` map tensors between Hugging Face names and
   `unit -> parameter` (GPT-2's fused, transposed `Conv1D` weights are split and transposed;
@@ -50,6 +51,9 @@ def _name_map(spec: ModelSpec) -> dict[str, tuple[str, str]]:
     """Hugging Face name -> (unit, parameter) for tensors that map one to one."""
     m: dict[str, tuple[str, str]] = {}
     if spec.family == "llama":
+        o = spec.option_map
+        biases = [x for x, on in (("q", "qkv_bias"), ("k", "qkv_bias"), ("v", "qkv_bias"),
+                                  ("o", "o_bias")) if o.get(on, False)]  # fmt: skip
         m["model.embed_tokens.weight"] = (UNIT_EMBED, "tok.weight")
         m["model.norm.weight"] = (UNIT_HEAD, "norm.weight")
         m["lm_head.weight"] = (UNIT_HEAD, "lm_head.weight")
@@ -59,6 +63,11 @@ def _name_map(spec: ModelSpec) -> dict[str, tuple[str, str]]:
             m[hf + "post_attention_layernorm.weight"] = (u, "mlp_norm.weight")
             for x in "qkvo":
                 m[hf + f"self_attn.{x}_proj.weight"] = (u, f"attn.{x}.weight")
+            for x in biases:
+                m[hf + f"self_attn.{x}_proj.bias"] = (u, f"attn.{x}.bias")
+            if o.get("qk_norm", False):
+                for x in "qk":
+                    m[hf + f"self_attn.{x}_norm.weight"] = (u, f"attn.{x}_norm.weight")
             for x in ("gate", "up", "down"):
                 m[hf + f"mlp.{x}_proj.weight"] = (u, f"mlp.{x}.weight")
         return m

@@ -268,7 +268,7 @@ def test_export_refuses_a_non_empty_target_and_writes_nothing(
     ("change", "message"),
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope"),
         ({"architectures": ["BertModel"]}, "supported are"),
     ],
