@@ -21,6 +21,10 @@ Precision (`TrainConfig.precision`): fp32, or bf16 compute under autocast over f
 parameters; gradients, AdamW moments and snapshots are fp32 either way. Under bf16 a stage
 boundary crosses the wire as bf16 and is cast back to the model's declared dtype on arrival.
 
+Data parallelism reduces gradients in buckets while the step's last backward runs (see
+`buckets`): each bucket is all-reduced as soon as its gradients are final, and the optimizer
+waits for all of them.
+
 A step ends with one all-gather across the world of (loss sum, known stop step). It follows
 every rank's optimizer update, so when it returns the step is committed everywhere; it also
 gives every rank the same loss and the same agreed stop step.
@@ -42,6 +46,7 @@ from elasticpp.checkpoint.manifest import PieceEntry, PieceKey
 from elasticpp.checkpoint.tensors import KINDS, PieceMeta, load_units, write_piece
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import Plan
+from elasticpp.train.buckets import DEFAULT_BUCKET_CAP_BYTES, GradReducer, sum_tied
 from elasticpp.train.config import TrainConfig
 from elasticpp.train.contract import DropoutKey, ModelDef, init_unit, slice_shape
 from elasticpp.train.data import Corpus
@@ -89,6 +94,7 @@ class Trainer:
         corpus: Corpus,
         device: torch.device,
         model: ModelDef | None = None,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
     ) -> None:
         self.plan = plan
         self.model = model if model is not None else build_model(plan.model)
@@ -117,9 +123,16 @@ class Trainer:
                     self.tied[(unit.name, p.name)] = p.tied_to
                 elif key in originals:
                     self.tied[(unit.name, p.name)] = key
-        self.tie_keys = sorted(originals)
+        # Every tied key, held here or not, in one order: the tie group's buffers must match.
+        self.tie_shapes: dict[str, tuple[int, ...]] = {}
+        for key in sorted(originals):
+            unit_name, _, name = key.partition("/")
+            p = self.model.unit(unit_name).param(name)
+            self.tie_shapes[key] = slice_shape(p.shape, p.shard_dim, groups.tp_size)
         self.opt_step = 0
         self._param_storages: set[int] = set()
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.reducer: GradReducer | None = None
 
     # ----- state -----
 
@@ -178,6 +191,12 @@ class Trainer:
         self._param_storages = {
             t.untyped_storage().data_ptr() for ts in self.params.values() for t in ts.values()
         }
+        flat = [(u, n, t) for u, ts in self.params.items() for n, t in ts.items()]
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+        self.reducer = None
+        if self.groups.dp is not None:
+            self.reducer = GradReducer([t for *_, t in flat], self.groups.dp, self.bucket_cap_bytes)
 
     def snapshot(self) -> list[UnitState]:
         """CPU copies of this rank's units (cheap; writing them can happen elsewhere)."""
@@ -208,9 +227,13 @@ class Trainer:
         boundary = self.model.boundary.per_sample
         boundary_dtype = self.model.boundary.torch_dtype()
         wire_dtype = self._wire_dtype(boundary_dtype)
-        for ts in self.params.values():
-            for t in ts.values():
-                t.grad = None
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.zero_grad()
+        else:
+            for ts in self.params.values():
+                for t in ts.values():
+                    t.grad = None
 
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         act_bytes: dict[int, int] = {}
@@ -222,6 +245,7 @@ class Trainer:
         live = peak_live = 0
         live_bytes = peak_bytes = 0
         busy = 0.0
+        backwards = 0
         for phase in p2p_phases(self.job.schedule, g.pp_size, self.coord.pp, m):
             op, inbox, recv = phase.run, None, None
             if phase.recv is not None:
@@ -266,6 +290,9 @@ class Trainer:
                     owed = (out.detach().to(wire_dtype).contiguous(), g.next_rank)
             else:
                 x, out = saved.pop(i)
+                backwards += 1
+                if reducer is not None and backwards == m:
+                    reducer.arm()  # the step's last backward: reduce buckets as they finish
                 t0 = time.perf_counter()
                 if inbox is None:
                     torch.autograd.backward(out / B)
@@ -280,18 +307,14 @@ class Trainer:
                     owed = (x.grad.to(wire_dtype).contiguous(), g.prev_rank)
                 del x, out
         pipeline_seconds = time.perf_counter() - started
+        if reducer is not None:
+            reducer.finish()  # every bucket summed over the replicas
 
         flat_params = [(u, n, t) for u, ts in self.params.items() for n, t in ts.items()]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for _, _, t in flat_params]
-        if g.dp is not None:
-            flat = torch.cat([gr.reshape(-1) for gr in grads])
-            dist.all_reduce(flat, group=g.dp)
-            offset = 0
-            for gr in grads:
-                gr.copy_(flat[offset : offset + gr.numel()].view_as(gr))
-                offset += gr.numel()
-        if self.tie_keys:
-            self._sum_tied(flat_params, grads)
+        if self.tie_shapes:
+            tied = [self.tied.get((u, n)) for u, n, _ in flat_params]
+            sum_tied(grads, tied, self.tie_shapes, g.tie)
 
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.coord.dp == 0:
@@ -381,31 +404,6 @@ class Trainer:
                 m2.mul_(b2).addcmul_(gr, gr, value=1 - b2)
                 denom = (m2.sqrt() / bias2_sqrt).add_(job.eps)
                 p.addcdiv_(m1, denom, value=-lr / bias1)
-
-    def _sum_tied(
-        self, flat_params: list[tuple[str, str, torch.Tensor]], grads: list[torch.Tensor]
-    ) -> None:
-        """Give every tied parameter (and its original) the sum of their gradients, across
-        stages through the tie group: shared values get one shared update."""
-        local = [i for i, (u, n, _) in enumerate(flat_params) if (u, n) in self.tied]
-        dtype = grads[0].dtype if grads else torch.float32
-        sums: dict[str, torch.Tensor] = {}
-        for key in self.tie_keys:  # every key, held here or not: the group's buffers must match
-            unit, _, name = key.partition("/")
-            p = self.model.unit(unit).param(name)
-            shape = slice_shape(p.shape, p.shard_dim, self.groups.tp_size)
-            sums[key] = torch.zeros(shape, dtype=dtype, device=self.device)
-        for i in local:
-            sums[self.tied[flat_params[i][:2]]] += grads[i]
-        if self.groups.tie is not None:
-            flat = torch.cat([sums[k].reshape(-1) for k in self.tie_keys])
-            dist.all_reduce(flat, group=self.groups.tie)
-            offset = 0
-            for k in self.tie_keys:
-                sums[k] = flat[offset : offset + sums[k].numel()].view_as(sums[k])
-                offset += sums[k].numel()
-        for i in local:
-            grads[i].copy_(sums[self.tied[flat_params[i][:2]]])
 
     @contextmanager
     def _count_saved(self) -> Iterator[list[int]]:
