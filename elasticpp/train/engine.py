@@ -23,7 +23,7 @@ boundary crosses the wire as bf16 and is cast back to the model's declared dtype
 
 Data parallelism reduces gradients in buckets while the step's last backward runs (see
 `buckets`): each bucket is all-reduced as soon as its gradients are final, and the optimizer
-waits for all of them.
+waits for all of them. The update is torch's fused (or foreach) AdamW (see `kernels`).
 
 A step ends with one all-gather across the world of (loss sum, known stop step). It follows
 every rank's optimizer update, so when it returns the step is committed everywhere; it also
@@ -51,6 +51,7 @@ from elasticpp.train.config import TrainConfig
 from elasticpp.train.contract import DropoutKey, ModelDef, init_unit, slice_shape
 from elasticpp.train.data import Corpus
 from elasticpp.train.families import build_model
+from elasticpp.train.kernels import AdamW
 from elasticpp.train.model import Stage
 from elasticpp.train.parallel import ParallelGroups
 from elasticpp.train.schedule import FORWARD, p2p_phases
@@ -133,6 +134,7 @@ class Trainer:
         self._param_storages: set[int] = set()
         self.bucket_cap_bytes = bucket_cap_bytes
         self.reducer: GradReducer | None = None
+        self.optimizer: AdamW | None = None
 
     # ----- state -----
 
@@ -197,6 +199,16 @@ class Trainer:
         self.reducer = None
         if self.groups.dp is not None:
             self.reducer = GradReducer([t for *_, t in flat], self.groups.dp, self.bucket_cap_bytes)
+        self.optimizer = AdamW(
+            [t for *_, t in flat],
+            [self.exp_avg[u][n] for u, n, _ in flat],
+            [self.exp_avg_sq[u][n] for u, n, _ in flat],
+            [self.decay[u][n] for u, n, _ in flat],
+            betas=self.job.betas,
+            eps=self.job.eps,
+            weight_decay=self.job.weight_decay,
+            step=step,
+        )
 
     def snapshot(self) -> list[UnitState]:
         """CPU copies of this rank's units (cheap; writing them can happen elsewhere)."""
@@ -329,7 +341,9 @@ class Trainer:
         if self.job.clip_grad > 0 and grad_norm > self.job.clip_grad:
             clip = self.job.clip_grad / (grad_norm + 1e-6)
         lr = self.job.lr_at(step)
-        self._adamw(flat_params, grads, lr, clip)
+        assert self.optimizer is not None  # installed with the parameters
+        self.opt_step += 1
+        self.optimizer.step(grads, lr, clip)
 
         mine = torch.tensor(
             [
@@ -379,31 +393,6 @@ class Trainer:
         t = torch.tensor([float(min(local_stop, NO_STOP))], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
-
-    def _adamw(
-        self,
-        flat_params: list[tuple[str, str, torch.Tensor]],
-        grads: list[torch.Tensor],
-        lr: float,
-        clip: float,
-    ) -> None:
-        job = self.job
-        b1, b2 = job.betas
-        self.opt_step += 1
-        t = self.opt_step
-        bias1 = 1 - b1**t
-        bias2_sqrt = math.sqrt(1 - b2**t)
-        with torch.no_grad():
-            for (u, n, p), gr in zip(flat_params, grads, strict=True):
-                if clip != 1.0:
-                    gr = gr * clip
-                m1, m2 = self.exp_avg[u][n], self.exp_avg_sq[u][n]
-                if self.decay[u][n] and job.weight_decay:
-                    p.mul_(1 - lr * job.weight_decay)
-                m1.mul_(b1).add_(gr, alpha=1 - b1)
-                m2.mul_(b2).addcmul_(gr, gr, value=1 - b2)
-                denom = (m2.sqrt() / bias2_sqrt).add_(job.eps)
-                p.addcdiv_(m1, denom, value=-lr / bias1)
 
     @contextmanager
     def _count_saved(self) -> Iterator[list[int]]:

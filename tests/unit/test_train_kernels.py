@@ -1,10 +1,18 @@
-"""The engine's gradient buckets, on their own."""
+"""The engine's gradient buckets and its AdamW kernel, on their own."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from elasticpp.train.buckets import assign_buckets
+from elasticpp.train.kernels import AdamW
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+WEIGHT_DECAY = 0.1
 
 
 def test_buckets_take_parameters_in_reverse_order_up_to_the_cap() -> None:
@@ -23,3 +31,73 @@ def test_a_bucket_holds_one_kind_of_tensor() -> None:
     assert assign_buckets([1, 1, 1, 1], kinds, 100) == [[3], [2], [1, 0]]
     with pytest.raises(ValueError, match="bucket cap"):
         assign_buckets([1], ["f32"], 0)
+
+
+def _reference_adamw(
+    params: list[torch.Tensor],
+    m1s: list[torch.Tensor],
+    m2s: list[torch.Tensor],
+    decay: list[bool],
+    grads: list[torch.Tensor],
+    lr: float,
+    clip: float,
+    t: int,
+) -> None:
+    """The engine's per-parameter AdamW loop before torch's kernels replaced it."""
+    b1, b2 = BETAS
+    bias1 = 1 - b1**t
+    bias2_sqrt = math.sqrt(1 - b2**t)
+    with torch.no_grad():
+        for p, m1, m2, d, gr in zip(params, m1s, m2s, decay, grads, strict=True):
+            if clip != 1.0:
+                gr = gr * clip
+            if d:
+                p.mul_(1 - lr * WEIGHT_DECAY)
+            m1.mul_(b1).add_(gr, alpha=1 - b1)
+            m2.mul_(b2).addcmul_(gr, gr, value=1 - b2)
+            denom = (m2.sqrt() / bias2_sqrt).add_(EPS)
+            p.addcdiv_(m1, denom, value=-lr / bias1)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_torch_adamw_follows_the_reference_loop_over_many_steps(fused: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (256, 64), (7,)]
+    decay = [True, False, True, False]
+    start = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    ref = [t.clone() for t in start]
+    ref_m1 = [torch.zeros_like(t) for t in start]
+    ref_m2 = [torch.zeros_like(t) for t in start]
+    got = [t.clone().requires_grad_(True) for t in start]
+    m1 = [torch.zeros_like(t) for t in start]
+    m2 = [torch.zeros_like(t) for t in start]
+    opt = AdamW(
+        got, m1, m2, decay, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, step=0, fused=fused
+    )
+    assert opt.fused == fused
+    for t in range(1, 51):
+        grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
+        lr, clip = 1e-3 * (0.5 + 0.5 * math.cos(t / 50)), (0.5 if t % 3 == 0 else 1.0)
+        _reference_adamw(ref, ref_m1, ref_m2, decay, [g.clone() for g in grads], lr, clip, t)
+        opt.step([g.clone() for g in grads], lr, clip)
+    # torch's kernels round differently (a lerp for the first moment; the fused kernel's own
+    # decay): over these 50 steps, measured 1.5e-8 on parameters of size 0.02 (about 8 ulps)
+    # and 2.8e-9 on first moments of size 9e-3, fused or foreach, on CPU.
+    for a, b in zip(ref, got, strict=True):
+        assert torch.allclose(b.detach(), a, rtol=0, atol=1e-7)
+    # The moments updated are the caller's own tensors (what snapshots read).
+    for a, b in zip(ref_m1, m1, strict=True):
+        assert torch.allclose(b, a, rtol=0, atol=2e-8)
+    for a, b in zip(ref_m2, m2, strict=True):
+        assert torch.allclose(b, a, rtol=0, atol=1e-10)
+
+
+def test_adamw_resumes_the_bias_correction_from_the_step_it_is_given() -> None:
+    p = torch.ones(4, requires_grad=True)
+    m1, m2 = torch.full((4,), 0.01), torch.full((4,), 1e-4)
+    ref, ref_m1, ref_m2 = p.detach().clone(), m1.clone(), m2.clone()
+    opt = AdamW([p], [m1], [m2], [False], betas=BETAS, eps=EPS, weight_decay=0.0, step=7)
+    g = torch.full((4,), 0.02)
+    opt.step([g.clone()], 1e-2)
+    _reference_adamw([ref], [ref_m1], [ref_m2], [False], [g.clone()], 1e-2, 1.0, 8)
+    assert torch.allclose(p.detach(), ref, rtol=0, atol=1e-7)
