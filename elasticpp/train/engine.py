@@ -51,7 +51,7 @@ from elasticpp.train.config import TrainConfig
 from elasticpp.train.contract import DropoutKey, ModelDef, init_unit, slice_shape
 from elasticpp.train.data import Corpus
 from elasticpp.train.families import build_model
-from elasticpp.train.kernels import AdamW
+from elasticpp.train.kernels import AdamW, PhaseTimer, set_tf32
 from elasticpp.train.model import Stage
 from elasticpp.train.parallel import ParallelGroups
 from elasticpp.train.schedule import FORWARD, p2p_phases
@@ -135,6 +135,7 @@ class Trainer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.reducer: GradReducer | None = None
         self.optimizer: AdamW | None = None
+        self.tf32 = set_tf32(device, job.precision)
 
     # ----- state -----
 
@@ -239,6 +240,7 @@ class Trainer:
         boundary = self.model.boundary.per_sample
         boundary_dtype = self.model.boundary.torch_dtype()
         wire_dtype = self._wire_dtype(boundary_dtype)
+        timer = PhaseTimer(self.device)
         reducer = self.reducer
         if reducer is not None:
             reducer.zero_grad()
@@ -256,8 +258,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = peak_live = 0
         live_bytes = peak_bytes = 0
-        busy = 0.0
         backwards = 0
+        timer.start("pipeline")
         for phase in p2p_phases(self.job.schedule, g.pp_size, self.coord.pp, m):
             op, inbox, recv = phase.run, None, None
             if phase.recv is not None:
@@ -278,7 +280,7 @@ class Trainer:
                     x = tokens.to(self.device)
                 else:
                     x = inbox.to(boundary_dtype).requires_grad_(True)
-                t0 = time.perf_counter()
+                timer.start("busy")
                 key = (
                     DropoutKey(self.job.seed, step, mb_first, self.job.dropout)
                     if self.job.dropout > 0
@@ -289,7 +291,7 @@ class Trainer:
                     out = self.stage.forward(
                         self.params, x, self.coord.tp, g.tp_size, g.tp, key, tgt
                     )
-                busy += time.perf_counter() - t0
+                timer.stop("busy")
                 saved[i] = (x, out)
                 act_bytes[i] = counter[0]
                 live += 1
@@ -305,12 +307,12 @@ class Trainer:
                 backwards += 1
                 if reducer is not None and backwards == m:
                     reducer.arm()  # the step's last backward: reduce buckets as they finish
-                t0 = time.perf_counter()
+                timer.start("busy")
                 if inbox is None:
                     torch.autograd.backward(out / B)
                 else:
                     torch.autograd.backward(out, inbox.to(out.dtype))
-                busy += time.perf_counter() - t0
+                timer.stop("busy")
                 live -= 1
                 live_bytes -= act_bytes.pop(i)
                 if not g.is_first_stage:
@@ -318,7 +320,7 @@ class Trainer:
                         raise RuntimeError(f"stage {self.coord.pp}: no input gradient")
                     owed = (x.grad.to(wire_dtype).contiguous(), g.prev_rank)
                 del x, out
-        pipeline_seconds = time.perf_counter() - started
+        timer.stop("pipeline")
         if reducer is not None:
             reducer.finish()  # every bucket summed over the replicas
 
@@ -366,8 +368,8 @@ class Trainer:
             samples=B,
             step_seconds=time.perf_counter() - started,
             max_in_flight=peak_live,
-            busy_seconds=busy,
-            pipeline_seconds=pipeline_seconds,
+            busy_seconds=timer.seconds("busy"),
+            pipeline_seconds=timer.seconds("pipeline"),
             peak_activation_bytes=peak_bytes,
             stop_at=agreed_stop,
         )

@@ -1,4 +1,4 @@
-"""The engine's device-dependent choices: the AdamW kernel.
+"""The engine's device-dependent choices: the AdamW kernel, TF32 matmuls, and step timers.
 
 Invariants:
 - The optimizer is torch's AdamW, fused where the device has the kernel, else foreach, over
@@ -6,17 +6,33 @@ Invariants:
   checkpoints read the same tensors). Its update is the per-parameter AdamW of the design:
   decoupled weight decay on the parameters flagged for it, bias-corrected moments, `eps`
   added after the square root.
+- TF32 is allowed for fp32 matmuls and convolutions on CUDA only, and only under fp32
+  precision (bf16 autocast computes its matmuls in bf16 already); CPU runs never touch it.
+- A timer measures what the device did: CUDA events on CUDA (the host only queues kernels,
+  so its clock says when work was queued), the host's `perf_counter` elsewhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 # Devices with torch's fused AdamW kernel (CPU's since torch 2.4).
 FUSED_DEVICES = frozenset({"cuda", "cpu"})
+
+
+def set_tf32(device: torch.device, precision: str) -> bool:
+    """Allow TF32 for fp32 matmuls on CUDA under fp32 precision; returns whether it is on."""
+    if device.type != "cuda":
+        return False
+    on = precision == "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return on
 
 
 class AdamW:
@@ -73,3 +89,45 @@ class AdamW:
         for group in self._opt.param_groups:
             group["lr"] = lr
         self._opt.step()
+
+
+class PhaseTimer:
+    """Seconds spent inside named spans of one step (summed per name)."""
+
+    def __init__(
+        self, device: torch.device, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.cuda = device.type == "cuda"
+        self._clock = clock
+        self._spans: dict[str, list[tuple[Any, Any]]] = {}
+        self._open: dict[str, Any] = {}
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+        return self._clock()
+
+    def start(self, name: str) -> None:
+        self._open[name] = self._mark()
+
+    def stop(self, name: str) -> None:
+        self._spans.setdefault(name, []).append((self._open.pop(name), self._mark()))
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
+
+    def seconds(self, name: str) -> float:
+        """The summed time of `name`'s spans (on CUDA, waits until the last has run)."""
+        spans = self._spans.get(name, [])
+        if not self.cuda:
+            return float(sum(end - start for start, end in spans))
+        if spans:
+            spans[-1][1].synchronize()
+        return float(sum(start.elapsed_time(end) for start, end in spans)) / 1000.0

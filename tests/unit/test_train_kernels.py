@@ -1,4 +1,4 @@
-"""The engine's gradient buckets and its AdamW kernel, on their own."""
+"""The engine's gradient buckets, its AdamW kernel and its step timer, on their own."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elasticpp.train.buckets import assign_buckets
-from elasticpp.train.kernels import AdamW
+from elasticpp.train.kernels import AdamW, PhaseTimer, set_tf32
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -101,3 +101,23 @@ def test_adamw_resumes_the_bias_correction_from_the_step_it_is_given() -> None:
     opt.step([g.clone()], 1e-2)
     _reference_adamw([ref], [ref_m1], [ref_m2], [False], [g.clone()], 1e-2, 1.0, 8)
     assert torch.allclose(p.detach(), ref, rtol=0, atol=1e-7)
+
+
+def test_phase_timer_sums_each_phases_spans_on_the_injected_clock() -> None:
+    now = [0.0]
+    timer = PhaseTimer(torch.device("cpu"), clock=lambda: now[0])
+    timer.start("pipeline")
+    for _ in range(3):
+        with timer.span("busy"):
+            now[0] += 0.5
+        now[0] += 1.0  # waiting for a neighbour
+    timer.stop("pipeline")
+    assert timer.seconds("busy") == pytest.approx(1.5)
+    assert timer.seconds("pipeline") == pytest.approx(4.5)
+    assert timer.seconds("never") == 0.0
+
+
+def test_tf32_is_left_alone_off_cuda() -> None:
+    before = torch.backends.cuda.matmul.allow_tf32
+    assert set_tf32(torch.device("cpu"), "fp32") is False
+    assert torch.backends.cuda.matmul.allow_tf32 == before
