@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from elasticpp.train.buckets import assign_buckets
+from elasticpp.train.buckets import GradReducer, assign_buckets
 from elasticpp.train.kernels import AdamW, PhaseTimer, set_tf32
 
 BETAS = (0.9, 0.95)
@@ -31,6 +33,68 @@ def test_a_bucket_holds_one_kind_of_tensor() -> None:
     assert assign_buckets([1, 1, 1, 1], kinds, 100) == [[3], [2], [1, 0]]
     with pytest.raises(ValueError, match="bucket cap"):
         assign_buckets([1], ["f32"], 0)
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waited = False
+
+    def wait(self) -> None:
+        self.waited = True
+
+
+def test_reducer_launches_buckets_in_order_once_final_and_only_in_the_last_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    launched: list[tuple[int, bool]] = []  # (bucket's buffer, was c's gradient final then)
+    works: list[_Work] = []
+    c_final = [False]
+
+    def fake_all_reduce(t: torch.Tensor, group: Any = None, async_op: bool = False) -> _Work:
+        assert group == "dp" and async_op
+        launched.append((t.data_ptr(), c_final[0]))
+        works.append(_Work())
+        return works[-1]
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    a, b, c, unused = (torch.ones(4, requires_grad=True) for _ in range(4))
+    # One parameter per bucket: buckets [unused], [c], [b], [a].
+    reducer = GradReducer([a, b, c, unused], "dp", cap_bytes=16)
+    c.register_post_accumulate_grad_hook(lambda _: c_final.__setitem__(0, True))
+
+    def backward() -> None:
+        # c is used first, so backward finishes its gradient last: bucket 1 is final after
+        # buckets 2 and 3, and waits for them no longer than for bucket 0 (never final).
+        y = c * 2
+        ((y * a).sum() + (b * 3).sum()).backward()
+
+    reducer.zero_grad()
+    backward()  # a first micro-batch: accumulates, launches nothing
+    assert launched == []
+    reducer.arm()
+    backward()
+    # Bucket 0 (the unused parameter) never becomes final, so nothing may launch out of order.
+    assert launched == []
+    reducer.finish()
+    order = [buf.data_ptr() for buf in reducer.buffers]
+    assert [ptr for ptr, _ in launched] == order
+    assert all(w.waited for w in works)
+    # Gradients accumulated in place in the buckets: two micro-batches, twice one's.
+    assert torch.equal(a.grad, torch.full((4,), 4.0)) and torch.equal(b.grad, torch.full((4,), 6.0))
+    assert a.grad.data_ptr() == reducer.buffers[3].data_ptr()
+
+    # Without the unused parameter, every bucket launches from a hook, each once final.
+    launched.clear()
+    reducer.remove_hooks()
+    reducer = GradReducer([a, b, c], "dp", cap_bytes=16)
+    reducer.zero_grad()
+    reducer.arm()
+    c_final[0] = False
+    backward()
+    assert [ptr for ptr, _ in launched] == [buf.data_ptr() for buf in reducer.buffers]
+    assert launched[0][1]  # c's bucket left only once c's gradient was final
+    reducer.finish()
+    assert len(launched) == 3
 
 
 def _reference_adamw(
