@@ -21,6 +21,10 @@ Precision (`TrainConfig.precision`): fp32, or bf16 compute under autocast over f
 parameters; gradients, AdamW moments and snapshots are fp32 either way. Under bf16 a stage
 boundary crosses the wire as bf16 and is cast back to the model's declared dtype on arrival.
 
+Data parallelism reduces gradients in buckets while the step's last backward runs (see
+`buckets`): each bucket is all-reduced as soon as its gradients are final, and the optimizer
+waits for all of them. The update is torch's fused (or foreach) AdamW (see `kernels`).
+
 A step ends with one all-gather across the world of (loss sum, known stop step). It follows
 every rank's optimizer update, so when it returns the step is committed everywhere; it also
 gives every rank the same loss and the same agreed stop step.
@@ -42,10 +46,12 @@ from elasticpp.checkpoint.manifest import PieceEntry, PieceKey
 from elasticpp.checkpoint.tensors import KINDS, PieceMeta, load_units, write_piece
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import Plan
+from elasticpp.train.buckets import DEFAULT_BUCKET_CAP_BYTES, GradReducer, sum_tied
 from elasticpp.train.config import TrainConfig
 from elasticpp.train.contract import DropoutKey, ModelDef, init_unit, slice_shape
 from elasticpp.train.data import Corpus
 from elasticpp.train.families import build_model
+from elasticpp.train.kernels import AdamW, PhaseTimer, set_tf32
 from elasticpp.train.model import Stage
 from elasticpp.train.parallel import ParallelGroups
 from elasticpp.train.schedule import FORWARD, p2p_phases
@@ -89,6 +95,7 @@ class Trainer:
         corpus: Corpus,
         device: torch.device,
         model: ModelDef | None = None,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
     ) -> None:
         self.plan = plan
         self.model = model if model is not None else build_model(plan.model)
@@ -117,9 +124,18 @@ class Trainer:
                     self.tied[(unit.name, p.name)] = p.tied_to
                 elif key in originals:
                     self.tied[(unit.name, p.name)] = key
-        self.tie_keys = sorted(originals)
+        # Every tied key, held here or not, in one order: the tie group's buffers must match.
+        self.tie_shapes: dict[str, tuple[int, ...]] = {}
+        for key in sorted(originals):
+            unit_name, _, name = key.partition("/")
+            p = self.model.unit(unit_name).param(name)
+            self.tie_shapes[key] = slice_shape(p.shape, p.shard_dim, groups.tp_size)
         self.opt_step = 0
         self._param_storages: set[int] = set()
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.reducer: GradReducer | None = None
+        self.optimizer: AdamW | None = None
+        self.tf32 = set_tf32(device, job.precision)
 
     # ----- state -----
 
@@ -178,6 +194,22 @@ class Trainer:
         self._param_storages = {
             t.untyped_storage().data_ptr() for ts in self.params.values() for t in ts.values()
         }
+        flat = [(u, n, t) for u, ts in self.params.items() for n, t in ts.items()]
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+        self.reducer = None
+        if self.groups.dp is not None:
+            self.reducer = GradReducer([t for *_, t in flat], self.groups.dp, self.bucket_cap_bytes)
+        self.optimizer = AdamW(
+            [t for *_, t in flat],
+            [self.exp_avg[u][n] for u, n, _ in flat],
+            [self.exp_avg_sq[u][n] for u, n, _ in flat],
+            [self.decay[u][n] for u, n, _ in flat],
+            betas=self.job.betas,
+            eps=self.job.eps,
+            weight_decay=self.job.weight_decay,
+            step=step,
+        )
 
     def snapshot(self) -> list[UnitState]:
         """CPU copies of this rank's units (cheap; writing them can happen elsewhere)."""
@@ -208,9 +240,14 @@ class Trainer:
         boundary = self.model.boundary.per_sample
         boundary_dtype = self.model.boundary.torch_dtype()
         wire_dtype = self._wire_dtype(boundary_dtype)
-        for ts in self.params.values():
-            for t in ts.values():
-                t.grad = None
+        timer = PhaseTimer(self.device)
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.zero_grad()
+        else:
+            for ts in self.params.values():
+                for t in ts.values():
+                    t.grad = None
 
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         act_bytes: dict[int, int] = {}
@@ -221,7 +258,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = peak_live = 0
         live_bytes = peak_bytes = 0
-        busy = 0.0
+        backwards = 0
+        timer.start("pipeline")
         for phase in p2p_phases(self.job.schedule, g.pp_size, self.coord.pp, m):
             op, inbox, recv = phase.run, None, None
             if phase.recv is not None:
@@ -242,7 +280,7 @@ class Trainer:
                     x = tokens.to(self.device)
                 else:
                     x = inbox.to(boundary_dtype).requires_grad_(True)
-                t0 = time.perf_counter()
+                timer.start("busy")
                 key = (
                     DropoutKey(self.job.seed, step, mb_first, self.job.dropout)
                     if self.job.dropout > 0
@@ -253,7 +291,7 @@ class Trainer:
                     out = self.stage.forward(
                         self.params, x, self.coord.tp, g.tp_size, g.tp, key, tgt
                     )
-                busy += time.perf_counter() - t0
+                timer.stop("busy")
                 saved[i] = (x, out)
                 act_bytes[i] = counter[0]
                 live += 1
@@ -266,12 +304,15 @@ class Trainer:
                     owed = (out.detach().to(wire_dtype).contiguous(), g.next_rank)
             else:
                 x, out = saved.pop(i)
-                t0 = time.perf_counter()
+                backwards += 1
+                if reducer is not None and backwards == m:
+                    reducer.arm()  # the step's last backward: reduce buckets as they finish
+                timer.start("busy")
                 if inbox is None:
                     torch.autograd.backward(out / B)
                 else:
                     torch.autograd.backward(out, inbox.to(out.dtype))
-                busy += time.perf_counter() - t0
+                timer.stop("busy")
                 live -= 1
                 live_bytes -= act_bytes.pop(i)
                 if not g.is_first_stage:
@@ -279,19 +320,15 @@ class Trainer:
                         raise RuntimeError(f"stage {self.coord.pp}: no input gradient")
                     owed = (x.grad.to(wire_dtype).contiguous(), g.prev_rank)
                 del x, out
-        pipeline_seconds = time.perf_counter() - started
+        timer.stop("pipeline")
+        if reducer is not None:
+            reducer.finish()  # every bucket summed over the replicas
 
         flat_params = [(u, n, t) for u, ts in self.params.items() for n, t in ts.items()]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for _, _, t in flat_params]
-        if g.dp is not None:
-            flat = torch.cat([gr.reshape(-1) for gr in grads])
-            dist.all_reduce(flat, group=g.dp)
-            offset = 0
-            for gr in grads:
-                gr.copy_(flat[offset : offset + gr.numel()].view_as(gr))
-                offset += gr.numel()
-        if self.tie_keys:
-            self._sum_tied(flat_params, grads)
+        if self.tie_shapes:
+            tied = [self.tied.get((u, n)) for u, n, _ in flat_params]
+            sum_tied(grads, tied, self.tie_shapes, g.tie)
 
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.coord.dp == 0:
@@ -306,7 +343,9 @@ class Trainer:
         if self.job.clip_grad > 0 and grad_norm > self.job.clip_grad:
             clip = self.job.clip_grad / (grad_norm + 1e-6)
         lr = self.job.lr_at(step)
-        self._adamw(flat_params, grads, lr, clip)
+        assert self.optimizer is not None  # installed with the parameters
+        self.opt_step += 1
+        self.optimizer.step(grads, lr, clip)
 
         mine = torch.tensor(
             [
@@ -329,8 +368,8 @@ class Trainer:
             samples=B,
             step_seconds=time.perf_counter() - started,
             max_in_flight=peak_live,
-            busy_seconds=busy,
-            pipeline_seconds=pipeline_seconds,
+            busy_seconds=timer.seconds("busy"),
+            pipeline_seconds=timer.seconds("pipeline"),
             peak_activation_bytes=peak_bytes,
             stop_at=agreed_stop,
         )
@@ -356,56 +395,6 @@ class Trainer:
         t = torch.tensor([float(min(local_stop, NO_STOP))], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
-
-    def _adamw(
-        self,
-        flat_params: list[tuple[str, str, torch.Tensor]],
-        grads: list[torch.Tensor],
-        lr: float,
-        clip: float,
-    ) -> None:
-        job = self.job
-        b1, b2 = job.betas
-        self.opt_step += 1
-        t = self.opt_step
-        bias1 = 1 - b1**t
-        bias2_sqrt = math.sqrt(1 - b2**t)
-        with torch.no_grad():
-            for (u, n, p), gr in zip(flat_params, grads, strict=True):
-                if clip != 1.0:
-                    gr = gr * clip
-                m1, m2 = self.exp_avg[u][n], self.exp_avg_sq[u][n]
-                if self.decay[u][n] and job.weight_decay:
-                    p.mul_(1 - lr * job.weight_decay)
-                m1.mul_(b1).add_(gr, alpha=1 - b1)
-                m2.mul_(b2).addcmul_(gr, gr, value=1 - b2)
-                denom = (m2.sqrt() / bias2_sqrt).add_(job.eps)
-                p.addcdiv_(m1, denom, value=-lr / bias1)
-
-    def _sum_tied(
-        self, flat_params: list[tuple[str, str, torch.Tensor]], grads: list[torch.Tensor]
-    ) -> None:
-        """Give every tied parameter (and its original) the sum of their gradients, across
-        stages through the tie group: shared values get one shared update."""
-        local = [i for i, (u, n, _) in enumerate(flat_params) if (u, n) in self.tied]
-        dtype = grads[0].dtype if grads else torch.float32
-        sums: dict[str, torch.Tensor] = {}
-        for key in self.tie_keys:  # every key, held here or not: the group's buffers must match
-            unit, _, name = key.partition("/")
-            p = self.model.unit(unit).param(name)
-            shape = slice_shape(p.shape, p.shard_dim, self.groups.tp_size)
-            sums[key] = torch.zeros(shape, dtype=dtype, device=self.device)
-        for i in local:
-            sums[self.tied[flat_params[i][:2]]] += grads[i]
-        if self.groups.tie is not None:
-            flat = torch.cat([sums[k].reshape(-1) for k in self.tie_keys])
-            dist.all_reduce(flat, group=self.groups.tie)
-            offset = 0
-            for k in self.tie_keys:
-                sums[k] = flat[offset : offset + sums[k].numel()].view_as(sums[k])
-                offset += sums[k].numel()
-        for i in local:
-            grads[i].copy_(sums[self.tied[flat_params[i][:2]]])
 
     @contextmanager
     def _count_saved(self) -> Iterator[list[int]]:

@@ -67,10 +67,12 @@ def _max_rel(a: dict[int, float], b: dict[int, float]) -> float:
 
 @pytest.mark.timeout(600)
 def test_one_gpu_trains_the_cpu_curve(tmp_path: Path) -> None:
-    # Same kernels' arithmetic up to summation order: measured 7e-8 on an H100 (TF32 off).
+    # fp32 on CUDA runs its matmuls in TF32 (10-bit mantissa), so the bound is bf16's (1e-3,
+    # the layout tests' bf16 loss bound). With TF32 off the curves agreed to 7e-8 on an H100;
+    # with it on they have not been measured yet.
     cuda = _train(tmp_path / "cuda.jsonl", "cuda")
     cpu = _train(tmp_path / "cpu.jsonl", "cpu")
-    assert _max_rel(cuda, cpu) <= 1e-5
+    assert _max_rel(cuda, cpu) <= 1e-3
 
 
 @pytest.mark.timeout(600)

@@ -1,0 +1,133 @@
+"""The engine's device-dependent choices: the AdamW kernel, TF32 matmuls, and step timers.
+
+Invariants:
+- The optimizer is torch's AdamW, fused where the device has the kernel, else foreach, over
+  the engine's own fp32 parameters and moments (updated in place, so snapshots and
+  checkpoints read the same tensors). Its update is the per-parameter AdamW of the design:
+  decoupled weight decay on the parameters flagged for it, bias-corrected moments, `eps`
+  added after the square root.
+- TF32 is allowed for fp32 matmuls and convolutions on CUDA only, and only under fp32
+  precision (bf16 autocast computes its matmuls in bf16 already); CPU runs never touch it.
+- A timer measures what the device did: CUDA events on CUDA (the host only queues kernels,
+  so its clock says when work was queued), the host's `perf_counter` elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# Devices with torch's fused AdamW kernel (CPU's since torch 2.4).
+FUSED_DEVICES = frozenset({"cuda", "cpu"})
+
+
+def set_tf32(device: torch.device, precision: str) -> bool:
+    """Allow TF32 for fp32 matmuls on CUDA under fp32 precision; returns whether it is on."""
+    if device.type != "cuda":
+        return False
+    on = precision == "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return on
+
+
+class AdamW:
+    """torch's AdamW over tensors the caller owns; `step` takes each step's lr and grads."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        exp_avg: Sequence[torch.Tensor],
+        exp_avg_sq: Sequence[torch.Tensor],
+        decay: Sequence[bool],
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        step: int,
+        fused: bool | None = None,
+    ) -> None:
+        """`fused`: torch's fused kernel (True) or its foreach one (False); by default the
+        fused one where every parameter's device has it."""
+        self.params = list(params)
+        if fused is None:
+            fused = {p.device.type for p in self.params} <= FUSED_DEVICES
+        self.fused = fused
+        groups: list[dict[str, Any]] = []
+        for wd, flag in ((weight_decay, True), (0.0, False)):
+            members = [p for p, d in zip(self.params, decay, strict=True) if d == flag]
+            if members:
+                groups.append({"params": members, "weight_decay": wd})
+        self._opt = torch.optim.AdamW(
+            groups,
+            lr=0.0,
+            betas=betas,
+            eps=eps,
+            fused=self.fused or None,
+            foreach=None if self.fused else True,
+        )
+        for p, m1, m2 in zip(self.params, exp_avg, exp_avg_sq, strict=True):
+            # The fused kernel reads the step count on the device; foreach on the host.
+            where = p.device if self.fused else torch.device("cpu")
+            self._opt.state[p] = {
+                "step": torch.tensor(float(step), dtype=torch.float32, device=where),
+                "exp_avg": m1,
+                "exp_avg_sq": m2,
+            }
+
+    def step(self, grads: Sequence[torch.Tensor], lr: float, scale: float = 1.0) -> None:
+        """One update with `grads` (the parameters' own `.grad` tensors, scaled in place)."""
+        if scale != 1.0:
+            torch._foreach_mul_(list(grads), scale)
+        for p, g in zip(self.params, grads, strict=True):
+            if p.grad is not g:
+                p.grad = g
+        for group in self._opt.param_groups:
+            group["lr"] = lr
+        self._opt.step()
+
+
+class PhaseTimer:
+    """Seconds spent inside named spans of one step (summed per name)."""
+
+    def __init__(
+        self, device: torch.device, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.cuda = device.type == "cuda"
+        self._clock = clock
+        self._spans: dict[str, list[tuple[Any, Any]]] = {}
+        self._open: dict[str, Any] = {}
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+        return self._clock()
+
+    def start(self, name: str) -> None:
+        self._open[name] = self._mark()
+
+    def stop(self, name: str) -> None:
+        self._spans.setdefault(name, []).append((self._open.pop(name), self._mark()))
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
+
+    def seconds(self, name: str) -> float:
+        """The summed time of `name`'s spans (on CUDA, waits until the last has run)."""
+        spans = self._spans.get(name, [])
+        if not self.cuda:
+            return float(sum(end - start for start, end in spans))
+        if spans:
+            spans[-1][1].synchronize()
+        return float(sum(start.elapsed_time(end) for start, end in spans)) / 1000.0
