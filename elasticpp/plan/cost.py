@@ -4,10 +4,11 @@ Everything here is an estimate meant to *rank* layouts, not to predict a step to
 millisecond. The assumptions, all per GPU and per micro-batch of `b` samples of `s` tokens:
 
 Compute
-    forward FLOPs of a block = 2 * block_params * b*s + 4 * b * s^2 * h (attention scores
-    and their use); the LM head = 2 * h * V * b*s. Backward is twice the forward; full
-    recomputation adds one more forward of every block (not of the head). Tensor
-    parallelism divides the FLOPs by `t`. Time = FLOPs / (peak * eff(b)) with
+    forward FLOPs of a block = 2 * block_params * b*s + 4 * b * s^2 * q (attention scores
+    and their use, where q = num_heads * head_dim is the attention width: h unless the model
+    declares another head_dim, as Qwen3 does); the LM head = 2 * h * V * b*s. Backward is
+    twice the forward; full recomputation adds one more forward of every block (not of the
+    head). Tensor parallelism divides the FLOPs by `t`. Time = FLOPs / (peak * eff(b)) with
     eff(b) = max_efficiency * b / (b + half_efficiency_micro_batch): a saturating curve whose
     default (0.3) gives eff(large b) / eff(1) ~ 1.3, the gain Megatron-LM measured.
 Messages
@@ -40,11 +41,13 @@ Memory
     mixed-precision state of 16 bytes per parameter (bf16 weights and gradients, fp32
     master weights and two moments) of the stage's blocks, the embedding on the first
     stage and the LM head on the last, divided by `t`; activations per block per
-    micro-batch in flight of s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (Korthikanti et al.,
-    tensor parallel without sequence parallelism; 34 + 5as/h at t=1) or, with full
-    recomputation, the block input (2*s*b*h bytes) plus one block's full activations while
-    it is recomputed; 1F1B keeps min(p - stage, m) micro-batches in flight on a stage; the
-    last stage also holds one micro-batch's logits and their gradient (8*b*s*V/t bytes);
+    micro-batch in flight of s*b*(10h + (16h + 8q)/t + 5*a*s/t) bytes (Korthikanti et al.,
+    tensor parallel without sequence parallelism: s*b*h*(34 + 5as/h) at t=1 and q = h; the
+    8q are Q, K, V and the attention output, all q wide once K and V are repeated for
+    grouped-query attention) or, with full recomputation, the block input (2*s*b*h bytes)
+    plus one block's full activations while it is recomputed; 1F1B keeps min(p - stage, m)
+    micro-batches in flight on a stage; the last stage also holds one micro-batch's logits
+    and their gradient (8*b*s*V/t bytes);
     plus a fixed workspace (CUDA context, communication buffers, fragmentation).
     The largest stage decides.
 """
@@ -103,6 +106,7 @@ class ModelCosts:
     hidden_size: int
     num_heads: int
     vocab_size: int
+    attention_width: int  # num_heads * head_dim: Q's width and the attention output's
 
     @classmethod
     def of(cls, model: ModelSpec) -> ModelCosts:
@@ -121,13 +125,20 @@ class ModelCosts:
                 hidden_size=h,
                 num_heads=model.num_heads,
                 vocab_size=v,
+                attention_width=h,  # not declared: the hidden size stands in
             )
+        q = model.num_heads * model.head_dim  # h unless the model declares its head_dim
         kv = model.num_kv_heads * model.head_dim  # grouped-query attention: narrower K and V
         mlp_mats = 3 if model.gated_mlp else 2
-        matmul_params = 2 * h * h + 2 * h * kv + mlp_mats * h * f
+        matmul_params = 2 * h * q + 2 * h * kv + mlp_mats * h * f
         if model.family == "llama":
-            # no biases; two RMSNorm weights; rotary positions (no position embedding)
+            # two RMSNorm weights; rotary positions (no position embedding); the biases and
+            # per-head q/k norms that Qwen2 and Qwen3 add (elasticpp.train.families.llama)
+            opts = model.option_map
             block_params = matmul_params + 2 * h
+            block_params += q + 2 * kv if opts.get("qkv_bias") is True else 0
+            block_params += h if opts.get("o_bias") is True else 0
+            block_params += 2 * model.head_dim if opts.get("qk_norm") is True else 0
             embed_params = v * h
             head_params = v * h + h
         else:
@@ -139,13 +150,14 @@ class ModelCosts:
             block_params=block_params,
             embed_params=embed_params,
             head_params=head_params,
-            block_fwd_flops_per_sample=2.0 * matmul_params * s + 4.0 * s * s * h,
+            block_fwd_flops_per_sample=2.0 * matmul_params * s + 4.0 * s * s * q,
             head_fwd_flops_per_sample=2.0 * h * v * s,
             hidden_values_per_sample=s * h,
             seq_len=s,
             hidden_size=h,
             num_heads=model.num_heads,
             vocab_size=v,
+            attention_width=q,
         )
 
 
@@ -231,9 +243,10 @@ class MemoryCosts:
 def memory_costs(
     mc: ModelCosts, params: CostParams, micro_batch: int, tp: int, recompute: bool
 ) -> MemoryCosts:
-    s, h, a = mc.seq_len, mc.hidden_size, mc.num_heads
-    sbh = float(s * micro_batch * h)
-    full = sbh * (10.0 + 24.0 / tp + 5.0 * a * s / (h * tp))
+    s, h, a, q = mc.seq_len, mc.hidden_size, mc.num_heads, mc.attention_width
+    sb = float(s * micro_batch)
+    sbh = sb * h
+    full = sb * (10.0 * h + (16.0 * h + 8.0 * q) / tp + 5.0 * a * s / tp)
     return MemoryCosts(
         state_bytes_per_param=params.state_bytes_per_param / tp,
         block_act_bytes=BF16_BYTES * sbh if recompute else full,

@@ -109,7 +109,8 @@ class ModelSpec:
     the units after them (`last_units`: final norm, LM head, loss) to the last. `family` says
     which model definition trains it: a built-in family (`gpt`, `llama`) or a user's
     `package.module:function` (docs/train.md, "The model contract"); `options` are that
-    family's settings (JSON scalars), opaque to the planner. `units` names every unit in
+    family's settings (JSON scalars), opaque to the planner except the `llama` family's that
+    change its sizes (`head_dim`, `qkv_bias`, `o_bias`, `qk_norm`). `units` names every unit in
     model order; empty means the built-in names `embed`, `block.NNNN`, `head`. `numbers`,
     when given, replaces the cost model's shape-based parameter and FLOP counts.
     """
@@ -169,6 +170,8 @@ class ModelSpec:
                 raise ConfigError(f"{owner}: option {key!r} must be a JSON scalar, got {value!r}")
             checked.append((key, value))
         object.__setattr__(self, "options", tuple(sorted(checked)))
+        if self.family == "llama" and "head_dim" in self.option_map:
+            _positive_int(owner, "option head_dim", self.option_map["head_dim"])
         for name in ("first_units", "last_units"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -191,6 +194,12 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
+        """The width of one attention head: the `llama` family's `head_dim` option where the
+        model declares one (Qwen3 and some Mistral models choose their own), else
+        hidden_size / num_heads."""
+        declared = self.option_map.get("head_dim") if self.family == "llama" else None
+        if isinstance(declared, int) and not isinstance(declared, bool):
+            return declared
         return self.hidden_size // self.num_heads
 
     @property

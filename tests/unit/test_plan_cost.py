@@ -12,6 +12,7 @@ from elasticpp.plan import (
     ClusterSpec,
     DeviceSpec,
     Layout,
+    ModelSpec,
     build_plan,
     estimate,
     estimate_plan,
@@ -19,6 +20,8 @@ from elasticpp.plan import (
     load_model_spec,
 )
 from elasticpp.plan.cost import CostParams, ModelCosts, memory_costs, total_params
+from elasticpp.train.contract import init_unit
+from elasticpp.train.families import build_model
 
 A100 = load_device_spec("a100-80g")
 
@@ -188,3 +191,59 @@ def test_a_bad_latency_is_refused_naming_the_field(field, value):
 def test_zero_latency_is_allowed():
     d = DeviceSpec("d", 80, 312, 300, 25, intra_node_latency_us=0, inter_node_latency_us=0)
     assert d.intra_node_latency_s == 0.0 == d.inter_node_latency_s
+
+
+# Llama-family shapes Hugging Face configs produce (elasticpp.train.hfconfig): Qwen3's head_dim
+# wider than hidden/heads with per-head q/k norms, a Mistral's narrower one, Qwen2's Q/K/V
+# biases, a Llama with attention_bias (Q/K/V and output biases).
+_HF_LIKE = {
+    "qwen3": {"head_dim": 32, "qk_norm": True, "hf_model_type": "qwen3"},
+    "mistral": {"head_dim": 8, "hf_model_type": "mistral"},
+    "qwen2": {"qkv_bias": True, "hf_model_type": "qwen2"},
+    "llama-bias": {"qkv_bias": True, "o_bias": True},
+}
+
+
+def _hf_like(kind: str) -> ModelSpec:
+    return ModelSpec(
+        kind,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        vocab_size=256,
+        seq_len=32,
+        ffn_hidden_size=96,
+        num_kv_heads=2,
+        family="llama",
+        options=tuple(_HF_LIKE[kind].items()),
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(_HF_LIKE))
+def test_the_planners_parameter_count_and_flops_are_the_built_models(kind: str) -> None:
+    spec = _hf_like(kind)
+    model = build_model(spec)
+    # The oracle: the tensors the family initialises, counted one by one.
+    real = {u.name: sum(t.numel() for t in init_unit(u, 0, 0, 1).values()) for u in model.units}
+    mc = ModelCosts.of(spec)
+    assert total_params(spec) == sum(real.values())
+    assert mc.block_params == real["block.0000"]
+    assert mc.block_fwd_flops_per_sample == pytest.approx(
+        model.blocks[0].fwd_flops_per_token * spec.seq_len
+    )
+
+
+def test_block_activations_are_as_wide_as_the_declared_attention() -> None:
+    spec = _hf_like("qwen3")
+    s, h, a, b = spec.seq_len, spec.hidden_size, spec.num_heads, 2
+    q = a * 32  # twice the hidden size
+    for t in (1, 2):
+        mem = memory_costs(ModelCosts.of(spec), CostParams(), b, t, False)
+        assert mem.block_act_bytes == pytest.approx(
+            s * b * (10 * h + (16 * h + 8 * q) / t + 5 * a * s / t)
+        )
+
+
+def test_a_bad_head_dim_option_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="head_dim"):
+        dataclasses.replace(_hf_like("qwen3"), options=(("head_dim", 0),))
