@@ -14,8 +14,9 @@ A minimal spec is just the required keys:
 
 Optional keys and their defaults are the fields of `JobSpec` below; the optimizer and data
 defaults are `TrainConfig`'s, so `elasticpp train` with the same settings trains the same model.
-Relative `model` and `data` paths are relative to the spec file's directory; `data` is
-stored as an absolute path, which every node must be able to read.
+Relative `model` and `data` paths (each path of a list of shards too) are relative to the
+spec file's directory; `data` is stored as absolute paths, which every node must be able to
+read.
 The first agent stores the canonical JSON form in etcd; an agent whose spec differs is refused
 with the differing fields named (`diff`). The stored form records the model reference
 resolved (paths against the spec file's directory) with a fingerprint of its files, so an
@@ -274,10 +275,8 @@ def parse_job_spec(
     for key in _TRAIN_KEYS:
         if key in values:
             train[key] = values.pop(key)
-    data_ref = train.get("data")
-    if base_dir is not None and isinstance(data_ref, str) and data_ref:
-        # As for `model`: a relative path is next to the spec file, not in the agent's cwd.
-        train["data"] = os.path.abspath(base_dir / data_ref)
+    if base_dir is not None and "data" in train:
+        train["data"] = _data_beside(base_dir, train["data"])
     train["steps"] = values["steps"]
     train["seed"] = values["seed"]
     if isinstance(train["steps"], int) and not isinstance(train["steps"], bool):
@@ -288,6 +287,17 @@ def parse_job_spec(
         return JobSpec(**values)
     except TypeError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _data_beside(base_dir: Path, data: object) -> object:
+    """`data` with its relative path, or each relative path of a list of shards, resolved
+    against the spec file's directory (as `model` is: not the agent's cwd). Anything else is
+    returned as it is, for TrainConfig to refuse naming it."""
+
+    def beside(ref: object) -> object:
+        return os.path.abspath(base_dir / ref) if isinstance(ref, str) and ref else ref
+
+    return [beside(ref) for ref in data] if isinstance(data, list) else beside(data)
 
 
 def _resolve_model(values: dict[str, Any], source: str, base_dir: Path | None) -> None:

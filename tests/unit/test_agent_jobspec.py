@@ -139,6 +139,26 @@ def test_a_relative_data_path_is_resolved_beside_the_spec_file(tmp_path: Path) -
     assert absolute.train_config().data == "/srv/t.npy"
 
 
+def test_relative_shard_paths_of_a_data_list_are_resolved_beside_the_spec_file(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "specs").mkdir()
+    spec_file = tmp_path / "specs" / "job.yaml"
+    spec_file.write_text(
+        "\n".join(f"{k}: {v}" for k, v in MINIMAL.items())
+        + "\ndata: [part-1.bin, ../data/part-0.bin, /srv/part-2.bin]\ndata_dtype: uint16\n"
+    )
+    cfg = load_job_spec(spec_file).train_config()
+    assert set(cfg.data or ()) == {
+        str(tmp_path / "specs" / "part-1.bin"),
+        str(tmp_path / "data" / "part-0.bin"),
+        "/srv/part-2.bin",
+    }
+    # Without a spec file there is no directory to resolve against: still refused.
+    with pytest.raises(ConfigError, match=r"absolute paths, got 'part-1\.bin'"):
+        parse_job_spec({**MINIMAL, "data": ["part-1.bin", "/srv/part-2.bin"]})
+
+
 def test_the_jobs_identity_changes_with_what_its_state_depends_on_only() -> None:
     base = parse_job_spec(dict(MINIMAL)).identity()
     assert base.name == "job-a" and len(base.fingerprint) == 64
