@@ -6,13 +6,13 @@ of two formats from the `TrainConfig`:
 
 **Token files** (`TokenCorpus`): a `.npy` file (a 1-D array of uint16, uint32, int32 or int64)
 is always token ids; a `.bin` file (flat little-endian uint16 or uint32, as `elasticpp data
-prepare` writes it) is token ids when it has a sidecar, which decides the dtype, or when
-`data_dtype` is given; a list of such files, or a directory holding them, is one stream of
-shards (`elasticpp.train.tokenfiles`: order, sidecar agreement). Files are memory-mapped,
-never read whole. With `N` tokens in the stream and sequence length `S` there are
-`W = (N - 1) // S` windows; window `w` is `tokens[w*S : w*S + S + 1]` of the stream (inputs
-are its first `S` ids, targets its last `S`; it may straddle two shards); the last
-`N - 1 - W*S` tokens are never read.
+prepare` writes it) is token ids: its sidecar decides the dtype, or `data_dtype` does when it
+has none (with neither it is refused, never read as bytes); a list of such files, or a
+directory holding them, is one stream of shards (`elasticpp.train.tokenfiles`: order,
+sidecar agreement). Files are memory-mapped, never read whole. With `N` tokens in the
+stream and sequence length `S` there are `W = (N - 1) // S` windows; window `w` is
+`tokens[w*S : w*S + S + 1]` of the stream (inputs are its first `S` ids, targets its last
+`S`; it may straddle two shards); the last `N - 1 - W*S` tokens are never read.
 
 - `data_shuffle` false: sample `i` is window `i mod W` (the file in order, wrapping at the end).
 - `data_shuffle` true (the default): epoch `e = i // W`, position `q = i mod W`; sample `i` is
@@ -27,10 +27,10 @@ A stream with fewer than `S + 1` tokens (no window) is refused, and so is a toke
 vocabulary is larger than the model's is refused outright.
 
 **Raw bytes** (`Corpus`), the 256-token byte vocabulary (the model's `vocab_size` must be at
-least 256): any other file (a `.bin` too, without sidecar or `data_dtype`), or a directory
-without `.bin`/`.npy` files (its files in sorted relative paths, concatenated). The
-window of `seq_len + 1` bytes starts at `stable_int("sample", seed, i) % span`, where `span =
-len(corpus) - seq_len`. A corpus larger than `corpus_max_bytes` is refused, never truncated.
+least 256): any other file, or a directory without `.bin`/`.npy` files (its files in sorted
+relative paths, concatenated). The window of `seq_len + 1` bytes starts at
+`stable_int("sample", seed, i) % span`, where `span = len(corpus) - seq_len`. A corpus
+larger than `corpus_max_bytes` is refused, never truncated.
 The exception is the built-in demo corpus (`data` unset): the Python standard library's `.py`
 files, identical on every machine with the same Python, capped at `corpus_max_bytes`.
 
@@ -58,7 +58,6 @@ from elasticpp.train.tokenfiles import (
     TokenStream,
     check_agreement,
     open_shard,
-    read_sidecar,
     shards_under,
 )
 
@@ -332,15 +331,12 @@ def token_shards(job: TrainConfig) -> list[str] | None:
         if found is not None:
             return [str(p) for p in found]
         what = f"a directory of raw-byte files ({data!r} holds no .bin or .npy shard)"
-    elif path.suffix.lower() == ".npy" or (
-        path.suffix.lower() == ".bin"
-        and (job.data_dtype is not None or read_sidecar(path) is not None)
-    ):
+    elif path.suffix.lower() in (".npy", ".bin"):
+        # A .bin is token ids even without its sidecar: open_shard refuses it then, rather
+        # than reading a lost sidecar's ids as bytes.
         return [data]
     elif not path.exists():
         raise ConfigError(f"train: data {data!r}: no such file or directory")
-    elif path.suffix.lower() == ".bin":
-        what = f"raw bytes ({data!r} has no sidecar and no data_dtype was given)"
     else:
         what = f"raw bytes ({data!r} is not a .bin or .npy file)"
     if job.data_dtype is not None:

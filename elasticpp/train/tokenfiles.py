@@ -9,7 +9,8 @@ changes nothing that reads the stream.
 A `.bin` shard is flat little-endian ids. `elasticpp data prepare` writes a JSON sidecar beside
 it (`<file>.json`); when there is one, it decides the dtype: a `data_dtype` that contradicts
 it is refused naming both, as is a file whose size is not the sidecar's token count. A `.bin`
-shard without a sidecar is read as `data_dtype`, which must then be given. A `.npy` shard
+shard without a sidecar is read as `data_dtype`; with neither it is refused (never read as
+raw bytes: a lost sidecar must not train on garbage). A `.npy` shard
 carries its own dtype. Every shard of a dataset must hold the same dtype, and every sidecar
 must agree on the vocabulary size, the tokenizer and the end-of-document id: shards of two
 tokenizers are one garbage dataset, not one corpus.
@@ -150,6 +151,14 @@ def open_shard(path: str, data_dtype: str | None) -> Shard:
         dtype_name = sidecar.dtype
     elif data_dtype in BIN_DTYPES:
         dtype_name = data_dtype
+    elif data_dtype is None:
+        # Nothing says how wide its ids are: guessing (or reading bytes) trains on garbage.
+        raise ConfigError(
+            f"train: data {path!r} has no sidecar ({sidecar_path(p).name}) and no data_dtype "
+            "was given, so the width of its token ids is unknown; write it with `elasticpp "
+            "data prepare`, which puts the sidecar beside it, or give the dtype with "
+            f"--data-dtype ({' or '.join(BIN_DTYPES)}; data_dtype in a job spec)"
+        )
     else:
         raise ConfigError(
             f"train: data {path!r} has no sidecar ({sidecar_path(p).name}, which elasticpp data "

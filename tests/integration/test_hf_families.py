@@ -31,7 +31,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from elasticpp.checkpoint.tensors import load_units
 from elasticpp.cli.main import main as cli_main
 from elasticpp.errors import ConfigError
-from elasticpp.train.data import Corpus, load_corpus
+from elasticpp.train.config import TrainConfig
+from elasticpp.train.data import open_corpus
 from elasticpp.train.families import build_model
 from elasticpp.train.families.llama import Llama3Scaling, inverse_frequencies
 from elasticpp.train.hf import hf_from_units, import_hf, read_hf_state, units_from_hf
@@ -151,7 +152,7 @@ def test_logits_on_one_rank_equal_transformers(hf_dirs: dict[str, Path], name: s
 def _reference_step(path: Path, data: Path, batch: int) -> tuple[float, float, dict]:
     """transformers' loss, global gradient norm and clipped gradients of step 0's batch."""
     model = _hf_model(path)
-    corpus = Corpus(load_corpus(str(data), 1 << 20), SEQ, 0)
+    corpus = open_corpus(TrainConfig(data=str(data), data_dtype="uint16"), SEQ, VOCAB)
     inputs, targets = corpus.batch(0, batch)
     logits = model(inputs).logits
     per_token = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
@@ -171,10 +172,9 @@ def test_one_training_step_under_tp_and_pp_equals_transformers(
 ) -> None:
     """pp=2, tp=2: q/k/v (and their biases) split by heads, the blocks on two stages, a
     tied head on another stage than its embedding (qwen2)."""
-    data = tmp_path / "corpus.bin"
-    data.write_bytes(
-        bytes(torch.randint(0, VOCAB, (4096,), generator=torch.Generator().manual_seed(1)).tolist())
-    )
+    data = tmp_path / "corpus.bin"  # token ids without a sidecar: --data-dtype says uint16
+    ids = torch.randint(0, VOCAB, (4096,), generator=torch.Generator().manual_seed(1))
+    ids.numpy().astype("<u2").tofile(data)
     save, metrics = tmp_path / "save", tmp_path / "metrics.jsonl"
     lr, wd, eps = 1e-3, 0.1, 1e-8
     code = cli_main(
@@ -182,7 +182,8 @@ def test_one_training_step_under_tp_and_pp_equals_transformers(
             "train", "--model", str(hf_dirs[name]), "--seq-len", str(SEQ),
             "--layout", "pp=2,tp=2,dp=1", "--global-batch", "4", "--micro-batch", "2",
             "--steps", "1", "--warmup-steps", "0", "--lr", str(lr), "--min-lr", str(lr),
-            "--data", str(data), "--save", str(save), "--metrics", str(metrics),
+            "--data", str(data), "--data-dtype", "uint16",
+            "--save", str(save), "--metrics", str(metrics),
         ]
     )  # fmt: skip
     assert code == 0

@@ -26,8 +26,9 @@ from transformers import (
 from elasticpp.checkpoint.tensors import load_units
 from elasticpp.cli.main import main as cli_main
 from elasticpp.plan import MODEL_PRESETS, ClusterSpec, Layout, build_plan, load_device_spec
+from elasticpp.train.config import TrainConfig
 from elasticpp.train.contract import UnitContext
-from elasticpp.train.data import Corpus, load_corpus
+from elasticpp.train.data import open_corpus
 from elasticpp.train.families import build_model
 from elasticpp.train.hf import hf_from_units, import_hf, read_hf_state, units_from_hf
 from elasticpp.train.hfconfig import spec_from_hf
@@ -175,7 +176,7 @@ def test_logits_under_a_layout_equal_transformers(
 def _reference_step(path: Path, data: Path, batch: int) -> tuple[float, float, dict]:
     """transformers' loss, global gradient norm and clipped gradients of step 0's batch."""
     model = _hf_model(path)
-    corpus = Corpus(load_corpus(str(data), 1 << 20), SEQ, 0)
+    corpus = open_corpus(TrainConfig(data=str(data), data_dtype="uint16"), SEQ, 256)
     inputs, targets = corpus.batch(0, batch)
     logits = model(inputs).logits
     per_token = F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1), reduction="none")
@@ -200,16 +201,16 @@ def _reference_step(path: Path, data: Path, batch: int) -> tuple[float, float, d
 def test_one_training_step_equals_transformers_loss_and_gradients(
     hf_dirs: dict[str, Path], tmp_path: Path, name: str, layout: str, options: list[str]
 ) -> None:
-    data = tmp_path / "corpus.bin"
-    data.write_bytes(
-        bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).tolist())
-    )
+    data = tmp_path / "corpus.bin"  # token ids without a sidecar: --data-dtype says uint16
+    ids = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1))
+    ids.numpy().astype("<u2").tofile(data)
     save, metrics = tmp_path / "save", tmp_path / "metrics.jsonl"
     code = cli_main(
         [
             "train", "--model", str(hf_dirs[name]), "--seq-len", str(SEQ), "--layout", layout,
             "--global-batch", "4", "--micro-batch", "2", "--steps", "1", "--warmup-steps", "0",
-            "--data", str(data), "--save", str(save), "--metrics", str(metrics), *options,
+            "--data", str(data), "--data-dtype", "uint16",
+            "--save", str(save), "--metrics", str(metrics), *options,
         ]
     )  # fmt: skip
     assert code == 0

@@ -105,6 +105,7 @@ def test_bad_input_exits_2_with_one_line_before_any_worker_starts(
     ("data", "args", "message"),
     [
         ("t.bin", ["--data-dtype", "uint16"], "token id 300 at position 3"),
+        ("t.bin", [], "or give the dtype with --data-dtype"),
         ("short.bin", ["--data-dtype", "uint16"], "has 10 tokens"),
         ("t.txt", ["--data-dtype", "uint16"], "data_dtype 'uint16' applies to a token file"),
         ("t.txt", ["--no-shuffle"], "data_shuffle false applies to token files"),

@@ -169,17 +169,30 @@ def test_a_bin_file_of_a_partial_token_is_refused(tmp_path: Path) -> None:
         open_corpus(TrainConfig(data=str(path), data_dtype="uint16"), SEQ, VOCAB)
 
 
-def test_a_bin_file_without_data_dtype_is_raw_bytes_as_before(tmp_path: Path) -> None:
-    blob = bytes(range(256)) * 4
+def test_a_bin_file_without_sidecar_or_data_dtype_is_refused_naming_both_ways_out(
+    tmp_path: Path,
+) -> None:
+    # Token ids whose sidecar was lost: read as bytes they would train on garbage.
     path = tmp_path / "t.bin"
-    path.write_bytes(blob)
-    corpus = open_corpus(TrainConfig(data=str(path), seed=3), SEQ, VOCAB)
-    assert type(corpus) is Corpus
-    got, _ = corpus.batch(10, 5)
-    want, _ = Corpus(blob, SEQ, seed=3).batch(10, 5)
-    assert torch.equal(got, want)
-    start = stable_int("sample", 3, 10) % (len(blob) - SEQ)  # the documented offset
-    assert got[0].tolist() == list(blob[start : start + SEQ])
+    (np.arange(300) % VOCAB).astype("<u2").tofile(path)
+    jobs = [
+        TrainConfig(data=str(path)),
+        TrainConfig(data=str(path), data_shuffle=False),
+        TrainConfig(data=[str(path)]),  # type: ignore[arg-type]
+    ]
+    for job in jobs:
+        for check in (open_corpus, check_data):
+            with pytest.raises(ConfigError) as err:
+                check(job, SEQ, VOCAB)
+            message = str(err.value)
+            assert repr(str(path)) in message and "t.bin.json" in message
+            assert "elasticpp data prepare" in message and "--data-dtype" in message
+    # Either way out reads it as token ids.
+    assert type(open_corpus(TrainConfig(data=str(path), data_dtype="uint16"), SEQ, VOCAB)) is (
+        TokenCorpus
+    )
+    write_sidecar(path, "uint16", 300, VOCAB)
+    assert type(open_corpus(TrainConfig(data=str(path)), SEQ, VOCAB)) is TokenCorpus
 
 
 def test_a_raw_corpus_over_the_cap_is_refused_naming_corpus_max_bytes(tmp_path: Path) -> None:
@@ -329,17 +342,6 @@ def test_a_sidecar_vocabulary_larger_than_the_models_is_refused(tmp_path: Path) 
     for check in (open_corpus, check_data):
         with pytest.raises(ConfigError, match=r"vocabulary of 50257 tokens.*vocab_size 256"):
             check(TrainConfig(data=str(path)), SEQ, VOCAB)
-
-
-def test_a_bin_file_without_sidecar_or_data_dtype_refuses_token_settings(tmp_path: Path) -> None:
-    path = tmp_path / "t.bin"
-    path.write_bytes(bytes(range(256)))
-    job = TrainConfig(data=str(path), data_shuffle=False)
-    for check in (open_corpus, check_data):
-        with pytest.raises(
-            ConfigError, match=r"data_shuffle false applies to token files.*no sidecar"
-        ):
-            check(job, SEQ, VOCAB)
 
 
 def write_shards(
