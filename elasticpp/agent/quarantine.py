@@ -23,6 +23,7 @@ from typing import Any
 
 from elasticpp.agent.decide import ClusterView, lost_nodes
 from elasticpp.agent.follower import _GenState
+from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import EndJob, Quarantine, Quarantined, Readmit, Report
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
 
@@ -191,7 +192,7 @@ class QuarantinePart:
         if ls.stop_wait_since_s is None:
             ls.stop_wait_since_s = now_s
             return False
-        waited_s = self.spec.stop_timeout_s
+        waited_s = self.spec.stop_timeout_s + STOPPED_WAIT_MARGIN_S
         if now_s - ls.stop_wait_since_s <= waited_s:
             return False
         actions = []
