@@ -77,7 +77,7 @@ class ControlPart:
 
     def _event(self, kind: str, message: str) -> None:
         log.info("%s", message)
-        self._events.append(kind, message, self.generation)
+        self._events.append(kind, message, self.generation, at=self._clock.time())
 
     def events_since(
         self, index: int, timeout_s: float
@@ -131,7 +131,7 @@ class ControlPart:
             return
         if not self._cs.draining:
             self._cs.draining = True
-            self._cs.drain_deadline_s = time.monotonic() + timeout_s
+            self._cs.drain_deadline_s = self._clock.monotonic() + timeout_s
             self._cs.drain_requested_gen = self.generation
 
     def _check_drain(self) -> None:
@@ -154,7 +154,8 @@ class ControlPart:
         )
         no_job = gs is None or self._cs.job_done_step is not None or self._hs.job_end is not None
         expired = (
-            self._cs.drain_deadline_s is not None and time.monotonic() > self._cs.drain_deadline_s
+            self._cs.drain_deadline_s is not None
+            and self._clock.monotonic() > self._cs.drain_deadline_s
         )
         if handed_off or no_job or expired:
             self._event("decision", "drained" if handed_off or no_job else "drain timed out")

@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +121,7 @@ class DurabilityPart:
             "loss": event["loss"],
             "generation": gen,
             "layout": str(plan.layout) if plan else "",
-            "time": time.time(),
+            "time": self._clock.time(),
             "node": self.node_id,
             "lr": event.get("lr"),
             "grad_norm": event.get("grad_norm"),
@@ -306,7 +305,7 @@ class DurabilityPart:
                 client_factory=lambda address: StateClient(address, timeout_s=60),
                 epoch=self.store.epoch,
             )
-            return FetchOutcome(done_at=time.time())
+            return FetchOutcome(done_at=self._clock.time())
         except Exception as exc:  # reported to the loop, which reports it to the leader
             return FetchOutcome(error=f"{type(exc).__name__}: {exc}", disk_error=is_disk_error(exc))
 

@@ -74,6 +74,7 @@ class _GenState:
     fetch_progress: TransferProgress | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)  # the agent's
 
     @property
     def generation(self) -> int:
@@ -91,7 +92,7 @@ class _GenState:
             )
             return False
         self.phase = phase_transition(self.phase, phase)
-        self.phase_since_s = time.monotonic()
+        self.phase_since_s = self.clock()
         return True
 
     def overdue(self, now_s: float, hang_timeout_s: float) -> float | None:
@@ -133,12 +134,12 @@ class FollowerPart:
         leader quarantines it at once (elasticpp.agent.sick)."""
         self._event("worker", f"failure in generation {generation}: {reason}")
         self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
-        self._fs.detected.setdefault(generation + 1, time.time())
+        self._fs.detected.setdefault(generation + 1, self._clock.time())
         # Level-triggered: the report stays pending until etcd has it, so a failure seen
         # while etcd is down is published when it returns instead of being lost.
         self._fs.pending_failures.setdefault(
             generation,
-            {"reason": reason, "at": time.time(), "culprit": culprit, "severe": severe},
+            {"reason": reason, "at": self._clock.time(), "culprit": culprit, "severe": severe},
         )
         self._publish_failures()
 
@@ -211,7 +212,9 @@ class FollowerPart:
         if gs.phase is Phase.DONE or not gs.enter(Phase.DONE):
             return  # e.g. halted: the halt, not a finish, is this job's end
         assert self.cluster is not None
-        self.cluster.arrive("done", self.node_id, {"step": self.spec.steps, "at": time.time()})
+        self.cluster.arrive(
+            "done", self.node_id, {"step": self.spec.steps, "at": self._clock.time()}
+        )
         self._event("decision", f"job finished all {self.spec.steps} steps")
 
     def _check_phase_deadline(self, gs: _GenState) -> None:
@@ -225,9 +228,9 @@ class FollowerPart:
             and (progress is None or progress.idle_s(time.monotonic()) <= FETCH_STALL_S)
         ):
             # Held only while bytes arrive: a stalled or trickling fetch runs out of time.
-            gs.phase_since_s = time.monotonic()
+            gs.phase_since_s = self._clock.monotonic()
             return
-        deadline = gs.overdue(time.monotonic(), self.spec.hang_timeout_s)
+        deadline = gs.overdue(self._clock.monotonic(), self.spec.hang_timeout_s)
         if deadline is None:
             return
         waited = (
@@ -250,7 +253,10 @@ class FollowerPart:
             self.cluster.skip_value(self.cluster.keys.generation, exc)
             return
         old = self._fs.gen
-        self._fs.gen = _GenState(rec)
+        now = self._clock.monotonic()
+        self._fs.gen = _GenState(
+            rec, phase_since_s=now, stop_began_s=now, clock=self._clock.monotonic
+        )
         # Detection times of generations up to this one are of no use now (the leader drops
         # them when it writes a generation; every agent drops them here).
         for g in [g for g in self._fs.detected if g <= rec.generation]:
@@ -281,14 +287,14 @@ class FollowerPart:
             for w in active:
                 self.pool.ask_stop(w)
             gs.stop_sent = True
-        elif (not gs.graceful or time.monotonic() - gs.stop_began_s > STOP_GRACE_S) and old:
+        elif (not gs.graceful or self._clock.monotonic() - gs.stop_began_s > STOP_GRACE_S) and old:
             if gs.killed_at_s is None:
-                gs.killed_at_s = time.monotonic()
+                gs.killed_at_s = self._clock.monotonic()
             for w in old:
                 self.pool.kill_worker(w)  # never blocks the loop on a process that will not go
         alive = [w for w in self._old_workers(gs) if w.proc.alive()]
         if alive:
-            stuck_s = time.monotonic() - (gs.killed_at_s or time.monotonic())
+            stuck_s = self._clock.monotonic() - (gs.killed_at_s or self._clock.monotonic())
             if stuck_s > self.spec.stop_timeout_s:
                 pids = ", ".join(str(w.proc.pid) for w in alive)
                 self._report_failure(
@@ -313,7 +319,7 @@ class FollowerPart:
             {
                 "holdings": holdings.to_dict(),
                 "next_step": self._ds.next_step_committed,
-                "at": time.time(),
+                "at": self._clock.time(),
             },
         )
         gs.enter(Phase.MOVING)
@@ -447,7 +453,7 @@ class FollowerPart:
     def _check_started(self, gs: _GenState) -> None:
         mine = self.pool.of_generation(gs.generation)
         if mine and all(w.state is not WorkerState.STARTING for w in mine):
-            moved = gs.fetch_done_at or time.time()
+            moved = gs.fetch_done_at or self._clock.time()
             self._arrive_started(gs, moved_s=moved)
             gs.enter(Phase.RUNNING)
             self._clean_local(gs.generation)
@@ -455,5 +461,7 @@ class FollowerPart:
     def _arrive_started(self, gs: _GenState, moved_s: float) -> None:
         assert self.cluster is not None
         self.cluster.arrive(
-            f"started-{gs.generation}", self.node_id, {"moved_at": moved_s, "at": time.time()}
+            f"started-{gs.generation}",
+            self.node_id,
+            {"moved_at": moved_s, "at": self._clock.time()},
         )

@@ -49,9 +49,9 @@ class EventLog:
         self._cond = threading.Condition()
         self._total = 0
 
-    def append(self, kind: str, message: str, generation: int) -> None:
+    def append(self, kind: str, message: str, generation: int, at: float | None = None) -> None:
         with self._cond:
-            self._items.append((time.time(), kind, message, generation))
+            self._items.append((time.time() if at is None else at, kind, message, generation))
             self._total += 1
             self._cond.notify_all()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +140,7 @@ class LeaderPart:
             dead=dead,
             current_nodes=current,
             failed=failed,
-            now_s=time.monotonic(),
+            now_s=self._clock.monotonic(),
             # planned again after the settle window: a join, a revived node, a re-admission
             last_join_s=max(self._vs.last_join_s, self._lvs.revived_s, self._hs.readmitted_s),
             job_done=self._cs.job_done_step is not None or self._hs.job_end is not None,
@@ -172,11 +171,11 @@ class LeaderPart:
         # as etcd says (not as this node's own follower phase says).
         in_progress = (
             rec is not None
-            and not self._ls.at(rec.generation, time.monotonic()).resume_written
+            and not self._ls.at(rec.generation, self._clock.monotonic()).resume_written
             and RESUME_MEMBER not in self._vs.barriers.get(f"resume-{rec.generation}", {})
         )
         if isinstance(decision, Replan):
-            if time.monotonic() < self._ls.replan_not_before_s:
+            if self._clock.monotonic() < self._ls.replan_not_before_s:
                 return
             if not (decision.graceful and in_progress):
                 self._write_generation(decision, view)
@@ -188,7 +187,7 @@ class LeaderPart:
             return
         self._lead_resume(gs, view)
         self._lead_timeline(gs)
-        self._lead_safe_step(gs, time.monotonic())
+        self._lead_safe_step(gs, self._clock.monotonic())
 
     def _write_generation(self, decision: Replan, view: ClusterView) -> None:
         assert self.cluster is not None
@@ -227,13 +226,13 @@ class LeaderPart:
             },
             "previous_layout": _layout_of(rec),
             "detected_at": self._detection_time(generation),
-            "planned_at": time.time(),
+            "planned_at": self._clock.time(),
         }
         record = GenerationRecord(
             generation=generation,
             plan=plan.to_dict(),
             leader=self.node_id,
-            created_at=time.time(),
+            created_at=self._clock.time(),
             store_address=self._ls.store_address,
             extra=extra,
         )
@@ -244,7 +243,7 @@ class LeaderPart:
             backoff_s = 0.0
             if self._ls.replan_failures > 2:
                 backoff_s = min(MAX_REPLAN_BACKOFF_S, 0.25 * 2 ** (self._ls.replan_failures - 3))
-            self._ls.replan_not_before_s = time.monotonic() + backoff_s
+            self._ls.replan_not_before_s = self._clock.monotonic() + backoff_s
             self._event(
                 "decision",
                 f"leader: generation {generation} = {plan.layout}, "
@@ -261,7 +260,8 @@ class LeaderPart:
         """When the change behind `generation` was first seen: a failure report of the
         current generation (by any agent), a lapsed lease or a join seen here, else now."""
         seen = [
-            source.get(generation, time.time()) for source in (self._vs.detected, self._fs.detected)
+            source.get(generation, self._clock.time())
+            for source in (self._vs.detected, self._fs.detected)
         ]
         rec = self._vs.record
         if rec is not None:
@@ -271,7 +271,7 @@ class LeaderPart:
         return min(seen)
 
     def _lead_resume(self, gs: _GenState, view: ClusterView) -> None:
-        ls = self._ls.at(gs.generation, time.monotonic())
+        ls = self._ls.at(gs.generation, self._clock.monotonic())
         if ls.resume_written:
             return
         assert self.cluster is not None
@@ -282,8 +282,8 @@ class LeaderPart:
         expected = set(live_nodes(view))
         missing = expected - set(stopped)
         if missing:
-            if time.monotonic() - ls.missing_probed_s > 2.0:
-                ls.missing_probed_s = time.monotonic()
+            if self._clock.monotonic() - ls.missing_probed_s > 2.0:
+                ls.missing_probed_s = self._clock.monotonic()
                 self._confirm_dead(sorted(missing))
             if not self._exclude_non_arrivers(gs, sorted(missing)):
                 return
@@ -329,7 +329,7 @@ class LeaderPart:
             {
                 "step": step,
                 "fetches": fetches,
-                "at": time.time(),
+                "at": self._clock.time(),
                 "recomputed": max([*next_steps, step]) - step,
             },
             self._ls.leadership,
@@ -345,7 +345,7 @@ class LeaderPart:
         self._event("decision", f"leader: generation {gs.generation} resumes at step {step}")
 
     def _lead_timeline(self, gs: _GenState) -> None:
-        ls = self._ls.at(gs.generation, time.monotonic())
+        ls = self._ls.at(gs.generation, self._clock.monotonic())
         if ls.timeline_written or not ls.resume_written:
             return
         if f"gen-{gs.generation}" in self._vs.barriers.get("timelines", {}):

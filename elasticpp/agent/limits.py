@@ -4,6 +4,10 @@ DEAD_RECHECK_S = 2.0  # how often a node is probed at most (also nodes confirmed
 PROBE_THREADS = 16  # the agent's pool for health probes of peers
 LEADER_SUSPECT_S = 0.3  # a failure left unanswered this long makes followers probe the leader
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
+# The leader waits this much longer than stop_timeout_s for a node's stopped-G: a node whose
+# old workers outlive SIGKILL reports that itself, naming them, once its own stop_timeout_s
+# has run (counted from its kill, which follows the leader's write of the generation).
+STOPPED_WAIT_MARGIN_S = 5.0
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
 GPU_CHECK_INTERVAL_S = 10.0  # NVML health poll, only with --device cuda

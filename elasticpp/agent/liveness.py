@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +69,7 @@ class LivenessPart:
         if not failed:
             self._lvs.suspect_since.clear()
             return
-        now = time.monotonic()
+        now = self._clock.monotonic()
         since = self._lvs.suspect_since.setdefault(rec.generation, now)
         if now - since < LEADER_SUSPECT_S or now - self._lvs.leader_probed_s < DEAD_RECHECK_S:
             return
@@ -96,7 +95,7 @@ class LivenessPart:
         """The health of `nodes` (this node and nodes without an address left out), probed
         on the bounded pool; a result younger than DEAD_RECHECK_S for the same incarnation
         is reused instead of probing again."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         cache = self._lvs.probe_cache
         for key in [k for k, (at, _) in cache.items() if now - at >= DEAD_RECHECK_S]:
             del cache[key]
@@ -114,14 +113,14 @@ class LivenessPart:
         futures = {n: self._probe_pool.submit(probe.check, a) for n, (_, a) in todo.items()}
         for n, future in futures.items():
             results[n] = future.result()
-            cache[(n, todo[n][0])] = (time.monotonic(), results[n])
+            cache[(n, todo[n][0])] = (self._clock.monotonic(), results[n])
         return results
 
     def _recheck_dead(self) -> None:
         """A node confirmed dead that still holds its registration is probed again now and
         then: if it answers (it was only slow or stopped for a while), it is no longer dead,
         and the leader takes it back as it would a joining node."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if not self._lvs.dead or now - self._lvs.dead_checked_s < DEAD_RECHECK_S:
             return
         self._lvs.dead_checked_s = now

@@ -70,6 +70,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp.agent.clock import Clock, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart, ControlState
 from elasticpp.agent.durability import CommitValue, DurabilityPart, DurabilityState
@@ -120,7 +121,15 @@ class Agent(
     QuarantinePart,
     ControlPart,
 ):
-    def __init__(self, cfg: AgentConfig, spec: JobSpec, *, python: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        spec: JobSpec,
+        *,
+        python: str | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self._clock: Clock = clock or SystemClock()  # every part's decisions read it
         self.cfg = cfg
         self.spec = spec
         self.node_id = cfg.node_id
@@ -149,9 +158,11 @@ class Agent(
         self._drain_requests: queue.SimpleQueue[float] = queue.SimpleQueue()  # from gRPC
         self._events = EventLog()  # every part logs its decisions here (`ctl events`)
         # Each part's state: one object, one writer (that part's module, on the loop).
-        self.pool = WorkerPool(self._wake)  # the supervisor's workers (elasticpp.agent.pool)
+        self.pool = WorkerPool(
+            self._wake, clock=self._clock.monotonic
+        )  # the supervisor's workers (elasticpp.agent.pool)
         self._ss = SupervisorState(gpus=list(range(cfg.slots)))
-        self._vs = ViewState()
+        self._vs = ViewState(last_join_s=self._clock.monotonic())
         self._fs = FollowerState()
         self._ds = DurabilityState()
         self._lvs = LivenessState()
@@ -422,7 +433,7 @@ class Agent(
             ("supervisor", self._check_gpus),
         ):
             self._part(name, step)
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if self._reread.is_raised() or now - self._vs.last_refresh_s > 1.0:
             self._part("view", self._refresh)
         if not self._vs.etcd_ok:

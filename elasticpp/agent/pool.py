@@ -15,7 +15,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +43,11 @@ class _Worker:
 
 
 class WorkerPool:
-    def __init__(self, wake: threading.Event | None = None) -> None:
+    def __init__(
+        self, wake: threading.Event | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._wake = wake
+        self._clock = clock  # the agent's (elasticpp.agent.clock)
         self._events: queue.Queue[tuple[WorkerProcess, dict[str, Any]]] = queue.Queue()
         self._spares: list[WorkerProcess] = []  # spawned, maybe not yet ready
         self._ready: set[int] = set()  # pids of spares that reported "ready"
@@ -72,7 +75,7 @@ class WorkerPool:
     # ------------------------------------------------------------------ spares
     def add_spare(self, proc: WorkerProcess, now_s: float | None = None) -> None:
         self._spares.append(proc)
-        self._since[proc.pid] = time.monotonic() if now_s is None else now_s
+        self._since[proc.pid] = self._clock() if now_s is None else now_s
 
     def spares(self) -> tuple[WorkerProcess, ...]:
         return tuple(self._spares)
@@ -127,7 +130,7 @@ class WorkerPool:
         for p in procs:
             if p.alive() and p not in self._spares:
                 self._spares.append(p)
-                self._since.setdefault(p.pid, time.monotonic())
+                self._since.setdefault(p.pid, self._clock())
 
     def release_spares(self) -> None:
         """Kill every spare (the job is over, or the agent leaves)."""

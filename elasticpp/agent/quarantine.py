@@ -18,12 +18,12 @@ executes its actions against etcd and carries their outcome to every agent:
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.decide import ClusterView, lost_nodes
 from elasticpp.agent.follower import _GenState
+from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import EndJob, Quarantine, Quarantined, Readmit, Report
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
 
@@ -165,7 +165,7 @@ class QuarantinePart:
                 sick.lifted(n)  # an operator lifted it, or a new term reads etcd
             sick.load(published)
         incarnations = {n: str(i.get("incarnation", "")) for n, i in self._vs.members.items()}
-        now = time.time()
+        now = self._clock.time()
         actions = sick.expire(incarnations, now)
         rec = self._vs.record
         if rec is not None and view.current_nodes is not None:
@@ -187,21 +187,22 @@ class QuarantinePart:
         """Nodes that did not arrive at `stopped-G` within `stop_timeout_s` (a wedged agent,
         workers that will not die) are quarantined: the job goes on without them. True once
         the deadline has passed (the missing nodes are set aside)."""
-        now_s = time.monotonic()
+        now_s = self._clock.monotonic()
         ls = self._ls.at(gs.generation, now_s)
         if ls.stop_wait_since_s is None:
             ls.stop_wait_since_s = now_s
             return False
-        if now_s - ls.stop_wait_since_s <= self.spec.stop_timeout_s:
+        waited_s = self.spec.stop_timeout_s + STOPPED_WAIT_MARGIN_S
+        if now_s - ls.stop_wait_since_s <= waited_s:
             return False
         actions = []
         for node in missing:
             inc = str(self._vs.members.get(node, {}).get("incarnation", ""))
             why = (
-                f"did not arrive at stopped-{gs.generation} within "
-                f"{self.spec.stop_timeout_s:.0f} s (a wedged agent, or workers that will not stop)"
+                f"did not arrive at stopped-{gs.generation} within {waited_s:.0f} s "
+                "(a wedged agent, or workers that will not stop)"
             )
-            actions += self._ls.sick.exclude(node, why, inc, time.time())
+            actions += self._ls.sick.exclude(node, why, inc, self._clock.time())
         self._act_sick(actions)
         return True
 
@@ -227,7 +228,9 @@ class QuarantinePart:
                 self._hs.quarantines = {
                     n: r for n, r in self._hs.quarantines.items() if n != action.node
                 }
-                self._hs.readmitted_s = time.monotonic()  # planned again after the settle window
+                self._hs.readmitted_s = (
+                    self._clock.monotonic()
+                )  # planned again after the settle window
                 self._event("decision", f"leader: node {action.node} re-admitted ({action.reason})")
             elif isinstance(action, EndJob):
                 end = self.cluster.end_job(

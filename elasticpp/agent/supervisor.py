@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +61,7 @@ class SupervisorPart:
         """A spare that is not ready `ready_timeout_s` after its start (stuck importing torch,
         initialising a GPU) is killed and replaced; a generation waiting for it fails here,
         blaming this node (elasticpp.agent.follower)."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         for proc, waited_s in self.pool.overdue_spares(now, self.spec.ready_timeout_s):
             self._event(
                 "worker",
@@ -128,7 +127,7 @@ class SupervisorPart:
                 self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
                 self._refill_warm()
             return
-        w.last_progress_s = time.monotonic()
+        w.last_progress_s = self._clock.monotonic()
         if kind == "started":
             if w.state is WorkerState.STARTING:  # a stop may already have been asked for
                 w.move(WorkerState.RUNNING)
@@ -167,7 +166,7 @@ class SupervisorPart:
             self.pool.forget(proc.pid)
 
     def _check_hangs(self) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         for w in self.pool.workers():
             if w.state is WorkerState.RUNNING and is_hung(
                 w.last_progress_s, now, self.spec.hang_timeout_s
@@ -183,7 +182,7 @@ class SupervisorPart:
     def _check_gpus(self) -> None:
         """Drop GPUs that NVML reports unhealthy from this node's slots, and have the leader
         re-plan around them."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if self.cfg.device != "cuda" or now - self._ss.gpu_checked_s < GPU_CHECK_INTERVAL_S:
             return
         self._ss.gpu_checked_s = now

@@ -69,7 +69,7 @@ class ViewPart:
     def _refresh(self) -> None:
         assert self.cluster is not None
         self._reread.take()
-        self._vs.last_refresh_s = time.monotonic()
+        self._vs.last_refresh_s = self._clock.monotonic()
         try:
             members = self.cluster.agent_members().nodes
             record, rev = self.cluster.read_generation()
@@ -82,8 +82,8 @@ class ViewPart:
             for name in names:
                 barriers[name], _ = self.cluster.barrier_state(name)
             safe = None
-            if time.monotonic() - self._vs.safe_read_s >= SAFE_EVERY_S:
-                self._vs.safe_read_s = time.monotonic()
+            if self._clock.monotonic() - self._vs.safe_read_s >= SAFE_EVERY_S:
+                self._vs.safe_read_s = self._clock.monotonic()
                 safe, _ = self.cluster.read_safe()
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
@@ -106,15 +106,15 @@ class ViewPart:
         left = sorted(set(self._vs.members) - set(members))
         next_gen = (record.generation if record else 0) + 1
         if joined:
-            self._vs.last_join_s = time.monotonic()
-            self._vs.detected.setdefault(next_gen, time.time())
+            self._vs.last_join_s = self._clock.monotonic()
+            self._vs.detected.setdefault(next_gen, self._clock.time())
             self._event("membership", f"member(s) joined: {', '.join(sorted(joined))}")
         if left:
             self._event("membership", f"member(s) left: {', '.join(left)}")
             planned = set(record.extra.get("nodes", {})) if record else set()
             if planned & (set(left) - self._lvs.dead_now(self._vs.members)):
                 # A lease lapse is the detection only for a node not already found dead.
-                self._vs.detected.setdefault(next_gen, time.time())
+                self._vs.detected.setdefault(next_gen, self._clock.time())
         self._vs.members = members
         self._vs.record, self._vs.record_rev = record, rev
         # Detection times of generations up to the record's are of no use now.

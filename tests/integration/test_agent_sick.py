@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -188,3 +189,48 @@ def test_a_node_whose_disk_cannot_hold_its_share_is_quarantined_and_the_job_goes
     finally:
         cluster.close()
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+HOLD_EXIT = Path(__file__).parent / "helpers" / "hold_exit.py"
+
+
+def _ptrace_unavailable() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "holding a process at its exit needs Linux ptrace"
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if os.geteuid() != 0 and scope.is_file() and scope.read_text().strip() != "0":
+        return "attaching to another process's child needs root or ptrace_scope 0"
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_ptrace_unavailable() is not None, reason=str(_ptrace_unavailable()))
+def test_a_node_whose_old_worker_outlives_sigkill_is_quarantined_and_the_job_goes_on(
+    cluster: LocalCluster, reference: dict[int, float]
+) -> None:
+    cluster.start()
+    cluster.wait_for(lambda: cluster.max_step() >= 3, 120, "step 3")
+    [pid] = [w.pid for w in _status(cluster.node(SICK).address).workers if w.state == "running"]
+    # node-2's worker will not go for a minute once it starts to exit: a process that a
+    # driver or file system hang keeps in uninterruptible sleep outlives SIGKILL that way.
+    holder = subprocess.Popen(
+        [sys.executable, str(HOLD_EXIT), str(pid), "60"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "attached"
+        # A worker elsewhere dies: every node stops its workers at once, node-2 cannot.
+        [victim] = [
+            w.pid for w in _status(cluster.node("node-0").address).workers if w.state == "running"
+        ]
+        os.kill(victim, signal.SIGKILL)
+        assert holder.stdout.readline().strip() == "held"  # node-2's agent killed it
+        cluster.wait_for(lambda: SICK in _quarantined(cluster), 120, f"{SICK} quarantined")
+        reason = _quarantined(cluster)[SICK].reason
+        assert "still alive" in reason and str(pid) in reason, reason
+        assert holder.poll() is None  # still held when the job went on without it
+        _finish_without(cluster, SICK, 200)
+        assert_same_curve(cluster, reference)
+        assert SICK not in _last_plan_nodes(cluster)
+    finally:
+        holder.kill()  # lets the held worker go
+        holder.wait()

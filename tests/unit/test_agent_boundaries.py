@@ -36,6 +36,9 @@ def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
+    # A tick refills the warm pool: no real worker processes in a unit test (they outlived
+    # it before, and a later test that counts the runner's children failed for them).
+    agent._spawn_warm = lambda: None  # type: ignore[method-assign]
     return agent, cluster
 
 

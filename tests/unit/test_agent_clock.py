@@ -1,0 +1,146 @@
+"""The agent's parts read time from an injected clock: each deadline is driven here by moving
+a manual clock, with no sleeps, through the parts' own steps (a constructed agent, fake worker
+handles and a fake of the cluster calls it makes). And no part reads the real clock."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import elasticpp.agent
+from elasticpp.agent.clock import ManualClock
+from elasticpp.agent.decide import MOVING_DEADLINE_FLOOR_S, Phase, WorkerState
+from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.pool import _Worker
+from elasticpp.cluster.records import GenerationRecord
+from tests.unit.test_agent_deadlines import SPEC, _Cluster, _plan, _SlowSpare, _StuckProc
+
+
+class _Registration:
+    def __init__(self) -> None:
+        self.updates: list[dict[str, Any]] = []
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.updates.append(info)
+
+
+def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, ManualClock]:
+    clock = ManualClock()
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC, clock=clock
+    )
+    cluster = _Cluster()
+    agent.cluster = cluster  # type: ignore[assignment]
+    agent._spawn_warm = lambda: None  # type: ignore[method-assign]
+    return agent, cluster, clock
+
+
+def _new_generation(agent: Agent, generation: int, nodes: tuple[str, ...] = ("n0",)) -> None:
+    """What the view's refresh publishes when the leader wrote `generation`."""
+    agent._vs.record = GenerationRecord(
+        generation,
+        _plan(generation, nodes).to_dict(),
+        "n0",
+        agent._clock.time(),
+        extra={"nodes": {n: f"{n}:1" for n in nodes}},
+    )
+
+
+def _failures(cluster: _Cluster) -> list[dict[str, Any]]:
+    return [value for barrier, _, value in cluster.arrivals if barrier.startswith("failed-")]
+
+
+def test_old_workers_that_outlive_sigkill_fail_the_node_at_stop_timeout_s(tmp_path: Path) -> None:
+    agent, cluster, clock = _agent(tmp_path)
+    stuck = _StuckProc(100)
+    agent.pool.add_worker(
+        _Worker(proc=stuck, rank=0, generation=1, plan=_plan(1), state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    )
+    _new_generation(agent, 2)
+    agent._follow_generation()
+    assert stuck.kills == [False]  # killed without waiting
+    clock.advance(SPEC.stop_timeout_s - 0.5)
+    agent._follow_generation()
+    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.STOPPING
+    assert _failures(cluster) == []
+    clock.advance(1.0)  # past stop_timeout_s on the agent's clock
+    agent._follow_generation()
+    assert agent._fs.gen.phase is Phase.FAILED
+    [report] = _failures(cluster)
+    assert report["severe"] and report["culprit"] and "still alive" in report["reason"]
+    assert report["at"] == clock.time()  # the report's time is the agent's clock too
+
+
+def test_a_resume_instruction_that_never_comes_fails_the_generation_at_the_moving_deadline(
+    tmp_path: Path,
+) -> None:
+    agent, cluster, clock = _agent(tmp_path)
+    _new_generation(agent, 2)
+    agent._follow_generation()  # nothing old to stop: holdings reported
+    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.MOVING
+    deadline_s = max(MOVING_DEADLINE_FLOOR_S, SPEC.hang_timeout_s)
+    clock.advance(deadline_s - 1.0)
+    agent._follow_generation()
+    assert agent._fs.gen.phase is Phase.MOVING and _failures(cluster) == []
+    clock.advance(2.0)
+    agent._follow_generation()
+    assert agent._fs.gen.phase is Phase.FAILED
+    [report] = _failures(cluster)
+    assert f"waited {deadline_s:.0f} s" in report["reason"]
+
+
+def test_a_spare_that_never_reports_ready_is_replaced_at_ready_timeout_s(tmp_path: Path) -> None:
+    agent, _, clock = _agent(tmp_path)
+    spare = _SlowSpare(200)
+    agent.pool.add_spare(spare)  # type: ignore[arg-type]  # spawned now, on the agent's clock
+    clock.advance(SPEC.ready_timeout_s - 0.5)
+    agent._check_warm_ready()
+    assert not spare.killed and agent.pool.spares() == (spare,)
+    clock.advance(1.0)
+    agent._check_warm_ready()
+    assert spare.killed and agent.pool.spares() == ()
+    assert agent.pool.replaced_since(clock.monotonic() - 1.0) == 1
+
+
+def test_a_drain_that_is_never_handed_off_ends_at_its_deadline(tmp_path: Path) -> None:
+    agent, _, clock = _agent(tmp_path)
+    agent._registration = _Registration()
+    _new_generation(agent, 2)
+    agent._follow_generation()  # this node is in the plan: no hand-off yet
+    assert agent.drain(5.0)[0]
+    agent._check_drain()
+    assert agent._cs.draining and agent._registration.updates[-1]["draining"]
+    clock.advance(4.5)
+    agent._check_drain()
+    assert agent._exit_requested() is None
+    clock.advance(1.0)
+    agent._check_drain()
+    assert agent._exit_requested() == 0
+    assert any("drain timed out" in e[2] for e in agent._events)
+
+
+# On purpose on the real clock: the loop watchdog (the executor's own liveness, see
+# elasticpp.agent.clock) and a fetch's byte progress, which its thread times.
+REAL_CLOCK_ALLOWED = {("control", "_watch_loop"), ("follower", "_check_phase_deadline")}
+
+
+def test_no_part_reads_the_real_clock() -> None:
+    found = []
+    for path in sorted(Path(elasticpp.agent.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            if not cls.name.endswith("Part"):
+                continue
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+                if (path.stem, fn.name) in REAL_CLOCK_ALLOWED:
+                    continue
+                for node in ast.walk(fn):
+                    if (
+                        isinstance(node, ast.Attribute)
+                        and isinstance(node.value, ast.Name)
+                        and node.value.id == "time"
+                        and node.attr in ("monotonic", "time", "sleep")
+                    ):
+                        found.append(f"{path.stem}.{fn.name}: time.{node.attr}")
+    assert found == []
