@@ -16,9 +16,8 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from elasticpp.agent.decide import (
-    Phase,
-)
+from elasticpp.agent.actions import Action, Event, PublishMemberInfo, ReleaseSpares, StepDown
+from elasticpp.agent.decide import Phase
 from elasticpp.agent.limits import LOOP_STALL_S
 from elasticpp.agent.metrics import WORKER_STATES
 
@@ -34,9 +33,72 @@ class ControlState:
     drain_announced: bool = False  # the member key says draining; leadership resigned
     drain_deadline_s: float | None = None  # monotonic
     drain_requested_gen: int = 0  # the generation the drain was asked in
-    job_done_step: int | None = None  # the job trained every step (a done barrier says so)
+    job_done: bool = False  # the job trained every step (this node's, or a done barrier)
     errors_seen: set[tuple[str, str, str]] = field(default_factory=set)  # logged once each
     exit_code: int | None = None  # drained, or finished with on_job_end "exit"
+
+
+@dataclass(frozen=True)
+class ControlObservation:
+    """What the control part's step sees: other parts' published state, read by the
+    loop at one moment, and this tick's drain request. Times are monotonic seconds."""
+
+    now_s: float
+    node_id: str
+    generation: int  # the generation this node follows, 0 before any
+    plan_nodes: frozenset[str] | None  # the nodes of its plan; None before any
+    started: frozenset[str]  # nodes arrived at started-<generation>
+    finished_here: bool  # this node's ranks trained every step (the follower's phase)
+    done_reported: bool  # a node reported the job's last step trained
+    job_ended: bool  # the job ended without finishing (elasticpp.agent.quarantine)
+    workers_alive: bool
+    has_spares: bool
+    drain_timeout_s: float | None  # a drain asked for now (over gRPC), with its timeout
+    exit_on_end: bool  # on_job_end "exit": leave once finished; else idle until removed
+
+
+def control_step(state: ControlState, obs: ControlObservation) -> list[Action]:
+    """The end of the job and of a drain, decided: writes only `state`, does no I/O.
+    A finished job exits 0 (or idles, its spares released) once its workers are gone; a
+    drain announces itself, hands the leadership on, and exits 0 once a later plan without
+    this node has started everywhere, the job is over, or the drain's time is up."""
+    actions: list[Action] = []
+    if obs.done_reported or obs.finished_here:
+        state.job_done = True
+    if state.job_done and not obs.workers_alive:
+        if obs.exit_on_end:
+            state.exit_code = 0
+        elif obs.has_spares:
+            # Idle until removed: the warm pool is of no use to a finished job.
+            actions += [
+                ReleaseSpares(),
+                Event("decision", "job finished: this agent idles until it is removed"),
+            ]
+    if obs.drain_timeout_s is not None and not state.draining:
+        state.draining = True
+        state.drain_deadline_s = obs.now_s + max(obs.drain_timeout_s, 1.0)
+        state.drain_requested_gen = obs.generation
+    if not state.draining:
+        return actions
+    if not state.drain_announced:
+        state.drain_announced = True
+        actions += [
+            PublishMemberInfo(),
+            StepDown("draining"),
+            Event("decision", "draining: announced; waiting for the hand-off"),
+        ]
+    handed_off = (
+        obs.plan_nodes is not None
+        and obs.node_id not in obs.plan_nodes
+        and obs.generation > state.drain_requested_gen
+        and obs.plan_nodes <= obs.started
+    )
+    no_job = obs.plan_nodes is None or state.job_done or obs.job_ended
+    expired = state.drain_deadline_s is not None and obs.now_s > state.drain_deadline_s
+    if state.exit_code is None and (handed_off or no_job or expired):
+        actions.append(Event("decision", "drained" if handed_off or no_job else "drain timed out"))
+        state.exit_code = 0
+    return actions
 
 
 class ControlPart:
@@ -98,20 +160,29 @@ class ControlPart:
         for state, n in counts.items():
             m.workers.labels(**lbl, state=state).set(n)
 
-    def _check_done(self) -> None:
-        done = self._vs.barriers.get("done", {})
-        if any(int(v.get("step", -1)) >= self.spec.steps for v in done.values()):
-            self._cs.job_done_step = self.spec.steps
+    def _control(self) -> None:
+        """The control part's step: observe, decide (`control_step`, pure), execute."""
         gs = self._fs.gen
-        if gs is not None and gs.phase is Phase.DONE:  # the follower's: this node finished
-            self._cs.job_done_step = self.spec.steps
-        if self._cs.job_done_step is not None and not self.pool.any_alive():
-            if self.cfg.on_job_end == "exit":
-                self._cs.exit_code = 0
-            elif self.pool.spares():
-                # Idle until removed: the warm pool is of no use to a finished job.
-                self.pool.release_spares()
-                self._event("decision", "job finished: this agent idles until it is removed")
+        try:
+            drain_timeout_s: float | None = self._drain_requests.get_nowait()
+        except queue.Empty:
+            drain_timeout_s = None
+        done = self._vs.barriers.get("done", {})
+        obs = ControlObservation(
+            now_s=self._clock.monotonic(),
+            node_id=self.node_id,
+            generation=self.generation,
+            plan_nodes=frozenset(gs.record.extra.get("nodes", {})) if gs else None,
+            started=frozenset(self._vs.barriers.get(f"started-{self.generation}", {})),
+            finished_here=gs is not None and gs.phase is Phase.DONE,
+            done_reported=any(int(v.get("step", -1)) >= self.spec.steps for v in done.values()),
+            job_ended=self._hs.job_end is not None,
+            workers_alive=self.pool.any_alive(),
+            has_spares=bool(self.pool.spares()),
+            drain_timeout_s=drain_timeout_s,
+            exit_on_end=self.cfg.on_job_end == "exit",
+        )
+        self._execute(control_step(self._cs, obs))
 
     def drain(self, timeout_s: float) -> tuple[bool, str]:
         """Leave the job: the leader re-plans without this node at a step boundary, the new
@@ -123,43 +194,6 @@ class ControlPart:
         self._drain_requests.put(max(timeout_s, 1.0))
         self._wake.set()
         return True, "draining: the job moves off this node at the next step boundary"
-
-    def _take_drain_request(self) -> None:
-        try:
-            timeout_s = self._drain_requests.get_nowait()
-        except queue.Empty:
-            return
-        if not self._cs.draining:
-            self._cs.draining = True
-            self._cs.drain_deadline_s = self._clock.monotonic() + timeout_s
-            self._cs.drain_requested_gen = self.generation
-
-    def _check_drain(self) -> None:
-        self._take_drain_request()
-        if not self._cs.draining:
-            return
-        assert self.cluster is not None
-        if not self._cs.drain_announced:
-            self._registration.update(self._member_info())
-            self._step_down("draining")
-            self._cs.drain_announced = True
-            self._event("decision", "draining: announced; waiting for the hand-off")
-        gs = self._fs.gen
-        handed_off = (
-            gs is not None
-            and self.node_id not in gs.record.extra.get("nodes", {})
-            and gs.generation > self._cs.drain_requested_gen
-            and set(gs.record.extra.get("nodes", {}))
-            <= set(self._vs.barriers.get(f"started-{gs.generation}", {}))
-        )
-        no_job = gs is None or self._cs.job_done_step is not None or self._hs.job_end is not None
-        expired = (
-            self._cs.drain_deadline_s is not None
-            and self._clock.monotonic() > self._cs.drain_deadline_s
-        )
-        if handed_off or no_job or expired:
-            self._event("decision", "drained" if handed_off or no_job else "drain timed out")
-            self._cs.exit_code = 0
 
     def status_snapshot(self) -> dict[str, Any]:
         """What the control RPCs read: a snapshot the loop publishes (at most STATUS_EVERY_S

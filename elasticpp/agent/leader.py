@@ -143,7 +143,7 @@ class LeaderPart:
             now_s=self._clock.monotonic(),
             # planned again after the settle window: a join, a revived node, a re-admission
             last_join_s=max(self._vs.last_join_s, self._lvs.revived_s, self._hs.readmitted_s),
-            job_done=self._cs.job_done_step is not None or self._hs.job_end is not None,
+            job_done=self._cs.job_done or self._hs.job_end is not None,
             restarted=restarted,
             quarantined=frozenset(self._hs.quarantines),
         )

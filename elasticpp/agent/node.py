@@ -70,6 +70,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp.agent.actions import Action, Event, PublishMemberInfo, ReleaseSpares, StepDown
 from elasticpp.agent.clock import Clock, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart, ControlState
@@ -450,7 +451,7 @@ class Agent(
                 return
         if self._hs.job_end is not None:
             self._part("health", self._check_job_end)
-            self._part("control", self._check_drain)  # an idle agent leaves when drained
+            self._part("control", self._control)  # an idle agent leaves when drained
             return  # an ended job stays ended: nothing is planned or followed again
         for name, step in (
             ("follower", self._publish_failures),
@@ -458,11 +459,24 @@ class Agent(
             ("leader", self._maybe_campaign),
             ("follower", self._follow_generation),
             ("leader", self._lead_if_leader),
-            ("control", self._check_done),
-            ("control", self._check_drain),
+            ("control", self._control),
         ):
             if not self._part(name, step):
                 return
+
+    def _execute(self, actions: list[Action]) -> None:
+        """Apply what a part's pure step asked for, in order (elasticpp.agent.actions)."""
+        for action in actions:
+            if isinstance(action, Event):
+                self._event(action.kind, action.message)
+            elif isinstance(action, PublishMemberInfo):
+                self._registration.update(self._member_info())
+            elif isinstance(action, StepDown):
+                self._step_down(action.why)
+            elif isinstance(action, ReleaseSpares):
+                self.pool.release_spares()
+            else:
+                raise TypeError(f"no executor for action {action!r}")
 
     def _lead_if_leader(self) -> None:
         if self._is_leader():

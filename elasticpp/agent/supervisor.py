@@ -84,7 +84,7 @@ class SupervisorPart:
             or (gs is not None and gs.phase is Phase.STARTING)
         ):
             return
-        if self._cs.job_done_step is not None or self._hs.job_end is not None:
+        if self._cs.job_done or self._hs.job_end is not None:
             return  # the job is over: no spare will ever be needed
         if len(self.pool.spares()) < self.cfg.slots:
             self._spawn_warm()

@@ -64,11 +64,10 @@ def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path)
 
     agent._follow_generation = broken  # type: ignore[method-assign]
     agent._lead_if_leader = lambda: ran.append("leader")  # type: ignore[method-assign]
-    agent._check_done = lambda: ran.append("done")  # type: ignore[method-assign]
-    agent._check_drain = lambda: ran.append("drain")  # type: ignore[method-assign]
+    agent._control = lambda: ran.append("control")  # type: ignore[method-assign]
     for _ in range(3):
         agent._tick()
-    assert ran == ["leader", "done", "drain"] * 3
+    assert ran == ["leader", "control"] * 3
     assert _errors(agent, "follower") == 3
 
 

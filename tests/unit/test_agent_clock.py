@@ -109,13 +109,13 @@ def test_a_drain_that_is_never_handed_off_ends_at_its_deadline(tmp_path: Path) -
     _new_generation(agent, 2)
     agent._follow_generation()  # this node is in the plan: no hand-off yet
     assert agent.drain(5.0)[0]
-    agent._check_drain()
+    agent._control()
     assert agent._cs.draining and agent._registration.updates[-1]["draining"]
     clock.advance(4.5)
-    agent._check_drain()
+    agent._control()
     assert agent._exit_requested() is None
     clock.advance(1.0)
-    agent._check_drain()
+    agent._control()
     assert agent._exit_requested() == 0
     assert any("drain timed out" in e[2] for e in agent._events)
 

@@ -292,7 +292,7 @@ def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
     agent._check_job_end()
     accepted, _message = agent.drain(30.0)
     assert accepted and not agent._cs.draining  # nothing written from the RPC's thread
-    agent._check_drain()
+    agent._control()
     assert agent._cs.draining and agent._exit_requested() == 0
 
 

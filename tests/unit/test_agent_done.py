@@ -94,7 +94,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
         agent.pool.deliver(proc, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent._drain_worker_events()
     agent._follow_generation()
-    agent._check_done()
+    agent._control()
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
     assert agent._exit_requested() == 0  # and the agent may exit
 

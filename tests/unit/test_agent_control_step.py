@@ -1,0 +1,82 @@
+"""The control part's step as a pure function: the end of a job and of a drain, decided from
+plain observations with the clock passed in; its actions are data (elasticpp.agent.actions)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from elasticpp.agent.actions import Event, PublishMemberInfo, ReleaseSpares, StepDown
+from elasticpp.agent.control import ControlObservation, ControlState, control_step
+
+OBS = ControlObservation(
+    now_s=100.0,
+    node_id="n1",
+    generation=3,
+    plan_nodes=frozenset({"n0", "n1"}),
+    started=frozenset({"n0", "n1"}),
+    finished_here=False,
+    done_reported=False,
+    job_ended=False,
+    workers_alive=True,
+    has_spares=True,
+    drain_timeout_s=None,
+    exit_on_end=True,
+)
+
+
+def test_a_drain_is_announced_once_and_ends_when_a_later_plan_without_the_node_started() -> None:
+    state = ControlState()
+    first = control_step(state, replace(OBS, drain_timeout_s=60.0))
+    assert first[:2] == [PublishMemberInfo(), StepDown("draining")]
+    assert isinstance(first[2], Event) and "announced" in first[2].message
+    assert state.draining and state.drain_deadline_s == 160.0 and state.exit_code is None
+    # Still in the plan, then a plan without it that has not started everywhere yet.
+    assert control_step(state, replace(OBS, now_s=101.0)) == []
+    later = replace(OBS, now_s=102.0, generation=4, plan_nodes=frozenset({"n0"}))
+    assert control_step(state, replace(later, started=frozenset())) == []
+    assert state.exit_code is None
+    [event] = control_step(state, replace(later, started=frozenset({"n0"})))
+    assert event == Event("decision", "drained") and state.exit_code == 0
+    assert control_step(state, later) == []  # decided once
+
+
+def test_a_plan_without_the_node_of_the_drains_own_generation_is_no_hand_off() -> None:
+    state = ControlState()
+    control_step(state, replace(OBS, plan_nodes=frozenset({"n0"}), drain_timeout_s=60.0))
+    assert state.exit_code is None  # that plan was written before the drain: a spare node
+
+
+def test_a_drain_ends_at_its_deadline_and_a_second_request_does_not_move_it() -> None:
+    state = ControlState()
+    control_step(state, replace(OBS, drain_timeout_s=10.0))
+    control_step(state, replace(OBS, now_s=105.0, drain_timeout_s=600.0))
+    assert state.drain_deadline_s == 110.0
+    assert control_step(state, replace(OBS, now_s=110.0)) == []
+    [event] = control_step(state, replace(OBS, now_s=110.5))
+    assert event.message == "drain timed out" and state.exit_code == 0
+
+
+def test_a_drain_of_a_job_that_is_over_ends_at_once() -> None:
+    for over in (
+        replace(OBS, job_ended=True),
+        replace(OBS, plan_nodes=None, generation=0),
+        replace(OBS, done_reported=True, exit_on_end=False),
+    ):
+        state = ControlState()
+        actions = control_step(state, replace(over, drain_timeout_s=60.0))
+        assert Event("decision", "drained") in actions and state.exit_code == 0
+
+
+def test_a_finished_job_exits_once_its_workers_are_gone_or_idles_without_spares() -> None:
+    state = ControlState()
+    assert control_step(state, replace(OBS, finished_here=True)) == []
+    assert state.job_done and state.exit_code is None  # its workers still exit
+    control_step(state, replace(OBS, workers_alive=False))
+    assert state.exit_code == 0
+    idle = ControlState()
+    actions = control_step(
+        idle, replace(OBS, done_reported=True, workers_alive=False, exit_on_end=False)
+    )
+    assert actions[0] == ReleaseSpares() and idle.exit_code is None
+    quiet = replace(OBS, workers_alive=False, has_spares=False, exit_on_end=False)
+    assert control_step(idle, quiet) == []  # released: nothing more to do, no exit
