@@ -47,9 +47,11 @@ reads the source and fails on a write by anyone else. Values a part derives from
 sources stay with their sources and are combined by the reader: the newest join
 (`_vs.last_join_s`, `_lvs.revived_s`, `_hs.readmitted_s`), the detection time of a change
 (`_vs.detected`, `_fs.detected`), the exit status (`_exit_requested`). Each part's step runs
-in its own error boundary (`_part`). Not yet: pure `step(now, observed) -> actions`
-functions with actions as data; the rules that are pure today are `decide` (re-planning,
-phases), `sick` (quarantine) and the leader's resolve (`elasticpp.store.resolver`).
+in its own error boundary (`_part`). Parts read time from an injected clock (`clock`).
+Pure steps with actions as data (`actions`, applied by `_execute`): the control part
+(`control.control_step`) and the job's end (`quarantine.job_end_step`); pure rules under the
+other parts: `decide` (re-planning, phases), `sick` (quarantine) and the leader's resolve
+(`elasticpp.store.resolver`). Not yet: the other parts as steps returning actions.
 """
 
 from __future__ import annotations
@@ -70,7 +72,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from elasticpp.agent.actions import Action, Event, PublishMemberInfo, ReleaseSpares, StepDown
+from elasticpp.agent.actions import (
+    Action,
+    Event,
+    JobEndedGauge,
+    PublishMemberInfo,
+    ReleaseSpares,
+    StepDown,
+    StopWorkers,
+)
 from elasticpp.agent.clock import Clock, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart, ControlState
@@ -475,6 +485,13 @@ class Agent(
                 self._step_down(action.why)
             elif isinstance(action, ReleaseSpares):
                 self.pool.release_spares()
+            elif isinstance(action, StopWorkers):
+                for w in self.pool.workers():
+                    if w.proc.alive():
+                        self.pool.kill_worker(w)  # never waits on a process that will not go
+                self.pool.release_spares()
+            elif isinstance(action, JobEndedGauge):
+                self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
             else:
                 raise TypeError(f"no executor for action {action!r}")
 

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticpp.agent.actions import Action, Event, JobEndedGauge, StopWorkers
 from elasticpp.agent.decide import ClusterView, lost_nodes
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
@@ -59,6 +60,36 @@ def _report(node: str, value: Any) -> Report:
         culprit=v.get("culprit") is True,
         severe=v.get("severe") is True,
     )
+
+
+def job_end_step(
+    state: HealthState, end: JobEnd | None, *, any_alive: bool, exit_on_end: bool
+) -> list[Action]:
+    """A job that ended stays ended: its workers and warm pool are stopped (every step, so
+    that nothing started late survives), the end is told once, and the agent exits with the
+    end's status once its workers are gone, or idles (`AgentConfig.on_job_end`). Writes only
+    `state`; no I/O."""
+    if end is None:
+        return []
+    actions: list[Action] = []
+    if not state.end_handled:
+        state.end_handled = True
+        actions += [
+            JobEndedGauge(end.status),
+            Event(
+                "decision",
+                f"job ended ({end.status}, by {end.by}): {end.reason}; "
+                + (
+                    f"this agent exits with code {EXIT_CODES[end.status]}"
+                    if exit_on_end
+                    else "this agent idles until it is removed"
+                ),
+            ),
+        ]
+    actions.append(StopWorkers())
+    if exit_on_end and not any_alive:
+        state.exit_code = EXIT_CODES[end.status]
+    return actions
 
 
 class QuarantinePart:
@@ -100,29 +131,15 @@ class QuarantinePart:
         m.quarantined.labels(**lbl).set(1 if mine is not None else 0)
 
     def _check_job_end(self) -> None:
-        """A job that ended stays ended: stop the workers and the warm pool once, then exit
-        or idle (`AgentConfig.on_job_end`)."""
-        end = self._hs.job_end
-        if end is None:
-            return
-        if not self._hs.end_handled:
-            self._hs.end_handled = True
-            self.metrics.job_ended.labels(**self.metrics.labels, status=end.status).set(1)
-            self._event(
-                "decision",
-                f"job ended ({end.status}, by {end.by}): {end.reason}; "
-                + (
-                    "this agent idles until it is removed"
-                    if self.cfg.on_job_end == "idle"
-                    else f"this agent exits with code {EXIT_CODES[end.status]}"
-                ),
+        """The health part's every-agent step on the job's end (`job_end_step`, pure)."""
+        self._execute(
+            job_end_step(
+                self._hs,
+                self._hs.job_end,
+                any_alive=self.pool.any_alive(),
+                exit_on_end=self.cfg.on_job_end == "exit",
             )
-        for w in self.pool.workers():
-            if w.proc.alive():
-                self.pool.kill_worker(w)
-        self.pool.release_spares()
-        if self.cfg.on_job_end == "exit" and not self.pool.any_alive():
-            self._hs.exit_code = EXIT_CODES[end.status]
+        )
 
     def _record_halt(self, message: str) -> None:
         """A halt is the job's, not this node's: recorded in etcd so that no later plan

@@ -1,12 +1,22 @@
-"""The control part's step as a pure function: the end of a job and of a drain, decided from
-plain observations with the clock passed in; its actions are data (elasticpp.agent.actions)."""
+"""The pure steps of the control and health parts: the end of a job and of a drain, decided
+from plain observations with the clock passed in; their actions are data
+(elasticpp.agent.actions)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from elasticpp.agent.actions import Event, PublishMemberInfo, ReleaseSpares, StepDown
+from elasticpp.agent.actions import (
+    Event,
+    JobEndedGauge,
+    PublishMemberInfo,
+    ReleaseSpares,
+    StepDown,
+    StopWorkers,
+)
 from elasticpp.agent.control import ControlObservation, ControlState, control_step
+from elasticpp.agent.quarantine import EXIT_FAILED, HealthState, job_end_step
+from elasticpp.cluster.health import JobEnd
 
 OBS = ControlObservation(
     now_s=100.0,
@@ -80,3 +90,19 @@ def test_a_finished_job_exits_once_its_workers_are_gone_or_idles_without_spares(
     assert actions[0] == ReleaseSpares() and idle.exit_code is None
     quiet = replace(OBS, workers_alive=False, has_spares=False, exit_on_end=False)
     assert control_step(idle, quiet) == []  # released: nothing more to do, no exit
+
+
+def test_an_ended_job_is_told_once_stops_its_workers_every_step_and_exits_with_its_status() -> None:
+    end = JobEnd("failed", "failure budget spent", "n0", 1.7e9)
+    state = HealthState()
+    assert job_end_step(state, None, any_alive=True, exit_on_end=True) == []
+    first = job_end_step(state, end, any_alive=True, exit_on_end=True)
+    assert first[0] == JobEndedGauge("failed") and first[-1] == StopWorkers()
+    assert isinstance(first[1], Event) and f"exits with code {EXIT_FAILED}" in first[1].message
+    assert state.exit_code is None  # its workers are still going
+    assert job_end_step(state, end, any_alive=False, exit_on_end=True) == [StopWorkers()]
+    assert state.exit_code == EXIT_FAILED
+    idle = HealthState()
+    told = job_end_step(idle, replace(end, status="halted"), any_alive=False, exit_on_end=False)
+    assert "idles until it is removed" in told[1].message  # type: ignore[union-attr]
+    assert idle.exit_code is None
