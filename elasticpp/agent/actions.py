@@ -1,10 +1,10 @@
 """What a part's pure step asks the executor to do: actions as data.
 
-A part that is a pure step (so far `control.control_step` and `quarantine.job_end_step`)
-reads an immutable observation and its own state and returns a list of these; it does no
-I/O. The agent's executor (`node.Agent._execute`) applies them in order, in the error
-boundary of the part that asked. Adding an action means adding its case to the executor;
-an action the executor does not know is a programming error and raises.
+A part that is a pure step (so far `control.control_step`, `quarantine.job_end_step` and
+`supervisor.supervisor_step`) reads an immutable observation and its own state and returns
+a list of these; it does no I/O. The agent's executor (`node.Agent._execute`) applies them
+in order, in the error boundary of the part that asked. Adding an action means adding its
+case to the executor; an action the executor does not know is a programming error.
 """
 
 from __future__ import annotations
@@ -49,4 +49,42 @@ class JobEndedGauge:
     status: str
 
 
-Action = Event | PublishMemberInfo | StepDown | ReleaseSpares | StopWorkers | JobEndedGauge
+@dataclass(frozen=True)
+class KillWorker:
+    """SIGKILL one worker (by pid) without waiting; its reader thread reports the exit."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class ReplaceSpare:
+    """Kill a warm worker that never became ready and drop it from the pool (counted)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class SpawnWarm:
+    """Start warm workers until the pool holds one per slot."""
+
+
+@dataclass(frozen=True)
+class ReportFailure:
+    """Report a generation failed on this node (the follower publishes it, level-triggered)."""
+
+    generation: int
+    reason: str
+
+
+Action = (
+    Event
+    | PublishMemberInfo
+    | StepDown
+    | ReleaseSpares
+    | StopWorkers
+    | JobEndedGauge
+    | KillWorker
+    | ReplaceSpare
+    | SpawnWarm
+    | ReportFailure
+)

@@ -49,7 +49,8 @@ sources stay with their sources and are combined by the reader: the newest join
 (`_vs.detected`, `_fs.detected`), the exit status (`_exit_requested`). Each part's step runs
 in its own error boundary (`_part`). Parts read time from an injected clock (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
-(`control.control_step`) and the job's end (`quarantine.job_end_step`); pure rules under the
+(`control.control_step`), the job's end (`quarantine.job_end_step`) and the supervisor's
+deadlines (`supervisor.supervisor_step`); pure rules under the
 other parts: `decide` (re-planning, phases), `sick` (quarantine) and the leader's resolve
 (`elasticpp.store.resolver`). Not yet: the other parts as steps returning actions.
 """
@@ -76,8 +77,12 @@ from elasticpp.agent.actions import (
     Action,
     Event,
     JobEndedGauge,
+    KillWorker,
     PublishMemberInfo,
     ReleaseSpares,
+    ReplaceSpare,
+    ReportFailure,
+    SpawnWarm,
     StepDown,
     StopWorkers,
 )
@@ -438,9 +443,7 @@ class Agent(
         unreachable etcd ends the etcd half of the tick early (training goes on)."""
         for name, step in (
             ("worker", self._drain_worker_events),
-            ("supervisor", self._check_hangs),
-            ("supervisor", self._check_warm_ready),
-            ("supervisor", self._refill_warm),
+            ("supervisor", self._supervise),
             ("supervisor", self._check_gpus),
         ):
             self._part(name, step)
@@ -490,6 +493,19 @@ class Agent(
                     if w.proc.alive():
                         self.pool.kill_worker(w)  # never waits on a process that will not go
                 self.pool.release_spares()
+            elif isinstance(action, KillWorker):
+                w = self.pool.worker(action.pid)
+                if w is not None:
+                    self.pool.kill_worker(w)  # reaped by its reader thread; the loop goes on
+            elif isinstance(action, ReplaceSpare):
+                spare = next((p for p in self.pool.spares() if p.pid == action.pid), None)
+                if spare is not None:
+                    self.pool.replace_overdue(spare, self._clock.monotonic())
+                    self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
+            elif isinstance(action, SpawnWarm):
+                self._spawn_warm()
+            elif isinstance(action, ReportFailure):
+                self._report_failure(action.generation, action.reason)
             elif isinstance(action, JobEndedGauge):
                 self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
             else:

@@ -16,6 +16,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from elasticpp.agent.actions import (
+    Action,
+    Event,
+    KillWorker,
+    ReplaceSpare,
+    ReportFailure,
+    SpawnWarm,
+)
 from elasticpp.agent.decide import (
     Phase,
     TransitionError,
@@ -39,6 +47,52 @@ class SupervisorState:
     gpu_checked_s: float = 0.0  # monotonic
 
 
+@dataclass(frozen=True)
+class SupervisorObservation:
+    """What the supervisor's step sees. Times are monotonic seconds."""
+
+    now_s: float
+    running: tuple[tuple[int, int, int, float], ...]  # (pid, rank, generation, last progress)
+    overdue_spares: tuple[tuple[int, float], ...]  # (pid, seconds waited) not ready in time
+    spares: int
+    slots: int
+    may_refill: bool  # spares are wanted now (`SupervisorPart._may_refill`)
+    hang_timeout_s: float
+    ready_timeout_s: float
+
+
+def supervisor_step(obs: SupervisorObservation) -> list[Action]:
+    """The supervisor's deadlines, decided; no I/O. A running worker that made no progress
+    for `hang_timeout_s` is killed (without waiting) and its generation reported failed; a
+    spare not ready `ready_timeout_s` after its start (stuck importing torch, initialising a
+    GPU) is replaced, and a generation waiting for it fails in the follower, blaming this
+    node; the warm pool is refilled one spare per step, when spares are wanted."""
+    actions: list[Action] = []
+    for pid, rank, generation, last_progress_s in obs.running:
+        if is_hung(last_progress_s, obs.now_s, obs.hang_timeout_s):
+            actions += [
+                Event(
+                    "worker",
+                    f"worker rank {rank} made no progress for {obs.hang_timeout_s:.0f} s: "
+                    "killing it",
+                ),
+                KillWorker(pid),
+                ReportFailure(generation, f"worker rank {rank} hung"),
+            ]
+    for pid, waited_s in obs.overdue_spares:
+        actions += [
+            Event(
+                "worker",
+                f"warm worker {pid} not ready {waited_s:.0f} s after its start "
+                f"(ready_timeout_s is {obs.ready_timeout_s:.0f}): replacing it",
+            ),
+            ReplaceSpare(pid),
+        ]
+    if obs.may_refill and obs.spares - len(obs.overdue_spares) < obs.slots:
+        actions.append(SpawnWarm())
+    return actions
+
+
 class SupervisorPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
@@ -57,36 +111,50 @@ class SupervisorPart:
             proc.listen(self.pool.deliver)
             self.pool.add_spare(proc)
 
-    def _check_warm_ready(self) -> None:
-        """A spare that is not ready `ready_timeout_s` after its start (stuck importing torch,
-        initialising a GPU) is killed and replaced; a generation waiting for it fails here,
-        blaming this node (elasticpp.agent.follower)."""
+    def _supervise(self) -> None:
+        """The supervisor's step on the clock: observe, decide (`supervisor_step`, pure),
+        execute. Worker events are handed over by `_drain_worker_events`."""
         now = self._clock.monotonic()
-        for proc, waited_s in self.pool.overdue_spares(now, self.spec.ready_timeout_s):
-            self._event(
-                "worker",
-                f"warm worker {proc.pid} not ready {waited_s:.0f} s after its start "
-                f"(ready_timeout_s is {self.spec.ready_timeout_s:.0f}): replacing it",
+        self._execute(
+            supervisor_step(
+                SupervisorObservation(
+                    now_s=now,
+                    running=tuple(
+                        (w.proc.pid, w.rank, w.generation, w.last_progress_s)
+                        for w in self.pool.workers()
+                        if w.state is WorkerState.RUNNING
+                    ),
+                    overdue_spares=tuple(
+                        (p.pid, waited_s)
+                        for p, waited_s in self.pool.overdue_spares(now, self.spec.ready_timeout_s)
+                    ),
+                    spares=len(self.pool.spares()),
+                    slots=self.cfg.slots,
+                    may_refill=self._may_refill(),
+                    hang_timeout_s=self.spec.hang_timeout_s,
+                    ready_timeout_s=self.spec.ready_timeout_s,
+                )
             )
-            self.pool.replace_overdue(proc, now)
-            self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
-        self._refill_warm()
+        )
 
-    def _refill_warm(self) -> None:
-        """Level-triggered: the pool is refilled every tick, except while this node's ranks
-        of the current generation are starting. Spares import torch, and on a loaded node
-        that would compete for the CPU with the ranks the recovery waits for; the pool is
-        full again a moment after they run, well before a next fault needs it."""
+    def _may_refill(self) -> bool:
+        """Spares are wanted, except while this node's ranks of the current generation are
+        starting (spares import torch, and on a loaded node that would compete for the CPU
+        with the ranks the recovery waits for; the pool is full again a moment after they
+        run), while the agent leaves, and once the job is over."""
         gs = self._fs.gen
-        if (
+        return not (
             self._exit_requested() is not None
             or self._cs.draining
             or (gs is not None and gs.phase is Phase.STARTING)
-        ):
-            return
-        if self._cs.job_done or self._hs.job_end is not None:
-            return  # the job is over: no spare will ever be needed
-        if len(self.pool.spares()) < self.cfg.slots:
+            or self._cs.job_done
+            or self._hs.job_end is not None
+        )
+
+    def _refill_warm(self) -> None:
+        """Level-triggered: one spare short of the slots is started again at once (a spare
+        that died), when spares are wanted (`_may_refill`)."""
+        if self._may_refill() and len(self.pool.spares()) < self.cfg.slots:
             self._spawn_warm()
 
     def _take_warm(self, count: int) -> list[WorkerProcess] | None:
@@ -164,20 +232,6 @@ class SupervisorPart:
                         w.generation, f"worker rank {w.rank} exited with code {rc}"
                     )
             self.pool.forget(proc.pid)
-
-    def _check_hangs(self) -> None:
-        now = self._clock.monotonic()
-        for w in self.pool.workers():
-            if w.state is WorkerState.RUNNING and is_hung(
-                w.last_progress_s, now, self.spec.hang_timeout_s
-            ):
-                self._event(
-                    "worker",
-                    f"worker rank {w.rank} made no progress for "
-                    f"{self.spec.hang_timeout_s:.0f} s: killing it",
-                )
-                self.pool.kill_worker(w)  # reaped by its reader thread; the loop goes on
-                self._report_failure(w.generation, f"worker rank {w.rank} hung")
 
     def _check_gpus(self) -> None:
         """Drop GPUs that NVML reports unhealthy from this node's slots, and have the leader

@@ -95,10 +95,10 @@ def test_a_spare_that_never_reports_ready_is_replaced_at_ready_timeout_s(tmp_pat
     spare = _SlowSpare(200)
     agent.pool.add_spare(spare)  # type: ignore[arg-type]  # spawned now, on the agent's clock
     clock.advance(SPEC.ready_timeout_s - 0.5)
-    agent._check_warm_ready()
+    agent._supervise()
     assert not spare.killed and agent.pool.spares() == (spare,)
     clock.advance(1.0)
-    agent._check_warm_ready()
+    agent._supervise()
     assert spare.killed and agent.pool.spares() == ()
     assert agent.pool.replaced_since(clock.monotonic() - 1.0) == 1
 

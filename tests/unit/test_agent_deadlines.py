@@ -141,13 +141,13 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     gs.fetch.set_result(FetchOutcome(done_at=time.time()))
     agent._fs.gen = gs
     agent._vs.barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
-    agent._check_warm_ready()
+    agent._supervise()
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
     agent._move_state(gs)
     assert gs.phase is Phase.MOVING and cluster.arrivals == []  # waits for it
     agent.pool.drop_spare(spare)  # type: ignore[arg-type]
     agent.pool.add_spare(spare, start - SPEC.ready_timeout_s - 1)  # type: ignore[arg-type]
-    agent._check_warm_ready()
+    agent._supervise()
     assert spare.killed and agent.pool.spares() == ()
     agent._move_state(gs)
     assert gs.phase is Phase.FAILED

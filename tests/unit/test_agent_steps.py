@@ -1,6 +1,6 @@
-"""The pure steps of the control and health parts: the end of a job and of a drain, decided
-from plain observations with the clock passed in; their actions are data
-(elasticpp.agent.actions)."""
+"""The pure steps of the agent's parts: the end of a job and of a drain (control), the job's
+end on every agent (health), the supervisor's deadlines. Each is decided from plain
+observations with the clock passed in, and its actions are data (elasticpp.agent.actions)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,18 @@ from dataclasses import replace
 from elasticpp.agent.actions import (
     Event,
     JobEndedGauge,
+    KillWorker,
     PublishMemberInfo,
     ReleaseSpares,
+    ReplaceSpare,
+    ReportFailure,
+    SpawnWarm,
     StepDown,
     StopWorkers,
 )
 from elasticpp.agent.control import ControlObservation, ControlState, control_step
 from elasticpp.agent.quarantine import EXIT_FAILED, HealthState, job_end_step
+from elasticpp.agent.supervisor import SupervisorObservation, supervisor_step
 from elasticpp.cluster.health import JobEnd
 
 OBS = ControlObservation(
@@ -106,3 +111,33 @@ def test_an_ended_job_is_told_once_stops_its_workers_every_step_and_exits_with_i
     told = job_end_step(idle, replace(end, status="halted"), any_alive=False, exit_on_end=False)
     assert "idles until it is removed" in told[1].message  # type: ignore[union-attr]
     assert idle.exit_code is None
+
+
+SUPERVISED = SupervisorObservation(
+    now_s=100.0,
+    running=((11, 0, 4, 99.0), (12, 1, 4, 80.0)),  # rank 1 last made progress 20 s ago
+    overdue_spares=(),
+    spares=2,
+    slots=2,
+    may_refill=True,
+    hang_timeout_s=15.0,
+    ready_timeout_s=30.0,
+)
+
+
+def test_a_hung_worker_is_killed_and_its_generation_reported_failed() -> None:
+    actions = supervisor_step(SUPERVISED)
+    assert actions[1:] == [KillWorker(12), ReportFailure(4, "worker rank 1 hung")]
+    assert isinstance(actions[0], Event) and "no progress for 15 s" in actions[0].message
+    assert supervisor_step(replace(SUPERVISED, now_s=94.0)) == []  # 14 s: not yet
+
+
+def test_a_spare_not_ready_in_time_is_replaced_and_the_pool_refilled_when_spares_are_wanted() -> (
+    None
+):
+    late = replace(SUPERVISED, running=(), overdue_spares=((21, 31.0),))
+    actions = supervisor_step(late)
+    assert actions[1:] == [ReplaceSpare(21), SpawnWarm()]
+    assert "not ready 31 s after its start" in actions[0].message  # type: ignore[union-attr]
+    assert supervisor_step(replace(late, may_refill=False))[1:] == [ReplaceSpare(21)]
+    assert supervisor_step(replace(SUPERVISED, running=(), spares=1)) == [SpawnWarm()]
