@@ -17,13 +17,14 @@ seq 128), where compute dominates a step on this CPU. Every process runs one tor
   the agent's planner chose (b = 2); in between, one phase at a time: the same training with
   the workers' snapshots every step but no agent, the agent with no snapshots
   (`snapshot_every` past the end), and the agent with snapshots but no replication
-  (`replication_copies: 0`). Each phase's cost is its step time minus the previous row's.
+  (`replication_copies: 0`). A phase's cost is a difference of those step times within one
+  repetition; the table gives its median over the repetitions.
 
 Throughput is B x seq_len / the median interval between consecutive steps' completions (after
-a warm-up), from each system's own per-step records. The configurations of a size run in a
-rotated order in every repetition, so that A and B alternate, and every ratio is the median
-of the ratios of the same repetition. The machine is shared: read medians, not single runs.
-Every process this starts is killed on the way out, also on Ctrl-C or SIGTERM.
+a warm-up), from each system's own per-step records. The configurations of one comparison run
+back to back, in an order rotated every repetition (A B, B A, ...), and every ratio is the
+median of the ratios of the same repetition. The machine is shared: read medians, not single
+runs. Every process this starts is killed on the way out, also on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -326,16 +327,22 @@ def table(size: str, configs: list[Config], tput: dict[str, list[float]], seq_le
         )
     agent = [c.name for c in configs if c.group == "agent"]
     if len(agent) == 5:
-        t = [tokens / statistics.median(tput[name]) for name in agent]  # s per step
-        phases = [
-            ("the workers' snapshots (copy, serialise, hash, write)", t[1] - t[0]),
-            ("the agent itself (no state handled)", t[2] - t[0]),
-            ("commits (store, records) beyond the workers' snapshots", t[3] - t[2] - t[1] + t[0]),
-            ("replication", t[4] - t[3]),
+        # Per repetition (the five ran back to back), then the median of each phase.
+        reps = [[tokens / tput[name][i] for name in agent] for i in range(len(tput[agent[0]]))]
+        phases = {
+            "the workers' snapshots (copy, serialise, hash, write)": [t[1] - t[0] for t in reps],
+            "the agent itself (no state handled)": [t[2] - t[0] for t in reps],
+            "commits (store, records) beyond the workers' snapshots": [
+                t[3] - t[2] - t[1] + t[0] for t in reps
+            ],
+            "replication": [t[4] - t[3] for t in reps],
+            "total": [t[4] - t[0] for t in reps],
+        }
+        lines += ["", "| the agent's tax, by phase | s per step, median [min–max] |", "|---|---:|"]
+        lines += [
+            f"| {label} | {statistics.median(v):+.4f} [{min(v):+.4f} – {max(v):+.4f}] |"
+            for label, v in phases.items()
         ]
-        lines += ["", "| the agent's tax, by phase | s per step (differences of medians) |"]
-        lines += ["|---|---:|", *(f"| {label} | {v:+.4f} |" for label, v in phases)]
-        lines.append(f"| total | {t[4] - t[0]:+.4f} ({t[4] / t[0]:.2f}×) |")
     return "\n".join(lines)
 
 
@@ -356,7 +363,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--repeats", type=int, default=2, help="repetitions of every config")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of every config")
     parser.add_argument("--sizes", default="small,compute", help=f"of {', '.join(SIZES)}")
     parser.add_argument(
         "--pp", default="2,4", help="pipeline depths compared (the compute size: the first only)"
@@ -391,10 +398,14 @@ def main() -> int:
             seq_len = resolve_model(model).spec.seq_len
             configs = configs_for(size, model, steps, pps if size == "small" else pps[:1])
             tput: dict[str, list[float]] = {c.name: [] for c in configs}
-            for rep in range(args.repeats):
-                # Rotate the order each repetition: no config always runs first or last.
-                order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
-                for c in order:
+            groups = list(dict.fromkeys(c.group for c in configs))
+            for group, rep in itertools.product(groups, range(args.repeats)):
+                # The configs of a comparison run back to back, in an order rotated every
+                # repetition: each ratio pairs runs minutes apart at most, and no config
+                # always runs first.
+                members = [c for c in configs if c.group == group]
+                k = rep % len(members)
+                for c in members[k:] + members[:k]:
                     run_dir = workdir / size / f"rep{rep}" / c.name.replace(" ", "_")
                     run_dir.mkdir(parents=True, exist_ok=True)
                     interval = steady_interval_s(c.run(run_dir), warmup)

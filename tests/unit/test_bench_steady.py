@@ -34,14 +34,14 @@ def test_the_agents_tax_by_phase_adds_up_to_the_agents_step_minus_trains() -> No
         raise AssertionError("not run")
 
     names = ["train", "train + snapshots", "agent bare", "agent commits", "agent full"]
-    step_s = [0.04, 0.05, 0.045, 0.07, 0.08]
+    reps = [[0.04, 0.05, 0.045, 0.07, 0.08], [0.08, 0.10, 0.09, 0.14, 0.16]]  # a slow repetition
     configs = [
         Config("agent", n, never, None if i == 0 else "train", i) for i, n in enumerate(names)
     ]
-    tput = {n: [32 * 16 / s] for n, s in zip(names, step_s, strict=True)}
+    tput = {n: [32 * 16 / r[i] for r in reps] for i, n in enumerate(names)}
     out = table("small", configs, tput, seq_len=32)
     phase_rows = out.split("the agent's tax, by phase")[1].splitlines()[2:]
     values = [float(r.split("|")[2].split()[0]) for r in phase_rows]
-    assert values[:4] == pytest.approx([0.01, 0.005, 0.015, 0.01])
-    assert sum(values[:4]) == pytest.approx(values[4]) == pytest.approx(0.04)
-    assert "2.00×" in phase_rows[4]
+    # Each phase is taken within a repetition, then the median (of 2: the mean) over them.
+    assert values[:4] == pytest.approx([0.015, 0.0075, 0.0225, 0.015])
+    assert sum(values[:4]) == pytest.approx(values[4]) == pytest.approx(0.06)
