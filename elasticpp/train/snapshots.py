@@ -1,6 +1,6 @@
 """Snapshots of a worker's state: which ranks write them (`is_snapshot_writer`) and the
-background writer (`SnapshotWriter`): in step order, at most two copies of the state at a
-time, a disk error reported as "snapshot_failed" instead of ending training.
+background writer (`SnapshotWriter`): in step order, at most one snapshot in flight, a disk
+error reported as "snapshot_failed" instead of ending training.
 
 No torch at import: the supervisor side (the agent) imports this too.
 """
@@ -10,23 +10,35 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from elasticpp.plan import Plan
 
 log = logging.getLogger("elasticpp.train.worker")
 
 
-class SnapshotWriter:
-    """Writes snapshots on a background thread, in step order, at most one waiting.
+class PieceSource(Protocol):
+    """One piece of a snapshot that can write itself (`hostcopy.HostPiece`)."""
 
-    Each snapshot holds a copy of the rank's state. When the disk is slower than training,
-    `submit` waits while a snapshot is already waiting (backpressure): memory stays bounded
-    (the copy being written and one waiting) and a failure recomputes at most the steps of
-    those two. Snapshots are never skipped: every rank writing a snapshot of every step it
-    was asked for is what lets a node (and the job) commit the same step everywhere."""
+    def write(self, step_dir: Path) -> Any: ...  # -> checkpoint.manifest.PieceEntry
+
+
+Capture = Callable[[], Sequence[PieceSource]]
+
+
+class SnapshotWriter:
+    """Writes snapshots on a background thread, in step order, at most one in flight.
+
+    A snapshot is captured (`capture()`: the state copied into the rank's reused host
+    buffers, see `hostcopy.HostBuffers`) only when the previous one has been written, so
+    nothing else reads those buffers then: memory is one copy of the rank's state, whatever
+    the disk does. When the disk is slower than training, `submit` waits for the write in
+    flight before capturing (backpressure, counted in `waited`), and a failure recomputes at
+    most the steps since the snapshot in flight. Snapshots are never skipped: every rank
+    writing a snapshot of every step it was asked for is what lets a node (and the job)
+    commit the same step everywhere."""
 
     def __init__(
         self, root: Path, emit: Callable[[dict[str, Any]], None], extra: dict[str, Any]
@@ -35,35 +47,40 @@ class SnapshotWriter:
         self._emit = emit
         self._extra = extra
         self._cond = threading.Condition()
-        self._waiting: tuple[int, list[Any]] | None = None
+        self._waiting: tuple[int, Sequence[PieceSource]] | None = None
         self._busy = False
         self._failure: BaseException | None = None
         self.last_step: int | None = None  # the newest step handed over
         self.failed = 0  # snapshots lost to disk errors
-        self.waited = 0  # submits that waited for the writer (the disk is the bottleneck)
+        self.waited = 0  # submits that waited for the write in flight (the disk is behind)
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
 
     def wait_for_room(self) -> None:
-        """Wait until no snapshot is waiting: call it before copying the next one's state,
-        so that no more than two copies (one being written, one waiting) ever exist."""
+        """Wait until no snapshot is in flight (waiting or being written): the host buffers
+        are free to take the next one."""
         with self._cond:
-            if self._waiting is not None:
+            if self._waiting is not None or self._busy:
                 self.waited += 1
-            while self._waiting is not None:
+            while self._waiting is not None or self._busy:
                 self._cond.wait()
 
-    def submit(self, step: int, states: list[Any]) -> None:
+    def submit(self, step: int, capture: Capture) -> None:
+        """Capture the state after `step` steps once nothing is in flight, and write it on the
+        writer thread; returns as soon as it is captured."""
         self.wait_for_room()
+        self.check()
+        states = capture()
         self.last_step = step
         with self._cond:
             self._waiting = (step, states)
             self._cond.notify_all()
 
-    def write_now(self, step: int, states: list[Any]) -> None:
+    def write_now(self, step: int, capture: Capture) -> None:
+        """Capture and write on this thread (the final state, and the state at a stop)."""
         self.flush()
         self.last_step = step
-        self._write(step, states)
+        self._write(step, capture())
 
     def flush(self) -> None:
         """Wait until nothing is waiting or being written."""
@@ -92,15 +109,18 @@ class SnapshotWriter:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, step: int, states: list[Any]) -> None:
+    def _write(self, step: int, states: Sequence[PieceSource]) -> None:
         """Write one snapshot. A disk error (ENOSPC, EIO) loses this snapshot, not the
         training: the partial directory is removed, the failure is reported, and the step is
         simply never committed. Any other exception is a bug and ends the worker."""
-        from elasticpp.checkpoint.manifest import step_dirname
+        from elasticpp.checkpoint.manifest import fsync_dir, step_dirname
 
         step_dir = self.root / step_dirname(step)
         try:
             entries = [s.write(step_dir) for s in states]
+            # Each piece was renamed into place; one fsync makes all those names durable
+            # before the event says they are there.
+            fsync_dir(step_dir)
         except OSError as exc:
             shutil.rmtree(step_dir, ignore_errors=True)
             self.failed += 1

@@ -43,12 +43,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
 from elasticpp.train.snapshots import SnapshotWriter, is_snapshot_writer
+
+if TYPE_CHECKING:
+    from elasticpp.train.hostcopy import HostPiece
 
 ASSIGNMENT_FORMAT_VERSION = 1
 BACKENDS = ("gloo", "nccl")
@@ -258,7 +261,14 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     took("state_s")
     writer = None
     if a.snapshot_dir is not None and is_snapshot_writer(plan, rank):
+        from elasticpp.train.hostcopy import HostBuffers
+
         writer = SnapshotWriter(Path(a.snapshot_dir), out.emit, {"generation": gen, "rank": rank})
+        host = HostBuffers(device)
+
+        def capture() -> list[HostPiece]:
+            return host.capture(trainer)
+
     out.emit(
         {
             "event": "started",
@@ -318,12 +328,11 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
             writer.check()
             periodic = a.snapshot_every > 0 and step % a.snapshot_every == 0
             if periodic and step < job.steps and step < stop:
-                writer.wait_for_room()
-                writer.submit(step, trainer.snapshot())
+                writer.submit(step, capture)
     outcome = "done" if step >= job.steps else "stopped"
     if writer is not None and writer.last_step != step:
         # The final state, and the state at a stop, are written before the event says so.
-        writer.write_now(step, trainer.snapshot())
+        writer.write_now(step, capture)
     elif writer is not None:
         writer.flush()
     log.info("rank %d %s at step %d", rank, outcome, step)
@@ -380,7 +389,8 @@ def main() -> int:
     import elasticpp.checkpoint.tensors
     import elasticpp.train.engine
     import elasticpp.train.families.gpt
-    import elasticpp.train.families.llama  # noqa: F401
+    import elasticpp.train.families.llama
+    import elasticpp.train.hostcopy  # noqa: F401
 
     torch.zeros(1)  # touch the allocator and the thread pool once
     out.emit({"event": "ready", "pid": os.getpid()})

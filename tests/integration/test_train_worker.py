@@ -16,10 +16,11 @@ from elasticpp.checkpoint.manifest import (
     Manifest,
     PieceEntry,
     PieceKey,
+    sha256_bytes,
     verify_step_dir,
     write_manifest,
 )
-from elasticpp.checkpoint.tensors import load_units
+from elasticpp.checkpoint.tensors import encode_piece, load_units, read_piece
 from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
 from elasticpp.train.launch import kill_all, spawn_workers, wait_gone
@@ -166,6 +167,47 @@ def test_closing_stdin_does_not_stop_training_and_snapshots_follow_every_step(
         ]
     finally:
         w.kill()
+
+
+@pytest.mark.timeout(120)
+def test_snapshots_written_off_the_training_thread_are_the_bytes_write_piece_writes(
+    tmp_path: Path,
+) -> None:
+    """Every piece of every step, as the agent receives it: its file is exactly what
+    `encode_piece` makes of its tensors and metadata, and its size and sha256 are the event's."""
+    plan = make_plan("pp=1,tp=2,dp=1", generation=0)
+    s = store()
+    workers = spawn_workers(2, tmp_path / "logs")
+    try:
+        for w in workers:
+            w.wait_ready(60)
+        q = collect(workers, 60)
+        snap = tmp_path / "snap"
+        for r, w in enumerate(workers):
+            w.assign(assignment(plan, r, s.port, TrainConfig(steps=4), snapshot_dir=str(snap)))
+        deadline = time.monotonic() + 100
+        snapshots: list[dict] = []
+        exits: dict[int, int] = {}
+        while len(exits) < 2:
+            r, ev = next_event(q, deadline)
+            if ev["event"] == "snapshot":
+                snapshots.append(ev)
+            elif ev["event"] == EXITED:
+                exits[r] = ev["returncode"]
+        assert exits == {0: 0, 1: 0}
+        assert sorted((ev["step"], ev["rank"]) for ev in snapshots) == [
+            (k, r) for k in (1, 2, 3, 4) for r in (0, 1)
+        ]
+        for ev in snapshots:
+            for p in ev["pieces"]:
+                path = Path(ev["dir"]) / p["name"]
+                data = path.read_bytes()
+                piece = read_piece(path, p["sha256"])
+                assert piece.meta.step == ev["step"] and piece.meta.tp_rank == ev["rank"]
+                assert encode_piece(piece.tensors, piece.meta) == data
+                assert len(data) == p["size"] and sha256_bytes(data) == p["sha256"]
+    finally:
+        kill_all(workers)
 
 
 def run_to_exit(w: WorkerProcess, timeout_s: float) -> list[dict[str, Any]]:

@@ -1,0 +1,427 @@
+"""Steady-state throughput: elasticpp against torch's own, and the agent's tax, phase by phase.
+
+    python bench/steady.py [--repeats 2] [--sizes small,compute] [--pp 2,4] [--quick]
+
+One invocation, one machine, the same data, global batch (B = 16) and process count on both
+sides of every comparison, at two sizes: `small`, the tiny model of `bench/recovery.py`
+(8 layers x 64, seq 32), where per-step overheads show, and `compute` (4 layers x 256,
+seq 128), where compute dominates a step on this CPU. Every process runs one torch thread.
+
+- dp: `elasticpp train` at `pp=1,tp=1,dp=2` (b = B/2, one micro-batch each, as DDP does)
+  against torchrun + DDP (`torchrun_baseline/train_ddp.py`, no checkpoints);
+- pp=P: `elasticpp train` at `pp=P` (b = 2) against torch.distributed.pipelining's
+  `Schedule1F1B` over the same stage cut (`torchrun_baseline/train_pipe.py`); P = 2 and 4
+  (4 processes) on the small model, 2 at the compute size;
+- agent: a job under the agent (`LocalCluster`: real etcd, 2 agent processes of 1 slot,
+  snapshots and replication every step, the defaults) against `elasticpp train` at the layout
+  the agent's planner chose (b = 2); in between, one phase at a time: the same training with
+  the workers' snapshots every step but no agent, the agent with no snapshots
+  (`snapshot_every` past the end), and the agent with snapshots but no replication
+  (`replication_copies: 0`). A phase's cost is a difference of those step times within one
+  repetition; the table gives its median over the repetitions.
+
+Throughput is B x seq_len / the median interval between consecutive steps' completions (after
+a warm-up), from each system's own per-step records. The configurations of one comparison run
+back to back, in an order rotated every repetition (A B, B A, ...), and every ratio is the
+median of the ratios of the same repetition. The machine is shared: read medians, not single
+runs. Every process this starts is killed on the way out, also on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.localcluster import LocalCluster, kill_tree
+
+BASELINE_DIR = Path(__file__).resolve().parent / "torchrun_baseline"
+GLOBAL_BATCH = 16
+MICRO_BATCH = 2
+# name -> (model preset or spec fields, steps per run, warm-up intervals left out)
+SIZES: dict[str, tuple[str | dict[str, Any], int, int]] = {
+    "small": ("tiny", 50, 10),
+    "compute": (
+        {"name": "steady-compute", "num_layers": 4, "hidden_size": 256, "num_heads": 8}
+        | {"vocab_size": 256, "seq_len": 128},
+        10,
+        3,
+    ),
+}
+RUN_TIMEOUT_S = 300.0
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Config:
+    """One thing measured: `group` names the comparison, `baseline` the config it is
+    compared against (None: it is a baseline)."""
+
+    group: str
+    name: str
+    run: Callable[[Path], list[float]]  # work dir -> completion time of each step (s)
+    baseline: str | None = None
+    row: int = 0  # its place in the table
+
+
+def steady_interval_s(times: Sequence[float], warmup: int) -> float:
+    """Median interval between consecutive steps' completions, the first `warmup` left out."""
+    gaps = [b - a for a, b in itertools.pairwise(sorted(times))][warmup:]
+    if not gaps:
+        raise BenchError(f"{len(times)} steps: too few to measure after {warmup} warm-up")
+    return statistics.median(gaps)
+
+
+def completion_times(rows: Sequence[dict[str, Any]], time_key: str = "time") -> list[float]:
+    """Per step, when its last record came (every rank, or every node, had finished it)."""
+    done: dict[int, float] = {}
+    for r in rows:
+        step = int(r["step"])
+        done[step] = max(done.get(step, float("-inf")), float(r[time_key]))
+    return [done[s] for s in sorted(done)]
+
+
+def ratio_summary(ours: Sequence[float], theirs: Sequence[float]) -> tuple[float, float, float]:
+    """Median, min and max of per-repetition throughput ratios (runs paired by index)."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+# --------------------------------------------------------------------------- runners
+
+
+def model_arg(model: str | dict[str, Any], workdir: Path) -> str:
+    """A preset name as is; spec fields written to a file the runners can all read."""
+    if isinstance(model, str):
+        return model
+    path = workdir / f"{model['name']}.json"
+    path.write_text(json.dumps(model))
+    return str(path)
+
+
+def run_train(
+    model: str, layout: str, micro_batch: int, steps: int, *, snapshots: bool = False
+) -> Callable[[Path], list[float]]:
+    """`elasticpp train`'s own path (warm workers, `run_local`), optionally with the
+    workers' snapshots every step (written and reported as under an agent, nothing else)."""
+
+    def run(workdir: Path) -> list[float]:
+        from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
+        from elasticpp.train.config import TrainConfig
+        from elasticpp.train.launch import kill_all, run_local, spawn_workers
+        from elasticpp.train.modelref import resolve_model
+
+        lay = Layout.parse(layout)
+        plan = build_plan(
+            resolve_model(model).spec,
+            ClusterSpec.uniform(1, lay.world_size, load_device_spec("cpu")),
+            lay,
+            global_batch=GLOBAL_BATCH,
+            micro_batch=micro_batch,
+        )
+        times: list[float] = []
+        workers = spawn_workers(plan.gpus_used, workdir, tag="rank")
+        try:
+            run_local(
+                plan,
+                TrainConfig(seed=0, steps=steps),
+                workers,
+                snapshot_dir=workdir / "snapshots" if snapshots else None,
+                snapshot_every=1 if snapshots else 0,
+                num_threads=1,
+                on_record=lambda _record: times.append(time.monotonic()),
+            )
+        finally:
+            kill_all(workers)
+        return times
+
+    return run
+
+
+def _torchrun_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(BASELINE_DIR.parent.parent), env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    return env
+
+
+def run_torchrun(script: str, nproc: int, args: list[str]) -> Callable[[Path], list[float]]:
+    """One torchrun job to its end; its ranks' own per-step records."""
+
+    def run(workdir: Path) -> list[float]:
+        metrics = workdir / "metrics.jsonl"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(BASELINE_DIR / script),
+            *args,
+            "--metrics",
+            str(metrics),
+        ]
+        if script == "train_ddp.py":  # its checkpoint file (never written: see ddp_args)
+            cmd += ["--ckpt", str(workdir / "ckpt.safetensors")]
+        with (workdir / "torchrun.log").open("ab") as log:
+            proc = subprocess.Popen(
+                cmd,
+                env=_torchrun_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            code = proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.wait(timeout=10)
+            # Ranks torchrun left behind (it died first) are still in its session.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, 9)
+        if code != 0:
+            raise BenchError(f"torchrun {script} exited {code}; see {workdir}/torchrun.log")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        return completion_times([r for r in rows if r["event"] == "step"])
+
+    return run
+
+
+def run_agent(
+    model: str, steps: int, layouts: dict[str, str], **spec: Any
+) -> Callable[[Path], list[float]]:
+    """A job under 2 agents of 1 slot each to its end; the newest generation's per-step
+    records (from the agents' metrics). The layout the planner chose goes into `layouts`."""
+
+    def run(workdir: Path) -> list[float]:
+        job = {
+            "name": "steady",
+            "model": model,
+            "global_batch": GLOBAL_BATCH,
+            "micro_batch": MICRO_BATCH,
+            "steps": steps,
+            "seed": 0,
+            "min_nodes": 2,
+            "max_nodes": 2,
+            "lease_ttl_s": 3,
+            "join_settle_s": 0.5,
+            "hang_timeout_s": 120,
+            **spec,
+        }
+        lc = LocalCluster(workdir / "cluster", job, nodes=2, slots=1)
+        try:
+            lc.start()
+            lc.wait_finished(RUN_TIMEOUT_S)
+            rows = lc.metrics()
+        finally:
+            lc.close()
+        newest = max(int(r["generation"]) for r in rows)
+        rows = [r for r in rows if int(r["generation"]) == newest]
+        layouts[model] = str(rows[0]["layout"])
+        return completion_times(rows)
+
+    return run
+
+
+def configs_for(size: str, model: str, steps: int, pps: Sequence[int]) -> list[Config]:
+    half = GLOBAL_BATCH // 2
+    train_args = ["--model", model, "--global-batch", str(GLOBAL_BATCH), "--steps", str(steps)]
+    ddp_args = [*train_args, "--ckpt-every", str(10**9)]  # no checkpoints
+    out = [
+        Config("dp=2", "torchrun + DDP", run_torchrun("train_ddp.py", 2, ddp_args)),
+        Config(
+            "dp=2",
+            "elasticpp train dp=2",
+            run_train(model, "pp=1,tp=1,dp=2", half, steps),
+            baseline="torchrun + DDP",
+        ),
+    ]
+    for pp in pps:
+        g = f"pp={pp}"
+        pipe_args = [*train_args, "--micro-batch", str(MICRO_BATCH)]
+        out.append(
+            Config(g, f"torch Schedule1F1B pp={pp}", run_torchrun("train_pipe.py", pp, pipe_args))
+        )
+        out.append(
+            Config(
+                g,
+                f"elasticpp train pp={pp}",
+                run_train(model, f"pp={pp},tp=1,dp=1", MICRO_BATCH, steps),
+                baseline=f"torch Schedule1F1B pp={pp}",
+            )
+        )
+    layouts: dict[str, str] = {}
+
+    def train_at_agent_layout(snapshots: bool) -> Callable[[Path], list[float]]:
+        def run(workdir: Path) -> list[float]:
+            layout = layouts[model]  # the agent's run comes first (see below)
+            return run_train(model, layout, MICRO_BATCH, steps, snapshots=snapshots)(workdir)
+
+        return run
+
+    base = "elasticpp train (agent's layout)"
+    out += [
+        Config("agent", base, train_at_agent_layout(False)),
+        Config("agent", "+ worker snapshots every step", train_at_agent_layout(True), base),
+        Config(
+            "agent",
+            "agent, no snapshots",
+            run_agent(model, steps, layouts, snapshot_every=steps + 1),
+            base,
+        ),
+        Config(
+            "agent",
+            "agent, snapshots, no replication",
+            run_agent(model, steps, layouts, replication_copies=0),
+            base,
+        ),
+        Config("agent", "agent, snapshots + replication", run_agent(model, steps, layouts), base),
+    ]
+    out = [dataclasses.replace(c, row=i) for i, c in enumerate(out)]
+    # The full agent runs first: it tells the layout the `elasticpp train` runs compare at.
+    return [out[-1], *out[:-1]]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(size: str, configs: list[Config], tput: dict[str, list[float]], seq_len: int) -> str:
+    tokens = GLOBAL_BATCH * seq_len
+    lines = [
+        f"**{size}** (B = {GLOBAL_BATCH}, seq {seq_len}, {tokens} tokens a step)",
+        "",
+        "| comparison | system | step (s) | tokens/s median [min–max] | vs baseline, median "
+        "[min–max] |",
+        "|---|---|---:|---:|---|",
+    ]
+    configs = sorted(configs, key=lambda c: c.row)
+    for c in configs:
+        got = tput[c.name]
+        med = statistics.median(got)
+        vs = "baseline"
+        if c.baseline is not None:
+            r, lo, hi = ratio_summary(got, tput[c.baseline])
+            vs = f"{r:.2f}× [{lo:.2f}–{hi:.2f}] of {c.baseline}"
+        lines.append(
+            f"| {c.group} | {c.name} | {tokens / med:.3f} | {med:,.0f} [{min(got):,.0f}–"
+            f"{max(got):,.0f}] | {vs} |"
+        )
+    agent = [c.name for c in configs if c.group == "agent"]
+    if len(agent) == 5:
+        # Per repetition (the five ran back to back), then the median of each phase.
+        reps = [[tokens / tput[name][i] for name in agent] for i in range(len(tput[agent[0]]))]
+        phases = {
+            "the workers' snapshots (copy, serialise, hash, write)": [t[1] - t[0] for t in reps],
+            "the agent itself (no state handled)": [t[2] - t[0] for t in reps],
+            "commits (store, records) beyond the workers' snapshots": [
+                t[3] - t[2] - t[1] + t[0] for t in reps
+            ],
+            "replication": [t[4] - t[3] for t in reps],
+            "total": [t[4] - t[0] for t in reps],
+        }
+        lines += ["", "| the agent's tax, by phase | s per step, median [min–max] |", "|---|---:|"]
+        lines += [
+            f"| {label} | {statistics.median(v):+.4f} [{min(v):+.4f} – {max(v):+.4f}] |"
+            for label, v in phases.items()
+        ]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` kills what it started."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of every config")
+    parser.add_argument("--sizes", default="small,compute", help=f"of {', '.join(SIZES)}")
+    parser.add_argument(
+        "--pp", default="2,4", help="pipeline depths compared (the compute size: the first only)"
+    )
+    parser.add_argument("--quick", action="store_true", help="1 repetition, small, pp=2")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep logs and results here")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.sizes, args.pp = 1, "small", "2"
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown or args.repeats < 1:
+        parser.error(f"--repeats >= 1; sizes are {', '.join(SIZES)} (got {unknown})")
+    pps = [int(p) for p in args.pp.split(",") if p]
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="elasticpp-bench-steady-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    log(f"sizes {sizes}, pp {pps}, {args.repeats} repetitions; work dir {workdir}")
+    results: dict[str, Any] = {"format_version": 1, "runs": []}
+    tables = []
+    with sigterm_as_interrupt():
+        for size in sizes:
+            model_spec, steps, warmup = SIZES[size]
+            model = model_arg(model_spec, workdir)
+            from elasticpp.train.modelref import resolve_model
+
+            seq_len = resolve_model(model).spec.seq_len
+            configs = configs_for(size, model, steps, pps if size == "small" else pps[:1])
+            tput: dict[str, list[float]] = {c.name: [] for c in configs}
+            groups = list(dict.fromkeys(c.group for c in configs))
+            for group, rep in itertools.product(groups, range(args.repeats)):
+                # The configs of a comparison run back to back, in an order rotated every
+                # repetition: each ratio pairs runs minutes apart at most, and no config
+                # always runs first.
+                members = [c for c in configs if c.group == group]
+                k = rep % len(members)
+                for c in members[k:] + members[:k]:
+                    run_dir = workdir / size / f"rep{rep}" / c.name.replace(" ", "_")
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    interval = steady_interval_s(c.run(run_dir), warmup)
+                    tput[c.name].append(GLOBAL_BATCH * seq_len / interval)
+                    results["runs"].append(
+                        {"size": size, "rep": rep, "config": c.name, "step_s": interval}
+                    )
+                    log(f"{size} rep {rep + 1}/{args.repeats}: {c.name}: {interval:.4f} s/step")
+            tables.append(table(size, configs, tput, seq_len))
+    (workdir / "results.json").write_text(json.dumps(results, indent=1))
+    print("\n\n".join(tables))
+    log(f"done in {time.monotonic() - t0:.0f} s")
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

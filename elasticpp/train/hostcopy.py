@@ -1,0 +1,170 @@
+"""A snapshot's host side: one set of reused host buffers shaped like a rank's state, the copy
+into them, and the pieces written straight from them.
+
+Invariants:
+- `HostBuffers.capture` copies a trainer's units (parameters, AdamW moments, step) into
+  buffers allocated once and reused by every later snapshot (while shapes stay the same);
+  the caller (`SnapshotWriter`) captures only when no write still reads them, so a rank
+  holds at most one snapshot's copy of its state, however slow the disk.
+- On CUDA the buffers are pinned and the copy runs on a side stream, queued after the step's
+  update; the compute stream then waits for it on the device (the next step updates the
+  parameters in place), and the writer waits for it on the host before reading a buffer.
+  The training thread never blocks on the device-to-host copy. On CPU the copy is a plain
+  `copy_` on the calling thread: no allocation, no serialisation, no hashing.
+- A piece written from the buffers is byte for byte the file `checkpoint.tensors.write_piece`
+  writes for the same tensors and metadata (safetensors: 8-byte header length, JSON header
+  with `__metadata__` first and tensors by name, padded with spaces to 8 bytes, then the
+  data in header order), with the same name, size and sha256. It is serialised and hashed
+  as it is written, from the buffers' memory, with no copy of the state in Python bytes;
+  hashing and file writes release the GIL. Pieces holding anything but fp32 tensors (which
+  snapshots never do) go through `write_piece` itself.
+- Each piece appears atomically (tmp + fsync + rename); the caller fsyncs the step
+  directory once after its last piece, before reporting the snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elasticpp.checkpoint.manifest import PieceEntry, PieceKey
+from elasticpp.checkpoint.tensors import KINDS, META_KEY, PieceMeta, write_piece
+
+
+def piece_header(tensors: Mapping[str, torch.Tensor], meta: PieceMeta) -> tuple[bytes, list[str]]:
+    """The safetensors prefix (length + header) of a piece of fp32 tensors, and the tensor
+    names in the order their data follows it."""
+    names = sorted(tensors)  # one dtype: safetensors orders by name (UTF-8 bytes)
+    header: dict[str, Any] = {"__metadata__": {META_KEY: meta.to_json()}}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, names
+
+
+def write_streamed(
+    step_dir: Path, key: PieceKey, tensors: Mapping[str, torch.Tensor], meta: PieceMeta
+) -> PieceEntry:
+    """Write one piece from host tensors as `write_piece` would, without building its bytes:
+    tmp + fsync + rename; the directory is the caller's to fsync."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors.values()):
+        return write_piece(step_dir, key, tensors, meta)
+    if meta.key != key:
+        return write_piece(step_dir, key, tensors, meta)  # which refuses it, naming both
+    missing = sorted(set(tensors) - set(meta.shard_dims))
+    if missing:
+        return write_piece(step_dir, key, tensors, meta)  # which refuses it, naming them
+    prefix, names = piece_header(tensors, meta)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    path = step_dir / key.filename
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256(prefix)
+    size = len(prefix)
+    with tmp.open("wb") as f:
+        f.write(prefix)
+        for name in names:
+            t = tensors[name]
+            if t.numel() == 0:
+                continue
+            view = t.contiguous().numpy().data.cast("B")
+            digest.update(view)
+            f.write(view)
+            size += len(view)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return PieceEntry(key=key, size=size, sha256=digest.hexdigest())
+
+
+@dataclass(frozen=True)
+class HostPiece:
+    """One unit of a captured snapshot: views of the reused host buffers."""
+
+    key: PieceKey
+    tensors: dict[str, torch.Tensor]
+    meta: PieceMeta
+    ready: Callable[[], None]  # blocks until the copy into the buffers is complete
+
+    def write(self, step_dir: Path) -> PieceEntry:
+        self.ready()
+        return write_streamed(step_dir, self.key, self.tensors, self.meta)
+
+
+class HostBuffers:
+    """The host buffers of one rank's snapshots, allocated at the first capture, reused."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._stream = None
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.allocated = 0  # buffers allocated so far (stays flat while shapes do)
+
+    def _buffer(self, key: tuple[str, str], like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self._cuda)
+            self._buffers[key] = buf
+            self.allocated += 1
+        return buf
+
+    def capture(self, trainer: Any) -> list[HostPiece]:
+        """Copy `trainer`'s units (an `engine.Trainer`: the state `Trainer.snapshot` copies)
+        into the buffers. Call it only when no write reads the buffers any more."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged: list[tuple[PieceKey, dict[str, torch.Tensor], PieceMeta]] = []
+        tp_rank, tp_size = trainer.coord.tp, trainer.groups.tp_size
+        sources = (trainer.params, trainer.exp_avg, trainer.exp_avg_sq)
+        for unit in trainer.stage.unit_names:
+            tensors: dict[str, torch.Tensor] = {}
+            dims: dict[str, int | None] = {}
+            for kind, source in zip(KINDS, sources, strict=True):
+                for name, t in source[unit].items():
+                    full = f"{kind}/{name}"
+                    buf = self._buffer((unit, full), t)
+                    pairs.append((buf, t.detach()))
+                    tensors[full] = buf
+                    dims[full] = trainer.shard_dims[unit][name]
+            key = PieceKey(unit, tp_rank, tp_size)
+            staged.append((key, tensors, PieceMeta(unit, tp_rank, tp_size, trainer.opt_step, dims)))
+        ready = self._copy(pairs)
+        return [HostPiece(key, tensors, meta, ready) for key, tensors, meta in staged]
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        if self._stream is None:
+            for buf, src in pairs:
+                buf.copy_(src)
+            return _nothing
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # after the update this snapshot is of
+        with torch.cuda.stream(self._stream):
+            for buf, src in pairs:
+                buf.copy_(src, non_blocking=True)
+                src.record_stream(self._stream)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self._stream)
+        compute.wait_event(done)  # the next step's in-place update waits for the copy
+        return done.synchronize
+
+
+def _nothing() -> None:
+    pass

@@ -1,0 +1,47 @@
+"""bench/steady.py's arithmetic: step intervals from per-step records, paired ratios, and the
+agent's tax split into phases that add up to the whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.steady import Config, completion_times, ratio_summary, steady_interval_s, table
+
+
+def test_a_step_completes_when_its_last_rank_or_node_reports_it() -> None:
+    rows = [
+        {"step": 1, "time": 10.5},
+        {"step": 0, "time": 10.0},
+        {"step": 0, "time": 10.2},
+        {"step": 1, "time": 10.4},
+    ]
+    assert completion_times(rows) == [10.2, 10.5]
+
+
+def test_the_steady_interval_is_the_median_gap_after_the_warm_up() -> None:
+    times = [0.0, 5.0, 5.1, 5.3, 5.4, 5.5]  # the first gap is start-up
+    assert steady_interval_s(times, warmup=1) == pytest.approx(0.1)
+    with pytest.raises(RuntimeError, match="too few"):
+        steady_interval_s([0.0, 1.0], warmup=1)
+
+
+def test_ratios_pair_the_runs_of_the_same_repetition() -> None:
+    assert ratio_summary([100.0, 50.0, 90.0], [100.0, 100.0, 90.0]) == (1.0, 0.5, 1.0)
+
+
+def test_the_agents_tax_by_phase_adds_up_to_the_agents_step_minus_trains() -> None:
+    def never(_: object) -> list[float]:
+        raise AssertionError("not run")
+
+    names = ["train", "train + snapshots", "agent bare", "agent commits", "agent full"]
+    reps = [[0.04, 0.05, 0.045, 0.07, 0.08], [0.08, 0.10, 0.09, 0.14, 0.16]]  # a slow repetition
+    configs = [
+        Config("agent", n, never, None if i == 0 else "train", i) for i, n in enumerate(names)
+    ]
+    tput = {n: [32 * 16 / r[i] for r in reps] for i, n in enumerate(names)}
+    out = table("small", configs, tput, seq_len=32)
+    phase_rows = out.split("the agent's tax, by phase")[1].splitlines()[2:]
+    values = [float(r.split("|")[2].split()[0]) for r in phase_rows]
+    # Each phase is taken within a repetition, then the median (of 2: the mean) over them.
+    assert values[:4] == pytest.approx([0.015, 0.0075, 0.0225, 0.015])
+    assert sum(values[:4]) == pytest.approx(values[4]) == pytest.approx(0.06)
