@@ -38,7 +38,10 @@ the others; then it is healed (killed and restarted healthy: a new incarnation, 
 leader re-admits at once) and every node must train again. sick_spares: its workers hang
 before they report ready (a `sitecustomize` on their PYTHONPATH); wedged_agent: its agent's
 loop blocks for good on its first step (its metrics.jsonl is a FIFO nobody reads);
-small_disk, root only: its state dir is a 4 MiB tmpfs that cannot hold its share. Such a
+small_disk, root only: its state dir is a 4 MiB tmpfs that cannot hold its share;
+stuck_exit (root, or ptrace_scope 0): once it trains, a ptrace tracer holds its worker at its
+exit (`tools/hold_exit.py`), and a worker elsewhere is killed, so the new generation's
+SIGKILL of it does not complete (as uninterruptible sleep would have it). Such a
 fault is survived when all of that happens, besides the run's curve and committed steps;
 its stall runs from the fault to the heal (the longest pause: from the sickness to
 training again on the others), and its rejoin stall from the heal on.
@@ -74,6 +77,10 @@ STEPS_PER_FAULT = 60  # the job's length: enough steps for every fault and its r
 # A sick node's fault lasts longer (two restarts, the sickness, the steps without it), and
 # the job trains on meanwhile.
 STEPS_PER_SICK_FAULT = 150
+# stuck_exit waits for its restarted node to train before it makes it sick, while the job
+# trains on the others (a few hundred steps of the tiny model).
+STEPS_PER_STUCK_EXIT = 400
+STOP_TIMEOUT_S = 10  # a node whose old workers outlive SIGKILL this long is set aside
 LEASE_TTL_S = 3
 HANG_TIMEOUT_S = 5
 STATE_DIR_SIZE = "256m"  # each node's tmpfs state dir (root only)
@@ -117,6 +124,7 @@ def job_spec(steps: int, seed: int, device: str = "sliced") -> dict[str, Any]:
         # Healthy spares import torch in a few seconds, far longer on a loaded machine; a
         # node whose spares never become ready is set aside after this.
         "ready_timeout_s": READY_TIMEOUT_S,
+        "stop_timeout_s": STOP_TIMEOUT_S,
         # Faults here come back to back by design, a hundred in half an hour: the job's
         # failure budget (which would end it) is not what the soak measures.
         "max_failures": 100_000,
@@ -240,15 +248,15 @@ def is_steady(view: JobView, since_step: int, slots: int) -> bool:
     runs its ranks of it (as its agent reports, and the processes are alive and not
     stopped), it trained two steps past `since_step`, and every node's warm pool is full.
     A quarantined node is the exception: it has no ranks (the leader replaced any
-    generation it was in) and that is steady while it is sick, whatever its agent and its
-    spares do.
+    generation it was in) and that is steady while it is sick, whatever its agent, its
+    spares and its failure reports (old workers that will not die) say.
 
     The processes are checked, not only the agents' word, and the generation is etcd's, not
     the newest in the metrics: an agent's status and its metrics lag what happened (a worker
     just killed is still listed; steps of a generation whose workers are dead are still
     being written after an agent's loop waited on etcd), and a fault injected then finds the
     job between generations, with no worker to act on."""
-    if view.generation <= 0 or view.failures:
+    if view.generation <= 0 or view.failures - view.quarantined:
         return False
     for n in view.nodes:
         if n.node_id in view.quarantined:
@@ -440,6 +448,8 @@ def unavailable(kind: str) -> str | None:
         return Sandbox.available()
     if kind == "small_disk":
         return small_disk_unavailable()
+    if kind == "stuck_exit":
+        return stuck_exit_unavailable()
     return None
 
 
@@ -467,6 +477,7 @@ class Ctx:
     failure: str | None = None  # why the fault was not survived, found while injecting it
     healed: str | None = None  # a sick node the undo heals: it must train again after it
     mounts: list[Path] = field(default_factory=list)  # the run's small disks still mounted
+    holders: list[subprocess.Popen[str]] = field(default_factory=list)  # tools/hold_exit.py
     last_step: int | None = None  # the job's: once trained, no fault is waited on any more
 
     def non_leader(self) -> str:
@@ -754,6 +765,54 @@ def f_small_disk(ctx: Ctx) -> str:
     return _sicken(ctx, sicken, f"on a {SMALL_DISK} state dir")
 
 
+HOLD_EXIT = Path(__file__).resolve().parents[1] / "tools" / "hold_exit.py"
+
+
+def stuck_exit_unavailable() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "holding a worker at its exit needs Linux ptrace"
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if os.geteuid() != 0 and scope.is_file() and scope.read_text().strip() != "0":
+        return "attaching to an agent's worker needs root or ptrace_scope 0"
+    return None
+
+
+def f_stuck_exit(ctx: Ctx) -> str:
+    def sicken(node: str) -> Callable[[], None]:
+        # Its training worker will not go once it starts to exit, as one that a driver or
+        # file system hang keeps in uninterruptible sleep outlives SIGKILL: a ptrace tracer
+        # holds it at its exit (tools/hold_exit.py). Then a worker elsewhere dies, every
+        # node stops its workers at once, and this one cannot.
+        ctx.lc.start_node(node)
+        pids: list[int] = []
+
+        def training() -> bool:
+            pids[:] = training_pids(ctx.lc, node)
+            return bool(pids)
+
+        if not wait_until(training, 180):
+            raise RuntimeError(f"{node}: no training worker within 180 s of its restart")
+        holder = subprocess.Popen(
+            [sys.executable, str(HOLD_EXIT), str(pids[0]), "3600"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ctx.holders.append(holder)
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "attached":
+            raise RuntimeError(f"{node}: could not hold worker {pids[0]} at its exit")
+        ctx.kill_a_worker(next(n.node_id for n in ctx.lc.nodes if n.node_id != node))
+
+        def cure() -> None:
+            holder.kill()  # the held worker exits
+            holder.wait()
+            ctx.holders.remove(holder)
+
+        return cure
+
+    return _sicken(ctx, sicken, "with a worker that outlives SIGKILL")
+
+
 KINDS: dict[str, Callable[[Ctx], str]] = {
     "worker_kill": f_worker_kill,
     "node_kill": f_node_kill,
@@ -769,13 +828,21 @@ KINDS: dict[str, Callable[[Ctx], str]] = {
     "sick_spares": f_sick_spares,
     "wedged_agent": f_wedged_agent,
     "small_disk": f_small_disk,
+    "stuck_exit": f_stuck_exit,
 }
 SANDBOX_KINDS = ("full_disk", "network_partition")  # need root, nftables and cgroup v2
 # A node restarted sick, kept sick until it is set aside, then healed (`_sicken`).
-SICK_KINDS = ("sick_spares", "wedged_agent", "small_disk")
+SICK_KINDS = ("sick_spares", "wedged_agent", "small_disk", "stuck_exit")
 
 
 # --------------------------------------------------------------------------- the soak
+
+
+def room_for(kind: str) -> int:
+    """Steps of the job a fault of `kind` may take, recovery included."""
+    if kind == "stuck_exit":
+        return STEPS_PER_STUCK_EXIT
+    return STEPS_PER_SICK_FAULT if kind in SICK_KINDS else STEPS_PER_FAULT
 
 
 @dataclass
@@ -846,7 +913,7 @@ def run_soak(
         raise ValueError(f"unknown fault kind(s) {unknown}; known: {sorted(KINDS)}")
     rng = random.Random(seed)
     order = kind_order(kinds, faults, rng)
-    steps = 20 + sum(STEPS_PER_SICK_FAULT if k in SICK_KINDS else STEPS_PER_FAULT for k in order)
+    steps = 20 + sum(room_for(k) for k in order)
     started = time.monotonic()
     reference = reference_curve(workdir, steps, seed)
     sandbox = None
@@ -866,17 +933,18 @@ def run_soak(
     )
     records: list[FaultRecord] = []
     mounts: list[Path] = []  # small disks (a sick node's), unmounted as each is healed
+    holders: list[subprocess.Popen[str]] = []  # processes holding a worker at its exit
     timelines: dict[int, dict[str, Any]] = {}  # read as the run goes: the leader keeps 100
     try:
         lc.start()
         lc.wait_for(lambda: steady(lc, 0), 180, "the job to start")
         for i, kind in enumerate(order):
             step0 = lc.max_step()
-            room = STEPS_PER_SICK_FAULT if kind in SICK_KINDS else STEPS_PER_FAULT
+            room = room_for(kind)
             if step0 >= steps - room // 2:
                 log(f"job near its end at step {step0}: {faults - i} fault(s) not injected")
                 break
-            ctx = Ctx(lc, rng, sandbox=sandbox, mounts=mounts, last_step=steps - 1)
+            ctx = Ctx(lc, rng, sandbox=sandbox, mounts=mounts, holders=holders, last_step=steps - 1)
             committed = committed_step(lc)
             at = time.time()
             what = KINDS[kind](ctx)
@@ -919,6 +987,9 @@ def run_soak(
         times = {st: t for st, t in newest_times(lc).items() if st in curve}
         timelines.update({int(t["generation"]): t for t in lc.timelines()})
     finally:
+        for holder in holders:  # let held workers go, or they outlive the run
+            holder.kill()
+            holder.wait()
         lc.close()
         for where in mounts:
             with contextlib.suppress(RuntimeError):

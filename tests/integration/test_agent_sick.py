@@ -191,7 +191,7 @@ def test_a_node_whose_disk_cannot_hold_its_share_is_quarantined_and_the_job_goes
         subprocess.run(["umount", "-l", str(small)], check=False)
 
 
-HOLD_EXIT = Path(__file__).parent / "helpers" / "hold_exit.py"
+HOLD_EXIT = Path(__file__).parents[2] / "tools" / "hold_exit.py"
 
 
 def _ptrace_unavailable() -> str | None:

@@ -89,6 +89,11 @@ def test_a_quarantined_node_without_ranks_is_steady_while_it_is_sick() -> None:
     assert is_steady(_view(*others, silent, generation=2, quarantined=frozenset({"node-2"})), 24, 1)
     # Not quarantined, the same node is not steady: it is a node to wait for.
     assert not is_steady(dataclasses.replace(view, quarantined=frozenset()), 24, 1)
+    # Its old workers outlive SIGKILL: it reports every generation failed, though it has no
+    # ranks in it. The others train undisturbed; a failure of theirs is not steady.
+    stuck = dataclasses.replace(view, failures=frozenset({"node-2"}))
+    assert is_steady(stuck, 24, 1)
+    assert not is_steady(dataclasses.replace(stuck, failures=frozenset({"node-0"})), 24, 1)
 
 
 def test_a_quarantined_node_still_planned_is_not_steady() -> None:
