@@ -1,9 +1,12 @@
 """What a part's pure step asks the executor to do: actions as data.
 
-A part that is a pure step (so far `control.control_step`, `quarantine.job_end_step` and
-`supervisor.supervisor_step`) reads an immutable observation and its own state and returns
-a list of these; it does no I/O. The agent's executor (`node.Agent._execute`) applies them
-in order, in the error boundary of the part that asked. Adding an action means adding its
+A part that is a pure step (so far `control.control_step`, `quarantine.job_end_step`,
+`supervisor.supervisor_step` and `liveness.leader_watch_step`) reads an immutable
+observation and its own state and returns a list of these; it does no I/O. The agent's
+executor (`node.Agent._execute`) applies them in order, in the error boundary of the part
+that asked; an action whose result matters (a probe, a deposition) has it fed back to the
+part's own function (`liveness.leader_probed`, `liveness.leader_deposed`), which returns the
+next actions. Adding an action means adding its
 case to the executor; an action the executor does not know is a programming error.
 """
 
@@ -76,6 +79,31 @@ class ReportFailure:
     reason: str
 
 
+@dataclass(frozen=True)
+class ProbeLeader:
+    """Probe the leader's agent; the result goes back to the liveness part
+    (`liveness.leader_probed`)."""
+
+    leader: str
+    address: str
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class DeposeLeader:
+    """Delete the leader key of `leader`'s term (a follower's verdict after a failed probe);
+    whether it was deleted goes back to the liveness part (`liveness.leader_deposed`)."""
+
+    leader: str
+    why: str
+    dead_incarnation: str | None  # the leader's incarnation if the probe found it dead
+
+
+@dataclass(frozen=True)
+class Reread:
+    """Read etcd again on the next tick (the view)."""
+
+
 Action = (
     Event
     | PublishMemberInfo
@@ -87,4 +115,7 @@ Action = (
     | ReplaceSpare
     | SpawnWarm
     | ReportFailure
+    | ProbeLeader
+    | DeposeLeader
+    | Reread
 )

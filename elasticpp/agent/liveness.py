@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent import probe
+from elasticpp.agent.actions import Action, DeposeLeader, Event, ProbeLeader, Reread
 from elasticpp.agent.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S
 from elasticpp.agent.probe import ProbeResult
 
@@ -53,43 +54,86 @@ class LivenessState:
         }
 
 
+@dataclass(frozen=True)
+class LeaderWatch:
+    """What a follower's watch on the leader sees. Times are monotonic seconds."""
+
+    now_s: float
+    node_id: str
+    generation: int | None  # of the record, None before any
+    leader: str | None
+    failure_reported: bool  # a node reported the record's generation failed
+    address: str  # the leader's, from its member key ("" while it has none)
+    incarnation: str
+
+
+def leader_watch_step(state: LivenessState, obs: LeaderWatch) -> list[Action]:
+    """Detect by suspicion, confirm by probe, for the leader too: when a failure of the
+    current generation has waited LEADER_SUSPECT_S without a new plan, a follower probes the
+    leader's agent (at most once per DEAD_RECHECK_S). A leader whose member key is absent
+    (re-registering after a lost lease) gets no probe and no verdict: a leader that is
+    really gone loses its term with its lease."""
+    if obs.generation is None or obs.leader is None or obs.leader == obs.node_id:
+        return []
+    if not obs.failure_reported:
+        state.suspect_since.clear()
+        return []
+    since = state.suspect_since.setdefault(obs.generation, obs.now_s)
+    if obs.now_s - since < LEADER_SUSPECT_S or obs.now_s - state.leader_probed_s < DEAD_RECHECK_S:
+        return []
+    state.leader_probed_s = obs.now_s
+    if not obs.address:
+        return []
+    return [ProbeLeader(obs.leader, obs.address, obs.incarnation)]
+
+
+def leader_probed(probed: ProbeLeader, result: ProbeResult) -> list[Action]:
+    """A leader that fails the probe (a refused connection is final at once; NOT_SERVING
+    means its loop stalled) has its term deposed, so that a new leader is elected now, not
+    after its lease lapses."""
+    if result is ProbeResult.SERVING:
+        return []
+    dead = result is ProbeResult.DEAD
+    why = "dead" if dead else "not serving (its loop stalled)"
+    return [DeposeLeader(probed.leader, why, probed.incarnation if dead else None)]
+
+
+def leader_deposed(state: LivenessState, deposed: DeposeLeader, done: bool) -> list[Action]:
+    """The term is deleted (`done`), or another change won the race (nothing to say)."""
+    if not done:
+        return []
+    if deposed.dead_incarnation is not None:
+        state.dead[deposed.leader] = deposed.dead_incarnation
+    return [
+        Event("decision", f"leader {deposed.leader} confirmed {deposed.why} by probe: deposed"),
+        Reread(),
+    ]
+
+
 class LivenessPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
     def _check_leader(self) -> None:
-        """Detect by suspicion, confirm by probe, for the leader too: when a failure of the
-        current generation has waited LEADER_SUSPECT_S without a new plan, a follower probes
-        the leader's agent and, if it fails the probe (a refused connection is final at
-        once; NOT_SERVING means its loop stalled), deposes its term so that a new leader is
-        elected now, not after its lease lapses."""
+        """The liveness part's watch on the leader (`leader_watch_step`, pure); the probe's
+        and the deposition's results come back to it as the executor applies them."""
         rec, leader = self._vs.record, self._vs.leader
-        if rec is None or leader is None or leader == self.node_id:
-            return
-        failed = self._vs.barriers.get(f"failed-{rec.generation}", {})
-        if not failed:
-            self._lvs.suspect_since.clear()
-            return
-        now = self._clock.monotonic()
-        since = self._lvs.suspect_since.setdefault(rec.generation, now)
-        if now - since < LEADER_SUSPECT_S or now - self._lvs.leader_probed_s < DEAD_RECHECK_S:
-            return
-        self._lvs.leader_probed_s = now
-        info = self._vs.members.get(leader, {})
-        address = info.get("address")
-        if not address:
-            # Its member key is absent (re-registering after a lost lease): no probe, no
-            # verdict. A leader that is really gone loses its term with its lease.
-            return
-        result = probe.check(str(address))
-        if result is ProbeResult.SERVING:
-            return
-        assert self.cluster is not None
-        if self.cluster.depose(leader):
-            why = "dead" if result is ProbeResult.DEAD else "not serving (its loop stalled)"
-            self._event("decision", f"leader {leader} confirmed {why} by probe: deposed")
-            if result is ProbeResult.DEAD:
-                self._lvs.dead[leader] = str(info.get("incarnation", ""))
-            self._reread.raise_()
+        info = self._vs.members.get(leader, {}) if leader else {}
+        self._execute(
+            leader_watch_step(
+                self._lvs,
+                LeaderWatch(
+                    now_s=self._clock.monotonic(),
+                    node_id=self.node_id,
+                    generation=rec.generation if rec else None,
+                    leader=leader,
+                    failure_reported=bool(
+                        rec and self._vs.barriers.get(f"failed-{rec.generation}")
+                    ),
+                    address=str(info.get("address") or ""),
+                    incarnation=str(info.get("incarnation", "")),
+                ),
+            )
+        )
 
     def _probe(self, nodes: Iterable[str]) -> dict[str, ProbeResult]:
         """The health of `nodes` (this node and nodes without an address left out), probed

@@ -49,8 +49,9 @@ sources stay with their sources and are combined by the reader: the newest join
 (`_vs.detected`, `_fs.detected`), the exit status (`_exit_requested`). Each part's step runs
 in its own error boundary (`_part`). Parts read time from an injected clock (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
-(`control.control_step`), the job's end (`quarantine.job_end_step`) and the supervisor's
-deadlines (`supervisor.supervisor_step`); pure rules under the
+(`control.control_step`), the job's end (`quarantine.job_end_step`), the supervisor's
+deadlines (`supervisor.supervisor_step`) and a follower's watch on the leader
+(`liveness.leader_watch_step`, with the probe's result fed back); pure rules under the
 other parts: `decide` (re-planning, phases), `sick` (quarantine) and the leader's resolve
 (`elasticpp.store.resolver`). Not yet: the other parts as steps returning actions.
 """
@@ -73,15 +74,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp.agent import probe
 from elasticpp.agent.actions import (
     Action,
+    DeposeLeader,
     Event,
     JobEndedGauge,
     KillWorker,
+    ProbeLeader,
     PublishMemberInfo,
     ReleaseSpares,
     ReplaceSpare,
     ReportFailure,
+    Reread,
     SpawnWarm,
     StepDown,
     StopWorkers,
@@ -106,7 +111,7 @@ from elasticpp.agent.limits import (
     STATUS_EVERY_S,
     UNARY_THREADS,
 )
-from elasticpp.agent.liveness import LivenessPart, LivenessState
+from elasticpp.agent.liveness import LivenessPart, LivenessState, leader_deposed, leader_probed
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pool import WorkerPool
 from elasticpp.agent.quarantine import HealthState, QuarantinePart
@@ -506,6 +511,14 @@ class Agent(
                 self._spawn_warm()
             elif isinstance(action, ReportFailure):
                 self._report_failure(action.generation, action.reason)
+            elif isinstance(action, ProbeLeader):
+                self._execute(leader_probed(action, probe.check(action.address)))
+            elif isinstance(action, DeposeLeader):
+                assert self.cluster is not None
+                done = self.cluster.depose(action.leader)
+                self._execute(leader_deposed(self._lvs, action, done))
+            elif isinstance(action, Reread):
+                self._reread.raise_()
             elif isinstance(action, JobEndedGauge):
                 self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
             else:

@@ -1,24 +1,37 @@
 """The pure steps of the agent's parts: the end of a job and of a drain (control), the job's
-end on every agent (health), the supervisor's deadlines. Each is decided from plain
-observations with the clock passed in, and its actions are data (elasticpp.agent.actions)."""
+end on every agent (health), the supervisor's deadlines, a follower's watch on the leader
+(liveness). Each is decided from plain observations with the clock passed in, and its
+actions are data (elasticpp.agent.actions)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from elasticpp.agent.actions import (
+    DeposeLeader,
     Event,
     JobEndedGauge,
     KillWorker,
+    ProbeLeader,
     PublishMemberInfo,
     ReleaseSpares,
     ReplaceSpare,
     ReportFailure,
+    Reread,
     SpawnWarm,
     StepDown,
     StopWorkers,
 )
 from elasticpp.agent.control import ControlObservation, ControlState, control_step
+from elasticpp.agent.limits import LEADER_SUSPECT_S
+from elasticpp.agent.liveness import (
+    LeaderWatch,
+    LivenessState,
+    leader_deposed,
+    leader_probed,
+    leader_watch_step,
+)
+from elasticpp.agent.probe import ProbeResult
 from elasticpp.agent.quarantine import EXIT_FAILED, HealthState, job_end_step
 from elasticpp.agent.supervisor import SupervisorObservation, supervisor_step
 from elasticpp.cluster.health import JobEnd
@@ -141,3 +154,48 @@ def test_a_spare_not_ready_in_time_is_replaced_and_the_pool_refilled_when_spares
     assert "not ready 31 s after its start" in actions[0].message  # type: ignore[union-attr]
     assert supervisor_step(replace(late, may_refill=False))[1:] == [ReplaceSpare(21)]
     assert supervisor_step(replace(SUPERVISED, running=(), spares=1)) == [SpawnWarm()]
+
+
+WATCH = LeaderWatch(
+    now_s=100.0,
+    node_id="n1",
+    generation=5,
+    leader="n0",
+    failure_reported=True,
+    address="n0:7430",
+    incarnation="i0",
+)
+
+
+def test_a_follower_probes_a_leader_that_leaves_a_failure_unanswered_once_per_recheck() -> None:
+    state = LivenessState()
+    assert leader_watch_step(state, WATCH) == []  # suspicion starts now
+    soon = replace(WATCH, now_s=100.0 + LEADER_SUSPECT_S / 2)
+    assert leader_watch_step(state, soon) == []
+    later = replace(WATCH, now_s=100.0 + LEADER_SUSPECT_S + 0.01)
+    assert leader_watch_step(state, later) == [ProbeLeader("n0", "n0:7430", "i0")]
+    assert leader_watch_step(state, replace(later, now_s=later.now_s + 0.1)) == []  # recheck
+    # Answered (a new plan, no failure): suspicion ends; and no probe of a leader without an
+    # address, nor of itself.
+    assert leader_watch_step(state, replace(WATCH, failure_reported=False)) == []
+    assert state.suspect_since == {}
+    fresh = LivenessState()
+    leader_watch_step(fresh, replace(WATCH, address=""))
+    assert leader_watch_step(fresh, replace(WATCH, address="", now_s=200.0)) == []
+    assert leader_watch_step(LivenessState(), replace(WATCH, node_id="n0", now_s=200.0)) == []
+
+
+def test_a_leader_that_fails_its_probe_is_deposed_and_a_dead_one_recorded_dead() -> None:
+    probed = ProbeLeader("n0", "n0:7430", "i0")
+    assert leader_probed(probed, ProbeResult.SERVING) == []
+    [stalled] = leader_probed(probed, ProbeResult.NOT_SERVING)
+    assert stalled == DeposeLeader("n0", "not serving (its loop stalled)", None)
+    [dead] = leader_probed(probed, ProbeResult.DEAD)
+    assert dead == DeposeLeader("n0", "dead", "i0")
+    state = LivenessState()
+    assert leader_deposed(state, dead, done=False) == [] and state.dead == {}
+    event, reread = leader_deposed(state, dead, done=True)
+    assert state.dead == {"n0": "i0"} and reread == Reread()
+    assert event == Event("decision", "leader n0 confirmed dead by probe: deposed")
+    leader_deposed(state := LivenessState(), stalled, done=True)
+    assert state.dead == {}  # alive: never recorded dead
