@@ -1,7 +1,7 @@
 """What a part's pure step asks the executor to do: actions as data.
 
 A part that is a pure step (so far `control.control_step`, `quarantine.job_end_step`,
-`supervisor.supervisor_step` and `liveness.leader_watch_step`) reads an immutable
+`supervisor.supervisor_step`, `liveness.leader_watch_step` and `view.view_step`) reads an immutable
 observation and its own state and returns a list of these; it does no I/O. The agent's
 executor (`node.Agent._execute`) applies them in order, in the error boundary of the part
 that asked; an action whose result matters (a probe, a deposition) has it fed back to the
@@ -104,6 +104,19 @@ class Reread:
     """Read etcd again on the next tick (the view)."""
 
 
+@dataclass(frozen=True)
+class SetFloor:
+    """The published safe step: the store keeps anchors at or above it (it only rises)."""
+
+    step: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class UpdateGauges:
+    """Set the agent's gauges from the parts' state (members, leader, generation, workers)."""
+
+
 Action = (
     Event
     | PublishMemberInfo
@@ -118,4 +131,6 @@ Action = (
     | ProbeLeader
     | DeposeLeader
     | Reread
+    | SetFloor
+    | UpdateGauges
 )

@@ -50,8 +50,9 @@ sources stay with their sources and are combined by the reader: the newest join
 in its own error boundary (`_part`). Parts read time from an injected clock (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
 (`control.control_step`), the job's end (`quarantine.job_end_step`), the supervisor's
-deadlines (`supervisor.supervisor_step`) and a follower's watch on the leader
-(`liveness.leader_watch_step`, with the probe's result fed back); pure rules under the
+deadlines (`supervisor.supervisor_step`), a follower's watch on the leader
+(`liveness.leader_watch_step`, with the probe's result fed back) and the view's reading of
+etcd (`view.view_step`); pure rules under the
 other parts: `decide` (re-planning, phases), `sick` (quarantine) and the leader's resolve
 (`elasticpp.store.resolver`). Not yet: the other parts as steps returning actions.
 """
@@ -87,9 +88,11 @@ from elasticpp.agent.actions import (
     ReplaceSpare,
     ReportFailure,
     Reread,
+    SetFloor,
     SpawnWarm,
     StepDown,
     StopWorkers,
+    UpdateGauges,
 )
 from elasticpp.agent.clock import Clock, SystemClock
 from elasticpp.agent.config import AgentConfig
@@ -519,6 +522,10 @@ class Agent(
                 self._execute(leader_deposed(self._lvs, action, done))
             elif isinstance(action, Reread):
                 self._reread.raise_()
+            elif isinstance(action, SetFloor):
+                self.store.set_floor(action.step, action.generation)  # anchors below may go
+            elif isinstance(action, UpdateGauges):
+                self._update_gauges()
             elif isinstance(action, JobEndedGauge):
                 self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
             else:

@@ -15,12 +15,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticpp.agent.actions import Action, Event, SetFloor, UpdateGauges
 from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.cluster.errors import (
     ClusterDataError,
     ClusterUnavailableError,
 )
-from elasticpp.cluster.records import GenerationRecord
+from elasticpp.cluster.records import GenerationRecord, SafeStep
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -48,6 +49,58 @@ class ViewState:
 # The exit status of an agent whose job epoch ended under it (EX_TEMPFAIL: start it again;
 # a service manager's restart-on-failure does).
 EPOCH_ENDED_EXIT = 75
+
+
+@dataclass(frozen=True)
+class EtcdRead:
+    """One read of the job's etcd state by the view (typed at the cluster boundary)."""
+
+    members: dict[str, dict[str, Any]]
+    record: GenerationRecord | None
+    record_rev: int
+    leader: str | None
+    barriers: dict[str, dict[str, Any]]
+    safe: SafeStep | None  # read at most every SAFE_EVERY_S; None when not read this time
+
+
+def view_step(
+    state: ViewState, read: EtcdRead, *, dead: frozenset[str], now_s: float, wall_s: float
+) -> list[Action]:
+    """Take a successful read as the view: note joins (a member with a new incarnation) and
+    departures for the recovery timeline (a lease lapse counts as the detection only for a
+    node of the plan not already found dead by probe), and publish the safe step to the
+    store. Writes only `state`; no I/O."""
+    actions: list[Action] = []
+    if not state.etcd_ok:
+        actions.append(Event("decision", "etcd reachable again"))
+        state.etcd_ok = True
+    joined = sorted(
+        n
+        for n, info in read.members.items()
+        if state.members.get(n, {}).get("incarnation") != info.get("incarnation")
+    )
+    left = sorted(set(state.members) - set(read.members))
+    next_gen = (read.record.generation if read.record else 0) + 1
+    if joined:
+        state.last_join_s = now_s
+        state.detected.setdefault(next_gen, wall_s)
+        actions.append(Event("membership", f"member(s) joined: {', '.join(joined)}"))
+    if left:
+        actions.append(Event("membership", f"member(s) left: {', '.join(left)}"))
+        planned = set(read.record.extra.get("nodes", {})) if read.record else set()
+        if planned & (set(left) - dead):
+            state.detected.setdefault(next_gen, wall_s)
+    state.members = read.members
+    state.record, state.record_rev = read.record, read.record_rev
+    # Detection times of generations up to the record's are of no use now.
+    for g in [g for g in state.detected if g < next_gen]:
+        del state.detected[g]
+    state.leader = read.leader
+    state.barriers = read.barriers
+    if read.safe is not None:
+        actions.append(SetFloor(read.safe.step, read.safe.generation))
+    actions.append(UpdateGauges())
+    return actions
 
 
 class ViewPart:
@@ -95,37 +148,10 @@ class ViewPart:
             return
         finally:
             self._count_skipped()
-        if not self._vs.etcd_ok:
-            self._event("decision", "etcd reachable again")
-            self._vs.etcd_ok = True
-        joined = [
-            n
-            for n, info in members.items()
-            if self._vs.members.get(n, {}).get("incarnation") != info.get("incarnation")
-        ]
-        left = sorted(set(self._vs.members) - set(members))
-        next_gen = (record.generation if record else 0) + 1
-        if joined:
-            self._vs.last_join_s = self._clock.monotonic()
-            self._vs.detected.setdefault(next_gen, self._clock.time())
-            self._event("membership", f"member(s) joined: {', '.join(sorted(joined))}")
-        if left:
-            self._event("membership", f"member(s) left: {', '.join(left)}")
-            planned = set(record.extra.get("nodes", {})) if record else set()
-            if planned & (set(left) - self._lvs.dead_now(self._vs.members)):
-                # A lease lapse is the detection only for a node not already found dead.
-                self._vs.detected.setdefault(next_gen, self._clock.time())
-        self._vs.members = members
-        self._vs.record, self._vs.record_rev = record, rev
-        # Detection times of generations up to the record's are of no use now.
-        for g in [g for g in self._vs.detected if g < next_gen]:
-            del self._vs.detected[g]
-        self._vs.leader = leader
-        self._vs.barriers = barriers
-        if safe is not None:
-            # The floor only rises: anchors below it may go now (elasticpp.store.replicate).
-            self.store.set_floor(safe.step, safe.generation)
-        self._update_gauges()
+        read = EtcdRead(members, record, rev, leader, barriers, safe)
+        dead = frozenset(self._lvs.dead_now(self._vs.members))
+        now_s, wall_s = self._clock.monotonic(), self._clock.time()
+        self._execute(view_step(self._vs, read, dead=dead, now_s=now_s, wall_s=wall_s))
 
     def _on_epoch_event(self, _event: Any) -> None:
         self._epoch_changed.raise_()

@@ -1,11 +1,12 @@
 """The pure steps of the agent's parts: the end of a job and of a drain (control), the job's
 end on every agent (health), the supervisor's deadlines, a follower's watch on the leader
-(liveness). Each is decided from plain observations with the clock passed in, and its
-actions are data (elasticpp.agent.actions)."""
+(liveness) and the view of etcd. Each is decided from plain observations with the clock
+passed in, and its actions are data (elasticpp.agent.actions)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from elasticpp.agent.actions import (
     DeposeLeader,
@@ -18,9 +19,11 @@ from elasticpp.agent.actions import (
     ReplaceSpare,
     ReportFailure,
     Reread,
+    SetFloor,
     SpawnWarm,
     StepDown,
     StopWorkers,
+    UpdateGauges,
 )
 from elasticpp.agent.control import ControlObservation, ControlState, control_step
 from elasticpp.agent.limits import LEADER_SUSPECT_S
@@ -34,7 +37,9 @@ from elasticpp.agent.liveness import (
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.agent.quarantine import EXIT_FAILED, HealthState, job_end_step
 from elasticpp.agent.supervisor import SupervisorObservation, supervisor_step
+from elasticpp.agent.view import EtcdRead, ViewState, view_step
 from elasticpp.cluster.health import JobEnd
+from elasticpp.cluster.records import GenerationRecord, SafeStep
 
 OBS = ControlObservation(
     now_s=100.0,
@@ -199,3 +204,49 @@ def test_a_leader_that_fails_its_probe_is_deposed_and_a_dead_one_recorded_dead()
     assert event == Event("decision", "leader n0 confirmed dead by probe: deposed")
     leader_deposed(state := LivenessState(), stalled, done=True)
     assert state.dead == {}  # alive: never recorded dead
+
+
+AT: dict[str, Any] = {"dead": frozenset(), "now_s": 50.0, "wall_s": 1.7e9}
+
+
+def _read(members: dict[str, str], **changes: Any) -> EtcdRead:
+    record = GenerationRecord(
+        4, {}, "n0", 1.7e9, extra={"nodes": {"n0": "a", "n1": "b", "n2": "c"}}
+    )
+    read = EtcdRead(
+        members={n: {"incarnation": inc} for n, inc in members.items()},
+        record=record,
+        record_rev=7,
+        leader="n0",
+        barriers={},
+        safe=None,
+    )
+    return replace(read, **changes)
+
+
+def test_the_view_notes_joins_and_lapses_of_planned_nodes_for_the_recovery_timeline() -> None:
+    state = ViewState(last_join_s=0.0)
+    first = view_step(state, _read({"n0": "a", "n1": "b", "n2": "c"}), **AT)
+    assert Event("membership", "member(s) joined: n0, n1, n2") in first
+    assert state.detected == {5: 1.7e9} and state.last_join_s == 50.0
+    assert first[-1] == UpdateGauges() and state.record_rev == 7
+    # n2's lease lapses (a detection); n1 comes back as a new agent (a join).
+    state.detected.clear()
+    later = view_step(state, _read({"n0": "a", "n1": "b2"}), **{**AT, "wall_s": 1.8e9})
+    assert Event("membership", "member(s) joined: n1") in later
+    assert Event("membership", "member(s) left: n2") in later
+    assert state.detected == {5: 1.8e9}
+    # A node already found dead by probe was detected then: its lapse is no new detection.
+    state.detected.clear()
+    view_step(state, _read({"n0": "a", "n1": "b2", "n2": "c"}), **AT)
+    state.detected.clear()
+    gone = view_step(state, _read({"n0": "a", "n1": "b2"}), **{**AT, "dead": frozenset({"n2"})})
+    assert Event("membership", "member(s) left: n2") in gone and state.detected == {}
+
+
+def test_the_view_says_when_etcd_is_back_and_hands_the_safe_step_to_the_store() -> None:
+    state = ViewState(etcd_ok=False)
+    actions = view_step(state, _read({}, safe=SafeStep(3, 120)), **AT)
+    assert actions[0] == Event("decision", "etcd reachable again") and state.etcd_ok
+    assert SetFloor(120, 3) in actions
+    assert SetFloor(120, 3) not in view_step(state, _read({}), **AT)  # not read this time
