@@ -123,11 +123,16 @@ def test_a_drain_that_is_never_handed_off_ends_at_its_deadline(tmp_path: Path) -
 # On purpose on the real clock: the loop watchdog (the executor's own liveness, see
 # elasticpp.agent.clock) and a fetch's byte progress, which its thread times.
 REAL_CLOCK_ALLOWED = {("control", "_watch_loop"), ("follower", "_check_phase_deadline")}
+# The executor's start-up: joining waits for etcd on the real clock, and the heartbeat it
+# sets is the real loop's.
+REAL_CLOCK_MODULES = {"startup"}
 
 
 def test_no_part_reads_the_real_clock() -> None:
     found = []
     for path in sorted(Path(elasticpp.agent.__file__).parent.glob("*.py")):
+        if path.stem in REAL_CLOCK_MODULES:
+            continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
             if not cls.name.endswith("Part"):
