@@ -128,12 +128,20 @@ def test_a_node_whose_spares_never_become_ready_is_quarantined_and_the_job_goes_
 
 @pytest.mark.timeout(300)
 def test_a_leader_whose_loop_is_wedged_is_replaced_and_the_job_goes_on(
-    cluster: LocalCluster, reference: dict[int, float]
+    tmp_path: Path, references: Callable[[int], dict[int, float]], no_orphans: None
 ) -> None:
     # node-2 leads, and its agent blocks for good the first time it records a step: its
     # metrics file is a FIFO nobody reads (a hung file system has the same effect). Its
     # gRPC threads still answer (NOT_SERVING once the loop has stalled) and its workers
-    # train on: only a lease renewed by the loop's progress gives it away.
+    # train on: only a lease renewed by the loop's progress gives it away. The job must
+    # outlast that (lease stall bound + TTL, ~8 s): 30 steps of the tiny model did not.
+    steps = 200
+    reference = references(steps)
+    with LocalCluster(tmp_path / "job", {**SPEC, "steps": steps}, nodes=3, slots=1) as cluster:
+        _wedged_leader_is_replaced(cluster, reference)
+
+
+def _wedged_leader_is_replaced(cluster: LocalCluster, reference: dict[int, float]) -> None:
     sick = cluster.node(SICK)
     sick.state_dir.mkdir(parents=True)
     os.mkfifo(sick.state_dir / "metrics.jsonl")

@@ -343,8 +343,11 @@ class _WatchedSlots:
 
 
 def _hold_the_only_slot(a: Node):
-    """A slow reader: a raw FetchPiece stream that reads one chunk and then nothing."""
-    channel = grpc.insecure_channel(a.address)
+    """A slow reader: a raw FetchPiece stream that reads one chunk and then nothing. Its
+    receive window stays at the initial 64 KiB (no BDP probing): grown by probing, it took
+    the whole 16 MiB piece now and then under load, the server's handler ended and the slot
+    was free again (the busy-budget test then fetched the piece, once in a CI run)."""
+    channel = grpc.insecure_channel(a.address, options=[("grpc.http2.bdp_probe", 0)])
     request = state_pb2.FetchPieceRequest(generation=0, step=1, name=NAME, origin_node="a")
     held = state_pb2_grpc.StateServiceStub(channel).FetchPiece(request, timeout=30)
     next(held)
