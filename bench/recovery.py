@@ -53,13 +53,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
-from elasticpp.proctree import blocked_reading_stdin, children
+from elasticpp.proctree import blocked_reading_stdin, children, sigterm_as_interrupt
 
 BASELINE_DIR = Path(__file__).resolve().parent / "torchrun_baseline"
 GLOBAL_BATCH = 16
@@ -637,20 +637,6 @@ def table(trials: list[Trial]) -> str:
                 f"{c:.2f} / {d:.2f} = {c / d:.3f}"
             )
     return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so every `finally` kills what it started."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main() -> int:

@@ -41,12 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
+from elasticpp.proctree import sigterm_as_interrupt
 
 BASELINE_DIR = Path(__file__).resolve().parent / "torchrun_baseline"
 GLOBAL_BATCH = 16
@@ -344,21 +345,6 @@ def table(size: str, configs: list[Config], tput: dict[str, list[float]], seq_le
             for label, v in phases.items()
         ]
     return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so every `finally` kills what it started."""
-    import signal
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main() -> int:

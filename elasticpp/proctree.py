@@ -6,6 +6,9 @@ them; walking parent links finds them. A leaf module: standard library only.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -61,3 +64,18 @@ def blocked_reading_stdin(pid: int) -> bool:
     except OSError:
         return False
     return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` kills what it started (the
+    benchmarks' runs, stopped by a service manager or `timeout`, leave no process)."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
