@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import signal
 import sys
 import tempfile
@@ -259,7 +260,11 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.train.procs import WorkerError
     from elasticpp.train.snapshots import is_snapshot_writer
 
+    # Worker logs go to --log-dir, or to a temporary directory that is removed when the run
+    # ends well and kept (and named on stderr) when it does not.
+    own_log_dir = args.log_dir is None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="elasticpp-train-"))
+    succeeded = False
     if init_from is not None:
         from elasticpp.train.hf import write_init_step
 
@@ -332,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
             f"{time.monotonic() - started:.1f} s)",
             flush=True,
         )
+        succeeded = True
         return 0
     except WorkerError as exc:
         print(f"elasticpp train: error: {exc}", file=sys.stderr)
@@ -344,3 +350,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, old_term)
         if metrics is not None:
             metrics.close()
+        if own_log_dir and succeeded:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif own_log_dir:
+            print(f"elasticpp train: worker logs are in {log_dir}", file=sys.stderr)

@@ -143,13 +143,21 @@ def test_save_under_one_layout_and_resume_under_another_continues_the_curve(
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     save, save2 = tmp_path / "save", tmp_path / "save2"
 
+    scratch = tmp_path / "tmp"  # the runs' temporary directory: worker logs without --log-dir
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cli(*args), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        return subprocess.run(
+            cli(*args), capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+        )
 
     p = run(
         *common(model_file, "pp=2,tp=2,dp=1", 6, first), "--save", str(save), "--save-every", "3"
     )
     assert p.returncode == 0, p.stderr
+    # A run that ends well leaves no worker logs behind (torch may keep its own caches there).
+    assert [d for d in scratch.iterdir() if d.name.startswith("elasticpp-")] == []
     assert sorted(d.name for d in save.iterdir()) == ["step-0000000003", "step-0000000006"]
     manifest = verify_step_dir(save / "step-0000000003")
     assert manifest.step == 3 and manifest.is_full_model()
@@ -266,14 +274,17 @@ def test_bf16_trains_across_stages_and_saves_fp32_state(tmp_path: Path, model_fi
 
 
 def start_long_run(tmp_path: Path, model_file: Path, metrics: Path) -> subprocess.Popen[str]:
+    """A run with no end and no --log-dir: its worker logs go to a directory under tmp/."""
     args = common(model_file, "pp=2,tp=1,dp=1", 100000, metrics)
+    (tmp_path / "tmp").mkdir()
     return subprocess.Popen(
-        cli(*args, "--log-dir", str(tmp_path / "logs")),
+        cli(*args),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
         start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
     )
 
 
@@ -317,6 +328,10 @@ def test_a_killed_worker_ends_the_command_non_zero_within_seconds_leaving_no_pro
         err = proc.stderr.read()
         assert "exited with code" in err or "rank 0:" in err, err
         assert wait_gone(workers, 10) == []
+        # A failed run keeps its worker logs, and says where they are.
+        (kept,) = (tmp_path / "tmp").glob("elasticpp-train-*")
+        assert f"worker logs are in {kept}" in err
+        assert sorted(p.name for p in kept.iterdir() if p.suffix == ".log")
     finally:
         cleanup(proc, workers)
 
