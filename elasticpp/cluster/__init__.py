@@ -11,8 +11,10 @@ and the demo).
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import (
     BarrierTimeoutError,
+    ClusterAuthError,
     ClusterDataError,
     ClusterError,
+    ClusterLimitError,
     ClusterUnavailableError,
     GenerationConflictError,
     LeaseNotFoundError,
@@ -24,9 +26,11 @@ from elasticpp.cluster.watch import Watch
 
 __all__ = [
     "BarrierTimeoutError",
+    "ClusterAuthError",
     "ClusterClient",
     "ClusterDataError",
     "ClusterError",
+    "ClusterLimitError",
     "ClusterUnavailableError",
     "EventType",
     "GenerationConflictError",

@@ -48,3 +48,12 @@ class LeaseNotFoundError(ClusterError):
 
 class NodeIdConflictError(ClusterError):
     """Another agent (another incarnation) is registered under this agent's node id."""
+
+
+class ClusterLimitError(ClusterError):
+    """A request to etcd or its reply is over a message-size limit. Not an outage: sending
+    the same request again fails the same way."""
+
+
+class ClusterAuthError(ClusterError):
+    """etcd refused this client's credentials (user, password, certificate, permission)."""

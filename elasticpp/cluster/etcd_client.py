@@ -1,37 +1,60 @@
-"""The one module that imports the etcd client library (`etcd3`, from cslab-etcd3).
+"""The one module that speaks etcd's v3 gRPC API: a thin client of our own.
 
-It turns the library's calls into a small, typed surface and its many failure types into two:
-`ClusterUnavailableError` (etcd did not answer within `request_timeout_s`) and
-`LeaseNotFoundError` (a lease expired or was revoked). Everything above it is library-free.
+It sends and reads the messages of `proto/elasticpp/rpc/etcd/v3/etcd.proto` (etcd's own wire
+format, the subset we use) by etcd's method names, over grpcio. Everything above it is typed
+and library-free. Failures come out as four errors:
+- `ClusterUnavailableError`: etcd did not answer within `request_timeout_s` (`fast` when it
+  refused at once, so a retry is worth it);
+- `LeaseNotFoundError`: a lease expired or was revoked;
+- `ClusterLimitError`: a request or a reply is over a message-size limit — not an outage, so
+  the caller must not wait for etcd to "come back";
+- `ClusterAuthError`: the credentials were refused (wrong password, no permission).
 
-Why the client is built by hand instead of with `etcd3.client()`: the library marks an endpoint
-"failed" for 300 s after one UNAVAILABLE answer and then refuses to use it; after an etcd
-restart that would keep us offline for five minutes. Endpoints here are retried after
-`retry_endpoint_s`, and gRPC's reconnect backoff is capped at 1 s instead of 120 s, so calls
-work again within about a second of etcd coming back.
+Why our own client: the libraries that keep etcd3's API are unmaintained forks that set no
+message limits, mark an endpoint "failed" for 300 s after one UNAVAILABLE answer, and cannot
+use client certificates with token authentication. Here:
+- every call is bounded by `request_timeout_s`; idempotent calls that etcd refused at once are
+  retried for `retry_window_s` (gRPC's reconnect backoff is capped at 1 s, so calls work again
+  within about a second of etcd coming back), on the next endpoint when there are several;
+  a transaction is never sent twice (its compare would then fail);
+- message sizes are explicit (`max_send_bytes`, `max_receive_bytes`);
+- TLS (`EtcdSecurity.ca_file`, client certificate and key) and username/password
+  authentication: the token is fetched on first use and fetched again when etcd says it is
+  no longer valid (simple tokens lapse after 5 idle minutes, JWTs at their expiry).
+- a watch is one stream of its own with a reader thread that only hands items to its sink.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-import etcd3  # type: ignore[import-untyped]
-import etcd3.etcdrpc  # type: ignore[import-untyped]
-import etcd3.events  # type: ignore[import-untyped]
-import etcd3.exceptions  # type: ignore[import-untyped]
-import etcd3.transactions  # type: ignore[import-untyped]
 import grpc  # type: ignore[import-untyped]
 
-from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
+from elasticpp.cluster.errors import (
+    ClusterAuthError,
+    ClusterLimitError,
+    ClusterUnavailableError,
+    LeaseNotFoundError,
+)
 from elasticpp.cluster.records import EventType, KeyValue, WatchEvent
 from elasticpp.errors import ConfigError
+from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# etcd's default --max-request-bytes is 1.5 MiB; gRPC adds a little. A larger request is
+# refused here, naming the key, instead of by the server.
+DEFAULT_MAX_SEND_BYTES = 2 * 1024 * 1024
+# gRPC's own default is 4 MiB; a reply over the limit is a ClusterLimitError naming the read.
+DEFAULT_MAX_RECEIVE_BYTES = 16 * 1024 * 1024
 
 _CHANNEL_OPTIONS = [
     # Reconnect quickly once etcd is back (gRPC's default backoff grows to 120 s).
@@ -44,13 +67,75 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5000),
 ]
 
+_RANGE = "/etcdserverpb.KV/Range"
+_PUT = "/etcdserverpb.KV/Put"
+_DELETE = "/etcdserverpb.KV/DeleteRange"
+_TXN = "/etcdserverpb.KV/Txn"
+_COMPACT = "/etcdserverpb.KV/Compact"
+_WATCH = "/etcdserverpb.Watch/Watch"
+_GRANT = "/etcdserverpb.Lease/LeaseGrant"
+_REVOKE = "/etcdserverpb.Lease/LeaseRevoke"
+_KEEPALIVE = "/etcdserverpb.Lease/LeaseKeepAlive"
+_AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """`host:port` or `http://host:port` -> (host, port)."""
+_REPLIES: dict[str, Any] = {
+    _RANGE: pb.RangeResponse,
+    _PUT: pb.PutResponse,
+    _DELETE: pb.DeleteRangeResponse,
+    _TXN: pb.TxnResponse,
+    _COMPACT: pb.CompactionResponse,
+    _GRANT: pb.LeaseGrantResponse,
+    _REVOKE: pb.LeaseRevokeResponse,
+    _AUTHENTICATE: pb.AuthenticateResponse,
+}
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How to reach a secured etcd: TLS (`ca_file` to verify the server; `cert_file` and
+    `key_file` for a client certificate) and username/password authentication."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError("etcd client certificate: give both the certificate and its key")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ConfigError("etcd client certificate: TLS needs the CA file as well")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("etcd authentication: give both the user and the password")
+        if self.user is not None and not self.user:
+            raise ConfigError("etcd authentication: the user name is empty")
+        for name in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"etcd {name.replace('_', ' ')} {path}: no such file")
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_file is not None
+
+    def channel_credentials(self) -> Any:
+        assert self.ca_file is not None
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca_file).read_bytes(),
+            private_key=Path(self.key_file).read_bytes() if self.key_file else None,
+            certificate_chain=Path(self.cert_file).read_bytes() if self.cert_file else None,
+        )
+
+
+def parse_endpoint(text: str, *, tls: bool = False) -> tuple[str, int]:
+    """`host:port`, `http://host:port` or (with TLS) `https://host:port` -> (host, port)."""
     raw = text.strip()
-    if raw.startswith("https://"):
-        raise ConfigError(f"etcd endpoint {text!r}: TLS endpoints are not supported yet")
-    raw = raw.removeprefix("http://").rstrip("/")
+    if raw.startswith("https://") and not tls:
+        raise ConfigError(f"etcd endpoint {text!r}: an https endpoint needs the etcd CA file (TLS)")
+    if raw.startswith("http://") and tls:
+        raise ConfigError(f"etcd endpoint {text!r}: TLS is configured but the endpoint is http")
+    raw = raw.removeprefix("https://").removeprefix("http://").rstrip("/")
     host, sep, port = raw.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"etcd endpoint {text!r}: expected host:port, e.g. 127.0.0.1:2379")
@@ -97,46 +182,71 @@ class WatchEnded:
 WatchItem = WatchBatch | WatchEnded
 
 
-class _LeaseCompare(etcd3.transactions.BaseCompare):  # type: ignore[misc]
-    # The library has no compare on a key's lease (etcd >= 3.3 has); "is the key still on
-    # my lease" is how a registration tells its own key from another agent's.
-    def build_compare(self, compare: Any) -> None:
-        compare.target = etcd3.etcdrpc.Compare.LEASE
-        compare.lease = int(self.value)
+def _details(exc: grpc.RpcError) -> str:
+    return str(exc.details() if hasattr(exc, "details") else exc)
 
 
-def _raise_mapped(op: str, exc: BaseException) -> NoReturn:
-    if isinstance(exc, grpc.RpcError):
-        details = str(exc.details() if hasattr(exc, "details") else exc)
-        if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in details:
-            raise LeaseNotFoundError(f"etcd {op}: {details}") from None
-        fast = exc.code() == grpc.StatusCode.UNAVAILABLE
-        raise ClusterUnavailableError(
-            f"etcd {op}: {exc.code().name} {details}", fast=fast
+def _is_token_error(exc: grpc.RpcError) -> bool:
+    """etcd's answer to a token it no longer accepts (expired, or issued before a restart)."""
+    return exc.code() == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in _details(exc)
+
+
+def _raise_mapped(op: str, exc: grpc.RpcError, limits: tuple[int, int]) -> NoReturn:
+    code, details = exc.code(), _details(exc)
+    if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
+        raise LeaseNotFoundError(f"etcd {op}: {details}") from None
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "request is too large" in details:
+        send, receive = limits
+        raise ClusterLimitError(
+            f"etcd {op}: {code.name} {details} (this client sends at most {send} bytes and "
+            f"reads at most {receive}; etcd's own limit is its --max-request-bytes)"
         ) from None
-    # Connection refused / no endpoint: answered at once, worth another try.
-    fast = isinstance(
-        exc, etcd3.exceptions.ConnectionFailedError | etcd3.exceptions.NoServerAvailableError
+    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or (
+        "authentication failed" in details or "user name is empty" in details
+    ):
+        raise ClusterAuthError(f"etcd {op}: {code.name} {details}") from None
+    # Refused at once (no connection, etcd restarting) is worth another try; a timeout is not.
+    fast = code == grpc.StatusCode.UNAVAILABLE
+    raise ClusterUnavailableError(f"etcd {op}: {code.name} {details}", fast=fast) from None
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode()
+
+
+def _kv(kv: Any) -> KeyValue:
+    return KeyValue(
+        _text(kv.key), _text(kv.value), int(kv.mod_revision), int(kv.create_revision), int(kv.lease)
     )
-    raise ClusterUnavailableError(f"etcd {op}: {type(exc).__name__} {exc}", fast=fast) from None
-
-
-@contextlib.contextmanager
-def _mapped(op: str) -> Iterator[None]:
-    try:
-        yield
-    except etcd3.exceptions.RevisionCompactedError:
-        raise  # not an outage: the watch layer restarts from the compacted revision
-    except (etcd3.exceptions.Etcd3Exception, grpc.RpcError) as exc:
-        _raise_mapped(op, exc)
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 _R = TypeVar("_R")
 _RETRY_PAUSE_S = 0.1
+
+
+class _Endpoint:
+    """One etcd endpoint's channel, and when it last refused a call."""
+
+    def __init__(self, target: str, security: EtcdSecurity, options: list[Any]) -> None:
+        self.target = target
+        if security.tls:
+            self.channel = grpc.secure_channel(target, security.channel_credentials(), options)
+        else:
+            self.channel = grpc.insecure_channel(target, options)
+        self.failed_at_s = float("-inf")
+        self._unary: dict[str, Any] = {}
+
+    def unary(self, method: str) -> Any:
+        call = self._unary.get(method)
+        if call is None:
+            reply = _REPLIES[method]
+            call = self.channel.unary_unary(
+                method,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=reply.FromString,
+            )
+            self._unary[method] = call
+        return call
 
 
 class EtcdKV:
@@ -150,85 +260,160 @@ class EtcdKV:
         request_timeout_s: float = 2.0,
         retry_endpoint_s: float = 0.5,
         retry_window_s: float = 1.2,
+        security: EtcdSecurity | None = None,
+        max_send_bytes: int = DEFAULT_MAX_SEND_BYTES,
+        max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
     ) -> None:
         if not endpoints:
             raise ConfigError("etcd endpoints: at least one host:port is required")
+        if max_send_bytes <= 0 or max_receive_bytes <= 0:
+            raise ConfigError("etcd message limits: both must be positive")
         self.request_timeout_s = request_timeout_s
-        # Covers gRPC's reconnect backoff (capped at 1 s below) after etcd comes back.
+        # Covers gRPC's reconnect backoff (capped at 1 s) after etcd comes back.
         self.retry_window_s = min(retry_window_s, request_timeout_s)
-        # With one endpoint there is nothing to fail over to: always try it (the library
-        # would otherwise refuse every call for `time_retry` after one failure anywhere).
-        time_retry_s = retry_endpoint_s if len(endpoints) > 1 else 0.0
-        eps = []
+        self._retry_endpoint_s = retry_endpoint_s
+        self.security = security or EtcdSecurity()
+        self._limits = (max_send_bytes, max_receive_bytes)
+        options = [
+            *_CHANNEL_OPTIONS,
+            ("grpc.max_send_message_length", max_send_bytes),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ]
+        self._endpoints = []
         for text in endpoints:
-            host, port = parse_endpoint(text)
-            eps.append(
-                etcd3.Endpoint(
-                    host, port, secure=False, time_retry=time_retry_s, opts=_CHANNEL_OPTIONS
-                )
-            )
-        self._client = etcd3.MultiEndpointEtcd3Client(
-            endpoints=eps, timeout=request_timeout_s, failover=True
-        )
-        self._t = self._client.transactions
+            host, port = parse_endpoint(text, tls=self.security.tls)
+            target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            self._endpoints.append(_Endpoint(target, self.security, options))
+        self._lock = threading.Lock()
+        self._current = 0
+        self._token: str | None = None
+        self._watches: dict[int, _WatchStream] = {}
+        self._watch_ids = itertools.count(1)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._client.close()
+        with self._lock:
+            watches, self._watches = list(self._watches.values()), {}
+        for w in watches:
+            w.cancel()
+        for ep in self._endpoints:
+            ep.channel.close()
 
-    def _call(self, op: str, fn: Callable[[], _R], *, retry: bool = True) -> _R:
-        """Run one library call, mapping its failures; with `retry`, a fast "unavailable"
-        answer is retried for `retry_window_s`.
+    # ------------------------------------------------------------------ plumbing
+    def _endpoint(self) -> _Endpoint:
+        """The endpoint to use: the current one, unless it refused a call within
+        `retry_endpoint_s` and another did not."""
+        with self._lock:
+            n = len(self._endpoints)
+            now = time.monotonic()
+            for i in range(n):
+                ep = self._endpoints[(self._current + i) % n]
+                if now - ep.failed_at_s >= self._retry_endpoint_s:
+                    self._current = (self._current + i) % n
+                    return ep
+            # Every endpoint refused recently: the one that refused longest ago.
+            ep = min(self._endpoints, key=lambda e: e.failed_at_s)
+            self._current = self._endpoints.index(ep)
+            return ep
 
-        Why retry: right after etcd comes back, gRPC's channel is still in reconnect backoff
-        and refuses calls for up to a second. Only idempotent calls retry; a transaction
-        whose answer was lost must not be sent twice (its compare would then fail)."""
-        deadline = time.monotonic() + self.retry_window_s
-        while True:
+    def _refused(self, ep: _Endpoint) -> None:
+        if len(self._endpoints) > 1:
+            with self._lock:
+                ep.failed_at_s = time.monotonic()
+
+    def _metadata(self, ep: _Endpoint, *, renew: bool = False) -> list[tuple[str, str]] | None:
+        """The auth token for calls (fetched on first use, or again when `renew`)."""
+        sec = self.security
+        if sec.user is None:
+            return None
+        with self._lock:
+            token = None if renew else self._token
+        if token is None:
             try:
-                with _mapped(op):
-                    return fn()
-            except ClusterUnavailableError as exc:
-                if not retry or exc.fast is False or time.monotonic() >= deadline:
+                reply = ep.unary(_AUTHENTICATE)(
+                    pb.AuthenticateRequest(name=sec.user, password=sec.password or ""),
+                    timeout=self.request_timeout_s,
+                )
+            except grpc.RpcError as exc:
+                _raise_mapped(f"authenticate as {sec.user}", exc, self._limits)
+            token = str(reply.token)
+            with self._lock:
+                self._token = token
+        return [("token", token)]
+
+    def _unary(self, op: str, method: str, request: Any, *, retry: bool = True) -> Any:
+        """One call; with `retry`, a fast "unavailable" answer is retried for
+        `retry_window_s` (on the next endpoint, if there are several).
+
+        Only idempotent calls retry; a transaction whose answer was lost must not be sent
+        twice (its compare would then fail). A token etcd no longer accepts is renewed and
+        the call sent again: etcd refused it, so nothing was applied."""
+        deadline = time.monotonic() + self.retry_window_s
+        renewed = False
+        while True:
+            ep = self._endpoint()
+            try:
+                metadata = self._metadata(ep)
+                return ep.unary(method)(request, timeout=self.request_timeout_s, metadata=metadata)
+            except grpc.RpcError as exc:
+                if self.security.user is not None and _is_token_error(exc) and not renewed:
+                    renewed = True
+                    with self._lock:
+                        self._token = None
+                    continue
+                try:
+                    _raise_mapped(op, exc, self._limits)
+                except ClusterUnavailableError as mapped:
+                    if mapped.fast:
+                        self._refused(ep)
+                    if not retry or not mapped.fast or time.monotonic() >= deadline:
+                        raise
+            except ClusterUnavailableError as mapped:  # the authentication itself
+                if not retry or not mapped.fast or time.monotonic() >= deadline:
                     raise
+                self._refused(ep)
             time.sleep(_RETRY_PAUSE_S)  # pause between attempts, bounded by the deadline
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str) -> KeyValue | None:
-        value, meta = self._call(f"get {key}", lambda: self._client.get(key))
-        if meta is None:
-            return None
-        return KeyValue(key, _text(value), meta.mod_revision, meta.create_revision, meta.lease_id)
+        reply = self._unary(f"get {key}", _RANGE, pb.RangeRequest(key=key.encode()))
+        return _kv(reply.kvs[0]) if reply.kvs else None
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """All keys under `prefix` (sorted by key) and the store revision they were read at."""
-        resp = self._call(
-            f"get prefix {prefix}",
-            lambda: self._client.get_prefix_response(prefix, sort_order="ascend"),
+        request = pb.RangeRequest(
+            key=prefix.encode(),
+            range_end=_prefix_end(prefix.encode()),
+            sort_order=pb.RangeRequest.ASCEND,
+            sort_target=pb.RangeRequest.KEY,
         )
-        kvs = [
-            KeyValue(_text(kv.key), _text(kv.value), kv.mod_revision, kv.create_revision, kv.lease)
-            for kv in resp.kvs
-        ]
-        return kvs, int(resp.header.revision)
+        reply = self._unary(f"get prefix {prefix}", _RANGE, request)
+        return [_kv(kv) for kv in reply.kvs], int(reply.header.revision)
 
     def revision(self) -> int:
         """The store's current revision."""
-        resp = self._call("read revision", lambda: self._client.get_response("\0"))
-        return int(resp.header.revision)
+        request = pb.RangeRequest(key=b"\0", keys_only=True, limit=1)
+        return int(self._unary("read revision", _RANGE, request).header.revision)
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, value: str, lease_id: int | None = None) -> int:
         """Write `key`; returns the revision of the write."""
-        resp = self._call(f"put {key}", lambda: self._client.put(key, value, lease=lease_id))
-        return int(resp.header.revision)
+        request = pb.PutRequest(key=key.encode(), value=value.encode(), lease=lease_id or 0)
+        self._check_size(f"put {key}", request)
+        return int(self._unary(f"put {key}", _PUT, request).header.revision)
 
     def delete(self, key: str) -> bool:
-        return bool(self._call(f"delete {key}", lambda: self._client.delete(key)))
+        reply = self._unary(f"delete {key}", _DELETE, pb.DeleteRangeRequest(key=key.encode()))
+        return int(reply.deleted) > 0
 
     def delete_prefix(self, prefix: str) -> int:
-        resp = self._call(f"delete prefix {prefix}", lambda: self._client.delete_prefix(prefix))
-        return int(resp.deleted)
+        raw = prefix.encode()
+        request = pb.DeleteRangeRequest(key=raw, range_end=_prefix_end(raw))
+        return int(self._unary(f"delete prefix {prefix}", _DELETE, request).deleted)
+
+    def compact(self, revision: int, *, physical: bool = False) -> None:
+        """Drop the history before `revision` (etcd keeps every revision until compacted)."""
+        request = pb.CompactionRequest(revision=revision, physical=physical)
+        self._unary(f"compact to revision {revision}", _COMPACT, request)
 
     def txn(
         self,
@@ -239,83 +424,83 @@ class EtcdKV:
         """All `compares` equal -> apply `success`; else read `failure_get` (one entry each).
 
         Returns (succeeded, what failure_get found, revision of the transaction)."""
-        built: list[Any] = []
-        for c in compares:
-            kind = {
-                "value": self._t.value,
-                "mod": self._t.mod,
-                "create": self._t.create,
-                "lease": _LeaseCompare,
-            }.get(c.target)
-            if kind is None:
-                raise ConfigError(f"compare target {c.target!r}: allowed value, mod, create, lease")
-            built.append(kind(c.key) == c.value)
-        ops = [
-            self._t.delete(p.key)
-            if isinstance(p, Delete)
-            else self._t.put(p.key, p.value, lease=p.lease_id)
-            for p in success
-        ]
-        gets = [self._t.get(k) for k in failure_get]
-        ok, responses, revision = self._call(
-            "txn", lambda: self._transaction(built, ops, gets), retry=False
+        request = pb.TxnRequest(
+            compare=[_compare(c) for c in compares],
+            success=[_op(p) for p in success],
+            failure=[
+                pb.RequestOp(request_range=pb.RangeRequest(key=k.encode())) for k in failure_get
+            ],
         )
-        found: list[KeyValue | None] = [r[0] if r else None for r in responses] if not ok else []
-        return bool(ok), found, revision
+        self._check_size("txn", request)
+        reply = self._unary("txn", _TXN, request, retry=False)
+        found: list[KeyValue | None] = []
+        if not reply.succeeded:
+            for r in reply.responses:
+                if r.WhichOneof("response") == "response_range":
+                    kvs = r.response_range.kvs
+                    found.append(_kv(kvs[0]) if kvs else None)
+        return bool(reply.succeeded), found, int(reply.header.revision)
 
-    def _transaction(self, compare: list[Any], success: list[Any], failure: list[Any]) -> Any:
-        # The library's transaction() drops the response header; the revision is the fencing
-        # token of what we wrote (a won election's create revision), so read it ourselves.
-        request = etcd3.etcdrpc.TxnRequest(
-            compare=[c.build_message() for c in compare],
-            success=self._client._ops_to_requests(success),
-            failure=self._client._ops_to_requests(failure),
-        )
-        try:
-            resp = self._client.kvstub.Txn(
-                request,
-                self.request_timeout_s,
-                credentials=self._client.call_credentials,
-                metadata=self._client.metadata,
+    def _check_size(self, op: str, request: Any) -> None:
+        size = request.ByteSize()
+        if size > self._limits[0]:
+            raise ClusterLimitError(
+                f"etcd {op}: the request is {size} bytes, over this client's limit of "
+                f"{self._limits[0]} (etcd refuses more than its --max-request-bytes, "
+                "1.5 MiB by default)"
             )
-        except grpc.RpcError as exc:
-            # Same endpoint bookkeeping as the library's own calls (failover, stub reset).
-            with contextlib.suppress(Exception):
-                self._client._manage_grpc_errors(exc)
-            raise
-        found = [
-            [
-                KeyValue(
-                    _text(kv.key),
-                    _text(kv.value),
-                    int(kv.mod_revision),
-                    int(kv.create_revision),
-                    int(kv.lease),
-                )
-                for kv in r.response_range.kvs
-            ]
-            for r in resp.responses
-            if r.WhichOneof("response") == "response_range"
-        ]
-        return resp.succeeded, found, int(resp.header.revision)
 
     # ------------------------------------------------------------------ leases
     def grant(self, ttl_s: int) -> int:
         # A retried grant may leave an unused lease behind; it lapses after its TTL.
-        return int(self._call("lease grant", lambda: self._client.lease(int(ttl_s))).id)
+        reply = self._unary("lease grant", _GRANT, pb.LeaseGrantRequest(TTL=int(ttl_s)))
+        if reply.error:
+            raise ClusterUnavailableError(f"etcd lease grant: {reply.error}")
+        return int(reply.ID)
 
     def refresh(self, lease_id: int) -> int:
         """Keep a lease alive once; returns its new TTL, raises LeaseNotFoundError if gone."""
-        responses = self._call(
-            "lease keep-alive", lambda: list(self._client.refresh_lease(lease_id))
-        )
-        ttl = int(responses[0].TTL) if responses else 0
+        deadline = time.monotonic() + self.retry_window_s
+        renewed = False
+        while True:
+            ep = self._endpoint()
+            call = None
+            try:
+                call = ep.channel.stream_stream(
+                    _KEEPALIVE,
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=pb.LeaseKeepAliveResponse.FromString,
+                )(
+                    iter([pb.LeaseKeepAliveRequest(ID=lease_id)]),
+                    timeout=self.request_timeout_s,
+                    metadata=self._metadata(ep),
+                )
+                reply = next(call, None)
+                break
+            except grpc.RpcError as exc:
+                if self.security.user is not None and _is_token_error(exc) and not renewed:
+                    renewed = True
+                    with self._lock:
+                        self._token = None
+                    continue
+                try:
+                    _raise_mapped("lease keep-alive", exc, self._limits)
+                except ClusterUnavailableError as mapped:
+                    if mapped.fast:
+                        self._refused(ep)
+                    if not mapped.fast or time.monotonic() >= deadline:
+                        raise
+            finally:
+                if call is not None:
+                    call.cancel()
+            time.sleep(_RETRY_PAUSE_S)
+        ttl = int(reply.TTL) if reply is not None else 0
         if ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             raise LeaseNotFoundError(f"lease {lease_id:x} not found")
         return ttl
 
     def revoke(self, lease_id: int) -> None:
-        self._call("lease revoke", lambda: self._client.revoke_lease(lease_id))
+        self._unary("lease revoke", _REVOKE, pb.LeaseRevokeRequest(ID=lease_id))
 
     # ------------------------------------------------------------------ watches
     def add_watch(
@@ -326,41 +511,176 @@ class EtcdKV:
         sink: Callable[[WatchItem], None],
     ) -> int:
         """Start a watch; `sink` gets WatchBatch items, then one WatchEnded when it stops.
+        Returns a handle for `cancel_watch` (-1 when the start revision was compacted: the
+        sink has its WatchEnded already).
 
-        `sink` runs on the library's shared watch thread: it must only hand the item over.
-        """
-
-        def on_response(resp: Any) -> None:
-            if isinstance(resp, etcd3.exceptions.RevisionCompactedError):
-                sink(WatchEnded("revision compacted", int(resp.compacted_revision)))
-            elif isinstance(resp, grpc.RpcError):
-                sink(WatchEnded(f"stream ended: {resp.code().name} {resp.details()}"))
-            elif isinstance(resp, BaseException) or resp is None or not hasattr(resp, "events"):
-                sink(WatchEnded(f"stream ended: {resp!r}"))
-            else:
-                sink(WatchBatch(tuple(_event(ev) for ev in resp.events)))
-
-        kwargs: dict[str, Any] = {}
-        if range_end is not None:
-            kwargs["range_end"] = range_end
-        if start_revision is not None:
-            kwargs["start_revision"] = start_revision
-        try:
-            with _mapped(f"watch {key}"):
-                return int(self._client.add_watch_callback(key, on_response, **kwargs))
-        except etcd3.exceptions.RevisionCompactedError as exc:  # raised before mapping
-            sink(WatchEnded("revision compacted", int(exc.compacted_revision)))
+        The watch is created before this returns (a dead etcd raises here); `sink` runs on
+        the watch's own reader thread: it must only hand the item over."""
+        request = pb.WatchCreateRequest(
+            key=key.encode(),
+            range_end=range_end.encode() if range_end is not None else b"",
+            start_revision=start_revision or 0,
+        )
+        created = False
+        for attempt in range(2):
+            ep = self._endpoint()
+            stream = _WatchStream(ep, request, self._metadata(ep), sink, key)
+            try:
+                created = stream.wait_created(self.request_timeout_s)
+                break
+            except ClusterUnavailableError:
+                stream.cancel()
+                raise
+            except grpc.RpcError as exc:
+                stream.cancel()
+                if self.security.user is not None and _is_token_error(exc) and attempt == 0:
+                    with self._lock:
+                        self._token = None  # etcd restarted, or the token lapsed: log in again
+                    continue
+                try:
+                    _raise_mapped(f"watch {key}", exc, self._limits)
+                except ClusterUnavailableError as mapped:
+                    if mapped.fast:
+                        self._refused(ep)
+                    raise
+        if not created:
             return -1
+        handle = next(self._watch_ids)
+        with self._lock:
+            self._watches[handle] = stream
+        return handle
 
     def cancel_watch(self, watch_id: int) -> None:
-        if watch_id < 0:
-            return
-        # Cancelling a watch of a dead stream is a no-op; never let it raise.
-        with contextlib.suppress(Exception):
-            self._client.cancel_watch(watch_id)
+        with self._lock:
+            stream = self._watches.pop(watch_id, None)
+        if stream is not None:
+            stream.cancel()  # never raises: the stream may be dead already
+
+
+class _WatchStream:
+    """One watch: a bidirectional stream of its own and a thread that reads it. The thread
+    only hands items to the sink; after `cancel()` it hands over nothing more."""
+
+    def __init__(
+        self,
+        ep: _Endpoint,
+        create: Any,
+        metadata: list[tuple[str, str]] | None,
+        sink: Callable[[WatchItem], None],
+        key: str,
+    ) -> None:
+        self._sink = sink
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._requests.put(pb.WatchRequest(create_request=create))
+        self._cancelled = threading.Event()
+        self._created = threading.Event()
+        self._outcome: tuple[bool, grpc.RpcError | None] = (False, None)
+        self._call = ep.channel.stream_stream(
+            _WATCH,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.WatchResponse.FromString,
+        )(self._request_iter(), metadata=metadata)
+        self._thread = threading.Thread(target=self._read, name=f"etcd-watch-{key}", daemon=True)
+        self._thread.start()
+
+    def _request_iter(self) -> Iterator[Any]:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            yield item
+
+    def wait_created(self, timeout_s: float) -> bool:
+        """True once etcd created the watch; False if it refused the start revision as
+        compacted (the sink has the WatchEnded); raises the stream's error, or
+        DEADLINE_EXCEEDED-like unavailability when nothing came within `timeout_s`."""
+        if not self._created.wait(timeout_s):
+            raise ClusterUnavailableError(f"etcd watch: not created within {timeout_s:g} s")
+        ok, error = self._outcome
+        if error is not None:
+            raise error
+        return ok
+
+    def _settle(self, ok: bool, error: grpc.RpcError | None = None) -> None:
+        if not self._created.is_set():
+            self._outcome = (ok, error)
+            self._created.set()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                if reply.compact_revision > 0 or reply.canceled:
+                    ended = WatchEnded(
+                        "revision compacted"
+                        if reply.compact_revision
+                        else f"cancelled by etcd: {reply.cancel_reason}",
+                        int(reply.compact_revision),
+                    )
+                    self._settle(False)
+                    if not self._cancelled.is_set():
+                        self._sink(ended)
+                    return
+                if reply.created:
+                    self._settle(True)
+                if reply.events and not self._cancelled.is_set():
+                    self._sink(WatchBatch(tuple(_event(ev) for ev in reply.events)))
+            if not self._cancelled.is_set():
+                self._settle(True)
+                self._sink(WatchEnded("stream ended"))
+        except grpc.RpcError as exc:
+            if not self._created.is_set():
+                self._settle(False, exc)
+            elif not self._cancelled.is_set():
+                self._sink(WatchEnded(f"stream ended: {exc.code().name} {_details(exc)}"))
+        finally:
+            self._requests.put(None)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._requests.put(None)
+        self._call.cancel()
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of the range of keys that start with `prefix` (etcd's convention)."""
+    raw = bytearray(prefix)
+    for i in reversed(range(len(raw))):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"  # every key from `prefix` on
+
+
+def _compare(c: Compare) -> Any:
+    msg = pb.Compare(key=c.key.encode(), result=pb.Compare.EQUAL)
+    if c.target == "value":
+        msg.target = pb.Compare.VALUE
+        msg.value = str(c.value).encode()
+    elif c.target == "mod":
+        msg.target = pb.Compare.MOD
+        msg.mod_revision = int(c.value)
+    elif c.target == "create":
+        msg.target = pb.Compare.CREATE
+        msg.create_revision = int(c.value)
+    elif c.target == "lease":
+        # "Is the key still on my lease": how a registration tells its own key from another's.
+        msg.target = pb.Compare.LEASE
+        msg.lease = int(c.value)
+    else:
+        raise ConfigError(f"compare target {c.target!r}: allowed value, mod, create, lease")
+    return msg
+
+
+def _op(p: Put | Delete) -> Any:
+    if isinstance(p, Delete):
+        return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=p.key.encode()))
+    return pb.RequestOp(
+        request_put=pb.PutRequest(key=p.key.encode(), value=p.value.encode(), lease=p.lease_id or 0)
+    )
 
 
 def _event(ev: Any) -> WatchEvent:
-    if isinstance(ev, etcd3.events.DeleteEvent):
-        return WatchEvent(EventType.DELETE, _text(ev.key), None, int(ev.mod_revision))
-    return WatchEvent(EventType.PUT, _text(ev.key), _text(ev.value), int(ev.mod_revision))
+    kv = ev.kv
+    if ev.type == pb.Event.DELETE:
+        return WatchEvent(EventType.DELETE, _text(kv.key), None, int(kv.mod_revision))
+    return WatchEvent(EventType.PUT, _text(kv.key), _text(kv.value), int(kv.mod_revision))

@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -55,11 +56,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS of the client listener: the server's certificate and key, and the CA whose
+    client certificates it requires (`--client-cert-auth`)."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+
+
 class EtcdServer:
     """One etcd member on 127.0.0.1 with its own free ports and data directory.
 
     `data_dir=None` makes a temporary directory that `stop()` leaves in place (so `restart()`
-    works) and `close()` removes.
+    works) and `close()` removes. With `tls`, clients must speak TLS with a certificate of
+    its CA; health is then read from a plain metrics listener of its own.
     """
 
     def __init__(
@@ -70,8 +82,10 @@ class EtcdServer:
         start_timeout_s: float = 20.0,
         stop_timeout_s: float = 5.0,
         extra_args: tuple[str, ...] = (),
+        tls: ServerTLS | None = None,
     ) -> None:
         self._binary = binary or find_etcd_binary()
+        self.tls = tls
         # A temporary root holds both the data and the log; a given data dir gets a log beside it.
         self._root: Path | None = None
         if data_dir is None:
@@ -85,6 +99,7 @@ class EtcdServer:
         self._extra_args = extra_args
         self.client_port = 0
         self.peer_port = 0
+        self.metrics_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
 
@@ -113,6 +128,7 @@ class EtcdServer:
         for _ in range(1 if keep_ports else _START_ATTEMPTS):
             if not keep_ports:
                 self.client_port, self.peer_port = _free_port(), _free_port()
+                self.metrics_port = _free_port()
             try:
                 self._spawn()
                 self._wait_healthy()
@@ -125,7 +141,17 @@ class EtcdServer:
 
     def _spawn(self) -> None:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
+        tls_args: list[str] = []
+        if self.tls is not None:
+            tls_args = [
+                f"--cert-file={self.tls.cert_file}",
+                f"--key-file={self.tls.key_file}",
+                f"--trusted-ca-file={self.tls.ca_file}",
+                "--client-cert-auth",
+                f"--listen-metrics-urls=http://127.0.0.1:{self.metrics_port}",
+            ]
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             self._binary,
@@ -141,6 +167,7 @@ class EtcdServer:
             # self-election after every (re)start from ~1.5 s to ~0.3 s.
             "--heartbeat-interval=25",
             "--election-timeout=250",
+            *tls_args,
             *self._extra_args,
         ]
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _terminate
@@ -154,7 +181,8 @@ class EtcdServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._start_timeout_s
-        url = f"http://127.0.0.1:{self.client_port}/health"
+        port = self.metrics_port if self.tls is not None else self.client_port
+        url = f"http://127.0.0.1:{port}/health"
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 raise EtcdServerError(
@@ -192,6 +220,30 @@ class EtcdServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def enable_auth(self, password: str) -> None:
+        """Turn on etcd's authentication with user `root` (password `password`), with
+        etcd's own `etcdctl` beside its binary: from now on every client must log in."""
+        etcdctl = Path(self._binary).with_name("etcdctl")
+        if not etcdctl.is_file():
+            raise EtcdServerError(f"no etcdctl beside {self._binary}: cannot enable auth")
+        base = [str(etcdctl), f"--endpoints={self.endpoint}", "--dial-timeout=5s"]
+        if self.tls is not None:
+            base += [
+                f"--cacert={self.tls.ca_file}",
+                f"--cert={self.tls.cert_file}",
+                f"--key={self.tls.key_file}",
+            ]
+        for args in (
+            ["user", "add", "root", f"--new-user-password={password}"],
+            ["user", "grant-role", "root", "root"],
+            ["auth", "enable"],
+        ):
+            done = subprocess.run(
+                [*base, *args], capture_output=True, text=True, timeout=30, check=False
+            )
+            if done.returncode != 0:
+                raise EtcdServerError(f"etcdctl {' '.join(args[:2])}: {done.stderr.strip()}")
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `stop_timeout_s`. Data and ports are kept."""

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 from elasticpp.cluster import keys as keymod
-from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.errors import ClusterError, ClusterUnavailableError
 from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchEnded, WatchItem
 from elasticpp.cluster.leases import RETRY_MAX_S, RETRY_MIN_S
 from elasticpp.cluster.records import EventType, WatchEvent
@@ -79,6 +79,9 @@ class Watch:
                     broken, backoff_s = None, RETRY_MIN_S
                 except ClusterUnavailableError:
                     backoff_s = min(backoff_s * 2, RETRY_MAX_S)
+                except ClusterError as exc:  # refused credentials, a limit: said, and retried
+                    log.warning("watch %s not re-created: %s", self.key, exc)
+                    backoff_s = RETRY_MAX_S
                 continue
             try:
                 stream, item = self._items.get(timeout=0.5)
