@@ -28,25 +28,42 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped]
 
 from elasticpp.cluster.errors import (
-    ClusterAuthError,
     ClusterLimitError,
     ClusterUnavailableError,
     LeaseNotFoundError,
 )
-from elasticpp.cluster.records import EventType, KeyValue, WatchEvent
+from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
+from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
+from elasticpp.cluster.etcd_watch_stream import (
+    WatchBatch,
+    WatchEnded,
+    WatchItem,
+    WatchStream,
+)
+from elasticpp.cluster.records import KeyValue
 from elasticpp.errors import ConfigError
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
+
+__all__ = [
+    "Compare",
+    "Delete",
+    "EtcdKV",
+    "EtcdSecurity",
+    "Put",
+    "WatchBatch",
+    "WatchEnded",
+    "WatchItem",
+    "parse_endpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +89,6 @@ _PUT = "/etcdserverpb.KV/Put"
 _DELETE = "/etcdserverpb.KV/DeleteRange"
 _TXN = "/etcdserverpb.KV/Txn"
 _COMPACT = "/etcdserverpb.KV/Compact"
-_WATCH = "/etcdserverpb.Watch/Watch"
 _GRANT = "/etcdserverpb.Lease/LeaseGrant"
 _REVOKE = "/etcdserverpb.Lease/LeaseRevoke"
 _KEEPALIVE = "/etcdserverpb.Lease/LeaseKeepAlive"
@@ -88,58 +104,6 @@ _REPLIES: dict[str, Any] = {
     _REVOKE: pb.LeaseRevokeResponse,
     _AUTHENTICATE: pb.AuthenticateResponse,
 }
-
-
-@dataclass(frozen=True)
-class EtcdSecurity:
-    """How to reach a secured etcd: TLS (`ca_file` to verify the server; `cert_file` and
-    `key_file` for a client certificate) and username/password authentication."""
-
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
-    user: str | None = None
-    password: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ConfigError("etcd client certificate: give both the certificate and its key")
-        if self.cert_file is not None and self.ca_file is None:
-            raise ConfigError("etcd client certificate: TLS needs the CA file as well")
-        if (self.user is None) != (self.password is None):
-            raise ConfigError("etcd authentication: give both the user and the password")
-        if self.user is not None and not self.user:
-            raise ConfigError("etcd authentication: the user name is empty")
-        for name in ("ca_file", "cert_file", "key_file"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ConfigError(f"etcd {name.replace('_', ' ')} {path}: no such file")
-
-    @property
-    def tls(self) -> bool:
-        return self.ca_file is not None
-
-    def channel_credentials(self) -> Any:
-        assert self.ca_file is not None
-        return grpc.ssl_channel_credentials(
-            root_certificates=Path(self.ca_file).read_bytes(),
-            private_key=Path(self.key_file).read_bytes() if self.key_file else None,
-            certificate_chain=Path(self.cert_file).read_bytes() if self.cert_file else None,
-        )
-
-
-def parse_endpoint(text: str, *, tls: bool = False) -> tuple[str, int]:
-    """`host:port`, `http://host:port` or (with TLS) `https://host:port` -> (host, port)."""
-    raw = text.strip()
-    if raw.startswith("https://") and not tls:
-        raise ConfigError(f"etcd endpoint {text!r}: an https endpoint needs the etcd CA file (TLS)")
-    if raw.startswith("http://") and tls:
-        raise ConfigError(f"etcd endpoint {text!r}: TLS is configured but the endpoint is http")
-    raw = raw.removeprefix("https://").removeprefix("http://").rstrip("/")
-    host, sep, port = raw.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"etcd endpoint {text!r}: expected host:port, e.g. 127.0.0.1:2379")
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)
@@ -162,52 +126,6 @@ class Put:
 @dataclass(frozen=True)
 class Delete:
     key: str
-
-
-@dataclass(frozen=True)
-class WatchBatch:
-    """Events of one watch response (in revision order)."""
-
-    events: tuple[WatchEvent, ...]
-
-
-@dataclass(frozen=True)
-class WatchEnded:
-    """The watch stream ended; `compact_revision` > 0 when the start revision was compacted."""
-
-    reason: str
-    compact_revision: int = 0
-
-
-WatchItem = WatchBatch | WatchEnded
-
-
-def _details(exc: grpc.RpcError) -> str:
-    return str(exc.details() if hasattr(exc, "details") else exc)
-
-
-def _is_token_error(exc: grpc.RpcError) -> bool:
-    """etcd's answer to a token it no longer accepts (expired, or issued before a restart)."""
-    return exc.code() == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in _details(exc)
-
-
-def _raise_mapped(op: str, exc: grpc.RpcError, limits: tuple[int, int]) -> NoReturn:
-    code, details = exc.code(), _details(exc)
-    if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
-        raise LeaseNotFoundError(f"etcd {op}: {details}") from None
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "request is too large" in details:
-        send, receive = limits
-        raise ClusterLimitError(
-            f"etcd {op}: {code.name} {details} (this client sends at most {send} bytes and "
-            f"reads at most {receive}; etcd's own limit is its --max-request-bytes)"
-        ) from None
-    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or (
-        "authentication failed" in details or "user name is empty" in details
-    ):
-        raise ClusterAuthError(f"etcd {op}: {code.name} {details}") from None
-    # Refused at once (no connection, etcd restarting) is worth another try; a timeout is not.
-    fast = code == grpc.StatusCode.UNAVAILABLE
-    raise ClusterUnavailableError(f"etcd {op}: {code.name} {details}", fast=fast) from None
 
 
 def _text(raw: bytes) -> str:
@@ -287,7 +205,7 @@ class EtcdKV:
         self._lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
-        self._watches: dict[int, _WatchStream] = {}
+        self._watches: dict[int, WatchStream] = {}
         self._watch_ids = itertools.count(1)
 
     def close(self) -> None:
@@ -334,7 +252,7 @@ class EtcdKV:
                     timeout=self.request_timeout_s,
                 )
             except grpc.RpcError as exc:
-                _raise_mapped(f"authenticate as {sec.user}", exc, self._limits)
+                raise_mapped(f"authenticate as {sec.user}", exc, self._limits)
             token = str(reply.token)
             with self._lock:
                 self._token = token
@@ -355,13 +273,13 @@ class EtcdKV:
                 metadata = self._metadata(ep)
                 return ep.unary(method)(request, timeout=self.request_timeout_s, metadata=metadata)
             except grpc.RpcError as exc:
-                if self.security.user is not None and _is_token_error(exc) and not renewed:
+                if self.security.user is not None and is_token_error(exc) and not renewed:
                     renewed = True
                     with self._lock:
                         self._token = None
                     continue
                 try:
-                    _raise_mapped(op, exc, self._limits)
+                    raise_mapped(op, exc, self._limits)
                 except ClusterUnavailableError as mapped:
                     if mapped.fast:
                         self._refused(ep)
@@ -478,13 +396,13 @@ class EtcdKV:
                 reply = next(call, None)
                 break
             except grpc.RpcError as exc:
-                if self.security.user is not None and _is_token_error(exc) and not renewed:
+                if self.security.user is not None and is_token_error(exc) and not renewed:
                     renewed = True
                     with self._lock:
                         self._token = None
                     continue
                 try:
-                    _raise_mapped("lease keep-alive", exc, self._limits)
+                    raise_mapped("lease keep-alive", exc, self._limits)
                 except ClusterUnavailableError as mapped:
                     if mapped.fast:
                         self._refused(ep)
@@ -524,7 +442,7 @@ class EtcdKV:
         created = False
         for attempt in range(2):
             ep = self._endpoint()
-            stream = _WatchStream(ep, request, self._metadata(ep), sink, key)
+            stream = WatchStream(ep.channel, request, self._metadata(ep), sink, key)
             try:
                 created = stream.wait_created(self.request_timeout_s)
                 break
@@ -533,12 +451,12 @@ class EtcdKV:
                 raise
             except grpc.RpcError as exc:
                 stream.cancel()
-                if self.security.user is not None and _is_token_error(exc) and attempt == 0:
+                if self.security.user is not None and is_token_error(exc) and attempt == 0:
                     with self._lock:
                         self._token = None  # etcd restarted, or the token lapsed: log in again
                     continue
                 try:
-                    _raise_mapped(f"watch {key}", exc, self._limits)
+                    raise_mapped(f"watch {key}", exc, self._limits)
                 except ClusterUnavailableError as mapped:
                     if mapped.fast:
                         self._refused(ep)
@@ -555,90 +473,6 @@ class EtcdKV:
             stream = self._watches.pop(watch_id, None)
         if stream is not None:
             stream.cancel()  # never raises: the stream may be dead already
-
-
-class _WatchStream:
-    """One watch: a bidirectional stream of its own and a thread that reads it. The thread
-    only hands items to the sink; after `cancel()` it hands over nothing more."""
-
-    def __init__(
-        self,
-        ep: _Endpoint,
-        create: Any,
-        metadata: list[tuple[str, str]] | None,
-        sink: Callable[[WatchItem], None],
-        key: str,
-    ) -> None:
-        self._sink = sink
-        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._requests.put(pb.WatchRequest(create_request=create))
-        self._cancelled = threading.Event()
-        self._created = threading.Event()
-        self._outcome: tuple[bool, grpc.RpcError | None] = (False, None)
-        self._call = ep.channel.stream_stream(
-            _WATCH,
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=pb.WatchResponse.FromString,
-        )(self._request_iter(), metadata=metadata)
-        self._thread = threading.Thread(target=self._read, name=f"etcd-watch-{key}", daemon=True)
-        self._thread.start()
-
-    def _request_iter(self) -> Iterator[Any]:
-        while True:
-            item = self._requests.get()
-            if item is None:
-                return
-            yield item
-
-    def wait_created(self, timeout_s: float) -> bool:
-        """True once etcd created the watch; False if it refused the start revision as
-        compacted (the sink has the WatchEnded); raises the stream's error, or
-        DEADLINE_EXCEEDED-like unavailability when nothing came within `timeout_s`."""
-        if not self._created.wait(timeout_s):
-            raise ClusterUnavailableError(f"etcd watch: not created within {timeout_s:g} s")
-        ok, error = self._outcome
-        if error is not None:
-            raise error
-        return ok
-
-    def _settle(self, ok: bool, error: grpc.RpcError | None = None) -> None:
-        if not self._created.is_set():
-            self._outcome = (ok, error)
-            self._created.set()
-
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                if reply.compact_revision > 0 or reply.canceled:
-                    ended = WatchEnded(
-                        "revision compacted"
-                        if reply.compact_revision
-                        else f"cancelled by etcd: {reply.cancel_reason}",
-                        int(reply.compact_revision),
-                    )
-                    self._settle(False)
-                    if not self._cancelled.is_set():
-                        self._sink(ended)
-                    return
-                if reply.created:
-                    self._settle(True)
-                if reply.events and not self._cancelled.is_set():
-                    self._sink(WatchBatch(tuple(_event(ev) for ev in reply.events)))
-            if not self._cancelled.is_set():
-                self._settle(True)
-                self._sink(WatchEnded("stream ended"))
-        except grpc.RpcError as exc:
-            if not self._created.is_set():
-                self._settle(False, exc)
-            elif not self._cancelled.is_set():
-                self._sink(WatchEnded(f"stream ended: {exc.code().name} {_details(exc)}"))
-        finally:
-            self._requests.put(None)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self._requests.put(None)
-        self._call.cancel()
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -677,10 +511,3 @@ def _op(p: Put | Delete) -> Any:
     return pb.RequestOp(
         request_put=pb.PutRequest(key=p.key.encode(), value=p.value.encode(), lease=p.lease_id or 0)
     )
-
-
-def _event(ev: Any) -> WatchEvent:
-    kv = ev.kv
-    if ev.type == pb.Event.DELETE:
-        return WatchEvent(EventType.DELETE, _text(kv.key), None, int(kv.mod_revision))
-    return WatchEvent(EventType.PUT, _text(kv.key), _text(kv.value), int(kv.mod_revision))
