@@ -13,6 +13,9 @@ case to the executor; an action the executor does not know is a programming erro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from elasticpp.plan import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,89 @@ class UpdateGauges:
     """Set the agent's gauges from the parts' state (members, leader, generation, workers)."""
 
 
+# --- the durability part's actions
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Show a step the workers reported in the metrics (step, loss, steps, step time)."""
+
+    step: int
+    loss: float
+    step_seconds: float | None
+
+
+@dataclass(frozen=True)
+class WriteMetricsLine:
+    """Append one line to the node's metrics.jsonl (rotated past METRICS_ROTATE_BYTES)."""
+
+    line: str
+
+
+@dataclass(frozen=True)
+class CountSnapshotFailure:
+    """Count a snapshot a worker could not write (`elasticpp_snapshot_failures_total`)."""
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Commit this node's step `step` of `generation` in its store; whether it was committed
+    goes back to the durability part (`durability.durability_committed`), which then has the
+    commit record written and, as decided here, a replication round and a persistent
+    checkpoint started."""
+
+    step: int
+    generation: int
+    model: ModelSpec
+    replicate: bool  # a step replication rounds are made on
+    persist: bool  # a step persistent checkpoints are made of
+
+
+@dataclass(frozen=True)
+class RecordPieces:
+    """Record the pieces rank `rank` of `generation` reported for `step` in the store;
+    whether they were recorded (a late or malformed report is refused) goes back to the
+    durability part (`durability.durability_recorded`), which commits once every snapshot
+    writer of this node (`writers`) reported, unless the node is `fenced`."""
+
+    step: int
+    generation: int
+    rank: int
+    pieces: Any  # as the worker reported them: the store checks them
+    writers: frozenset[int]
+    fenced: bool
+    commit: Commit  # the commit to make once every writer reported
+
+
+@dataclass(frozen=True)
+class DropUncommitted:
+    """Delete this node's uncommitted snapshots but the newest `keep` (a fenced node commits
+    nothing, so nothing is pruned); what was dropped goes back to the durability part
+    (`durability.durability_dropped`)."""
+
+    keep: int
+
+
+@dataclass(frozen=True)
+class RecordCommit:
+    """Offer this node's commit record of `generation` to its writer (off the loop)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Start a replication round of the current generation's ring on its own thread."""
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Queue this node's pieces of `step` for the persistent checkpoint directory."""
+
+    step: int
+    model: ModelSpec
+
+
 Action = (
     Event
     | PublishMemberInfo
@@ -133,4 +219,13 @@ Action = (
     | Reread
     | SetFloor
     | UpdateGauges
+    | StepMetrics
+    | WriteMetricsLine
+    | CountSnapshotFailure
+    | Commit
+    | RecordPieces
+    | DropUncommitted
+    | RecordCommit
+    | Replicate
+    | Persist
 )

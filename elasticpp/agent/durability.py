@@ -7,25 +7,40 @@ persisted to the checkpoint directory off the training path; resume state is fet
 pieces linked, remote ones streamed with checksums; piece names from etcd parsed before use).
 An agent whose membership lease may have lapsed commits nothing (self-fencing). Local
 leftovers (older resume directories, worker logs, metrics.jsonl) are bounded.
+
+The worker events it handles are pure steps (elasticpp.agent.durabilitystep): the methods
+here only observe (the event, this node's snapshot writers of the worker's plan, whether it
+is fenced, the job's numbers, wall time) and hand the step's actions to the executor, which
+records pieces, commits, drops a fenced node's old snapshots, writes metrics, and starts the
+commit record, replication rounds and persistence (`_record_commit`, `_replicate_async`,
+`_persist_async`), feeding the outcomes back to the step's functions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
 import shutil
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticpp.agent.durabilitystep import (
+    DurabilityState as DurabilityState,  # the part's state, composed by the agent (node)
+)
+from elasticpp.agent.durabilitystep import (
+    SnapshotFailure,
+    SnapshotObservation,
+    StepObservation,
+    durability_on_snapshot,
+    durability_on_snapshot_failed,
+    durability_on_step,
+)
 from elasticpp.agent.follower import _GenState, run_in_thread
 from elasticpp.agent.limits import (
-    FENCED_SNAPSHOTS_KEPT,
     FETCH_MIN_BYTES_PER_S,
     FETCH_PARALLEL,
     FETCH_PER_SOURCE,
@@ -35,7 +50,6 @@ from elasticpp.agent.limits import (
 )
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import PieceKey, step_dirname
-from elasticpp.errors import CheckpointError
 from elasticpp.plan import ModelSpec
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
@@ -45,23 +59,6 @@ from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
-
-
-@dataclass
-class DurabilityState:
-    """The durability part's state: one object, written by this module's code on the loop
-    (the replication round and the persister hand results back through futures)."""
-
-    replication: Future[Any] | None = None  # the replication round in flight
-    last_commit_step: int = -1  # this node's newest own commit (its commit records say it)
-    snap_reports: dict[tuple[int, int], set[int]] = field(default_factory=dict)
-    snap_failures: int = 0  # snapshot writes failed since the last commit
-    fence_logged: bool = False
-    persister: Persister | None = None
-    written_steps: dict[int, int] = field(default_factory=dict)  # generation -> newest step
-    next_step_committed: int = 0  # steps applied, as last seen from this node's workers
-    last_step: int = -1
-    last_loss: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -97,111 +94,68 @@ class DurabilityPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
     def _on_step(self, w: _Worker, event: dict[str, Any]) -> None:
-        step, gen = int(event["step"]), int(event.get("generation", w.generation))
-        self._ds.last_step = max(self._ds.last_step, step)
-        self._ds.next_step_committed = max(self._ds.next_step_committed, step + 1)
-        self._ds.last_loss = float(event["loss"])
-        # Workers of one generation report each step once per rank, in step order: the
-        # newest step written per generation is all it takes to write each step once
-        # (bounded memory for weeks of steps; only the newest generations are kept).
-        if step <= self._ds.written_steps.get(gen, -1):
-            return
-        self._ds.written_steps[gen] = step
-        for old in sorted(self._ds.written_steps)[:-4]:
-            del self._ds.written_steps[old]
-        m, lbl = self.metrics, self.metrics.labels
-        m.step.labels(**lbl).set(step)
-        m.loss.labels(**lbl).set(self._ds.last_loss)
-        m.steps_total.labels(**lbl).inc()
-        if event.get("step_seconds") is not None:
-            m.step_seconds.labels(**lbl).observe(float(event["step_seconds"]))
+        """A step a worker reported: observed, decided (`durability_on_step`, pure), done."""
         plan = self._fs.gen.plan if self._fs.gen else None
-        line = {
-            "step": step,
-            "loss": event["loss"],
-            "generation": gen,
-            "layout": str(plan.layout) if plan else "",
-            "time": self._clock.time(),
-            "node": self.node_id,
-            "lr": event.get("lr"),
-            "grad_norm": event.get("grad_norm"),
-            "step_seconds": event.get("step_seconds"),
-        }
+        seconds = event.get("step_seconds")
+        self._execute(
+            durability_on_step(
+                self._ds,
+                StepObservation(
+                    step=int(event["step"]),
+                    generation=int(event.get("generation", w.generation)),
+                    loss=float(event["loss"]),
+                    lr=event.get("lr"),
+                    grad_norm=event.get("grad_norm"),
+                    step_seconds=None if seconds is None else float(seconds),
+                    layout=str(plan.layout) if plan else "",
+                    node_id=self.node_id,
+                    wall_s=self._clock.time(),
+                ),
+            )
+        )
+
+    def _on_snapshot(self, w: _Worker, event: dict[str, Any]) -> None:
+        """A snapshot a worker wrote: recorded, then committed once every snapshot writer of
+        this node reported (`durability_on_snapshot` and the feedback of its actions)."""
+        plan, spec = w.plan, self.spec
+        self._execute(
+            durability_on_snapshot(
+                self._ds,
+                SnapshotObservation(
+                    step=int(event["step"]),
+                    generation=w.generation,
+                    rank=w.rank,
+                    pieces=event["pieces"],
+                    writers=frozenset(
+                        s.rank
+                        for s in plan.ranks_on(self.node_id)
+                        if is_snapshot_writer(plan, s.rank)
+                    ),
+                    fenced=self._fenced(),  # the registration: read now, on the loop
+                    model=plan.model,
+                    replication_copies=spec.replication_copies,
+                    replication_every=spec.replication_every,
+                    persist_every=spec.persist_every if spec.persist_dir else 0,
+                    job_steps=spec.steps,
+                ),
+            )
+        )
+
+    def _on_snapshot_failed(self, w: _Worker, event: dict[str, Any]) -> None:
+        """A snapshot the worker could not write (`durability_on_snapshot_failed`)."""
+        self._execute(
+            durability_on_snapshot_failed(
+                self._ds, SnapshotFailure(event.get("step"), w.rank, event.get("message"))
+            )
+        )
+
+    def _write_metrics_line(self, line: str) -> None:
         # Rotated, one old file kept: a job that runs for weeks must not fill the disk.
         with contextlib.suppress(FileNotFoundError):
             if self.metrics_path.stat().st_size > METRICS_ROTATE_BYTES:
                 os.replace(self.metrics_path, self.metrics_path.with_name("metrics.jsonl.1"))
         with self.metrics_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
-
-    def _on_snapshot(self, w: _Worker, event: dict[str, Any]) -> None:
-        step = int(event["step"])
-        try:
-            self.store.record_pieces(step, event["pieces"], w.generation)
-        except CheckpointError as exc:
-            # A report that is late (its generation already committed the step) or
-            # malformed: what is committed stays as it is.
-            log.info("snapshot of step %d from rank %d not recorded: %s", step, w.rank, exc)
-            return
-        reports = self._ds.snap_reports.setdefault((w.generation, step), set())
-        reports.add(w.rank)
-        plan = w.plan
-        writers = {s.rank for s in plan.ranks_on(self.node_id) if is_snapshot_writer(plan, s.rank)}
-        if writers <= reports:
-            if self._fenced():
-                # Self-fencing: the job may have re-planned without this node; what it
-                # computes now must not become state that others resume from.
-                if not self._ds.fence_logged:
-                    self._ds.fence_logged = True
-                    self._event(
-                        "decision",
-                        f"membership lease may have lapsed: step {step} and later are not "
-                        "committed, replicated or persisted until it is renewed",
-                    )
-                # Nothing is committed, so nothing is pruned: without this, a long etcd
-                # outage fills the disk with a snapshot per step.
-                for epoch, gen, old_step in self.store.drop_uncommitted(FENCED_SNAPSHOTS_KEPT):
-                    if epoch == self.store.epoch:
-                        self._ds.snap_reports.pop((gen, old_step), None)
-                return
-            if self._ds.snap_failures:
-                self._ds.snap_failures = 0
-                self._event("worker", f"snapshots are written again: step {step} committed")
-            if self._ds.fence_logged:
-                self._ds.fence_logged = False
-                self._event("decision", "membership lease renewed: committing again")
-            try:
-                self.store.commit(step, plan.model.units, w.generation)
-            except CheckpointError as exc:
-                log.warning("step %d not committed: %s", step, exc)
-                return
-            for old in [k for k in self._ds.snap_reports if k[1] <= step]:
-                del self._ds.snap_reports[old]
-            self._ds.last_commit_step = step
-            # The job's high-water mark: a job that ever committed a step never silently
-            # starts over from step 0 when its state is lost. It also reports the anchors.
-            self._record_commit(w.generation)
-            if self.spec.replication_copies and step % self.spec.replication_every == 0:
-                self._replicate_async()
-            if (
-                self.spec.persist_dir
-                and self.spec.persist_every
-                and (step % self.spec.persist_every == 0 or step == self.spec.steps)
-            ):
-                self._persist_async(step, plan.model)
-
-    def _on_snapshot_failed(self, w: _Worker, event: dict[str, Any]) -> None:
-        """A snapshot the worker could not write (a full disk, an I/O error): training goes
-        on, the step is never committed here. Logged once per run of failures, counted."""
-        self.metrics.snapshot_failures_total.labels(**self.metrics.labels).inc()
-        self._ds.snap_failures += 1
-        if self._ds.snap_failures == 1:
-            self._event(
-                "worker",
-                f"rank {w.rank} could not write the snapshot of step {event.get('step')}: "
-                f"{event.get('message')}; training goes on, steps are not committed here "
-                "until snapshots can be written again",
-            )
+            f.write(line + "\n")
 
     def _record_commit(self, generation: int) -> None:
         """This node's commit record of `generation`: its newest committed step and the
@@ -319,9 +273,11 @@ class DurabilityPart:
         self._ds.persister.submit(step, model)
 
     def _replicate_async(self) -> None:
+        """A replication round (the executor's, for `Replicate`: one at a time is the
+        step's rule, `durability_committed`)."""
         gs = self._fs.gen
-        if gs is None or (self._ds.replication is not None and not self._ds.replication.done()):
-            return  # one round at a time; the next commit starts the next
+        if gs is None:
+            return
         addresses = dict(gs.record.extra.get("nodes", {}))
         members = {n: str(i.get("address")) for n, i in self._vs.members.items()}
         addresses.update(members)

@@ -6,26 +6,45 @@ action into I/O; the parts' own state is written by the parts' functions it call
 
 from __future__ import annotations
 
+import logging
+
 from elasticpp.agent import probe
 from elasticpp.agent.actions import (
     Action,
+    Commit,
+    CountSnapshotFailure,
     DeposeLeader,
+    DropUncommitted,
     Event,
     JobEndedGauge,
     KillWorker,
+    Persist,
     ProbeLeader,
     PublishMemberInfo,
+    RecordCommit,
+    RecordPieces,
     ReleaseSpares,
     ReplaceSpare,
+    Replicate,
     ReportFailure,
     Reread,
     SetFloor,
     SpawnWarm,
     StepDown,
+    StepMetrics,
     StopWorkers,
     UpdateGauges,
+    WriteMetricsLine,
+)
+from elasticpp.agent.durabilitystep import (
+    durability_committed,
+    durability_dropped,
+    durability_recorded,
 )
 from elasticpp.agent.liveness import leader_deposed, leader_probed
+from elasticpp.errors import CheckpointError
+
+log = logging.getLogger("elasticpp.agent")
 
 
 class ExecutorPart:
@@ -74,5 +93,47 @@ class ExecutorPart:
                 self._update_gauges()
             elif isinstance(action, JobEndedGauge):
                 self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
+            # --- the durability part's actions
+            elif isinstance(action, StepMetrics):
+                m, lbl = self.metrics, self.metrics.labels
+                m.step.labels(**lbl).set(action.step)
+                m.loss.labels(**lbl).set(action.loss)
+                m.steps_total.labels(**lbl).inc()
+                if action.step_seconds is not None:
+                    m.step_seconds.labels(**lbl).observe(action.step_seconds)
+            elif isinstance(action, WriteMetricsLine):
+                self._write_metrics_line(action.line)
+            elif isinstance(action, CountSnapshotFailure):
+                self.metrics.snapshot_failures_total.labels(**self.metrics.labels).inc()
+            elif isinstance(action, RecordPieces):
+                error = None
+                try:
+                    self.store.record_pieces(action.step, action.pieces, action.generation)
+                except CheckpointError as exc:
+                    error = str(exc)
+                    log.info(
+                        "snapshot of step %d from rank %d not recorded: %s",
+                        action.step,
+                        action.rank,
+                        exc,
+                    )
+                self._execute(durability_recorded(self._ds, action, error))
+            elif isinstance(action, Commit):
+                ok = True
+                try:
+                    self.store.commit(action.step, action.model.units, action.generation)
+                except CheckpointError as exc:
+                    ok = False
+                    log.warning("step %d not committed: %s", action.step, exc)
+                self._execute(durability_committed(self._ds, action, ok))
+            elif isinstance(action, DropUncommitted):
+                dropped = self.store.drop_uncommitted(action.keep)
+                self._execute(durability_dropped(self._ds, dropped, self.store.epoch))
+            elif isinstance(action, RecordCommit):
+                self._record_commit(action.generation)
+            elif isinstance(action, Replicate):
+                self._replicate_async()
+            elif isinstance(action, Persist):
+                self._persist_async(action.step, action.model)
             else:
                 raise TypeError(f"no executor for action {action!r}")
