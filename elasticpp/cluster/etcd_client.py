@@ -1,27 +1,19 @@
-"""The one module that speaks etcd's v3 gRPC API: a thin client of our own.
+"""The one module that calls etcd's v3 gRPC API: a thin client of our own.
 
-It sends and reads the messages of `proto/elasticpp/rpc/etcd/v3/etcd.proto` (etcd's own wire
-format, the subset we use) by etcd's method names, over grpcio. Everything above it is typed
-and library-free. Failures come out as four errors:
-- `ClusterUnavailableError`: etcd did not answer within `request_timeout_s` (`fast` when it
-  refused at once, so a retry is worth it);
-- `LeaseNotFoundError`: a lease expired or was revoked;
-- `ClusterLimitError`: a request or a reply is over a message-size limit — not an outage, so
-  the caller must not wait for etcd to "come back";
-- `ClusterAuthError`: the credentials were refused (wrong password, no permission).
+It sends and reads the messages of `proto/elasticpp/rpc/etcd/v3/etcd.proto` (etcd's wire
+format, the subset we use) by etcd's method names, over grpcio; everything above it is typed.
+Failures come out as `ClusterUnavailableError` (no answer within `request_timeout_s`; `fast`
+when refused at once), `LeaseNotFoundError`, `ClusterLimitError` (over a message-size limit:
+not an outage) and `ClusterAuthError` (elasticpp.cluster.etcd_errors).
 
-Why our own client: the libraries that keep etcd3's API are unmaintained forks that set no
-message limits, mark an endpoint "failed" for 300 s after one UNAVAILABLE answer, and cannot
-use client certificates with token authentication. Here:
-- every call is bounded by `request_timeout_s`; idempotent calls that etcd refused at once are
-  retried for `retry_window_s` (gRPC's reconnect backoff is capped at 1 s, so calls work again
-  within about a second of etcd coming back), on the next endpoint when there are several;
-  a transaction is never sent twice (its compare would then fail);
-- message sizes are explicit (`max_send_bytes`, `max_receive_bytes`);
-- TLS (`EtcdSecurity.ca_file`, client certificate and key) and username/password
-  authentication: the token is fetched on first use and fetched again when etcd says it is
-  no longer valid (simple tokens lapse after 5 idle minutes, JWTs at their expiry).
-- a watch is one stream of its own with a reader thread that only hands items to its sink.
+Why our own: the etcd3 library line is unmaintained; its forks set no message limits, refuse an
+endpoint for 300 s after one UNAVAILABLE answer and cannot combine client certificates with
+token authentication. Here every call is bounded; idempotent calls refused at once are retried
+for `retry_window_s` (gRPC's reconnect backoff is capped at 1 s, so calls work again about a
+second after etcd is back), on the next endpoint if there are several; a transaction is never
+sent twice. Message sizes are explicit. TLS and username/password (`etcd_security`): the token
+is fetched on first use and again when etcd stops accepting it. A watch is one stream of its
+own (`etcd_watch_stream`).
 """
 
 from __future__ import annotations
@@ -259,8 +251,16 @@ class EtcdKV:
         return [("token", token)]
 
     def _unary(self, op: str, method: str, request: Any, *, retry: bool = True) -> Any:
-        """One call; with `retry`, a fast "unavailable" answer is retried for
-        `retry_window_s` (on the next endpoint, if there are several).
+        """One unary call (see `_attempts`)."""
+        return self._attempts(
+            op,
+            lambda ep, md: ep.unary(method)(request, timeout=self.request_timeout_s, metadata=md),
+            retry=retry,
+        )
+
+    def _attempts(self, op: str, call: Callable[[_Endpoint, Any], _R], *, retry: bool = True) -> _R:
+        """Run `call(endpoint, auth metadata)`; with `retry`, a fast "unavailable" answer is
+        retried for `retry_window_s` (on the next endpoint, if there are several).
 
         Only idempotent calls retry; a transaction whose answer was lost must not be sent
         twice (its compare would then fail). A token etcd no longer accepts is renewed and
@@ -270,8 +270,7 @@ class EtcdKV:
         while True:
             ep = self._endpoint()
             try:
-                metadata = self._metadata(ep)
-                return ep.unary(method)(request, timeout=self.request_timeout_s, metadata=metadata)
+                return call(ep, self._metadata(ep))
             except grpc.RpcError as exc:
                 if self.security.user is not None and is_token_error(exc) and not renewed:
                     renewed = True
@@ -378,40 +377,23 @@ class EtcdKV:
 
     def refresh(self, lease_id: int) -> int:
         """Keep a lease alive once; returns its new TTL, raises LeaseNotFoundError if gone."""
-        deadline = time.monotonic() + self.retry_window_s
-        renewed = False
-        while True:
-            ep = self._endpoint()
-            call = None
+
+        def once(ep: _Endpoint, metadata: Any) -> Any:
+            stream = ep.channel.stream_stream(
+                _KEEPALIVE,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=pb.LeaseKeepAliveResponse.FromString,
+            )(
+                iter([pb.LeaseKeepAliveRequest(ID=lease_id)]),
+                timeout=self.request_timeout_s,
+                metadata=metadata,
+            )
             try:
-                call = ep.channel.stream_stream(
-                    _KEEPALIVE,
-                    request_serializer=lambda m: m.SerializeToString(),
-                    response_deserializer=pb.LeaseKeepAliveResponse.FromString,
-                )(
-                    iter([pb.LeaseKeepAliveRequest(ID=lease_id)]),
-                    timeout=self.request_timeout_s,
-                    metadata=self._metadata(ep),
-                )
-                reply = next(call, None)
-                break
-            except grpc.RpcError as exc:
-                if self.security.user is not None and is_token_error(exc) and not renewed:
-                    renewed = True
-                    with self._lock:
-                        self._token = None
-                    continue
-                try:
-                    raise_mapped("lease keep-alive", exc, self._limits)
-                except ClusterUnavailableError as mapped:
-                    if mapped.fast:
-                        self._refused(ep)
-                    if not mapped.fast or time.monotonic() >= deadline:
-                        raise
+                return next(stream, None)
             finally:
-                if call is not None:
-                    call.cancel()
-            time.sleep(_RETRY_PAUSE_S)
+                stream.cancel()
+
+        reply = self._attempts("lease keep-alive", once)
         ttl = int(reply.TTL) if reply is not None else 0
         if ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             raise LeaseNotFoundError(f"lease {lease_id:x} not found")
