@@ -175,8 +175,7 @@ def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Repla
 def leader_generation_written(
     state: LeaderState, written: WriteGeneration, ok: bool
 ) -> list[Action]:
-    """The generation is on record (`ok`), or the record changed since it was read or the
-    term is over (nothing changes: the next step reads again)."""
+    """On record (`ok`); or refused (the record changed, the term is over): nothing moves."""
     if not ok:
         return []
     # Back off when generations keep failing before they train (a bug or a bad node must
@@ -280,8 +279,7 @@ def leader_resume_resolved(
 def leader_fresh_checked(
     state: LeaderState, check: CheckNeverCommitted, ever_committed: bool
 ) -> list[Action]:
-    """A job that never committed a step starts at step 0; one that did does not start
-    over."""
+    """A job that never committed a step starts at step 0; one that did waits."""
     if state.generation != check.resolve.generation:
         return []  # ignored: another generation
     if ever_committed:
@@ -400,8 +398,7 @@ def leader_timeline_recorded(state: LeaderState, action: RecordTimeline, ok: boo
 
 
 def leader_safe_check(state: LeaderState, obs: LeaderObservation) -> list[Action]:
-    """Every SAFE_EVERY_S once the followed generation resumed (with replication on), read
-    its commit records to compute the safe step."""
+    """Every SAFE_EVERY_S once the followed generation resumed: read its commit records."""
     gen, plan = obs.followed, obs.followed_plan
     copies = obs.spec.replication_copies
     if gen is None or plan is None or not copies:
@@ -440,8 +437,7 @@ def leader_safe_read(read: ReadSafe, current: SafeStep | None, revision: int) ->
 
 
 def leader_safe_written(write: WriteSafe, ok: bool) -> list[Action]:
-    """Written: said once; refused (the key changed, or the term is over): the next check
-    reads again."""
+    """Written: said once; refused (the key changed, the term is over): checked again."""
     if ok:
         was = write.was
         log.info(
