@@ -12,10 +12,13 @@ case to the executor; an action the executor does not know is a programming erro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elasticpp.plan import ModelSpec
+from elasticpp.cluster.records import GenerationRecord, SafeStep
+from elasticpp.plan import ModelSpec, Plan
+from elasticpp.store.holdings import NodeHoldings
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,83 @@ class DropUncommitted:
 class RecordCommit:
     """Offer this node's commit record of `generation` to its writer (off the loop)."""
 
+
+# --- the leader's actions
+@dataclass(frozen=True)
+class WriteGeneration:
+    """Compare-and-swap generation `record` against the record's revision read
+    (`expected_rev`), fenced by the term; whether it was written goes back to the leader
+    (`leaderstep.leader_generation_written`), which only then counts it for the backoff."""
+
+    record: GenerationRecord
+    expected_rev: int
+    graceful: bool
+    decided_s: float  # monotonic: the backoff counts from here
+    message: str  # the decision's sentence, told once the write succeeded
+
+
+@dataclass(frozen=True)
+class ConfirmDead:
+    """Probe the suspects `nodes` (`LivenessPart._confirm_dead`); the verdicts reach the
+    leader through the next view (`ClusterView.dead`)."""
+
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """Carry out the leader's health decisions (quarantines of nodes that did not arrive at
+    `stopped-G` in time: etcd writes fenced by the term, `QuarantinePart._act_sick`)."""
+
+    decisions: tuple[Any, ...]  # elasticpp.agent.sick actions
+
+
+@dataclass(frozen=True)
+class ResolveResume:
+    """Read what the persistent checkpoint in `persist_dir` holds (a filesystem read), and
+    hand it to `leaderstep.leader_resume_resolved`, which resolves the resume step."""
+
+    generation: int
+    plan: Plan
+    holdings: Mapping[str, NodeHoldings]  # what the nodes resumed from reported at stopped-G
+    live_nodes: tuple[str, ...]
+    next_steps: tuple[int, ...]  # the steps the stopped workers would have run next
+    persist_dir: str | None
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class CheckNeverCommitted:
+    """Read whether the job ever committed a step (`cluster.ever_committed`); the answer goes
+    to `leaderstep.leader_fresh_checked`: a job that never did starts at step 0."""
+
+    resolve: ResolveResume
+    why: str  # why no step resolved
+
+
+@dataclass(frozen=True)
+class WriteResume:
+    """Publish the resume instruction of `generation` once, fenced by the term; whether it
+    was written goes back to `leaderstep.leader_resume_written`."""
+
+    generation: int
+    value: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RecordTimeline:
+    """Publish the recovery timeline of `generation`, fenced by the term; whether it was
+    written goes back to `leaderstep.leader_timeline_recorded`."""
+
+    generation: int
+    timeline: Mapping[str, Any]
+    recovery: bool  # a generation that replaced a running layout (counted as a recovery)
+
+
+@dataclass(frozen=True)
+class Housekeep:
+    """Remove what generations before `generation` left in etcd (bounded growth)."""
+
     generation: int
 
 
@@ -201,6 +281,50 @@ class Persist:
 
     step: int
     model: ModelSpec
+
+
+@dataclass(frozen=True)
+class CleanRendezvous:
+    """Delete the rendezvous store's keys of generations before `generation`."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class CountRecovery:
+    """Count a recovery and its duration in the metrics."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReadCommitRecords:
+    """Read the commit records of `generation`; they go to `leaderstep.leader_safe_step`,
+    which computes the safe step of `ring` with `copies` replicas."""
+
+    generation: int
+    ring: tuple[str, ...]
+    copies: int
+
+
+@dataclass(frozen=True)
+class ReadSafe:
+    """Read the published safe step; it goes to `leaderstep.leader_safe_read`, which writes
+    `safe` only if it is higher."""
+
+    safe: SafeStep
+    copies: int
+
+
+@dataclass(frozen=True)
+class WriteSafe:
+    """Publish `safe`, fenced by the term and the revision read (`expected_rev`); the
+    outcome goes to `leaderstep.leader_safe_written`."""
+
+    safe: SafeStep
+    expected_rev: int
+    copies: int
+    was: SafeStep | None
 
 
 Action = (
@@ -228,4 +352,17 @@ Action = (
     | RecordCommit
     | Replicate
     | Persist
+    | WriteGeneration
+    | ConfirmDead
+    | SetAside
+    | ResolveResume
+    | CheckNeverCommitted
+    | WriteResume
+    | RecordTimeline
+    | Housekeep
+    | CleanRendezvous
+    | CountRecovery
+    | ReadCommitRecords
+    | ReadSafe
+    | WriteSafe
 )

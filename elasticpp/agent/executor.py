@@ -7,42 +7,67 @@ action into I/O; the parts' own state is written by the parts' functions it call
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from elasticpp.agent import probe
 from elasticpp.agent.actions import (
     Action,
+    CheckNeverCommitted,
+    CleanRendezvous,
     Commit,
+    ConfirmDead,
+    CountRecovery,
     CountSnapshotFailure,
     DeposeLeader,
     DropUncommitted,
     Event,
+    Housekeep,
     JobEndedGauge,
     KillWorker,
     Persist,
     ProbeLeader,
     PublishMemberInfo,
+    ReadCommitRecords,
+    ReadSafe,
     RecordCommit,
     RecordPieces,
+    RecordTimeline,
     ReleaseSpares,
     ReplaceSpare,
     Replicate,
     ReportFailure,
     Reread,
+    ResolveResume,
+    SetAside,
     SetFloor,
     SpawnWarm,
     StepDown,
     StepMetrics,
     StopWorkers,
     UpdateGauges,
+    WriteGeneration,
     WriteMetricsLine,
+    WriteResume,
+    WriteSafe,
 )
 from elasticpp.agent.durabilitystep import (
     durability_committed,
     durability_dropped,
     durability_recorded,
 )
+from elasticpp.agent.leaderstep import (
+    leader_fresh_checked,
+    leader_generation_written,
+    leader_resume_resolved,
+    leader_resume_written,
+    leader_safe_read,
+    leader_safe_step,
+    leader_safe_written,
+    leader_timeline_recorded,
+)
 from elasticpp.agent.liveness import leader_deposed, leader_probed
 from elasticpp.errors import CheckpointError
+from elasticpp.store.persist import checkpoint_holdings
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -135,5 +160,60 @@ class ExecutorPart:
                 self._replicate_async()
             elif isinstance(action, Persist):
                 self._persist_async(action.step, action.model)
+            # --- the leader's actions
+            elif isinstance(action, WriteGeneration):
+                assert self.cluster is not None
+                ok = self.cluster.write_generation(
+                    action.record, action.expected_rev, self._ls.leadership
+                )
+                self._execute(leader_generation_written(self._ls, action, ok))
+            elif isinstance(action, ConfirmDead):
+                self._confirm_dead(action.nodes)
+            elif isinstance(action, SetAside):
+                self._act_sick(list(action.decisions))
+            elif isinstance(action, ResolveResume):
+                disk = None
+                if action.persist_dir and Path(action.persist_dir).is_dir():
+                    disk = checkpoint_holdings(Path(action.persist_dir), self.store.job)
+                self._execute(leader_resume_resolved(self._ls, action, disk))
+            elif isinstance(action, CheckNeverCommitted):
+                assert self.cluster is not None
+                ever = self.cluster.ever_committed()
+                self._execute(leader_fresh_checked(self._ls, action, ever))
+            elif isinstance(action, WriteResume):
+                assert self.cluster is not None
+                ok = self.cluster.write_resume(
+                    action.generation, dict(action.value), self._ls.leadership
+                )
+                self._reread.raise_()
+                self._execute(leader_resume_written(self._ls, action, ok))
+            elif isinstance(action, RecordTimeline):
+                assert self.cluster is not None
+                ok = self.cluster.record_timeline(
+                    action.generation, dict(action.timeline), self._ls.leadership
+                )
+                self._execute(leader_timeline_recorded(self._ls, action, ok))
+            elif isinstance(action, Housekeep):
+                assert self.cluster is not None
+                removed = self.cluster.housekeep(action.generation, leader=self._ls.leadership)
+                if removed:
+                    log.info("leader: removed %d etcd key(s) of older generations", removed)
+            elif isinstance(action, CleanRendezvous):
+                self._clean_rendezvous(action.generation)
+            elif isinstance(action, CountRecovery):
+                self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
+                self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(action.seconds)
+            elif isinstance(action, ReadCommitRecords):
+                assert self.cluster is not None
+                records = self.cluster.commit_records(action.generation)
+                self._execute(leader_safe_step(action, records))
+            elif isinstance(action, ReadSafe):
+                assert self.cluster is not None
+                current, revision = self.cluster.read_safe()
+                self._execute(leader_safe_read(action, current, revision))
+            elif isinstance(action, WriteSafe):
+                assert self.cluster is not None
+                ok = self.cluster.write_safe(action.safe, action.expected_rev, self._ls.leadership)
+                self._execute(leader_safe_written(action, ok))
             else:
                 raise TypeError(f"no executor for action {action!r}")

@@ -18,12 +18,13 @@ executes its actions against etcd and carries their outcome to every agent:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.actions import Action, Event, JobEndedGauge, StopWorkers
 from elasticpp.agent.decide import ClusterView, lost_nodes
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import EndJob, Quarantine, Quarantined, Readmit, Report
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
@@ -90,6 +91,37 @@ def job_end_step(
     if exit_on_end and not any_alive:
         state.exit_code = EXIT_CODES[end.status]
     return actions
+
+
+def stop_wait_step(
+    state: LeaderState,
+    generation: int,
+    missing: Sequence[str],
+    incarnations: Mapping[str, str],
+    *,
+    now_s: float,
+    wall_s: float,
+    stop_timeout_s: float,
+) -> tuple[bool, list[Any]]:
+    """The leader's deadline on `stopped-G`: nodes that did not arrive within
+    `stop_timeout_s` (a wedged agent, workers that will not die) are quarantined, and the
+    job goes on without them. Returns whether the deadline has passed (the missing nodes are
+    set aside) and the sick decisions to carry out (`_act_sick`). Writes only `state`."""
+    ls = state.at(generation, now_s)
+    if ls.stop_wait_since_s is None:
+        ls.stop_wait_since_s = now_s
+        return False, []
+    waited_s = stop_timeout_s + STOPPED_WAIT_MARGIN_S
+    if now_s - ls.stop_wait_since_s <= waited_s:
+        return False, []
+    decisions: list[Any] = []
+    for node in missing:
+        why = (
+            f"did not arrive at stopped-{generation} within {waited_s:.0f} s "
+            "(a wedged agent, or workers that will not stop)"
+        )
+        decisions += state.sick.exclude(node, why, incarnations.get(node, ""), wall_s)
+    return True, decisions
 
 
 class QuarantinePart:
@@ -199,29 +231,6 @@ class QuarantinePart:
                     actions += sick.not_serving(node, incarnations[node], now)
         self._act_sick(actions)
         return self._view()
-
-    def _exclude_non_arrivers(self, gs: _GenState, missing: list[str]) -> bool:
-        """Nodes that did not arrive at `stopped-G` within `stop_timeout_s` (a wedged agent,
-        workers that will not die) are quarantined: the job goes on without them. True once
-        the deadline has passed (the missing nodes are set aside)."""
-        now_s = self._clock.monotonic()
-        ls = self._ls.at(gs.generation, now_s)
-        if ls.stop_wait_since_s is None:
-            ls.stop_wait_since_s = now_s
-            return False
-        waited_s = self.spec.stop_timeout_s + STOPPED_WAIT_MARGIN_S
-        if now_s - ls.stop_wait_since_s <= waited_s:
-            return False
-        actions = []
-        for node in missing:
-            inc = str(self._vs.members.get(node, {}).get("incarnation", ""))
-            why = (
-                f"did not arrive at stopped-{gs.generation} within {waited_s:.0f} s "
-                "(a wedged agent, or workers that will not stop)"
-            )
-            actions += self._ls.sick.exclude(node, why, inc, self._clock.time())
-        self._act_sick(actions)
-        return True
 
     def _act_sick(self, actions: list[Any]) -> None:
         assert self.cluster is not None

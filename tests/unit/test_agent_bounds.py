@@ -21,7 +21,7 @@ from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
-from tests.unit.test_agent_done import SPEC, _plan, _Proc
+from tests.unit.test_agent_done import SPEC, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
 
 
@@ -262,7 +262,7 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
         }
         gs = _GenState(record=_record(generation), phase=Phase.RUNNING)
         agent._ls.at(generation, time.monotonic()).resume_written = True
-        agent._lead_timeline(gs)  # the generation runs on every node
+        lead_timeline(agent, gs)  # the generation runs on every node
         assert agent._ls.timeline_written
     assert sorted(agent._ls.tcpstore.list_keys()) == [
         "gen50/arrived",

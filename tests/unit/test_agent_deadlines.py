@@ -20,6 +20,7 @@ from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
+from tests.unit.test_agent_done import lead_resume
 
 SPEC_FIELDS: dict[str, Any] = {
     "name": "j",
@@ -186,16 +187,16 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     agent._confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
     holdings = {"holdings": {"format_version": 3, "node_id": "", "steps": []}}
     agent._vs.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
-    agent._lead_resume(gs, agent._view())
-    agent._lead_resume(gs, agent._view())
+    lead_resume(agent, gs)
+    lead_resume(agent, gs)
     assert cluster.quarantines == [] and not agent._ls.resume_written  # within the deadline
     # The node's own report of workers that outlive SIGKILL (stop_timeout_s after its kill)
     # gets a margin to arrive first: it says why.
     clock.advance(SPEC.stop_timeout_s + 1)
-    agent._lead_resume(gs, agent._view())
+    lead_resume(agent, gs)
     assert cluster.quarantines == []
     clock.advance(STOPPED_WAIT_MARGIN_S)
-    agent._lead_resume(gs, agent._view())
+    lead_resume(agent, gs)
     [q] = cluster.quarantines
     assert q.node_id == "n2" and q.incarnation == "in2"
     assert "did not arrive at stopped-2 within 10 s" in q.reason

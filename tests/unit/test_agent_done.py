@@ -12,6 +12,7 @@ from typing import Any
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
+from elasticpp.agent.leaderstep import leader_resume_step, leader_timeline_step
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
@@ -42,6 +43,16 @@ def _plan(generation: int) -> Plan:
     return build_plan(
         SPEC.model, cluster, Layout(1, 1, 2), global_batch=4, micro_batch=2
     ).with_generation(generation)
+
+
+def lead_resume(agent: Agent, gs: _GenState) -> None:
+    """The leader's resume step for `gs` (elasticpp.agent.leaderstep), its actions applied."""
+    agent._execute(leader_resume_step(agent._ls, agent._leader_observation(agent._view(), gs)))
+
+
+def lead_timeline(agent: Agent, gs: _GenState) -> None:
+    """The leader's timeline step for `gs`, its actions applied."""
+    agent._execute(leader_timeline_step(agent._ls, agent._leader_observation(agent._view(), gs)))
 
 
 class _Proc:
@@ -115,11 +126,11 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
         "started-2": {"n0": {"at": time.time(), "moved_at": time.time()}},
         "resume-2": {RESUME_MEMBER: {"step": 10, "recomputed": 1}},
     }
-    agent._lead_timeline(gs)
+    lead_timeline(agent, gs)
     assert cluster.arrivals == []  # n9's timeline of generation 2 stays
     del agent._vs.barriers["timelines"]["gen-2"]
     agent._ls.timeline_written = False  # as a leader elected later knows it
-    agent._lead_timeline(_GenState(record=record, phase=Phase.RUNNING))
+    lead_timeline(agent, _GenState(record=record, phase=Phase.RUNNING))
     [(barrier, key, timeline)] = cluster.arrivals
     assert (barrier, key) == ("timelines", "gen-2")
     assert timeline["resume_step"] == 10 and timeline["steps_recomputed"] == 1  # n9's resume
@@ -146,7 +157,7 @@ def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Pa
     gs = _GenState(record=record, phase=Phase.MOVING)
     agent.cluster = _Cluster()  # type: ignore[assignment]  # any write would fail here
     agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
-    agent._lead_resume(gs, agent._view())
+    lead_resume(agent, gs)
     assert agent._ls.at(2, time.monotonic()).resume_written
 
 

@@ -13,7 +13,7 @@ from elasticpp.agent.follower import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.view import EPOCH_ENDED_EXIT
 from elasticpp.cluster.records import GenerationRecord, JobEpoch
-from tests.unit.test_agent_done import SPEC, _plan
+from tests.unit.test_agent_done import SPEC, _plan, lead_resume
 from tests.unit.test_store_local import commit_step
 
 
@@ -55,12 +55,12 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     gs = _GenState(record=record, phase=Phase.MOVING)
     holdings = agent.store.holdings().to_dict()
     agent._vs.barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
-    agent._lead_resume(gs, agent._view())
+    lead_resume(agent, gs)
     assert cluster.resumes == [] and not agent._ls.resume_written  # before: resumed at step 0
     assert "does not start over" in agent._ls.last_wait
     # Nothing held anywhere, nothing committed in etcd: a fresh job starts at step 0.
     agent._vs.barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
-    agent._lead_resume(gs, agent._view())
+    lead_resume(agent, gs)
     assert [r["step"] for r in cluster.resumes] == [0]
 
 

@@ -5,11 +5,13 @@ only when it rises, and every agent takes the published step as its store's floo
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
+from elasticpp.agent.leaderstep import leader_safe_check
 from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, Members, SafeStep
@@ -90,24 +92,30 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
     assert cluster.records["n0"] == CommitRecord("n0", 3, 5, (5, 4), {"n1": (5, 4)})
 
 
+def _lead_safe_step(agent: Agent, gs: _GenState, now_s: float) -> None:
+    """The leader's safe-step check at `now_s` (monotonic), its actions applied."""
+    obs = replace(agent._leader_observation(agent._view(), gs), now_s=now_s)
+    agent._execute(leader_safe_check(agent._ls, obs))
+
+
 def test_the_leader_publishes_the_safe_step_only_when_it_rises(tmp_path: Path) -> None:
     agent, cluster, gs = _agent(tmp_path)
     now = 1000.0  # the monotonic clock, given: no call depends on how fast the test runs
     cluster.record_commit(3, "n0", 8, [8, 7, 6], {"n1": [7, 6]})
     cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [6]})
-    agent._lead_safe_step(gs, now)
+    _lead_safe_step(agent, gs, now)
     assert cluster.writes == [SafeStep(3, 6)]
     cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [8, 7, 6]})
-    agent._lead_safe_step(gs, now + SAFE_EVERY_S * 0.9)
+    _lead_safe_step(agent, gs, now + SAFE_EVERY_S * 0.9)
     assert cluster.writes == [SafeStep(3, 6)]  # computed at most every SAFE_EVERY_S
-    agent._lead_safe_step(gs, now + SAFE_EVERY_S)
+    _lead_safe_step(agent, gs, now + SAFE_EVERY_S)
     assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]
-    agent._lead_safe_step(gs, now + 2 * SAFE_EVERY_S)
+    _lead_safe_step(agent, gs, now + 2 * SAFE_EVERY_S)
     assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]  # the same step: no write
     cluster.safe = SafeStep(4, 1)  # a newer generation's, read back: no lower write
     cluster.record_commit(3, "n0", 9, [9, 8, 7], {"n1": [9, 8, 7]})
     cluster.record_commit(3, "n1", 9, [9, 8, 7], {"n0": [9, 8, 7]})
-    agent._lead_safe_step(gs, now + 3 * SAFE_EVERY_S)
+    _lead_safe_step(agent, gs, now + 3 * SAFE_EVERY_S)
     assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]
 
 

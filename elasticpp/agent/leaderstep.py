@@ -1,0 +1,461 @@
+"""The leader's decisions as a pure step: `leader_step(state, obs) -> actions`.
+
+`LeaderPart._lead` (elasticpp.agent.leader) builds a `LeaderObservation` (the clock, the
+cluster view with the quarantines applied, the generation record and its revision, the
+barriers, the detection times, the generation this node follows, the job spec) and hands the
+step's actions to the executor. The step and the functions the executor feeds results back
+to write only the leader's `LeaderState`; none does I/O. The actions (elasticpp.agent.actions,
+"the leader's actions"): WriteGeneration, ConfirmDead, SetAside, ResolveResume,
+CheckNeverCommitted, WriteResume, RecordTimeline, Housekeep, CleanRendezvous, CountRecovery,
+ReadCommitRecords, ReadSafe, WriteSafe.
+
+Invariants:
+- a generation is a compare-and-swap against the record's revision read; the failure count
+  and the re-plan backoff move only once it was written (`leader_generation_written`);
+- the resume instruction of a generation is resolved once every live node arrived at
+  `stopped-G`, or once the `stopped-G` deadline set the missing ones aside (quarantined; if
+  one is in the plan, the next plan goes without it); `resume_written` is set only after the
+  write succeeded (`leader_resume_written`) or when etcd shows an earlier leader's;
+- a job that committed steps before (held by a node, in the checkpoint, or on record in
+  etcd) never starts over at step 0: it waits and says so;
+- the recovery timeline is written once every planned node started, never over one an
+  earlier leader wrote; housekeeping follows only a written timeline;
+- the safe step is computed at most every SAFE_EVERY_S and written only when it rises;
+- a result fed back for a generation the state has left is ignored (an empty list).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elasticpp.agent.actions import (
+    Action,
+    CheckNeverCommitted,
+    CleanRendezvous,
+    ConfirmDead,
+    CountRecovery,
+    Event,
+    Housekeep,
+    ReadCommitRecords,
+    ReadSafe,
+    RecordTimeline,
+    Reread,
+    ResolveResume,
+    SetAside,
+    WriteGeneration,
+    WriteResume,
+    WriteSafe,
+)
+from elasticpp.agent.decide import ClusterView, Replan, Wait, decide_replan, live_nodes
+from elasticpp.agent.jobspec import JobSpec
+from elasticpp.agent.leaderstate import LeaderState
+from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
+from elasticpp.agent.quarantine import stop_wait_step
+from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep
+from elasticpp.errors import ElasticppError
+from elasticpp.plan import ClusterSpec, NodeSpec, Plan
+from elasticpp.plan.search import plan as plan_layout
+from elasticpp.store.holdings import NodeHoldings
+from elasticpp.store.replicate import safe_step
+from elasticpp.store.resolver import ResumePlan, resolve
+
+log = logging.getLogger("elasticpp.agent")
+
+# Nodes missing at `stopped-G` are probed at most this often while the leader waits.
+MISSING_PROBE_EVERY_S = 2.0
+
+
+@dataclass(frozen=True)
+class LeaderObservation:
+    """What the leader's step sees. `now_s` is monotonic, `wall_s` wall-clock seconds."""
+
+    now_s: float
+    wall_s: float
+    node_id: str
+    view: ClusterView  # quarantines applied; its members are the view's member keys
+    record: GenerationRecord | None  # the newest generation record, None before any
+    record_rev: int  # its mod revision: the compare of the next generation's write
+    members: Mapping[str, Mapping[str, Any]]  # member keys: address, slots, incarnation
+    barriers: Mapping[str, Mapping[str, Any]]  # stopped-G, resume-G, started-G, ...
+    detected: tuple[Mapping[int, float], ...]  # generation -> wall time a change was seen
+    followed: GenerationRecord | None  # the generation this node's follower is in
+    followed_plan: Plan | None  # its plan
+    spec: JobSpec
+    store_address: str | None  # the rendezvous store this term hosts
+
+
+def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
+    """Re-plan when the view calls for it (outside the backoff; a graceful change waits for
+    the current transition's resume instruction), else carry the followed generation on:
+    its resume instruction, its timeline, its safe step."""
+    rec = obs.record
+    spec = obs.spec
+    decision = decide_replan(
+        obs.view,
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
+        settle_s=spec.join_settle_s,
+    )
+    # Mid-transition while the current generation's resume instruction is not written,
+    # as etcd says (not as this node's own follower phase says).
+    in_progress = (
+        rec is not None
+        and not state.at(rec.generation, obs.now_s).resume_written
+        and RESUME_MEMBER not in obs.barriers.get(f"resume-{rec.generation}", {})
+    )
+    actions: list[Action] = []
+    if isinstance(decision, Replan):
+        if obs.now_s < state.replan_not_before_s:
+            return []
+        if not (decision.graceful and in_progress):
+            return _plan_generation(state, obs, decision)
+    elif isinstance(decision, Wait) and state.last_wait != decision.reason:
+        state.last_wait = decision.reason
+        actions.append(Event("decision", f"waiting: {decision.reason}"))
+    if rec is None or obs.followed is None or obs.followed.generation != rec.generation:
+        return actions
+    actions += leader_resume_step(state, obs)
+    actions += leader_timeline_step(state, obs)
+    actions += leader_safe_check(state, obs)
+    return actions
+
+
+def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Replan) -> list[Action]:
+    rec = obs.record
+    members = obs.members
+    generation = (rec.generation if rec else 0) + 1
+    nodes = [NodeSpec(n, int(members[n].get("slots", 1))) for n in decision.nodes]
+    cluster = ClusterSpec(tuple(nodes), obs.spec.device_spec())
+    try:
+        result = plan_layout(
+            obs.spec.model,
+            cluster,
+            obs.spec.global_batch,
+            micro_batch=obs.spec.micro_batch,
+            top_k=0,
+        )
+    except ElasticppError as exc:
+        if state.last_wait == str(exc):
+            return []
+        state.last_wait = str(exc)
+        return [Event("decision", f"cannot plan for {list(decision.nodes)}: {exc}")]
+    plan = result.best.with_generation(generation)
+    extra = {
+        "reason": decision.reason,
+        "graceful": decision.graceful if rec is not None else False,
+        "nodes": {n: str(members[n]["address"]) for n in decision.nodes},
+        # Every live node may serve state, also one outside the new plan (draining).
+        "sources": {n: str(members[n]["address"]) for n in live_nodes(obs.view) if n in members},
+        # A node whose agent restarts lost its workers: the plan must change even if the
+        # node id came back before its lease lapsed.
+        "incarnations": {n: str(members[n].get("incarnation")) for n in decision.nodes},
+        "previous_layout": layout_of(rec),
+        "detected_at": detection_time(obs, generation),
+        "planned_at": obs.wall_s,
+    }
+    record = GenerationRecord(
+        generation=generation,
+        plan=plan.to_dict(),
+        leader=obs.node_id,
+        created_at=obs.wall_s,
+        store_address=obs.store_address,
+        extra=extra,
+    )
+    message = (
+        f"leader: generation {generation} = {plan.layout}, "
+        f"micro-batches {list(plan.microbatches)} ({decision.reason})"
+    )
+    return [WriteGeneration(record, obs.record_rev, decision.graceful, obs.now_s, message)]
+
+
+def leader_generation_written(
+    state: LeaderState, written: WriteGeneration, ok: bool
+) -> list[Action]:
+    """On record (`ok`); or refused (the record changed, the term is over): nothing moves."""
+    if not ok:
+        return []
+    # Back off when generations keep failing before they train (a bug or a bad node must
+    # not turn into a re-plan storm); a generation that trains resets it.
+    state.replan_failures = 0 if written.graceful else state.replan_failures + 1
+    backoff_s = 0.0
+    if state.replan_failures > 2:
+        backoff_s = min(MAX_REPLAN_BACKOFF_S, 0.25 * 2 ** (state.replan_failures - 3))
+    state.replan_not_before_s = written.decided_s + backoff_s
+    return [Event("decision", written.message), Reread()]
+
+
+def detection_time(obs: LeaderObservation, generation: int) -> float:
+    """When the change behind `generation` was first seen: a failure report of the current
+    generation (by any agent), a lapsed lease or a join seen here, else now."""
+    seen = [source.get(generation, obs.wall_s) for source in obs.detected]
+    rec = obs.record
+    if rec is not None:
+        for v in obs.barriers.get(f"failed-{rec.generation}", {}).values():
+            if isinstance(v, dict) and isinstance(v.get("at"), (int, float)):
+                seen.append(float(v["at"]))
+    return min(seen, default=obs.wall_s)
+
+
+def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
+    """The followed generation's resume instruction: taken as written if an earlier leader
+    wrote it; else, once the nodes arrived at `stopped-G` (nodes missing are probed, and
+    set aside at the deadline), resolved from what they hold (`ResolveResume`)."""
+    gen, plan = obs.followed, obs.followed_plan
+    if gen is None or plan is None:
+        return []
+    ls = state.at(gen.generation, obs.now_s)
+    if ls.resume_written:
+        return []
+    if RESUME_MEMBER in obs.barriers.get(f"resume-{gen.generation}", {}):
+        ls.resume_written = True  # an earlier leader of this generation wrote it
+        return []
+    stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
+    expected = set(live_nodes(obs.view))
+    missing = expected - set(stopped)
+    actions: list[Action] = []
+    if missing:
+        if obs.now_s - ls.missing_probed_s > MISSING_PROBE_EVERY_S:
+            ls.missing_probed_s = obs.now_s
+            actions.append(ConfirmDead(tuple(sorted(missing))))
+        incarnations = {n: str(obs.members.get(n, {}).get("incarnation", "")) for n in missing}
+        passed, decisions = stop_wait_step(
+            state,
+            gen.generation,
+            sorted(missing),
+            incarnations,
+            now_s=obs.now_s,
+            wall_s=obs.wall_s,
+            stop_timeout_s=obs.spec.stop_timeout_s,
+        )
+        if decisions:
+            actions.append(SetAside(tuple(decisions)))
+        if not passed:
+            return actions
+        if missing & set(gen.extra.get("nodes", {})):
+            return actions  # quarantined now: the next step re-plans without them
+        expected -= missing  # set aside, outside the plan: resume from the others
+    holdings = {
+        n: NodeHoldings.from_dict(v["holdings"]) for n, v in stopped.items() if n in expected
+    }
+    next_steps = tuple(int(v.get("next_step", 0)) for v in stopped.values())
+    actions.append(
+        ResolveResume(
+            gen.generation,
+            plan,
+            holdings,
+            tuple(sorted(expected)),
+            next_steps,
+            obs.spec.persist_dir or None,
+            obs.wall_s,
+        )
+    )
+    return actions
+
+
+def leader_resume_resolved(
+    state: LeaderState, action: ResolveResume, disk: NodeHoldings | None
+) -> list[Action]:
+    """Resolve the resume step from the nodes' holdings and the checkpoint's (`disk`). No
+    step resolves: a job nothing holds state of may be fresh (`CheckNeverCommitted`); one
+    whose state is held somewhere waits, and says so."""
+    if state.generation != action.generation:
+        return []  # the state moved on to another generation: ignored
+    try:
+        rp = resolve(action.holdings, action.plan, live_nodes=action.live_nodes, disk=disk)
+    except ElasticppError as exc:
+        # Fresh only if nothing was committed in this etcd state nor held from an earlier
+        # epoch of this job (stores and checkpoints hold only this job's steps).
+        held = any(h.steps for h in action.holdings.values()) or bool(disk and disk.steps)
+        if held:
+            return _cannot_resume(state, action.generation, str(exc))
+        return [CheckNeverCommitted(action, str(exc))]
+    return [_resume_instruction(action, rp)]
+
+
+def leader_fresh_checked(
+    state: LeaderState, check: CheckNeverCommitted, ever_committed: bool
+) -> list[Action]:
+    """A job that never committed a step starts at step 0; one that did waits."""
+    if state.generation != check.resolve.generation:
+        return []  # ignored: another generation
+    if ever_committed:
+        return _cannot_resume(state, check.resolve.generation, check.why)
+    return [_resume_instruction(check.resolve, None)]
+
+
+def _cannot_resume(state: LeaderState, generation: int, why: str) -> list[Action]:
+    msg = (
+        f"generation {generation}: cannot resume: {why}; the job committed "
+        "steps before, so it does not start over (restore a checkpoint into "
+        "persist_dir or bring back a node that holds the state)"
+    )
+    if state.last_wait == msg:
+        return []
+    state.last_wait = msg
+    return [Event("decision", msg)]
+
+
+def _resume_instruction(action: ResolveResume, rp: ResumePlan | None) -> WriteResume:
+    fetches: dict[str, list[list[Any]]] = {}
+    step = 0
+    if rp is not None:
+        step = rp.step
+        for rank, items in rp.fetches.items():
+            fetches[str(rank)] = [
+                [f.piece_name, f.origin_node, f.source_node, f.sha256, f.size] for f in items
+            ]
+    value = {
+        "step": step,
+        "fetches": fetches,
+        "at": action.wall_s,
+        "recomputed": max([*action.next_steps, step]) - step,
+    }
+    return WriteResume(action.generation, value)
+
+
+def leader_resume_written(state: LeaderState, action: WriteResume, ok: bool) -> list[Action]:
+    """The instruction is on record (`ok`); or one was written before, or the term is over."""
+    if state.generation != action.generation:
+        return []  # ignored: another generation
+    if not ok:
+        log.info(
+            "generation %d: resume not written (written before or leadership lost)",
+            action.generation,
+        )
+        return []
+    state.resume_written = True
+    step = action.value["step"]
+    return [Event("decision", f"leader: generation {action.generation} resumes at step {step}")]
+
+
+def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
+    """Once every planned node of the followed generation started, its recovery timeline
+    (an earlier leader's stays); the generation trained, so strikes and the failure count
+    start again."""
+    gen, plan = obs.followed, obs.followed_plan
+    if gen is None or plan is None:
+        return []
+    ls = state.at(gen.generation, obs.now_s)
+    if ls.timeline_written or not ls.resume_written:
+        return []
+    if f"gen-{gen.generation}" in obs.barriers.get("timelines", {}):
+        # Written by the leader that ran this generation; a leader elected later (at the
+        # job's end, say) must not overwrite it with what it did not see.
+        ls.timeline_written = True
+        return []
+    started = obs.barriers.get(f"started-{gen.generation}", {})
+    nodes = set(gen.extra.get("nodes", {}))
+    if not nodes <= set(started):
+        return []
+    state.replan_failures = 0
+    state.sick.trained(nodes)
+    resume = obs.barriers.get(f"resume-{gen.generation}", {}).get(RESUME_MEMBER) or {}
+    stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
+    detected = float(gen.extra.get("detected_at", gen.created_at))
+    stopped_at = max(float(v.get("at", 0)) for v in stopped.values()) if stopped else detected
+    moved_at = max(float(v.get("moved_at", 0)) for v in started.values())
+    resumed_at = max(float(v.get("at", 0)) for v in started.values())
+    timeline = {
+        "generation": gen.generation,
+        "reason": gen.extra.get("reason", ""),
+        "layout_before": gen.extra.get("previous_layout", ""),
+        "layout_after": str(plan.layout),
+        "resume_step": int(resume.get("step", 0)),
+        "steps_recomputed": int(resume.get("recomputed", 0)),
+        "detected_at": detected,
+        "planned_s": float(gen.extra.get("planned_at", detected)) - detected,
+        "stopped_s": stopped_at - detected,
+        "moved_s": max(moved_at, stopped_at) - detected,
+        "resumed_s": resumed_at - detected,
+    }
+    return [RecordTimeline(gen.generation, timeline, bool(gen.extra.get("previous_layout")))]
+
+
+def leader_timeline_recorded(state: LeaderState, action: RecordTimeline, ok: bool) -> list[Action]:
+    """The timeline is on record: what older generations left in etcd and in the
+    rendezvous store goes (the generation runs), and a recovery is counted. Not written:
+    the term is over; the next leader writes it, or knows better."""
+    if not ok or state.generation != action.generation:
+        return []
+    state.timeline_written = True
+    t = action.timeline
+    actions: list[Action] = [Housekeep(action.generation), CleanRendezvous(action.generation)]
+    if action.recovery:
+        actions.append(CountRecovery(float(t["resumed_s"])))
+    actions.append(
+        Event(
+            "recovery",
+            "generation {generation} ({reason}): {layout_before} -> "
+            "{layout_after}, resumed at step {resume_step} after {resumed_s:.2f} s, "
+            "{steps_recomputed} step(s) recomputed".format(**t),
+        )
+    )
+    return actions
+
+
+def leader_safe_check(state: LeaderState, obs: LeaderObservation) -> list[Action]:
+    """Every SAFE_EVERY_S once the followed generation resumed: read its commit records."""
+    gen, plan = obs.followed, obs.followed_plan
+    copies = obs.spec.replication_copies
+    if gen is None or plan is None or not copies:
+        return []
+    ls = state.at(gen.generation, obs.now_s)
+    if not ls.resume_written or obs.now_s - ls.safe_checked_s < SAFE_EVERY_S:
+        return []
+    state.safe_checked_s = obs.now_s
+    # The ring replication uses (`_replicate_async`): the plan's nodes with ranks.
+    ring = tuple(sorted({s.node_id for s in plan.placement}))
+    return [ReadCommitRecords(gen.generation, ring, copies)]
+
+
+def leader_safe_step(read: ReadCommitRecords, records: Mapping[str, CommitRecord]) -> list[Action]:
+    """The newest anchor that every node with ranks holds, and its replica holders hold a
+    replica of, by their commit records (elasticpp.store.replicate); then compare it with
+    the published one."""
+    ring = list(read.ring)
+    step = safe_step(
+        ring,
+        read.copies,
+        ring,
+        {n: rec.anchors for n, rec in records.items()},
+        {n: rec.replicas for n, rec in records.items()},
+    )
+    if step is None:
+        return []
+    return [ReadSafe(SafeStep(read.generation, step), read.copies)]
+
+
+def leader_safe_read(read: ReadSafe, current: SafeStep | None, revision: int) -> list[Action]:
+    """Publish the safe step only when it rises above the published one."""
+    if current is not None and read.safe <= current:
+        return []
+    return [WriteSafe(read.safe, revision, read.copies, current)]
+
+
+def leader_safe_written(write: WriteSafe, ok: bool) -> list[Action]:
+    """Written: said once; refused (the key changed, the term is over): checked again."""
+    if ok:
+        was = write.was
+        log.info(
+            "leader: step %d of generation %d is safe (held by its node and %d replica "
+            "holder(s) of every node); it was %s",
+            write.safe.step,
+            write.safe.generation,
+            write.copies,
+            "none" if was is None else f"step {was.step} of {was.generation}",
+        )
+    return []
+
+
+def layout_of(rec: GenerationRecord | None) -> str:
+    """The layout of `rec` for the timeline; "" if none or unreadable (a newer format)."""
+    if rec is None:
+        return ""
+    try:
+        return str(Plan.from_dict(rec.plan).layout)
+    except (ElasticppError, KeyError, TypeError, ValueError):
+        return ""
