@@ -190,6 +190,21 @@ class DropUncommitted:
 class RecordCommit:
     """Offer this node's commit record of `generation` to its writer (off the loop)."""
 
+    generation: int
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Start a replication round of the current generation's ring on its own thread."""
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Queue this node's pieces of `step` for the persistent checkpoint directory."""
+
+    step: int
+    model: ModelSpec
+
 
 # --- the leader's actions
 @dataclass(frozen=True)
@@ -268,19 +283,6 @@ class Housekeep:
     """Remove what generations before `generation` left in etcd (bounded growth)."""
 
     generation: int
-
-
-@dataclass(frozen=True)
-class Replicate:
-    """Start a replication round of the current generation's ring on its own thread."""
-
-
-@dataclass(frozen=True)
-class Persist:
-    """Queue this node's pieces of `step` for the persistent checkpoint directory."""
-
-    step: int
-    model: ModelSpec
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ passed in, and its actions are data (elasticpp.agent.actions)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.actions import (
@@ -250,3 +251,17 @@ def test_the_view_says_when_etcd_is_back_and_hands_the_safe_step_to_the_store() 
     assert actions[0] == Event("decision", "etcd reachable again") and state.etcd_ok
     assert SetFloor(120, 3) in actions
     assert SetFloor(120, 3) not in view_step(state, _read({}), **AT)  # not read this time
+
+
+def test_every_action_has_a_case_in_the_executor() -> None:
+    """An action a step may return but the executor cannot apply would fail only when the
+    step first returns it, perhaps weeks into a job: every member of the union has a case."""
+    import typing
+
+    from elasticpp.agent import actions, executor
+
+    source = Path(executor.__file__).read_text()
+    members = typing.get_args(actions.Action)
+    assert len(members) > 20
+    missing = [m.__name__ for m in members if f"isinstance(action, {m.__name__})" not in source]
+    assert missing == []
