@@ -56,7 +56,7 @@ from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
 from elasticpp.agent.quarantine import stop_wait_step
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep
-from elasticpp.errors import ElasticppError
+from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.holdings import NodeHoldings
@@ -124,13 +124,21 @@ def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
     return actions
 
 
+def _slots(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"a member's slots must be a whole number, got {value!r}")
+    return value
+
+
 def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Replan) -> list[Action]:
     rec = obs.record
     members = obs.members
     generation = (rec.generation if rec else 0) + 1
-    nodes = [NodeSpec(n, int(members[n].get("slots", 1))) for n in decision.nodes]
-    cluster = ClusterSpec(tuple(nodes), obs.spec.device_spec())
     try:
+        # A member key is written by its agent; a slot count this build cannot use (a bug, a
+        # newer format) is a layout that cannot be planned, said once, not an error per tick.
+        nodes = [NodeSpec(n, _slots(members[n].get("slots", 1))) for n in decision.nodes]
+        cluster = ClusterSpec(tuple(nodes), obs.spec.device_spec())
         result = plan_layout(
             obs.spec.model,
             cluster,

@@ -368,3 +368,13 @@ def test_the_safe_step_is_computed_every_safe_period_and_written_only_when_it_ri
     assert leader_safe_read(ask, SafeStep(4, 1), 9) == []  # a newer generation's: no lower
     off = replace(SPEC, replication_copies=0)
     assert leader_safe_check(state, _obs(200.0, record=record, spec=off)) == []
+
+
+def test_a_member_whose_slots_cannot_be_used_is_a_plan_that_cannot_be_made_said_once() -> None:
+    state = _state()
+    for bad in ("two", -1, None):
+        members = {**MEMBERS, "n1": {**MEMBERS["n1"], "slots": bad}}
+        first = leader_step(state, _obs(100.0, members=members))
+        assert [type(a) for a in first] == [Event], bad
+        assert "cannot plan for ['n0', 'n1']" in first[0].message
+        assert leader_step(state, _obs(101.0, members=members)) == []  # told once
