@@ -79,10 +79,14 @@ class SpawnWarm:
 
 @dataclass(frozen=True)
 class ReportFailure:
-    """Report a generation failed on this node (the follower publishes it, level-triggered)."""
+    """Report a generation failed on this node (the follower publishes it, level-triggered).
+    `culprit`: this node is the cause, not a victim of a peer's failure; `severe`: the leader
+    quarantines it at once (elasticpp.agent.sick)."""
 
     generation: int
     reason: str
+    culprit: bool = False
+    severe: bool = False
 
 
 @dataclass(frozen=True)
@@ -329,6 +333,112 @@ class WriteSafe:
     was: SafeStep | None
 
 
+# --- the follower's actions
+@dataclass(frozen=True)
+class SkipRecord:
+    """Count a generation record whose plan this build cannot read (it is not followed)."""
+
+    generation: int
+    error: str
+
+
+@dataclass(frozen=True)
+class AskStop:
+    """Ask old workers (by pid) to stop at the next step boundary."""
+
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KillOld:
+    """SIGKILL old workers (by pid) without waiting; their reader threads report the exits."""
+
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DrainWorkerEvents:
+    """Hand the queued worker events to the supervisor now (the old workers' last steps and
+    exits), before what this node holds is reported."""
+
+
+@dataclass(frozen=True)
+class CleanResume:
+    """Delete the resume directories of generations older than `generation`."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class CleanLocal:
+    """Bound local leftovers: older resume directories and all but the newest worker logs."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class RemoveResumeDir:
+    """Delete `generation`'s own resume directory (its fetch failed; no worker reads it)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class ArriveStopped:
+    """Arrive at `stopped-G` with the store's holdings and the next step committed here; the
+    result goes back to the follower (`follower.follower_arrived`)."""
+
+    generation: int
+    at_s: float  # wall time
+
+
+@dataclass(frozen=True)
+class StartFetch:
+    """Fetch this node's state of `generation` on a thread of its own; its future goes back
+    to the follower (`follower.follower_fetch_started`)."""
+
+    generation: int
+    resume: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AssignRanks:
+    """Hand this node's ranks of `generation` to ready warm workers, all or none; the
+    outcome goes back to the follower (`follower.follower_assigned`)."""
+
+    generation: int
+    resume: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ArriveStarted:
+    """Arrive at `started-G` (every rank here left STARTING, or none is here: `spare`); the
+    result goes back to the follower (`follower.follower_arrived`)."""
+
+    generation: int
+    moved_s: float  # wall time this node's state was in place (0 for a spare)
+    at_s: float
+    spare: bool = False
+
+
+@dataclass(frozen=True)
+class ArriveDone:
+    """Arrive at `done`: this node's ranks trained every step; the result goes back to the
+    follower (`follower.follower_arrived`)."""
+
+    generation: int
+    step: int
+    at_s: float
+
+
+@dataclass(frozen=True)
+class RecordHalt:
+    """Record the job's halt in etcd (held and retried by the health part), show it in the
+    metrics and say what is committed."""
+
+    message: str
+
+
 Action = (
     Event
     | PublishMemberInfo
@@ -367,4 +477,17 @@ Action = (
     | ReadCommitRecords
     | ReadSafe
     | WriteSafe
+    | SkipRecord
+    | AskStop
+    | KillOld
+    | DrainWorkerEvents
+    | CleanResume
+    | CleanLocal
+    | RemoveResumeDir
+    | ArriveStopped
+    | StartFetch
+    | AssignRanks
+    | ArriveStarted
+    | ArriveDone
+    | RecordHalt
 )

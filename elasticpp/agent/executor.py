@@ -6,23 +6,34 @@ action into I/O; the parts' own state is written by the parts' functions it call
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 from pathlib import Path
 
 from elasticpp.agent import probe
 from elasticpp.agent.actions import (
     Action,
+    ArriveDone,
+    ArriveStarted,
+    ArriveStopped,
+    AskStop,
+    AssignRanks,
     CheckNeverCommitted,
+    CleanLocal,
     CleanRendezvous,
+    CleanResume,
     Commit,
     ConfirmDead,
     CountRecovery,
     CountSnapshotFailure,
     DeposeLeader,
+    DrainWorkerEvents,
     DropUncommitted,
     Event,
     Housekeep,
     JobEndedGauge,
+    KillOld,
     KillWorker,
     Persist,
     ProbeLeader,
@@ -30,9 +41,11 @@ from elasticpp.agent.actions import (
     ReadCommitRecords,
     ReadSafe,
     RecordCommit,
+    RecordHalt,
     RecordPieces,
     RecordTimeline,
     ReleaseSpares,
+    RemoveResumeDir,
     ReplaceSpare,
     Replicate,
     ReportFailure,
@@ -40,7 +53,9 @@ from elasticpp.agent.actions import (
     ResolveResume,
     SetAside,
     SetFloor,
+    SkipRecord,
     SpawnWarm,
+    StartFetch,
     StepDown,
     StepMetrics,
     StopWorkers,
@@ -55,6 +70,7 @@ from elasticpp.agent.durabilitystep import (
     durability_dropped,
     durability_recorded,
 )
+from elasticpp.agent.follower import run_in_thread
 from elasticpp.agent.leaderstep import (
     leader_fresh_checked,
     leader_generation_written,
@@ -66,8 +82,16 @@ from elasticpp.agent.leaderstep import (
     leader_timeline_recorded,
 )
 from elasticpp.agent.liveness import leader_deposed, leader_probed
+from elasticpp.agent.phases import (
+    follower_arrived,
+    follower_assigned,
+    follower_fetch_started,
+    halt_message,
+)
+from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.errors import CheckpointError
 from elasticpp.store.persist import checkpoint_holdings
+from elasticpp.store.resume import TransferProgress
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -103,7 +127,9 @@ class ExecutorPart:
             elif isinstance(action, SpawnWarm):
                 self._spawn_warm()
             elif isinstance(action, ReportFailure):
-                self._report_failure(action.generation, action.reason)
+                self._report_failure(
+                    action.generation, action.reason, culprit=action.culprit, severe=action.severe
+                )
             elif isinstance(action, ProbeLeader):
                 self._execute(leader_probed(action, probe.check(action.address)))
             elif isinstance(action, DeposeLeader):
@@ -215,5 +241,72 @@ class ExecutorPart:
                 assert self.cluster is not None
                 ok = self.cluster.write_safe(action.safe, action.expected_rev, self._ls.leadership)
                 self._execute(leader_safe_written(action, ok))
+            # --- the follower's actions (elasticpp.agent.phases)
+            elif isinstance(action, SkipRecord):
+                assert self.cluster is not None
+                self.cluster.skip_value(self.cluster.keys.generation, ValueError(action.error))
+            elif isinstance(action, AskStop | KillOld):
+                for pid in action.pids:
+                    w = self.pool.worker(pid)
+                    if w is None:
+                        continue
+                    if isinstance(action, AskStop):
+                        self.pool.ask_stop(w)
+                    else:
+                        self.pool.kill_worker(w)  # never blocks on a process that will not go
+            elif isinstance(action, DrainWorkerEvents):
+                self._drain_worker_events()
+            elif isinstance(action, CleanResume):
+                self._clean_resume(action.generation)
+            elif isinstance(action, CleanLocal):
+                self._clean_local(action.generation)
+            elif isinstance(action, RemoveResumeDir):
+                gs = self._fs.gen
+                if gs is not None and gs.generation == action.generation:
+                    shutil.rmtree(self._resume_dir(gs), ignore_errors=True)
+            elif isinstance(action, ArriveStopped | ArriveStarted | ArriveDone):
+                self._arrive(action)
+            elif isinstance(action, StartFetch):
+                gs = self._fs.gen
+                if gs is not None and gs.generation == action.generation:
+                    progress = TransferProgress()
+                    args = (gs, action.resume, progress, self._fetch_addresses(gs))
+                    future = run_in_thread("fetch-state", self._fetch, *args)
+                    self._execute(follower_fetch_started(self._fs, action, future, progress))
+            elif isinstance(action, AssignRanks):
+                outcome = self._assign_ranks(action)
+                self._execute(follower_assigned(self._fs, action, outcome, self._clock.monotonic()))
+            elif isinstance(action, RecordHalt):
+                self.metrics.halted.labels(**self.metrics.labels).set(1)
+                own = self.store.committed_steps(self.node_id)
+                with contextlib.suppress(ClusterUnavailableError):
+                    self._record_halt(action.message)  # held and retried by the health part
+                self._event("decision", halt_message(action.message, own[-1] if own else None))
             else:
                 raise TypeError(f"no executor for action {action!r}")
+
+    def _arrive(self, action: ArriveStopped | ArriveStarted | ArriveDone) -> None:
+        """Write a follower's arrival and feed the result back; a write etcd refuses leaves
+        the phase as it was (the error still ends the tick's etcd half, as before)."""
+        assert self.cluster is not None
+        if isinstance(action, ArriveStopped):
+            # Read now, after the old workers' events were drained: what this node holds.
+            barrier, value = (
+                f"stopped-{action.generation}",
+                {
+                    "holdings": self.store.holdings().to_dict(),
+                    "next_step": self._ds.next_step_committed,
+                    "at": action.at_s,
+                },
+            )
+        elif isinstance(action, ArriveStarted):
+            barrier = f"started-{action.generation}"
+            value = {"moved_at": action.moved_s, "at": action.at_s}
+        else:
+            barrier, value = "done", {"step": action.step, "at": action.at_s}
+        try:
+            self.cluster.arrive(barrier, self.node_id, value)
+        except ClusterUnavailableError:
+            self._execute(follower_arrived(self._fs, action, False, self._clock.monotonic()))
+            raise
+        self._execute(follower_arrived(self._fs, action, True, self._clock.monotonic()))

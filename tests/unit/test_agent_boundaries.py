@@ -4,6 +4,7 @@ fake worker handles and a fake of the cluster calls it makes)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,12 @@ from typing import Any
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError
 from elasticpp.train.procs import WorkerError
+from tests.unit.test_agent_deadlines import _plan as _plan_on
 from tests.unit.test_agent_done import SPEC, _plan
 
 
@@ -30,6 +34,20 @@ class _Cluster:
 
     def skip_value(self, key: str, exc: Exception) -> None:
         self.skipped.append(key)
+
+
+class _RefusesOnce(_Cluster):
+    """etcd refuses the first write of one barrier (unreachable for a moment)."""
+
+    def __init__(self, barrier: str) -> None:
+        super().__init__()
+        self.refuse = barrier
+
+    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+        if barrier == self.refuse:
+            self.refuse = ""
+            raise ClusterUnavailableError("etcd: connection refused", fast=True)
+        super().arrive(barrier, node_id, value)
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
@@ -90,7 +108,7 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
 def test_an_observation_out_of_order_is_ignored_not_raised(tmp_path: Path) -> None:
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
     gs = _GenState(record=record, phase=Phase.DONE)
-    assert not gs.enter(Phase.HALTED)  # a late halt after the end
+    assert not gs.enter(Phase.HALTED, time.monotonic())  # a late halt after the end
     assert gs.phase is Phase.DONE
 
 
@@ -155,3 +173,54 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
         raise AssertionError("a record without a store address cannot be followed")
     assert [p.pid for p in agent.pool.spares()] == [102, 103]  # handed back, never assigned
     assert not untouched.assigned and cluster.arrivals == []
+
+
+def _follow_through_a_refused_write(agent: Agent) -> None:
+    try:
+        agent._follow_generation()
+    except ClusterUnavailableError:
+        pass  # the loop's boundary takes it (etcd down); the next tick follows again
+    else:
+        raise AssertionError("the write must have been refused")
+    agent._follow_generation()
+
+
+def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path) -> None:
+    """Before, a spare entered IDLE before it wrote `started-G`: a write refused by etcd
+    was never made again, and the leader waited for the spare's arrival for good (no
+    timeline, no reset of the re-plan budget)."""
+    agent, cluster = _agent(tmp_path)
+    agent.cluster = cluster = _RefusesOnce("started-2")  # type: ignore[assignment]
+    record = GenerationRecord(2, _plan_on(2, ("n1",)).to_dict(), "n1", time.time())
+    agent._fs.gen = gs = _GenState(record=record, phase=Phase.MOVING)
+    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
+    _follow_through_a_refused_write(agent)
+    assert gs.phase is Phase.IDLE
+    assert [(b, n) for b, n, _ in cluster.arrivals] == [("started-2", "n0")]
+
+
+def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) -> None:
+    """Before, the node entered DONE before it wrote `done`: a write refused by etcd was
+    never made again, and the job's end waited on it."""
+    agent, cluster = _agent(tmp_path)
+    agent.cluster = cluster = _RefusesOnce("done")  # type: ignore[assignment]
+    record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
+    agent._fs.gen = gs = _GenState(record=record, phase=Phase.RUNNING)
+    for rank in (0, 1):
+        agent.pool.rank_done(1, rank)
+    _follow_through_a_refused_write(agent)
+    assert gs.phase is Phase.DONE
+    assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
+
+
+def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Path) -> None:
+    agent, cluster = _agent(tmp_path)
+    agent.cluster = cluster = _RefusesOnce("stopped-2")  # type: ignore[assignment]
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
+    agent._fs.gen = gs = _GenState(record=record)
+    with contextlib.suppress(ClusterUnavailableError):
+        agent._follow_generation()
+    assert gs.phase is Phase.STOPPING and cluster.arrivals == []  # not reported: stays
+    agent._follow_generation()
+    assert gs.phase is Phase.MOVING
+    assert [(b, n) for b, n, _ in cluster.arrivals] == [("stopped-2", "n0")]

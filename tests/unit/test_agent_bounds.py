@@ -179,10 +179,12 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
             generation, _plan(generation).to_dict(), "n0", time.time(), resume_step=3
         )
         gs = agent._fs.gen = _GenState(record=record)
-        agent._stop_old_workers(gs)  # no old workers: holdings reported, MOVING
+        agent._follow_generation()  # no old workers: holdings reported, MOVING
         assert gs.phase is Phase.MOVING
         _fetched(agent, gs)
-        gs.enter(Phase.FAILED)  # e.g. a peer's transfer failed: the leader re-plans
+        gs.enter(
+            Phase.FAILED, time.monotonic()
+        )  # e.g. a peer's transfer failed: the leader re-plans
     assert _resume_dirs(agent) == ["gen-000005"]  # only the newest generation's
 
 
@@ -194,7 +196,7 @@ def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
     _fetched(agent, gs)
     gs.fetch = Future()
     gs.fetch.set_result(FetchOutcome(error="StateUnavailableError: a peer went away"))
-    agent._move_state(gs)
+    agent._follow_generation()
     assert gs.phase is Phase.FAILED
     assert _resume_dirs(agent) == []
 
@@ -216,7 +218,8 @@ def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_pa
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     for generation in range(2, 202):
         agent._report_failure(generation - 1, "worker rank 0 exited with code 1")
-        agent._enter_generation(_record(generation))
+        agent._vs.record = _record(generation)
+        agent._follow_generation()
     assert len(agent._fs.detected) <= 1  # only the leader deleted them before
 
 

@@ -122,7 +122,7 @@ def test_a_drain_that_is_never_handed_off_ends_at_its_deadline(tmp_path: Path) -
 
 # On purpose on the real clock: the loop watchdog (the executor's own liveness, see
 # elasticpp.agent.clock) and a fetch's byte progress, which its thread times.
-REAL_CLOCK_ALLOWED = {("control", "_watch_loop"), ("follower", "_check_phase_deadline")}
+REAL_CLOCK_ALLOWED = {("control", "_watch_loop"), ("follower", "_fetch_status")}
 # The executor's start-up: joining waits for etcd on the real clock, and the heartbeat it
 # sets is the real loop's.
 REAL_CLOCK_MODULES = {"startup"}

@@ -103,12 +103,12 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record)  # a loss: stop at once
     agent._fs.gen = gs
-    agent._stop_old_workers(gs)
+    agent._follow_generation()
     assert old.kills == [False]  # signalled, not waited for
     assert gs.phase is Phase.STOPPING and cluster.arrivals == []
     assert gs.killed_at_s is not None
     gs.killed_at_s -= SPEC.stop_timeout_s + 1  # the stop deadline passes
-    agent._stop_old_workers(gs)
+    agent._follow_generation()
     assert gs.phase is Phase.FAILED
     [(barrier, node, report)] = cluster.arrivals
     assert (barrier, node) == ("failed-2", "n0")
@@ -144,13 +144,13 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     agent._vs.barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
     agent._supervise()
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
-    agent._move_state(gs)
+    agent._follow_generation()
     assert gs.phase is Phase.MOVING and cluster.arrivals == []  # waits for it
     agent.pool.drop_spare(spare)  # type: ignore[arg-type]
     agent.pool.add_spare(spare, start - SPEC.ready_timeout_s - 1)  # type: ignore[arg-type]
     agent._supervise()
     assert spare.killed and agent.pool.spares() == ()
-    agent._move_state(gs)
+    agent._follow_generation()
     assert gs.phase is Phase.FAILED
     [(barrier, _node, report)] = cluster.arrivals
     assert barrier == "failed-2" and report["culprit"] and report["severe"]

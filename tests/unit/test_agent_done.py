@@ -146,7 +146,7 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     gs = _GenState(record=record, phase=Phase.MOVING)
     agent._fs.gen = gs
     agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
-    agent._move_state(gs)
+    agent._follow_generation()
     assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch is not None
     assert gs.fetch.result(timeout=10).error is None
 
@@ -233,10 +233,10 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
     for phase in (Phase.MOVING, Phase.STARTING):
         gs = _GenState(record=record, phase=phase)
         agent._fs.gen = gs
-        agent._check_phase_deadline(gs)
+        agent._follow_generation()
         assert gs.phase is phase and cluster.arrivals == []  # within the deadline
         gs.phase_since_s -= 1000.0
-        agent._check_phase_deadline(gs)
+        agent._follow_generation()
         assert gs.phase is Phase.FAILED
         [(barrier, node, value)] = cluster.arrivals
         assert (barrier, node) == ("failed-3", "n0") and "waited" in value["reason"]

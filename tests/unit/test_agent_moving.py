@@ -33,13 +33,13 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
         # Bytes keep arriving: the deadline is held, however long the phase has run.
         gs.phase_since_s -= 1000.0
         gs.fetch_progress.add(1 << 20)
-        agent._check_phase_deadline(gs)
+        agent._follow_generation()
         assert gs.phase is Phase.MOVING and cluster.arrivals == []
         # Nothing for longer than FETCH_STALL_S, then past MOVING's own deadline: failed.
         now[0] -= FETCH_STALL_S + 1
         gs.fetch_progress.add(0)
         gs.phase_since_s -= 1000.0
-        agent._check_phase_deadline(gs)
+        agent._follow_generation()
         assert gs.phase is Phase.FAILED
         [(barrier, node, _)] = cluster.arrivals
         assert (barrier, node) == ("failed-3", "n0")
