@@ -52,10 +52,14 @@ in its own error boundary (`_part`). Parts read time from an injected clock (`cl
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
 (`control.control_step`), the job's end (`quarantine.job_end_step`), the supervisor's
 deadlines (`supervisor.supervisor_step`), a follower's watch on the leader
-(`liveness.leader_watch_step`, with the probe's result fed back) and the view's reading of
-etcd (`view.view_step`); pure rules under the
-other parts: `decide` (re-planning, phases), `sick` (quarantine) and the leader's resolve
-(`elasticpp.store.resolver`). Not yet: the other parts as steps returning actions.
+(`liveness.leader_watch_step`), the view's reading of etcd (`view.view_step`), the follower's
+way through a generation (`phases.follower_step`: arrivals, the fetch and the assignment fed
+back), the durability part's worker events (`durabilitystep`: the store's record, commit and
+drop fed back) and the leader's decisions (`leaderstep.leader_step`: its writes and reads fed
+back). The shells that build their observations (`follower`, `durability`, `leader`) still
+do the reads a decision needs; probing suspects and the leader's health judgement run before
+its step. Pure rules under the parts: `decide` (re-planning, phases), `sick` (quarantine) and
+the leader's resolve (`elasticpp.store.resolver`).
 """
 
 from __future__ import annotations
