@@ -296,6 +296,12 @@ class Housekeep:
 
 
 @dataclass(frozen=True)
+class CompactHistory:
+    """Compact etcd's history to the revision read at the previous compaction (fenced by
+    the term; `ClusterClient.compact_history`)."""
+
+
+@dataclass(frozen=True)
 class CleanRendezvous:
     """Delete the rendezvous store's keys of generations before `generation`."""
 
@@ -479,6 +485,7 @@ Action = (
     | RecordTimeline
     | Housekeep
     | CleanRendezvous
+    | CompactHistory
     | CountRecovery
     | ReadCommitRecords
     | ReadSafe

@@ -24,6 +24,7 @@ from elasticpp.agent.actions import (
     CleanRendezvous,
     CleanResume,
     Commit,
+    CompactHistory,
     ConfirmDead,
     CountRecovery,
     CountSnapshotFailure,
@@ -226,6 +227,11 @@ class ExecutorPart:
                     log.info("leader: removed %d etcd key(s) of older generations", removed)
             elif isinstance(action, CleanRendezvous):
                 self._clean_rendezvous(action.generation)
+            elif isinstance(action, CompactHistory):
+                assert self.cluster is not None
+                compacted = self.cluster.compact_history(self._ls.leadership)
+                if compacted is not None:
+                    log.info("leader: etcd history compacted to revision %d", compacted)
             elif isinstance(action, CountRecovery):
                 self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
                 self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(action.seconds)

@@ -23,6 +23,8 @@ class LeaderState:
     replan_not_before_s: float = 0.0  # monotonic: the backoff between failed generations
     last_wait: str = ""  # the last "waiting"/"cannot" sentence, logged once
     safe_checked_s: float = 0.0  # monotonic: when the safe step was last computed
+    compacted_s: float | None = None  # monotonic: etcd's history last compacted, or the
+    # term's first look (the first compaction comes a period into the term)
     # the transition of `generation` (reset by `at` when the generation changes)
     generation: int = 0
     resume_written: bool = False

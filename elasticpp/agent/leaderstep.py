@@ -21,6 +21,8 @@ Invariants:
 - the recovery timeline is written once every planned node started, never over one an
   earlier leader wrote; housekeeping follows only a written timeline;
 - the safe step is computed at most every SAFE_EVERY_S and written only when it rises;
+- etcd's history is compacted every COMPACT_EVERY_S while a generation runs, to the revision
+  read one period before (so history is bounded and a lagging watch still has a period);
 - a result fed back for a generation the state has left is ignored (an empty list).
 """
 
@@ -35,6 +37,7 @@ from elasticpp.agent.actions import (
     Action,
     CheckNeverCommitted,
     CleanRendezvous,
+    CompactHistory,
     ConfirmDead,
     CountRecovery,
     Event,
@@ -52,7 +55,7 @@ from elasticpp.agent.actions import (
 from elasticpp.agent.decide import ClusterView, Replan, Wait, decide_replan, live_nodes
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.leaderstate import LeaderState
-from elasticpp.agent.limits import MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
+from elasticpp.agent.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
 from elasticpp.agent.quarantine import stop_wait_step
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep
@@ -121,7 +124,20 @@ def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
     actions += leader_resume_step(state, obs)
     actions += leader_timeline_step(state, obs)
     actions += leader_safe_check(state, obs)
+    actions += leader_compaction_check(state, obs)
     return actions
+
+
+def leader_compaction_check(state: LeaderState, obs: LeaderObservation) -> list[Action]:
+    """Every COMPACT_EVERY_S of a term while a generation runs (the first one period into
+    the term): compact etcd's history to the revision read at the previous compaction."""
+    if state.compacted_s is None:
+        state.compacted_s = obs.now_s
+        return []
+    if obs.now_s - state.compacted_s < COMPACT_EVERY_S:
+        return []
+    state.compacted_s = obs.now_s
+    return [CompactHistory()]
 
 
 def _slots(value: Any) -> int:

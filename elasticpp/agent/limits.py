@@ -26,6 +26,9 @@ UNARY_THREADS = 8  # server threads kept for health, status, drain and ListSteps
 WORKER_LOGS_KEPT = 32  # newest worker log files kept in <state_dir>/logs
 METRICS_ROTATE_BYTES = 64 << 20  # metrics.jsonl is rotated (one old file kept) past this
 STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPCs read
+# The leader compacts etcd's history this often, to the revision it read the time before: the
+# history (a commit record per node per second, every transition's barriers) stays bounded.
+COMPACT_EVERY_S = 300.0
 SAFE_EVERY_S = 0.5  # how often the leader computes the safe step and every agent reads it
 # The node's commit record is put at most this often (by one writer thread, the newest value):
 # the leader's safe step lags a commit by up to this much more; the loop never waits for etcd.

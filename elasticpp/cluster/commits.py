@@ -189,6 +189,28 @@ class CommitsPart:
             self._kv.txn(self._term(leader), [put])
         return deleted
 
+    def compact_history(self, leader: Leadership) -> int | None:
+        """Drop etcd's history (every revision of every key: commit records, barriers, the
+        values housekeeping deleted) up to the revision this call read the last time, and
+        note the revision now for the next. Called every few minutes by the leader, so
+        history is kept for one period: a watch that lags more is told to resync (it
+        re-reads). Fenced by `leader`'s term. Returns the revision compacted to, if any."""
+        ok, _, revision = self._kv.txn(self._term(leader), [])
+        if not ok:
+            return None
+        previous = 0
+        kv = self._kv.get(self.keys.compaction)
+        if kv is not None:
+            try:
+                previous = int(loads(kv.value, "compaction")["next"])
+            except (ClusterDataError, KeyError, TypeError, ValueError) as exc:
+                self.skip_value(self.keys.compaction, exc)
+        compacted = None
+        if 0 < previous < revision and self._kv.compact(previous):
+            compacted = previous
+        self._kv.txn(self._term(leader), [Put(self.keys.compaction, dumps({"next": revision}))])
+        return compacted
+
     def record_timeline(self, generation: int, timeline: Any, leader: Leadership) -> bool:
         """Publish the recovery timeline of `generation`, fenced by `leader`'s term."""
         key = self.keys.barrier("timelines", f"gen-{generation}")

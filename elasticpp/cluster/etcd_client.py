@@ -327,10 +327,17 @@ class EtcdKV:
         request = pb.DeleteRangeRequest(key=raw, range_end=_prefix_end(raw))
         return int(self._unary(f"delete prefix {prefix}", _DELETE, request).deleted)
 
-    def compact(self, revision: int, *, physical: bool = False) -> None:
-        """Drop the history before `revision` (etcd keeps every revision until compacted)."""
+    def compact(self, revision: int, *, physical: bool = False) -> bool:
+        """Drop the history before `revision` (etcd keeps every revision until compacted);
+        False if it was compacted that far already."""
         request = pb.CompactionRequest(revision=revision, physical=physical)
-        self._unary(f"compact to revision {revision}", _COMPACT, request)
+        try:
+            self._unary(f"compact to revision {revision}", _COMPACT, request)
+        except ClusterUnavailableError as exc:
+            if "required revision has been compacted" in str(exc):
+                return False
+            raise
+        return True
 
     def txn(
         self,

@@ -133,6 +133,11 @@ class JobKeys:
         return self.root + "housekeeping"
 
     @property
+    def compaction(self) -> str:
+        """The revision the leader read at its last compaction (it compacts to it next)."""
+        return self.root + "compaction"
+
+    @property
     def commits_prefix(self) -> str:
         return self.root + "commits/"
 

@@ -24,7 +24,7 @@ from elasticpp.cluster import (
     Registration,
     WatchEvent,
 )
-from elasticpp.cluster.etcd_client import EtcdKV
+from elasticpp.cluster.etcd_client import EtcdKV, WatchEnded, WatchItem
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.cluster.records import propose_epoch
 from elasticpp.waiting import wait_until
@@ -681,3 +681,33 @@ def test_a_wiped_job_prefix_gets_a_new_larger_epoch(
     second = b.epoch_if_absent(propose_epoch(first.epoch, now_ns=first.epoch - 10**12), "n2")
     assert second.epoch > first.epoch
     assert a.epoch() == second  # every agent of the new etcd state reads the new epoch
+
+
+def test_the_leader_compacts_history_to_the_revision_of_its_previous_compaction(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a, b = clients(), clients()
+    lead = a.campaign("n1", ttl_s=30)
+    assert lead is not None
+    raw = EtcdKV([etcd.endpoint])
+    try:
+        first = raw.put("/elsewhere/k", "1")
+        raw.put("/elsewhere/k", "2")
+        assert a.compact_history(lead) is None  # the first call only notes the revision
+        ended: list[WatchItem] = []
+        raw.put("/elsewhere/k", "3")
+        compacted = a.compact_history(lead)
+        assert compacted is not None and compacted > first
+        # History before it is gone: a watch from an older revision is told to resync.
+        raw.add_watch("/elsewhere/k", None, first, ended.append)
+        wait_for(lambda: any(isinstance(i, WatchEnded) for i in ended), what="a resync")
+        assert next(i for i in ended if isinstance(i, WatchEnded)).compact_revision == compacted
+        got = raw.get("/elsewhere/k")
+        assert got is not None and got.value == "3"  # current values stay
+        # Only the leader's term compacts: another client's stale term does nothing.
+        lead.resign()
+        other = b.campaign("n2", ttl_s=30)
+        assert other is not None
+        assert a.compact_history(lead) is None
+    finally:
+        raw.close()

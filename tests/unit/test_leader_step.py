@@ -10,6 +10,7 @@ from typing import Any
 from elasticpp.agent.actions import (
     CheckNeverCommitted,
     CleanRendezvous,
+    CompactHistory,
     ConfirmDead,
     CountRecovery,
     Event,
@@ -39,7 +40,7 @@ from elasticpp.agent.leaderstep import (
     leader_step,
     leader_timeline_recorded,
 )
-from elasticpp.agent.limits import SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
+from elasticpp.agent.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import Quarantine, SickNodes
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.client import RESUME_MEMBER
@@ -378,3 +379,23 @@ def test_a_member_whose_slots_cannot_be_used_is_a_plan_that_cannot_be_made_said_
         assert [type(a) for a in first] == [Event], bad
         assert "cannot plan for ['n0', 'n1']" in first[0].message
         assert leader_step(state, _obs(101.0, members=members)) == []  # told once
+
+
+def test_etcd_history_is_compacted_every_period_of_a_term_while_a_generation_runs() -> None:
+    state = _state()
+    rec = _record(1)
+    barriers = {"resume-1": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
+    assert CompactHistory() not in leader_step(state, _obs(100.0, record=rec, barriers=barriers))
+    later = 100.0 + COMPACT_EVERY_S
+    assert CompactHistory() not in leader_step(
+        state, _obs(later - 1, record=rec, barriers=barriers)
+    )
+    assert CompactHistory() in leader_step(state, _obs(later, record=rec, barriers=barriers))
+    assert CompactHistory() not in leader_step(
+        state, _obs(later + 1, record=rec, barriers=barriers)
+    )
+    # A new term starts its own period.
+    fresh = _state()
+    assert CompactHistory() not in leader_step(
+        fresh, _obs(later + 2, record=rec, barriers=barriers)
+    )
