@@ -49,10 +49,11 @@ from elasticpp.agent.limits import (
     WORKER_LOGS_KEPT,
 )
 from elasticpp.agent.pool import _Worker
-from elasticpp.checkpoint.manifest import PieceKey, step_dirname
+from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.plan import ModelSpec
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
+from elasticpp.store.instruction import node_fetches
 from elasticpp.store.persist import Persister, copy_verified
 from elasticpp.store.replicate import replicate_once
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
@@ -220,16 +221,12 @@ class DurabilityPart:
             target = self._resume_dir(gs)
             target.mkdir(parents=True, exist_ok=True)
             plan = gs.plan
-            wanted: dict[str, tuple[str, str, str, int]] = {}
-            for s in plan.ranks_on(self.node_id):
-                for name, origin, source, sha, size in resume["fetches"].get(str(s.rank), []):
-                    # Names come from etcd: only a piece name, never a path, is used.
-                    wanted[PieceKey.parse(str(name)).filename] = (
-                        str(origin),
-                        str(source),
-                        str(sha),
-                        int(size),
-                    )
+            # Piece names are built from the plan, node names checked: nothing from etcd
+            # becomes a path unchecked.
+            wanted = {
+                f.piece_name: (f.origin_node, f.source_node, f.sha256, f.size)
+                for f in node_fetches(resume, plan, self.node_id)
+            }
             local = [(o, step, n) for n, (o, src, _, _) in wanted.items() if src == self.node_id]
             self.store.materialize(target, local)
             for name, (_o, source, sha, size) in sorted(wanted.items()):

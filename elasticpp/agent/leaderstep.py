@@ -63,6 +63,7 @@ from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
 from elasticpp.store.holdings import NodeHoldings
+from elasticpp.store.instruction import encode as encode_instruction
 from elasticpp.store.replicate import safe_step
 from elasticpp.store.resolver import ResumePlan, resolve
 
@@ -324,20 +325,10 @@ def _cannot_resume(state: LeaderState, generation: int, why: str) -> list[Action
 
 
 def _resume_instruction(action: ResolveResume, rp: ResumePlan | None) -> WriteResume:
-    fetches: dict[str, list[list[Any]]] = {}
-    step = 0
-    if rp is not None:
-        step = rp.step
-        for rank, items in rp.fetches.items():
-            fetches[str(rank)] = [
-                [f.piece_name, f.origin_node, f.source_node, f.sha256, f.size] for f in items
-            ]
-    value = {
-        "step": step,
-        "fetches": fetches,
-        "at": action.wall_s,
-        "recomputed": max([*action.next_steps, step]) - step,
-    }
+    # Each piece once; every node derives its own fetches with the plan (store.instruction).
+    value = encode_instruction(rp, action.plan)
+    step = int(value["step"])
+    value.update(at=action.wall_s, recomputed=max([*action.next_steps, step]) - step)
     return WriteResume(action.generation, value)
 
 

@@ -67,15 +67,25 @@ def _started(what: str, v: Any) -> None:
     _number(what, v, "moved_at")
 
 
+# The resume instruction's format (elasticpp.store.instruction, which decodes it; this layer
+# does not import the store): a value of another release is refused here, by name.
+RESUME_FORMAT_VERSION = 2
+
+
 def _resume(what: str, v: Any) -> None:
+    version = v.get("format_version")
+    if version != RESUME_FORMAT_VERSION:
+        raise ClusterDataError(
+            f"{what}: resume instruction format_version {version!r} is not "
+            f"{RESUME_FORMAT_VERSION} (written by a leader of another release)"
+        )
     _integer(what, v, "step")
     _integer(what, v, "recomputed", required=False)
-    fetches = v.get("fetches")
-    if not isinstance(fetches, dict) or not all(
-        isinstance(items, list) and all(isinstance(i, list) and len(i) == 5 for i in items)
-        for items in fetches.values()
-    ):
-        raise ClusterDataError(f"{what}: fetches must map ranks to lists of 5-item entries")
+    for name in ("pieces", "reshard", "reshard_by_node", "by_node", "infos_by_node"):
+        if not isinstance(v.get(name), dict):
+            raise ClusterDataError(f"{what}: {name} must be an object")
+    if not isinstance(v.get("nodes"), list):
+        raise ClusterDataError(f"{what}: nodes must be a list")
 
 
 def _timeline(what: str, v: Any) -> None:

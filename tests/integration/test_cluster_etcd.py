@@ -264,7 +264,7 @@ def test_a_leader_confirmed_dead_is_deposed_at_once_and_only_its_own_term(
     assert b.leader() is None
     new = b.campaign("n2", ttl_s=30)
     assert new is not None
-    assert not a.write_resume(1, {"step": 0, "fetches": {}}, old)  # the deposed term writes nothing
+    assert not a.write_resume(1, _resume(0), old)  # the deposed term writes nothing
     assert not a.depose("n1") and b.leader() == "n2"
 
 
@@ -278,6 +278,19 @@ def test_resigned_leader_is_replaced_at_once(clients: Callable[[], ClusterClient
     assert b.campaign("n2", ttl_s=30) is not None
 
 
+def _resume(step: int) -> dict[str, Any]:
+    """An instruction with nothing to fetch (elasticpp.store.instruction's form)."""
+    empty: dict[str, Any] = {"pieces": {}, "reshard": {}, "reshard_by_node": {}}
+    return {
+        "format_version": 2,
+        "step": step,
+        **empty,
+        "nodes": [],
+        "by_node": {},
+        "infos_by_node": {},
+    }
+
+
 def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leader(
     clients: Callable[[], ClusterClient],
 ) -> None:
@@ -286,18 +299,18 @@ def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leade
     a, b = clients(), clients()
     old = a.campaign("n1", ttl_s=5)
     assert old is not None
-    assert a.write_resume(3, {"step": 7, "fetches": {}}, old)
-    assert not a.write_resume(3, {"step": 9, "fetches": {}}, old)  # written once
+    assert a.write_resume(3, _resume(7), old)
+    assert not a.write_resume(3, _resume(9), old)  # written once
     # Leadership moves mid-transition: the new leader finds the instruction, under the one
     # member name followers read, and cannot replace it.
     old.resign()
     new = b.campaign("n2", ttl_s=5)
     assert new is not None
-    assert b.barrier_state("resume-3")[0] == {RESUME_MEMBER: {"step": 7, "fetches": {}}}
-    assert not b.write_resume(3, {"step": 0, "fetches": {}}, new)
-    assert not a.write_resume(4, {"step": 7, "fetches": {}}, old)  # a deposed term writes nothing
-    assert b.write_resume(4, {"step": 8, "fetches": {}}, new)
-    assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: {"step": 8, "fetches": {}}}
+    assert b.barrier_state("resume-3")[0] == {RESUME_MEMBER: _resume(7)}
+    assert not b.write_resume(3, _resume(0), new)
+    assert not a.write_resume(4, _resume(7), old)  # a deposed term writes nothing
+    assert b.write_resume(4, _resume(8), new)
+    assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: _resume(8)}
 
 
 def _timeline(generation: int) -> dict[str, Any]:
@@ -328,7 +341,7 @@ def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
         a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": g, "at": g})
         a.arrive(f"started-{g}", "n1", {"at": g, "moved_at": g})
         a.arrive(f"failed-{g}", "n1", {"reason": "a worker exited", "at": g})
-        assert a.write_resume(g, {"step": g, "fetches": {}}, lead)
+        assert a.write_resume(g, _resume(g), lead)
         a.arrive("timelines", f"gen-{g}", _timeline(g))
         if g <= 4:
             a.record_commit(g, "n1", g)

@@ -16,11 +16,12 @@ from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import FETCH_PER_SOURCE
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
+from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_device_spec
 from elasticpp.store.client import PieceFetchError
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.store.service import StateServicer
-from tests.integration.test_store_grpc import ALL_TP2, Node, commit_step
-from tests.unit.test_agent_done import SPEC, _plan
+from tests.integration.test_store_grpc import ALL_TP2, MODEL, Node, commit_step
+from tests.unit.test_agent_done import SPEC
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,14 +65,26 @@ def test_the_agent_fetches_a_sources_pieces_in_parallel_within_the_per_source_bo
     nodes["a"] = a = Node(tmp_path, "a", _Counting, threads=16, delay_s=0.2)
     commit_step(a.store, 3, ALL_TP2)
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "n0"), SPEC)
-    record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), extra={})
+    # n0 runs both ranks at tp=1 of the model whose tp=2 slices `a` holds: it takes them all.
+    cluster = ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu"))
+    plan = build_plan(MODEL, cluster, Layout(1, 1, 2), global_batch=4, micro_batch=2)
+    record = GenerationRecord(2, plan.with_generation(2).to_dict(), "n9", time.time(), extra={})
     record.extra["sources"] = {"a": a.address}
     gs = _GenState(record=record, phase=Phase.MOVING)
-    pieces = [a.store.piece_info("a", 3, n) for n in ALL_TP2]
-    fetches = [[n, "a", "a", p.sha256, p.size] for n, p in zip(ALL_TP2, pieces, strict=True)]
-    assert len(fetches) > FETCH_PER_SOURCE
+    pieces = {n: a.store.piece_info("a", 3, n) for n in ALL_TP2}
+    assert len(pieces) > FETCH_PER_SOURCE
+    resume = {
+        "format_version": 2,
+        "step": 3,
+        "pieces": {n: [p.sha256, p.size] for n, p in pieces.items()},
+        "reshard": dict.fromkeys(MODEL.units, 2),
+        "reshard_by_node": {},
+        "nodes": ["a"],
+        "by_node": {"n0": [[len(pieces), 0]]},
+        "infos_by_node": {},
+    }
     progress = TransferProgress()
-    outcome = agent._fetch(gs, {"step": 3, "fetches": {"0": fetches}}, progress)
+    outcome = agent._fetch(gs, resume, progress)
     assert outcome.error is None
     assert 1 < a.servicer.most <= FETCH_PER_SOURCE
     for name in ALL_TP2:

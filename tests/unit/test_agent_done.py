@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
@@ -145,9 +147,9 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
     gs = _GenState(record=record, phase=Phase.MOVING)
     agent._fs.gen = gs
-    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
+    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: _resume_v2(step=0)}}
     agent._follow_generation()
-    assert gs.resume == {"step": 0, "fetches": {}} and gs.fetch is not None
+    assert gs.resume == _resume_v2(step=0) and gs.fetch is not None
     assert gs.fetch.result(timeout=10).error is None
 
 
@@ -286,11 +288,25 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
     assert agent.store.committed_steps() == [2]
 
 
+def _resume_v2(**fields: Any) -> dict[str, Any]:
+    empty = {"pieces": {}, "reshard": {}, "reshard_by_node": {}, "infos_by_node": {}}
+    return {"format_version": 2, "step": 3, **empty, "nodes": [], "by_node": {}, **fields}
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        # A path as a piece name: piece names are built from the plan, never taken from etcd.
+        ({"pieces": {"../secret.txt": "INFO"}, "nodes": [DISK_SOURCE]}, "no piece of unit"),
+        # A path as a node name (an origin is a directory of the store): refused.
+        ({"pieces": "ALL", "nodes": ["../ckpt"]}, "node '../ckpt': must be"),
+    ],
+)
 def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_copy(
-    tmp_path: Path,
+    tmp_path: Path, bad: dict[str, Any], error: str
 ) -> None:
-    # The traversed source exists with the right checksum and size: only the name check
-    # stands between this resume and a file written outside the generation's resume dir.
+    # The traversed source exists with the right checksum and size: only the name checks
+    # stand between this resume and a file written outside the generation's resume dir.
     ckpt = tmp_path / "ckpt"
     (ckpt / step_dirname(3)).mkdir(parents=True)
     secret = ckpt / "secret.txt"
@@ -301,8 +317,12 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=3)
     gs = _GenState(record=record, phase=Phase.MOVING)
     before = {p for p in (tmp_path / "a").rglob("*")}
-    bad = ["../secret.txt", DISK_SOURCE, DISK_SOURCE, hashlib.sha256(data).hexdigest(), len(data)]
-    outcome = agent._fetch(gs, {"step": 3, "fetches": {"0": [bad]}})
+    info = [hashlib.sha256(data).hexdigest(), len(data)]
+    names = {f"{u}.tp0-1.safetensors": info for u in SPEC.model.units}
+    pieces = names if bad["pieces"] == "ALL" else {k: info for k in bad["pieces"]}
+    runs = [[len(SPEC.model.units), 0]]
+    value = _resume_v2(pieces=pieces, nodes=bad["nodes"], by_node={"n0": runs})
+    outcome = agent._fetch(gs, value)
     resume_dir = agent._resume_dir(gs)
     assert resume_dir == tmp_path / "a" / "resume" / "gen-000002"
     new = {p for p in (tmp_path / "a").rglob("*")} - before
@@ -315,7 +335,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     ]
     assert not outside, outside
     assert not [p for p in new if p.is_file()], new  # refused before any copy
-    assert outcome.error is not None and "not a piece name: '../secret.txt'" in outcome.error
+    assert outcome.error is not None and error in outcome.error
 
 
 def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding
+from elasticpp.store.instruction import node_fetches
 from tests.unit.test_agent_done import SPEC_FIELDS
 
 SPEC = parse_job_spec({**SPEC_FIELDS, "global_batch": 12, "max_nodes": 3, "stop_timeout_s": 10.0})
@@ -249,9 +250,11 @@ def test_the_resume_is_resolved_from_what_the_nodes_hold_and_on_record_only_once
     [write] = leader_resume_resolved(state, resolve, None)
     assert isinstance(write, WriteResume) and write.generation == 2
     assert (write.value["step"], write.value["recomputed"], write.value["at"]) == (8, 2, WALL + 100)
-    assert sorted(write.value["fetches"]) == ["0", "1"]
-    piece, origin, source, _sha, size = write.value["fetches"]["1"][0]
-    assert (origin, source, size) == ("n1", "n1", 10) and piece.endswith(".safetensors")
+    # Each piece once, each node taking its own: every node derives its fetches with the plan.
+    assert write.value["format_version"] == 2 and write.value["by_node"] == {}
+    plan = resolve.plan
+    [fetch, *_] = node_fetches(write.value, plan, "n1")
+    assert (fetch.origin_node, fetch.source_node, fetch.size) == ("n1", "n1", 10)
     assert leader_resume_written(state, write, False) == []  # written before, or term over
     assert not state.resume_written
     told = leader_resume_written(state, write, True)
@@ -271,7 +274,7 @@ def test_a_fresh_job_starts_at_step_0_and_one_that_committed_before_does_not_sta
     assert isinstance(check, CheckNeverCommitted) and "no committed state" in check.why
     [write] = leader_fresh_checked(state, check, False)
     assert isinstance(write, WriteResume) and write.value["step"] == 0
-    assert write.value["fetches"] == {}
+    assert write.value["pieces"] == {} and node_fetches(write.value, resolve.plan, "n0") == ()
     # etcd says the job committed before: it waits and says why, once.
     [told] = leader_fresh_checked(state, check, True)
     assert isinstance(told, Event) and "does not start over" in told.message

@@ -50,6 +50,13 @@ def test_a_prefix_read_stays_under_1_mib_at_2048_nodes(model: str, name: str) ->
     assert sizes(model)[name] <= READ_LIMIT, (model, name, sizes(model)[name])
 
 
+def test_the_resume_instruction_names_each_piece_once_at_2048_nodes() -> None:
+    """Per rank it was 24 MiB (70B) and 80 MiB (7B), past etcd's 1.5 MiB request limit."""
+    assert sizes("llama-7b pp1 tp8")["resume instruction"] <= VALUE_LIMIT
+    # 70B: 704 pieces with their sha256 are 77 KiB alone; the runs of the nodes that moved.
+    assert sizes("llama-70b pp8 tp8")["resume instruction"] <= READ_LIMIT
+
+
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.label)
 def test_the_benchs_resume_after_a_loss_is_what_the_resolver_chooses(model: Model) -> None:
     nodes = node_ids(16)
