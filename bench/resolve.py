@@ -1,6 +1,7 @@
 """How much CPU the leader spends on a re-plan at scale: `resolve` and the planner.
 
     .venv/bin/python bench/resolve.py [--nodes 64,256,1024,2048] [--reference-max-nodes 256]
+        [--models llama-70b,llama-7b]
 
 The scene, for each model and node count N (8 slots a node): the job ran a plan of the given
 layout on nodes n0000.. and committed two anchor steps. Every node holds its own pieces of
@@ -9,7 +10,8 @@ r = 1, a replica of the previous node's. Then one node in the middle is lost; a 
 takes its place in the same layout, holding nothing, so its ranks fetch their pieces from the
 lost node's data-parallel twins. That is what nodes report after a node loss.
 
-Timed (CPU seconds, `time.process_time`, best of `--repeats`): `resolve` for the new plan,
+Timed (CPU seconds, `time.process_time`, best of `--repeats`, each after a full garbage
+collection, so a call pays only for the garbage it makes): `resolve` for the new plan,
 the old resolver (`bench/resolve_reference.py`) where N <= `--reference-max-nodes` (it is
 O(ranks x pieces x candidates): beyond that it runs for minutes), and `plan()` for the new
 cluster (top_k=0). Prints a markdown table.
@@ -18,6 +20,7 @@ cluster (top_k=0). Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +98,7 @@ def scene(model: ModelSpec, layout: Layout, nodes: int, device: str = "h100-80g"
 def _best_cpu(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:
     best: tuple[float, Any] | None = None
     for _ in range(repeats):
+        gc.collect()  # the scene's garbage is not the timed call's to collect
         c0 = time.process_time()
         out = fn()
         cpu = time.process_time() - c0
@@ -111,6 +115,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--nodes", default="64,256,1024,2048")
     ap.add_argument("--reference-max-nodes", type=int, default=256)
+    ap.add_argument("--models", default=",".join(m for m, _ in CASES))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--device", default="h100-80g")
     args = ap.parse_args()
@@ -121,6 +126,8 @@ def main() -> int:
           "| plan() s | planner's layout |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for model_name, text in CASES:
+        if model_name not in args.models.split(","):
+            continue
         model = load_model_spec(model_name)
         for nodes in counts:
             base = Layout.parse(text)
