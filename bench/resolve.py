@@ -1,6 +1,6 @@
 """How much CPU the leader spends on a re-plan at scale: `resolve` and the planner.
 
-    .venv/bin/python bench/resolve.py [--nodes 64,256,1024,2048] [--reference-max-nodes 256]
+    .venv/bin/python -m bench.resolve [--nodes 64,256,1024,2048] [--reference-max-nodes 256]
         [--models llama-70b,llama-7b]
 
 The scene, for each model and node count N (8 slots a node): the job ran a plan of the given
