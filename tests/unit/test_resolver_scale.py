@@ -13,6 +13,8 @@ from __future__ import annotations
 import gc
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -103,9 +105,18 @@ def _case(
     return holdings, target.with_generation(rng.randint(1, 9)), live, disk
 
 
-def _outcome(fn, holdings, target, live, disk) -> ResumePlan | str:  # type: ignore[no-untyped-def]
+Resolver = Callable[..., ResumePlan]
+
+
+def _outcome(
+    fn: Resolver,
+    holdings: dict[str, NodeHoldings],
+    target: Plan,
+    live: list[str],
+    disk: NodeHoldings | None,
+) -> ResumePlan | str:
     try:
-        return fn(holdings, target, live_nodes=live, disk=disk)  # type: ignore[no-any-return]
+        return fn(holdings, target, live_nodes=live, disk=disk)
     except StateUnavailableError as exc:
         return f"StateUnavailableError: {exc}"
 
@@ -137,7 +148,7 @@ def test_the_fast_resolver_equals_the_reference_at_512_nodes() -> None:
     assert others == {FetchKind.LOCAL}
 
 
-def _cpu_s(fn, *args, **kwargs) -> float:  # type: ignore[no-untyped-def]
+def _cpu_s(fn: Resolver, *args: Any, **kwargs: Any) -> float:
     """The least CPU time of three calls, with the collector off: what the algorithm does,
     not what collecting the other tests' objects costs."""
     best = float("inf")
