@@ -8,8 +8,9 @@ How one generation runs (DESIGN.md, "Recovery, step by step"):
    drain (`graceful`) stops them at the next step boundary, so nothing is recomputed.
 2. Every live agent stops its old workers, commits what they handed over, and arrives at
    barrier `stopped-G` with what its store holds.
-3. The leader resolves the resume step and, per rank, which pieces to fetch from whom, and
-   publishes it as barrier `resume-G`.
+3. The leader resolves the resume step and which source serves each piece, and publishes it
+   as barrier `resume-G`, each piece named once (elasticpp.store.instruction); every agent
+   derives its own ranks' fetches from it and the plan.
 4. Agents with ranks fetch (local pieces are hard-linked; remote ones stream over gRPC with
    checksums), hand assignments to WARM workers (torch already imported), and arrive at
    `started-G` when all of theirs report "started".
