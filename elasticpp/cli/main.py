@@ -3,13 +3,16 @@
 Each subcommand lives in its own module `elasticpp.cli.<name>` with
 `add_parser(subparsers) -> None` and `run(args) -> int`; modules are imported lazily so
 that `elasticpp plan` never imports torch. Any `ElasticppError` becomes one line on stderr
-and exit code 2.
+and exit code 2. `kill -USR1 <pid>` prints every thread's Python stack to stderr (a process
+that seems stuck says where it is; it goes on running).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -53,6 +56,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser, modules = build_parser()
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     module = modules[args.command]
     try:
         return int(module.run(args))  # type: ignore[attr-defined]

@@ -348,9 +348,19 @@ def test_ctrl_c_or_sigterm_kills_every_worker(
         wait_for_steps(proc, metrics, 90)
         workers = children_of(proc.pid)
         assert len(workers) == 2
+        proc.send_signal(signal.SIGUSR1)  # prints the threads' stacks; training goes on
         proc.send_signal(sig)
-        rc = proc.wait(timeout=30)
+        assert proc.stderr is not None
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # where it is stuck, for the failure message
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2.0)  # the dump is written at once
+            proc.kill()
+            pytest.fail(f"no exit 30 s after signal {sig}; its stacks:\n{proc.stderr.read()}")
         assert rc in (130, 143)
+        assert "most recent call first" in proc.stderr.read()
         assert wait_gone(workers, 10) == []
     finally:
         cleanup(proc, workers)
