@@ -21,7 +21,14 @@ from elasticpp.cluster.errors import (
     NodeIdConflictError,
 )
 from elasticpp.cluster.leases import Leadership, ProgressGate, Registration
-from elasticpp.cluster.records import EventType, GenerationRecord, JobEpoch, Members, WatchEvent
+from elasticpp.cluster.records import (
+    EventType,
+    GenerationRecord,
+    GenerationSummary,
+    JobEpoch,
+    Members,
+    WatchEvent,
+)
 from elasticpp.cluster.watch import Watch
 
 __all__ = [
@@ -35,6 +42,7 @@ __all__ = [
     "EventType",
     "GenerationConflictError",
     "GenerationRecord",
+    "GenerationSummary",
     "JobEpoch",
     "Leadership",
     "LeaseNotFoundError",

@@ -48,6 +48,7 @@ from elasticpp.cluster.leases import (
 from elasticpp.cluster.records import (
     EventType,
     GenerationRecord,
+    GenerationSummary,
     JobEpoch,
     Members,
     WatchEvent,
@@ -340,12 +341,15 @@ class ClusterClient(CommitsPart, HealthPart):
         ]
         if isinstance(leader, Leadership):
             compares.append(Compare(self.keys.leader, "create", leader.create_revision))
-        value = record.to_json()
         ok, _, revision = self._kv.txn(
             compares,
             [
-                Put(self.keys.generation, value),
-                Put(self.keys.generation_history(record.generation), value),
+                Put(self.keys.generation, record.to_json()),
+                # A summary, not a second copy: the transaction stays under etcd's limit.
+                Put(
+                    self.keys.generation_history(record.generation),
+                    GenerationSummary.of(record).to_json(),
+                ),
             ],
         )
         if ok:
@@ -363,9 +367,10 @@ class ClusterClient(CommitsPart, HealthPart):
             )
         return ok
 
-    def generation_history(self) -> list[GenerationRecord]:
+    def generation_history(self) -> list[GenerationSummary]:
+        """The kept generations, oldest first, as summaries (older full copies included)."""
         kvs, _ = self._kv.get_prefix(self.keys.generations_prefix)
-        return [GenerationRecord.from_json(kv.value) for kv in kvs]
+        return [GenerationSummary.from_json(kv.value) for kv in kvs]
 
     def watch_generation(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None

@@ -18,7 +18,10 @@ generation                           none            GenerationRecord JSON: gene
                                                      leader, created_at, resume_step,
                                                      switch_step, store_address, extra
                                                      (leader, by compare-and-swap)
-generations/<generation:012d>        none            the same record, as history (same txn)
+generations/<generation:012d>        none            GenerationSummary JSON: generation,
+                                                     leader, created_at, layout, nodes (count),
+                                                     reason, previous_layout; history (same
+                                                     txn; earlier releases kept full copies)
 suspects/<node_id>                   none            {format_version, node_id, by, reason, at}
 barriers/<name>/<node_id>            none            {format_version, node_id, value, at}
 commits/<generation:012d>/<node_id>  none            {format_version, node_id, generation, step,

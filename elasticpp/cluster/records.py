@@ -79,7 +79,8 @@ class Members:
 class GenerationRecord:
     """One plan generation, as the leader writes it by compare-and-swap.
 
-    `plan` is the plan's JSON object (`Plan.to_dict()`); this layer does not interpret it.
+    `plan` is the plan's JSON object (`Plan.to_dict()`); this layer does not interpret it
+    (beyond the three numbers of its layout, for `GenerationSummary`).
     `resume_step` is the step training resumes at (after a loss), `switch_step` the step
     boundary at which a planned change (a join) takes effect; either may be None.
     """
@@ -128,6 +129,85 @@ class GenerationRecord:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterDataError(f"generation record: bad field ({exc!r})") from None
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """What `generations/<G>` keeps of generation G: who wrote it when, its layout, how many
+    nodes, why, and the layout before. Not the plan or the per-node maps: the history is
+    written in the same transaction as the record, and a second full copy would double the
+    bytes of a transaction that must stay under etcd's request limit.
+
+    `of` reads the record's plan only for its `pp`, `tp` and `dp` and its `extra` only for
+    `nodes`, `reason` and `previous_layout`; a field the record lacks reads as empty.
+    History written by earlier releases (full records) still reads, as their summary.
+    """
+
+    generation: int
+    leader: str
+    created_at: float
+    layout: str
+    nodes: int
+    reason: str = ""
+    previous_layout: str = ""
+
+    @classmethod
+    def of(cls, record: GenerationRecord) -> GenerationSummary:
+        plan, extra = record.plan, record.extra
+        dims = [plan.get(axis) for axis in ("pp", "tp", "dp")]
+        layout = "pp={},tp={},dp={}".format(*dims) if all(_whole(d, 1) for d in dims) else ""
+        nodes = extra.get("nodes")
+        return cls(
+            generation=record.generation,
+            leader=record.leader,
+            created_at=record.created_at,
+            layout=layout,
+            nodes=len(nodes) if isinstance(nodes, dict) else 0,
+            reason=str(extra.get("reason") or ""),
+            previous_layout=str(extra.get("previous_layout") or ""),
+        )
+
+    def to_json(self) -> str:
+        return dumps(
+            {
+                "generation": self.generation,
+                "leader": self.leader,
+                "created_at": self.created_at,
+                "layout": self.layout,
+                "nodes": self.nodes,
+                "reason": self.reason,
+                "previous_layout": self.previous_layout,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GenerationSummary:
+        data = loads(text, "generation history")
+        if "plan" in data:  # a full copy, as releases before the summary wrote it
+            return cls.of(GenerationRecord.from_json(text))
+        try:
+            generation, nodes = data["generation"], data["nodes"]
+            if not _whole(generation, 1) or not _whole(nodes, 0):
+                raise ClusterDataError(
+                    f"generation history: generation {generation!r} and nodes {nodes!r} must "
+                    "be whole numbers (generation >= 1)"
+                )
+            return cls(
+                generation=generation,
+                leader=str(data["leader"]),
+                created_at=float(data["created_at"]),
+                layout=str(data["layout"]),
+                nodes=nodes,
+                reason=str(data.get("reason") or ""),
+                previous_layout=str(data.get("previous_layout") or ""),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ClusterDataError(f"generation history: bad field ({exc!r})") from None
+
+
+def _whole(value: Any, least: int) -> bool:
+    """A whole number >= `least` (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _steps(value: Any, what: str) -> tuple[int, ...]:

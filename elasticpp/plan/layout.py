@@ -11,7 +11,13 @@ next to each other (stage-to-stage p2p stays inside a node where it can). A node
 beyond its groups stay idle.
 
 A `Plan` is serialised as versioned JSON (`format_version`); it crosses process and network
-boundaries, so it never holds anything that would need pickling.
+boundaries, so it never holds anything that would need pickling. Version 2 writes the
+placement compactly, one `[node_id, count]` run per stretch of consecutive ranks on one node:
+a rank's coordinates follow from the rank and the layout (`coord_of`, which `validate`
+enforces), and its GPU index on the node is, by default, the number of lower ranks on that
+node (what `place` assigns). A rank placed otherwise is listed in `local_ranks` as
+`[rank, local_rank]`, so any valid placement reads back exactly. Version 1 (one object per
+rank) is still read.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import Any
 from elasticpp.errors import ConfigError, PlanError
 from elasticpp.plan.specs import ClusterSpec, ModelSpec
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+# Version 1 spelled out every rank's slot; plans of that form may still be in etcd or files.
+PLAN_FORMAT_VERSIONS_READ = (1, 2)
 
 
 @dataclass(frozen=True, order=True)
@@ -206,17 +214,7 @@ class Plan:
             "microbatches": list(self.microbatches),
             "stages": [list(s) for s in self.stages],
             "recompute": self.recompute,
-            "placement": [
-                {
-                    "rank": s.rank,
-                    "node_id": s.node_id,
-                    "local_rank": s.local_rank,
-                    "pp": s.coord.pp,
-                    "tp": s.coord.tp,
-                    "dp": s.coord.dp,
-                }
-                for s in self.placement
-            ],
+            "placement": _placement_to_dict(self.placement),
             "gpus_used": self.gpus_used,
             "est_step_seconds": self.est_step_seconds,
             "bubble_fraction": self.bubble_fraction,
@@ -229,10 +227,16 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         version = data.get("format_version")
-        if version != PLAN_FORMAT_VERSION:
-            raise ConfigError(f"plan: format_version {version!r} is not {PLAN_FORMAT_VERSION}")
+        if version not in PLAN_FORMAT_VERSIONS_READ:
+            raise ConfigError(
+                f"plan: format_version {version!r} is not one of {PLAN_FORMAT_VERSIONS_READ}"
+            )
         try:
             layout = Layout(int(data["pp"]), int(data["tp"]), int(data["dp"]))
+            if version == 1:
+                placement = _placement_from_v1(data["placement"])
+            else:
+                placement = _placement_from_dict(data["placement"], layout)
             plan = cls(
                 model=ModelSpec.from_dict(dict(data["model"]), source="plan.model"),
                 layout=layout,
@@ -241,15 +245,7 @@ class Plan:
                 microbatches=tuple(int(m) for m in data["microbatches"]),
                 stages=tuple((int(a), int(b)) for a, b in data["stages"]),
                 recompute=bool(data["recompute"]),
-                placement=tuple(
-                    WorkerSlot(
-                        int(p["rank"]),
-                        str(p["node_id"]),
-                        int(p["local_rank"]),
-                        Coord(int(p["pp"]), int(p["tp"]), int(p["dp"])),
-                    )
-                    for p in data["placement"]
-                ),
+                placement=placement,
                 est_step_seconds=float(data.get("est_step_seconds", 0.0)),
                 bubble_fraction=float(data.get("bubble_fraction", 0.0)),
                 memory_gib=float(data.get("memory_gib", 0.0)),
@@ -343,6 +339,69 @@ def build_plan(
     )
     plan.validate()
     return plan
+
+
+def _placement_to_dict(placement: tuple[WorkerSlot, ...]) -> dict[str, Any]:
+    """Runs of ranks per node plus the ranks whose GPU index is not the derived one."""
+    runs: list[list[Any]] = []
+    next_local: dict[str, int] = {}
+    moved: list[list[int]] = []
+    for s in placement:
+        if runs and runs[-1][0] == s.node_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([s.node_id, 1])
+        derived = next_local.get(s.node_id, 0)
+        next_local[s.node_id] = derived + 1
+        if s.local_rank != derived:
+            moved.append([s.rank, s.local_rank])
+    return {"node_runs": runs, "local_ranks": moved}
+
+
+def _placement_from_dict(data: dict[str, Any], layout: Layout) -> tuple[WorkerSlot, ...]:
+    """The inverse of `_placement_to_dict`; `ConfigError` naming what does not add up."""
+    nodes: list[str] = []
+    for entry in data["node_runs"]:
+        node_id, count = entry
+        if not isinstance(node_id, str) or not _is_int(count) or count < 1:
+            raise ConfigError(f"plan: placement run {entry!r} is not [node_id, count >= 1]")
+        nodes.extend([node_id] * count)
+    if len(nodes) != layout.world_size:
+        raise ConfigError(
+            f"plan: placement runs cover {len(nodes)} ranks; layout {layout} has "
+            f"{layout.world_size}"
+        )
+    moved: dict[int, int] = {}
+    for entry in data.get("local_ranks", []):
+        rank, local = entry
+        if not _is_int(rank) or not 0 <= rank < len(nodes) or rank in moved:
+            raise ConfigError(f"plan: local_ranks entry {entry!r} names no rank or one twice")
+        if not _is_int(local) or local < 0:
+            raise ConfigError(f"plan: local_ranks entry {entry!r}: GPU index must be >= 0")
+        moved[rank] = local
+    next_local: dict[str, int] = {}
+    slots = []
+    for rank, node_id in enumerate(nodes):
+        derived = next_local.get(node_id, 0)
+        next_local[node_id] = derived + 1
+        slots.append(WorkerSlot(rank, node_id, moved.get(rank, derived), coord_of(layout, rank)))
+    return tuple(slots)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _placement_from_v1(entries: list[dict[str, Any]]) -> tuple[WorkerSlot, ...]:
+    return tuple(
+        WorkerSlot(
+            int(p["rank"]),
+            str(p["node_id"]),
+            int(p["local_rank"]),
+            Coord(int(p["pp"]), int(p["tp"]), int(p["dp"])),
+        )
+        for p in entries
+    )
 
 
 def _tp_sizes(model: ModelSpec) -> str:

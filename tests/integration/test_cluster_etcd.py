@@ -19,6 +19,7 @@ from elasticpp.cluster import (
     EventType,
     GenerationConflictError,
     GenerationRecord,
+    GenerationSummary,
     JobEpoch,
     ProgressGate,
     Registration,
@@ -375,6 +376,34 @@ def test_generation_cas_refuses_stale_revision_and_wrong_number(
         a.write_generation(record(2, "n9"), rev, lead)
     assert a.write_generation(record(2, "n1"), rev, lead)
     assert [r.generation for r in a.generation_history()] == [1, 2]
+
+
+def test_the_history_of_a_generation_is_its_summary_and_old_full_copies_still_read(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a = clients()
+    lead = a.campaign("n1", ttl_s=5)
+    assert lead is not None
+    # An earlier release kept a second full copy of generation 1.
+    first = GenerationRecord(1, {"pp": 1, "tp": 2, "dp": 2}, "n1", 5.0, extra={"reason": "start"})
+    a._kv.put(a.keys.generation, first.to_json())
+    a._kv.put(a.keys.generation_history(1), first.to_json())
+    _, rev = a.read_generation()
+    second = GenerationRecord(
+        2,
+        {"pp": 2, "tp": 2, "dp": 1},
+        "n1",
+        6.0,
+        extra={"reason": "lost n2", "nodes": {"n1": "a:1"}, "previous_layout": "pp=1,tp=2,dp=2"},
+    )
+    assert a.write_generation(second, rev, lead)
+    stored = a._kv.get(a.keys.generation_history(2))
+    assert stored is not None and "plan" not in json.loads(stored.value)
+    assert a.read_generation()[0] == second  # the record itself is whole
+    assert a.generation_history() == [
+        GenerationSummary(1, "n1", 5.0, "pp=1,tp=2,dp=2", 0, "start"),
+        GenerationSummary(2, "n1", 6.0, "pp=2,tp=2,dp=1", 1, "lost n2", "pp=1,tp=2,dp=2"),
+    ]
 
 
 def test_two_writers_of_the_same_read_revision_only_one_wins(

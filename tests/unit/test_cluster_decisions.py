@@ -15,8 +15,10 @@ from elasticpp.cluster.decisions import (
 )
 from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.cluster.keys import JobKeys, last_segment, prefix_end
-from elasticpp.cluster.records import GenerationRecord, loads
+from elasticpp.cluster.records import GenerationRecord, GenerationSummary, loads
 from elasticpp.errors import ConfigError
+from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_model_spec
+from elasticpp.plan.specs import DEVICE_PRESETS
 
 
 def test_ring_order_is_natural_and_deduplicated() -> None:
@@ -88,3 +90,59 @@ def test_records_of_unknown_format_or_bad_fields_are_refused() -> None:
     missing = json.dumps({"format_version": 1, "generation": 1, "plan": {}})
     with pytest.raises(ClusterDataError, match="bad field"):
         GenerationRecord.from_json(missing)
+
+
+def _full_record(generation: int) -> GenerationRecord:
+    nodes = [f"n{i}" for i in range(3)]
+    cluster = ClusterSpec(tuple(NodeSpec(n, 4) for n in nodes), DEVICE_PRESETS["h100-80g"])
+    plan = build_plan(
+        load_model_spec("tiny"), cluster, Layout(2, 2, 3), global_batch=6, micro_batch=1
+    )
+    return GenerationRecord(
+        generation=generation,
+        plan=plan.with_generation(generation).to_dict(),
+        leader="n0",
+        created_at=12.5,
+        resume_step=40,
+        store_address="10.0.0.1:7070",
+        extra={
+            "reason": "lost n3",
+            "nodes": {n: f"{n}:7070" for n in nodes},
+            "sources": {n: f"{n}:7070" for n in nodes},
+            "incarnations": dict.fromkeys(nodes, "abc"),
+            "previous_layout": "pp=2,tp=2,dp=4",
+        },
+    )
+
+
+def test_the_history_summary_keeps_who_when_layout_nodes_and_why() -> None:
+    record = _full_record(7)
+    summary = GenerationSummary.of(record)
+    assert summary == GenerationSummary(
+        7, "n0", 12.5, "pp=2,tp=2,dp=3", 3, "lost n3", "pp=2,tp=2,dp=4"
+    )
+    text = summary.to_json()
+    assert "plan" not in json.loads(text) and "sources" not in text
+    assert len(text) < len(record.to_json()) / 4
+    assert GenerationSummary.from_json(text) == summary
+
+
+def test_a_full_copy_written_as_history_by_an_earlier_release_reads_as_its_summary() -> None:
+    record = _full_record(5)
+    assert GenerationSummary.from_json(record.to_json()) == GenerationSummary.of(record)
+    bare = GenerationRecord(2, {"layout": {"pp": 2}}, "n1", 1.0)  # nothing to summarise
+    assert GenerationSummary.from_json(bare.to_json()) == GenerationSummary(2, "n1", 1.0, "", 0)
+
+
+def test_a_history_summary_with_bad_fields_is_refused() -> None:
+    good = json.loads(GenerationSummary.of(_full_record(3)).to_json())
+    for field, value, match in [
+        ("generation", 0, "generation 0"),
+        ("nodes", -1, "nodes -1"),
+        ("nodes", True, "nodes True"),
+    ]:
+        with pytest.raises(ClusterDataError, match=match):
+            GenerationSummary.from_json(json.dumps({**good, field: value}))
+    del good["layout"]
+    with pytest.raises(ClusterDataError, match=r"bad field.*layout"):
+        GenerationSummary.from_json(json.dumps(good))
