@@ -53,10 +53,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     return parser, modules
 
 
+def _dump_stacks_on_usr1() -> None:
+    """`kill -USR1` prints the threads' stacks to the process's stderr (when it has a file
+    descriptor: not when a caller replaced sys.stderr, as an in-process test does)."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    faulthandler.register(signal.SIGUSR1, file=fd, all_threads=True, chain=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, modules = build_parser()
     args = parser.parse_args(argv)
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    _dump_stacks_on_usr1()
     module = modules[args.command]
     try:
         return int(module.run(args))  # type: ignore[attr-defined]
