@@ -276,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
         raise _Terminated(f"signal {signum}")
 
     old_term = signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C stops the run whatever SIGINT's disposition was at start: a shell without job
+    # control starts background commands with SIGINT ignored, and Python keeps it so.
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     workers: list[Any] = []
     started = time.monotonic()
     try:
@@ -348,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         kill_all(workers)
         signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
         if metrics is not None:
             metrics.close()
         if own_log_dir and succeeded:
