@@ -223,6 +223,7 @@ class FollowerPart:
                     "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
                     "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
                     "snapshot_every": self.spec.snapshot_every,
+                    "snapshot_when_busy": self.spec.snapshot_when_busy,
                     "backend": self.cfg.backend,
                     "device": self.cfg.device,
                     "num_threads": self.cfg.worker_threads,

@@ -53,6 +53,7 @@ _OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps
 _TRAIN_KEYS = (
     "schedule",
     "precision",
+    "compile",
     "data",
     "data_dtype",
     "data_shuffle",
@@ -87,6 +88,10 @@ class JobSpec:
     # of `DeviceSpec` fields for hardware without a preset.
     device: str | dict[str, Any] = "cpu"
     snapshot_every: int = 1  # hand state to the node's store every N committed steps
+    # A snapshot due while a worker's writer is still busy with the last one: "wait" (every
+    # due step is written; training waits for the disk) or "skip" (every rank skips it alike;
+    # training never waits, a crash recomputes the steps since the newest written one).
+    snapshot_when_busy: str = "wait"
     replication_copies: int = 1  # peer nodes holding a copy of each node's pieces (ring order)
     replication_every: int = 1  # replicate every N committed steps
     persist_dir: str | None = None  # persistent checkpoints (a shared directory), or none
@@ -133,6 +138,11 @@ class JobSpec:
             _check_int(key, getattr(self, key), minimum=1)
         for key in ("seed", "replication_copies", "persist_every"):
             _check_int(key, getattr(self, key), minimum=0)
+        if self.snapshot_when_busy not in ("wait", "skip"):
+            raise ConfigError(
+                "job spec: snapshot_when_busy must be wait or skip, got "
+                f"{self.snapshot_when_busy!r}"
+            )
         if self.min_nodes > self.max_nodes:
             raise ConfigError(
                 f"job spec: min_nodes ({self.min_nodes}) exceeds max_nodes ({self.max_nodes})"

@@ -65,6 +65,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help=f"compute precision, one of {', '.join(PRECISIONS)}; bf16 keeps fp32 weights, "
         "optimizer state and checkpoints (fp32)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile every block with torch.compile (a worker's first step compiles)",
+    )
     parser.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate")
     parser.add_argument("--min-lr", type=float, default=_DEFAULTS.min_lr)
     parser.add_argument("--warmup-steps", type=int, default=_DEFAULTS.warmup_steps)
@@ -195,6 +200,7 @@ def _validate(
         dropout=args.dropout,
         schedule=args.schedule,
         precision=args.precision,
+        compile=args.compile,
         data=_data_arg(args.data),
         data_dtype=args.data_dtype,
         data_shuffle=not args.no_shuffle,

@@ -46,6 +46,10 @@ class TrainConfig:
     # "bf16": forwards and backwards under bf16 autocast, stage boundaries sent as bf16;
     # parameters, gradients, AdamW moments and checkpoints stay fp32.
     precision: str = "fp32"
+    # Compile every block's forward with torch.compile (Inductor): fused norms, rotations and
+    # activations. A new worker compiles on its first step (tens of seconds; Inductor's
+    # on-disk cache makes later starts of the same shapes quicker), so it is off by default.
+    compile: bool = False
     # A token file (.npy, or .bin with a sidecar or data_dtype), a list of token shards
     # (absolute paths), a directory of token shards, a raw-byte file, or a directory of
     # raw-byte files; None = the stdlib .py corpus. See elasticpp.train.data for the formats.
@@ -95,6 +99,8 @@ class TrainConfig:
             raise bad("schedule", f"one of {', '.join(SCHEDULES)}")
         if self.precision not in PRECISIONS:
             raise bad("precision", f"one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.compile, bool):
+            raise bad("compile", "true or false")
         if isinstance(self.data, (list, tuple)):
             object.__setattr__(self, "data", tuple(self.data))
             _check_shard_list(self.data)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +72,7 @@ class StepResult:
     pipeline_seconds: float  # time of the whole schedule (compute + waiting for neighbours)
     peak_activation_bytes: int  # most bytes autograd held saved for live micro-batches
     stop_at: int  # the agreed stop step (NO_STOP if none)
+    writers_idle: bool = True  # every rank's snapshot writer was free after the update
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,12 @@ class Trainer:
         self.device = device
         self.coord = groups.coord
         self.stage = Stage.for_stage(
-            self.model, plan.model, plan.stages, self.coord.pp, recompute=plan.recompute
+            self.model,
+            plan.model,
+            plan.stages,
+            self.coord.pp,
+            recompute=plan.recompute,
+            compiled=job.compile,
         )
         self.params: dict[str, dict[str, torch.Tensor]] = {}
         self.exp_avg: dict[str, dict[str, torch.Tensor]] = {}
@@ -231,7 +237,13 @@ class Trainer:
 
     # ----- one step -----
 
-    def train_step(self, step: int, local_stop: int) -> StepResult:
+    def train_step(
+        self, step: int, local_stop: int, writer_idle: Callable[[], bool] = lambda: True
+    ) -> StepResult:
+        """One step. `writer_idle()`, asked once after the update, says whether this rank's
+        snapshot writer is free; `StepResult.writers_idle` is whether every rank's is (it
+        travels in the step's last all-gather), so every rank takes or skips a snapshot of
+        this step alike."""
         started = time.perf_counter()
         plan, g = self.plan, self.groups
         B, b = plan.global_batch, plan.micro_batch
@@ -336,7 +348,8 @@ class Trainer:
                 if self.tied.get((u, n), f"{u}/{n}") != f"{u}/{n}":
                     continue  # a tied copy: its original counts the shared gradient once
                 if self.shard_dims[u][n] is not None or self.coord.tp == 0:
-                    sq += gr.double().pow(2).sum()
+                    # fp64 accumulation without an fp64 copy of the gradient
+                    sq += torch.linalg.vector_norm(gr, dtype=torch.float64).square()
         dist.all_reduce(sq)
         grad_norm = math.sqrt(float(sq))
         clip = 1.0
@@ -351,6 +364,7 @@ class Trainer:
             [
                 float(loss_sum.item()) if g.is_last_stage and self.coord.tp == 0 else 0.0,
                 float(min(local_stop, NO_STOP)),
+                1.0 if writer_idle() else 0.0,
             ],
             dtype=torch.float64,
             device=self.device,
@@ -360,6 +374,7 @@ class Trainer:
         rows = torch.stack(gathered).cpu()
         loss = float(rows[:, 0].sum()) / B
         agreed_stop = int(rows[:, 1].min())
+        writers_idle = bool(rows[:, 2].min() > 0.5)
         return StepResult(
             step=step,
             loss=loss,
@@ -372,6 +387,7 @@ class Trainer:
             pipeline_seconds=timer.seconds("pipeline"),
             peak_activation_bytes=peak_bytes,
             stop_at=agreed_stop,
+            writers_idle=writers_idle,
         )
 
     def _autocast(self) -> torch.autocast:

@@ -30,6 +30,7 @@ class Stage:
     # Full activation recomputation: keep only each block's input and run the block's forward
     # again in the backward pass. Dropout masks are keyed by sample, so the re-run is exact.
     recompute: bool = False
+    compiled: bool = False  # blocks run through torch.compile (`TrainConfig.compile`)
 
     @classmethod
     def for_stage(
@@ -39,6 +40,7 @@ class Stage:
         stages: tuple[tuple[int, int], ...],
         pp: int,
         recompute: bool = False,
+        compiled: bool = False,
     ) -> Stage:
         names = spec.stage_units(stages, pp)
         return cls(
@@ -47,6 +49,7 @@ class Stage:
             pp == 0,
             pp == len(stages) - 1,
             recompute,
+            compiled,
         )
 
     @property
@@ -68,13 +71,26 @@ class Stage:
         ctx = None
         for unit in self.units:
             ctx = UnitContext(unit.name, tp_rank, tp_size, tp_group, self.model.vocab_size, key)
-            if self.recompute and torch.is_grad_enabled() and self.model.is_block(unit.name):
+            block = self.model.is_block(unit.name)
+            forward = _compiled(unit.forward) if self.compiled and block else unit.forward
+            if self.recompute and torch.is_grad_enabled() and block:
                 x = torch.utils.checkpoint.checkpoint(
-                    unit.forward, ctx, params[unit.name], x, use_reentrant=False
+                    forward, ctx, params[unit.name], x, use_reentrant=False
                 )
             else:
-                x = unit.forward(ctx, params[unit.name], x)
+                x = forward(ctx, params[unit.name], x)
         if self.is_last and targets is not None:
             assert ctx is not None  # a stage holds at least one unit
             return self.model.loss(ctx, x, targets).sum()
         return x
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def _compiled(forward: Any) -> Any:
+    """One compiled function per block function: every block of a model shares its graph
+    (the unit's name is not traced), so a stage compiles once per shape."""
+    if forward not in _COMPILED:
+        _COMPILED[forward] = torch.compile(forward)
+    return _COMPILED[forward]

@@ -36,9 +36,10 @@ class SnapshotWriter:
     nothing else reads those buffers then: memory is one copy of the rank's state, whatever
     the disk does. When the disk is slower than training, `submit` waits for the write in
     flight before capturing (backpressure, counted in `waited`), and a failure recomputes at
-    most the steps since the snapshot in flight. Snapshots are never skipped: every rank
-    writing a snapshot of every step it was asked for is what lets a node (and the job)
-    commit the same step everywhere."""
+    most the steps since the snapshot in flight. The writer never skips a snapshot it was
+    handed: every rank writing a snapshot of every step it was asked for is what lets a node
+    (and the job) commit the same step everywhere. Skipping is the worker's decision, taken
+    by every rank alike (`snapshot_when_busy: skip`, see `Trainer.train_step`)."""
 
     def __init__(
         self, root: Path, emit: Callable[[dict[str, Any]], None], extra: dict[str, Any]
@@ -55,6 +56,11 @@ class SnapshotWriter:
         self.waited = 0  # submits that waited for the write in flight (the disk is behind)
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
+
+    def idle(self) -> bool:
+        """Nothing in flight: a `submit` now would not wait."""
+        with self._cond:
+            return self._waiting is None and not self._busy
 
     def wait_for_room(self) -> None:
         """Wait until no snapshot is in flight (waiting or being written): the host buffers

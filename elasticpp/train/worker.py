@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -58,6 +59,7 @@ BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
 log = logging.getLogger("elasticpp.train.worker")
+SNAPSHOT_WHEN_BUSY = ("wait", "skip")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class Assignment:
     resume_dir: str | None = None
     snapshot_dir: str | None = None
     snapshot_every: int = 1  # 0 = only after the last step and at a stop
+    # A periodic snapshot due while a rank's writer is still busy: "wait" for it (every due
+    # step is written), or "skip" the step on every rank (training never waits for the disk).
+    snapshot_when_busy: str = "wait"
     backend: str = "gloo"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -97,6 +102,10 @@ class Assignment:
             raise ConfigError("assignment: start_step > 0 needs a resume_dir")
         if self.snapshot_every < 0:
             raise ConfigError("assignment: snapshot_every must be >= 0")
+        if self.snapshot_when_busy not in SNAPSHOT_WHEN_BUSY:
+            raise ConfigError(
+                f"assignment: snapshot_when_busy must be one of {', '.join(SNAPSHOT_WHEN_BUSY)}"
+            )
         if self.backend not in BACKENDS:
             raise ConfigError(f"assignment: backend must be one of {', '.join(BACKENDS)}")
         if self.device not in DEVICES:
@@ -119,6 +128,7 @@ class Assignment:
             "resume_dir": self.resume_dir,
             "snapshot_dir": self.snapshot_dir,
             "snapshot_every": self.snapshot_every,
+            "snapshot_when_busy": self.snapshot_when_busy,
             "backend": self.backend,
             "device": self.device,
             "num_threads": self.num_threads,
@@ -146,6 +156,7 @@ class Assignment:
                 resume_dir=_opt_str(data.get("resume_dir")),
                 snapshot_dir=_opt_str(data.get("snapshot_dir")),
                 snapshot_every=int(data.get("snapshot_every", 1)),
+                snapshot_when_busy=str(data.get("snapshot_when_busy", "wait")),
                 backend=str(data.get("backend", "gloo")),
                 device=str(data.get("device", "cpu")),
                 num_threads=None if data.get("num_threads") is None else int(data["num_threads"]),
@@ -291,8 +302,16 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
 
     step = a.start_step
     stop = trainer.agree_stop(control.value(NO_STOP))
+    profile = StepProfile.from_env(rank, a.start_step)
+    skip_busy = writer is not None and a.snapshot_when_busy == "skip"
+    skipped = 0  # periodic snapshots skipped because some rank's writer was busy
+
+    def writer_idle() -> bool:
+        return not skip_busy or writer is None or writer.idle()
+
     while step < job.steps and step < stop:
-        res = trainer.train_step(step, control.value(NO_STOP))
+        with profile.around(step):
+            res = trainer.train_step(step, control.value(NO_STOP), writer_idle)
         out.emit(
             {
                 "event": "step",
@@ -328,7 +347,17 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
             writer.check()
             periodic = a.snapshot_every > 0 and step % a.snapshot_every == 0
             if periodic and step < job.steps and step < stop:
-                writer.submit(step, capture)
+                if res.writers_idle:  # the same answer on every rank: see Trainer.train_step
+                    writer.submit(step, capture)
+                else:
+                    skipped += 1
+                    if skipped in (1, 10, 100) or skipped % 1000 == 0:
+                        log.info(
+                            "rank %d: %d snapshot(s) skipped so far, a writer was busy "
+                            "(snapshot_when_busy: skip)",
+                            rank,
+                            skipped,
+                        )
     outcome = "done" if step >= job.steps else "stopped"
     if writer is not None and writer.last_step != step:
         # The final state, and the state at a stop, are written before the event says so.
@@ -338,6 +367,56 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     log.info("rank %d %s at step %d", rank, outcome, step)
     out.emit({"event": outcome, "step": step})
     return outcome
+
+
+class StepProfile:
+    """`ELASTICPP_PROFILE_DIR=DIR`: torch's profiler over two steps of every rank (the third
+    and fourth it trains, past the warm-up), its table of operators by device time written to
+    `DIR/rank-R.txt` and its trace to `DIR/rank-R.json`. Off (a no-op) without the variable."""
+
+    FIRST, COUNT = 2, 2
+
+    def __init__(self, directory: Path | None, rank: int, start_step: int) -> None:
+        self.directory, self.rank = directory, rank
+        self.first = start_step + self.FIRST
+        self._prof: Any = None
+
+    @classmethod
+    def from_env(cls, rank: int, start_step: int) -> StepProfile:
+        value = os.environ.get("ELASTICPP_PROFILE_DIR")
+        return cls(Path(value) if value else None, rank, start_step)
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        if self.directory is None or not self.first <= step < self.first + self.COUNT:
+            yield
+            return
+        import torch.profiler as tp
+
+        if self._prof is None:
+            kinds = [tp.ProfilerActivity.CPU]
+            if torch_cuda_available():
+                kinds.append(tp.ProfilerActivity.CUDA)
+            self._prof = tp.profile(activities=kinds, record_shapes=True)
+            self._prof.__enter__()
+        yield
+        if step == self.first + self.COUNT - 1:
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            sort = "self_cuda_time_total" if torch_cuda_available() else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=60)
+            (self.directory / f"rank-{self.rank}.txt").write_text(table, encoding="utf-8")
+            prof.export_chrome_trace(str(self.directory / f"rank-{self.rank}.json"))
+            log.info(
+                "rank %d: profile of steps %d-%d in %s", self.rank, self.first, step, self.directory
+            )
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _die_with_parent() -> None:

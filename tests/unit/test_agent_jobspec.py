@@ -42,6 +42,14 @@ def test_round_trip_through_canonical_json() -> None:
     assert again.train_config().lr == 3e-4 and again.train_config().schedule == "gpipe"
 
 
+def test_compile_and_snapshot_when_busy_are_kept_and_default_off_and_wait() -> None:
+    plain = parse_job_spec(dict(MINIMAL))
+    assert plain.train_config().compile is False and plain.snapshot_when_busy == "wait"
+    spec = parse_job_spec({**MINIMAL, "compile": True, "snapshot_when_busy": "skip"})
+    again = JobSpec.from_json(spec.to_json())
+    assert again.train_config().compile is True and again.snapshot_when_busy == "skip"
+
+
 def test_precision_is_copied_to_the_train_config_and_defaults_to_fp32() -> None:
     assert parse_job_spec(dict(MINIMAL)).train_config().precision == "fp32"
     spec = parse_job_spec({**MINIMAL, "precision": "bf16"})
@@ -63,6 +71,8 @@ def test_precision_is_copied_to_the_train_config_and_defaults_to_fp32() -> None:
         ({"colour": "blue"}, "colour"),
         ({"schedule": "zigzag"}, "schedule"),
         ({"precision": "fp16"}, "precision must be one of fp32, bf16"),
+        ({"compile": "yes"}, "compile must be true or false"),
+        ({"snapshot_when_busy": "drop"}, "snapshot_when_busy must be wait or skip"),
         ({"data": "t.bin", "data_dtype": "float16"}, "data_dtype"),
         ({"data": "t.npy", "data_shuffle": "off"}, "data_shuffle"),
         ({"data": "corpus.txt", "data_shuffle": False}, "data_shuffle"),

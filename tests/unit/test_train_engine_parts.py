@@ -210,6 +210,8 @@ def test_assignment_round_trips_and_refuses_bad_fields() -> None:
     plan = _plan("pp=2,dp=2")
     a = Assignment(plan, 3, "127.0.0.1", 1234, "gen0", TrainConfig())  # type: ignore[arg-type]
     assert Assignment.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+    skip = Assignment(plan, 3, "127.0.0.1", 1234, "gen0", TrainConfig(), snapshot_when_busy="skip")  # type: ignore[arg-type]
+    assert Assignment.from_dict(json.loads(json.dumps(skip.to_dict()))) == skip
     data = a.to_dict()
     for key, value in (
         ("rank", 4),
@@ -217,6 +219,7 @@ def test_assignment_round_trips_and_refuses_bad_fields() -> None:
         ("backend", "mpi"),
         ("start_step", 3),
         ("store_port", 0),
+        ("snapshot_when_busy", "drop"),
     ):
         with pytest.raises(ConfigError):
             Assignment.from_dict({**data, key: value})

@@ -1,0 +1,289 @@
+"""GPU figures on one device: bf16 throughput and MFU of a ~1B Llama, against the same model
+in `transformers`, and the agent's tax on one GPU.
+
+    python bench/gpu.py [--micro-batches 4,8] [--steps 10] [--sections mfu,tax] [--out DIR]
+
+- mfu: `elasticpp train --device cuda --precision bf16` at `pp=1,tp=1,dp=1` (the `llama-1b`
+  spec below: Llama 3.2 1B's shape with a 32k vocabulary and untied embeddings, 1.1 B
+  parameters, seq 2048), global batch B = 16 at each micro-batch size b, against
+  `transformers`' `LlamaForCausalLM` of the same configuration (SDPA attention) in a plain
+  loop with the same policy: fp32 weights under bf16 autocast, torch's fused AdamW, B/b
+  micro-batches of gradient accumulation. Step time: the median of the steps after the first
+  three; each system its own per-step record (ours: the engine's step time; the reference:
+  CUDA-synchronised wall time). FLOPs per token: 6 x the matmul parameters (blocks and LM
+  head) + 12 x layers x seq x hidden (attention's two matmuls, forward and backward, with no
+  causal discount, as in PaLM's MFU); MFU against `--peak-tflops` (989: the H100's and the
+  H200's dense bf16).
+- tax: a job under one agent with one CUDA slot (real etcd; snapshots every step, the
+  default; no peer to replicate to) against `elasticpp train` at the same layout, on the
+  `llama-tax` spec (~200 M parameters, 2.4 GB of fp32 state a snapshot): median step
+  interval of each; the ratio is the agent's tax on one GPU.
+
+Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.md` to
+`--out` (a temp dir by default) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SEQ = 2048
+LLAMA_1B: dict[str, Any] = {
+    "name": "llama-1b",
+    "family": "llama",
+    "num_layers": 16,
+    "hidden_size": 2048,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "ffn_hidden_size": 8192,
+    "vocab_size": 32000,
+    "seq_len": SEQ,
+}
+LLAMA_TAX: dict[str, Any] = LLAMA_1B | {
+    "name": "llama-tax",
+    "num_layers": 8,
+    "hidden_size": 1024,
+    "num_heads": 16,
+    "ffn_hidden_size": 4096,
+    "seq_len": 1024,
+}
+GLOBAL_BATCH = 16
+WARMUP = 3
+RUN_TIMEOUT_S = 400
+
+
+def matmul_params(spec: dict[str, Any]) -> int:
+    h, f, layers = spec["hidden_size"], spec["ffn_hidden_size"], spec["num_layers"]
+    head_dim = h // spec["num_heads"]
+    kv = spec["num_kv_heads"] * head_dim
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * f
+    return layers * per_layer + h * spec["vocab_size"]
+
+
+def flops_per_token(spec: dict[str, Any]) -> float:
+    return (
+        6.0 * matmul_params(spec)
+        + 12.0 * spec["num_layers"] * spec["seq_len"] * (spec["hidden_size"])
+    )
+
+
+def steady_step_s(step_seconds: list[float]) -> float:
+    rest = step_seconds[WARMUP:]
+    if not rest:
+        raise RuntimeError(f"{len(step_seconds)} steps: too few after {WARMUP} of warm-up")
+    return statistics.median(rest)
+
+
+def run_ours(
+    spec: dict[str, Any], micro_batch: int, steps: int, work: Path, *extra: str
+) -> list[float]:
+    spec_file = work / f"{spec['name']}.json"
+    spec_file.write_text(json.dumps(spec))
+    metrics = work / f"ours-b{micro_batch}{''.join(extra)}.jsonl"
+    cmd = [
+        sys.executable, "-m", "elasticpp.cli.main", "train", "--model", str(spec_file),
+        "--device", "cuda", "--precision", "bf16", "--layout", "pp=1,tp=1,dp=1",
+        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch),
+        "--steps", str(steps), "--metrics", str(metrics), "--log-dir", str(work / "logs"), *extra,
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=RUN_TIMEOUT_S, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [float(r["step_seconds"]) for r in rows]
+
+
+def run_reference(spec: dict[str, Any], micro_batch: int, steps: int) -> list[float]:
+    """transformers' Llama in a plain loop (this script, `--reference`, in a process of its
+    own so that neither side inherits the other's allocator state)."""
+    cmd = [sys.executable, __file__, "--reference", json.dumps(spec), str(micro_batch), str(steps)]
+    out = subprocess.run(cmd, timeout=RUN_TIMEOUT_S, capture_output=True, text=True)
+    if out.returncode != 0:
+        tail = out.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"exit {out.returncode}: {tail[0][:200]}")
+    return [float(x) for x in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def reference_main(spec: dict[str, Any], micro_batch: int, steps: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["ffn_hidden_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        max_position_embeddings=spec["seq_len"],
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    m = GLOBAL_BATCH // micro_batch
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(m):
+            ids = torch.randint(
+                0, 256, (micro_batch, spec["seq_len"]), device="cuda", generator=gen
+            )
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            (loss / m).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps(times))
+
+
+def mfu_section(
+    args: argparse.Namespace, work: Path, peak: float
+) -> tuple[list[dict[str, Any]], str]:
+    spec = LLAMA_1B
+    tokens = GLOBAL_BATCH * spec["seq_len"]
+    fpt = flops_per_token(spec)
+    rows = []
+    lines = [
+        f"llama-1b ({matmul_params(spec) / 1e9:.2f} B matmul parameters), seq {SEQ}, "
+        f"B = {GLOBAL_BATCH}, bf16 autocast over fp32 weights, {fpt / 1e9:.1f} GFLOP per token",
+        "",
+        "| system | b | m | step (s) | tokens/s | TFLOP/s | MFU | vs transformers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in args.micro_batches:
+        runs: list[tuple[str, Callable[[], list[float]]]] = [
+            ("transformers + fused AdamW", lambda b=b: run_reference(spec, b, args.steps)),
+            ("elasticpp train", lambda b=b: run_ours(spec, b, args.steps, work)),
+        ]
+        if args.compile:
+            runs.append(
+                (
+                    "elasticpp train --compile",
+                    lambda b=b: run_ours(spec, b, args.steps + 2, work, "--compile"),
+                )
+            )
+        ref = None
+        for name, run in runs:
+            try:
+                step_s = steady_step_s(run())
+            except (subprocess.SubprocessError, RuntimeError) as exc:
+                # One configuration that does not fit (out of memory, say) is a row, not the end.
+                lines.append(f"| {name} | {b} | {GLOBAL_BATCH // b} | failed: {exc} | | | | |")
+                print(lines[-1], flush=True)
+                continue
+            ref = step_s if ref is None and name.startswith("transformers") else ref
+            tflops = tokens * fpt / step_s / 1e12
+            vs = f"{ref / step_s:.2f}×" if ref is not None else "–"
+            row = {"system": name, "b": b, "step_s": step_s, "tokens_per_s": tokens / step_s,
+                   "tflops": tflops, "mfu": tflops / peak}  # fmt: skip
+            rows.append(row)
+            lines.append(
+                f"| {name} | {b} | {GLOBAL_BATCH // b} | {step_s:.3f} | {tokens / step_s:,.0f} "
+                f"| {tflops:.0f} | {100 * tflops / peak:.1f} % | {vs} |"
+            )
+            print(lines[-1], flush=True)
+    return rows, "\n".join(lines)
+
+
+def tax_section(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], str]:
+    spec = LLAMA_TAX
+    b = 8
+    ours = steady_step_s(run_ours(spec, b, args.steps * 2, work))
+    agent = {mode: agent_step_s(spec, b, args.steps * 2, work, mode) for mode in ("wait", "skip")}
+    out = {"train_step_s": ours, **{f"agent_{m}_step_s": v for m, v in agent.items()}}
+    text = (
+        f"llama-tax (8 layers x 1024, seq 1024, B = 16, b = {b}, bf16, "
+        f"{matmul_params(spec) * 12 / 1e9:.1f} GB of state), one CUDA slot: `elasticpp train` "
+        f"{ours:.3f} s/step; under the agent, snapshots every step: "
+        + "; ".join(
+            f"snapshot_when_busy {m} {v:.3f} s/step ({v / ours:.2f}×)" for m, v in agent.items()
+        )
+    )
+    return out, text
+
+
+def agent_step_s(spec: dict[str, Any], b: int, steps: int, work: Path, when_busy: str) -> float:
+    from elasticpp.agent.localcluster import LocalCluster
+
+    job = {
+        "name": "gpu-tax",
+        "model": str(work / f"{spec['name']}.json"),  # written by run_ours
+        "global_batch": GLOBAL_BATCH,
+        "micro_batch": b,
+        "steps": steps,
+        "seed": 0,
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "lease_ttl_s": 5,
+        "join_settle_s": 0.5,
+        "hang_timeout_s": 120,
+        "precision": "bf16",
+        "snapshot_when_busy": when_busy,
+    }
+    lc = LocalCluster(work / f"cluster-{when_busy}", job, nodes=1, slots=1, device="cuda")
+    try:
+        lc.start()
+        lc.wait_finished(RUN_TIMEOUT_S)
+        rows = lc.metrics()
+    finally:
+        lc.close()
+    newest = max(int(r["generation"]) for r in rows)
+    times = sorted(float(r["time"]) for r in rows if int(r["generation"]) == newest)
+    return steady_step_s([b2 - a for a, b2 in itertools.pairwise(times)])
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--reference":
+        reference_main(json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--micro-batches", default="4,8", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--sections", default="mfu,tax")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="skip --compile runs")
+    args = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/gpu.py: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    out = args.out or Path(tempfile.mkdtemp(prefix="elasticpp-gpu-"))
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0)
+    result: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    text = [f"{device}, torch {torch.__version__}"]
+    sections = args.sections.split(",")
+    if "mfu" in sections:
+        result["mfu"], t = mfu_section(args, out, args.peak_tflops)
+        text += ["", t]
+    if "tax" in sections:
+        result["tax"], t = tax_section(args, out)
+        text += ["", t]
+    (out / "gpu.json").write_text(json.dumps(result, indent=1))
+    (out / "gpu.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
