@@ -60,6 +60,7 @@ from elasticpp.store.instruction import node_fetches
 from elasticpp.store.persist import Persister, copy_verified
 from elasticpp.store.replicate import replicate_once
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
+from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
@@ -89,6 +90,23 @@ def fetch_addresses(
     the one whose holdings the resume instruction counted on."""
     moved = record.reregistered(members)
     return {n: str(i.get("address")) for n, i in members.items() if n not in moved}
+
+
+def anchors_ran_ahead(written: CommitValue | None, newest: CommitValue) -> bool:
+    """Whether a commit record must not wait for COMMIT_RECORD_EVERY_S: half of the anchors
+    the store keeps above the safe step (per origin, ANCHORS_ABOVE_FLOOR) are newer than the
+    record etcd has. The leader's safe step is one of the listed anchors, and a store drops the
+    oldest above the cap: at fast steps, a record that lagged longer could name a safe step
+    its node no longer holds when the step reaches it as the floor."""
+    if written is None:
+        return False  # the first record is put at once anyway
+    half = ANCHORS_ABOVE_FLOOR // 2
+    if len(set(newest[1]) - set(written[1])) >= half:
+        return True
+    return any(
+        len(set(steps) - set(written[2].get(origin, ()))) >= half
+        for origin, steps in newest[2].items()
+    )
 
 
 # Errors of this node's own disk: full (ENOSPC, EDQUOT), read-only, or failing (EIO).
