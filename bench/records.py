@@ -41,6 +41,7 @@ from elasticpp.cluster.records import (
     GenerationRecord,
     GenerationSummary,
     dumps,
+    node_fields,
 )
 from elasticpp.plan import ClusterSpec, NodeSpec, load_model_spec
 from elasticpp.plan.layout import Layout, Plan, build_plan
@@ -56,6 +57,7 @@ OWN_STEPS, REPLICA_STEPS = 4, 4
 STEP0 = 1_000_000  # step numbers of a long job: their digits count
 WALL = 1_760_000_000.123456  # a wall-clock time, as time.time() writes it
 JOB = JobKeys("llama-pretrain")
+INCARNATION = "8d0e5f3a2c9b4e71a6f0d2c4b8e9f1a3"
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ def records(model: Model, n: int) -> dict[str, int]:
                 "address": address(node),
                 "slots": GPUS,
                 "draining": False,
-                "incarnation": "8d0e5f3a2c9b4e71a6f0d2c4b8e9f1a3",
+                "incarnation": INCARNATION,
                 "pid": 123456,
                 "node_id": node,
                 "registered_at": WALL,
@@ -202,9 +204,8 @@ def records(model: Model, n: int) -> dict[str, int]:
         extra={
             "reason": "lost gpu-node-01024",
             "graceful": False,
-            "nodes": {x: address(x) for x in nodes},
-            "sources": {x: address(x) for x in nodes},
-            "incarnations": {x: "8d0e5f3a2c9b4e71a6f0d2c4b8e9f1a3" for x in nodes},
+            # As the leader writes them (elasticpp.agent.leaderstep): every node planned.
+            **node_fields(plan.to_dict(), nodes, dict.fromkeys(nodes, INCARNATION)),
             "previous_layout": str(plan.layout),
             "detected_at": WALL,
             "planned_at": WALL,

@@ -172,7 +172,7 @@ class ControlPart:
             now_s=self._clock.monotonic(),
             node_id=self.node_id,
             generation=self.generation,
-            plan_nodes=frozenset(gs.record.extra.get("nodes", {})) if gs else None,
+            plan_nodes=frozenset(gs.record.planned_nodes) if gs else None,
             started=frozenset(self._vs.barriers.get(f"started-{self.generation}", {})),
             finished_here=gs is not None and gs.phase is Phase.DONE,
             done_reported=any(int(v.get("step", -1)) >= self.spec.steps for v in done.values()),

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ from elasticpp.agent.limits import (
 )
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
+from elasticpp.cluster.records import GenerationRecord
+from elasticpp.errors import StateUnavailableError
 from elasticpp.plan import ModelSpec
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
@@ -57,6 +60,7 @@ from elasticpp.store.instruction import node_fetches
 from elasticpp.store.persist import Persister, copy_verified
 from elasticpp.store.replicate import replicate_once
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
+from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 from elasticpp.train.snapshots import is_snapshot_writer
 
 log = logging.getLogger("elasticpp.agent")
@@ -75,6 +79,35 @@ _RESUME_DIR = re.compile(r"^gen-(\d+)$")  # resume/gen-<G>, see _resume_dir
 
 # A commit record's value: (newest committed step, own anchors, replica anchors by origin).
 CommitValue = tuple[int, tuple[int, ...], dict[str, tuple[int, ...]]]
+
+
+def fetch_addresses(
+    record: GenerationRecord, members: Mapping[str, Mapping[str, Any]]
+) -> dict[str, str]:
+    """Where each source of generation `record`'s state is served: the address in its member
+    key (a source may lie outside the plan: a draining node hands its state over). Not a
+    planned node registered again under another incarnation since: the agent there now is not
+    the one whose holdings the resume instruction counted on."""
+    moved = record.reregistered(members)
+    return {n: str(i.get("address")) for n, i in members.items() if n not in moved}
+
+
+def anchors_ran_ahead(written: CommitValue | None, newest: CommitValue) -> bool:
+    """Whether a commit record must not wait for COMMIT_RECORD_EVERY_S: half of the anchors
+    the store keeps above the safe step (per origin, ANCHORS_ABOVE_FLOOR) are newer than the
+    record etcd has. The leader's safe step is one of the listed anchors, and a store drops the
+    oldest above the cap: at fast steps, a record that lagged longer could name a safe step
+    its node no longer holds when the step reaches it as the floor."""
+    if written is None:
+        return False  # the first record is put at once anyway
+    half = ANCHORS_ABOVE_FLOOR // 2
+    if len(set(newest[1]) - set(written[1])) >= half:
+        return True
+    return any(
+        len(set(steps) - set(written[2].get(origin, ()))) >= half
+        for origin, steps in newest[2].items()
+    )
+
 
 # Errors of this node's own disk: full (ENOSPC, EDQUOT), read-only, or failing (EIO).
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
@@ -197,11 +230,7 @@ class DurabilityPart:
         return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
 
     def _fetch_addresses(self, gs: _GenState) -> dict[str, str]:
-        # Sources may lie outside the new plan (a draining node hands its state over).
-        addresses = {n: str(i.get("address")) for n, i in self._vs.members.items()}
-        addresses.update(gs.record.extra.get("sources", {}))
-        addresses.update(gs.record.extra.get("nodes", {}))
-        return addresses
+        return fetch_addresses(gs.record, self._vs.members)
 
     def _fetch(
         self,
@@ -240,6 +269,12 @@ class DurabilityPart:
                 for name, (origin, source, sha, size) in sorted(wanted.items())
                 if source not in (self.node_id, DISK_SOURCE)
             ]
+            unknown = sorted({t.source for t in transfers} - set(addresses))
+            if unknown:
+                raise StateUnavailableError(
+                    f"generation {gs.generation}: no address of source(s) {', '.join(unknown)} "
+                    "(not registered, or registered again under another incarnation)"
+                )
             # In parallel with bounds; stalled transfers fail (the follower's MOVING clock
             # is held only while bytes arrive: gs.fetch_progress).
             fetch_pieces(
@@ -275,9 +310,7 @@ class DurabilityPart:
         gs = self._fs.gen
         if gs is None:
             return
-        addresses = dict(gs.record.extra.get("nodes", {}))
-        members = {n: str(i.get("address")) for n, i in self._vs.members.items()}
-        addresses.update(members)
+        addresses = {n: str(i.get("address")) for n, i in self._vs.members.items()}
         # The plan's nodes with ranks, as the leader's safe step computes it: a member that
         # is not planned (yet) changes nobody's replica holders.
         ring = sorted({s.node_id for s in gs.plan.placement})

@@ -115,15 +115,10 @@ class LeaderPart:
 
     def _view(self) -> ClusterView:
         rec = self._vs.record
-        current = tuple(sorted(rec.extra.get("nodes", {}))) if rec else None
+        current = tuple(sorted(rec.planned_nodes)) if rec else None
         failed = set(self._vs.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
         dead = self._lvs.dead_now(self._vs.members) & set(self._vs.members)
-        recorded = rec.extra.get("incarnations", {}) if rec else {}
-        restarted = {
-            n
-            for n, inc in recorded.items()
-            if n in self._vs.members and self._vs.members[n].get("incarnation") != inc
-        }
+        restarted = rec.reregistered(self._vs.members) if rec else set()
         return ClusterView(
             members=self._vs.members,
             dead=dead,

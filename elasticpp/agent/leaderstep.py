@@ -58,7 +58,7 @@ from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
 from elasticpp.agent.quarantine import stop_wait_step
 from elasticpp.cluster.client import RESUME_MEMBER
-from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep
+from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep, node_fields
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
@@ -169,22 +169,25 @@ def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Repla
         state.last_wait = str(exc)
         return [Event("decision", f"cannot plan for {list(decision.nodes)}: {exc}")]
     plan = result.best.with_generation(generation)
+    plan_dict = plan.to_dict()
     extra = {
         "reason": decision.reason,
         "graceful": decision.graceful if rec is not None else False,
-        "nodes": {n: str(members[n]["address"]) for n in decision.nodes},
-        # Every live node may serve state, also one outside the new plan (draining).
-        "sources": {n: str(members[n]["address"]) for n in live_nodes(obs.view) if n in members},
-        # A node whose agent restarts lost its workers: the plan must change even if the
-        # node id came back before its lease lapsed.
-        "incarnations": {n: str(members[n].get("incarnation")) for n in decision.nodes},
+        # The planned nodes and their incarnations' tags, not their addresses: a fetch takes
+        # a source's address from its member key. A node whose agent restarts lost its
+        # workers: the plan must change even if the node id came back before its lease lapsed.
+        **node_fields(
+            plan_dict,
+            decision.nodes,
+            {n: str(members[n].get("incarnation")) for n in decision.nodes},
+        ),
         "previous_layout": layout_of(rec),
         "detected_at": detection_time(obs, generation),
         "planned_at": obs.wall_s,
     }
     record = GenerationRecord(
         generation=generation,
-        plan=plan.to_dict(),
+        plan=plan_dict,
         leader=obs.node_id,
         created_at=obs.wall_s,
         store_address=obs.store_address,
@@ -260,7 +263,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
             actions.append(SetAside(tuple(decisions)))
         if not passed:
             return actions
-        if missing & set(gen.extra.get("nodes", {})):
+        if missing & set(gen.planned_nodes):
             return actions  # quarantined now: the next step re-plans without them
         expected -= missing  # set aside, outside the plan: resume from the others
     holdings = {
@@ -363,7 +366,7 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         ls.timeline_written = True
         return []
     started = obs.barriers.get(f"started-{gen.generation}", {})
-    nodes = set(gen.extra.get("nodes", {}))
+    nodes = set(gen.planned_nodes)
     if not nodes <= set(started):
         return []
     state.replan_failures = 0

@@ -82,7 +82,12 @@ import grpc
 from elasticpp.agent.clock import Clock, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart, ControlState
-from elasticpp.agent.durability import CommitValue, DurabilityPart, DurabilityState
+from elasticpp.agent.durability import (
+    CommitValue,
+    DurabilityPart,
+    DurabilityState,
+    anchors_ran_ahead,
+)
 from elasticpp.agent.executor import ExecutorPart
 from elasticpp.agent.follower import FollowerPart, FollowerState
 from elasticpp.agent.inbox import EventLog, Signal
@@ -178,7 +183,10 @@ class Agent(
         self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
         # The one writer of this node's commit records (loop and replicate thread feed it).
         self._commit_records: LatestWriter[CommitValue] = LatestWriter(
-            self._put_commit_record, every_s=COMMIT_RECORD_EVERY_S, name="commit record"
+            self._put_commit_record,
+            every_s=COMMIT_RECORD_EVERY_S,
+            name="commit record",
+            due_now=anchors_ran_ahead,
         )
         self._joined = False
         self._heartbeat_s = time.monotonic()  # the loop's last iteration (loop-watchdog)

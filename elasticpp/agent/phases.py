@@ -241,8 +241,7 @@ def _enter(
         Event(
             "decision",
             f"generation {record.generation}: layout {plan.layout} on "
-            f"{len(record.extra.get('nodes', {}))} node(s) ({record.extra.get('reason', '')}); "
-            + how,
+            f"{len(record.planned_nodes)} node(s) ({record.extra.get('reason', '')}); " + how,
         )
     ]
 

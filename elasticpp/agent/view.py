@@ -87,7 +87,7 @@ def view_step(
         actions.append(Event("membership", f"member(s) joined: {', '.join(joined)}"))
     if left:
         actions.append(Event("membership", f"member(s) left: {', '.join(left)}"))
-        planned = set(read.record.extra.get("nodes", {})) if read.record else set()
+        planned = set(read.record.planned_nodes) if read.record else set()
         if planned & (set(left) - dead):
             state.detected.setdefault(next_gen, wall_s)
     state.members = read.members

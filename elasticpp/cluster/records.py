@@ -6,11 +6,14 @@ guessing, so an old agent never acts on a record it does not understand.
 
 from __future__ import annotations
 
+import base64
 import enum
+import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from elasticpp.cluster.errors import ClusterDataError
@@ -20,9 +23,14 @@ FORMAT_VERSION = 1
 ANCHORS_REPORTED = 16
 
 
-def dumps(obj: dict[str, Any]) -> str:
-    """Versioned, compact, key-sorted JSON (sorted so equal records are equal bytes)."""
-    return json.dumps({"format_version": FORMAT_VERSION, **obj}, sort_keys=True)
+def dumps(obj: dict[str, Any], *, tight: bool = False) -> str:
+    """Versioned, compact, key-sorted JSON (sorted so equal records are equal bytes);
+    `tight` leaves out the blanks after separators (for the values that grow with the
+    cluster)."""
+    separators = (",", ":") if tight else None
+    return json.dumps(
+        {"format_version": FORMAT_VERSION, **obj}, sort_keys=True, separators=separators
+    )
 
 
 def loads(text: str | bytes, what: str) -> dict[str, Any]:
@@ -75,14 +83,63 @@ class Members:
     revision: int
 
 
+def incarnation_tag(incarnation: str) -> str:
+    """What a generation record keeps of a planned node's agent incarnation: 24 bits of its
+    hash, 4 characters. A restarted agent draws a new random incarnation, whose tag equals
+    the old one with probability 2**-24; a restart missed so is still seen, later, as its
+    workers' failure."""
+    digest = hashlib.blake2b(incarnation.encode("utf-8"), digest_size=3).digest()
+    return base64.urlsafe_b64encode(digest).decode("ascii")
+
+
+TAG_CHARS = len(incarnation_tag(""))
+
+
+def node_fields(
+    plan: Mapping[str, Any], nodes: Sequence[str], incarnations: Mapping[str, str]
+) -> dict[str, Any]:
+    """The `extra` fields naming the nodes a generation is planned for (`nodes`, in order):
+    `spares`, those of `nodes` without a rank in `plan`, and `incarnations`, the tags of
+    every planned node's incarnation in `GenerationRecord.planned_nodes` order, one string.
+    The plan already lists the nodes with ranks, and their addresses are in their member
+    keys: at 2,048 nodes, per-node maps made the record ~300 KiB (see `planned_nodes`)."""
+    placed = _placed_nodes(plan, "node_fields")
+    ranked = set(placed)
+    spares = [n for n in dict.fromkeys(nodes) if n not in ranked]
+    tags = "".join(incarnation_tag(incarnations[n]) for n in (*placed, *spares))
+    return {"spares": spares, "incarnations": tags}
+
+
+def _placed_nodes(plan: Mapping[str, Any], what: str) -> tuple[str, ...]:
+    """The nodes with ranks in a plan's JSON object, in the order of their first rank (plan
+    format 2: runs of ranks per node; format 1: one object per rank)."""
+    placement = plan.get("placement")
+    try:
+        if isinstance(placement, dict):
+            ids = [run[0] for run in placement["node_runs"]]
+        elif isinstance(placement, list):
+            ids = [entry["node_id"] for entry in placement]
+        else:
+            ids = []
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ClusterDataError(f"{what}: plan placement unreadable ({exc!r})") from None
+    if not all(isinstance(i, str) for i in ids):
+        raise ClusterDataError(f"{what}: plan placement names a node that is not a string")
+    return tuple(dict.fromkeys(ids))
+
+
 @dataclass(frozen=True)
 class GenerationRecord:
     """One plan generation, as the leader writes it by compare-and-swap.
 
-    `plan` is the plan's JSON object (`Plan.to_dict()`); this layer does not interpret it
-    (beyond the three numbers of its layout, for `GenerationSummary`).
+    `plan` is the plan's JSON object (`Plan.to_dict()`); this layer reads of it only the
+    three numbers of its layout (for `GenerationSummary`) and which nodes have ranks.
     `resume_step` is the step training resumes at (after a loss), `switch_step` the step
     boundary at which a planned change (a join) takes effect; either may be None.
+    `extra` holds what the leader adds: `reason`, `graceful`, `previous_layout`, times, and
+    the planned nodes (`node_fields`); records of earlier releases mapped them instead,
+    `nodes` (node -> address), `sources` and `incarnations` (node -> incarnation), and
+    still read (`planned_nodes`, `incarnation_tags`).
     """
 
     generation: int
@@ -94,7 +151,49 @@ class GenerationRecord:
     store_address: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @cached_property
+    def planned_nodes(self) -> tuple[str, ...]:
+        """The nodes this generation was planned for: the plan's, in the order of their
+        first rank, then the spares (planned for, no rank). `ClusterDataError` if unreadable."""
+        old = self.extra.get("nodes")
+        if isinstance(old, dict):  # written before node_fields: node -> address
+            return tuple(str(n) for n in old)
+        spares = self.extra.get("spares", [])
+        if not isinstance(spares, list) or not all(isinstance(n, str) for n in spares):
+            raise ClusterDataError(f"generation record: spares must be node ids, got {spares!r}")
+        placed = _placed_nodes(self.plan, "generation record")
+        ranked = set(placed)
+        return (*placed, *(n for n in dict.fromkeys(spares) if n not in ranked))
+
+    @cached_property
+    def incarnation_tags(self) -> dict[str, str]:
+        """Planned node -> the tag of its agent's incarnation when planned (`incarnation_tag`);
+        empty if the record has none. `ClusterDataError` if unreadable."""
+        value = self.extra.get("incarnations")
+        if value is None:
+            return {}
+        if isinstance(value, dict):  # written before node_fields: node -> incarnation
+            return {str(n): incarnation_tag(str(i)) for n, i in value.items()}
+        nodes = self.planned_nodes
+        if not isinstance(value, str) or len(value) != TAG_CHARS * len(nodes):
+            raise ClusterDataError(
+                f"generation record: incarnations must be {TAG_CHARS} characters for each of "
+                f"the {len(nodes)} planned nodes, got {value!r:.80}"
+            )
+        return {n: value[i * TAG_CHARS : (i + 1) * TAG_CHARS] for i, n in enumerate(nodes)}
+
+    def reregistered(self, members: Mapping[str, Mapping[str, Any]]) -> set[str]:
+        """The planned nodes registered in `members` under another incarnation than when
+        planned: their agents restarted (their workers are gone, and so may be the state
+        this generation counted on)."""
+        return {
+            n
+            for n, tag in self.incarnation_tags.items()
+            if n in members and incarnation_tag(str(members[n].get("incarnation"))) != tag
+        }
+
     def to_json(self) -> str:
+        # Tight: the plan's placement runs grow with the cluster, and the record is one value.
         return dumps(
             {
                 "generation": self.generation,
@@ -105,7 +204,8 @@ class GenerationRecord:
                 "switch_step": self.switch_step,
                 "store_address": self.store_address,
                 "extra": self.extra,
-            }
+            },
+            tight=True,
         )
 
     @classmethod
@@ -117,7 +217,7 @@ class GenerationRecord:
                 raise ClusterDataError(
                     f"generation record: generation must be an integer >= 1, got {generation!r}"
                 )
-            return cls(
+            record = cls(
                 generation=generation,
                 plan=dict(data["plan"]),
                 leader=str(data["leader"]),
@@ -129,6 +229,8 @@ class GenerationRecord:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterDataError(f"generation record: bad field ({exc!r})") from None
+        record.incarnation_tags  # noqa: B018 -- read once here: refused now, not mid-decision
+        return record
 
 
 @dataclass(frozen=True)
@@ -138,8 +240,8 @@ class GenerationSummary:
     written in the same transaction as the record, and a second full copy would double the
     bytes of a transaction that must stay under etcd's request limit.
 
-    `of` reads the record's plan only for its `pp`, `tp` and `dp` and its `extra` only for
-    `nodes`, `reason` and `previous_layout`; a field the record lacks reads as empty.
+    `of` reads the record's plan only for its `pp`, `tp` and `dp`, its planned nodes, and
+    its `extra` for `reason` and `previous_layout`; a field the record lacks reads as empty.
     History written by earlier releases (full records) still reads, as their summary.
     """
 
@@ -156,13 +258,12 @@ class GenerationSummary:
         plan, extra = record.plan, record.extra
         dims = [plan.get(axis) for axis in ("pp", "tp", "dp")]
         layout = "pp={},tp={},dp={}".format(*dims) if all(_whole(d, 1) for d in dims) else ""
-        nodes = extra.get("nodes")
         return cls(
             generation=record.generation,
             leader=record.leader,
             created_at=record.created_at,
             layout=layout,
-            nodes=len(nodes) if isinstance(nodes, dict) else 0,
+            nodes=len(record.planned_nodes),
             reason=str(extra.get("reason") or ""),
             previous_layout=str(extra.get("previous_layout") or ""),
         )

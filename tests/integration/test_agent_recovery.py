@@ -272,7 +272,7 @@ def test_a_stale_agent_of_an_old_generation_is_fenced(
             return (
                 rec is not None
                 and rec.generation > old_gen
-                and stale.node_id not in rec.extra.get("nodes", {})
+                and stale.node_id not in rec.planned_nodes
             )
 
         cluster.wait_for(moved_on, 90, "a generation without the frozen node")

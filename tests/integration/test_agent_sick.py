@@ -89,7 +89,7 @@ def _last_plan_nodes(lc: LocalCluster) -> set[str]:
     with _client(lc) as c:
         record, _ = c.read_generation()
     assert record is not None
-    return set(record.extra.get("nodes", {}))
+    return set(record.planned_nodes)
 
 
 @pytest.mark.timeout(300)

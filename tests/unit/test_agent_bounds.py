@@ -1,7 +1,8 @@
 """Bounded disk, memory and etcd waits of the agent over many steps and generations (a
 constructed agent, fake worker handles and fakes of the cluster calls it makes): the commit
 record has one writer off the loop, failed generations' resume directories go, a fenced
-node keeps a few uncommitted snapshots, and per-generation bookkeeping does not grow."""
+node keeps a few uncommitted snapshots, and per-generation bookkeeping does not grow; the
+commit record's pace on a fake clock."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
-from elasticpp.agent.durability import FetchOutcome
+from elasticpp.agent.durability import CommitValue, FetchOutcome, anchors_ran_ahead
 from elasticpp.agent.follower import _GenState
-from elasticpp.agent.latest import LatestWriter
-from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
+from elasticpp.agent.latest import LatestWriter, Pacing
+from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
+from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 from tests.unit.test_agent_done import SPEC, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
 
@@ -136,6 +138,60 @@ def test_the_writer_keeps_only_the_newest_value_and_retries_a_failed_put(tmp_pat
     assert len(writer.pending()) <= 4
     writer.close(timeout_s=10)
     assert puts[-1] == (19, 19)
+
+
+def _paced_puts(
+    pacing: Pacing[tuple[int, int]], values: list[tuple[float, tuple[int, int]]]
+) -> list[tuple[float, tuple[int, int]]]:
+    """The writer's rounds on a fake clock: each value offered at its time, a round taken
+    whenever one waits and the pace allows it (the writer thread's rule)."""
+    puts: list[tuple[float, tuple[int, int]]] = []
+    for now, value in values:
+        pacing.offer(1, value)
+        if pacing.pending and pacing.wait_s(now) <= 0:
+            puts += [(now, v) for _, v in pacing.take(now)]
+    return puts
+
+
+def test_a_commit_record_is_put_at_most_every_5_s_and_only_when_it_changed() -> None:
+    pacing: Pacing[tuple[int, int]] = Pacing(COMMIT_RECORD_EVERY_S)
+    # 60 s of training, a commit every 0.1 s: the first record at once, then one a 5 s.
+    training = [(i / 10, (i, i // 4)) for i in range(600)]
+    puts = _paced_puts(pacing, training)
+    assert [t for t, _ in puts] == [float(t) for t in range(0, 60, 5)]
+    assert all(value == (round(t * 10), round(t * 10) // 4) for t, value in puts)  # the newest
+    # Steady: nothing changes any more. The newest value, still waiting, lands once; then
+    # nothing is written however long the node runs.
+    last = training[-1][1]
+    still = _paced_puts(pacing, [(60 + i / 10, last) for i in range(1200)])
+    assert still == [(60.0, last)]
+    # A put that failed is not "written": the same value offered again waits to be retried.
+    pacing.offer(1, (700, 1))
+    batch = pacing.take(200.0)
+    pacing.failed(batch)
+    assert pacing.failing and pacing.wait_s(200.0, urgent=True) == COMMIT_RECORD_EVERY_S
+    pacing.offer(1, (700, 1))
+    assert pacing.pending == {1: (700, 1)}
+
+
+def test_a_commit_record_whose_anchors_ran_ahead_does_not_wait_for_the_pace() -> None:
+    """At fast steps, 5 s of anchors outnumber what a store keeps above the safe step: the
+    record is put once half of that many anchors are newer than the one in etcd."""
+    half = ANCHORS_ABOVE_FLOOR // 2
+    pacing: Pacing[CommitValue] = Pacing(COMMIT_RECORD_EVERY_S, anchors_ran_ahead)
+    puts = []
+    for i in range(100):  # an anchor every 0.1 s, 10 s
+        now = i / 10
+        value: CommitValue = (i, tuple(range(i, max(-1, i - 16), -1)), {"n1": (max(0, i - 1),)})
+        pacing.offer(1, value)
+        if pacing.pending and pacing.wait_s(now) <= 0:
+            puts += [round(now, 1) for _ in pacing.take(now)]
+    assert puts == [round(k * half / 10, 1) for k in range(100 // half + 1)]
+    # Replicas count per origin; a record with nothing new does not hurry.
+    written: CommitValue = (5, (5, 4), {"n1": (3,)})
+    assert anchors_ran_ahead(written, (6, (5, 4), {"n1": tuple(range(3, 3 + half + 1))}))
+    assert not anchors_ran_ahead(written, (6, (6, 5, 4), {"n1": (4, 3)}))
+    assert not anchors_ran_ahead(None, written)  # the first is put at once anyway
 
 
 class _Lapsed:

@@ -1,6 +1,6 @@
 """MOVING's deadline while the state fetch runs: held while bytes arrive, not for ever
 (pure logic: a constructed agent, a fetch that never ends, a progress record on a
-fake clock, a fake of the cluster's one call)."""
+fake clock, a fake of the cluster's one call); where the fetch finds its sources."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from elasticpp.agent.decide import Phase
+from elasticpp.agent.durability import fetch_addresses
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import FETCH_STALL_S
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.cluster.records import GenerationRecord
+from elasticpp.checkpoint.manifest import PieceKey
+from elasticpp.cluster.records import GenerationRecord, node_fields
 from elasticpp.store.resume import TransferProgress
 from tests.unit.test_agent_done import SPEC, _Cluster, _plan
 
@@ -45,3 +47,42 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
         assert (barrier, node) == ("failed-3", "n0")
     finally:
         agent._probe_pool.shutdown()
+
+
+def _planned(*nodes: str) -> GenerationRecord:
+    plan = _plan(3).to_dict()  # ranks on n0; the others planned as spares
+    fields = node_fields(plan, nodes, {n: f"i-{n}" for n in nodes})
+    return GenerationRecord(3, plan, "n9", time.time(), resume_step=5, extra=fields)
+
+
+def test_a_fetch_takes_sources_addresses_from_member_keys_unless_re_registered() -> None:
+    record = _planned("n0", "n1")
+    members = {
+        "n0": {"address": "h0:1", "incarnation": "i-n0"},
+        "n1": {"address": "h1:1", "incarnation": "i-n1-restarted"},  # not the planned agent
+        "d": {"address": "hd:1", "incarnation": "i-d"},  # draining, outside the plan
+    }
+    assert fetch_addresses(record, members) == {"n0": "h0:1", "d": "hd:1"}
+
+
+def test_a_fetch_from_a_source_without_an_address_fails_naming_it(tmp_path: Path) -> None:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    gs = _GenState(record=_planned("n0", "a"), phase=Phase.MOVING)
+    units = SPEC.model.units
+    resume = {
+        "format_version": 2,
+        "step": 5,
+        "pieces": {PieceKey(u, 0, 1).filename: ["0" * 64, 10] for u in units},
+        "reshard": dict.fromkeys(units, 1),
+        "reshard_by_node": {},
+        "nodes": ["a"],
+        "by_node": {"n0": [[len(units), 0]]},
+        "infos_by_node": {},
+    }
+    agent._vs.members = {"a": {"address": "ha:1", "incarnation": "i-a-restarted"}}
+    try:
+        outcome = agent._fetch(gs, resume)
+    finally:
+        agent._probe_pool.shutdown()
+    assert outcome.error is not None
+    assert "StateUnavailableError: generation 3: no address of source(s) a" in outcome.error

@@ -15,7 +15,13 @@ from elasticpp.cluster.decisions import (
 )
 from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.cluster.keys import JobKeys, last_segment, prefix_end
-from elasticpp.cluster.records import GenerationRecord, GenerationSummary, loads
+from elasticpp.cluster.records import (
+    GenerationRecord,
+    GenerationSummary,
+    incarnation_tag,
+    loads,
+    node_fields,
+)
 from elasticpp.errors import ConfigError
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_model_spec
 from elasticpp.plan.specs import DEVICE_PRESETS
@@ -146,3 +152,59 @@ def test_a_history_summary_with_bad_fields_is_refused() -> None:
     del good["layout"]
     with pytest.raises(ClusterDataError, match=r"bad field.*layout"):
         GenerationSummary.from_json(json.dumps(good))
+
+
+def _record_of(nodes: list[str], gpus: int, **extra: object) -> GenerationRecord:
+    """A record as the leader writes it: `nodes` planned, the first `gpus // 4` with ranks."""
+    cluster = ClusterSpec(tuple(NodeSpec(n, 4) for n in nodes), DEVICE_PRESETS["h100-80g"])
+    layout = Layout(1, 4, gpus // 4)
+    plan = build_plan(load_model_spec("tiny"), cluster, layout, global_batch=8, micro_batch=1)
+    fields = node_fields(plan.to_dict(), nodes, {n: f"inc-{n}" for n in nodes})
+    return GenerationRecord(3, plan.to_dict(), "n0", 1.0, extra={**fields, **extra})
+
+
+def test_a_generation_record_names_its_nodes_through_the_plan_and_tags_their_incarnations() -> None:
+    nodes = ["n2", "n0", "n1"]
+    record = GenerationRecord.from_json(_record_of(nodes, 8).to_json())
+    # The plan's nodes by first rank, then the one planned without a rank (a spare).
+    assert record.planned_nodes == ("n2", "n0", "n1")
+    assert record.extra["spares"] == ["n1"] and "nodes" not in record.extra
+    assert record.incarnation_tags == {n: incarnation_tag(f"inc-{n}") for n in nodes}
+    assert all(len(t) == 4 for t in record.incarnation_tags.values())
+    assert GenerationSummary.of(record).nodes == 3
+    # A planned node whose member key holds another incarnation restarted; absent: not so.
+    members = {n: {"incarnation": f"inc-{n}"} for n in nodes}
+    assert record.reregistered(members) == set()
+    members["n0"] = {"incarnation": "inc-new"}
+    del members["n1"]
+    assert record.reregistered({**members, "n9": {"incarnation": "x"}}) == {"n0"}
+
+
+def test_a_record_of_an_earlier_release_with_per_node_maps_still_reads() -> None:
+    old = _full_record(4)
+    record = GenerationRecord.from_json(old.to_json())
+    assert record.planned_nodes == ("n0", "n1", "n2")
+    assert record.incarnation_tags == dict.fromkeys(("n0", "n1", "n2"), incarnation_tag("abc"))
+    assert record.reregistered({"n1": {"incarnation": "abc"}, "n2": {"incarnation": "d"}}) == {"n2"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("incarnations", "AAAA", "incarnations must be 4 characters for each of the 3"),
+        ("incarnations", 17, "incarnations must be"),
+        ("spares", "n1", "spares must be node ids"),
+    ],
+)
+def test_a_record_whose_node_fields_do_not_add_up_is_refused_naming_them(
+    field: str, value: object, match: str
+) -> None:
+    text = _record_of(["n0", "n1", "n2"], 8, **{field: value}).to_json()
+    with pytest.raises(ClusterDataError, match=match):
+        GenerationRecord.from_json(text)
+
+
+def test_a_record_of_an_unknown_format_is_refused_by_name() -> None:
+    data = json.loads(_record_of(["n0", "n1"], 8).to_json())
+    with pytest.raises(ClusterDataError, match="format_version 2 not supported"):
+        GenerationRecord.from_json(json.dumps({**data, "format_version": 2}))

@@ -44,7 +44,13 @@ from elasticpp.agent.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_M
 from elasticpp.agent.sick import Quarantine, SickNodes
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.client import RESUME_MEMBER
-from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep
+from elasticpp.cluster.records import (
+    CommitRecord,
+    GenerationRecord,
+    SafeStep,
+    incarnation_tag,
+    node_fields,
+)
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding
 from elasticpp.store.instruction import node_fetches
@@ -65,13 +71,9 @@ def _plan(generation: int, nodes: tuple[str, ...] = ("n0", "n1")) -> Plan:
 def _record(
     generation: int, nodes: tuple[str, ...] = ("n0", "n1"), **extra: Any
 ) -> GenerationRecord:
-    return GenerationRecord(
-        generation,
-        _plan(generation, nodes).to_dict(),
-        "n0",
-        WALL,
-        extra={"nodes": {n: f"{n}:1" for n in nodes}, **extra},
-    )
+    plan = _plan(generation, nodes).to_dict()
+    tags = node_fields(plan, nodes, {n: f"i-{n}" for n in nodes})
+    return GenerationRecord(generation, plan, "n0", WALL, extra={**tags, **extra})
 
 
 def _state() -> LeaderState:
@@ -90,7 +92,7 @@ def _obs(
 ) -> LeaderObservation:
     """The leader n0's observation at `now_s`; it follows `record`'s generation."""
     members = MEMBERS if members is None else members
-    current = tuple(sorted(record.extra["nodes"])) if record is not None else None
+    current = tuple(sorted(record.planned_nodes)) if record is not None else None
     view = ClusterView(members, frozenset(), current, failed, now_s, last_join_s=0.0)
     followed = record if follows else None
     return LeaderObservation(
@@ -131,7 +133,10 @@ def test_a_generation_is_written_by_compare_and_swap_and_counted_only_once_writt
     [write] = leader_step(state, _obs(100.0))
     assert isinstance(write, WriteGeneration)
     assert (write.record.generation, write.record.leader, write.expected_rev) == (1, "n0", 7)
-    assert write.record.extra["nodes"] == {"n0": "n0:1", "n1": "n1:1"}
+    # The planned nodes and their incarnations' tags; addresses are in the member keys.
+    assert write.record.planned_nodes == ("n0", "n1")
+    assert write.record.incarnation_tags == {n: incarnation_tag(f"i-{n}") for n in ("n0", "n1")}
+    assert not {"nodes", "sources"} & set(write.record.extra)
     assert write.record.extra["planned_at"] == write.record.created_at == WALL + 100.0
     assert write.record.store_address == "h:1" and not write.graceful
     # Refused (the record changed since it was read, or the term is over): nothing moves.
