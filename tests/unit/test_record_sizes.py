@@ -24,9 +24,16 @@ from elasticpp.store.resolver import resolve
 
 NODES = 2048
 
-MEET_VALUE = ("member value", "commit record", "quarantine value", "timeline value")
+MEET_VALUE = (
+    "member value",
+    "stopped-G value",
+    "commit record",
+    "quarantine value",
+    "timeline value",
+)
 MEET_READ = (
     "nodes/ prefix read",
+    "stopped-G prefix read",
     "commits/G prefix read",
     "started-G prefix read",
     "quarantine/ prefix read (every node)",
