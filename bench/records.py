@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticpp.agent.actions import ResolveResume
-from elasticpp.agent.leaderstep import _resume_instruction
+from elasticpp.agent.resumestep import _resume_instruction
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.commits import HISTORY_KEPT
@@ -46,6 +46,7 @@ from elasticpp.cluster.records import (
 from elasticpp.plan import ClusterSpec, NodeSpec, load_model_spec
 from elasticpp.plan.layout import Layout, Plan, build_plan
 from elasticpp.plan.specs import DEVICE_PRESETS
+from elasticpp.store.digest import digest_of
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding
 from elasticpp.store.resolver import Fetch, FetchKind, ResumePlan
 
@@ -218,8 +219,10 @@ def records(model: Model, n: int) -> dict[str, int]:
     out[HISTORY] = HISTORY_KEPT * len(summary)
 
     # Every node's holdings have the same shape and ids of one length: one value stands for all.
+    # A node arrives with a digest of them; the leader pulls the detail over gRPC.
     i = n // 2
-    value = {"holdings": holdings(plan, nodes[i], nodes[i - 1]).to_dict(), "next_step": STEP0 + 1}
+    held = holdings(plan, nodes[i], nodes[i - 1])
+    value = {"digest": digest_of(held, address(nodes[i])).to_dict(), "next_step": STEP0 + 1}
     stopped = len(_arrival(nodes[i], {**value, "at": WALL}))
     out["stopped-G value"] = stopped
     out["stopped-G prefix read"] = n * (stopped + len(JOB.barrier(f"stopped-{generation}", lost)))

@@ -24,6 +24,7 @@ from typing import Any
 
 from elasticpp.cluster.records import GenerationRecord, SafeStep
 from elasticpp.plan import ModelSpec, Plan
+from elasticpp.store.digest import HoldingsDigest
 from elasticpp.store.holdings import NodeHoldings
 
 
@@ -247,17 +248,34 @@ class SetAside:
 
 
 @dataclass(frozen=True)
+class PullHoldings:
+    """Pull, on a thread of its own, the holdings detail the resume of `generation` needs
+    from the nodes whose digests say they may be a source (elasticpp.agent.pull); the future
+    goes back to `leaderstep.leader_pull_started`, its result to the step as an observation."""
+
+    generation: int
+    units: tuple[str, ...]  # the plan's model's
+    digests: Mapping[str, HoldingsDigest]  # what the nodes resumed from published at stopped-G
+    known: Mapping[str, NodeHoldings]  # holdings that arrived in full (the previous release)
+    live_nodes: tuple[str, ...]
+    persist_dir: str | None
+
+
+@dataclass(frozen=True)
 class ResolveResume:
-    """Read what the persistent checkpoint in `persist_dir` holds (a filesystem read), and
-    hand it to `leaderstep.leader_resume_resolved`, which resolves the resume step."""
+    """Read what the persistent checkpoint in `persist_dir` holds (a filesystem read; none
+    when `persist_dir` is None: `disk` is what a pull read), and hand it to
+    `leaderstep.leader_resume_resolved`, which resolves the resume step."""
 
     generation: int
     plan: Plan
-    holdings: Mapping[str, NodeHoldings]  # what the nodes resumed from reported at stopped-G
+    holdings: Mapping[str, NodeHoldings]  # the detail pulled (or arrived in full) per node
     live_nodes: tuple[str, ...]
     next_steps: tuple[int, ...]  # the steps the stopped workers would have run next
     persist_dir: str | None
     wall_s: float
+    disk: NodeHoldings | None = None  # the checkpoint's holdings, read by the pull
+    held: bool = False  # a node's digest says it holds committed steps (maybe not pulled)
 
 
 @dataclass(frozen=True)
@@ -397,8 +415,8 @@ class RemoveResumeDir:
 
 @dataclass(frozen=True)
 class ArriveStopped:
-    """Arrive at `stopped-G` with the store's holdings and the next step committed here; the
-    result goes back to the follower (`follower.follower_arrived`)."""
+    """Arrive at `stopped-G` with a digest of the store's holdings and the next step
+    committed here; the result goes back to the follower (`follower.follower_arrived`)."""
 
     generation: int
     at_s: float  # wall time
@@ -479,6 +497,7 @@ Action = (
     | WriteGeneration
     | ConfirmDead
     | SetAside
+    | PullHoldings
     | ResolveResume
     | CheckNeverCommitted
     | WriteResume

@@ -39,6 +39,7 @@ from elasticpp.agent.actions import (
     Persist,
     ProbeLeader,
     PublishMemberInfo,
+    PullHoldings,
     ReadCommitRecords,
     ReadSafe,
     RecordCommit,
@@ -75,6 +76,7 @@ from elasticpp.agent.follower import run_in_thread
 from elasticpp.agent.leaderstep import (
     leader_fresh_checked,
     leader_generation_written,
+    leader_pull_started,
     leader_resume_resolved,
     leader_resume_written,
     leader_safe_read,
@@ -91,6 +93,7 @@ from elasticpp.agent.phases import (
 )
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.errors import CheckpointError
+from elasticpp.store.digest import digest_of
 from elasticpp.store.persist import checkpoint_holdings
 from elasticpp.store.resume import TransferProgress
 
@@ -198,8 +201,12 @@ class ExecutorPart:
                 self._confirm_dead(action.nodes)
             elif isinstance(action, SetAside):
                 self._act_sick(list(action.decisions))
+            elif isinstance(action, PullHoldings):
+                future = run_in_thread("pull-holdings", self._pull_holdings, action)
+                future.add_done_callback(lambda _: self._wake.set())
+                self._execute(leader_pull_started(self._ls, action, future))
             elif isinstance(action, ResolveResume):
-                disk = None
+                disk = action.disk
                 if action.persist_dir and Path(action.persist_dir).is_dir():
                     disk = checkpoint_holdings(Path(action.persist_dir), self.store.job)
                 self._execute(leader_resume_resolved(self._ls, action, disk))
@@ -296,11 +303,12 @@ class ExecutorPart:
         the phase as it was (the error still ends the tick's etcd half, as before)."""
         assert self.cluster is not None
         if isinstance(action, ArriveStopped):
-            # Read now, after the old workers' events were drained: what this node holds.
+            # Read now, after the old workers' events were drained: what this node holds,
+            # as a digest; the leader pulls the detail it needs from this node's server.
             barrier, value = (
                 f"stopped-{action.generation}",
                 {
-                    "holdings": self.store.holdings().to_dict(),
+                    "digest": digest_of(self.store.holdings(), self.address).to_dict(),
                     "next_step": self._ds.next_step_committed,
                     "at": action.at_s,
                 },

@@ -18,10 +18,13 @@ import logging
 import re
 from typing import Any
 
+from elasticpp.agent.actions import PullHoldings
 from elasticpp.agent.decide import ClusterView
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.leaderstep import LeaderObservation, leader_step
+from elasticpp.agent.limits import PULL_DEADLINE_S, PULL_NODE_TIMEOUT_S, PULL_PARALLEL
+from elasticpp.agent.pull import PulledHoldings, pull_holdings
 from elasticpp.agent.sick import SickNodes
 from elasticpp.errors import ElasticppError
 
@@ -149,6 +152,34 @@ class LeaderPart:
             return
         self._execute(leader_step(self._ls, self._leader_observation(view, self._fs.gen)))
 
+    def _pull_holdings(self, action: PullHoldings) -> PulledHoldings:
+        """The holdings pull (elasticpp.agent.pull), on a thread of its own: it writes no
+        agent state; its result is read by `_leader_observation`."""
+        return pull_holdings(
+            action.generation,
+            self.store.epoch,
+            action.digests,
+            action.units,
+            action.live_nodes,
+            action.persist_dir,
+            self.store.job,
+            known=action.known,
+            parallel=PULL_PARALLEL,
+            node_timeout_s=PULL_NODE_TIMEOUT_S,
+            deadline_s=PULL_DEADLINE_S,
+        )
+
+    def _pulled(self) -> PulledHoldings | None:
+        """The followed generation's pull, once it is back (an error in it as its result)."""
+        future = self._ls.pull
+        if future is None or not future.done():
+            return None
+        exc = future.exception()
+        if exc is not None:
+            return PulledHoldings(self._ls.generation, error=f"{type(exc).__name__}: {exc}")
+        result: PulledHoldings = future.result()
+        return result
+
     def _leader_observation(
         self, view: ClusterView, followed: _GenState | None
     ) -> LeaderObservation:
@@ -168,6 +199,7 @@ class LeaderPart:
             followed_plan=followed.plan if followed is not None else None,
             spec=self.spec,
             store_address=self._ls.store_address,
+            pulled=self._pulled(),
         )
 
     def timelines(self) -> list[dict[str, Any]]:

@@ -31,6 +31,10 @@ class LeaderState:
     timeline_written: bool = False
     missing_probed_s: float = 0.0  # monotonic: when nodes missing at stopped-G were probed
     stop_wait_since_s: float | None = None  # monotonic: first look at a stopped-G wait
+    pull: Any = None  # the future of the holdings pull (elasticpp.agent.pull), once asked
+    pull_not_before_s: float = 0.0  # monotonic: a pull that failed is asked again after this
+    pull_set_aside: bool = False  # the nodes a pull found unanswering were set aside
+    unreadable: frozenset[str] = frozenset()  # nodes whose stopped-G value was said unreadable
 
     def at(self, generation: int, now_s: float) -> LeaderState:
         """This state, with the per-generation fields of `generation` (fresh if new)."""
@@ -40,4 +44,8 @@ class LeaderState:
             self.timeline_written = False
             self.missing_probed_s = now_s
             self.stop_wait_since_s = None
+            self.pull = None
+            self.pull_not_before_s = 0.0
+            self.pull_set_aside = False
+            self.unreadable = frozenset()
         return self

@@ -5,17 +5,18 @@ cluster view with the quarantines applied, the generation record and its revisio
 barriers, the detection times, the generation this node follows, the job spec) and hands the
 step's actions to the executor. The step and the functions the executor feeds results back
 to write only the leader's `LeaderState`; none does I/O. The actions (elasticpp.agent.actions,
-"the leader's actions"): WriteGeneration, ConfirmDead, SetAside, ResolveResume,
-CheckNeverCommitted, WriteResume, RecordTimeline, Housekeep, CleanRendezvous, CountRecovery,
-ReadCommitRecords, ReadSafe, WriteSafe.
+"the leader's actions"): WriteGeneration, ConfirmDead, SetAside, PullHoldings,
+ResolveResume, CheckNeverCommitted, WriteResume, RecordTimeline, Housekeep, CleanRendezvous,
+CountRecovery, ReadCommitRecords, ReadSafe, WriteSafe.
 
 Invariants:
 - a generation is a compare-and-swap against the record's revision read; the failure count
   and the re-plan backoff move only once it was written (`leader_generation_written`);
 - the resume instruction of a generation is resolved once every live node arrived at
   `stopped-G`, or once the `stopped-G` deadline set the missing ones aside (quarantined; if
-  one is in the plan, the next plan goes without it); `resume_written` is set only after the
-  write succeeded (`leader_resume_written`) or when etcd shows an earlier leader's;
+  one is in the plan, the next plan goes without it), from the holdings detail pulled from
+  the nodes their digests name (elasticpp.agent.resumestep); `resume_written` is set only
+  after the write succeeded (`leader_resume_written`) or when etcd shows an earlier leader's;
 - a job that committed steps before (held by a node, in the checkpoint, or on record in
   etcd) never starts over at step 0: it waits and says so;
 - the recovery timeline is written once every planned node started, never over one an
@@ -31,14 +32,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elasticpp.agent.actions import (
     Action,
-    CheckNeverCommitted,
     CleanRendezvous,
     CompactHistory,
-    ConfirmDead,
     CountRecovery,
     Event,
     Housekeep,
@@ -46,31 +45,52 @@ from elasticpp.agent.actions import (
     ReadSafe,
     RecordTimeline,
     Reread,
-    ResolveResume,
-    SetAside,
     WriteGeneration,
-    WriteResume,
     WriteSafe,
 )
-from elasticpp.agent.decide import ClusterView, Replan, Wait, decide_replan, live_nodes
+from elasticpp.agent.decide import ClusterView, Replan, Wait, decide_replan
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
-from elasticpp.agent.quarantine import stop_wait_step
+from elasticpp.agent.resumestep import (
+    MISSING_PROBE_EVERY_S,
+    leader_fresh_checked,
+    leader_pull_started,
+    leader_resume_resolved,
+    leader_resume_step,
+    leader_resume_written,
+)
 from elasticpp.cluster.client import RESUME_MEMBER
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep, node_fields
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
-from elasticpp.store.holdings import NodeHoldings
-from elasticpp.store.instruction import encode as encode_instruction
 from elasticpp.store.replicate import safe_step
-from elasticpp.store.resolver import ResumePlan, resolve
+
+if TYPE_CHECKING:
+    from elasticpp.agent.pull import PulledHoldings
+
+# The resume's steps live in elasticpp.agent.resumestep; the executor and tests import them
+# from here, with the rest of the leader's.
+__all__ = [
+    "MISSING_PROBE_EVERY_S",
+    "LeaderObservation",
+    "leader_fresh_checked",
+    "leader_generation_written",
+    "leader_pull_started",
+    "leader_resume_resolved",
+    "leader_resume_step",
+    "leader_resume_written",
+    "leader_safe_check",
+    "leader_safe_read",
+    "leader_safe_step",
+    "leader_safe_written",
+    "leader_step",
+    "leader_timeline_recorded",
+    "leader_timeline_step",
+]
 
 log = logging.getLogger("elasticpp.agent")
-
-# Nodes missing at `stopped-G` are probed at most this often while the leader waits.
-MISSING_PROBE_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,7 @@ class LeaderObservation:
     followed_plan: Plan | None  # its plan
     spec: JobSpec
     store_address: str | None  # the rendezvous store this term hosts
+    pulled: PulledHoldings | None = None  # the followed generation's holdings pull, once back
 
 
 def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
@@ -226,128 +247,6 @@ def detection_time(obs: LeaderObservation, generation: int) -> float:
             if isinstance(v, dict) and isinstance(v.get("at"), (int, float)):
                 seen.append(float(v["at"]))
     return min(seen, default=obs.wall_s)
-
-
-def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
-    """The followed generation's resume instruction: taken as written if an earlier leader
-    wrote it; else, once the nodes arrived at `stopped-G` (nodes missing are probed, and
-    set aside at the deadline), resolved from what they hold (`ResolveResume`)."""
-    gen, plan = obs.followed, obs.followed_plan
-    if gen is None or plan is None:
-        return []
-    ls = state.at(gen.generation, obs.now_s)
-    if ls.resume_written:
-        return []
-    if RESUME_MEMBER in obs.barriers.get(f"resume-{gen.generation}", {}):
-        ls.resume_written = True  # an earlier leader of this generation wrote it
-        return []
-    stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
-    expected = set(live_nodes(obs.view))
-    missing = expected - set(stopped)
-    actions: list[Action] = []
-    if missing:
-        if obs.now_s - ls.missing_probed_s > MISSING_PROBE_EVERY_S:
-            ls.missing_probed_s = obs.now_s
-            actions.append(ConfirmDead(tuple(sorted(missing))))
-        incarnations = {n: str(obs.members.get(n, {}).get("incarnation", "")) for n in missing}
-        passed, decisions = stop_wait_step(
-            state,
-            gen.generation,
-            sorted(missing),
-            incarnations,
-            now_s=obs.now_s,
-            wall_s=obs.wall_s,
-            stop_timeout_s=obs.spec.stop_timeout_s,
-        )
-        if decisions:
-            actions.append(SetAside(tuple(decisions)))
-        if not passed:
-            return actions
-        if missing & set(gen.planned_nodes):
-            return actions  # quarantined now: the next step re-plans without them
-        expected -= missing  # set aside, outside the plan: resume from the others
-    holdings = {
-        n: NodeHoldings.from_dict(v["holdings"]) for n, v in stopped.items() if n in expected
-    }
-    next_steps = tuple(int(v.get("next_step", 0)) for v in stopped.values())
-    actions.append(
-        ResolveResume(
-            gen.generation,
-            plan,
-            holdings,
-            tuple(sorted(expected)),
-            next_steps,
-            obs.spec.persist_dir or None,
-            obs.wall_s,
-        )
-    )
-    return actions
-
-
-def leader_resume_resolved(
-    state: LeaderState, action: ResolveResume, disk: NodeHoldings | None
-) -> list[Action]:
-    """Resolve the resume step from the nodes' holdings and the checkpoint's (`disk`). No
-    step resolves: a job nothing holds state of may be fresh (`CheckNeverCommitted`); one
-    whose state is held somewhere waits, and says so."""
-    if state.generation != action.generation:
-        return []  # the state moved on to another generation: ignored
-    try:
-        rp = resolve(action.holdings, action.plan, live_nodes=action.live_nodes, disk=disk)
-    except ElasticppError as exc:
-        # Fresh only if nothing was committed in this etcd state nor held from an earlier
-        # epoch of this job (stores and checkpoints hold only this job's steps).
-        held = any(h.steps for h in action.holdings.values()) or bool(disk and disk.steps)
-        if held:
-            return _cannot_resume(state, action.generation, str(exc))
-        return [CheckNeverCommitted(action, str(exc))]
-    return [_resume_instruction(action, rp)]
-
-
-def leader_fresh_checked(
-    state: LeaderState, check: CheckNeverCommitted, ever_committed: bool
-) -> list[Action]:
-    """A job that never committed a step starts at step 0; one that did waits."""
-    if state.generation != check.resolve.generation:
-        return []  # ignored: another generation
-    if ever_committed:
-        return _cannot_resume(state, check.resolve.generation, check.why)
-    return [_resume_instruction(check.resolve, None)]
-
-
-def _cannot_resume(state: LeaderState, generation: int, why: str) -> list[Action]:
-    msg = (
-        f"generation {generation}: cannot resume: {why}; the job committed "
-        "steps before, so it does not start over (restore a checkpoint into "
-        "persist_dir or bring back a node that holds the state)"
-    )
-    if state.last_wait == msg:
-        return []
-    state.last_wait = msg
-    return [Event("decision", msg)]
-
-
-def _resume_instruction(action: ResolveResume, rp: ResumePlan | None) -> WriteResume:
-    # Each piece once; every node derives its own fetches with the plan (store.instruction).
-    value = encode_instruction(rp, action.plan)
-    step = int(value["step"])
-    value.update(at=action.wall_s, recomputed=max([*action.next_steps, step]) - step)
-    return WriteResume(action.generation, value)
-
-
-def leader_resume_written(state: LeaderState, action: WriteResume, ok: bool) -> list[Action]:
-    """The instruction is on record (`ok`); or one was written before, or the term is over."""
-    if state.generation != action.generation:
-        return []  # ignored: another generation
-    if not ok:
-        log.info(
-            "generation %d: resume not written (written before or leadership lost)",
-            action.generation,
-        )
-        return []
-    state.resume_written = True
-    step = action.value["step"]
-    return [Event("decision", f"leader: generation {action.generation} resumes at step {step}")]
 
 
 def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:

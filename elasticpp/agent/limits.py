@@ -22,6 +22,11 @@ FETCH_PER_SOURCE = 4  # concurrent piece transfers a resume asks of one source
 FETCH_PARALLEL = 16  # concurrent piece transfers of one resume, all sources together
 FETCH_STALL_S = 30.0  # a resume's transfers with no bytes this long fail (MOVING resumes its clock)
 FETCH_MIN_BYTES_PER_S = 1 << 20  # slower than this over FETCH_STALL_S: a trickle, failed
+# The leader's pull of holdings detail at a transition: nodes asked at once, the time one node
+# gets, and the time the whole pull gets (2,048 nodes list one step each in ~2 s).
+PULL_PARALLEL = 32
+PULL_NODE_TIMEOUT_S = 5.0
+PULL_DEADLINE_S = 30.0
 UNARY_THREADS = 8  # server threads kept for health, status, drain and ListSteps
 WORKER_LOGS_KEPT = 32  # newest worker log files kept in <state_dir>/logs
 METRICS_ROTATE_BYTES = 64 << 20  # metrics.jsonl is rotated (one old file kept) past this

@@ -7,8 +7,9 @@ How one generation runs (DESIGN.md, "Recovery, step by step"):
    address, why) by compare-and-swap. A loss stops the old workers at once; a join or a
    drain (`graceful`) stops them at the next step boundary, so nothing is recomputed.
 2. Every live agent stops its old workers, commits what they handed over, and arrives at
-   barrier `stopped-G` with what its store holds.
-3. The leader resolves the resume step and which source serves each piece, and publishes it
+   barrier `stopped-G` with a digest of what its store holds (a few hundred bytes).
+3. The leader pulls the holdings detail it needs from the nodes the digests name (gRPC),
+   resolves the resume step and which source serves each piece, and publishes it
    as barrier `resume-G`, each piece named once (elasticpp.store.instruction); every agent
    derives its own ranks' fetches from it and the plan.
 4. Agents with ranks fetch (local pieces are hard-linked; remote ones stream over gRPC with

@@ -1,5 +1,6 @@
 """The agent's view of the cluster: members, the generation record, the leader and the
-barriers of the current generation, read from etcd by the decision loop (on a watch event,
+barriers of the current generation (`stopped-G`, N nodes' holdings digests, only on the
+leader: no other part reads it), read from etcd by the decision loop (on a watch event,
 and at least every second), and the published safe step (at most every `SAFE_EVERY_S`), which
 becomes the store's floor. An unreachable etcd keeps the last view (training goes on,
 changes wait); an unreadable generation record keeps it too, since acting on a guess could
@@ -131,7 +132,11 @@ class ViewPart:
             names = ["done", "timelines"]
             gen = record.generation if record else 0
             if gen:
-                names += [f"{b}-{gen}" for b in ("stopped", "resume", "started", "failed")]
+                names += [f"{b}-{gen}" for b in ("resume", "started", "failed")]
+                if self._ls.leadership is not None:
+                    # Only the leader reads the nodes' holdings digests; a follower knows
+                    # its own arrival from its write, and needs only the resume record.
+                    names.append(f"stopped-{gen}")
             for name in names:
                 barriers[name], _ = self.cluster.barrier_state(name)
             safe = None

@@ -55,9 +55,24 @@ def _failed(what: str, v: Any) -> None:
             raise ClusterDataError(f"{what}: {flag} must be true or false, got {v[flag]!r}")
 
 
+# The holdings digest's format (elasticpp.store.digest, which decodes it; this layer does not
+# import the store): a digest of another release is refused here, by name. An arrival with
+# `holdings` in full instead is the previous release's form, still read.
+DIGEST_FORMAT = 1
+
+
 def _stopped(what: str, v: Any) -> None:
-    if not isinstance(v.get("holdings"), dict):
-        raise ClusterDataError(f"{what}: holdings must be an object")
+    if "digest" in v:
+        digest = v["digest"]
+        if not isinstance(digest, dict):
+            raise ClusterDataError(f"{what}: digest must be an object")
+        if digest.get("format") != DIGEST_FORMAT:
+            raise ClusterDataError(
+                f"{what}: holdings digest format {digest.get('format')!r} is not "
+                f"{DIGEST_FORMAT} (written by an agent of another release)"
+            )
+    elif not isinstance(v.get("holdings"), dict):
+        raise ClusterDataError(f"{what}: needs a holdings digest (or holdings) object")
     _integer(what, v, "next_step")
     _number(what, v, "at")
 

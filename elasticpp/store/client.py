@@ -26,7 +26,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -78,6 +78,36 @@ def _raise_for(exc: grpc.RpcError, what: str) -> None:
     raise PieceFetchError(f"{what}: {code.name}: {exc.details()}") from exc
 
 
+# A peer lists what it holds of the steps asked for in at most this many pages (4,096 pieces
+# each at most): far more than a node holds.
+MAX_HOLDINGS_PAGES = 256
+
+
+def _step_from_proto(s: state_pb2.StepHolding) -> StepHolding:
+    """A step as a peer listed it, its names checked; ConfigError if one is bad."""
+    origin = check_node_id(s.origin_node, field_name="origin_node")
+    pieces = {}
+    for p in s.pieces:
+        PieceKey.parse(p.name)
+        pieces[p.name] = PieceInfo(p.size, p.sha256)
+    units = tuple(parse_name(u, what="unit") for u in s.units)
+    return StepHolding(origin, s.step, units, pieces, s.generation, s.epoch)
+
+
+def _joined(first: StepHolding, more: StepHolding) -> StepHolding:
+    """One step listed over two pages: the same commit, more pieces."""
+    if (more.units, more.commit) != (first.units, first.commit):
+        raise ConfigError(f"step {first.step} of {first.origin} changed between pages")
+    return StepHolding(
+        first.origin,
+        first.step,
+        first.units,
+        {**first.pieces, **more.pieces},
+        first.generation,
+        first.epoch,
+    )
+
+
 class StateClient:
     """One channel to one peer's state service. Thread-safe; close it (or use `with`)."""
 
@@ -124,21 +154,65 @@ class StateClient:
         except grpc.RpcError as exc:
             _raise_for(exc, f"list steps of {self.address}")
             raise  # unreachable; keeps the type checker content
-        steps: dict[tuple[str, int], StepHolding] = {}
         try:
-            for s in reply.steps:
-                origin = check_node_id(s.origin_node, field_name="origin_node")
-                pieces = {}
-                for p in s.pieces:
-                    PieceKey.parse(p.name)
-                    pieces[p.name] = PieceInfo(p.size, p.sha256)
-                units = tuple(parse_name(u, what="unit") for u in s.units)
-                steps[(origin, s.step)] = StepHolding(
-                    origin, s.step, units, pieces, s.generation, s.epoch
-                )
+            steps = {(h.origin, h.step): h for h in map(_step_from_proto, reply.steps)}
             return NodeHoldings(check_node_id(reply.node_id), steps)
         except ConfigError as exc:
             raise CheckpointError(f"list steps of {self.address}: bad reply: {exc}") from exc
+
+    def list_holdings(
+        self,
+        generation: int,
+        steps: Iterable[int],
+        *,
+        epoch: int = 0,
+        timeout_s: float = 10.0,
+        page_pieces: int = 0,
+        max_pages: int = MAX_HOLDINGS_PAGES,
+    ) -> NodeHoldings:
+        """What the peer holds committed of `steps` (every origin's), read page by page
+        within `timeout_s` in all. `CheckpointError` if a step's pieces do not add up to the
+        count it names (it changed between pages) or the pages do not end."""
+        what = f"list holdings of {self.address}"
+        deadline = self._clock() + timeout_s
+        request = state_pb2.ListHoldingsRequest(
+            generation=generation, epoch=epoch, steps=sorted(set(steps)), page_pieces=page_pieces
+        )
+        node = ""
+        parts: dict[tuple[str, int], StepHolding] = {}
+        counts: dict[tuple[str, int], int] = {}
+        for _ in range(max_pages):
+            left_s = deadline - self._clock()
+            if left_s <= 0:
+                raise PieceFetchError(f"{what}: no answer within {timeout_s:.1f} s")
+            try:
+                reply = self._stub.ListHoldings(request, timeout=left_s)
+            except grpc.RpcError as exc:
+                _raise_for(exc, what)
+                raise  # unreachable; keeps the type checker content
+            try:
+                node = check_node_id(reply.node_id)
+                for proto in reply.steps:
+                    h = _step_from_proto(proto)
+                    key = (h.origin, h.step)
+                    was = parts.get(key)
+                    parts[key] = h if was is None else _joined(was, h)
+                    counts[key] = proto.piece_count
+            except ConfigError as exc:
+                raise CheckpointError(f"{what}: bad reply: {exc}") from exc
+            if not reply.next_page_token:
+                break
+            request.page_token = reply.next_page_token
+        else:
+            raise CheckpointError(f"{what}: more than {max_pages} pages")
+        short = [k for k, h in parts.items() if len(h.pieces) != counts[k]]
+        if short:
+            origin, step = short[0]
+            raise CheckpointError(
+                f"{what}: step {step} of {origin} lists {len(parts[short[0]].pieces)} of "
+                f"{counts[short[0]]} pieces (it changed while listed)"
+            )
+        return NodeHoldings(node, parts)
 
     def fetch_piece(
         self,

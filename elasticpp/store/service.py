@@ -9,6 +9,11 @@ Requests become `LocalStore` calls; errors become status codes:
   node id or a negative value: INVALID_ARGUMENT (so no name can address a path outside the
   store);
 - a step or piece the node does not hold committed: NOT_FOUND.
+`ListHoldings` pages what the node holds of the steps asked for: at most `page_pieces` pieces
+per reply (capped at `MAX_PAGE_PIECES`), so a reply stays far below the message limit however
+much a node holds; its page token is the last piece listed, (step, origin, name), so a page
+resumes after it and nothing is kept on the server between pages. Each step names its piece
+count in all, so a reader notices a step that changed between pages.
 Pieces are streamed from the file in `CHUNK_BYTES` chunks; a file is never loaded whole.
 Chunks are encoded by `elasticpp.store.wire` (the protobuf wire format of
 `FetchPieceResponse`, written without building messages: the bulk path's cost).
@@ -64,6 +69,67 @@ def holdings_to_proto(holdings: NodeHoldings, generation: int) -> state_pb2.List
     )
 
 
+# ListHoldings pages: ~150 bytes per piece listed, so 4,096 pieces are ~600 KiB.
+PAGE_PIECES = 1024
+MAX_PAGE_PIECES = 4096
+MAX_STEPS_ASKED = 1024
+
+
+def _page_token(step: int, origin: str, name: str) -> str:
+    return f"{step}/{origin}/{name}"
+
+
+def parse_page_token(token: str) -> tuple[int, str, str]:
+    """(step, origin, piece name) of a ListHoldings page token; ConfigError if malformed."""
+    step, _, rest = token.partition("/")
+    origin, _, name = rest.partition("/")
+    if not step.isdigit():
+        raise ConfigError(f"page_token {token!r}: not a token this server gave")
+    PieceKey.parse(name)
+    return int(step), check_node_id(origin, field_name="page_token origin"), name
+
+
+def holdings_page(
+    holdings: NodeHoldings,
+    steps: set[int],
+    after: tuple[int, str, str] | None,
+    page_pieces: int,
+    generation: int,
+) -> state_pb2.ListHoldingsResponse:
+    """One page of `holdings` restricted to `steps`, after the piece `after` (exclusive)."""
+    reply = state_pb2.ListHoldingsResponse(node_id=holdings.node_id, generation=generation)
+    left = page_pieces
+    for (origin, step), h in sorted(holdings.steps.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if step not in steps or (after is not None and (step, origin) < after[:2]):
+            continue
+        names = sorted(h.pieces)
+        if after is not None and (step, origin) == after[:2]:
+            names = [n for n in names if n > after[2]]
+        if not names:
+            continue
+        if left == 0:
+            return reply  # next_page_token was set with the last piece listed
+        taken = names[:left]
+        left -= len(taken)
+        reply.steps.append(
+            state_pb2.StepHolding(
+                origin_node=origin,
+                step=step,
+                generation=h.generation,
+                epoch=h.epoch,
+                units=list(h.units),
+                pieces=[
+                    state_pb2.PieceInfo(name=n, size=h.pieces[n].size, sha256=h.pieces[n].sha256)
+                    for n in taken
+                ],
+                piece_count=len(h.pieces),
+            )
+        )
+        reply.next_page_token = _page_token(step, origin, taken[-1])
+    reply.next_page_token = "" if left > 0 else reply.next_page_token
+    return reply
+
+
 SERVICE_NAME = "elasticpp.state.v1.StateService"
 LIST_STEPS_METHOD = f"/{SERVICE_NAME}/ListSteps"
 FETCH_PIECE_METHOD = f"/{SERVICE_NAME}/FetchPiece"
@@ -116,6 +182,24 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
     ) -> state_pb2.ListStepsResponse:
         self._check_generation(request.generation, request.epoch, context)
         return holdings_to_proto(self._store.holdings(), self._generation_fn())
+
+    def ListHoldings(
+        self, request: state_pb2.ListHoldingsRequest, context: grpc.ServicerContext
+    ) -> state_pb2.ListHoldingsResponse:
+        self._check_generation(request.generation, request.epoch, context)
+        if not request.steps or len(request.steps) > MAX_STEPS_ASKED:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"steps: ask for 1 to {MAX_STEPS_ASKED} step numbers, got {len(request.steps)}",
+            )
+        try:
+            after = parse_page_token(request.page_token) if request.page_token else None
+        except ConfigError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        page = min(request.page_pieces or PAGE_PIECES, MAX_PAGE_PIECES)
+        return holdings_page(
+            self._store.holdings(), set(request.steps), after, page, self._generation_fn()
+        )
 
     def FetchPiece(
         self, request: state_pb2.FetchPieceRequest, context: grpc.ServicerContext
@@ -188,6 +272,11 @@ def add_to_server(server: grpc.Server, servicer: StateServicer) -> None:
             servicer.ListSteps,
             request_deserializer=state_pb2.ListStepsRequest.FromString,
             response_serializer=state_pb2.ListStepsResponse.SerializeToString,
+        ),
+        "ListHoldings": grpc.unary_unary_rpc_method_handler(
+            servicer.ListHoldings,
+            request_deserializer=state_pb2.ListHoldingsRequest.FromString,
+            response_serializer=state_pb2.ListHoldingsResponse.SerializeToString,
         ),
         "FetchPiece": grpc.unary_stream_rpc_method_handler(
             servicer.FetchPiece,

@@ -185,7 +185,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     gs = _GenState(record=record, phase=Phase.MOVING)
     agent._fs.gen = gs
     agent._confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
-    holdings = {"holdings": {"format_version": 3, "node_id": "", "steps": []}}
+    holdings = {"digest": {"format": 1, "address": "127.0.0.1:1", "held": []}}
     agent._vs.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
     lead_resume(agent, gs)
     lead_resume(agent, gs)

@@ -27,12 +27,14 @@ NODES = 2048
 MEET_VALUE = (
     "member value",
     "generation record",
+    "stopped-G value",
     "commit record",
     "quarantine value",
     "timeline value",
 )
 MEET_READ = (
     "nodes/ prefix read",
+    "stopped-G prefix read",
     "commits/G prefix read",
     "started-G prefix read",
     "quarantine/ prefix read (every node)",

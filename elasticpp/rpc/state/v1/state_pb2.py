@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"elasticpp/rpc/state/v1/state.proto\x12\x12\x65lasticpp.state.v1\"5\n\x10ListStepsRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"7\n\tPieceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\x97\x01\n\x0bStepHolding\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12-\n\x06pieces\x18\x04 \x03(\x0b\x32\x1d.elasticpp.state.v1.PieceInfo\x12\r\n\x05units\x18\x05 \x03(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\r\n\x05\x65poch\x18\x07 \x01(\x04J\x04\x08\x03\x10\x04\"h\n\x11ListStepsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12.\n\x05steps\x18\x03 \x03(\x0b\x32\x1f.elasticpp.state.v1.StepHolding\"w\n\x11\x46\x65tchPieceRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0borigin_node\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"V\n\x12\x46\x65tchPieceResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t2\xc7\x01\n\x0cStateService\x12X\n\tListSteps\x12$.elasticpp.state.v1.ListStepsRequest\x1a%.elasticpp.state.v1.ListStepsResponse\x12]\n\nFetchPiece\x12%.elasticpp.state.v1.FetchPieceRequest\x1a&.elasticpp.state.v1.FetchPieceResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"elasticpp/rpc/state/v1/state.proto\x12\x12\x65lasticpp.state.v1\"5\n\x10ListStepsRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"7\n\tPieceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xac\x01\n\x0bStepHolding\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12-\n\x06pieces\x18\x04 \x03(\x0b\x32\x1d.elasticpp.state.v1.PieceInfo\x12\r\n\x05units\x18\x05 \x03(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0bpiece_count\x18\x08 \x01(\x04J\x04\x08\x03\x10\x04\"h\n\x11ListStepsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12.\n\x05steps\x18\x03 \x03(\x0b\x32\x1f.elasticpp.state.v1.StepHolding\"p\n\x13ListHoldingsRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x03(\x04\x12\x12\n\npage_token\x18\x04 \x01(\t\x12\x13\n\x0bpage_pieces\x18\x05 \x01(\r\"\x84\x01\n\x14ListHoldingsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12.\n\x05steps\x18\x03 \x03(\x0b\x32\x1f.elasticpp.state.v1.StepHolding\x12\x17\n\x0fnext_page_token\x18\x04 \x01(\t\"w\n\x11\x46\x65tchPieceRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0borigin_node\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"V\n\x12\x46\x65tchPieceResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t2\xaa\x02\n\x0cStateService\x12X\n\tListSteps\x12$.elasticpp.state.v1.ListStepsRequest\x1a%.elasticpp.state.v1.ListStepsResponse\x12\x61\n\x0cListHoldings\x12\'.elasticpp.state.v1.ListHoldingsRequest\x1a(.elasticpp.state.v1.ListHoldingsResponse\x12]\n\nFetchPiece\x12%.elasticpp.state.v1.FetchPieceRequest\x1a&.elasticpp.state.v1.FetchPieceResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PIECEINFO']._serialized_start=113
   _globals['_PIECEINFO']._serialized_end=168
   _globals['_STEPHOLDING']._serialized_start=171
-  _globals['_STEPHOLDING']._serialized_end=322
-  _globals['_LISTSTEPSRESPONSE']._serialized_start=324
-  _globals['_LISTSTEPSRESPONSE']._serialized_end=428
-  _globals['_FETCHPIECEREQUEST']._serialized_start=430
-  _globals['_FETCHPIECEREQUEST']._serialized_end=549
-  _globals['_FETCHPIECERESPONSE']._serialized_start=551
-  _globals['_FETCHPIECERESPONSE']._serialized_end=637
-  _globals['_STATESERVICE']._serialized_start=640
-  _globals['_STATESERVICE']._serialized_end=839
+  _globals['_STEPHOLDING']._serialized_end=343
+  _globals['_LISTSTEPSRESPONSE']._serialized_start=345
+  _globals['_LISTSTEPSRESPONSE']._serialized_end=449
+  _globals['_LISTHOLDINGSREQUEST']._serialized_start=451
+  _globals['_LISTHOLDINGSREQUEST']._serialized_end=563
+  _globals['_LISTHOLDINGSRESPONSE']._serialized_start=566
+  _globals['_LISTHOLDINGSRESPONSE']._serialized_end=698
+  _globals['_FETCHPIECEREQUEST']._serialized_start=700
+  _globals['_FETCHPIECEREQUEST']._serialized_end=819
+  _globals['_FETCHPIECERESPONSE']._serialized_start=821
+  _globals['_FETCHPIECERESPONSE']._serialized_end=907
+  _globals['_STATESERVICE']._serialized_start=910
+  _globals['_STATESERVICE']._serialized_end=1208
 # @@protoc_insertion_point(module_scope)

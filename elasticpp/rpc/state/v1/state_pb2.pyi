@@ -25,20 +25,22 @@ class PieceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class StepHolding(_message.Message):
-    __slots__ = ("origin_node", "step", "pieces", "units", "generation", "epoch")
+    __slots__ = ("origin_node", "step", "pieces", "units", "generation", "epoch", "piece_count")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PIECE_COUNT_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[PieceInfo]
     units: _containers.RepeatedScalarFieldContainer[str]
     generation: int
     epoch: int
-    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    piece_count: int
+    def __init__(self, origin_node: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[PieceInfo, _Mapping]]] = ..., units: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., piece_count: _Optional[int] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("node_id", "generation", "steps")
@@ -49,6 +51,32 @@ class ListStepsResponse(_message.Message):
     generation: int
     steps: _containers.RepeatedCompositeFieldContainer[StepHolding]
     def __init__(self, node_id: _Optional[str] = ..., generation: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepHolding, _Mapping]]] = ...) -> None: ...
+
+class ListHoldingsRequest(_message.Message):
+    __slots__ = ("generation", "epoch", "steps", "page_token", "page_pieces")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_PIECES_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    epoch: int
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    page_token: str
+    page_pieces: int
+    def __init__(self, generation: _Optional[int] = ..., epoch: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., page_token: _Optional[str] = ..., page_pieces: _Optional[int] = ...) -> None: ...
+
+class ListHoldingsResponse(_message.Message):
+    __slots__ = ("node_id", "generation", "steps", "next_page_token")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    generation: int
+    steps: _containers.RepeatedCompositeFieldContainer[StepHolding]
+    next_page_token: str
+    def __init__(self, node_id: _Optional[str] = ..., generation: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepHolding, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class FetchPieceRequest(_message.Message):
     __slots__ = ("generation", "step", "name", "origin_node", "offset", "epoch")

@@ -39,6 +39,11 @@ class StateServiceStub:
                 request_serializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListStepsRequest.SerializeToString,
                 response_deserializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListStepsResponse.FromString,
                 _registered_method=True)
+        self.ListHoldings = channel.unary_unary(
+                '/elasticpp.state.v1.StateService/ListHoldings',
+                request_serializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListHoldingsRequest.SerializeToString,
+                response_deserializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListHoldingsResponse.FromString,
+                _registered_method=True)
         self.FetchPiece = channel.unary_stream(
                 '/elasticpp.state.v1.StateService/FetchPiece',
                 request_serializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.FetchPieceRequest.SerializeToString,
@@ -51,6 +56,15 @@ class StateServiceServicer:
 
     def ListSteps(self, request, context):
         """The committed steps this node holds: its own and the replicas it keeps of peers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListHoldings(self, request, context):
+        """The pieces this node holds committed of the steps asked for (every origin's), in pages
+        of at most `page_pieces` pieces: what the leader resolves a resume from. A step the node
+        does not hold is not listed. Bad input (no step, a bad page token): INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +84,11 @@ def add_StateServiceServicer_to_server(servicer, server):
                     servicer.ListSteps,
                     request_deserializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListStepsRequest.FromString,
                     response_serializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListStepsResponse.SerializeToString,
+            ),
+            'ListHoldings': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHoldings,
+                    request_deserializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListHoldingsRequest.FromString,
+                    response_serializer=elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListHoldingsResponse.SerializeToString,
             ),
             'FetchPiece': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchPiece,
@@ -104,6 +123,33 @@ class StateService:
             '/elasticpp.state.v1.StateService/ListSteps',
             elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListStepsRequest.SerializeToString,
             elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHoldings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpp.state.v1.StateService/ListHoldings',
+            elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListHoldingsRequest.SerializeToString,
+            elasticpp_dot_rpc_dot_state_dot_v1_dot_state__pb2.ListHoldingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

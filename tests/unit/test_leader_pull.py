@@ -1,0 +1,146 @@
+"""The leader's resume from holdings digests (elasticpp.agent.resumestep), as pure steps:
+digests arrive at stopped-G, the detail is pulled (an action), the pull's result comes back
+as an observation, and the resume is resolved from it. No etcd, no gRPC, no sleeps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from elasticpp.agent.actions import Event, PullHoldings, Reread, ResolveResume, SetAside
+from elasticpp.agent.leaderstep import leader_pull_started, leader_resume_resolved, leader_step
+from elasticpp.agent.pull import PulledHoldings
+from elasticpp.agent.sick import Quarantine
+from elasticpp.store.digest import digest_of
+from elasticpp.store.holdings import NodeHoldings
+from tests.unit.test_leader_step import MEMBERS, SPEC, _holdings, _obs, _record, _state
+
+SPARE = {**MEMBERS, "n2": {"address": "n2:1", "slots": 1, "incarnation": "i-n2"}}
+SHORT = replace(SPEC, max_nodes=2)  # n2 is a spare, not a join
+
+
+def _held(node: str, step: int | None = 8) -> NodeHoldings:
+    if step is None:
+        return NodeHoldings(node)
+    return NodeHoldings.from_dict(_holdings(node, step))
+
+
+def _arrived(nodes: tuple[str, ...], step: int | None = 8) -> dict[str, Any]:
+    return {
+        n: {"digest": digest_of(_held(n, step), f"{n}:1").to_dict(), "next_step": 10, "at": 1.0}
+        for n in nodes
+    }
+
+
+class _Done:
+    """A finished future, as the executor's thread leaves it."""
+
+    def __init__(self, result: PulledHoldings) -> None:
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> PulledHoldings:
+        return self._result
+
+
+def test_digests_at_stopped_are_pulled_once_and_the_resume_is_resolved_from_the_detail() -> None:
+    state = _state()
+    record = _record(2)
+    obs = _obs(100.0, record=record, barriers={"stopped-2": _arrived(("n0", "n1"))})
+    [pull] = leader_step(state, obs)
+    assert isinstance(pull, PullHoldings) and pull.generation == 2
+    assert sorted(pull.digests) == ["n0", "n1"] and pull.live_nodes == ("n0", "n1")
+    assert pull.known == {} and pull.units == SPEC.model.units
+    assert leader_pull_started(state, pull, object()) == []
+    assert leader_step(state, replace(obs, now_s=103.0)) == []  # in flight: not asked again
+    pulled = PulledHoldings(2, {n: _held(n) for n in ("n0", "n1")}, held=True)
+    [resolve] = leader_step(state, replace(obs, now_s=104.0, pulled=pulled))
+    assert isinstance(resolve, ResolveResume) and resolve.persist_dir is None
+    assert resolve.holdings == pulled.holdings and resolve.held and resolve.disk is None
+    [write] = leader_resume_resolved(state, resolve, resolve.disk)
+    assert write.value["step"] == 8  # type: ignore[attr-defined]
+
+
+def test_a_planned_node_that_does_not_answer_the_pull_is_set_aside_once_and_not_resumed() -> None:
+    state = _state()
+    record = _record(2)
+    obs = _obs(100.0, record=record, barriers={"stopped-2": _arrived(("n0", "n1"))})
+    [pull] = leader_step(state, obs)
+    leader_pull_started(state, pull, object())
+    pulled = PulledHoldings(2, {"n0": _held("n0")}, {"n1": "UNAVAILABLE: refused"}, held=True)
+    [aside] = leader_step(state, replace(obs, now_s=101.0, pulled=pulled))
+    assert isinstance(aside, SetAside)
+    [quarantine] = aside.decisions
+    assert isinstance(quarantine, Quarantine) and quarantine.entry.node == "n1"
+    assert "did not answer the holdings pull of generation 2" in quarantine.entry.reason
+    assert leader_step(state, replace(obs, now_s=102.0, pulled=pulled)) == []  # once
+
+
+def test_a_spare_that_does_not_answer_is_set_aside_and_the_others_resume() -> None:
+    state = _state()
+    record = _record(2)
+    stopped = {"stopped-2": _arrived(("n0", "n1", "n2"))}
+    obs = _obs(100.0, record=record, members=SPARE, barriers=stopped, spec=SHORT)
+    [pull] = leader_step(state, obs)
+    leader_pull_started(state, pull, object())
+    holdings = {n: _held(n) for n in ("n0", "n1")}
+    pulled = PulledHoldings(2, holdings, {"n2": "DEADLINE_EXCEEDED"}, held=True)
+    aside, resolve = leader_step(state, replace(obs, now_s=101.0, pulled=pulled))
+    assert isinstance(aside, SetAside) and isinstance(resolve, ResolveResume)
+    assert resolve.live_nodes == ("n0", "n1") and sorted(resolve.holdings) == ["n0", "n1"]
+
+
+def test_a_failed_or_cut_short_pull_is_asked_again_and_a_newer_generation_rereads() -> None:
+    state = _state()
+    record = _record(2)
+    obs = _obs(100.0, record=record, barriers={"stopped-2": _arrived(("n0", "n1"))})
+    [pull] = leader_step(state, obs)
+    for result, now_s in (
+        (PulledHoldings(2, error="OSError: disk"), 100.5),
+        (PulledHoldings(2, not_asked=("n1",)), 103.0),
+    ):
+        leader_pull_started(state, pull, object())
+        [told] = leader_step(state, replace(obs, now_s=now_s, pulled=result))
+        assert isinstance(told, Event) and "holdings pull" in told.message
+        assert state.pull is None
+    assert leader_step(state, replace(obs, now_s=104.0)) == []  # 2 s after the last ask
+    [again] = leader_step(state, replace(obs, now_s=105.5))
+    assert again == pull
+    leader_pull_started(state, again, object())
+    moved = PulledHoldings(2, moved_on={"n1": "generation 2 is older than 3"})
+    assert leader_step(state, replace(obs, now_s=106.0, pulled=moved)) == [Reread()]
+    # A result of another generation is not this one's.
+    leader_pull_started(state, again, object())
+    other = PulledHoldings(1, {n: _held(n) for n in ("n0", "n1")})
+    assert leader_step(state, replace(obs, now_s=107.0, pulled=other)) == []
+
+
+def test_nothing_held_needs_no_pull_and_the_previous_releases_full_form_is_read() -> None:
+    state = _state()
+    record = _record(1)
+    empty = _arrived(("n0", "n1"), step=None)
+    [resolve] = leader_step(state, _obs(100.0, record=record, barriers={"stopped-1": empty}))
+    assert isinstance(resolve, ResolveResume) and resolve.holdings == {}
+    # One node of the previous release arrives with its holdings in full: read, not pulled.
+    state = _state()
+    mixed = {**_arrived(("n0",)), "n1": {"holdings": _holdings("n1", 8), "next_step": 9}}
+    [pull] = leader_step(state, _obs(100.0, record=record, barriers={"stopped-1": mixed}))
+    assert isinstance(pull, PullHoldings)
+    assert sorted(pull.digests) == ["n0"] and sorted(pull.known) == ["n1"]
+
+
+def test_an_unreadable_arrival_is_said_once_and_counts_as_missing() -> None:
+    state = _state()
+    record = _record(2)
+    bad = {**_arrived(("n0",)), "n1": {"digest": {"format": 1, "address": "x"}, "at": 1.0}}
+    obs = _obs(100.0, record=record, barriers={"stopped-2": bad})
+    [told] = leader_step(state, obs)
+    assert isinstance(told, Event) and "unreadable stopped arrival" in told.message
+    assert "n1: holdings digest: address must be HOST:PORT" in told.message
+    assert leader_step(state, replace(obs, now_s=101.0)) == []
+    assert not any(
+        isinstance(a, (PullHoldings, ResolveResume))
+        for a in leader_step(state, replace(obs, now_s=102.5))
+    )
