@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
-from elasticpp.train.config import TrainConfig
+from elasticpp.train.config import TrainConfig, rendezvous_timeout_s
 from elasticpp.train.snapshots import SnapshotWriter, is_snapshot_writer
 
 if TYPE_CHECKING:
@@ -251,7 +251,10 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
         mark = now
 
     store = dist.TCPStore(  # type: ignore[attr-defined]
-        a.store_host, a.store_port, is_master=False, timeout=timeout
+        a.store_host,
+        a.store_port,
+        is_master=False,
+        timeout=timedelta(seconds=rendezvous_timeout_s(job.pg_timeout_s, plan.gpus_used)),
     )
     prefixed = dist.PrefixStore(a.store_prefix, store)  # type: ignore[attr-defined]
     dist.init_process_group(
