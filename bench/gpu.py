@@ -206,7 +206,8 @@ def tax_section(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], s
     spec = LLAMA_TAX
     b = 8
     ours = steady_step_s(run_ours(spec, b, args.steps * 2, work))
-    agent = {mode: agent_step_s(spec, b, args.steps * 2, work, mode) for mode in ("wait", "skip")}
+    modes = args.when_busy.split(",")
+    agent = {mode: agent_step_s(spec, b, args.steps * 2, work, mode) for mode in modes}
     out = {"train_step_s": ours, **{f"agent_{m}_step_s": v for m, v in agent.items()}}
     text = (
         f"llama-tax (8 layers x 1024, seq 1024, B = 16, b = {b}, bf16, "
@@ -259,6 +260,7 @@ def main() -> int:
     p.add_argument("--sections", default="mfu,tax")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--when-busy", default="wait,skip", help="tax: snapshot_when_busy modes")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip --compile runs")
     args = p.parse_args()
     import torch
