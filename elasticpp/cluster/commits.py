@@ -36,6 +36,8 @@ class CommitsPart:
 
         def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
 
+        def _get(self, key: str, cached: bool) -> Any: ...
+
     # ------------------------------------------------------------------ commits
     def record_commit(
         self,
@@ -89,10 +91,11 @@ class CommitsPart:
         return out
 
     # ------------------------------------------------------------------ safe step
-    def read_safe(self) -> tuple[SafeStep | None, int]:
+    def read_safe(self, *, cached: bool = False) -> tuple[SafeStep | None, int]:
         """The published safe step (None if none, or unreadable: skipped and logged once) and
-        the key's mod revision (0 if absent), for `write_safe`."""
-        kv = self._kv.get(self.keys.safe)
+        the key's mod revision (0 if absent), for `write_safe` (read etcd itself for that:
+        the cached one may be a watch delivery old)."""
+        kv = self._get(self.keys.safe, cached)
         if kv is None:
             return None, 0
         try:
