@@ -143,10 +143,10 @@ class ViewPart:
         self._vs.last_refresh_s = self._clock.monotonic()
         cluster = self.cluster
         try:
-            # Only the leader caches the nodes' holdings digests (one read when its term
-            # starts, then their events); a follower knows its own arrival from its write,
-            # and needs only the resume record.
-            cluster.cache_stopped(self._ls.leadership is not None)
+            # Only the leader caches the nodes' holdings digests and commit records (one read
+            # each when its term starts, then their events); a follower knows its own
+            # arrival from its write, and needs only the resume record.
+            cluster.cache_for_leader(self._ls.leadership is not None)
             cluster.sync_cache()  # reads a range again only if its watch lost events
             members = cluster.agent_members(cached=True).nodes
             record, rev = cluster.read_generation(cached=True)

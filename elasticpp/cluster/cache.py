@@ -21,6 +21,7 @@ the watch thread only applies events.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -40,6 +41,7 @@ class CacheCore:
 
     def __init__(self) -> None:
         self._kvs: dict[str, KeyValue] = {}
+        self._keys: list[str] = []  # sorted: a prefix is a slice found by bisection
         self.loaded = False
         self.read_revision = 0  # the revision of the last read
         self.revision = 0  # the newest revision the map reflects
@@ -50,6 +52,7 @@ class CacheCore:
         """Take a read at `revision` as the state, then the events kept while stale that
         are newer than it."""
         self._kvs = {kv.key: kv for kv in kvs}
+        self._keys = sorted(self._kvs)
         self.read_revision = self.revision = revision
         self.loaded, self.stale_reason = True, None
         pending, self._pending = self._pending, []
@@ -81,8 +84,13 @@ class CacheCore:
             return True
         self.revision = event.mod_revision
         if event.type is EventType.DELETE:
-            return self._kvs.pop(event.key, None) is not None
+            if self._kvs.pop(event.key, None) is None:
+                return False
+            del self._keys[bisect.bisect_left(self._keys, event.key)]
+            return True
         assert event.value is not None
+        if event.key not in self._kvs:
+            bisect.insort(self._keys, event.key)
         self._kvs[event.key] = KeyValue(
             event.key, event.value, event.mod_revision, event.create_revision, event.lease_id
         )
@@ -93,7 +101,9 @@ class CacheCore:
 
     def prefix(self, prefix: str) -> list[KeyValue]:
         """The keys under `prefix`, sorted by key (as etcd's range read sorts them)."""
-        return [self._kvs[k] for k in sorted(k for k in self._kvs if k.startswith(prefix))]
+        lo = bisect.bisect_left(self._keys, prefix)
+        hi = bisect.bisect_left(self._keys, prefix_end(prefix), lo)
+        return [self._kvs[k] for k in self._keys[lo:hi]]
 
 
 class RangeCache:
@@ -179,43 +189,49 @@ class RangeCache:
 
 class JobCache:
     """What an agent reads of its job, cached: every key under the job's root but two
-    kinds, which would send every node's frequent or large values to every node. The commit
-    records (`commits/`, rewritten by every node as it commits, read by the leader alone)
-    are never cached; the `stopped-<G>` arrivals (a holdings digest per node, read by the
-    leader alone) only while `serve_stopped(True)`. Three watches, four with the latter."""
+    kinds, which would send every node's frequent or large values to every node: the commit
+    records (`commits/`, rewritten by every node as it commits) and the `stopped-<G>`
+    arrivals (a holdings digest per node). The leader alone reads those, and caches them too
+    while `serve_leader(True)`. Three watches, five on the leader."""
 
     def __init__(
         self, kv: EtcdKV, keys: JobKeys, on_event: Callable[[WatchEvent], None] | None = None
     ) -> None:
         self._kv, self._on_event = kv, on_event
-        self._stopped_from = keys.barriers_prefix + "stopped-"
+        stopped_from = keys.barriers_prefix + "stopped-"
         # "stopped." is the first key past every "stopped-..." ('.' follows '-').
-        self._stopped_to = keys.barriers_prefix + "stopped."
+        stopped_to = keys.barriers_prefix + "stopped."
+        commits_to = prefix_end(keys.commits_prefix)
+        self._leader_only = ((stopped_from, stopped_to), (keys.commits_prefix, commits_to))
         self._ranges: list[RangeCache] = []
+        self._leader: list[RangeCache] = []
         try:
             for key, end in (
-                (keys.root, self._stopped_from),
-                (self._stopped_to, keys.commits_prefix),
-                (prefix_end(keys.commits_prefix), prefix_end(keys.root)),
+                (keys.root, stopped_from),
+                (stopped_to, keys.commits_prefix),
+                (commits_to, prefix_end(keys.root)),
             ):
                 self._ranges.append(RangeCache(kv, key, end, on_event=on_event))
         except BaseException:
             self.close()
             raise
-        self._stopped: RangeCache | None = None
 
-    def serve_stopped(self, on: bool) -> None:
-        """Cache the `stopped-<G>` arrivals too (one read and a watch), or stop doing so."""
-        if on and self._stopped is None:
-            self._stopped = RangeCache(
-                self._kv, self._stopped_from, self._stopped_to, on_event=self._on_event
-            )
-        elif not on and self._stopped is not None:
-            self._stopped.cancel()
-            self._stopped = None
+    def serve_leader(self, on: bool) -> None:
+        """Cache the leader's ranges too (a read and a watch each), or stop doing so."""
+        if on and not self._leader:
+            try:
+                for key, end in self._leader_only:
+                    self._leader.append(RangeCache(self._kv, key, end, on_event=self._on_event))
+            except BaseException:
+                self.serve_leader(False)
+                raise
+        elif not on and self._leader:
+            for r in self._leader:
+                r.cancel()
+            self._leader = []
 
     def _all(self) -> list[RangeCache]:
-        return [*self._ranges, *([self._stopped] if self._stopped is not None else [])]
+        return [*self._ranges, *self._leader]
 
     def ensure(self) -> None:
         """Read again each range that lost events (see `RangeCache.ensure`)."""
@@ -240,4 +256,4 @@ class JobCache:
     def close(self) -> None:
         for r in self._all():
             r.cancel()
-        self._ranges, self._stopped = [], None
+        self._ranges, self._leader = [], []

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.barriers import check_arrival, check_member
 from elasticpp.cluster.cache import JobCache
+from elasticpp.cluster.cachedreads import CachedReadsPart
 from elasticpp.cluster.commits import CommitsPart
 from elasticpp.cluster.errors import (
     BarrierTimeoutError,
@@ -69,7 +70,7 @@ _T = TypeVar("_T", "Registration", "Leadership", "Watch")
 RESUME_MEMBER = "resume"
 
 
-class ClusterClient(CommitsPart, HealthPart):
+class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
     """One job's cluster state in etcd. Thread-safe; one instance per process is enough.
 
     `request_timeout_s` bounds every etcd call; past it the call raises
@@ -126,41 +127,6 @@ class ClusterClient(CommitsPart, HealthPart):
 
     def revision(self) -> int:
         return self._kv.revision()
-
-    def etcd_requests(self) -> dict[str, int]:
-        """Requests this client sent to etcd, by method (`EtcdKV.requests`)."""
-        return self._kv.requests()
-
-    # ------------------------------------------------------------------ the cache
-    def follow(self, on_event: Callable[[WatchEvent], None] | None = None) -> None:
-        """Start the job's watch-fed cache (once; three range reads, three watches), for
-        reads with `cached=True`. `on_event` runs on a watch thread after each change."""
-        with self._lock:
-            if self._cache is not None:
-                return
-        cache = JobCache(self._kv, self.keys, on_event)
-        with self._lock:
-            self._cache = cache
-
-    def cache_stopped(self, on: bool) -> None:
-        """Cache the `stopped-<G>` arrivals too (the leader reads them), or no longer."""
-        self._cached().serve_stopped(on)
-
-    def sync_cache(self) -> None:
-        """Read again what the cache lost events of (nothing in steady state)."""
-        self._cached().ensure()
-
-    def _cached(self) -> JobCache:
-        cache = self._cache
-        if cache is None:
-            raise ClusterUnavailableError(f"job {self.job}: the etcd cache is not started")
-        return cache
-
-    def _get(self, key: str, cached: bool) -> Any:
-        return self._cached().get(key)[0] if cached else self._kv.get(key)
-
-    def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]:
-        return self._cached().prefix(prefix) if cached else self._kv.get_prefix(prefix)
 
     # ------------------------------------------------------------------ spec
     def put_spec_if_absent(self, spec_json: str) -> str:

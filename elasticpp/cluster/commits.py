@@ -38,6 +38,8 @@ class CommitsPart:
 
         def _get(self, key: str, cached: bool) -> Any: ...
 
+        def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
+
     # ------------------------------------------------------------------ commits
     def record_commit(
         self,
@@ -60,10 +62,10 @@ class CommitsPart:
             self.keys.commit(generation, node_id), dumps({**record.to_dict(), "at": time.time()})
         )
 
-    def commit_records(self, generation: int) -> dict[str, CommitRecord]:
+    def commit_records(self, generation: int, *, cached: bool = False) -> dict[str, CommitRecord]:
         """The readable commit records of `generation` by node id; unreadable ones (malformed,
         a newer format, or naming another node or generation) are skipped and logged once."""
-        kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
+        kvs, _ = self._get_prefix(self.keys.commits_of(generation), cached)
         out: dict[str, CommitRecord] = {}
         for node, data in self._records(kvs, "commit record").items():
             key = self.keys.commit(generation, node)

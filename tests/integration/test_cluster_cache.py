@@ -153,7 +153,7 @@ def test_a_new_etcd_behind_the_cache_revision_makes_it_read_again(
 
 
 @pytest.mark.timeout(60)
-def test_the_job_cache_leaves_out_commit_records_and_stopped_arrivals_unless_asked(
+def test_the_job_cache_leaves_commit_records_and_stopped_arrivals_to_the_leader(
     kv: EtcdKV,
 ) -> None:
     keys = JobKeys("j")
@@ -179,7 +179,8 @@ def test_the_job_cache_leaves_out_commit_records_and_stopped_arrivals_unless_ask
             cache.prefix(keys.barrier_prefix("stopped-3"))
         with pytest.raises(ClusterUnavailableError, match="not cached"):
             cache.prefix(keys.commits_of(3))
-        cache.serve_stopped(True)
+        cache.serve_leader(True)
+        assert [x.value for x in cache.prefix(keys.commits_of(3))[0]] == ["c"]
         stopped, _ = cache.prefix(keys.barrier_prefix("stopped-3"))
         assert [x.key for x in stopped] == [
             keys.barrier("stopped-3", "n1"),

@@ -24,10 +24,10 @@ class _Cluster:
     def __init__(self) -> None:
         self.read: list[str] = []
         self.arrivals: list[tuple[str, str, Any]] = []
-        self.stopped_cached = False
+        self.leader_cached = False
 
-    def cache_stopped(self, on: bool) -> None:
-        self.stopped_cached = on
+    def cache_for_leader(self, on: bool) -> None:
+        self.leader_cached = on
 
     def sync_cache(self) -> None:
         pass
@@ -75,12 +75,12 @@ def test_only_the_leader_reads_the_stopped_arrivals(tmp_path: Path) -> None:
     barrier event: N x N x ~100 KiB per second at a transition."""
     agent, cluster = _agent(tmp_path)
     agent._refresh()
-    assert "stopped-3" not in cluster.read and not cluster.stopped_cached
+    assert "stopped-3" not in cluster.read and not cluster.leader_cached
     assert {"resume-3", "started-3", "failed-3"} <= set(cluster.read)
     agent._ls.leadership = _Leadership()  # this node leads
     cluster.read.clear()
     agent._refresh()
-    assert "stopped-3" in cluster.read and cluster.stopped_cached
+    assert "stopped-3" in cluster.read and cluster.leader_cached
 
 
 def test_a_node_arrives_at_stopped_with_a_digest_of_what_it_holds(tmp_path: Path) -> None:

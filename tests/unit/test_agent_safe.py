@@ -39,7 +39,7 @@ class _Cluster:
         replicas = {o: tuple(s) for o, s in (replicas or {}).items()}
         self.records[node_id] = CommitRecord(node_id, generation, step, tuple(anchors), replicas)
 
-    def commit_records(self, generation: int) -> dict[str, CommitRecord]:
+    def commit_records(self, generation: int, *, cached: bool = False) -> dict[str, CommitRecord]:
         return {n: r for n, r in self.records.items() if r.generation == generation}
 
     def read_safe(self, *, cached: bool = False) -> tuple[SafeStep | None, int]:
@@ -55,7 +55,7 @@ class _Cluster:
     keys: Any = None
     skipped_values = 0
 
-    def cache_stopped(self, on: bool) -> None:
+    def cache_for_leader(self, on: bool) -> None:
         pass
 
     def sync_cache(self) -> None:

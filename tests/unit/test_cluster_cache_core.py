@@ -83,3 +83,13 @@ def test_nothing_is_loaded_before_the_first_read() -> None:
 def test_a_prefix_answer_is_sorted_by_key_and_stays_inside_the_prefix() -> None:
     core = loaded(("/n/b", "2", 1), ("/n/a", "1", 2), ("/nx", "3", 3), ("/m", "0", 4))
     assert [kv.key for kv in core.prefix("/n/")] == ["/n/a", "/n/b"]
+
+
+def test_prefix_answers_follow_inserts_and_deletes_of_keys() -> None:
+    core = loaded(("/n/b", "2", 1), revision=1)
+    core.apply(put("/n/a", "1", 2))
+    core.apply(put("/n/c", "3", 3))
+    core.apply(put("/n/a", "one", 4))  # a key written again is not listed twice
+    core.apply(delete("/n/b", 5))
+    core.apply(delete("/n/x", 6))  # a key it does not hold: nothing changes
+    assert [(kv.key, kv.value) for kv in core.prefix("/n/")] == [("/n/a", "one"), ("/n/c", "3")]
