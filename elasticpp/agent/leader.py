@@ -19,11 +19,12 @@ import re
 from typing import Any
 
 from elasticpp.agent.actions import PullHoldings
+from elasticpp.agent.deadlines import pull_deadline_s
 from elasticpp.agent.decide import ClusterView
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.leaderstep import LeaderObservation, leader_step
-from elasticpp.agent.limits import PULL_DEADLINE_S, PULL_NODE_TIMEOUT_S, PULL_PARALLEL
+from elasticpp.agent.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
 from elasticpp.agent.pull import PulledHoldings, pull_holdings
 from elasticpp.agent.sick import SickNodes
 from elasticpp.errors import ElasticppError
@@ -166,7 +167,7 @@ class LeaderPart:
             known=action.known,
             parallel=PULL_PARALLEL,
             node_timeout_s=PULL_NODE_TIMEOUT_S,
-            deadline_s=PULL_DEADLINE_S,
+            deadline_s=pull_deadline_s(len(action.digests)),
         )
 
     def _pulled(self) -> PulledHoldings | None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.actions import Action, Event, JobEndedGauge, StopWorkers
+from elasticpp.agent.deadlines import stop_wait_s
 from elasticpp.agent.decide import ClusterView, lost_nodes
 from elasticpp.agent.leaderstate import LeaderState
-from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import EndJob, Quarantine, Quarantined, Readmit, Report
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
 
@@ -102,6 +102,7 @@ def stop_wait_step(
     now_s: float,
     wall_s: float,
     stop_timeout_s: float,
+    nodes: int = 0,
 ) -> tuple[bool, list[Any]]:
     """The leader's deadline on `stopped-G`: nodes that did not arrive within
     `stop_timeout_s` (a wedged agent, workers that will not die) are quarantined, and the
@@ -111,7 +112,7 @@ def stop_wait_step(
     if ls.stop_wait_since_s is None:
         ls.stop_wait_since_s = now_s
         return False, []
-    waited_s = stop_timeout_s + STOPPED_WAIT_MARGIN_S
+    waited_s = stop_wait_s(stop_timeout_s, nodes)  # grows with the nodes waited for
     if now_s - ls.stop_wait_since_s <= waited_s:
         return False, []
     decisions: list[Any] = []

@@ -114,6 +114,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
             now_s=obs.now_s,
             wall_s=obs.wall_s,
             stop_timeout_s=obs.spec.stop_timeout_s,
+            nodes=len(expected),
         )
         if decisions:
             actions.append(SetAside(tuple(decisions)))

@@ -33,7 +33,7 @@ from elasticpp.agent.decide import (
 from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
 from elasticpp.agent.limits import GPU_CHECK_INTERVAL_S
 from elasticpp.errors import ElasticppError
-from elasticpp.train.procs import EXITED, WorkerProcess
+from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -100,6 +100,7 @@ class SupervisorPart:
         """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work."""
         env = dict(os.environ)
         env["ELASTICPP_NODE_ID"] = self.node_id
+        env[WORKER_DEVICE_ENV] = self.cfg.device  # a CUDA worker initialises CUDA while warm
         if self.cfg.worker_threads is not None:
             env.setdefault("OMP_NUM_THREADS", str(self.cfg.worker_threads))
         while len(self.pool.spares()) < self.cfg.slots:

@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     workers: list[Any] = []
     started = time.monotonic()
     try:
-        workers = spawn_workers(plan.gpus_used, log_dir, tag="rank")
+        workers = spawn_workers(plan.gpus_used, log_dir, tag="rank", device=args.device)
 
         def on_record(record: dict[str, Any]) -> None:
             if metrics is not None:

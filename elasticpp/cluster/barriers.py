@@ -11,6 +11,7 @@ Barrier names are `<kind>` or `<kind>-<generation>`; kinds not listed here pass 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -96,11 +97,77 @@ def _resume(what: str, v: Any) -> None:
         )
     _integer(what, v, "step")
     _integer(what, v, "recomputed", required=False)
+    _integer(what, v, "pieces_parts", required=False)
     for name in ("pieces", "reshard", "reshard_by_node", "by_node", "infos_by_node"):
         if not isinstance(v.get(name), dict):
             raise ClusterDataError(f"{what}: {name} must be an object")
     if not isinstance(v.get("nodes"), list):
         raise ClusterDataError(f"{what}: nodes must be a list")
+
+
+# A resume instruction's `pieces` table (one entry per distinct piece: ~85 KiB for llama-70b
+# pp=8 tp=8) is written in parts of at most this many bytes of JSON, as members of the same
+# barrier in the same transaction, so that no etcd value passes 64 KiB.
+RESUME_PART_BYTES = 48 * 1024
+_RESUME_PART = re.compile(r"^resume-part-(?P<index>\d{4})$")
+
+
+def resume_part_member(index: int) -> str:
+    return f"resume-part-{index:04d}"
+
+
+def split_resume(value: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The instruction without its `pieces` (naming how many parts hold them) and the parts,
+    each `{"part": i, "of": n, "pieces": {...}}` of at most ~RESUME_PART_BYTES of JSON. A
+    table that fits in one part stays in the instruction (no parts)."""
+    pieces = value.get("pieces", {})
+    if len(json.dumps(pieces, separators=(",", ":"))) <= RESUME_PART_BYTES:
+        return value, []
+    chunks: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, info in pieces.items():
+        entry = len(json.dumps({name: info}, separators=(",", ":")))
+        if size + entry > RESUME_PART_BYTES and chunks[-1]:
+            chunks.append({})
+            size = 0
+        chunks[-1][name] = info
+        size += entry
+    parts = [{"part": i, "of": len(chunks), "pieces": c} for i, c in enumerate(chunks)]
+    return {**value, "pieces": {}, "pieces_parts": len(chunks)}, parts
+
+
+def join_resume(members: dict[str, Any], resume_member: str) -> dict[str, Any]:
+    """`members` of a resume barrier with the parts folded back into the instruction (as
+    `split_resume` had it). Raises ClusterDataError when a part the instruction names is
+    missing or does not fit; parts without an instruction are dropped (none is written
+    without the other: one transaction writes them all)."""
+    parts = {m: v for m, v in members.items() if _RESUME_PART.match(m)}
+    out = {m: v for m, v in members.items() if m not in parts}
+    main = out.get(resume_member)
+    if main is None or "pieces_parts" not in main:
+        return out
+    count = main["pieces_parts"]
+    if count < 1:
+        raise ClusterDataError(f"resume instruction: pieces_parts must be >= 1, got {count}")
+    pieces: dict[str, Any] = {}
+    for i in range(count):
+        part = parts.get(resume_part_member(i))
+        if part is None or part.get("of") != count or part.get("part") != i:
+            raise ClusterDataError(
+                f"resume instruction: part {i} of {count} is missing or does not match"
+            )
+        pieces.update(part["pieces"])
+    joined = {k: v for k, v in main.items() if k != "pieces_parts"}
+    joined["pieces"] = pieces
+    out[resume_member] = joined
+    return out
+
+
+def _resume_part(what: str, v: Any) -> None:
+    _integer(what, v, "part")
+    _integer(what, v, "of")
+    if not isinstance(v.get("pieces"), dict):
+        raise ClusterDataError(f"{what}: pieces must be an object")
 
 
 def _timeline(what: str, v: Any) -> None:
@@ -132,6 +199,8 @@ def check_arrival(barrier: str, member: str, value: Any) -> Any:
     what = f"{barrier} arrival of {member}"
     if not isinstance(value, dict):
         raise ClusterDataError(f"{what}: expected an object, got {type(value).__name__}")
+    if check is _resume and _RESUME_PART.match(member):
+        check = _resume_part
     check(what, value)
     return value
 

@@ -25,7 +25,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from elasticpp.cluster import keys as keymod
-from elasticpp.cluster.barriers import check_arrival, check_member
+from elasticpp.cluster.barriers import (
+    check_arrival,
+    check_member,
+    join_resume,
+    resume_part_member,
+    split_resume,
+)
 from elasticpp.cluster.cache import JobCache
 from elasticpp.cluster.cachedreads import CachedReadsPart
 from elasticpp.cluster.commits import CommitsPart
@@ -68,6 +74,17 @@ _T = TypeVar("_T", "Registration", "Leadership", "Watch")
 
 # The one member of barrier `resume-<G>`: the instruction of whichever leader wrote it.
 RESUME_MEMBER = "resume"
+
+
+def resume_records(value: Any, leader_id: str, at: float) -> list[tuple[str, str]]:
+    """The barrier members and records that hold resume instruction `value`: the instruction
+    and, when its pieces table is large, the parts holding it (`barriers.split_resume`)."""
+    main, parts = split_resume(value)
+    out = [(RESUME_MEMBER, dumps({"node_id": leader_id, "value": main, "at": at}))]
+    for part in parts:
+        record = dumps({"node_id": leader_id, "value": part, "at": at})
+        out.append((resume_part_member(int(part["part"])), record))
+    return out
 
 
 class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
@@ -421,8 +438,11 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
             Compare(self.keys.leader, "value", leader.node_id),
             Compare(self.keys.leader, "create", leader.create_revision),
         ]
-        record = dumps({"node_id": leader.node_id, "value": value, "at": time.time()})
-        ok, _, _ = self._kv.txn(compares, [Put(key, record)])
+        puts = [
+            Put(self.keys.barrier(f"resume-{generation}", member), record)
+            for member, record in resume_records(value, leader.node_id, time.time())
+        ]
+        ok, _, _ = self._kv.txn(compares, puts)
         return ok
 
     def barrier_state(self, barrier: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
@@ -438,6 +458,13 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
                 out[node] = check_arrival(barrier, node, r.get("value"))
             except ClusterDataError as exc:
                 self.skip_value(prefix + node, exc)
+        if barrier.startswith("resume-"):
+            try:
+                out = join_resume(out, RESUME_MEMBER)
+            except ClusterDataError as exc:
+                self.skip_value(prefix + RESUME_MEMBER, exc)
+                # Without its parts the instruction cannot be used: neither is seen.
+                out = {m: v for m, v in out.items() if m != RESUME_MEMBER and "-part-" not in m}
         return out, revision
 
     def wait_barrier(

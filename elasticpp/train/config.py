@@ -160,6 +160,18 @@ class TrainConfig:
             raise ConfigError(f"{source}: {exc}") from exc
 
 
+# The workers' rendezvous (every rank meets at the leader's store) waits at least
+# `pg_timeout_s`, and longer in a large world: the store serves the ranks' connections and
+# requests one at a time (bench/rendezvous.py measures what it sustains).
+RENDEZVOUS_S_PER_RANK = 0.01
+
+
+def rendezvous_timeout_s(pg_timeout_s: float, world_size: int) -> float:
+    """How long a worker waits for its rendezvous (connecting to the store and every rank's
+    arrival): `pg_timeout_s`, plus 10 ms a rank (+164 s at 16,384 ranks)."""
+    return pg_timeout_s + RENDEZVOUS_S_PER_RANK * max(0, world_size)
+
+
 def _check_shard_list(shards: tuple[object, ...]) -> None:
     if not shards:
         raise ConfigError("train: data is an empty list; name at least one token file")

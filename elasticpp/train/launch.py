@@ -20,7 +20,7 @@ from typing import Any
 
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.procs import EXITED, WorkerError, WorkerProcess
+from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerError, WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,11 @@ def spawn_workers(
     tag: str = "worker",
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
+    device: str = "cpu",
 ) -> list[WorkerProcess]:
-    """Start `count` warm workers (they import torch and wait for an assignment)."""
+    """Start `count` warm workers (they import torch, and initialise CUDA for a CUDA
+    `device`, and wait for an assignment)."""
+    env = {**(env if env is not None else os.environ), WORKER_DEVICE_ENV: device}
     workers: list[WorkerProcess] = []
     try:
         for i in range(count):

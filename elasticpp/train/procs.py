@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 EXITED = "exited"  # the synthesized last event of every worker
 EVENT_FD_ENV = "ELASTICPP_EVENT_FD"  # the worker's descriptor of the event pipe
+# "cuda": the warm worker initialises CUDA (driver, libraries) before it says "ready", so a
+# spare's readiness includes it and a recovery does not pay it. No device context is made
+# until the assignment names the GPU.
+WORKER_DEVICE_ENV = "ELASTICPP_WORKER_DEVICE"
 
 
 class WorkerError(ElasticppError):

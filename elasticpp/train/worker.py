@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
-from elasticpp.train.config import TrainConfig
+from elasticpp.train.config import TrainConfig, rendezvous_timeout_s
+from elasticpp.train.procs import WORKER_DEVICE_ENV
 from elasticpp.train.snapshots import SnapshotWriter, is_snapshot_writer
 
 if TYPE_CHECKING:
@@ -251,7 +252,10 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
         mark = now
 
     store = dist.TCPStore(  # type: ignore[attr-defined]
-        a.store_host, a.store_port, is_master=False, timeout=timeout
+        a.store_host,
+        a.store_port,
+        is_master=False,
+        timeout=timedelta(seconds=rendezvous_timeout_s(job.pg_timeout_s, plan.gpus_used)),
     )
     prefixed = dist.PrefixStore(a.store_prefix, store)  # type: ignore[attr-defined]
     dist.init_process_group(
@@ -472,6 +476,9 @@ def main() -> int:
     import elasticpp.train.hostcopy  # noqa: F401
 
     torch.zeros(1)  # touch the allocator and the thread pool once
+    if os.environ.get(WORKER_DEVICE_ENV) == "cuda":
+        # The driver and CUDA's libraries; no context on a device until the assignment.
+        torch.cuda.init()  # type: ignore[no-untyped-call]
     out.emit({"event": "ready", "pid": os.getpid()})
     try:
         line = sys.stdin.readline()

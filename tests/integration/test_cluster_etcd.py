@@ -314,6 +314,26 @@ def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leade
     assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: _resume(8)}
 
 
+def test_a_large_resume_instruction_is_written_in_parts_and_read_whole(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    from elasticpp.cluster.client import RESUME_MEMBER
+
+    a, b = clients(), clients()
+    lead = a.campaign("n1", ttl_s=30)
+    assert lead is not None
+    # 2,000 pieces with their sha256: ~170 KiB, over the 64 KiB a value may take.
+    value = _resume(5) | {"pieces": {f"u{i:05d}.tp0": [f"{i:064x}", i] for i in range(2000)}}
+    assert a.write_resume(6, value, lead)
+    raw, _ = a._kv.get_prefix(a.keys.barrier_prefix("resume-6"))
+    assert len(raw) > 2 and max(len(kv.value) for kv in raw) <= 64 * 1024
+    assert b.barrier_state("resume-6")[0] == {RESUME_MEMBER: value}
+    # A part gone (an operator's delete, say): the instruction is not seen, and counted.
+    a._kv.delete(a.keys.barrier("resume-6", "resume-part-0001"))
+    assert b.barrier_state("resume-6")[0] == {}
+    assert b.skipped_values == 1
+
+
 def _timeline(generation: int) -> dict[str, Any]:
     return {
         "generation": generation,
