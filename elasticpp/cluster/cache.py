@@ -5,7 +5,9 @@ watch's PUT and DELETE events are applied in revision order, and readers are ans
 memory together with the revision the answer reflects. Invariants:
 
 - An answer is a state etcd held: the read at R plus every event after R, none missed. An
-  event at or below the revision read is one the read holds already, and is dropped.
+  event at or below the revision read is one the read holds already, and is dropped. The
+  events of one watch response (every event of a revision) are applied under one lock, so
+  no reader sees part of a transaction.
 - Nothing is served across a gap. When events may have been lost (the watch's start revision
   was compacted away, the store went back in revision, an event came out of order) the range
   is marked stale: readers get `ClusterUnavailableError` until `ensure()` reads it again.
@@ -134,7 +136,18 @@ class RangeCache:
             prefix=False,
             range_end=range_end,
             start_revision=self._core.read_revision + 1,
+            on_batch=self._apply_batch,
         )
+
+    def _apply_batch(self, events: tuple[WatchEvent, ...]) -> None:
+        """The events of one etcd response at once: a reader never sees half of a
+        transaction (a resume instruction without its parts, say)."""
+        with self._lock:
+            for event in events:
+                self._core.apply(event)
+        if self._on_event is not None:
+            for event in events:
+                self._on_event(event)
 
     def _apply(self, event: WatchEvent) -> None:
         with self._lock:

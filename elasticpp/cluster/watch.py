@@ -36,14 +36,18 @@ class Watch:
         prefix: bool,
         start_revision: int | None,
         range_end: str | None = None,
+        on_batch: Callable[[tuple[WatchEvent, ...]], None] | None = None,
     ) -> None:
-        """`range_end` (exclusive) watches the keys from `key` up to it, whatever `prefix`."""
+        """`range_end` (exclusive) watches the keys from `key` up to it, whatever `prefix`.
+        With `on_batch`, the events of one etcd response (all the events of a revision,
+        a transaction's included) go to it in one call; `callback` then gets RESYNC only."""
         self.key = key
         self._kv = kv
         if range_end is None and prefix:
             range_end = keymod.prefix_end(key)
         self._range_end = range_end
         self._callback = callback
+        self._on_batch = on_batch
         self._items: queue.Queue[tuple[int, WatchItem]] = queue.Queue()
         self._cancelled = threading.Event()
         self._stream = 0  # items of older streams are dropped
@@ -139,9 +143,16 @@ class Watch:
 
     def _deliver(self, batch: WatchBatch) -> None:
         floor = self._next_revision
-        for event in batch.events:
-            if event.mod_revision < floor:
-                continue  # already delivered before a re-creation
+        # Events below the floor were delivered before a re-creation.
+        fresh = tuple(e for e in batch.events if e.mod_revision >= floor)
+        if self._on_batch is not None and fresh:
+            try:
+                self._on_batch(fresh)
+            except Exception:
+                log.exception("watch %s: callback failed on %d event(s)", self.key, len(fresh))
+            self._next_revision = max(self._next_revision, fresh[-1].mod_revision + 1)
+            return
+        for event in fresh:
             self._safe_call(event)
             self._next_revision = max(self._next_revision, event.mod_revision + 1)
 

@@ -78,6 +78,34 @@ def test_the_cache_follows_puts_and_deletes_with_one_read(kv: EtcdKV) -> None:
         cache.cancel()
 
 
+@pytest.mark.timeout(60)
+def test_a_reader_never_sees_part_of_a_transaction(kv: EtcdKV) -> None:
+    """A resume instruction and its parts are one transaction: a view that saw the
+    instruction without its parts would skip it as unreadable."""
+    cache = RangeCache(kv, P, END)
+    seen: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            kvs, _ = cache.prefix(P)
+            revisions = [x.mod_revision for x in kvs]
+            seen.append((len(kvs), max(revisions, default=0)))
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        for i in range(150):
+            kv.txn([], [Put(f"{P}{i}/{m}", "v") for m in "abcdefgh"])
+        wait_for(lambda: cache.get(f"{P}149/h")[0] is not None, "the last transaction")
+    finally:
+        stop.set()
+        thread.join(10)
+        cache.cancel()
+    # Every state a reader saw held whole transactions: eight keys per revision.
+    assert all(n % 8 == 0 for n, _ in seen), [s for s in seen if s[0] % 8][:5]
+
+
 @pytest.mark.timeout(90)
 def test_a_compaction_under_a_stopped_watch_makes_the_cache_read_again(
     kv: EtcdKV, etcd: EtcdServer
