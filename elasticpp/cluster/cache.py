@@ -143,8 +143,12 @@ class RangeCache:
         """The events of one etcd response at once: a reader never sees half of a
         transaction (a resume instruction without its parts, say)."""
         with self._lock:
+            was_loaded = self._core.loaded
             for event in events:
                 self._core.apply(event)
+            lost = self._core.stale_reason if was_loaded and not self._core.loaded else None
+        if lost is not None:
+            log.warning("cache of %s: %s; read again", self.key, lost)
         if self._on_event is not None:
             for event in events:
                 self._on_event(event)
