@@ -30,6 +30,7 @@ class AgentMetrics:
     step_seconds: Histogram
     state_fetched_bytes_total: Counter
     etcd_values_skipped_total: Counter
+    etcd_requests_total: Counter
     errors_total: Counter
     snapshot_failures_total: Counter
     halted: Gauge
@@ -89,6 +90,13 @@ class AgentMetrics:
             etcd_values_skipped_total=c(
                 "elasticpp_etcd_values_skipped",
                 "etcd values this agent could not read (malformed or a newer format) and skipped",
+            ),
+            etcd_requests_total=Counter(
+                "elasticpp_etcd_requests",
+                "Requests this agent sent to etcd, by method (Range, Put, Txn, LeaseKeepAlive, "
+                "...; Watch for a watch created, WatchEvent for an event a watch delivered)",
+                [*labels, "method"],
+                registry=r,
             ),
             errors_total=Counter(
                 "elasticpp_agent_errors",

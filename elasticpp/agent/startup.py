@@ -133,13 +133,11 @@ class StartupPart:
             self._registration = self.cluster.register(
                 self.node_id, self._member_info(), self.spec.lease_ttl_s, self._lease_gate()
             )
-        wake = self._on_watch
+        # The view reads members, leader, generation, barriers and the safe step from the
+        # job's watch-fed cache; each change wakes the loop.
+        self.cluster.follow(self._on_watch)
         keys = self.cluster.keys
         for key, prefix, callback in (
-            (keys.nodes_prefix, True, wake),
-            (keys.leader, False, wake),
-            (keys.generation, False, wake),
-            (keys.barriers_prefix, True, wake),
             (keys.quarantine_prefix, True, self._on_health_watch),
             (keys.ended, False, self._on_health_watch),
         ):

@@ -1,10 +1,14 @@
 """The agent's view of the cluster: members, the generation record, the leader and the
 barriers of the current generation (`stopped-G`, N nodes' holdings digests, only on the
-leader: no other part reads it), read from etcd by the decision loop (on a watch event,
-and at least every second), and the published safe step (at most every `SAFE_EVERY_S`), which
-becomes the store's floor. An unreachable etcd keeps the last view (training goes on,
-changes wait); an unreadable generation record keeps it too, since acting on a guess could
-break the fencing; joins and losses are noted for the recovery timeline. When the job epoch
+leader: no other part reads it), and the published safe step (at most every `SAFE_EVERY_S`),
+which becomes the store's floor. The decision loop takes them (on a watch event, and at least
+every second) from the job's watch-fed cache (`elasticpp.cluster.cache`): in steady state the
+view sends etcd no request at all; it reads a range again only when its watch lost events.
+What must be current is fenced where it is written (the generation's compare-and-swap, the
+resume's and the safe step's transactions), so a view one watch delivery old is safe.
+An unreachable etcd (or a watch that is down) keeps the last view (training goes on, changes
+wait); an unreadable generation record keeps it too, since acting on a guess could break the
+fencing; joins and losses are noted for the recovery timeline. When the job epoch
 this agent joined is gone (the job's etcd state started afresh under it), the agent stops
 (`_check_epoch`, exit status `EPOCH_ENDED_EXIT`).
 """
@@ -41,6 +45,8 @@ class ViewState:
     last_refresh_s: float = 0.0  # monotonic
     safe_read_s: float = 0.0  # monotonic: when the published safe step was last read
     skipped_seen: int = 0  # unreadable etcd values already counted in the metrics
+    requests_seen: dict[str, int] = field(default_factory=dict)  # etcd requests counted so
+    # far in the metrics, by method
     last_join_s: float = field(default_factory=time.monotonic)  # a member (re)registered
     detected: dict[int, float] = field(default_factory=dict)  # generation -> wall time a
     # join or a lease lapse that calls for it was first seen (the recovery timeline)
@@ -120,29 +126,44 @@ class ViewPart:
             self._vs.skipped_seen += new
             self.metrics.etcd_values_skipped_total.labels(**self.metrics.labels).inc(new)
 
+    def _count_requests(self) -> None:
+        """Bring `elasticpp_etcd_requests_total` up to the client's own counts."""
+        assert self.cluster is not None
+        for method, count in self.cluster.etcd_requests().items():
+            new = count - self._vs.requests_seen.get(method, 0)
+            if new > 0:
+                self._vs.requests_seen[method] = count
+                self.metrics.etcd_requests_total.labels(**self.metrics.labels, method=method).inc(
+                    new
+                )
+
     def _refresh(self) -> None:
         assert self.cluster is not None
         self._reread.take()
         self._vs.last_refresh_s = self._clock.monotonic()
+        cluster = self.cluster
         try:
-            members = self.cluster.agent_members().nodes
-            record, rev = self.cluster.read_generation()
-            leader = self.cluster.leader()
+            # Only the leader caches the nodes' holdings digests and commit records (one read
+            # each when its term starts, then their events); a follower knows its own
+            # arrival from its write, and needs only the resume record.
+            cluster.cache_for_leader(self._ls.leadership is not None)
+            cluster.sync_cache()  # reads a range again only if its watch lost events
+            members = cluster.agent_members(cached=True).nodes
+            record, rev = cluster.read_generation(cached=True)
+            leader = cluster.leader(cached=True)
             barriers: dict[str, dict[str, Any]] = {}
             names = ["done", "timelines"]
             gen = record.generation if record else 0
             if gen:
                 names += [f"{b}-{gen}" for b in ("resume", "started", "failed")]
                 if self._ls.leadership is not None:
-                    # Only the leader reads the nodes' holdings digests; a follower knows
-                    # its own arrival from its write, and needs only the resume record.
                     names.append(f"stopped-{gen}")
             for name in names:
-                barriers[name], _ = self.cluster.barrier_state(name)
+                barriers[name], _ = cluster.barrier_state(name, cached=True)
             safe = None
             if self._clock.monotonic() - self._vs.safe_read_s >= SAFE_EVERY_S:
                 self._vs.safe_read_s = self._clock.monotonic()
-                safe, _ = self.cluster.read_safe()
+                safe, _ = cluster.read_safe(cached=True)
         except ClusterUnavailableError as exc:
             self._etcd_down(exc)
             return
@@ -153,6 +174,7 @@ class ViewPart:
             return
         finally:
             self._count_skipped()
+            self._count_requests()
         read = EtcdRead(members, record, rev, leader, barriers, safe)
         dead = frozenset(self._lvs.dead_now(self._vs.members))
         now_s, wall_s = self._clock.monotonic(), self._clock.time()

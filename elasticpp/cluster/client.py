@@ -8,6 +8,9 @@ Invariants this module keeps:
   `Leadership` also its create revision, so a deposed-then-re-elected node cannot write with
   its old term), and the number must be exactly the previous one + 1.
 - Watches survive etcd restarts without losing or repeating an event (`watch`).
+- A read with `cached=True` is answered by the job's watch-fed cache (`cache.JobCache`,
+  started by `follow`): no request to etcd, a state etcd held at a revision at most one
+  watch delivery old, never one with a gap. Fenced writes read etcd itself.
 - Every call that needs etcd raises `ClusterUnavailableError` within about
   `request_timeout_s` when etcd does not answer.
 """
@@ -29,6 +32,8 @@ from elasticpp.cluster.barriers import (
     resume_part_member,
     split_resume,
 )
+from elasticpp.cluster.cache import JobCache
+from elasticpp.cluster.cachedreads import CachedReadsPart
 from elasticpp.cluster.commits import CommitsPart
 from elasticpp.cluster.errors import (
     BarrierTimeoutError,
@@ -82,7 +87,7 @@ def resume_records(value: Any, leader_id: str, at: float) -> list[tuple[str, str
     return out
 
 
-class ClusterClient(CommitsPart, HealthPart):
+class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
     """One job's cluster state in etcd. Thread-safe; one instance per process is enough.
 
     `request_timeout_s` bounds every etcd call; past it the call raises
@@ -105,6 +110,7 @@ class ClusterClient(CommitsPart, HealthPart):
         # counted here and logged once per key: one bad value must not stop every agent.
         self.skipped_values = 0
         self._skipped_keys: set[str] = set()
+        self._cache: JobCache | None = None
 
     def _own(self, obj: _T) -> _T:
         with self._lock:
@@ -118,6 +124,9 @@ class ClusterClient(CommitsPart, HealthPart):
         their `close()`/`resign()` first for a clean leave."""
         with self._lock:
             owned, self._owned = self._owned, []
+            cache, self._cache = self._cache, None
+        if cache is not None:
+            cache.close()
         for obj in owned:
             if isinstance(obj, Watch):
                 obj.cancel()
@@ -212,14 +221,14 @@ class ClusterClient(CommitsPart, HealthPart):
                 self.skip_value(kv.key, exc)
         return out
 
-    def members(self) -> Members:
-        kvs, revision = self._kv.get_prefix(self.keys.nodes_prefix)
+    def members(self, *, cached: bool = False) -> Members:
+        kvs, revision = self._get_prefix(self.keys.nodes_prefix, cached)
         return Members(self._records(kvs, "member"), revision)
 
-    def agent_members(self) -> Members:
+    def agent_members(self, *, cached: bool = False) -> Members:
         """Registered agents whose records a planner can use (`barriers.check_member`: an
         address to dial, a positive slot count); any other is skipped and counted."""
-        members = self.members()
+        members = self.members(cached=cached)
         nodes: dict[str, dict[str, Any]] = {}
         for node, record in members.nodes.items():
             try:
@@ -304,8 +313,8 @@ class ClusterClient(CommitsPart, HealthPart):
         with contextlib.suppress(ClusterUnavailableError, LeaseNotFoundError):
             self._kv.revoke(lease_id)
 
-    def leader(self) -> str | None:
-        kv = self._kv.get(self.keys.leader)
+    def leader(self, *, cached: bool = False) -> str | None:
+        kv = self._get(self.keys.leader, cached)
         return kv.value if kv else None
 
     def watch_leader(
@@ -314,9 +323,9 @@ class ClusterClient(CommitsPart, HealthPart):
         return self.watch(self.keys.leader, callback, start_revision=start_revision)
 
     # ------------------------------------------------------------------ generations
-    def read_generation(self) -> tuple[GenerationRecord | None, int]:
+    def read_generation(self, *, cached: bool = False) -> tuple[GenerationRecord | None, int]:
         """The current generation record and its mod revision (0 if none yet)."""
-        kv = self._kv.get(self.keys.generation)
+        kv = self._get(self.keys.generation, cached)
         if kv is None:
             return None, 0
         return GenerationRecord.from_json(kv.value), kv.mod_revision
@@ -436,12 +445,12 @@ class ClusterClient(CommitsPart, HealthPart):
         ok, _, _ = self._kv.txn(compares, puts)
         return ok
 
-    def barrier_state(self, barrier: str) -> tuple[dict[str, Any], int]:
+    def barrier_state(self, barrier: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
         """Who arrived (node id -> value) and the revision read. A value without the shape
         its barrier needs (`barriers.check_arrival`) is skipped and counted, like an
         unreadable one: the caller never sees it."""
         prefix = self.keys.barrier_prefix(barrier)
-        kvs, revision = self._kv.get_prefix(prefix)
+        kvs, revision = self._get_prefix(prefix, cached)
         records = self._records(kvs, f"{barrier} arrival")
         out: dict[str, Any] = {}
         for node, r in records.items():

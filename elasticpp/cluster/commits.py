@@ -36,6 +36,10 @@ class CommitsPart:
 
         def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
 
+        def _get(self, key: str, cached: bool) -> Any: ...
+
+        def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
+
     # ------------------------------------------------------------------ commits
     def record_commit(
         self,
@@ -58,10 +62,10 @@ class CommitsPart:
             self.keys.commit(generation, node_id), dumps({**record.to_dict(), "at": time.time()})
         )
 
-    def commit_records(self, generation: int) -> dict[str, CommitRecord]:
+    def commit_records(self, generation: int, *, cached: bool = False) -> dict[str, CommitRecord]:
         """The readable commit records of `generation` by node id; unreadable ones (malformed,
         a newer format, or naming another node or generation) are skipped and logged once."""
-        kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
+        kvs, _ = self._get_prefix(self.keys.commits_of(generation), cached)
         out: dict[str, CommitRecord] = {}
         for node, data in self._records(kvs, "commit record").items():
             key = self.keys.commit(generation, node)
@@ -89,10 +93,11 @@ class CommitsPart:
         return out
 
     # ------------------------------------------------------------------ safe step
-    def read_safe(self) -> tuple[SafeStep | None, int]:
+    def read_safe(self, *, cached: bool = False) -> tuple[SafeStep | None, int]:
         """The published safe step (None if none, or unreadable: skipped and logged once) and
-        the key's mod revision (0 if absent), for `write_safe`."""
-        kv = self._kv.get(self.keys.safe)
+        the key's mod revision (0 if absent), for `write_safe` (read etcd itself for that:
+        the cached one may be a watch delivery old)."""
+        kv = self._get(self.keys.safe, cached)
         if kv is None:
             return None, 0
         try:

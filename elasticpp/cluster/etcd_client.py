@@ -14,6 +14,10 @@ second after etcd is back), on the next endpoint if there are several; a transac
 sent twice. Message sizes are explicit. TLS and username/password (`etcd_security`): the token
 is fetched on first use and again when etcd stops accepting it. A watch is one stream of its
 own (`etcd_watch_stream`).
+
+Every request sent is counted by method (`requests()`: each unary call and each attempt of
+it, each lease keep-alive, each watch created, and each event a watch delivers), so that the
+agent can say what it costs etcd.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -199,6 +204,18 @@ class EtcdKV:
         self._token: str | None = None
         self._watches: dict[int, WatchStream] = {}
         self._watch_ids = itertools.count(1)
+        self._sent: Counter[str] = Counter()  # requests by etcd method name (see requests())
+
+    def _count(self, method: str, n: int = 1) -> None:
+        with self._lock:
+            self._sent[method] += n
+
+    def requests(self) -> dict[str, int]:
+        """Requests sent to etcd since this client started, by method ("Range", "Put",
+        "Txn", "LeaseKeepAlive", "Watch" for a watch created, "WatchEvent" for an event a
+        watch delivered, ...): every attempt counts, retries included."""
+        with self._lock:
+            return dict(self._sent)
 
     def close(self) -> None:
         with self._lock:
@@ -238,6 +255,7 @@ class EtcdKV:
         with self._lock:
             token = None if renew else self._token
         if token is None:
+            self._count("Authenticate")
             try:
                 reply = ep.unary(_AUTHENTICATE)(
                     pb.AuthenticateRequest(name=sec.user, password=sec.password or ""),
@@ -252,11 +270,13 @@ class EtcdKV:
 
     def _unary(self, op: str, method: str, request: Any, *, retry: bool = True) -> Any:
         """One unary call (see `_attempts`)."""
-        return self._attempts(
-            op,
-            lambda ep, md: ep.unary(method)(request, timeout=self.request_timeout_s, metadata=md),
-            retry=retry,
-        )
+        name = method.rsplit("/", 1)[-1]
+
+        def call(ep: _Endpoint, md: Any) -> Any:
+            self._count(name)
+            return ep.unary(method)(request, timeout=self.request_timeout_s, metadata=md)
+
+        return self._attempts(op, call, retry=retry)
 
     def _attempts(self, op: str, call: Callable[[_Endpoint, Any], _R], *, retry: bool = True) -> _R:
         """Run `call(endpoint, auth metadata)`; with `retry`, a fast "unavailable" answer is
@@ -304,6 +324,18 @@ class EtcdKV:
             sort_target=pb.RangeRequest.KEY,
         )
         reply = self._unary(f"get prefix {prefix}", _RANGE, request)
+        return [_kv(kv) for kv in reply.kvs], int(reply.header.revision)
+
+    def get_range(self, key: str, range_end: str) -> tuple[list[KeyValue], int]:
+        """Every key from `key` up to `range_end` (exclusive), sorted by key, and the store
+        revision they were read at."""
+        request = pb.RangeRequest(
+            key=key.encode(),
+            range_end=range_end.encode(),
+            sort_order=pb.RangeRequest.ASCEND,
+            sort_target=pb.RangeRequest.KEY,
+        )
+        reply = self._unary(f"get range {key}..{range_end}", _RANGE, request)
         return [_kv(kv) for kv in reply.kvs], int(reply.header.revision)
 
     def revision(self) -> int:
@@ -386,6 +418,7 @@ class EtcdKV:
         """Keep a lease alive once; returns its new TTL, raises LeaseNotFoundError if gone."""
 
         def once(ep: _Endpoint, metadata: Any) -> Any:
+            self._count("LeaseKeepAlive")
             stream = ep.channel.stream_stream(
                 _KEEPALIVE,
                 request_serializer=lambda m: m.SerializeToString(),
@@ -428,10 +461,17 @@ class EtcdKV:
             range_end=range_end.encode() if range_end is not None else b"",
             start_revision=start_revision or 0,
         )
+
+        def counted(item: WatchItem) -> None:
+            if isinstance(item, WatchBatch):
+                self._count("WatchEvent", len(item.events))
+            sink(item)
+
         created = False
         for attempt in range(2):
             ep = self._endpoint()
-            stream = WatchStream(ep.channel, request, self._metadata(ep), sink, key)
+            self._count("Watch")
+            stream = WatchStream(ep.channel, request, self._metadata(ep), counted, key)
             try:
                 created = stream.wait_created(self.request_timeout_s)
                 break
@@ -456,6 +496,12 @@ class EtcdKV:
         with self._lock:
             self._watches[handle] = stream
         return handle
+
+    def watch_created_revision(self, watch_id: int) -> int:
+        """The store's revision when etcd created watch `watch_id` (0 if unknown)."""
+        with self._lock:
+            stream = self._watches.get(watch_id)
+        return stream.created_revision if stream is not None else 0
 
     def cancel_watch(self, watch_id: int) -> None:
         with self._lock:

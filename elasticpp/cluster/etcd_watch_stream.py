@@ -57,6 +57,7 @@ class WatchStream:
         self._cancelled = threading.Event()
         self._created = threading.Event()
         self._outcome: tuple[bool, grpc.RpcError | None] = (False, None)
+        self.created_revision = 0  # the store's revision when etcd created the watch
         self._call = channel.stream_stream(
             WATCH_METHOD,
             request_serializer=lambda m: m.SerializeToString(),
@@ -103,6 +104,7 @@ class WatchStream:
                         self._sink(ended)
                     return
                 if reply.created:
+                    self.created_revision = int(reply.header.revision)
                     self._settle(True)
                 if reply.events and not self._cancelled.is_set():
                     self._sink(WatchBatch(tuple(_event(ev) for ev in reply.events)))
@@ -127,4 +129,11 @@ def _event(ev: Any) -> WatchEvent:
     kv = ev.kv
     if ev.type == pb.Event.DELETE:
         return WatchEvent(EventType.DELETE, kv.key.decode(), None, int(kv.mod_revision))
-    return WatchEvent(EventType.PUT, kv.key.decode(), kv.value.decode(), int(kv.mod_revision))
+    return WatchEvent(
+        EventType.PUT,
+        kv.key.decode(),
+        kv.value.decode(),
+        int(kv.mod_revision),
+        int(kv.create_revision),
+        int(kv.lease),
+    )

@@ -58,12 +58,15 @@ class EventType(enum.Enum):
 
 @dataclass(frozen=True)
 class WatchEvent:
-    """One change of one key. `value` is None for DELETE and RESYNC."""
+    """One change of one key. `value` is None for DELETE and RESYNC; `create_revision` and
+    `lease_id` are those of a PUT (0 otherwise)."""
 
     type: EventType
     key: str
     value: str | None
     mod_revision: int
+    create_revision: int = 0
+    lease_id: int = 0
 
 
 @dataclass(frozen=True)

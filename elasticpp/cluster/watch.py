@@ -1,6 +1,10 @@
 """`Watch`: a key or prefix watch that survives etcd restarts. When a stream ends it is
 re-created from the last delivered revision + 1, so no event is lost or delivered twice;
 callbacks run on the watch's own thread, and one that raises is logged, never fatal.
+When events were lost all the same the callback gets a RESYNC event (re-read what you watch):
+the start revision was compacted away, or the store's revision went back below it on a
+re-creation (a new etcd, or one restored from a backup: a watch from a revision the store has
+not reached would wait silently for it).
 """
 
 from __future__ import annotations
@@ -31,15 +35,24 @@ class Watch:
         *,
         prefix: bool,
         start_revision: int | None,
+        range_end: str | None = None,
+        on_batch: Callable[[tuple[WatchEvent, ...]], None] | None = None,
     ) -> None:
+        """`range_end` (exclusive) watches the keys from `key` up to it, whatever `prefix`.
+        With `on_batch`, the events of one etcd response (all the events of a revision,
+        a transaction's included) go to it in one call; `callback` then gets RESYNC only."""
         self.key = key
         self._kv = kv
-        self._range_end = keymod.prefix_end(key) if prefix else None
+        if range_end is None and prefix:
+            range_end = keymod.prefix_end(key)
+        self._range_end = range_end
         self._callback = callback
+        self._on_batch = on_batch
         self._items: queue.Queue[tuple[int, WatchItem]] = queue.Queue()
         self._cancelled = threading.Event()
         self._stream = 0  # items of older streams are dropped
         self._watch_id = -1
+        self._broken: str | None = None  # why the stream is down, while it is
         if start_revision is None:
             start_revision = kv.revision() + 1
         self._next_revision = start_revision
@@ -52,6 +65,11 @@ class Watch:
         """The revision the watch would resume from (last delivered + 1)."""
         return self._next_revision
 
+    @property
+    def is_open(self) -> bool:
+        """False while the stream is down (being re-created): events may be late."""
+        return self._broken is None
+
     def _open(self) -> None:
         self._stream += 1
         stream = self._stream
@@ -61,22 +79,40 @@ class Watch:
 
         self._watch_id = self._kv.add_watch(self.key, self._range_end, self._next_revision, sink)
 
+    def _reopen(self) -> None:
+        """Re-create the stream; a store now behind the revision to resume from lost what
+        this watch saw: say RESYNC and follow the store from where it is."""
+        self._open()
+        store_revision = self._kv.watch_created_revision(self._watch_id)
+        if 0 < store_revision < self._next_revision - 1:
+            log.warning(
+                "watch %s: the store is at revision %d, behind %d seen before (a new or "
+                "restored etcd); resync",
+                self.key,
+                store_revision,
+                self._next_revision - 1,
+            )
+            self._kv.cancel_watch(self._watch_id)
+            self._next_revision = store_revision + 1
+            self._open()
+            self._safe_call(WatchEvent(EventType.RESYNC, self.key, None, self._next_revision))
+
     def _run(self) -> None:
-        broken: str | None = None
         backoff_s = RETRY_MIN_S
         while not self._cancelled.is_set():
+            broken = self._broken
             if broken is not None:
                 if self._cancelled.wait(backoff_s):
                     break
                 try:
-                    self._open()
+                    self._reopen()
                     log.info(
                         "watch %s re-created from revision %d after: %s",
                         self.key,
                         self._next_revision,
                         broken,
                     )
-                    broken, backoff_s = None, RETRY_MIN_S
+                    self._broken, backoff_s = None, RETRY_MIN_S
                 except ClusterUnavailableError:
                     backoff_s = min(backoff_s * 2, RETRY_MAX_S)
                 except ClusterError as exc:  # refused credentials, a limit: said, and retried
@@ -103,13 +139,20 @@ class Watch:
                     self._safe_call(
                         WatchEvent(EventType.RESYNC, self.key, None, item.compact_revision)
                     )
-                broken = item.reason
+                self._broken = item.reason
 
     def _deliver(self, batch: WatchBatch) -> None:
         floor = self._next_revision
-        for event in batch.events:
-            if event.mod_revision < floor:
-                continue  # already delivered before a re-creation
+        # Events below the floor were delivered before a re-creation.
+        fresh = tuple(e for e in batch.events if e.mod_revision >= floor)
+        if self._on_batch is not None and fresh:
+            try:
+                self._on_batch(fresh)
+            except Exception:
+                log.exception("watch %s: callback failed on %d event(s)", self.key, len(fresh))
+            self._next_revision = max(self._next_revision, fresh[-1].mod_revision + 1)
+            return
+        for event in fresh:
             self._safe_call(event)
             self._next_revision = max(self._next_revision, event.mod_revision + 1)
 

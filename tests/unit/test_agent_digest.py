@@ -24,21 +24,31 @@ class _Cluster:
     def __init__(self) -> None:
         self.read: list[str] = []
         self.arrivals: list[tuple[str, str, Any]] = []
+        self.leader_cached = False
 
-    def agent_members(self) -> Members:
+    def cache_for_leader(self, on: bool) -> None:
+        self.leader_cached = on
+
+    def sync_cache(self) -> None:
+        pass
+
+    def etcd_requests(self) -> dict[str, int]:
+        return {}
+
+    def agent_members(self, *, cached: bool = False) -> Members:
         return Members({}, 1)
 
-    def read_generation(self) -> tuple[GenerationRecord | None, int]:
+    def read_generation(self, *, cached: bool = False) -> tuple[GenerationRecord | None, int]:
         return GenerationRecord(3, _plan(3).to_dict(), "n0", time.time()), 5
 
-    def leader(self) -> str | None:
+    def leader(self, *, cached: bool = False) -> str | None:
         return "n0"
 
-    def barrier_state(self, name: str) -> tuple[dict[str, Any], int]:
+    def barrier_state(self, name: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
         self.read.append(name)
         return {}, 1
 
-    def read_safe(self) -> tuple[None, int]:
+    def read_safe(self, *, cached: bool = False) -> tuple[None, int]:
         return None, 0
 
     def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
@@ -65,12 +75,12 @@ def test_only_the_leader_reads_the_stopped_arrivals(tmp_path: Path) -> None:
     barrier event: N x N x ~100 KiB per second at a transition."""
     agent, cluster = _agent(tmp_path)
     agent._refresh()
-    assert "stopped-3" not in cluster.read
+    assert "stopped-3" not in cluster.read and not cluster.leader_cached
     assert {"resume-3", "started-3", "failed-3"} <= set(cluster.read)
     agent._ls.leadership = _Leadership()  # this node leads
     cluster.read.clear()
     agent._refresh()
-    assert "stopped-3" in cluster.read
+    assert "stopped-3" in cluster.read and cluster.leader_cached
 
 
 def test_a_node_arrives_at_stopped_with_a_digest_of_what_it_holds(tmp_path: Path) -> None:

@@ -39,10 +39,10 @@ class _Cluster:
         replicas = {o: tuple(s) for o, s in (replicas or {}).items()}
         self.records[node_id] = CommitRecord(node_id, generation, step, tuple(anchors), replicas)
 
-    def commit_records(self, generation: int) -> dict[str, CommitRecord]:
+    def commit_records(self, generation: int, *, cached: bool = False) -> dict[str, CommitRecord]:
         return {n: r for n, r in self.records.items() if r.generation == generation}
 
-    def read_safe(self) -> tuple[SafeStep | None, int]:
+    def read_safe(self, *, cached: bool = False) -> tuple[SafeStep | None, int]:
         return self.safe, self.revision
 
     def write_safe(self, safe: SafeStep, expected: int, leader: Any) -> bool:
@@ -55,16 +55,25 @@ class _Cluster:
     keys: Any = None
     skipped_values = 0
 
-    def agent_members(self) -> Members:
+    def cache_for_leader(self, on: bool) -> None:
+        pass
+
+    def sync_cache(self) -> None:
+        pass
+
+    def etcd_requests(self) -> dict[str, int]:
+        return {}
+
+    def agent_members(self, *, cached: bool = False) -> Members:
         return Members({}, 1)
 
-    def read_generation(self) -> tuple[GenerationRecord | None, int]:
+    def read_generation(self, *, cached: bool = False) -> tuple[GenerationRecord | None, int]:
         return None, 0
 
-    def leader(self) -> str | None:
+    def leader(self, *, cached: bool = False) -> str | None:
         return None
 
-    def barrier_state(self, name: str) -> tuple[dict[str, Any], int]:
+    def barrier_state(self, name: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
         return {}, 1
 
 
