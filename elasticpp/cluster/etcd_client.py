@@ -34,6 +34,7 @@ from elasticpp.cluster.errors import (
     LeaseNotFoundError,
 )
 from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
+from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.etcd_watch_stream import (
     WatchBatch,
@@ -173,6 +174,7 @@ class EtcdKV:
         security: EtcdSecurity | None = None,
         max_send_bytes: int = DEFAULT_MAX_SEND_BYTES,
         max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+        meter: EtcdMeter | None = None,
     ) -> None:
         if not endpoints:
             raise ConfigError("etcd endpoints: at least one host:port is required")
@@ -184,6 +186,7 @@ class EtcdKV:
         self._retry_endpoint_s = retry_endpoint_s
         self.security = security or EtcdSecurity()
         self._limits = (max_send_bytes, max_receive_bytes)
+        self._meter = meter  # counts requests and bytes (bench/scale.py); None: nothing counted
         options = [
             *_CHANNEL_OPTIONS,
             ("grpc.max_send_message_length", max_send_bytes),
@@ -252,10 +255,30 @@ class EtcdKV:
 
     def _unary(self, op: str, method: str, request: Any, *, retry: bool = True) -> Any:
         """One unary call (see `_attempts`)."""
-        return self._attempts(
+        reply = self._attempts(
             op,
             lambda ep, md: ep.unary(method)(request, timeout=self.request_timeout_s, metadata=md),
             retry=retry,
+        )
+        if self._meter is not None:
+            self._count(method, request, reply)
+        return reply
+
+    def _count(self, method: str, request: Any, reply: Any) -> None:
+        assert self._meter is not None
+        value = 0
+        if method == _PUT:
+            value = len(request.value)
+        elif method == _TXN:
+            puts = [op.request_put for op in request.success if op.HasField("request_put")]
+            value = max((len(p.value) for p in puts), default=0)
+        self._meter.request(
+            sent=request.ByteSize(),
+            received=reply.ByteSize(),
+            write=method in (_PUT, _TXN, _DELETE),
+            read=method == _RANGE,
+            prefix=method == _RANGE and bool(request.range_end),
+            value=value,
         )
 
     def _attempts(self, op: str, call: Callable[[_Endpoint, Any], _R], *, retry: bool = True) -> _R:
@@ -401,6 +424,8 @@ class EtcdKV:
                 stream.cancel()
 
         reply = self._attempts("lease keep-alive", once)
+        if self._meter is not None:
+            self._meter.request(sent=12, received=0 if reply is None else reply.ByteSize())
         ttl = int(reply.TTL) if reply is not None else 0
         if ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             raise LeaseNotFoundError(f"lease {lease_id:x} not found")
@@ -428,6 +453,8 @@ class EtcdKV:
             range_end=range_end.encode() if range_end is not None else b"",
             start_revision=start_revision or 0,
         )
+        if self._meter is not None:
+            sink = _metered(sink, self._meter)
         created = False
         for attempt in range(2):
             ep = self._endpoint()
@@ -462,6 +489,18 @@ class EtcdKV:
             stream = self._watches.pop(watch_id, None)
         if stream is not None:
             stream.cancel()  # never raises: the stream may be dead already
+
+
+def _metered(sink: Callable[[WatchItem], None], meter: EtcdMeter) -> Callable[[WatchItem], None]:
+    """`sink`, with every batch it is handed counted first."""
+
+    def counted(item: WatchItem) -> None:
+        if isinstance(item, WatchBatch):
+            size = sum(len(e.key) + len(e.value or "") for e in item.events)
+            meter.watched(len(item.events), size)
+        sink(item)
+
+    return counted
 
 
 def _prefix_end(prefix: bytes) -> bytes:
