@@ -10,21 +10,26 @@ in turn and measures the transition it causes:
 - loss: a node (not the leader) crashes: its loop stops, its server stops answering, its lease
   is left to lapse (`lease_ttl_s` = 3 s, the smallest the agent accepts);
 - join: one more node starts and joins the job;
-- sick: a node's workers die as they start, until the leader quarantines it.
+- sick: a node's workers die at once, and every one it starts dies as it starts, until the
+  leader quarantines the node.
 
 For each: the seconds from the fault to the leader's new generation record (seen by an observer
 watch), to every node holding it and to every node reporting started (its ranks running); etcd
 requests, bytes both ways and watch events from the fault until every node started (counted in
 the agents' etcd client, elasticpp.cluster.etcd_meter); the largest value written and the
 largest range reply of the run; the CPU seconds of the leader's loop thread and of the whole
-process. The observer's watch of the job's keys from revision 1 feeds the invariant checker
+process. The steady state gives requests per node per second by kind (method and key class) and
+the process's CPU per node per second; the run, how many leader terms began (a loop starved of
+CPU past its lease loses its term: the sign that the machine, not the control plane, gave out).
+The observer's watch of the job's keys from revision 1 feeds the invariant checker
 (bench/scaleinvariants.py) at the end of each size.
 
 What is real: every agent's decision loop and parts, the executor, the etcd client and records,
-the agents' gRPC servers (liveness probes and the leader's holdings pull run over loopback), the
-node's LocalStore, the leader's TCPStore. Simulated: the workers (they answer at once and train
+the agents' gRPC servers (liveness probes run over loopback), the node's LocalStore, the
+leader's TCPStore. Simulated: the workers (they answer at once and train
 no steps), hence no snapshots, commits, replication or transfers: every generation resumes at
-step 0 and the safe-step invariant is not exercised here (tests/unit/test_scale_invariants.py
+step 0, the leader's holdings pull has nothing to ask for, and the safe-step invariant is not
+exercised here (tests/unit/test_scale_invariants.py
 checks it on constructed histories). All N agents share one Python process (threads): the GIL
 and the two cores of a small machine bound how many fit and stretch every time measured.
 """
@@ -35,6 +40,7 @@ import argparse
 import json
 import logging
 import resource
+import signal
 import sys
 import tempfile
 import threading
@@ -68,6 +74,7 @@ class Observer:
         self._kv = EtcdKV([endpoint])
         self._lock = threading.Lock()
         self.events: list[tuple[float, HistoryEvent]] = []
+        self.key = JobKeys(JOB).generation
         root = JobKeys(JOB).root
         self._watch = self._kv.add_watch(root, prefix_end(root), 1, self._sink)
 
@@ -90,6 +97,29 @@ class Observer:
                     return at
         return None
 
+    def reasons_after(self, since_s: float) -> list[str]:
+        """Why each generation written after `since_s` was made (the record's reason)."""
+        with self._lock:
+            seen = [ev.value for at, ev in self.events if at >= since_s and ev.key == self.key]
+        out = []
+        for value in seen:
+            try:
+                out.append(str(json.loads(value or "")["extra"].get("reason", "")))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                out.append("unreadable")
+        return out
+
+    def terms(self) -> int:
+        """How many leader terms began (the leader key created)."""
+        with self._lock:
+            keys = [ev for _, ev in self.events if ev.key == JobKeys(JOB).leader]
+        held, count = False, 0
+        for ev in keys:
+            if ev.value is not None and not held:
+                count += 1
+            held = ev.value is not None
+        return count
+
     def history(self) -> list[HistoryEvent]:
         with self._lock:
             return [ev for _, ev in self.events]
@@ -111,6 +141,8 @@ class Transition:
     decide_to_hold_s: float | None
     quarantined_s: float | None  # fault -> the node's quarantine record (sick)
     generations: int  # generations the fault caused
+    reasons: list[str]  # each one's reason, as its record says
+    error: str | None  # why it did not settle (then all_started_s is when the wait ended)
     etcd: dict[str, int]
     requests_per_node: float
     leader_cpu_s: float
@@ -175,8 +207,10 @@ def transition(
     if not wait_until(lambda: cluster.all_hold(g0 + 1), timeout_s, interval_s=POLL_S):
         raise ElasticppError(f"{fault} of {victim}: not every node holds generation {g0 + 1}")
     t_hold = time.monotonic()
+    # Not settled in time is a result (reported with the generations' reasons), not an error.
+    error = None
     if not wait_until(settled, timeout_s, interval_s=POLL_S):
-        raise ElasticppError(f"{fault} of {victim}: nodes not all started in {timeout_s:.0f} s")
+        error = f"{fault} of {victim}: not settled in {timeout_s:.0f} s"
     t_started = time.monotonic()
     delta = meter.reading().minus(before)
     decided = observer.first_after(t0, keys.generation, lambda v: _generation_of(v) > g0)
@@ -192,6 +226,8 @@ def transition(
         decide_to_hold_s=None if decided is None else round(t_hold - decided, 3),
         quarantined_s=None if quarantined is None else round(quarantined - t0, 3),
         generations=cluster.generation() - g0,
+        reasons=observer.reasons_after(t0),
+        error=error,
         etcd=asdict(delta),
         requests_per_node=round(delta.requests / n, 1),
         leader_cpu_s=round(thread_cpu_s(loop) - lcpu0, 3),
@@ -216,10 +252,18 @@ def run_size(
         )
         cluster.wait_running(timeout_s)
         started_s = time.monotonic() - t0
-        r0, w0 = meter.reading(), time.monotonic()
+        r0, w0, c0 = meter.reading(), time.monotonic(), _process_cpu_s()
+        k0 = meter.by_kind()
         time.sleep(steady_s)  # a measuring window, not a wait for a condition
         steady = meter.reading().minus(r0)
         window_s = time.monotonic() - w0
+        steady_cpu = (_process_cpu_s() - c0) / window_s
+        kinds = {k: v - k0.get(k, 0) for k, v in meter.by_kind().items()}
+        steady_kinds = {
+            k: round(v / window_s / n, 2)
+            for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+            if v > 0
+        }
         transitions = [asdict(transition(cluster, observer, meter, f, timeout_s)) for f in faults]
         whole = meter.reading()
         violations = check_history(JOB, observer.history())
@@ -234,11 +278,16 @@ def run_size(
                 "writes_per_node_s": round(steady.writes / window_s / n, 3),
                 "prefix_reads_per_s": round(steady.prefix_reads / window_s, 1),
                 "bytes_received_per_s": round(steady.bytes_received / window_s),
+                # CPU of every agent's idle loop together: what bounds N in one process
+                "process_cpu_per_s": round(steady_cpu, 3),
+                "cpu_ms_per_node_s": round(steady_cpu / n * 1000, 2),
+                "requests_per_node_s_by_kind": steady_kinds,
             },
             "transitions": transitions,
             "largest_value": whole.largest_value,
             "largest_read": whole.largest_read,
             "history_events": len(observer.history()),
+            "leader_terms": observer.terms(),
             "violations": violations,
         }
     finally:
@@ -254,8 +303,8 @@ def table(results: list[dict[str, Any]]) -> str:
         "| nodes | fault | decided s | all hold s | all started s | decide->hold s "
         "| etcd req (per node) | KiB sent / recv | leader CPU s | process CPU s "
         "| steady req/node/s | steady writes/node/s | largest value B | largest read B "
-        "| gens | violations |",
-        "|" + "---|" * 16,
+        "| gens | steady CPU ms/node/s | leader terms | violations |",
+        "|" + "---|" * 18,
     ]
     for r in results:
         st = r["steady"]
@@ -269,7 +318,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"| {t['leader_cpu_s']} | {t['process_cpu_s']} "
                 f"| {st['requests_per_node_s']} | {st['writes_per_node_s']} "
                 f"| {r['largest_value']} | {r['largest_read']} | {t['generations']} "
-                f"| {len(r['violations'])} |"
+                f"| {st['cpu_ms_per_node_s']} | {r['leader_terms']} | {len(r['violations'])} |"
             )
     return "\n".join(lines)
 
@@ -283,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
+    # A stopped run still closes its agents and its etcd (the finally blocks run).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     faults = [f for f in args.faults.split(",") if f]
     for f in faults:
@@ -307,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 1 if any(r["violations"] for r in results) else 0
+    unsettled = [t["error"] for r in results for t in r["transitions"] if t["error"]]
+    for e in unsettled:
+        print(f"NOT SETTLED: {e}")
+    return 1 if unsettled or any(r["violations"] for r in results) else 0
 
 
 if __name__ == "__main__":

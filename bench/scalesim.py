@@ -1,11 +1,11 @@
 """N simulated nodes in one process, each the real `Agent` (elasticpp.agent.node): its decision
-loop, parts, executor, etcd client and records, and its gRPC server (the leader's holdings pull
-and liveness probes go over loopback as on a cluster), against one real etcd. Only the workers
+loop, parts, executor, etcd client and records, and its gRPC server (liveness probes go over
+loopback as on a cluster), against one real etcd. Only the workers
 are simulated: `SimWorker` has the methods the agent calls on a worker process and answers at
 once ("ready" when started, "started" when assigned, "stopped" when asked to stop), on the
 caller's thread, through the same event queue a real worker's reader thread feeds. The store is
 the real `LocalStore` on disk; simulated workers snapshot nothing, so it holds no steps and
-every generation resumes at step 0 (no transfers).
+every generation resumes at step 0 (no transfers, and no holdings for the leader to pull).
 
 A lost node is `SimAgent.crash()`: its loop stops without leaving etcd (no resignation, no
 revoked lease), its gRPC server stops answering and its etcd client closes, so its lease lapses

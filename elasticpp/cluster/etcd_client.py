@@ -34,7 +34,7 @@ from elasticpp.cluster.errors import (
     LeaseNotFoundError,
 )
 from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
-from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
 from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.etcd_watch_stream import (
     WatchBatch,
@@ -266,19 +266,25 @@ class EtcdKV:
 
     def _count(self, method: str, request: Any, reply: Any) -> None:
         assert self._meter is not None
-        value = 0
+        value, key = 0, b""
         if method == _PUT:
-            value = len(request.value)
+            value, key = len(request.value), request.key
         elif method == _TXN:
             puts = [op.request_put for op in request.success if op.HasField("request_put")]
             value = max((len(p.value) for p in puts), default=0)
+            key = puts[0].key if puts else b""
+        elif method in (_RANGE, _DELETE):
+            key = request.key
+        prefix = method == _RANGE and bool(request.range_end)
+        name = method.rsplit("/", 1)[-1].lower()
         self._meter.request(
             sent=request.ByteSize(),
             received=reply.ByteSize(),
             write=method in (_PUT, _TXN, _DELETE),
             read=method == _RANGE,
-            prefix=method == _RANGE and bool(request.range_end),
+            prefix=prefix,
             value=value,
+            kind=kind_of(name, key, prefix=prefix),
         )
 
     def _attempts(self, op: str, call: Callable[[_Endpoint, Any], _R], *, retry: bool = True) -> _R:
@@ -425,7 +431,8 @@ class EtcdKV:
 
         reply = self._attempts("lease keep-alive", once)
         if self._meter is not None:
-            self._meter.request(sent=12, received=0 if reply is None else reply.ByteSize())
+            received = 0 if reply is None else reply.ByteSize()
+            self._meter.request(sent=12, received=received, kind="keepalive")
         ttl = int(reply.TTL) if reply is not None else 0
         if ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             raise LeaseNotFoundError(f"lease {lease_id:x} not found")

@@ -65,10 +65,16 @@ class EtcdMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._now = MeterReading()
+        self._by_kind: dict[str, int] = {}  # "range nodes/" -> requests
 
     def reading(self) -> MeterReading:
         with self._lock:
             return self._now
+
+    def by_kind(self) -> dict[str, int]:
+        """Requests so far by method and what they named (`kind_of`)."""
+        with self._lock:
+            return dict(self._by_kind)
 
     def request(
         self,
@@ -79,10 +85,13 @@ class EtcdMeter:
         prefix: bool = False,
         read: bool = False,
         value: int = 0,
+        kind: str = "",
     ) -> None:
         """One request answered: its sizes, whether it wrote, whether it read a range (a
-        prefix read or one key), and the largest value it put."""
+        prefix read or one key), the largest value it put, and what it was (`kind_of`)."""
         with self._lock:
+            if kind:
+                self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
             n = self._now
             self._now = MeterReading(
                 requests=n.requests + 1,
@@ -108,3 +117,13 @@ class EtcdMeter:
                     "watch_bytes": n.watch_bytes + size,
                 }
             )
+
+
+def kind_of(method: str, key: bytes, *, prefix: bool) -> str:
+    """A request's kind: the method and the key's first segment under the job's root, with
+    node ids and generation numbers left out ("range barriers/", "put commits/")."""
+    parts = key.decode(errors="replace").split("/")
+    # /elasticpp/<job>/<segment>/...: the segment, and whether the read was of a prefix
+    segment = parts[3] if len(parts) > 3 else key.decode(errors="replace")
+    tail = "/" if (prefix or len(parts) > 4) and not segment.endswith("/") else ""
+    return f"{method} {segment}{tail}"

@@ -5,7 +5,7 @@ without a meter counts nothing and behaves the same."""
 from __future__ import annotations
 
 from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put, WatchBatch, WatchItem
-from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.waiting import wait_until
 
@@ -33,3 +33,10 @@ def test_requests_bytes_sizes_and_watch_events_are_counted(etcd: EtcdServer) -> 
     assert r.watch_bytes == len("p/a") + 100 + len("p/b") + 300
     assert sum(len(i.events) for i in seen if isinstance(i, WatchBatch)) == 2
     assert r.minus(r).requests == 0 and r.plus(r).requests == 8
+    assert meter.by_kind() == {"put p/a": 1, "txn p/b": 1, "range p/": 1, "range p/none": 1}
+
+
+def test_a_request_kind_names_the_key_class_without_node_ids() -> None:
+    assert kind_of("range", b"/elasticpp/j/nodes/", prefix=True) == "range nodes/"
+    assert kind_of("put", b"/elasticpp/j/commits/000000000003/n1", prefix=False) == "put commits/"
+    assert kind_of("range", b"/elasticpp/j/leader", prefix=False) == "range leader"

@@ -17,6 +17,7 @@ def test_a_node_loss_in_a_simulated_cluster_reaches_every_node_within_bounds(
 ) -> None:
     r = run_size(NODES, ["loss"], steady_s=1.0, slots=1, timeout_s=240.0, workdir=tmp_path)
     (loss,) = r["transitions"]
+    assert loss["error"] is None
     assert loss["generation"] >= 2  # every live node held it and started (else run_size raises)
     assert loss["nodes"] == NODES
     assert r["violations"] == []
