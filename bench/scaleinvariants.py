@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticpp.cluster.client import RESUME_MEMBER  # the resume member with the step
 from elasticpp.cluster.keys import JobKeys
 
 # Keys under barriers/ that the leader writes (every other member is a node's arrival).
@@ -81,9 +82,10 @@ def check_history(job: str, events: list[HistoryEvent]) -> list[str]:
                 state.safe_step = max(state.safe_step or 0, data["step"])
         elif ev.key.startswith(keys.barriers_prefix) and ev.value is not None:
             barrier, _, member = ev.key[len(keys.barriers_prefix) :].partition("/")
-            if barrier.startswith("resume-"):
+            if barrier.startswith("resume-") and member == RESUME_MEMBER:
                 found.extend(_resume_written(state, ev, at))
-            elif barrier in LEADER_BARRIERS:
+            elif barrier.startswith("resume-") or barrier in LEADER_BARRIERS:
+                # the parts of a large resume pieces table, the timelines: the leader's
                 if state.leader is None:
                     found.append(f"{at}: written while no leader term held the key")
             elif member not in state.members:

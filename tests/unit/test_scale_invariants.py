@@ -120,6 +120,17 @@ def test_a_write_after_the_lease_lapsed_is_found(seed: int) -> None:
     assert "while no leader term held the key" in found[1]
 
 
+def test_the_parts_of_a_large_resume_instruction_are_leader_writes_without_a_step() -> None:
+    h, nodes = seeded(0)
+    g = h.generation
+    h.put(K.barrier(f"resume-{g}", "resume-part-0001"), {"node_id": h.leader, "pieces": []})
+    assert check_history(JOB, h.events) == []
+    h.lapse(nodes[0])
+    h.put(K.barrier(f"resume-{g}", "resume-part-0002"), {"node_id": nodes[0], "pieces": []})
+    (found,) = check_history(JOB, h.events)
+    assert "resume-part-0002: written while no leader term held the key" in found
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_resume_below_the_published_safe_step_is_found(seed: int) -> None:
     h, nodes = seeded(seed)
