@@ -114,10 +114,15 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     NodeIdConflictError,
 )
+from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.errors import ElasticppError
 from elasticpp.store.local import LocalStore
 
 log = logging.getLogger("elasticpp.agent")
+
+# (log path, environment, name) -> a warm worker: a WorkerProcess, or a simulated one with
+# the same methods (bench/scale.py)
+WorkerFactory = Callable[[Path, dict[str, str], str], Any]
 
 
 class Agent(
@@ -139,8 +144,14 @@ class Agent(
         *,
         python: str | None = None,
         clock: Clock | None = None,
+        worker_factory: WorkerFactory | None = None,
+        meter: EtcdMeter | None = None,
     ) -> None:
         self._clock: Clock = clock or SystemClock()  # every part's decisions read it
+        # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
+        # process, elasticpp.train.procs), and a counter of this agent's etcd requests.
+        self._worker_factory = worker_factory
+        self._meter = meter
         self.cfg = cfg
         self.spec = spec
         self.node_id = cfg.node_id

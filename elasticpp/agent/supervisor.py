@@ -108,7 +108,11 @@ class SupervisorPart:
             kwargs: dict[str, Any] = {"env": env, "name": name}
             if self.python:
                 kwargs["python"] = self.python
-            proc = WorkerProcess(self.log_dir / f"{name}.log", **kwargs)
+            log_path = self.log_dir / f"{name}.log"
+            if self._worker_factory is not None:  # a simulated worker (bench/scale.py)
+                proc = self._worker_factory(log_path, env, name)
+            else:
+                proc = WorkerProcess(log_path, **kwargs)
             proc.listen(self.pool.deliver)
             self.pool.add_spare(proc)
 

@@ -48,6 +48,7 @@ from elasticpp.cluster.etcd_client import (
     EtcdKV,
     Put,
 )
+from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.health import HealthPart
 from elasticpp.cluster.leases import (
     Leadership,
@@ -100,10 +101,11 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         job: str,
         *,
         request_timeout_s: float = 2.0,
+        meter: EtcdMeter | None = None,
     ) -> None:
         self.job = job
         self.keys = keymod.JobKeys(job)
-        self._kv = EtcdKV(list(endpoints), request_timeout_s=request_timeout_s)
+        self._kv = EtcdKV(list(endpoints), request_timeout_s=request_timeout_s, meter=meter)
         self._lock = threading.Lock()
         self._owned: list[Registration | Leadership | Watch] = []
         # Values that could not be read (malformed, or written by a newer format) are skipped,

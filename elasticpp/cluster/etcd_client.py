@@ -39,6 +39,7 @@ from elasticpp.cluster.errors import (
     LeaseNotFoundError,
 )
 from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
+from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
 from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.etcd_watch_stream import (
     WatchBatch,
@@ -178,6 +179,7 @@ class EtcdKV:
         security: EtcdSecurity | None = None,
         max_send_bytes: int = DEFAULT_MAX_SEND_BYTES,
         max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+        meter: EtcdMeter | None = None,
     ) -> None:
         if not endpoints:
             raise ConfigError("etcd endpoints: at least one host:port is required")
@@ -189,6 +191,7 @@ class EtcdKV:
         self._retry_endpoint_s = retry_endpoint_s
         self.security = security or EtcdSecurity()
         self._limits = (max_send_bytes, max_receive_bytes)
+        self._meter = meter  # counts requests and bytes (bench/scale.py); None: nothing counted
         options = [
             *_CHANNEL_OPTIONS,
             ("grpc.max_send_message_length", max_send_bytes),
@@ -276,7 +279,34 @@ class EtcdKV:
             self._count(name)
             return ep.unary(method)(request, timeout=self.request_timeout_s, metadata=md)
 
-        return self._attempts(op, call, retry=retry)
+        reply = self._attempts(op, call, retry=retry)
+        if self._meter is not None:
+            self._meter_request(method, request, reply)
+        return reply
+
+    def _meter_request(self, method: str, request: Any, reply: Any) -> None:
+        """The bench's meter (elasticpp.cluster.etcd_meter): sizes and kinds of a request."""
+        assert self._meter is not None
+        value, key = 0, b""
+        if method == _PUT:
+            value, key = len(request.value), request.key
+        elif method == _TXN:
+            puts = [op.request_put for op in request.success if op.HasField("request_put")]
+            value = max((len(p.value) for p in puts), default=0)
+            key = puts[0].key if puts else b""
+        elif method in (_RANGE, _DELETE):
+            key = request.key
+        prefix = method == _RANGE and bool(request.range_end)
+        name = method.rsplit("/", 1)[-1].lower()
+        self._meter.request(
+            sent=request.ByteSize(),
+            received=reply.ByteSize(),
+            write=method in (_PUT, _TXN, _DELETE),
+            read=method == _RANGE,
+            prefix=prefix,
+            value=value,
+            kind=kind_of(name, key, prefix=prefix),
+        )
 
     def _attempts(self, op: str, call: Callable[[_Endpoint, Any], _R], *, retry: bool = True) -> _R:
         """Run `call(endpoint, auth metadata)`; with `retry`, a fast "unavailable" answer is
@@ -434,6 +464,9 @@ class EtcdKV:
                 stream.cancel()
 
         reply = self._attempts("lease keep-alive", once)
+        if self._meter is not None:
+            received = 0 if reply is None else reply.ByteSize()
+            self._meter.request(sent=12, received=received, kind="keepalive")
         ttl = int(reply.TTL) if reply is not None else 0
         if ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             raise LeaseNotFoundError(f"lease {lease_id:x} not found")
@@ -467,11 +500,12 @@ class EtcdKV:
                 self._count("WatchEvent", len(item.events))
             sink(item)
 
+        deliver = counted if self._meter is None else _metered(counted, self._meter)
         created = False
         for attempt in range(2):
             ep = self._endpoint()
             self._count("Watch")
-            stream = WatchStream(ep.channel, request, self._metadata(ep), counted, key)
+            stream = WatchStream(ep.channel, request, self._metadata(ep), deliver, key)
             try:
                 created = stream.wait_created(self.request_timeout_s)
                 break
@@ -508,6 +542,18 @@ class EtcdKV:
             stream = self._watches.pop(watch_id, None)
         if stream is not None:
             stream.cancel()  # never raises: the stream may be dead already
+
+
+def _metered(sink: Callable[[WatchItem], None], meter: EtcdMeter) -> Callable[[WatchItem], None]:
+    """`sink`, with every batch it is handed counted first."""
+
+    def counted(item: WatchItem) -> None:
+        if isinstance(item, WatchBatch):
+            size = sum(len(e.key) + len(e.value or "") for e in item.events)
+            meter.watched(len(item.events), size)
+        sink(item)
+
+    return counted
 
 
 def _prefix_end(prefix: bytes) -> bytes:

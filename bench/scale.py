@@ -1,0 +1,368 @@
+"""The control plane at scale: N simulated nodes (the real agent with simulated workers,
+bench/scalesim.py) against one real etcd on loopback, and what each transition costs.
+
+    .venv/bin/python bench/scale.py --nodes 64,256 --faults loss,join,sick [--json out.json]
+
+Per cluster size it starts a fresh etcd and N agents in this process, waits until every node
+runs generation 1, measures the steady state for `--steady-s` seconds, then applies each fault
+in turn and measures the transition it causes:
+
+- loss: a node (not the leader) crashes: its loop stops, its server stops answering, its lease
+  is left to lapse (`lease_ttl_s` = 3 s, the smallest the agent accepts);
+- join: one more node starts and joins the job;
+- sick: a node's workers die at once, and every one it starts dies as it starts, until the
+  leader quarantines the node.
+
+For each: the seconds from the fault to the leader's new generation record (seen by an observer
+watch), to every node holding it and to every node reporting started (its ranks running); etcd
+requests, bytes both ways and watch events from the fault until every node started (counted in
+the agents' etcd client, elasticpp.cluster.etcd_meter); the largest value written and the
+largest range reply of the run; the CPU seconds of the leader's loop thread and of the whole
+process. The steady state gives requests per node per second by kind (method and key class) and
+the process's CPU per node per second; the run, how many leader terms began (a loop starved of
+CPU past its lease loses its term: the sign that the machine, not the control plane, gave out).
+The observer's watch of the job's keys from revision 1 feeds the invariant checker
+(bench/scaleinvariants.py) at the end of each size.
+
+What is real: every agent's decision loop and parts, the executor, the etcd client and records,
+the agents' gRPC servers (liveness probes run over loopback), the node's LocalStore, the
+leader's TCPStore. Simulated: the workers (they answer at once and train
+no steps), hence no snapshots, commits, replication or transfers: every generation resumes at
+step 0, the leader's holdings pull has nothing to ask for, and the safe-step invariant is not
+exercised here (tests/unit/test_scale_invariants.py
+checks it on constructed histories). All N agents share one Python process (threads): the GIL
+and the two cores of a small machine bound how many fit and stretch every time measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.scaleinvariants import HistoryEvent, check_history
+from bench.scalesim import SimCluster, sim_spec, thread_cpu_s
+from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchItem
+from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.keys import JobKeys, prefix_end
+from elasticpp.cluster.records import EventType
+from elasticpp.errors import ElasticppError
+from elasticpp.waiting import wait_until
+
+JOB = "scale"
+FAULTS = ("loss", "join", "sick")
+POLL_S = 0.01  # how often the harness looks at the agents' generations
+
+
+class Observer:
+    """Every change under the job's keys from revision 1, with the time it was seen; reads
+    only, on a client of its own that the meter does not count."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._kv = EtcdKV([endpoint])
+        self._lock = threading.Lock()
+        self.events: list[tuple[float, HistoryEvent]] = []
+        self.key = JobKeys(JOB).generation
+        root = JobKeys(JOB).root
+        self._watch = self._kv.add_watch(root, prefix_end(root), 1, self._sink)
+
+    def _sink(self, item: WatchItem) -> None:
+        if not isinstance(item, WatchBatch):
+            return
+        now = time.monotonic()
+        with self._lock:
+            for ev in item.events:
+                if ev.type is EventType.RESYNC:
+                    continue
+                value = None if ev.type is EventType.DELETE else ev.value
+                self.events.append((now, HistoryEvent(ev.mod_revision, ev.key, value)))
+
+    def first_after(self, since_s: float, key: str, pred: Any = None) -> float | None:
+        """When a change of `key` satisfying `pred(value)` was first seen after `since_s`."""
+        with self._lock:
+            for at, ev in self.events:
+                if at >= since_s and ev.key == key and (pred is None or pred(ev.value)):
+                    return at
+        return None
+
+    def reasons_after(self, since_s: float) -> list[str]:
+        """Why each generation written after `since_s` was made (the record's reason)."""
+        with self._lock:
+            seen = [ev.value for at, ev in self.events if at >= since_s and ev.key == self.key]
+        out = []
+        for value in seen:
+            try:
+                out.append(str(json.loads(value or "")["extra"].get("reason", "")))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                out.append("unreadable")
+        return out
+
+    def terms(self) -> int:
+        """How many leader terms began (the leader key created)."""
+        with self._lock:
+            keys = [ev for _, ev in self.events if ev.key == JobKeys(JOB).leader]
+        held, count = False, 0
+        for ev in keys:
+            if ev.value is not None and not held:
+                count += 1
+            held = ev.value is not None
+        return count
+
+    def history(self) -> list[HistoryEvent]:
+        with self._lock:
+            return [ev for _, ev in self.events]
+
+    def close(self) -> None:
+        self._kv.cancel_watch(self._watch)
+        self._kv.close()
+
+
+@dataclass(frozen=True)
+class Transition:
+    nodes: int
+    fault: str
+    node: str
+    generation: int
+    decided_s: float | None  # fault -> the leader's generation record
+    all_hold_s: float  # fault -> every node holds it
+    all_started_s: float  # fault -> every node reports started
+    decide_to_hold_s: float | None
+    quarantined_s: float | None  # fault -> the node's quarantine record (sick)
+    generations: int  # generations the fault caused
+    reasons: list[str]  # each one's reason, as its record says
+    error: str | None  # why it did not settle (then all_started_s is when the wait ended)
+    etcd: dict[str, int]
+    requests_per_node: float
+    leader_cpu_s: float
+    process_cpu_s: float
+
+
+def _process_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _generation_of(value: str | None) -> int:
+    try:
+        return int(json.loads(value or "")["generation"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+def transition(
+    cluster: SimCluster, observer: Observer, meter: EtcdMeter, fault: str, timeout_s: float
+) -> Transition:
+    """Apply `fault`, wait until every healthy node runs the generation it causes, measure."""
+    # Between transitions a leader may be changing (a loop stalled past its lease on a busy
+    # machine steps down): the fault waits for one.
+    if not wait_until(lambda: cluster.leader() is not None, timeout_s, interval_s=POLL_S):
+        raise ElasticppError(f"no leader within {timeout_s:.0f} s before the fault")
+    if not wait_until(lambda: cluster.all_started(cluster.generation()), timeout_s):
+        raise ElasticppError(f"nodes not all running within {timeout_s:.0f} s before the fault")
+    leader = cluster.leader()
+    assert leader is not None
+    loop = cluster.nodes[leader.node_id].thread
+    g0 = cluster.generation()
+    n = len(cluster.live(healthy=True))
+    keys = JobKeys(JOB)
+    others = [a.node_id for a in cluster.live(healthy=True) if a is not leader]
+    before, cpu0, lcpu0 = meter.reading(), _process_cpu_s(), thread_cpu_s(loop)
+    t0 = time.monotonic()
+    if fault == "loss":
+        victim = others[-1]
+        cluster.crash(victim)
+    elif fault == "join":
+        victim = f"node-{len(cluster.nodes):05d}"
+        cluster.add(victim)
+    elif fault == "sick":
+        victim = others[0]
+        cluster.make_sick(victim)
+    else:
+        raise ElasticppError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
+
+    def settled() -> bool:
+        g = cluster.generation()
+        if g <= g0 or not cluster.all_started(g):
+            return False
+        if fault == "sick":  # settled once quarantined and planned without the sick node
+            gs = next(iter(cluster.live(healthy=True)))._fs.gen
+            quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
+            return quarantined is not None and gs is not None and not gs.plan.ranks_on(victim)
+        return True
+
+    if not wait_until(lambda: cluster.generation() > g0, timeout_s, interval_s=POLL_S):
+        raise ElasticppError(f"{fault} of {victim}: no new generation in {timeout_s:.0f} s")
+    if not wait_until(lambda: cluster.all_hold(g0 + 1), timeout_s, interval_s=POLL_S):
+        raise ElasticppError(f"{fault} of {victim}: not every node holds generation {g0 + 1}")
+    t_hold = time.monotonic()
+    # Not settled in time is a result (reported with the generations' reasons), not an error.
+    error = None
+    if not wait_until(settled, timeout_s, interval_s=POLL_S):
+        error = f"{fault} of {victim}: not settled in {timeout_s:.0f} s"
+    t_started = time.monotonic()
+    delta = meter.reading().minus(before)
+    decided = observer.first_after(t0, keys.generation, lambda v: _generation_of(v) > g0)
+    quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
+    return Transition(
+        nodes=n,
+        fault=fault,
+        node=victim,
+        generation=cluster.generation(),
+        decided_s=None if decided is None else round(decided - t0, 3),
+        all_hold_s=round(t_hold - t0, 3),
+        all_started_s=round(t_started - t0, 3),
+        decide_to_hold_s=None if decided is None else round(t_hold - decided, 3),
+        quarantined_s=None if quarantined is None else round(quarantined - t0, 3),
+        generations=cluster.generation() - g0,
+        reasons=observer.reasons_after(t0),
+        error=error,
+        etcd=asdict(delta),
+        requests_per_node=round(delta.requests / n, 1),
+        leader_cpu_s=round(thread_cpu_s(loop) - lcpu0, 3),
+        process_cpu_s=round(_process_cpu_s() - cpu0, 3),
+    )
+
+
+def run_size(
+    n: int, faults: list[str], *, steady_s: float, slots: int, timeout_s: float, workdir: Path
+) -> dict[str, Any]:
+    """One cluster of `n` nodes: start, steady state, each fault; the invariants checked."""
+    etcd = EtcdServer(workdir / f"etcd-{n}")
+    etcd.start()
+    meter = EtcdMeter()
+    observer = Observer(etcd.endpoint)
+    cluster: SimCluster | None = None
+    try:
+        t0 = time.monotonic()
+        ids = [f"node-{i:05d}" for i in range(n)]
+        cluster = SimCluster(
+            etcd.endpoint, ids, slots, workdir / f"nodes-{n}", sim_spec(JOB, n, slots), meter
+        )
+        cluster.wait_running(timeout_s)
+        started_s = time.monotonic() - t0
+        r0, w0, c0 = meter.reading(), time.monotonic(), _process_cpu_s()
+        k0 = meter.by_kind()
+        time.sleep(steady_s)  # a measuring window, not a wait for a condition
+        steady = meter.reading().minus(r0)
+        window_s = time.monotonic() - w0
+        steady_cpu = (_process_cpu_s() - c0) / window_s
+        kinds = {k: v - k0.get(k, 0) for k, v in meter.by_kind().items()}
+        steady_kinds = {
+            k: round(v / window_s / n, 2)
+            for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+            if v > 0
+        }
+        transitions = [asdict(transition(cluster, observer, meter, f, timeout_s)) for f in faults]
+        whole = meter.reading()
+        violations = check_history(JOB, observer.history())
+        return {
+            "nodes": n,
+            "slots": slots,
+            "start_s": round(started_s, 1),
+            "steady": {
+                "seconds": round(window_s, 1),
+                "requests_per_s": round(steady.requests / window_s, 1),
+                "requests_per_node_s": round(steady.requests / window_s / n, 2),
+                "writes_per_node_s": round(steady.writes / window_s / n, 3),
+                "prefix_reads_per_s": round(steady.prefix_reads / window_s, 1),
+                "bytes_received_per_s": round(steady.bytes_received / window_s),
+                # CPU of every agent's idle loop together: what bounds N in one process
+                "process_cpu_per_s": round(steady_cpu, 3),
+                "cpu_ms_per_node_s": round(steady_cpu / n * 1000, 2),
+                "requests_per_node_s_by_kind": steady_kinds,
+            },
+            "transitions": transitions,
+            "largest_value": whole.largest_value,
+            "largest_read": whole.largest_read,
+            "history_events": len(observer.history()),
+            "leader_terms": observer.terms(),
+            "violations": violations,
+        }
+    finally:
+        if cluster is not None:
+            cluster.close()
+        observer.close()
+        etcd.close()
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The markdown table of `results` (one row per transition)."""
+    lines = [
+        "| nodes | fault | decided s | all hold s | all started s | decide->hold s "
+        "| etcd req (per node) | KiB sent / recv | leader CPU s | process CPU s "
+        "| steady req/node/s | steady writes/node/s | largest value B | largest read B "
+        "| gens | steady CPU ms/node/s | leader terms | violations |",
+        "|" + "---|" * 18,
+    ]
+    for r in results:
+        st = r["steady"]
+        for t in r["transitions"]:
+            e = t["etcd"]
+            lines.append(
+                f"| {r['nodes']} | {t['fault']} | {t['decided_s']} | {t['all_hold_s']} "
+                f"| {t['all_started_s']} | {t['decide_to_hold_s']} "
+                f"| {e['requests']} ({t['requests_per_node']}) "
+                f"| {e['bytes_sent'] // 1024} / {e['bytes_received'] // 1024} "
+                f"| {t['leader_cpu_s']} | {t['process_cpu_s']} "
+                f"| {st['requests_per_node_s']} | {st['writes_per_node_s']} "
+                f"| {r['largest_value']} | {r['largest_read']} | {t['generations']} "
+                f"| {st['cpu_ms_per_node_s']} | {r['leader_terms']} | {len(r['violations'])} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="64", help="comma-separated cluster sizes")
+    ap.add_argument("--faults", default="loss,join,sick", help="comma-separated, in order")
+    ap.add_argument("--slots", type=int, default=1, help="workers per node")
+    ap.add_argument("--steady-s", type=float, default=5.0)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    # A stopped run still closes its agents and its etcd (the finally blocks run).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    faults = [f for f in args.faults.split(",") if f]
+    for f in faults:
+        if f not in FAULTS:
+            ap.error(f"unknown fault {f!r}; one of {', '.join(FAULTS)}")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="elasticpp-scale-") as tmp:
+        for n in (int(x) for x in args.nodes.split(",")):
+            r = run_size(
+                n,
+                faults,
+                steady_s=args.steady_s,
+                slots=args.slots,
+                timeout_s=args.timeout_s,
+                workdir=Path(tmp),
+            )
+            results.append(r)
+            print(table([r]), flush=True)
+            for v in r["violations"]:
+                print(f"INVARIANT VIOLATED: {v}", flush=True)
+    print()
+    print(table(results))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    unsettled = [t["error"] for r in results for t in r["transitions"] if t["error"]]
+    for e in unsettled:
+        print(f"NOT SETTLED: {e}")
+    return 1 if unsettled or any(r["violations"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

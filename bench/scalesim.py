@@ -1,0 +1,284 @@
+"""N simulated nodes in one process, each the real `Agent` (elasticpp.agent.node): its decision
+loop, parts, executor, etcd client and records, and its gRPC server (liveness probes go over
+loopback as on a cluster), against one real etcd. Only the workers
+are simulated: `SimWorker` has the methods the agent calls on a worker process and answers at
+once ("ready" when started, "started" when assigned, "stopped" when asked to stop), on the
+caller's thread, through the same event queue a real worker's reader thread feeds. The store is
+the real `LocalStore` on disk; simulated workers snapshot nothing, so it holds no steps and
+every generation resumes at step 0 (no transfers, and no holdings for the leader to pull).
+
+A lost node is `SimAgent.crash()`: its loop stops without leaving etcd (no resignation, no
+revoked lease), its gRPC server stops answering and its etcd client closes, so its lease lapses
+after the job's `lease_ttl_s`, as a node that lost power.
+
+Invariants: a `SimCluster` owns every agent and thread it starts and `close()` ends them all;
+it never writes to etcd itself (the observer only reads); times are on the monotonic clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elasticpp.agent.decide import Phase
+from elasticpp.agent.jobspec import JobSpec, parse_job_spec
+from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.errors import ElasticppError
+from elasticpp.train.procs import EXITED
+from elasticpp.waiting import wait_until
+
+log = logging.getLogger("elasticpp.bench.scale")
+
+_PIDS = itertools.count(10_000_000)  # above any real pid: a simulated worker is never signalled
+
+
+class SimWorker:
+    """A warm worker without a process: the methods of elasticpp.train.procs.WorkerProcess
+    the agent uses, each answered at once with the event a real worker would send."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        name: str = "",
+        fails: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.name = name
+        self._fails = fails  # a sick node's worker: it dies while starting
+        self.log_path = log_path
+        self.pid = next(_PIDS)
+        self.returncode: int | None = None
+        self.assignment: dict[str, Any] | None = None
+        self._on_event: Callable[[Any, dict[str, Any]], None] | None = None
+        self._queued: list[dict[str, Any]] = [{"event": "ready", "pid": self.pid}]
+        self._lock = threading.Lock()
+
+    def _deliver(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            if self._on_event is None:
+                self._queued.append(event)
+                return
+            on_event = self._on_event
+        on_event(self, event)
+
+    def listen(self, on_event: Callable[[Any, dict[str, Any]], None]) -> None:
+        with self._lock:
+            queued, self._queued = self._queued, []
+            self._on_event = on_event
+        for event in queued:
+            on_event(self, event)
+
+    def poll_event(self, timeout_s: float = 0.0) -> dict[str, Any] | None:
+        with self._lock:
+            return self._queued.pop(0) if self._queued else None
+
+    def send(self, obj: Mapping[str, Any]) -> None:
+        if self.returncode is not None:
+            raise ElasticppError(f"worker {self.pid}: stdin closed")
+        if obj.get("cmd") == "stop_at":
+            self._exit({"event": "stopped"}, 0)
+        elif self._fails():
+            self._exit({"event": "error", "message": "simulated: the device failed"}, 1)
+        else:
+            self.assignment = dict(obj)
+            self._deliver({"event": "started", "setup_seconds": 0.0, "setup": "simulated"})
+
+    def assign(self, assignment: Mapping[str, Any]) -> None:
+        self.send(assignment)
+
+    def stop_at(self, step: int) -> None:
+        self.send({"cmd": "stop_at", "step": step})
+
+    def alive(self) -> bool:
+        return self.returncode is None
+
+    def _exit(self, last: dict[str, Any] | None, returncode: int) -> None:
+        with self._lock:
+            if self.returncode is not None:
+                return
+            self.returncode = returncode
+        if last is not None:
+            self._deliver(last)
+        self._deliver({"event": EXITED, "returncode": returncode})
+
+    def kill(self, *, wait: bool = True) -> None:
+        self._exit(None, -9)
+
+    def fail(self) -> None:
+        """Die as a worker whose device failed (from any thread)."""
+        self._exit({"event": "error", "message": "simulated: the device failed"}, 1)
+
+    def terminate(self, grace_s: float = 5.0) -> None:
+        self._exit(None, -15)
+
+
+class SimAgent(Agent):
+    """The real agent; `crash()` ends it as a lost node ends, without leaving etcd."""
+
+    _crashed = False
+
+    def crash(self) -> None:
+        self._crashed = True
+        self.request_stop()
+
+    def shutdown(self) -> None:
+        if not self._crashed:
+            super().shutdown()
+            return
+        self._stop.set()
+        if self._server is not None:
+            self._server.stop(grace=None)  # probes are refused from now on
+            self._server = None
+        self.pool.kill_all()
+        if self.cluster is not None:
+            self.cluster.close()  # keep-alives stop; the lease lapses by its TTL
+            self.cluster = None
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def sim_spec(name: str, nodes: int, slots: int) -> JobSpec:
+    """A job every simulated cluster of `nodes` x `slots` can run: the tiny model, data
+    parallel over every slot (the planner's choice), a batch every smaller world divides."""
+    return parse_job_spec(
+        {
+            "name": name,
+            "model": "tiny",
+            "global_batch": 4096,
+            "micro_batch": 1,
+            "steps": 1_000_000,
+            "seed": 0,
+            "min_nodes": 1,
+            "max_nodes": nodes + 8,  # room for joins
+            "lease_ttl_s": 3,
+            "join_settle_s": 1.0,
+            "snapshot_every": 1_000_000,
+            "hang_timeout_s": 3600.0,  # simulated workers report no steps
+        }
+    )
+
+
+@dataclass(frozen=True)
+class SimNode:
+    agent: SimAgent
+    thread: threading.Thread
+
+
+class SimCluster:
+    """`nodes` simulated agents of one job in this process, one loop thread each."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        node_ids: list[str],
+        slots: int,
+        state_root: Path,
+        spec: JobSpec,
+        meter: EtcdMeter | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.slots = slots
+        self.state_root = state_root
+        self.spec = spec
+        self.meter = meter
+        self.nodes: dict[str, SimNode] = {}
+        self.crashed: set[str] = set()
+        self.sick: set[str] = set()  # nodes whose workers fail as they start
+        for node_id in node_ids:
+            self.add(node_id)
+
+    def add(self, node_id: str) -> SimAgent:
+        """Start one more agent (a join when the job runs)."""
+        cfg = AgentConfig(
+            node_id, (self.endpoint,), "127.0.0.1:0", self.slots, self.state_root / node_id
+        )
+
+        def worker(log_path: Path, env: dict[str, str], name: str) -> SimWorker:
+            return SimWorker(log_path, env, name, fails=lambda: node_id in self.sick)
+
+        agent = SimAgent(cfg, self.spec, worker_factory=worker, meter=self.meter)
+        try:
+            agent.start()
+        except BaseException:
+            agent.shutdown()
+            raise
+        thread = threading.Thread(target=agent.run, name=f"loop-{node_id}", daemon=True)
+        thread.start()
+        self.nodes[node_id] = SimNode(agent, thread)
+        return agent
+
+    def live(self, *, healthy: bool = False) -> list[SimAgent]:
+        """The agents not crashed (and, with `healthy`, not sick)."""
+        return [
+            n.agent
+            for k, n in self.nodes.items()
+            if k not in self.crashed and not (healthy and k in self.sick)
+        ]
+
+    def crash(self, node_id: str) -> None:
+        self.crashed.add(node_id)
+        self.nodes[node_id].agent.crash()
+
+    def make_sick(self, node_id: str) -> None:
+        """`node_id`'s workers fail now, and every worker it starts fails as it starts."""
+        self.sick.add(node_id)
+        for w in self.nodes[node_id].agent.pool.workers():
+            if isinstance(w.proc, SimWorker):
+                w.proc.fail()
+
+    def leader(self) -> SimAgent | None:
+        for agent in self.live():
+            if agent._is_leader():
+                return agent
+        return None
+
+    def generation(self) -> int:
+        return max((a.generation for a in self.live()), default=0)
+
+    def all_hold(self, generation: int) -> bool:
+        return all(a.generation >= generation for a in self.live(healthy=True))
+
+    def all_started(self, generation: int) -> bool:
+        """Every live healthy node holds `generation` and runs its ranks of it (or has
+        none)."""
+        for a in self.live(healthy=True):
+            gs = a._fs.gen
+            if gs is None or gs.generation < generation:
+                return False
+            if gs.generation == generation and gs.phase not in (Phase.RUNNING, Phase.IDLE):
+                return False
+        return True
+
+    def wait_running(self, timeout_s: float) -> int:
+        """Wait until every live node runs one generation; returns it."""
+        if not wait_until(lambda: (g := self.generation()) > 0 and self.all_started(g), timeout_s):
+            raise ElasticppError(
+                f"simulated nodes not all running one generation within {timeout_s:.0f} s"
+            )
+        return self.generation()
+
+    def close(self) -> None:
+        for n in self.nodes.values():
+            n.agent.request_stop()
+        for n in self.nodes.values():
+            n.thread.join(timeout=10.0)
+            with contextlib.suppress(Exception):
+                n.agent.shutdown()
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds `thread` has used (Linux: its own CPU clock)."""
+    ident = thread.ident
+    if ident is None:
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, ProcessLookupError):
+        return 0.0

@@ -1,0 +1,42 @@
+"""A node loss in a simulated cluster (bench/scalesim.py: the real agent with simulated
+workers, one real etcd): every node reaches the new generation, the control plane's
+invariants hold on etcd's history, and no record outgrows its bounds. No timing assertions:
+the times depend on the machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.scale import run_size
+
+NODES = 64  # 256 takes minutes on a two-core machine (README, "Control plane at scale")
+
+
+def test_a_node_loss_in_a_simulated_cluster_reaches_every_node_within_bounds(
+    tmp_path: Path, no_orphans: None
+) -> None:
+    r = run_size(NODES, ["loss"], steady_s=1.0, slots=1, timeout_s=240.0, workdir=tmp_path)
+    (loss,) = r["transitions"]
+    assert loss["error"] is None
+    assert loss["generation"] >= 2  # every live node held it and started (else run_size raises)
+    assert loss["nodes"] == NODES
+    assert r["violations"] == []
+    assert r["history_events"] > NODES  # the checker read the whole history
+    assert r["largest_value"] <= 64 * 1024
+    assert r["largest_read"] <= 1024 * 1024
+
+
+def test_a_join_and_a_sick_node_in_a_small_simulated_cluster_settle(
+    tmp_path: Path, no_orphans: None
+) -> None:
+    """At 16 nodes the agents' loops keep their leases on a busy two-core machine, so one
+    leader term sees the sick node's three failed generations and quarantines it."""
+    r = run_size(16, ["join", "sick"], steady_s=0.5, slots=1, timeout_s=120.0, workdir=tmp_path)
+    join, sick = r["transitions"]
+    assert join["error"] is None and join["nodes"] == 16  # before the join
+    assert sick["error"] is None
+    assert sick["quarantined_s"] is not None
+    *failed, last = sick["reasons"]
+    assert failed and all(reason == f"worker failure on {sick['node']}" for reason in failed)
+    assert last == f"quarantined node(s) {sick['node']}"
+    assert r["violations"] == []
