@@ -12,8 +12,15 @@ token authentication. Here every call is bounded; idempotent calls refused at on
 for `retry_window_s` (gRPC's reconnect backoff is capped at 1 s, so calls work again about a
 second after etcd is back), on the next endpoint if there are several; a transaction is never
 sent twice. Message sizes are explicit. TLS and username/password (`etcd_security`): the token
-is fetched on first use and again when etcd stops accepting it. A watch is one stream of its
-own (`etcd_watch_stream`).
+is fetched on first use and again when etcd stops accepting it.
+
+Streams, as etcd's own clients keep them: all the watches of a client share one Watch stream
+per endpoint (`etcd_watch_stream`), and its lease keep-alives one LeaseKeepAlive stream per
+endpoint (`etcd_keepalive`); each stream has one reader thread and lives until it fails, which
+ends every watch on it (each gets its WatchEnded) or fails the keep-alives waiting on it; the
+next call opens a new one. A stream carries the token of its creation: when etcd refuses a
+watch's creation for it, the token is renewed, the stream retired (it keeps the watches it
+has) and the creation tried once more on a new one.
 
 Every request sent is counted by method (`requests()`: each unary call and each attempt of
 it, each lease keep-alive, each watch created, and each event a watch delivers), so that the
@@ -39,11 +46,13 @@ from elasticpp.cluster.errors import (
     LeaseNotFoundError,
 )
 from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
+from elasticpp.cluster.etcd_keepalive import KeepAliveStream
 from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
 from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.etcd_watch_stream import (
     WatchBatch,
     WatchEnded,
+    Watcher,
     WatchItem,
     WatchStream,
 )
@@ -89,7 +98,6 @@ _TXN = "/etcdserverpb.KV/Txn"
 _COMPACT = "/etcdserverpb.KV/Compact"
 _GRANT = "/etcdserverpb.Lease/LeaseGrant"
 _REVOKE = "/etcdserverpb.Lease/LeaseRevoke"
-_KEEPALIVE = "/etcdserverpb.Lease/LeaseKeepAlive"
 _AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
 
 _REPLIES: dict[str, Any] = {
@@ -141,7 +149,8 @@ _RETRY_PAUSE_S = 0.1
 
 
 class _Endpoint:
-    """One etcd endpoint's channel, and when it last refused a call."""
+    """One etcd endpoint's channel, when it last refused a call, and its streams (guarded by
+    the client's lock; replaced when they end)."""
 
     def __init__(self, target: str, security: EtcdSecurity, options: list[Any]) -> None:
         self.target = target
@@ -151,6 +160,8 @@ class _Endpoint:
             self.channel = grpc.insecure_channel(target, options)
         self.failed_at_s = float("-inf")
         self._unary: dict[str, Any] = {}
+        self.watch_stream: WatchStream | None = None
+        self.keepalive: KeepAliveStream | None = None
 
     def unary(self, method: str) -> Any:
         call = self._unary.get(method)
@@ -205,7 +216,7 @@ class EtcdKV:
         self._lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
-        self._watches: dict[int, WatchStream] = {}
+        self._watches: dict[int, tuple[WatchStream, Watcher]] = {}  # by handle
         self._watch_ids = itertools.count(1)
         self._sent: Counter[str] = Counter()  # requests by etcd method name (see requests())
 
@@ -222,9 +233,13 @@ class EtcdKV:
 
     def close(self) -> None:
         with self._lock:
-            watches, self._watches = list(self._watches.values()), {}
-        for w in watches:
-            w.cancel()
+            streams: list[WatchStream | KeepAliveStream] = [s for s, _ in self._watches.values()]
+            self._watches = {}
+            for ep in self._endpoints:
+                streams += [s for s in (ep.watch_stream, ep.keepalive) if s is not None]
+                ep.watch_stream, ep.keepalive = None, None
+        for stream in streams:
+            stream.close()  # no sink gets anything more
         for ep in self._endpoints:
             ep.channel.close()
 
@@ -270,6 +285,33 @@ class EtcdKV:
             with self._lock:
                 self._token = token
         return [("token", token)]
+
+    def _forget_token(self) -> None:
+        with self._lock:
+            self._token = None  # etcd restarted, or the token lapsed: log in again
+
+    def _watch_stream(self, ep: _Endpoint) -> WatchStream:
+        """The endpoint's Watch stream, opened if it has none that takes watchers."""
+        with self._lock:
+            stream = ep.watch_stream
+            if stream is not None and stream.usable:
+                return stream
+        metadata = self._metadata(ep)
+        with self._lock:
+            stream = ep.watch_stream
+            if stream is None or not stream.usable:
+                stream = WatchStream(ep.channel, metadata, name=f"etcd-watch-{ep.target}")
+                ep.watch_stream = stream
+            return stream
+
+    def _keepalive_stream(self, ep: _Endpoint, metadata: Any) -> KeepAliveStream:
+        """The endpoint's LeaseKeepAlive stream, opened if it has none that works."""
+        with self._lock:
+            stream = ep.keepalive
+            if stream is None or not stream.usable:
+                stream = KeepAliveStream(ep.channel, metadata, name=f"etcd-keepalive-{ep.target}")
+                ep.keepalive = stream
+            return stream
 
     def _unary(self, op: str, method: str, request: Any, *, retry: bool = True) -> Any:
         """One unary call (see `_attempts`)."""
@@ -324,8 +366,7 @@ class EtcdKV:
             except grpc.RpcError as exc:
                 if self.security.user is not None and is_token_error(exc) and not renewed:
                     renewed = True
-                    with self._lock:
-                        self._token = None
+                    self._forget_token()
                     continue
                 try:
                     raise_mapped(op, exc, self._limits)
@@ -445,23 +486,16 @@ class EtcdKV:
         return int(reply.ID)
 
     def refresh(self, lease_id: int) -> int:
-        """Keep a lease alive once; returns its new TTL, raises LeaseNotFoundError if gone."""
+        """Keep a lease alive once; returns its new TTL, raises LeaseNotFoundError if gone.
+
+        Sent on the endpoint's LeaseKeepAlive stream, shared by every lease of this client
+        (threads may refresh at once); no answer within `request_timeout_s` raises
+        ClusterUnavailableError and the next call opens a new stream."""
 
         def once(ep: _Endpoint, metadata: Any) -> Any:
             self._count("LeaseKeepAlive")
-            stream = ep.channel.stream_stream(
-                _KEEPALIVE,
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=pb.LeaseKeepAliveResponse.FromString,
-            )(
-                iter([pb.LeaseKeepAliveRequest(ID=lease_id)]),
-                timeout=self.request_timeout_s,
-                metadata=metadata,
-            )
-            try:
-                return next(stream, None)
-            finally:
-                stream.cancel()
+            stream = self._keepalive_stream(ep, metadata)
+            return stream.refresh(lease_id, self.request_timeout_s)
 
         reply = self._attempts("lease keep-alive", once)
         if self._meter is not None:
@@ -484,11 +518,12 @@ class EtcdKV:
         sink: Callable[[WatchItem], None],
     ) -> int:
         """Start a watch; `sink` gets WatchBatch items, then one WatchEnded when it stops.
-        Returns a handle for `cancel_watch` (-1 when the start revision was compacted: the
-        sink has its WatchEnded already).
+        Returns a handle for `cancel_watch` (-1 when etcd refused the watch, a start revision
+        it had compacted included: the sink has its WatchEnded already).
 
-        The watch is created before this returns (a dead etcd raises here); `sink` runs on
-        the watch's own reader thread: it must only hand the item over."""
+        The watch is created before this returns (a dead etcd raises here). `sink` runs on
+        the reader thread of the Watch stream that all of this client's watches share: it
+        must only hand the item over, never wait on this client."""
         request = pb.WatchCreateRequest(
             key=key.encode(),
             range_end=range_end.encode() if range_end is not None else b"",
@@ -501,22 +536,20 @@ class EtcdKV:
             sink(item)
 
         deliver = counted if self._meter is None else _metered(counted, self._meter)
-        created = False
         for attempt in range(2):
+            renew = self.security.user is not None and attempt == 0
             ep = self._endpoint()
-            self._count("Watch")
-            stream = WatchStream(ep.channel, request, self._metadata(ep), deliver, key)
             try:
-                created = stream.wait_created(self.request_timeout_s)
-                break
-            except ClusterUnavailableError:
-                stream.cancel()
+                stream = self._watch_stream(ep)
+                self._count("Watch")
+                watcher = stream.create(key, request, deliver, self.request_timeout_s)
+            except ClusterUnavailableError as exc:
+                if exc.fast:
+                    self._refused(ep)
                 raise
             except grpc.RpcError as exc:
-                stream.cancel()
-                if self.security.user is not None and is_token_error(exc) and attempt == 0:
-                    with self._lock:
-                        self._token = None  # etcd restarted, or the token lapsed: log in again
+                if renew and is_token_error(exc):
+                    self._forget_token()
                     continue
                 try:
                     raise_mapped(f"watch {key}", exc, self._limits)
@@ -524,24 +557,41 @@ class EtcdKV:
                     if mapped.fast:
                         self._refused(ep)
                     raise
-        if not created:
-            return -1
-        handle = next(self._watch_ids)
-        with self._lock:
-            self._watches[handle] = stream
-        return handle
+            if watcher.refused is not None:
+                if renew and _token_refused(watcher.refused.reason):
+                    # The stream's token went stale: new watches go to a stream with a new one.
+                    self._forget_token()
+                    with self._lock:
+                        if ep.watch_stream is stream:
+                            ep.watch_stream = None
+                    stream.retire()
+                    continue
+                deliver(watcher.refused)
+                return -1
+            handle = next(self._watch_ids)
+            with self._lock:
+                self._watches[handle] = (stream, watcher)
+            return handle
+        raise ClusterUnavailableError(f"etcd watch {key}: refused twice")  # not reached
 
     def watch_created_revision(self, watch_id: int) -> int:
         """The store's revision when etcd created watch `watch_id` (0 if unknown)."""
         with self._lock:
-            stream = self._watches.get(watch_id)
-        return stream.created_revision if stream is not None else 0
+            entry = self._watches.get(watch_id)
+        return entry[1].created_revision if entry is not None else 0
 
     def cancel_watch(self, watch_id: int) -> None:
         with self._lock:
-            stream = self._watches.pop(watch_id, None)
-        if stream is not None:
-            stream.cancel()  # never raises: the stream may be dead already
+            entry = self._watches.pop(watch_id, None)
+        if entry is not None:
+            stream, watcher = entry
+            stream.cancel(watcher)  # never raises: the stream may be dead already
+
+
+def _token_refused(reason: str) -> bool:
+    """etcd's refusal of a watch for its stream's token: a stale token reads as "permission
+    denied" (etcd 3.5 says "invalid auth token" elsewhere)."""
+    return "permission denied" in reason or "invalid auth token" in reason
 
 
 def _metered(sink: Callable[[WatchItem], None], meter: EtcdMeter) -> Callable[[WatchItem], None]:

@@ -1,10 +1,30 @@
-"""One etcd watch as one bidirectional gRPC stream of its own, read by a thread that only
-hands items to its sink: `WatchBatch` per response with events, then one `WatchEnded` (a
-compacted start revision says so, with the revision to resync from). After `cancel()` the
-sink gets nothing more. Re-creating a watch that ended is `watch.Watch`'s job."""
+"""Many etcd watches over one bidirectional gRPC Watch stream, as etcd's own clients do.
+
+A `WatchStream` is one Watch stream to one endpoint and one thread that reads it. Each
+watcher on it is created by a WatchCreateRequest and known by the watch_id etcd gives it in
+its `created` answer; etcd answers the create requests of one stream in the order they were
+sent (and holds a watcher's events back until its `created` answer is out), so the answers
+are matched to a FIFO of the creates not answered yet. Invariants:
+
+- a watcher's sink gets a `WatchBatch` per response with events, then exactly one
+  `WatchEnded` when the watcher stops: compacted (with the revision to resync from), cancelled
+  by etcd (with its reason), or the stream ended or failed, which ends EVERY watcher on it;
+  an ended stream takes no new watchers (`usable` is False): the client opens another;
+- after `cancel(watcher)` its sink gets nothing more; the cancel goes to etcd on the same
+  stream (once etcd has named the watcher), and etcd's `canceled` answer to it is dropped;
+- a create etcd refuses (an empty range, permission denied) is not delivered to the sink:
+  `create` returns it (`Watcher.refused`) for the client to retry or hand over;
+- the reader thread only hands items to sinks, outside the stream's lock; a sink must not
+  wait on this stream (it must not create a watch), or the stream stalls;
+- `retire()` keeps the stream for the watchers it has and closes it when the last one goes
+  (its token went stale: new watchers go to a new stream).
+
+Re-creating a watch that ended is `watch.Watch`'s job.
+"""
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -30,7 +50,7 @@ class WatchBatch:
 
 @dataclass(frozen=True)
 class WatchEnded:
-    """The watch stream ended; `compact_revision` > 0 when the start revision was compacted."""
+    """The watch ended; `compact_revision` > 0 when the start revision was compacted."""
 
     reason: str
     compact_revision: int = 0
@@ -39,32 +59,50 @@ class WatchEnded:
 WatchItem = WatchBatch | WatchEnded
 
 
+class Watcher:
+    """One watch on a `WatchStream`: its sink, and what etcd said when creating it."""
+
+    def __init__(self, key: str, sink: Callable[[WatchItem], None]) -> None:
+        self.key = key
+        self.sink = sink
+        self.watch_id: int | None = None  # etcd's, once created
+        self.created_revision = 0  # the store's revision when etcd created the watch
+        self.refused: WatchEnded | None = None  # etcd refused the create: why
+        self.error: grpc.RpcError | ClusterUnavailableError | None = None  # the stream failed
+        self.cancelled = False  # by us: nothing more goes to the sink
+        self.settled = threading.Event()  # created, refused, or the stream failed
+
+
 class WatchStream:
-    """One watch: a bidirectional stream of its own and a thread that reads it. The thread
-    only hands items to the sink; after `cancel()` it hands over nothing more."""
+    """One Watch stream carrying many watchers, and the thread that reads it."""
 
     def __init__(
-        self,
-        channel: Any,
-        create: Any,
-        metadata: list[tuple[str, str]] | None,
-        sink: Callable[[WatchItem], None],
-        key: str,
+        self, channel: Any, metadata: list[tuple[str, str]] | None, name: str = "etcd-watch"
     ) -> None:
-        self._sink = sink
+        self.metadata = metadata
+        self._lock = threading.Lock()
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._requests.put(pb.WatchRequest(create_request=create))
-        self._cancelled = threading.Event()
-        self._created = threading.Event()
-        self._outcome: tuple[bool, grpc.RpcError | None] = (False, None)
-        self.created_revision = 0  # the store's revision when etcd created the watch
+        self._pending: collections.deque[Watcher] = collections.deque()  # creates not answered
+        self._watchers: dict[int, Watcher] = {}  # by etcd's watch_id
+        self._ended = False
+        self._retired = False
         self._call = channel.stream_stream(
             WATCH_METHOD,
             request_serializer=lambda m: m.SerializeToString(),
             response_deserializer=pb.WatchResponse.FromString,
         )(self._request_iter(), metadata=metadata)
-        self._thread = threading.Thread(target=self._read, name=f"etcd-watch-{key}", daemon=True)
+        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def usable(self) -> bool:
+        """False once the stream ended or was retired: new watchers go to another."""
+        with self._lock:
+            return not self._ended and not self._retired
+
+    def watcher_count(self) -> int:
+        with self._lock:
+            return len(self._watchers) + len(self._pending)
 
     def _request_iter(self) -> Iterator[Any]:
         while True:
@@ -73,56 +111,135 @@ class WatchStream:
                 return
             yield item
 
-    def wait_created(self, timeout_s: float) -> bool:
-        """True once etcd created the watch; False if it refused the start revision as
-        compacted (the sink has the WatchEnded); raises the stream's error, or
-        DEADLINE_EXCEEDED-like unavailability when nothing came within `timeout_s`."""
-        if not self._created.wait(timeout_s):
-            raise ClusterUnavailableError(f"etcd watch: not created within {timeout_s:g} s")
-        ok, error = self._outcome
-        if error is not None:
-            raise error
-        return ok
+    def create(
+        self, key: str, request: Any, sink: Callable[[WatchItem], None], timeout_s: float
+    ) -> Watcher:
+        """Create a watcher; returns it once etcd created it or refused it (`refused`).
 
-    def _settle(self, ok: bool, error: grpc.RpcError | None = None) -> None:
-        if not self._created.is_set():
-            self._outcome = (ok, error)
-            self._created.set()
+        Raises the stream's gRPC error if it failed first, ClusterUnavailableError (fast)
+        if the stream had ended, or ClusterUnavailableError when etcd did not answer within
+        `timeout_s` (the watcher is then cancelled as soon as etcd names it)."""
+        watcher = Watcher(key, sink)
+        with self._lock:
+            if self._ended:
+                raise ClusterUnavailableError(f"etcd watch {key}: the stream ended", fast=True)
+            # Appended and queued under one lock: the FIFO is in the order of the requests.
+            self._pending.append(watcher)
+            self._requests.put(pb.WatchRequest(create_request=request))
+        if not watcher.settled.wait(timeout_s):
+            self.cancel(watcher)
+            raise ClusterUnavailableError(f"etcd watch {key}: not created within {timeout_s:g} s")
+        if watcher.error is not None:
+            raise watcher.error
+        return watcher
 
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                if reply.compact_revision > 0 or reply.canceled:
-                    ended = WatchEnded(
-                        "revision compacted"
-                        if reply.compact_revision
-                        else f"cancelled by etcd: {reply.cancel_reason}",
-                        int(reply.compact_revision),
-                    )
-                    self._settle(False)
-                    if not self._cancelled.is_set():
-                        self._sink(ended)
-                    return
-                if reply.created:
-                    self.created_revision = int(reply.header.revision)
-                    self._settle(True)
-                if reply.events and not self._cancelled.is_set():
-                    self._sink(WatchBatch(tuple(_event(ev) for ev in reply.events)))
-            if not self._cancelled.is_set():
-                self._settle(True)
-                self._sink(WatchEnded("stream ended"))
-        except grpc.RpcError as exc:
-            if not self._created.is_set():
-                self._settle(False, exc)
-            elif not self._cancelled.is_set():
-                self._sink(WatchEnded(f"stream ended: {exc.code().name} {rpc_details(exc)}"))
-        finally:
-            self._requests.put(None)
+    def cancel(self, watcher: Watcher) -> None:
+        """Stop `watcher`: its sink gets nothing more. Never raises."""
+        with self._lock:
+            watcher.cancelled = True
+            wid = watcher.watch_id
+            if wid is not None and self._watchers.pop(wid, None) is not None and not self._ended:
+                self._requests.put(
+                    pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=wid))
+                )
+            # A create not answered yet is cancelled when etcd names it (see _created).
+            close = self._retired and not self._watchers and not self._pending
+        if close:
+            self.close()
 
-    def cancel(self) -> None:
-        self._cancelled.set()
+    def retire(self) -> None:
+        """Take no new watchers; close once the ones it has are gone."""
+        with self._lock:
+            self._retired = True
+            close = not self._watchers and not self._pending
+        if close:
+            self.close()
+
+    def close(self) -> None:
+        """End the stream; no sink gets anything more."""
+        with self._lock:
+            self._ended = True
+            for w in [*self._watchers.values(), *self._pending]:
+                w.cancelled = True
         self._requests.put(None)
         self._call.cancel()
+
+    # ------------------------------------------------------------------ the reader
+    def _read(self) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            for reply in self._call:
+                if reply.created:
+                    self._created(reply)
+                else:
+                    self._answer(reply)
+        except grpc.RpcError as exc:
+            error = exc
+        finally:
+            self._end(error)
+
+    def _created(self, reply: Any) -> None:
+        with self._lock:
+            if not self._pending:
+                return  # an answer to no create of ours: nothing to match it to
+            watcher = self._pending.popleft()
+            if reply.canceled or reply.compact_revision > 0:
+                watcher.refused = _ended(reply)
+            else:
+                wid = int(reply.watch_id)
+                watcher.watch_id = wid
+                watcher.created_revision = int(reply.header.revision)
+                if watcher.cancelled:  # given up on while etcd created it
+                    self._requests.put(
+                        pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=wid))
+                    )
+                else:
+                    self._watchers[wid] = watcher
+            close = self._retired and not self._watchers and not self._pending
+        watcher.settled.set()
+        if close:
+            self.close()
+
+    def _answer(self, reply: Any) -> None:
+        wid = int(reply.watch_id)
+        ends = reply.canceled or reply.compact_revision > 0
+        with self._lock:
+            watcher = self._watchers.pop(wid, None) if ends else self._watchers.get(wid)
+            close = ends and self._retired and not self._watchers and not self._pending
+        if watcher is not None and not watcher.cancelled:
+            if ends:
+                watcher.sink(_ended(reply))
+            elif reply.events:
+                watcher.sink(WatchBatch(tuple(_event(ev) for ev in reply.events)))
+        if close:
+            self.close()
+
+    def _end(self, error: grpc.RpcError | None) -> None:
+        """The stream is over: creates in flight fail, every watcher gets its WatchEnded."""
+        with self._lock:
+            self._ended = True
+            pending, self._pending = list(self._pending), collections.deque()
+            watchers, self._watchers = list(self._watchers.values()), {}
+        self._requests.put(None)  # ends gRPC's consumer of the requests
+        self._call.cancel()
+        for w in pending:
+            w.error = error or ClusterUnavailableError(
+                f"etcd watch {w.key}: the stream ended before the watch was created", fast=True
+            )
+            w.settled.set()
+        if error is None:
+            reason = "stream ended"
+        else:
+            reason = f"stream ended: {error.code().name} {rpc_details(error)}"
+        for w in watchers:
+            if not w.cancelled:
+                w.sink(WatchEnded(reason))
+
+
+def _ended(reply: Any) -> WatchEnded:
+    if reply.compact_revision > 0:
+        return WatchEnded("revision compacted", int(reply.compact_revision))
+    return WatchEnded(f"cancelled by etcd: {reply.cancel_reason}")
 
 
 def _event(ev: Any) -> WatchEvent:

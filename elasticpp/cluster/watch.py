@@ -50,7 +50,7 @@ class Watch:
         self._on_batch = on_batch
         self._items: queue.Queue[tuple[int, WatchItem]] = queue.Queue()
         self._cancelled = threading.Event()
-        self._stream = 0  # items of older streams are dropped
+        self._stream = 0  # items of older streams are dropped (streams count from 1)
         self._watch_id = -1
         self._broken: str | None = None  # why the stream is down, while it is
         if start_revision is None:
@@ -119,10 +119,8 @@ class Watch:
                     log.warning("watch %s not re-created: %s", self.key, exc)
                     backoff_s = RETRY_MAX_S
                 continue
-            try:
-                stream, item = self._items.get(timeout=0.5)
-            except queue.Empty:
-                continue
+            # Blocks without polling: cancel() wakes it with an item of no stream.
+            stream, item = self._items.get()
             if stream != self._stream or self._cancelled.is_set():
                 continue
             if isinstance(item, WatchBatch):
@@ -165,5 +163,6 @@ class Watch:
     def cancel(self) -> None:
         self._cancelled.set()
         self._kv.cancel_watch(self._watch_id)
+        self._items.put((0, WatchEnded("cancelled")))  # stream 0 is no stream: only wakes _run
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)

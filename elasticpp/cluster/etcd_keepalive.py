@@ -1,0 +1,122 @@
+"""Lease keep-alives over one long-lived LeaseKeepAlive stream to one endpoint.
+
+`KeepAliveStream.refresh(lease_id, timeout_s)` sends one LeaseKeepAliveRequest on the stream
+and waits for etcd's answer with that lease's ID. Invariants:
+
+- several threads may refresh at once, the same lease or different ones: etcd answers each
+  request once, in the order of the requests, so each lease has a FIFO of waiters and an
+  answer goes to the oldest waiter of its ID;
+- a timeout, a stream error or the end of the stream ends the stream (`usable` False):
+  every waiter on it fails, and the client opens a new stream for the next refresh. So a late
+  answer is never taken for the answer to a later request (etcd would have renewed the lease
+  at the earlier one, while the lease keeper's fencing counts from the later send instant);
+- the reader thread only matches answers to waiters.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc  # type: ignore[import-untyped]
+
+from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
+
+KEEPALIVE_METHOD = "/etcdserverpb.Lease/LeaseKeepAlive"
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: Any = None
+        self.error: grpc.RpcError | ClusterUnavailableError | None = None
+
+
+class KeepAliveStream:
+    """One LeaseKeepAlive stream and the thread that reads it."""
+
+    def __init__(
+        self, channel: Any, metadata: list[tuple[str, str]] | None, name: str = "etcd-keepalive"
+    ) -> None:
+        self.metadata = metadata
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiters: dict[int, collections.deque[_Waiter]] = {}
+        self._ended = False
+        self._call = channel.stream_stream(
+            KEEPALIVE_METHOD,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.LeaseKeepAliveResponse.FromString,
+        )(self._request_iter(), metadata=metadata)
+        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def usable(self) -> bool:
+        with self._lock:
+            return not self._ended
+
+    def _request_iter(self) -> Iterator[Any]:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            yield item
+
+    def refresh(self, lease_id: int, timeout_s: float) -> Any:
+        """etcd's answer to one keep-alive of `lease_id` (TTL 0: no such lease).
+
+        Raises the stream's gRPC error if it failed, ClusterUnavailableError (fast) if it had
+        ended, or ClusterUnavailableError when no answer came within `timeout_s`."""
+        waiter = _Waiter()
+        with self._lock:
+            if self._ended:
+                raise ClusterUnavailableError("etcd lease keep-alive: the stream ended", fast=True)
+            self._waiters.setdefault(lease_id, collections.deque()).append(waiter)
+            self._requests.put(pb.LeaseKeepAliveRequest(ID=lease_id))
+        if not waiter.done.wait(timeout_s):
+            # No answer in time: the stream may be stuck; the next refresh opens another.
+            self.close()
+            raise ClusterUnavailableError(
+                f"etcd lease keep-alive: no answer within {timeout_s:g} s"
+            )
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.reply
+
+    def close(self) -> None:
+        with self._lock:
+            self._ended = True
+        self._requests.put(None)
+        self._call.cancel()
+
+    def _read(self) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            for reply in self._call:
+                with self._lock:
+                    fifo = self._waiters.get(int(reply.ID))
+                    waiter = fifo.popleft() if fifo else None
+                    if fifo is not None and not fifo:
+                        del self._waiters[int(reply.ID)]
+                if waiter is not None:
+                    waiter.reply = reply
+                    waiter.done.set()
+        except grpc.RpcError as exc:
+            error = exc
+        finally:
+            with self._lock:
+                self._ended = True
+                waiters = [w for fifo in self._waiters.values() for w in fifo]
+                self._waiters = {}
+            self._requests.put(None)  # ends gRPC's consumer of the requests
+            self._call.cancel()
+            for w in waiters:
+                w.error = error or ClusterUnavailableError(
+                    "etcd lease keep-alive: the stream ended", fast=True
+                )
+                w.done.set()
