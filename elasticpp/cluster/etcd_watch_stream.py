@@ -13,7 +13,10 @@ are matched to a FIFO of the creates not answered yet. Invariants:
 - after `cancel(watcher)` its sink gets nothing more; the cancel goes to etcd on the same
   stream (once etcd has named the watcher), and etcd's `canceled` answer to it is dropped;
 - a create etcd refuses (an empty range, permission denied) is not delivered to the sink:
-  `create` returns it (`Watcher.refused`) for the client to retry or hand over;
+  `create` returns it (`Watcher.refused`) for the client to retry or hand over. etcd 3.5
+  answers a create refused for permission with the request's watch_id (0: we let etcd pick
+  ids) and then forgets that id in its sender, so a live watcher 0 would get no event again,
+  silently: such an answer naming a live watcher ends the whole stream instead;
 - the reader thread only hands items to sinks, outside the stream's lock; a sink must not
   wait on this stream (it must not create a watch), or the stream stalls;
 - `retire()` keeps the stream for the watchers it has and closes it when the last one goes
@@ -86,6 +89,7 @@ class WatchStream:
         self._watchers: dict[int, Watcher] = {}  # by etcd's watch_id
         self._ended = False
         self._retired = False
+        self._end_reason: str | None = None  # why we ended it, when we did
         self._call = channel.stream_stream(
             WATCH_METHOD,
             request_serializer=lambda m: m.SerializeToString(),
@@ -183,8 +187,18 @@ class WatchStream:
             if not self._pending:
                 return  # an answer to no create of ours: nothing to match it to
             watcher = self._pending.popleft()
+            abort = False
             if reply.canceled or reply.compact_revision > 0:
                 watcher.refused = _ended(reply)
+                wid = int(reply.watch_id)
+                if wid in self._watchers and not self._ended:
+                    # etcd no longer sends this live watcher's events (see the module doc).
+                    abort = True
+                    self._ended = True
+                    self._end_reason = (
+                        f"stream ended: etcd refused a watch on it ({reply.cancel_reason}) "
+                        f"naming watch {wid}"
+                    )
             else:
                 wid = int(reply.watch_id)
                 watcher.watch_id = wid
@@ -197,7 +211,9 @@ class WatchStream:
                     self._watchers[wid] = watcher
             close = self._retired and not self._watchers and not self._pending
         watcher.settled.set()
-        if close:
+        if abort:
+            self._call.cancel()  # the reader then ends every watcher (`_end`)
+        elif close:
             self.close()
 
     def _answer(self, reply: Any) -> None:
@@ -227,7 +243,9 @@ class WatchStream:
                 f"etcd watch {w.key}: the stream ended before the watch was created", fast=True
             )
             w.settled.set()
-        if error is None:
+        if self._end_reason is not None:
+            reason = self._end_reason
+        elif error is None:
             reason = "stream ended"
         else:
             reason = f"stream ended: {error.code().name} {rpc_details(error)}"

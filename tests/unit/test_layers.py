@@ -68,4 +68,8 @@ def test_only_the_etcd_client_talks_to_etcd() -> None:
         for p in ROOT.rglob("*.py")
         if any(n.startswith(("etcd3", "elasticpp.rpc.etcd")) for n in imports_of(p))
     )
-    assert users == ["elasticpp/cluster/etcd_client.py", "elasticpp/cluster/etcd_watch_stream.py"]
+    assert users == [
+        "elasticpp/cluster/etcd_client.py",
+        "elasticpp/cluster/etcd_keepalive.py",
+        "elasticpp/cluster/etcd_watch_stream.py",
+    ]
