@@ -20,7 +20,8 @@ endpoint (`etcd_keepalive`); each stream has one reader thread and lives until i
 ends every watch on it (each gets its WatchEnded) or fails the keep-alives waiting on it; the
 next call opens a new one. A stream carries the token of its creation: when etcd refuses a
 watch's creation for it, the token is renewed, the stream retired (it keeps the watches it
-has) and the creation tried once more on a new one.
+has, unless etcd's refusal silenced one: then it ends) and the creation tried once more on a
+new one.
 
 Every request sent is counted by method (`requests()`: each unary call and each attempt of
 it, each lease keep-alive, each watch created, and each event a watch delivers), so that the
