@@ -3,12 +3,14 @@ bench/scalesim.py) against one real etcd on loopback, and what each transition c
 
     .venv/bin/python bench/scale.py --nodes 64,256 --faults loss,join,sick [--json out.json]
 
-Per cluster size it starts a fresh etcd and N agents in this process, waits until every node
-runs generation 1, measures the steady state for `--steady-s` seconds, then applies each fault
-in turn and measures the transition it causes:
+Per cluster size it starts a fresh etcd and N agents spread over `--processes` child
+processes (bench/scaleproc.py; round-robin), waits until every node runs generation 1,
+measures the steady state for `--steady-s` seconds, then applies each fault in turn and
+measures the transition it causes:
 
 - loss: a node (not the leader) crashes: its loop stops, its server stops answering, its lease
-  is left to lapse (`lease_ttl_s` = 3 s, the smallest the agent accepts);
+  is left to lapse (`lease_ttl_s`: 3 s, the smallest the agent accepts, up to 64 nodes; 10 s
+  beyond, `lease_ttl_for`);
 - join: one more node starts and joins the job;
 - sick: a node's workers die at once, and every one it starts dies as it starts, until the
   leader quarantines the node.
@@ -17,12 +19,12 @@ For each: the seconds from the fault to the leader's new generation record (seen
 watch), to every node holding it and to every node reporting started (its ranks running); etcd
 requests, bytes both ways and watch events from the fault until every node started (counted in
 the agents' etcd client, elasticpp.cluster.etcd_meter); the largest value written and the
-largest range reply of the run; the CPU seconds of the leader's loop thread and of the whole
-process. The steady state gives requests per node per second by kind (method and key class) and
-the process's CPU per node per second; the run, how many leader terms began (a loop starved of
-CPU past its lease loses its term: the sign that the machine, not the control plane, gave out).
-The observer's watch of the job's keys from revision 1 feeds the invariant checker
-(bench/scaleinvariants.py) at the end of each size.
+largest range reply of the run; the CPU seconds of the leader's loop thread and of the
+simulation's processes. The steady state gives requests per node per second by kind (method
+and key class) and the processes' CPU per node per second; the run, how many leader terms began
+(a loop starved of CPU past its lease loses its term: the sign that the machine, not the
+control plane, gave out). The observer's watch of the job's keys from revision 1 feeds the
+invariant checker (bench/scaleinvariants.py) at the end of each size.
 
 What is real: every agent's decision loop and parts, the executor, the etcd client and records,
 the agents' gRPC servers (liveness probes run over loopback), the node's LocalStore, the
@@ -30,8 +32,11 @@ leader's TCPStore. Simulated: the workers (they answer at once and train
 no steps), hence no snapshots, commits, replication or transfers: every generation resumes at
 step 0, the leader's holdings pull has nothing to ask for, and the safe-step invariant is not
 exercised here (tests/unit/test_scale_invariants.py
-checks it on constructed histories). All N agents share one Python process (threads): the GIL
-and the two cores of a small machine bound how many fit and stretch every time measured.
+checks it on constructed histories). The agents of one process share one etcd connection
+(one watch stream and one keep-alive stream carry all their watches and leases; etcd serves
+the same watchers, leases and requests; `--connection-per-node` gives each its own): idle
+gRPC streams poll, and thousands of them fill a core. The GIL and the cores of a small
+machine bound how many agents fit and stretch every time measured.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import signal
 import sys
 import tempfile
@@ -52,9 +56,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.scaleinvariants import HistoryEvent, check_history
-from bench.scalesim import SimCluster, sim_spec, thread_cpu_s
+from bench.scaleproc import (
+    NodeRow,
+    ProcCluster,
+    rows_all_hold,
+    rows_all_started,
+    rows_generation,
+    rows_leader,
+)
+from bench.scalesim import sim_spec_fields
 from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchItem
-from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.cluster.keys import JobKeys, prefix_end
 from elasticpp.cluster.records import EventType
@@ -149,11 +160,6 @@ class Transition:
     process_cpu_s: float
 
 
-def _process_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def _generation_of(value: str | None) -> int:
     try:
         return int(json.loads(value or "")["generation"])
@@ -162,114 +168,163 @@ def _generation_of(value: str | None) -> int:
 
 
 def transition(
-    cluster: SimCluster, observer: Observer, meter: EtcdMeter, fault: str, timeout_s: float
+    cluster: ProcCluster, observer: Observer, fault: str, timeout_s: float, poll_s: float
 ) -> Transition:
     """Apply `fault`, wait until every healthy node runs the generation it causes, measure."""
     # Between transitions a leader may be changing (a loop stalled past its lease on a busy
     # machine steps down): the fault waits for one.
-    if not wait_until(lambda: cluster.leader() is not None, timeout_s, interval_s=POLL_S):
+    rows: list[NodeRow] = []
+
+    def look(cond: Any) -> Any:
+        def check() -> bool:
+            rows[:] = cluster.rows()
+            return bool(cond(rows))
+
+        return check
+
+    if not wait_until(look(rows_leader), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"no leader within {timeout_s:.0f} s before the fault")
-    if not wait_until(lambda: cluster.all_started(cluster.generation()), timeout_s):
+    if not wait_until(look(lambda r: rows_all_started(r, rows_generation(r))), timeout_s):
         raise ElasticppError(f"nodes not all running within {timeout_s:.0f} s before the fault")
-    leader = cluster.leader()
+    leader = rows_leader(rows)
     assert leader is not None
-    loop = cluster.nodes[leader.node_id].thread
-    g0 = cluster.generation()
-    n = len(cluster.live(healthy=True))
+    g0 = rows_generation(rows)
+    healthy = [r for r in rows if not (r.crashed or r.sick)]
+    n = len(healthy)
     keys = JobKeys(JOB)
-    others = [a.node_id for a in cluster.live(healthy=True) if a is not leader]
-    before, cpu0, lcpu0 = meter.reading(), _process_cpu_s(), thread_cpu_s(loop)
+    others = [r.node_id for r in healthy if r.node_id != leader.node_id]
+    (before, _, cpu0), lcpu0 = cluster.meter(), cluster.loop_cpu_s(leader.node_id)
     t0 = time.monotonic()
     if fault == "loss":
         victim = others[-1]
         cluster.crash(victim)
     elif fault == "join":
-        victim = f"node-{len(cluster.nodes):05d}"
-        cluster.add(victim)
+        victim = f"node-{cluster.count():05d}"
+        cluster.add([victim])
     elif fault == "sick":
         victim = others[0]
         cluster.make_sick(victim)
     else:
         raise ElasticppError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
 
-    def settled() -> bool:
-        g = cluster.generation()
-        if g <= g0 or not cluster.all_started(g):
+    def settled(rows: list[NodeRow]) -> bool:
+        g = rows_generation(rows)
+        if g <= g0 or not rows_all_started(rows, g):
             return False
         if fault == "sick":  # settled once quarantined and planned without the sick node
-            gs = next(iter(cluster.live(healthy=True)))._fs.gen
             quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
-            return quarantined is not None and gs is not None and not gs.plan.ranks_on(victim)
+            planned = next(r.planned for r in rows if not (r.crashed or r.sick))
+            return quarantined is not None and victim not in planned
         return True
 
-    if not wait_until(lambda: cluster.generation() > g0, timeout_s, interval_s=POLL_S):
+    if not wait_until(look(lambda r: rows_generation(r) > g0), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"{fault} of {victim}: no new generation in {timeout_s:.0f} s")
-    if not wait_until(lambda: cluster.all_hold(g0 + 1), timeout_s, interval_s=POLL_S):
+    if not wait_until(look(lambda r: rows_all_hold(r, g0 + 1)), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"{fault} of {victim}: not every node holds generation {g0 + 1}")
     t_hold = time.monotonic()
     # Not settled in time is a result (reported with the generations' reasons), not an error.
     error = None
-    if not wait_until(settled, timeout_s, interval_s=POLL_S):
+    if not wait_until(look(settled), timeout_s, interval_s=poll_s):
         error = f"{fault} of {victim}: not settled in {timeout_s:.0f} s"
     t_started = time.monotonic()
-    delta = meter.reading().minus(before)
+    after, _, cpu1 = cluster.meter()
+    delta = after.minus(before)
     decided = observer.first_after(t0, keys.generation, lambda v: _generation_of(v) > g0)
     quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
+    generation = rows_generation(rows)
     return Transition(
         nodes=n,
         fault=fault,
         node=victim,
-        generation=cluster.generation(),
+        generation=generation,
         decided_s=None if decided is None else round(decided - t0, 3),
         all_hold_s=round(t_hold - t0, 3),
         all_started_s=round(t_started - t0, 3),
         decide_to_hold_s=None if decided is None else round(t_hold - decided, 3),
         quarantined_s=None if quarantined is None else round(quarantined - t0, 3),
-        generations=cluster.generation() - g0,
+        generations=generation - g0,
         reasons=observer.reasons_after(t0),
         error=error,
         etcd=asdict(delta),
         requests_per_node=round(delta.requests / n, 1),
-        leader_cpu_s=round(thread_cpu_s(loop) - lcpu0, 3),
-        process_cpu_s=round(_process_cpu_s() - cpu0, 3),
+        leader_cpu_s=round(cluster.loop_cpu_s(leader.node_id) - lcpu0, 3),
+        process_cpu_s=round(cpu1 - cpu0, 3),
     )
 
 
+def lease_ttl_for(n: int) -> int:
+    """The lease TTL of a simulated job of `n` nodes: 3 s (the smallest) up to 64 nodes, 10 s
+    beyond: a keep-alive every third of what the TTL leaves after the request timeout is
+    3 a second per node at 3 s (6,000/s at 2,048 nodes), 0.45 at 10 s."""
+    return 3 if n <= 64 else 10
+
+
 def run_size(
-    n: int, faults: list[str], *, steady_s: float, slots: int, timeout_s: float, workdir: Path
+    n: int,
+    faults: list[str],
+    *,
+    steady_s: float,
+    slots: int,
+    timeout_s: float,
+    workdir: Path,
+    processes: int = 1,
+    lease_ttl_s: int | None = None,
+    share_etcd: bool = True,
 ) -> dict[str, Any]:
     """One cluster of `n` nodes: start, steady state, each fault; the invariants checked."""
+    ttl = lease_ttl_s or lease_ttl_for(n)
+    poll_s = min(0.05, max(POLL_S, n / 40_000))  # each look asks every child for every node
     etcd = EtcdServer(workdir / f"etcd-{n}")
     etcd.start()
-    meter = EtcdMeter()
-    observer = Observer(etcd.endpoint)
-    cluster: SimCluster | None = None
+    cluster: ProcCluster | None = None
+    observer: Observer | None = None
     try:
         t0 = time.monotonic()
         ids = [f"node-{i:05d}" for i in range(n)]
-        cluster = SimCluster(
-            etcd.endpoint, ids, slots, workdir / f"nodes-{n}", sim_spec(JOB, n, slots), meter
+        # Children first: they are spawned before this process holds a gRPC channel.
+        cluster = ProcCluster(
+            etcd.endpoint,
+            [],
+            slots,
+            workdir / f"nodes-{n}",
+            sim_spec_fields(JOB, n, slots, ttl),
+            processes,
+            share_etcd=share_etcd,
         )
-        cluster.wait_running(timeout_s)
+        observer = Observer(etcd.endpoint)
+        cluster.add(ids)
+        rows: list[NodeRow] = []
+
+        def running() -> bool:
+            rows[:] = cluster.rows()  # type: ignore[union-attr]
+            g = rows_generation(rows)
+            return g > 0 and rows_all_started(rows, g)
+
+        if not wait_until(running, timeout_s, interval_s=poll_s):
+            raise ElasticppError(f"{n} simulated nodes not all running within {timeout_s:.0f} s")
         started_s = time.monotonic() - t0
-        r0, w0, c0 = meter.reading(), time.monotonic(), _process_cpu_s()
-        k0 = meter.by_kind()
+        r0, k0, c0 = cluster.meter()
+        w0 = time.monotonic()
         time.sleep(steady_s)  # a measuring window, not a wait for a condition
-        steady = meter.reading().minus(r0)
+        r1, k1, c1 = cluster.meter()
+        steady = r1.minus(r0)
         window_s = time.monotonic() - w0
-        steady_cpu = (_process_cpu_s() - c0) / window_s
-        kinds = {k: v - k0.get(k, 0) for k, v in meter.by_kind().items()}
+        steady_cpu = (c1 - c0) / window_s
+        kinds = {k: v - k0.get(k, 0) for k, v in k1.items()}
         steady_kinds = {
             k: round(v / window_s / n, 2)
             for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
             if v > 0
         }
-        transitions = [asdict(transition(cluster, observer, meter, f, timeout_s)) for f in faults]
-        whole = meter.reading()
+        transitions = [asdict(transition(cluster, observer, f, timeout_s, poll_s)) for f in faults]
+        whole, _, _ = cluster.meter()
         violations = check_history(JOB, observer.history())
         return {
             "nodes": n,
             "slots": slots,
+            "processes": processes,
+            "lease_ttl_s": ttl,
+            "share_etcd": share_etcd,
             "start_s": round(started_s, 1),
             "steady": {
                 "seconds": round(window_s, 1),
@@ -278,7 +333,7 @@ def run_size(
                 "writes_per_node_s": round(steady.writes / window_s / n, 3),
                 "prefix_reads_per_s": round(steady.prefix_reads / window_s, 1),
                 "bytes_received_per_s": round(steady.bytes_received / window_s),
-                # CPU of every agent's idle loop together: what bounds N in one process
+                # CPU of every agent's idle loop together: what bounds N on one machine
                 "process_cpu_per_s": round(steady_cpu, 3),
                 "cpu_ms_per_node_s": round(steady_cpu / n * 1000, 2),
                 "requests_per_node_s_by_kind": steady_kinds,
@@ -293,7 +348,8 @@ def run_size(
     finally:
         if cluster is not None:
             cluster.close()
-        observer.close()
+        if observer is not None:
+            observer.close()
         etcd.close()
 
 
@@ -330,6 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=1, help="workers per node")
     ap.add_argument("--steady-s", type=float, default=5.0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument(
+        "--processes", type=int, default=2, help="processes the simulated nodes are spread over"
+    )
+    ap.add_argument(
+        "--lease-ttl-s", type=int, default=None, help="default: 3 up to 64 nodes, 10 beyond"
+    )
+    ap.add_argument(
+        "--connection-per-node",
+        action="store_true",
+        help="each agent its own etcd connection (default: one per process, shared)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     # A stopped run still closes its agents and its etcd (the finally blocks run).
@@ -349,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                 slots=args.slots,
                 timeout_s=args.timeout_s,
                 workdir=Path(tmp),
+                processes=args.processes,
+                lease_ttl_s=args.lease_ttl_s,
+                share_etcd=not args.connection_per_node,
             )
             results.append(r)
             print(table([r]), flush=True)

@@ -30,6 +30,7 @@ from typing import Any
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.jobspec import JobSpec, parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.errors import ElasticppError
 from elasticpp.train.procs import EXITED
@@ -144,25 +145,28 @@ class SimAgent(Agent):
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def sim_spec(name: str, nodes: int, slots: int) -> JobSpec:
-    """A job every simulated cluster of `nodes` x `slots` can run: the tiny model, data
-    parallel over every slot (the planner's choice), a batch every smaller world divides."""
-    return parse_job_spec(
-        {
-            "name": name,
-            "model": "tiny",
-            "global_batch": 4096,
-            "micro_batch": 1,
-            "steps": 1_000_000,
-            "seed": 0,
-            "min_nodes": 1,
-            "max_nodes": nodes + 8,  # room for joins
-            "lease_ttl_s": 3,
-            "join_settle_s": 1.0,
-            "snapshot_every": 1_000_000,
-            "hang_timeout_s": 3600.0,  # simulated workers report no steps
-        }
-    )
+def sim_spec_fields(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> dict[str, Any]:
+    """The job spec (as a job file holds it) every simulated cluster of `nodes` x `slots`
+    can run: the tiny model, data parallel over every slot (the planner's choice), a batch
+    every smaller world divides."""
+    return {
+        "name": name,
+        "model": "tiny",
+        "global_batch": 4096,
+        "micro_batch": 1,
+        "steps": 1_000_000,
+        "seed": 0,
+        "min_nodes": 1,
+        "max_nodes": nodes + 8,  # room for joins
+        "lease_ttl_s": lease_ttl_s,
+        "join_settle_s": 1.0,
+        "snapshot_every": 1_000_000,
+        "hang_timeout_s": 3600.0,  # simulated workers report no steps
+    }
+
+
+def sim_spec(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> JobSpec:
+    return parse_job_spec(sim_spec_fields(name, nodes, slots, lease_ttl_s))
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,8 @@ class SimCluster:
         state_root: Path,
         spec: JobSpec,
         meter: EtcdMeter | None = None,
+        *,
+        share_etcd: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.slots = slots
@@ -191,6 +197,11 @@ class SimCluster:
         self.nodes: dict[str, SimNode] = {}
         self.crashed: set[str] = set()
         self.sick: set[str] = set()  # nodes whose workers fail as they start
+        # One etcd connection for every agent of this process (with `share_etcd`): one watch
+        # stream and one keep-alive stream carry every agent's watches and leases, as
+        # thousands of connections' idle polling would fill the process's core. etcd serves
+        # the same watchers, leases and requests as for a connection per node.
+        self.kv = EtcdKV([endpoint], meter=meter) if share_etcd else None
         for node_id in node_ids:
             self.add(node_id)
 
@@ -203,7 +214,7 @@ class SimCluster:
         def worker(log_path: Path, env: dict[str, str], name: str) -> SimWorker:
             return SimWorker(log_path, env, name, fails=lambda: node_id in self.sick)
 
-        agent = SimAgent(cfg, self.spec, worker_factory=worker, meter=self.meter)
+        agent = SimAgent(cfg, self.spec, worker_factory=worker, meter=self.meter, etcd_kv=self.kv)
         try:
             agent.start()
         except BaseException:
@@ -271,6 +282,8 @@ class SimCluster:
             n.thread.join(timeout=10.0)
             with contextlib.suppress(Exception):
                 n.agent.shutdown()
+        if self.kv is not None:
+            self.kv.close()
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:

@@ -47,7 +47,7 @@ class ControlObservation:
     node_id: str
     generation: int  # the generation this node follows, 0 before any
     plan_nodes: frozenset[str] | None  # the nodes of its plan; None before any
-    started: frozenset[str]  # nodes arrived at started-<generation>
+    started_everywhere: bool  # the leader's timeline of this generation is written
     finished_here: bool  # this node's ranks trained every step (the follower's phase)
     done_reported: bool  # a node reported the job's last step trained
     job_ended: bool  # the job ended without finishing (elasticpp.agent.quarantine)
@@ -91,7 +91,7 @@ def control_step(state: ControlState, obs: ControlObservation) -> list[Action]:
         obs.plan_nodes is not None
         and obs.node_id not in obs.plan_nodes
         and obs.generation > state.drain_requested_gen
-        and obs.plan_nodes <= obs.started
+        and obs.started_everywhere
     )
     no_job = obs.plan_nodes is None or state.job_done or obs.job_ended
     expired = state.drain_deadline_s is not None and obs.now_s > state.drain_deadline_s
@@ -173,7 +173,9 @@ class ControlPart:
             node_id=self.node_id,
             generation=self.generation,
             plan_nodes=frozenset(gs.record.planned_nodes) if gs else None,
-            started=frozenset(self._vs.barriers.get(f"started-{self.generation}", {})),
+            # The leader writes a generation's timeline once every planned node arrived at
+            # started-G (which only the leader reads).
+            started_everywhere=f"gen-{self.generation}" in self._vs.barriers.get("timelines", {}),
             finished_here=gs is not None and gs.phase is Phase.DONE,
             done_reported=any(int(v.get("step", -1)) >= self.spec.steps for v in done.values()),
             job_ended=self._hs.job_end is not None,

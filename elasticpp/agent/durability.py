@@ -334,6 +334,7 @@ class DurabilityPart:
         # The round's thread writes nothing of the agent's: the loop sees it end through
         # the future; the commit record goes to its one writer's queue.
         self._ds.replication = run_in_thread("replicate", run)
+        self._ds.replication.add_done_callback(lambda _: self._wake.set())
 
     def _clean_resume(self, generation: int) -> None:
         """Delete the resume directories of generations older than `generation`: called once

@@ -289,6 +289,7 @@ class ExecutorPart:
                     progress = TransferProgress()
                     args = (gs, action.resume, progress, self._fetch_addresses(gs))
                     future = run_in_thread("fetch-state", self._fetch, *args)
+                    future.add_done_callback(lambda _: self._wake.set())
                     self._execute(follower_fetch_started(self._fs, action, future, progress))
             elif isinstance(action, AssignRanks):
                 outcome = self._assign_ranks(action)

@@ -107,6 +107,7 @@ class FollowerPart:
                 return
             del self._fs.pending_failures[generation]
             self._fs.failures_held.discard(generation)
+            self._fs.reported = max(self._fs.reported, generation)
 
     def _follow_generation(self) -> None:
         """The follower's step on the clock: observe, decide (`follower_step`, pure),

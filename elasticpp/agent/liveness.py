@@ -62,14 +62,14 @@ class LeaderWatch:
     node_id: str
     generation: int | None  # of the record, None before any
     leader: str | None
-    failure_reported: bool  # a node reported the record's generation failed
+    failure_reported: bool  # this node reported the record's generation failed
     address: str  # the leader's, from its member key ("" while it has none)
     incarnation: str
 
 
 def leader_watch_step(state: LivenessState, obs: LeaderWatch) -> list[Action]:
-    """Detect by suspicion, confirm by probe, for the leader too: when a failure of the
-    current generation has waited LEADER_SUSPECT_S without a new plan, a follower probes the
+    """Detect by suspicion, confirm by probe, for the leader too: when a failure this node
+    reported of the current generation has waited LEADER_SUSPECT_S without a new plan, it probes the
     leader's agent (at most once per DEAD_RECHECK_S). A leader whose member key is absent
     (re-registering after a lost lease) gets no probe and no verdict: a leader that is
     really gone loses its term with its lease."""
@@ -126,8 +126,12 @@ class LivenessPart:
                     node_id=self.node_id,
                     generation=rec.generation if rec else None,
                     leader=leader,
-                    failure_reported=bool(
-                        rec and self._vs.barriers.get(f"failed-{rec.generation}")
+                    # Its own report: a follower does not read the others' (only the
+                    # leader does); a node that saw no failure has nothing to suspect.
+                    failure_reported=rec is not None
+                    and (
+                        self._fs.reported == rec.generation
+                        or rec.generation in self._fs.pending_failures
                     ),
                     address=str(info.get("address") or ""),
                     incarnation=str(info.get("incarnation", "")),

@@ -26,7 +26,10 @@ new epoch and the job resumes from what the nodes hold.
 Fencing: workers rendezvous under the prefix `gen<G>`, state requests carry G and are
 refused by a store on a newer generation, and every generation write is a CAS guarded by
 the leader key. One loop thread makes every decision; watches and worker readers only wake
-it, so there is no lock-ordering to get wrong.
+it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
+hand results back through futures wake it too), or for a tick: a second on a follower going
+its way through generations, short while it leads, fails, drains or lacks etcd
+(`limits.QUIET_TICK_S`, `Agent._tick_busy`).
 
 This module composes the agent: the parts' state, the decision loop and shutdown (its
 flags are `config.AgentConfig`); start-up and joining the job are in `startup`, the
@@ -97,8 +100,10 @@ from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import (
+    BUSY_TICK_S,
     COMMIT_RECORD_EVERY_S,
     PROBE_THREADS,
+    QUIET_TICK_S,
     STATUS_EVERY_S,
 )
 from elasticpp.agent.liveness import LivenessPart, LivenessState
@@ -114,6 +119,7 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     NodeIdConflictError,
 )
+from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.errors import ElasticppError
 from elasticpp.store.local import LocalStore
@@ -146,12 +152,15 @@ class Agent(
         clock: Clock | None = None,
         worker_factory: WorkerFactory | None = None,
         meter: EtcdMeter | None = None,
+        etcd_kv: EtcdKV | None = None,
     ) -> None:
         self._clock: Clock = clock or SystemClock()  # every part's decisions read it
         # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
-        # process, elasticpp.train.procs), and a counter of this agent's etcd requests.
+        # process, elasticpp.train.procs), a counter of this agent's etcd requests, and an
+        # etcd connection shared by the simulated agents of one process (default: its own).
         self._worker_factory = worker_factory
         self._meter = meter
+        self._shared_kv = etcd_kv
         self.cfg = cfg
         self.spec = spec
         self.node_id = cfg.node_id
@@ -238,7 +247,7 @@ class Agent(
         """The decision loop; returns the exit code."""
         try:
             while not self._stop.is_set():
-                self._wake.wait(0.05)
+                self._wake.wait(BUSY_TICK_S if self._tick_busy() else QUIET_TICK_S)
                 self._wake.clear()
                 self._heartbeat_s = time.monotonic()
                 try:
@@ -258,6 +267,29 @@ class Agent(
             return 0
         finally:
             self.shutdown()
+
+    def _tick_busy(self) -> bool:
+        """Whether this node may need the loop sooner than something wakes it (see
+        limits.QUIET_TICK_S). A follower's way through a generation is driven by events
+        (the records' watch events, its workers' events, the fetch's future) and deadlines
+        of seconds, so it ticks quietly in every phase; what polls is leading (its waits
+        read its cache, its safe step is due every SAFE_EVERY_S), a failure of this node's
+        until a new plan answers it (the leader is suspected after LEADER_SUSPECT_S), a
+        drain, an unreachable etcd and joining."""
+        gs, rec = self._fs.gen, self._vs.record
+        followed = gs.generation if gs is not None else 0
+        current = rec.generation if rec is not None else 0
+        quiet = (
+            self._joined
+            and self._vs.etcd_ok
+            and self._ls.leadership is None
+            and current == followed  # a record not yet followed is taken at the next tick
+            and not self._fs.pending_failures
+            and (current == 0 or self._fs.reported != current)
+            and not self._lvs.suspect_since
+            and not self._cs.draining
+        )
+        return not quiet
 
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is

@@ -139,6 +139,7 @@ class FollowerState:
     gen: _GenState | None = None  # this node's way through the newest generation it follows
     pending_failures: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> report
     failures_held: set[int] = field(default_factory=set)  # reports etcd refused (logged once)
+    reported: int = 0  # the newest generation this node reported failed (etcd has it)
     detected: dict[int, float] = field(default_factory=dict)  # generation -> wall time a
     # failure here that calls for it was first seen (the recovery timeline)
 

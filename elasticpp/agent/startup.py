@@ -77,7 +77,9 @@ class StartupPart:
         # seconds, which can starve the lease keep-alive of a freshly registered node.
         self._import_torch()
         self._prepare_init()
-        self.cluster = ClusterClient(list(self.cfg.etcd), self.spec.name, meter=self._meter)
+        self.cluster = ClusterClient(
+            list(self.cfg.etcd), self.spec.name, meter=self._meter, kv=self._shared_kv
+        )
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
             self._heartbeat_s = time.monotonic()  # joining is this loop's progress

@@ -1,9 +1,12 @@
 """The agent's view of the cluster: members, the generation record, the leader and the
-barriers of the current generation (`stopped-G`, N nodes' holdings digests, only on the
-leader: no other part reads it), and the published safe step (at most every `SAFE_EVERY_S`),
-which becomes the store's floor. The decision loop takes them (on a watch event, and at least
-every second) from the job's watch-fed cache (`elasticpp.cluster.cache`): in steady state the
-view sends etcd no request at all; it reads a range again only when its watch lost events.
+barriers of the current generation (the resume instruction; every node's arrivals,
+`stopped-G`, `started-G` and `failed-G`, only on the leader: a follower reads none of them,
+so a transition's N arrivals reach one node, not N), and the published safe step (at most
+every `SAFE_EVERY_S`), which becomes the store's floor. The decision loop takes them (on a
+watch event, and at least every second) from the job's watch-fed cache
+(`elasticpp.cluster.cache`): in steady state the view sends etcd no request at all; it reads
+a range again only when its watch lost events, and parses a record again only when it
+changed (`ClusterClient` keeps what it derived from an unchanged cached answer).
 What must be current is fenced where it is written (the generation's compare-and-swap, the
 resume's and the safe step's transactions), so a view one watch delivery old is safe.
 An unreachable etcd (or a watch that is down) keeps the last view (training goes on, changes
@@ -81,12 +84,17 @@ def view_step(
     if not state.etcd_ok:
         actions.append(Event("decision", "etcd reachable again"))
         state.etcd_ok = True
-    joined = sorted(
-        n
-        for n, info in read.members.items()
-        if state.members.get(n, {}).get("incarnation") != info.get("incarnation")
-    )
-    left = sorted(set(state.members) - set(read.members))
+    joined: list[str] = []
+    left: list[str] = []
+    # An unchanged cached read is the same object (ClusterClient): nothing joined or left,
+    # and comparing every member on every refresh is O(N) a second per node.
+    if read.members is not state.members:
+        joined = sorted(
+            n
+            for n, info in read.members.items()
+            if state.members.get(n, {}).get("incarnation") != info.get("incarnation")
+        )
+        left = sorted(set(state.members) - set(read.members))
     next_gen = (read.record.generation if read.record else 0) + 1
     if joined:
         state.last_join_s = now_s
@@ -155,9 +163,9 @@ class ViewPart:
             names = ["done", "timelines"]
             gen = record.generation if record else 0
             if gen:
-                names += [f"{b}-{gen}" for b in ("resume", "started", "failed")]
-                if self._ls.leadership is not None:
-                    names.append(f"stopped-{gen}")
+                names.append(f"resume-{gen}")
+                if self._ls.leadership is not None:  # every node's arrivals: the leader's
+                    names += [f"{b}-{gen}" for b in ("stopped", "started", "failed")]
             for name in names:
                 barriers[name], _ = cluster.barrier_state(name, cached=True)
             safe = None

@@ -36,6 +36,8 @@ from elasticpp.cluster.watch import Watch
 
 log = logging.getLogger(__name__)
 
+MAX_ANSWERS = 64  # prefix answers a range keeps (a reader asks for a handful per generation)
+
 
 class CacheCore:
     """The keys of one range at a revision, fed by `load` (a read) and `apply` (events).
@@ -49,12 +51,16 @@ class CacheCore:
         self.revision = 0  # the newest revision the map reflects
         self.stale_reason: str | None = "not read yet"
         self._pending: list[WatchEvent] = []  # events that came while stale
+        # prefix -> its answer, while no event under it came: an unchanged prefix is the
+        # same list object, so a reader may keep what it derived from it (ClusterClient)
+        self._answers: dict[str, list[KeyValue]] = {}
 
     def load(self, kvs: Iterable[KeyValue], revision: int) -> None:
         """Take a read at `revision` as the state, then the events kept while stale that
         are newer than it."""
         self._kvs = {kv.key: kv for kv in kvs}
         self._keys = sorted(self._kvs)
+        self._answers = {}
         self.read_revision = self.revision = revision
         self.loaded, self.stale_reason = True, None
         pending, self._pending = self._pending, []
@@ -66,6 +72,7 @@ class CacheCore:
         are dropped with the state (the next read holds them)."""
         self.loaded, self.stale_reason = False, reason
         self._pending = []
+        self._answers = {}
 
     def apply(self, event: WatchEvent) -> bool:
         """Apply one watch event; True if the map changed. A RESYNC event, or an event older
@@ -85,6 +92,8 @@ class CacheCore:
             )
             return True
         self.revision = event.mod_revision
+        for prefix in [p for p in self._answers if event.key.startswith(p)]:
+            del self._answers[prefix]
         if event.type is EventType.DELETE:
             if self._kvs.pop(event.key, None) is None:
                 return False
@@ -102,10 +111,18 @@ class CacheCore:
         return self._kvs.get(key)
 
     def prefix(self, prefix: str) -> list[KeyValue]:
-        """The keys under `prefix`, sorted by key (as etcd's range read sorts them)."""
+        """The keys under `prefix`, sorted by key (as etcd's range read sorts them). Until an
+        event under `prefix` comes, the same list (callers must not change it)."""
+        answer = self._answers.get(prefix)
+        if answer is not None:
+            return answer
         lo = bisect.bisect_left(self._keys, prefix)
         hi = bisect.bisect_left(self._keys, prefix_end(prefix), lo)
-        return [self._kvs[k] for k in self._keys[lo:hi]]
+        answer = [self._kvs[k] for k in self._keys[lo:hi]]
+        if len(self._answers) >= MAX_ANSWERS:  # prefixes of old generations: start afresh
+            self._answers = {}
+        self._answers[prefix] = answer
+        return answer
 
 
 class RangeCache:
@@ -205,28 +222,33 @@ class RangeCache:
 
 
 class JobCache:
-    """What an agent reads of its job, cached: every key under the job's root but two
-    kinds, which would send every node's frequent or large values to every node: the commit
-    records (`commits/`, rewritten by every node as it commits) and the `stopped-<G>`
-    arrivals (a holdings digest per node). The leader alone reads those, and caches them too
-    while `serve_leader(True)`. Three watches, five on the leader."""
+    """What an agent reads of its job, cached: every key under the job's root but those
+    every node writes at every transition or more often, which would send each node's value
+    to every node (N² watch events a transition): the commit records (`commits/`), and the
+    `failed-<G>`, `started-<G>` and `stopped-<G>` arrivals (a holdings digest each in
+    stopped). The leader alone reads those, and caches them too while `serve_leader(True)`;
+    a follower knows its own arrivals from its writes, and learns that a generation started
+    everywhere from the leader's timeline. Four watches, seven on the leader."""
 
     def __init__(
         self, kv: EtcdKV, keys: JobKeys, on_event: Callable[[WatchEvent], None] | None = None
     ) -> None:
         self._kv, self._on_event = kv, on_event
-        stopped_from = keys.barriers_prefix + "stopped-"
-        # "stopped." is the first key past every "stopped-..." ('.' follows '-').
-        stopped_to = keys.barriers_prefix + "stopped."
-        commits_to = prefix_end(keys.commits_prefix)
-        self._leader_only = ((stopped_from, stopped_to), (keys.commits_prefix, commits_to))
+        barriers = keys.barriers_prefix
+        # "<name>." is the first key past every "<name>-..." ('.' follows '-'); nothing is
+        # named between "started." and "stopped-", so one range holds both kinds.
+        failed = (barriers + "failed-", barriers + "failed.")
+        arrivals = (barriers + "started-", barriers + "stopped.")
+        commits = (keys.commits_prefix, prefix_end(keys.commits_prefix))
+        self._leader_only = (failed, arrivals, commits)
         self._ranges: list[RangeCache] = []
         self._leader: list[RangeCache] = []
         try:
             for key, end in (
-                (keys.root, stopped_from),
-                (stopped_to, keys.commits_prefix),
-                (commits_to, prefix_end(keys.root)),
+                (keys.root, failed[0]),
+                (failed[1], arrivals[0]),
+                (arrivals[1], commits[0]),
+                (commits[1], prefix_end(keys.root)),
             ):
                 self._ranges.append(RangeCache(kv, key, end, on_event=on_event))
         except BaseException:

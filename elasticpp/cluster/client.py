@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.barriers import (
@@ -72,6 +72,8 @@ from elasticpp.cluster.watch import Watch
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T", "Registration", "Leadership", "Watch")
+_V = TypeVar("_V")
+MAX_PARSED = 100_000  # records kept parsed (a few per node: members, arrivals)
 
 # The one member of barrier `resume-<G>`: the instruction of whichever leader wrote it.
 RESUME_MEMBER = "resume"
@@ -102,10 +104,15 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         *,
         request_timeout_s: float = 2.0,
         meter: EtcdMeter | None = None,
+        kv: EtcdKV | None = None,
     ) -> None:
+        """`kv`: an etcd connection shared with other clients in this process (simulated
+        nodes, bench/scale.py); this client then neither makes nor closes one, and
+        `etcd_requests()` counts every sharer's requests."""
         self.job = job
         self.keys = keymod.JobKeys(job)
-        self._kv = EtcdKV(list(endpoints), request_timeout_s=request_timeout_s, meter=meter)
+        self._shared_kv = kv is not None
+        self._kv = kv or EtcdKV(list(endpoints), request_timeout_s=request_timeout_s, meter=meter)
         self._lock = threading.Lock()
         self._owned: list[Registration | Leadership | Watch] = []
         # Values that could not be read (malformed, or written by a newer format) are skipped,
@@ -113,6 +120,24 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         self.skipped_values = 0
         self._skipped_keys: set[str] = set()
         self._cache: JobCache | None = None
+        # What a cached read derived (parsed records), keyed by what it read: the cache hands
+        # out the same list for a prefix until an event changes it (cache.CacheCore.prefix),
+        # so an agent does not parse every node's record again on every read of its view.
+        self._derived: dict[str, tuple[object, Any]] = {}
+        self._parsed: dict[str, tuple[int, dict[str, Any]]] = {}  # key -> (mod revision, record)
+
+    def _memo(self, name: str, source: object, cached: bool, build: Callable[[], _V]) -> _V:
+        """`build()`, or what it returned for the same cached `source` before."""
+        if not cached:
+            return build()
+        held = self._derived.get(name)
+        if held is not None and held[0] is source:
+            return cast(_V, held[1])
+        value = build()
+        if len(self._derived) >= 256:  # names of old generations' barriers: start afresh
+            self._derived = {}
+        self._derived[name] = (source, value)
+        return value
 
     def _own(self, obj: _T) -> _T:
         with self._lock:
@@ -136,7 +161,8 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
                 obj.close(revoke=False)
             else:
                 obj._keeper.stop()
-        self._kv.close()
+        if not self._shared_kv:
+            self._kv.close()
 
     def __enter__(self) -> ClusterClient:
         return self
@@ -213,33 +239,51 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
             log.warning("etcd value of %s skipped: %s", key, exc)
 
     def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]:
-        """The readable records of `kvs` by last key segment; unreadable ones skipped."""
+        """The readable records of `kvs` by last key segment; unreadable ones skipped. A
+        value read before (the same key at the same revision) is not parsed again: after one
+        member's change, the other N - 1 records are the ones parsed before."""
         out: dict[str, dict[str, Any]] = {}
+        parsed = self._parsed
         for kv in kvs:
             name = keymod.last_segment(kv.key)
+            held = parsed.get(kv.key)
+            if held is not None and held[0] == kv.mod_revision and kv.mod_revision > 0:
+                out[name] = held[1]
+                continue
             try:
                 out[name] = loads(kv.value, f"{what} {name}")
             except ClusterDataError as exc:
                 self.skip_value(kv.key, exc)
+                continue
+            if len(parsed) >= MAX_PARSED:
+                parsed.clear()  # keys of old generations' barriers: start afresh
+            parsed[kv.key] = (kv.mod_revision, out[name])
         return out
 
     def members(self, *, cached: bool = False) -> Members:
+        """Registered nodes. Cached, an unchanged answer is the object returned before
+        (as every cached answer below): callers must not change it."""
         kvs, revision = self._get_prefix(self.keys.nodes_prefix, cached)
-        return Members(self._records(kvs, "member"), revision)
+        nodes = self._memo("members", kvs, cached, lambda: self._records(kvs, "member"))
+        return Members(nodes, revision)
 
     def agent_members(self, *, cached: bool = False) -> Members:
         """Registered agents whose records a planner can use (`barriers.check_member`: an
         address to dial, a positive slot count); any other is skipped and counted."""
         members = self.members(cached=cached)
-        nodes: dict[str, dict[str, Any]] = {}
-        for node, record in members.nodes.items():
-            try:
-                check_member(node, record)
-            except ClusterDataError as exc:
-                self.skip_value(self.keys.nodes_prefix + node, exc)
-                continue
-            nodes[node] = record
-        return Members(nodes, members.revision)
+
+        def usable() -> dict[str, dict[str, Any]]:
+            nodes: dict[str, dict[str, Any]] = {}
+            for node, record in members.nodes.items():
+                try:
+                    check_member(node, record)
+                except ClusterDataError as exc:
+                    self.skip_value(self.keys.nodes_prefix + node, exc)
+                    continue
+                nodes[node] = record
+            return nodes
+
+        return Members(self._memo("agent members", members.nodes, cached, usable), members.revision)
 
     def watch_members(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
@@ -330,7 +374,9 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         kv = self._get(self.keys.generation, cached)
         if kv is None:
             return None, 0
-        return GenerationRecord.from_json(kv.value), kv.mod_revision
+        # The cache holds one KeyValue per change of the key: parsed once per change.
+        record = self._memo("generation", kv, cached, lambda: GenerationRecord.from_json(kv.value))
+        return record, kv.mod_revision
 
     def write_generation(
         self,
@@ -453,6 +499,10 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         unreadable one: the caller never sees it."""
         prefix = self.keys.barrier_prefix(barrier)
         kvs, revision = self._get_prefix(prefix, cached)
+        return self._memo(prefix, kvs, cached, lambda: self._arrivals(barrier, kvs)), revision
+
+    def _arrivals(self, barrier: str, kvs: list[Any]) -> dict[str, Any]:
+        prefix = self.keys.barrier_prefix(barrier)
         records = self._records(kvs, f"{barrier} arrival")
         out: dict[str, Any] = {}
         for node, r in records.items():
@@ -467,7 +517,7 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
                 self.skip_value(prefix + RESUME_MEMBER, exc)
                 # Without its parts the instruction cannot be used: neither is seen.
                 out = {m: v for m, v in out.items() if m != RESUME_MEMBER and "-part-" not in m}
-        return out, revision
+        return out
 
     def wait_barrier(
         self, barrier: str, expected_nodes: Iterable[str], timeout_s: float

@@ -133,7 +133,7 @@ def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
         agent._vs.members = {"n0": {"address": address, "incarnation": "a"}}
         agent._vs.record = GenerationRecord(2, {}, "n0", time.time())
         agent._vs.leader = "n0"
-        agent._vs.barriers = {"failed-2": {"n1": {"reason": "worker exited 1"}}}
+        agent._fs.reported = 2  # this node reported generation 2 failed
         agent._lvs.suspect_since = {2: time.monotonic() - 10}
         agent.cluster = _Cluster()  # type: ignore[assignment]
         agent._check_leader()

@@ -181,30 +181,43 @@ def test_a_new_etcd_behind_the_cache_revision_makes_it_read_again(
 
 
 @pytest.mark.timeout(60)
-def test_the_job_cache_leaves_commit_records_and_stopped_arrivals_to_the_leader(
+def test_the_job_cache_leaves_every_nodes_frequent_records_to_the_leader(
     kv: EtcdKV,
 ) -> None:
+    """Commit records and the stopped-G, started-G and failed-G arrivals (one per node per
+    transition) reach only the leader; a follower still sees the rest of the job."""
     keys = JobKeys("j")
     kv.put(keys.barrier("stopped-3", "n1"), "digest")
     kv.put(keys.barrier("started-3", "n1"), "s")
     kv.put(keys.barrier("timelines", "gen-3"), "t")
+    kv.put(keys.barrier("resume-3", "resume"), "r")
+    kv.put(keys.barrier("done", "n1"), "d")
     kv.put(keys.generation, "g")
     events: list[str] = []
     cache = JobCache(kv, keys, lambda e: events.append(e.key))
     try:
         kv.put(keys.commit(3, "n1"), "c")
         kv.put(keys.barrier("stopped-3", "n2"), "digest")
+        kv.put(keys.barrier("started-3", "n2"), "s")
+        kv.put(keys.barrier("failed-3", "n2"), "f")
+        kv.put(keys.barrier("resume-3", "resume-part-0001"), "p")
         last = kv.put(keys.node("n1"), "m")
         wait_for(lambda: keys.node("n1") in events, "the member's event")
-        assert keys.commit(3, "n1") not in events
-        assert keys.barrier("stopped-3", "n2") not in events
+        for key in (
+            keys.commit(3, "n1"),
+            keys.barrier("stopped-3", "n2"),
+            keys.barrier("started-3", "n2"),
+            keys.barrier("failed-3", "n2"),
+        ):
+            assert key not in events
+        assert keys.barrier("resume-3", "resume-part-0001") in events
         assert cache.get(keys.generation)[0] is not None
-        assert [x.key for x in cache.prefix(keys.barrier_prefix("started-3"))[0]] == [
-            keys.barrier("started-3", "n1")
-        ]
         assert cache.prefix(keys.barrier_prefix("timelines"))[0][0].value == "t"
-        with pytest.raises(ClusterUnavailableError, match="not cached"):
-            cache.prefix(keys.barrier_prefix("stopped-3"))
+        assert cache.prefix(keys.barrier_prefix("done"))[0][0].value == "d"
+        assert len(cache.prefix(keys.barrier_prefix("resume-3"))[0]) == 2
+        for barrier in ("stopped-3", "started-3", "failed-3"):
+            with pytest.raises(ClusterUnavailableError, match="not cached"):
+                cache.prefix(keys.barrier_prefix(barrier))
         with pytest.raises(ClusterUnavailableError, match="not cached"):
             cache.prefix(keys.commits_of(3))
         cache.serve_leader(True)
@@ -214,6 +227,9 @@ def test_the_job_cache_leaves_commit_records_and_stopped_arrivals_to_the_leader(
             keys.barrier("stopped-3", "n1"),
             keys.barrier("stopped-3", "n2"),
         ]
+        started, _ = cache.prefix(keys.barrier_prefix("started-3"))
+        assert [x.value for x in started] == ["s", "s"]
+        assert [x.value for x in cache.prefix(keys.barrier_prefix("failed-3"))[0]] == ["f"]
         assert cache.get(keys.node("n1"))[0] is not None
         assert last > 0
     finally:

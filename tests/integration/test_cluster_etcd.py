@@ -773,3 +773,44 @@ def test_the_leader_compacts_history_to_the_revision_of_its_previous_compaction(
         assert a.compact_history(lead) is None
     finally:
         raw.close()
+
+
+# ---------------------------------------------------------------------------- cached reads
+def test_cached_reads_parse_a_record_again_only_when_it_changed(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    """An agent read every member's record, the generation record and the barriers from its
+    cache on every view refresh and parsed them all again: O(N) work per node per second,
+    O(N²) for the cluster. An unchanged answer is now the object derived before."""
+    a, b = clients(), clients()
+    a.follow()
+    b.register("n1", {"address": "127.0.0.1:7000", "slots": 2}, ttl_s=2)
+    lead = b.campaign("n1", ttl_s=2)
+    assert lead is not None
+    assert b.write_generation(record(1, "n1"), 0, lead)
+    b.arrive("drill", "n1", {"at": 1})
+
+    def members_seen() -> bool:
+        try:
+            return "n1" in a.agent_members(cached=True).nodes
+        except ClusterUnavailableError:
+            return False
+
+    assert wait_until(members_seen, 10.0, interval_s=0.02)
+    assert wait_until(lambda: a.read_generation(cached=True)[0] is not None, 10.0)
+    members = a.agent_members(cached=True).nodes
+    rec, _ = a.read_generation(cached=True)
+    drill, _ = a.barrier_state("drill", cached=True)
+    assert a.agent_members(cached=True).nodes is members
+    assert a.read_generation(cached=True)[0] is rec
+    assert a.barrier_state("drill", cached=True)[0] is drill
+    assert a.agent_members().nodes is not members  # an uncached read is a fresh answer
+    # A change elsewhere leaves the members' answer as it was; a member's change renews it.
+    b.arrive("drill", "n2", {"at": 2})
+    assert wait_until(lambda: "n2" in a.barrier_state("drill", cached=True)[0], 10.0)
+    assert a.agent_members(cached=True).nodes is members
+    b.register("n2", {"address": "127.0.0.1:7001", "slots": 1}, ttl_s=2)
+    assert wait_until(lambda: "n2" in a.agent_members(cached=True).nodes, 10.0)
+    assert a.read_generation(cached=True)[0] is rec
+    assert wait_until(lambda: b.write_generation(record(2, "n1"), b.read_generation()[1], lead), 5)
+    assert wait_until(lambda: a.read_generation(cached=True)[0].generation == 2, 10.0)  # type: ignore[union-attr]

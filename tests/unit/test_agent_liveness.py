@@ -113,8 +113,27 @@ def test_a_suspect_that_answers_not_serving_is_unhealthy_not_dead(
 def _follower(tmp_path: Path) -> Agent:
     agent = _agent(tmp_path, "n05")
     agent._vs.leader = "n00"
+    agent._fs.reported = 5  # this node reported generation 5 failed (etcd has it)
     agent._lvs.suspect_since = {5: time.monotonic() - 10}  # the failure waits for a new plan
     return agent
+
+
+def test_a_follower_suspects_the_leader_only_of_a_failure_it_reported_itself(
+    tmp_path: Path, probes: _Probes
+) -> None:
+    """A follower no longer reads the other nodes' failure reports (N² watch events a
+    transition): it probes the leader over a failure of its own, reported or pending."""
+    probes.results = {"n00:1": ProbeResult.DEAD}
+    agent = _follower(tmp_path)
+    agent._fs.reported = 4  # another node's report of generation 5 is not seen here
+    agent._check_leader()
+    assert probes.calls == [] and agent.cluster.deposed == []  # type: ignore[union-attr]
+    agent._fs.pending_failures[5] = {"reason": "worker exited 1"}  # not in etcd yet
+    agent._lvs.suspect_since = {5: time.monotonic() - 10}
+    agent._check_leader()
+    assert probes.calls == ["n00:1"]
+    assert agent.cluster.deposed == ["n00"]  # type: ignore[union-attr]
+    agent._probe_pool.shutdown()
 
 
 def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(

@@ -48,7 +48,7 @@ OBS = ControlObservation(
     node_id="n1",
     generation=3,
     plan_nodes=frozenset({"n0", "n1"}),
-    started=frozenset({"n0", "n1"}),
+    started_everywhere=True,
     finished_here=False,
     done_reported=False,
     job_ended=False,
@@ -68,9 +68,9 @@ def test_a_drain_is_announced_once_and_ends_when_a_later_plan_without_the_node_s
     # Still in the plan, then a plan without it that has not started everywhere yet.
     assert control_step(state, replace(OBS, now_s=101.0)) == []
     later = replace(OBS, now_s=102.0, generation=4, plan_nodes=frozenset({"n0"}))
-    assert control_step(state, replace(later, started=frozenset())) == []
+    assert control_step(state, replace(later, started_everywhere=False)) == []
     assert state.exit_code is None
-    [event] = control_step(state, replace(later, started=frozenset({"n0"})))
+    [event] = control_step(state, replace(later, started_everywhere=True))
     assert event == Event("decision", "drained") and state.exit_code == 0
     assert control_step(state, later) == []  # decided once
 

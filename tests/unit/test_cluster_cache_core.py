@@ -93,3 +93,21 @@ def test_prefix_answers_follow_inserts_and_deletes_of_keys() -> None:
     core.apply(delete("/n/b", 5))
     core.apply(delete("/n/x", 6))  # a key it does not hold: nothing changes
     assert [(kv.key, kv.value) for kv in core.prefix("/n/")] == [("/n/a", "one"), ("/n/c", "3")]
+
+
+def test_an_unchanged_prefix_is_the_same_answer_until_an_event_under_it() -> None:
+    """Readers keep what they derived from an answer while it is the same list (every
+    agent parsed every member's record on every read of its view: O(N) a read)."""
+    core = loaded(("/n/a", "1", 3), ("/n/b", "2", 4), ("/g", "x", 5))
+    members = core.prefix("/n/")
+    assert core.prefix("/n/") is members
+    core.apply(put("/g", "y", 11))  # elsewhere: the members' answer stands
+    assert core.prefix("/n/") is members
+    core.apply(put("/n/c", "3", 12))
+    changed = core.prefix("/n/")
+    assert changed is not members and [kv.value for kv in changed] == ["1", "2", "3"]
+    core.apply(delete("/n/a", 13))
+    assert [kv.key for kv in core.prefix("/n/")] == ["/n/b", "/n/c"]
+    core.invalidate("lost")
+    core.load([KeyValue("/n/z", "9", 20, 20, 0)], 20)
+    assert [kv.key for kv in core.prefix("/n/")] == ["/n/z"]  # a new read, a new answer

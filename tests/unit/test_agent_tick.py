@@ -1,0 +1,99 @@
+"""The decision loop's pace: a quiet tick on a follower, whose phases move on events, short
+ticks while the node polls: leading, a failure of its own unanswered, a drain, no etcd
+(limits.QUIET_TICK_S). Twenty ticks a
+second of every idle agent cost 10-17 ms of CPU a second each: the reason a simulated
+cluster of 64 agents filled a core and 2,048 could not run on one machine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from elasticpp.agent.decide import Phase
+from elasticpp.agent.follower import _GenState
+from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster.records import GenerationRecord
+from tests.unit.test_agent_safe import SPEC, _plan
+
+
+class _Leadership:
+    node_id = "n0"
+    create_revision = 1
+
+    def is_held(self) -> bool:
+        return True
+
+
+def _quiet_agent(tmp_path: Path) -> Agent:
+    """A follower training in the generation etcd holds, nothing pending."""
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    record = GenerationRecord(3, _plan(3).to_dict(), "n1", time.time(), resume_step=0)
+    agent._vs.record = record
+    agent._vs.etcd_ok = True
+    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._joined = True
+    return agent
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_follower_ticks_quietly_in_every_phase(tmp_path: Path, phase: Phase) -> None:
+    """Its phases move on events (watch events, its workers' events, the fetch's future wakes
+    the loop) and deadlines of seconds; a failed one reported its failure (below)."""
+    agent = _quiet_agent(tmp_path)
+    _set_phase(phase)(agent)
+    assert not agent._tick_busy()
+    agent._probe_pool.shutdown()
+
+
+def _newer_record(a: Agent) -> None:
+    assert a._vs.record is not None
+    a._vs.record = replace(a._vs.record, generation=4)
+
+
+def _set_phase(phase: Phase) -> Callable[[Agent], None]:
+    def apply(a: Agent) -> None:
+        assert a._fs.gen is not None
+        a._fs.gen = replace(a._fs.gen, phase=phase)
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(_newer_record, id="a newer generation in etcd"),
+        pytest.param(lambda a: setattr(a._vs, "etcd_ok", False), id="etcd unreachable"),
+        pytest.param(lambda a: setattr(a._ls, "leadership", _Leadership()), id="leading"),
+        pytest.param(
+            lambda a: a._fs.pending_failures.__setitem__(3, {"reason": "x"}),
+            id="a failure report pending",
+        ),
+        pytest.param(
+            lambda a: setattr(a._fs, "reported", 3), id="its failure reported, no new plan yet"
+        ),
+        pytest.param(lambda a: a._lvs.suspect_since.__setitem__(3, 0.0), id="the leader suspected"),
+        pytest.param(lambda a: setattr(a._cs, "draining", True), id="draining"),
+        pytest.param(lambda a: setattr(a, "_joined", False), id="not joined"),
+        pytest.param(lambda a: setattr(a._fs, "gen", None), id="a generation not followed yet"),
+    ],
+)
+def test_anything_in_motion_makes_the_ticks_short(
+    tmp_path: Path, change: Callable[[Agent], None]
+) -> None:
+    agent = _quiet_agent(tmp_path)
+    change(agent)
+    assert agent._tick_busy()
+    agent._probe_pool.shutdown()
+
+
+def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None:
+    """Before the leader's first generation every node waits for a watch event; 2,048 nodes
+    ticking 20 times a second while they join filled the machine."""
+    agent = _quiet_agent(tmp_path)
+    agent._vs.record, agent._fs.gen = None, None
+    assert not agent._tick_busy()
+    agent._probe_pool.shutdown()
