@@ -38,6 +38,9 @@ STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPC
 # 10-17 ms of CPU a second (a 2,048-node simulation needs ~0.5 ms). Well inside LEASE_STALL_S.
 BUSY_TICK_S = 0.05
 QUIET_TICK_S = 1.0
+# The view reads the job's cache at least this often (a tick's worth below QUIET_TICK_S, so a
+# quiet tick refreshes it), and at once on a watch event but a member's change on a follower.
+VIEW_REFRESH_S = 0.95
 # The leader compacts etcd's history this often, to the revision it read the time before: the
 # history (a commit record per node per second, every transition's barriers) stays bounded.
 COMPACT_EVERY_S = 300.0

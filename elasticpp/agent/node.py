@@ -105,6 +105,7 @@ from elasticpp.agent.limits import (
     PROBE_THREADS,
     QUIET_TICK_S,
     STATUS_EVERY_S,
+    VIEW_REFRESH_S,
 )
 from elasticpp.agent.liveness import LivenessPart, LivenessState
 from elasticpp.agent.metrics import AgentMetrics
@@ -121,6 +122,7 @@ from elasticpp.cluster.errors import (
 )
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.cluster.records import EventType, WatchEvent
 from elasticpp.errors import ElasticppError
 from elasticpp.store.local import LocalStore
 
@@ -231,7 +233,21 @@ class Agent(
     def generation(self) -> int:
         return self._fs.gen.generation if self._fs.gen else 0
 
-    def _on_watch(self, _event: Any) -> None:
+    def _on_watch(self, event: Any) -> None:
+        """A change under the job's keys (on a watch thread): the view reads again now, but
+        a follower takes a member's change at its next periodic refresh (within
+        VIEW_REFRESH_S): when a job starts, N registrations each woke N agents to rebuild
+        a view of N members (N³ work; minutes at 256 simulated nodes). The leader, who plans
+        on membership, and every other change (the generation, the resume instruction, the
+        leader key) wake the loop at once."""
+        if (
+            self._ls.leadership is None
+            and isinstance(event, WatchEvent)
+            and event.type is not EventType.RESYNC
+            and self.cluster is not None
+            and event.key.startswith(self.cluster.keys.nodes_prefix)
+        ):
+            return
         self._reread.raise_()
         self._wake.set()
 
@@ -358,7 +374,7 @@ class Agent(
         ):
             self._part(name, step)
         now = self._clock.monotonic()
-        if self._reread.is_raised() or now - self._vs.last_refresh_s > 1.0:
+        if self._reread.is_raised() or now - self._vs.last_refresh_s >= VIEW_REFRESH_S:
             self._part("view", self._refresh)
         if not self._vs.etcd_ok:
             return  # training goes on; membership changes wait for etcd

@@ -6,10 +6,14 @@ and waits for etcd's answer with that lease's ID. Invariants:
 - several threads may refresh at once, the same lease or different ones: etcd answers each
   request once, in the order of the requests, so each lease has a FIFO of waiters and an
   answer goes to the oldest waiter of its ID;
-- a timeout, a stream error or the end of the stream ends the stream (`usable` False):
-  every waiter on it fails, and the client opens a new stream for the next refresh. So a late
-  answer is never taken for the answer to a later request (etcd would have renewed the lease
-  at the earlier one, while the lease keeper's fencing counts from the later send instant);
+- a request that times out stays in its lease's FIFO, abandoned: its late answer is taken by
+  it and dropped, so a late answer is never taken for the answer to a later request (etcd
+  would have renewed the lease at the earlier one, while the lease keeper's fencing counts
+  from the later send instant). One slow answer on a stream that many leases share (the
+  simulated nodes of one process) fails only its own caller; a stream that answered nothing
+  at all within the timeout is taken as stuck and ended;
+- a stream error or the end of the stream ends the stream (`usable` False): every waiter on
+  it fails, and the client opens a new stream for the next refresh;
 - the reader thread only matches answers to waiters.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +39,7 @@ class _Waiter:
         self.done = threading.Event()
         self.reply: Any = None
         self.error: grpc.RpcError | ClusterUnavailableError | None = None
+        self.abandoned = False  # its caller timed out; its answer is dropped
 
 
 class KeepAliveStream:
@@ -47,6 +53,7 @@ class KeepAliveStream:
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiters: dict[int, collections.deque[_Waiter]] = {}
         self._ended = False
+        self._answered_s = time.monotonic()  # when etcd last answered on this stream
         self._call = channel.stream_stream(
             KEEPALIVE_METHOD,
             request_serializer=lambda m: m.SerializeToString(),
@@ -79,8 +86,11 @@ class KeepAliveStream:
             self._waiters.setdefault(lease_id, collections.deque()).append(waiter)
             self._requests.put(pb.LeaseKeepAliveRequest(ID=lease_id))
         if not waiter.done.wait(timeout_s):
-            # No answer in time: the stream may be stuck; the next refresh opens another.
-            self.close()
+            with self._lock:
+                waiter.abandoned = True  # still queued: it takes its late answer
+                stuck = time.monotonic() - self._answered_s >= timeout_s
+            if stuck:  # nothing answered on the stream meanwhile: the next refresh opens another
+                self.close()
             raise ClusterUnavailableError(
                 f"etcd lease keep-alive: no answer within {timeout_s:g} s"
             )
@@ -99,6 +109,7 @@ class KeepAliveStream:
         try:
             for reply in self._call:
                 with self._lock:
+                    self._answered_s = time.monotonic()
                     fifo = self._waiters.get(int(reply.ID))
                     waiter = fifo.popleft() if fifo else None
                     if fifo is not None and not fifo:

@@ -1,0 +1,103 @@
+"""The keep-alive stream's bookkeeping with a stand-in for gRPC's call (the same cases run
+against a real etcd in tests/integration/test_etcd_client_streams.py): a late answer is
+taken by the request it answers, and one slow answer on a shared stream fails only its own
+caller."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.etcd_keepalive import KeepAliveStream
+from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
+from elasticpp.waiting import wait_until
+
+
+class _Call:
+    """etcd's side: answers are put by the test, requests are recorded."""
+
+    def __init__(self, requests: Iterator[Any]) -> None:
+        self.answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.sent: list[int] = []
+        self.cancelled = False
+        threading.Thread(target=self._consume, args=(requests,), daemon=True).start()
+
+    def _consume(self, requests: Iterator[Any]) -> None:
+        for r in requests:
+            self.sent.append(int(r.ID))
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self.answers.get()
+            if item is None:
+                return
+            yield item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.answers.put(None)
+
+
+class _Channel:
+    call: _Call | None = None
+
+    def stream_stream(self, *_: Any, **__: Any) -> Any:
+        def start(requests: Iterator[Any], metadata: Any = None) -> _Call:
+            self.call = _Call(requests)
+            return self.call
+
+        return start
+
+
+def _answer(call: _Call, lease: int, ttl: int) -> None:
+    call.answers.put(pb.LeaseKeepAliveResponse(ID=lease, TTL=ttl))
+
+
+def test_a_late_answer_is_taken_by_the_request_it_answers_not_the_next() -> None:
+    channel = _Channel()
+    stream = KeepAliveStream(channel, None)
+    assert channel.call is not None
+    with pytest.raises(ClusterUnavailableError, match="no answer"):
+        stream.refresh(7, timeout_s=0.2)  # nothing answered at all: the stream is stuck
+    assert not stream.usable and channel.call.cancelled
+
+
+def test_one_slow_answer_on_a_shared_stream_fails_only_its_caller() -> None:
+    """Before, a timeout ended the stream: every lease sharing it (the simulated nodes of one
+    process) failed its keep-alive at once, and the leaders among them lost their terms."""
+    channel = _Channel()
+    stream = KeepAliveStream(channel, None)
+    call = channel.call
+    assert call is not None
+    results: dict[int, Any] = {}
+
+    def refresh(lease: int) -> None:
+        try:
+            results[lease] = stream.refresh(lease, timeout_s=2.0).TTL
+        except ClusterUnavailableError as exc:
+            results[lease] = exc
+
+    slow = threading.Thread(target=refresh, args=(1,))
+    other = threading.Thread(target=lambda: results.__setitem__(2, stream.refresh(2, 5.0).TTL))
+    slow.start()
+    other.start()
+    assert wait_until(lambda: sorted(call.sent) == [1, 2], 5.0, interval_s=0.01)
+    _answer(call, 2, 10)  # another lease is answered meanwhile: the stream is alive
+    other.join()
+    slow.join()
+    assert results[2] == 10
+    assert isinstance(results[1], ClusterUnavailableError)
+    assert stream.usable  # lease 1's caller failed; the stream stays for the others
+    # Lease 1's late answer (TTL 3) comes now; the next request gets its own (TTL 9).
+    _answer(call, 1, 3)
+    nxt = threading.Thread(target=refresh, args=(1,))
+    nxt.start()
+    assert wait_until(lambda: call.sent.count(1) == 2, 5.0, interval_s=0.01)
+    _answer(call, 1, 9)
+    nxt.join()
+    assert results[1] == 9
