@@ -28,7 +28,7 @@ class CachedReadsPart:
         return self._kv.requests()
 
     def follow(self, on_event: Callable[[WatchEvent], None] | None = None) -> None:
-        """Start the job's watch-fed cache (once; three range reads, three watches), for
+        """Start the job's watch-fed cache (once; four range reads, four watches), for
         reads with `cached=True`. `on_event` runs on a watch thread after each change."""
         with self._lock:
             if self._cache is not None:
