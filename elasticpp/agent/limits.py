@@ -32,9 +32,10 @@ WORKER_LOGS_KEPT = 32  # newest worker log files kept in <state_dir>/logs
 METRICS_ROTATE_BYTES = 64 << 20  # metrics.jsonl is rotated (one old file kept) past this
 STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPCs read
 # The decision loop runs when something wakes it (a watch event, a worker's event, a thread's
-# result, an RPC) and otherwise every BUSY_TICK_S while it polls (leading, a failure of its own
-# unanswered, a drain, etcd unreachable), every QUIET_TICK_S as a follower: its phases move on
-# events and its deadlines are seconds long, and 20 ticks a second of an idle agent cost
+# result, an RPC) and otherwise every BUSY_TICK_S while it polls (training, leading, a failure
+# of its own unanswered, a drain, etcd unreachable), every QUIET_TICK_S as a follower whose
+# workers are silent: its phases move on events, its deadlines are seconds long, and 20 ticks
+# a second of an idle agent cost
 # 10-17 ms of CPU a second (a 2,048-node simulation needs ~0.5 ms). Well inside LEASE_STALL_S.
 BUSY_TICK_S = 0.05
 QUIET_TICK_S = 1.0

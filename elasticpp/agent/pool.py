@@ -58,11 +58,13 @@ class WorkerPool:
         self._done: dict[int, set[int]] = {}
         self._halted: dict[int, str] = {}  # generation -> the first halt's message
         self._replaced: list[float] = []  # when never-ready spares were replaced (newest 16)
+        self.event_at_s = float("-inf")  # when a worker last said anything (monotonic)
 
     # ------------------------------------------------------------------ events
     def deliver(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
         """From a worker's reader thread: queue the event and wake the loop."""
         self._events.put((proc, event))
+        self.event_at_s = time.monotonic()  # one float, written here only: read by the loop
         if self._wake is not None:
             self._wake.set()
 

@@ -23,12 +23,12 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]
 
 from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.etcd_watch_stream import open_stream
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 
 KEEPALIVE_METHOD = "/etcdserverpb.Lease/LeaseKeepAlive"
@@ -54,11 +54,9 @@ class KeepAliveStream:
         self._waiters: dict[int, collections.deque[_Waiter]] = {}
         self._ended = False
         self._answered_s = time.monotonic()  # when etcd last answered on this stream
-        self._call = channel.stream_stream(
-            KEEPALIVE_METHOD,
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=pb.LeaseKeepAliveResponse.FromString,
-        )(self._request_iter(), metadata=metadata)
+        self._call = open_stream(
+            channel, KEEPALIVE_METHOD, pb.LeaseKeepAliveResponse, self._requests, metadata
+        )
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
         self._thread.start()
 
@@ -66,13 +64,6 @@ class KeepAliveStream:
     def usable(self) -> bool:
         with self._lock:
             return not self._ended
-
-    def _request_iter(self) -> Iterator[Any]:
-        while True:
-            item = self._requests.get()
-            if item is None:
-                return
-            yield item
 
     def refresh(self, lease_id: int, timeout_s: float) -> Any:
         """etcd's answer to one keep-alive of `lease_id` (TTL 0: no such lease).

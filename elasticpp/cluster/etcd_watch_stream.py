@@ -44,6 +44,27 @@ from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 WATCH_METHOD = "/etcdserverpb.Watch/Watch"
 
 
+def open_stream(
+    channel: Any,
+    method: str,
+    reply_type: Any,
+    requests: queue.SimpleQueue[Any],
+    metadata: list[tuple[str, str]] | None,
+) -> Any:
+    """A bidirectional call of `method` whose requests are what is put on `requests`, until
+    a None ends them (the Watch and LeaseKeepAlive streams)."""
+
+    def sent() -> Iterator[Any]:
+        while (item := requests.get()) is not None:
+            yield item
+
+    return channel.stream_stream(
+        method,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=reply_type.FromString,
+    )(sent(), metadata=metadata)
+
+
 @dataclass(frozen=True)
 class WatchBatch:
     """Events of one watch response (in revision order)."""
@@ -90,11 +111,7 @@ class WatchStream:
         self._ended = False
         self._retired = False
         self._end_reason: str | None = None  # why we ended it, when we did
-        self._call = channel.stream_stream(
-            WATCH_METHOD,
-            request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=pb.WatchResponse.FromString,
-        )(self._request_iter(), metadata=metadata)
+        self._call = open_stream(channel, WATCH_METHOD, pb.WatchResponse, self._requests, metadata)
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
         self._thread.start()
 
@@ -107,13 +124,6 @@ class WatchStream:
     def watcher_count(self) -> int:
         with self._lock:
             return len(self._watchers) + len(self._pending)
-
-    def _request_iter(self) -> Iterator[Any]:
-        while True:
-            item = self._requests.get()
-            if item is None:
-                return
-            yield item
 
     def create(
         self, key: str, request: Any, sink: Callable[[WatchItem], None], timeout_s: float

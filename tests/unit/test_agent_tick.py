@@ -66,6 +66,9 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
     "change",
     [
         pytest.param(_newer_record, id="a newer generation in etcd"),
+        pytest.param(
+            lambda a: setattr(a.pool, "event_at_s", time.monotonic()), id="its workers train"
+        ),
         pytest.param(lambda a: setattr(a._vs, "etcd_ok", False), id="etcd unreachable"),
         pytest.param(lambda a: setattr(a._ls, "leadership", _Leadership()), id="leading"),
         pytest.param(
