@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticpp.agent.decide import Phase
 from elasticpp.cluster.etcd_meter import MeterReading
 from elasticpp.errors import ElasticppError
 
@@ -265,7 +266,7 @@ def rows_all_started(rows: list[NodeRow], generation: int) -> bool:
             continue
         if r.generation < generation:
             return False
-        if r.generation == generation and r.phase not in ("running", "idle"):
+        if r.generation == generation and r.phase not in (Phase.RUNNING, Phase.IDLE):
             return False
     return True
 

@@ -27,14 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.jobspec import JobSpec, parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.errors import ElasticppError
 from elasticpp.train.procs import EXITED
-from elasticpp.waiting import wait_until
 
 log = logging.getLogger("elasticpp.bench.scale")
 
@@ -243,37 +241,6 @@ class SimCluster:
         for w in self.nodes[node_id].agent.pool.workers():
             if isinstance(w.proc, SimWorker):
                 w.proc.fail()
-
-    def leader(self) -> SimAgent | None:
-        for agent in self.live():
-            if agent._is_leader():
-                return agent
-        return None
-
-    def generation(self) -> int:
-        return max((a.generation for a in self.live()), default=0)
-
-    def all_hold(self, generation: int) -> bool:
-        return all(a.generation >= generation for a in self.live(healthy=True))
-
-    def all_started(self, generation: int) -> bool:
-        """Every live healthy node holds `generation` and runs its ranks of it (or has
-        none)."""
-        for a in self.live(healthy=True):
-            gs = a._fs.gen
-            if gs is None or gs.generation < generation:
-                return False
-            if gs.generation == generation and gs.phase not in (Phase.RUNNING, Phase.IDLE):
-                return False
-        return True
-
-    def wait_running(self, timeout_s: float) -> int:
-        """Wait until every live node runs one generation; returns it."""
-        if not wait_until(lambda: (g := self.generation()) > 0 and self.all_started(g), timeout_s):
-            raise ElasticppError(
-                f"simulated nodes not all running one generation within {timeout_s:.0f} s"
-            )
-        return self.generation()
 
     def close(self) -> None:
         for n in self.nodes.values():

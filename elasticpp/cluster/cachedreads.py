@@ -1,17 +1,25 @@
 """The job's watch-fed cache as `ClusterClient` uses it: `follow` starts it, and reads with
-`cached=True` are answered from it (`cache.JobCache`) with no request to etcd."""
+`cached=True` are answered from it (`cache.JobCache`) with no request to etcd. What a cached
+read derives is kept while its source is unchanged: the cache hands out the same list for a
+prefix until an event changes it (`cache.CacheCore.prefix`), so an agent does not rebuild its
+view of N members on every refresh (`_memo`), and a record is parsed once per revision of its
+key (`_parsed_once`)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.cache import JobCache
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.records import WatchEvent
+from elasticpp.cluster.records import KeyValue, WatchEvent, loads
+
+_V = TypeVar("_V")
+MAX_PARSED = 100_000  # records kept parsed (a few per node: members, arrivals)
+MAX_DERIVED = 256  # derived answers kept (names of old generations' barriers go)
 
 
 class CachedReadsPart:
@@ -22,6 +30,34 @@ class CachedReadsPart:
     _kv: EtcdKV
     _lock: threading.Lock
     _cache: JobCache | None
+    _derived: dict[str, tuple[object, Any]]  # name -> (the cached answer, what was derived)
+    _parsed: dict[str, tuple[int, dict[str, Any]]]  # key -> (mod revision, record)
+
+    def _memo(self, name: str, source: object, cached: bool, build: Callable[[], _V]) -> _V:
+        """`build()`, or what it returned before for the same cached `source` (the object
+        itself: callers must not change what they are handed)."""
+        if not cached:
+            return build()
+        held = self._derived.get(name)
+        if held is not None and held[0] is source:
+            return cast(_V, held[1])
+        value = build()
+        if len(self._derived) >= MAX_DERIVED:
+            self._derived.clear()
+        self._derived[name] = (source, value)
+        return value
+
+    def _parsed_once(self, kv: KeyValue, what: str) -> dict[str, Any]:
+        """`kv`'s JSON record, parsed again only when the key's revision changed (after one
+        member's change, the other N - 1 records are the ones parsed before)."""
+        held = self._parsed.get(kv.key)
+        if held is not None and held[0] == kv.mod_revision and kv.mod_revision > 0:
+            return held[1]
+        record = loads(kv.value, what)
+        if len(self._parsed) >= MAX_PARSED:
+            self._parsed.clear()
+        self._parsed[kv.key] = (kv.mod_revision, record)
+        return record
 
     def etcd_requests(self) -> dict[str, int]:
         """Requests this client sent to etcd, by method (`EtcdKV.requests`)."""

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.barriers import (
@@ -72,8 +72,6 @@ from elasticpp.cluster.watch import Watch
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T", "Registration", "Leadership", "Watch")
-_V = TypeVar("_V")
-MAX_PARSED = 100_000  # records kept parsed (a few per node: members, arrivals)
 
 # The one member of barrier `resume-<G>`: the instruction of whichever leader wrote it.
 RESUME_MEMBER = "resume"
@@ -120,24 +118,9 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         self.skipped_values = 0
         self._skipped_keys: set[str] = set()
         self._cache: JobCache | None = None
-        # What a cached read derived (parsed records), keyed by what it read: the cache hands
-        # out the same list for a prefix until an event changes it (cache.CacheCore.prefix),
-        # so an agent does not parse every node's record again on every read of its view.
+        # What cached reads derived and parsed (cachedreads.CachedReadsPart._memo, _parsed_once)
         self._derived: dict[str, tuple[object, Any]] = {}
-        self._parsed: dict[str, tuple[int, dict[str, Any]]] = {}  # key -> (mod revision, record)
-
-    def _memo(self, name: str, source: object, cached: bool, build: Callable[[], _V]) -> _V:
-        """`build()`, or what it returned for the same cached `source` before."""
-        if not cached:
-            return build()
-        held = self._derived.get(name)
-        if held is not None and held[0] is source:
-            return cast(_V, held[1])
-        value = build()
-        if len(self._derived) >= 256:  # names of old generations' barriers: start afresh
-            self._derived = {}
-        self._derived[name] = (source, value)
-        return value
+        self._parsed: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def _own(self, obj: _T) -> _T:
         with self._lock:
@@ -243,21 +226,12 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         value read before (the same key at the same revision) is not parsed again: after one
         member's change, the other N - 1 records are the ones parsed before."""
         out: dict[str, dict[str, Any]] = {}
-        parsed = self._parsed
         for kv in kvs:
             name = keymod.last_segment(kv.key)
-            held = parsed.get(kv.key)
-            if held is not None and held[0] == kv.mod_revision and kv.mod_revision > 0:
-                out[name] = held[1]
-                continue
             try:
-                out[name] = loads(kv.value, f"{what} {name}")
+                out[name] = self._parsed_once(kv, f"{what} {name}")
             except ClusterDataError as exc:
                 self.skip_value(kv.key, exc)
-                continue
-            if len(parsed) >= MAX_PARSED:
-                parsed.clear()  # keys of old generations' barriers: start afresh
-            parsed[kv.key] = (kv.mod_revision, out[name])
         return out
 
     def members(self, *, cached: bool = False) -> Members:
