@@ -35,8 +35,8 @@ STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPC
 # result, an RPC) and otherwise every BUSY_TICK_S while it polls (training, leading, a failure
 # of its own unanswered, a drain, etcd unreachable), every QUIET_TICK_S as a follower whose
 # workers are silent: its phases move on events, its deadlines are seconds long, and 20 ticks
-# a second of an idle agent cost
-# 10-17 ms of CPU a second (a 2,048-node simulation needs ~0.5 ms). Well inside LEASE_STALL_S.
+# a second of an idle agent cost 10-17 ms of CPU a second (a 2,048-node simulation needs
+# ~0.5 ms). Well inside LEASE_STALL_S.
 BUSY_TICK_S = 0.05
 QUIET_TICK_S = 1.0
 # The view reads the job's cache at least this often (a tick's worth below QUIET_TICK_S, so a

@@ -27,8 +27,8 @@ Fencing: workers rendezvous under the prefix `gen<G>`, state requests carry G an
 refused by a store on a newer generation, and every generation write is a CAS guarded by
 the leader key. One loop thread makes every decision; watches and worker readers only wake
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
-hand results back through futures wake it too), or for a tick: a second on a follower going
-its way through generations, short while it leads, fails, drains or lacks etcd
+hand results back through futures wake it too), or for a tick: a second on a follower whose
+workers are silent, short while its workers train, it leads, fails, drains or lacks etcd
 (`limits.QUIET_TICK_S`, `Agent._tick_busy`).
 
 This module composes the agent: the parts' state, the decision loop and shutdown (its
@@ -298,9 +298,9 @@ class Agent(
         followed = gs.generation if gs is not None else 0
         current = rec.generation if rec is not None else 0
         # Workers that train say something every step: a node whose workers spoke within a
-        # quiet tick keeps the short one, as its durability work (commits, replication
-        # rounds, the safe step) follows the steps; measured, training under the agent was
-        # ~1.7x slower in wall time with the quiet tick.
+        # quiet tick keeps the short one. Its durability work (commits, replication rounds,
+        # the safe step) follows the steps, and that every part of it wakes the loop is not
+        # established; what a quiet tick would cost a training job was not measured.
         training = time.monotonic() - self.pool.event_at_s < QUIET_TICK_S
         quiet = (
             self._joined
