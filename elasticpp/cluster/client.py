@@ -236,7 +236,8 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
 
     def members(self, *, cached: bool = False) -> Members:
         """Registered nodes. Cached, an unchanged answer is the object returned before
-        (as every cached answer below): callers must not change it."""
+        (as every cached answer below), and a record parsed once is shared by every answer
+        that holds it (`_records`): callers must not change what they are handed."""
         kvs, revision = self._get_prefix(self.keys.nodes_prefix, cached)
         nodes = self._memo("members", kvs, cached, lambda: self._records(kvs, "member"))
         return Members(nodes, revision)
