@@ -76,10 +76,11 @@ class KeepAliveStream:
                 raise ClusterUnavailableError("etcd lease keep-alive: the stream ended", fast=True)
             self._waiters.setdefault(lease_id, collections.deque()).append(waiter)
             self._requests.put(pb.LeaseKeepAliveRequest(ID=lease_id))
+            sent_s = time.monotonic()
         if not waiter.done.wait(timeout_s):
             with self._lock:
                 waiter.abandoned = True  # still queued: it takes its late answer
-                stuck = time.monotonic() - self._answered_s >= timeout_s
+                stuck = self._answered_s < sent_s
             if stuck:  # nothing answered on the stream meanwhile: the next refresh opens another
                 self.close()
             raise ClusterUnavailableError(

@@ -101,3 +101,51 @@ def test_one_slow_answer_on_a_shared_stream_fails_only_its_caller() -> None:
     _answer(call, 1, 9)
     nxt.join()
     assert results[1] == 9
+
+
+class _Clock:
+    """The module's `time`: monotonic() is set by the test, everything else is real time."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_caller_that_wakes_late_does_not_end_a_stream_that_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a busy machine the timed-out caller may wake long after its deadline. Before, the
+    stream counted as stuck when nothing had answered within `timeout_s` of that late wake-up,
+    so an answer to another lease after the send did not save it (a flaky failure on a loaded
+    CI machine); now only a stream that answered nothing since the send is ended."""
+    import elasticpp.cluster.etcd_keepalive as keepalive
+
+    clock = _Clock()
+    monkeypatch.setattr(keepalive, "time", clock)
+    channel = _Channel()
+    stream = KeepAliveStream(channel, None)
+    call = channel.call
+    assert call is not None
+    results: dict[int, Any] = {}
+
+    def slow() -> None:
+        try:
+            results[1] = stream.refresh(1, timeout_s=1.0).TTL
+        except ClusterUnavailableError as exc:
+            results[1] = exc
+
+    caller = threading.Thread(target=slow)
+    caller.start()
+    other = threading.Thread(target=lambda: results.__setitem__(2, stream.refresh(2, 5.0).TTL))
+    other.start()
+    assert wait_until(lambda: sorted(call.sent) == [1, 2], 5.0, interval_s=0.01)
+    clock.now = 100.1  # lease 2 is answered after lease 1's request was sent
+    _answer(call, 2, 10)
+    other.join()
+    clock.now = 110.0  # lease 1's caller wakes up ten seconds after that answer
+    caller.join()
+    assert results[2] == 10
+    assert isinstance(results[1], ClusterUnavailableError)
+    assert stream.usable and not call.cancelled
