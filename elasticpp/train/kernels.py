@@ -91,6 +91,27 @@ class AdamW:
         self._opt.step()
 
 
+def warm_up() -> None:
+    """Run once what the first step runs once: torch imports its compiler stack (seconds of
+    CPU) the first time an optimizer is built, and autograd starts its threads at the first
+    backward. A warm worker calls this before it says ready, so that no recovery pays it
+    (it did: 3-7 s of every new generation's start on a busy 2-core machine)."""
+    w = torch.zeros(2, 2, requires_grad=True)
+    (w @ torch.ones(2, 1)).sum().backward()
+    assert w.grad is not None
+    opt = AdamW(
+        [w],
+        [torch.zeros_like(w)],
+        [torch.zeros_like(w)],
+        [True],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        step=0,
+    )
+    opt.step([w.grad], lr=1e-3)
+
+
 class PhaseTimer:
     """Seconds spent inside named spans of one step (summed per name)."""
 

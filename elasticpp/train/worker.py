@@ -406,16 +406,10 @@ def _event_stream() -> TextIO:
     return os.fdopen(int(fd), "w", encoding="utf-8", buffering=1)
 
 
-def main() -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-    )
-    out = EventWriter(_event_stream())
-    _die_with_parent()
-    # Import everything the assignment needs before saying "ready": a warm worker must
-    # never pay the import on the recovery path.
+def prepare(cuda: bool) -> None:
+    """Import and run once everything an assignment needs before saying "ready": a warm
+    worker must never pay an import on the recovery path (tests/unit/test_worker_prepare.py
+    checks that an assignment's optimizer and first step import nothing after this)."""
     import torch
     import torch.distributed
 
@@ -424,11 +418,24 @@ def main() -> int:
     import elasticpp.train.families.gpt
     import elasticpp.train.families.llama
     import elasticpp.train.hostcopy  # noqa: F401
+    from elasticpp.train.kernels import warm_up
 
     torch.zeros(1)  # touch the allocator and the thread pool once
-    if os.environ.get(WORKER_DEVICE_ENV) == "cuda":
+    warm_up()  # the optimizer's lazy imports and autograd's first backward
+    if cuda:
         # The driver and CUDA's libraries; no context on a device until the assignment.
         torch.cuda.init()  # type: ignore[no-untyped-call]
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    out = EventWriter(_event_stream())
+    _die_with_parent()
+    prepare(os.environ.get(WORKER_DEVICE_ENV) == "cuda")
     out.emit({"event": "ready", "pid": os.getpid()})
     try:
         line = sys.stdin.readline()
