@@ -97,7 +97,7 @@ def warm_up() -> None:
     backward. A warm worker calls this before it says ready, so that no recovery pays it
     (it did: 3-7 s of every new generation's start on a busy 2-core machine)."""
     w = torch.zeros(2, 2, requires_grad=True)
-    (w @ torch.ones(2, 1)).sum().backward()
+    (w @ torch.ones(2, 1)).sum().backward()  # type: ignore[no-untyped-call]
     assert w.grad is not None
     opt = AdamW(
         [w],
