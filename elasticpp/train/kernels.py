@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.optim.adamw import adamw
 
 # Devices with torch's fused AdamW kernel (CPU's since torch 2.4).
 FUSED_DEVICES = frozenset({"cuda", "cpu"})
@@ -36,7 +37,11 @@ def set_tf32(device: torch.device, precision: str) -> bool:
 
 
 class AdamW:
-    """torch's AdamW over tensors the caller owns; `step` takes each step's lr and grads."""
+    """torch's AdamW (its functional form, `torch.optim.adamw.adamw`) over tensors the caller
+    owns; `step` takes each step's lr and grads. Not a `torch.optim.Optimizer`: building one
+    imports torch's compiler stack (2-3 s of CPU, more on a busy machine), which a rank would
+    pay at the start of every generation; the update is the same kernel with the same
+    arguments the Optimizer passes it."""
 
     def __init__(
         self,
@@ -57,45 +62,59 @@ class AdamW:
         if fused is None:
             fused = {p.device.type for p in self.params} <= FUSED_DEVICES
         self.fused = fused
-        groups: list[dict[str, Any]] = []
+        self.betas = betas
+        self.eps = eps
+        # Per weight decay: the indices of its parameters and their step counts (the fused
+        # kernel reads the count on the device, foreach on the host).
+        self._groups: list[tuple[float, list[int], list[torch.Tensor]]] = []
         for wd, flag in ((weight_decay, True), (0.0, False)):
-            members = [p for p, d in zip(self.params, decay, strict=True) if d == flag]
-            if members:
-                groups.append({"params": members, "weight_decay": wd})
-        self._opt = torch.optim.AdamW(
-            groups,
-            lr=0.0,
-            betas=betas,
-            eps=eps,
-            fused=self.fused or None,
-            foreach=None if self.fused else True,
-        )
-        for p, m1, m2 in zip(self.params, exp_avg, exp_avg_sq, strict=True):
-            # The fused kernel reads the step count on the device; foreach on the host.
-            where = p.device if self.fused else torch.device("cpu")
-            self._opt.state[p] = {
-                "step": torch.tensor(float(step), dtype=torch.float32, device=where),
-                "exp_avg": m1,
-                "exp_avg_sq": m2,
-            }
+            idx = [i for i, d in enumerate(decay) if d == flag]
+            if idx:
+                steps = [
+                    torch.tensor(
+                        float(step),
+                        dtype=torch.float32,
+                        device=self.params[i].device if fused else torch.device("cpu"),
+                    )
+                    for i in idx
+                ]
+                self._groups.append((wd, idx, steps))
+        self.exp_avg = list(exp_avg)
+        self.exp_avg_sq = list(exp_avg_sq)
 
     def step(self, grads: Sequence[torch.Tensor], lr: float, scale: float = 1.0) -> None:
         """One update with `grads` (the parameters' own `.grad` tensors, scaled in place)."""
+        grads = list(grads)
         if scale != 1.0:
-            torch._foreach_mul_(list(grads), scale)
+            torch._foreach_mul_(grads, scale)
         for p, g in zip(self.params, grads, strict=True):
             if p.grad is not g:
                 p.grad = g
-        for group in self._opt.param_groups:
-            group["lr"] = lr
-        self._opt.step()
+        with torch.no_grad():
+            for wd, idx, steps in self._groups:
+                adamw(
+                    [self.params[i] for i in idx],
+                    [grads[i] for i in idx],
+                    [self.exp_avg[i] for i in idx],
+                    [self.exp_avg_sq[i] for i in idx],
+                    [],
+                    steps,
+                    foreach=None if self.fused else True,
+                    fused=self.fused or None,
+                    amsgrad=False,
+                    beta1=self.betas[0],
+                    beta2=self.betas[1],
+                    lr=lr,
+                    weight_decay=wd,
+                    eps=self.eps,
+                    maximize=False,
+                )
 
 
 def warm_up() -> None:
-    """Run once what the first step runs once: torch imports its compiler stack (seconds of
-    CPU) the first time an optimizer is built, and autograd starts its threads at the first
-    backward. A warm worker calls this before it says ready, so that no recovery pays it
-    (it did: 3-7 s of every new generation's start on a busy 2-core machine)."""
+    """Run once what a rank's first step runs once (autograd starts its threads at the first
+    backward; the update's kernel is looked up at its first call), so that a warm worker
+    that calls this before it says ready pays none of it on the recovery path."""
     w = torch.zeros(2, 2, requires_grad=True)
     (w @ torch.ones(2, 1)).sum().backward()  # type: ignore[no-untyped-call]
     assert w.grad is not None
