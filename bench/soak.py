@@ -131,13 +131,17 @@ def job_spec(steps: int, seed: int, device: str = "sliced") -> dict[str, Any]:
     }
 
 
-def reference_curve(workdir: Path, steps: int, seed: int) -> dict[int, float]:
+def reference_curve(
+    workdir: Path, steps: int, seed: int, stop_at: int | None = None
+) -> dict[int, float]:
+    """The uninterrupted curve of the `steps`-step job, its first `stop_at` steps if given."""
     out = workdir / "reference.jsonl"
+    stop = ["--stop-at", str(stop_at)] if stop_at is not None else []
     subprocess.run(
         [
             sys.executable, "-m", "elasticpp.cli.main", "train", "--model", "tiny",
             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH),
-            "--steps", str(steps), "--seed", str(seed), "--metrics", str(out),
+            "--steps", str(steps), "--seed", str(seed), "--metrics", str(out), *stop,
         ],
         check=True,
         stdout=subprocess.DEVNULL,
@@ -920,9 +924,10 @@ def run_soak(
         raise ValueError(f"unknown fault kind(s) {unknown}; known: {sorted(KINDS)}")
     rng = random.Random(seed)
     order = kind_order(kinds, faults, rng)
-    steps = 20 + sum(room_for(k) for k in order)
+    # Without `finish` the room left over is never trained: room to spare costs nothing.
+    steps = 20 + sum(room_for(k) for k in order) * (1 if finish else 3)
     started = time.monotonic()
-    reference = reference_curve(workdir, steps, seed)
+    reference = reference_curve(workdir, steps, seed) if finish else {}
     sandbox = None
     for kind in kinds:
         why = unavailable(kind)
@@ -1006,6 +1011,8 @@ def run_soak(
             sandbox.close()
     leftover = list(descendants(os.getpid()))
     last = max(reference) if finish else max(curve, default=-1)
+    if not finish and last >= 0:
+        reference = reference_curve(workdir, steps, seed, stop_at=last + 1)
     errors = [
         f"step {s}: {curve[s][0]} vs {reference[s]}"
         for s in sorted(reference)
