@@ -1095,6 +1095,11 @@ def main(argv: list[str] | None = None) -> int:
         help="'sliced' (a latency-free slot model: pipeline/tensor layouts) or a preset (cpu)",
     )
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument(
+        "--no-finish",
+        action="store_true",
+        help="stop once the job is steady after the last fault (the curve up to there)",
+    )
     args = p.parse_args(argv)
     if args.faults < 1 or args.nodes < 2 or args.slots < 1:
         p.error("--faults >= 1, --nodes >= 2 and --slots >= 1 are required")
@@ -1118,6 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
             slots=args.slots,
             kinds=kinds,
             device=args.device,
+            finish=not args.no_finish,
         )
         (workdir / "soak.json").write_text(
             json.dumps({**asdict(result), "ok": result.ok}, indent=1, default=str)
