@@ -80,6 +80,32 @@ def _finish_without(lc: LocalCluster, sick: str, timeout_s: float) -> None:
     assert [n.proc.returncode for n in healthy if n.proc] == [0] * len(healthy)
 
 
+def _train_on_without(
+    lc: LocalCluster, sick: str, reference: dict[int, float], steps: int = 10
+) -> None:
+    """The job trains `steps` more steps in a generation without `sick`, on the reference
+    curve so far. For jobs kept long only so that the fault comes before their end: what
+    comes after those steps (the job's end, its agents exiting 0) is what every test in
+    test_agent_recovery.py checks, and training it out here cost a minute or more a test."""
+    with _client(lc) as c:
+        record, _ = c.read_generation()
+    assert record is not None and sick not in set(record.planned_nodes)
+    gen, since = record.generation, lc.max_step()
+    lc.wait_for(
+        lambda: (
+            max((st for st, (_, g) in lc.curve().items() if g >= gen), default=-1) >= since + steps
+        ),
+        120,
+        f"{steps} steps without {sick}",
+    )
+    curve = lc.curve()
+    assert sorted(curve) == list(range(max(curve) + 1)), f"steps trained: {sorted(curve)}"
+    for step, (loss, _gen) in curve.items():
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (
+            f"step {step}: elastic loss {loss} vs uninterrupted {reference[step]}"
+        )
+
+
 def _leader(lc: LocalCluster) -> str | None:
     with _client(lc) as c:
         return c.leader()
@@ -151,9 +177,10 @@ def _wedged_leader_is_replaced(cluster: LocalCluster, reference: dict[int, float
     for n in cluster.nodes[:2]:
         cluster.start_node(n.node_id)
     cluster.wait_for(lambda: _leader(cluster) not in (None, SICK), 150, "a new leader")
-    _finish_without(cluster, SICK, 200)
-    assert_same_curve(cluster, reference)
-    assert SICK not in _last_plan_nodes(cluster)
+    cluster.wait_for(
+        lambda: SICK not in _last_plan_nodes(cluster), 60, f"a generation without {SICK}"
+    )
+    _train_on_without(cluster, SICK, reference)
 
 
 def _tmpfs_unavailable() -> str | None:
@@ -191,9 +218,10 @@ def test_a_node_whose_disk_cannot_hold_its_share_is_quarantined_and_the_job_goes
         cluster.wait_for(lambda: SICK in _quarantined(cluster), 150, f"{SICK} quarantined")
         reason = _quarantined(cluster)[SICK].reason
         assert "No space left on device" in reason, reason
-        _finish_without(cluster, SICK, 180)
-        assert_same_curve(cluster, reference)
-        assert SICK not in _last_plan_nodes(cluster)
+        cluster.wait_for(
+            lambda: SICK not in _last_plan_nodes(cluster), 60, f"a generation without {SICK}"
+        )
+        _train_on_without(cluster, SICK, reference)
     finally:
         cluster.close()
         subprocess.run(["umount", "-l", str(small)], check=False)
