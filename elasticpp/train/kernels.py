@@ -64,11 +64,18 @@ class AdamW:
         self.fused = fused
         self.betas = betas
         self.eps = eps
-        # Per weight decay: the indices of its parameters and their step counts (the fused
-        # kernel reads the count on the device, foreach on the host).
-        self._groups: list[tuple[float, list[int], list[torch.Tensor]]] = []
+        m1, m2, flags = list(exp_avg), list(exp_avg_sq), list(decay)
+        if not len(self.params) == len(m1) == len(m2) == len(flags):
+            raise ValueError(
+                f"AdamW: {len(self.params)} parameters, {len(m1)} and {len(m2)} moments, "
+                f"{len(flags)} decay flags"
+            )
+        # Per weight decay, built once: the indices of its parameters, their parameters and
+        # moments, and their step counts (the fused kernel reads the count on the device,
+        # foreach on the host). A step only gathers the gradients.
+        self._groups: list[tuple[float, list[int], list[list[torch.Tensor]]]] = []
         for wd, flag in ((weight_decay, True), (0.0, False)):
-            idx = [i for i, d in enumerate(decay) if d == flag]
+            idx = [i for i, d in enumerate(flags) if d == flag]
             if idx:
                 steps = [
                     torch.tensor(
@@ -78,9 +85,8 @@ class AdamW:
                     )
                     for i in idx
                 ]
-                self._groups.append((wd, idx, steps))
-        self.exp_avg = list(exp_avg)
-        self.exp_avg_sq = list(exp_avg_sq)
+                group = [[t[i] for i in idx] for t in (self.params, m1, m2)]
+                self._groups.append((wd, idx, [*group, steps]))
 
     def step(self, grads: Sequence[torch.Tensor], lr: float, scale: float = 1.0) -> None:
         """One update with `grads` (the parameters' own `.grad` tensors, scaled in place)."""
@@ -91,12 +97,12 @@ class AdamW:
             if p.grad is not g:
                 p.grad = g
         with torch.no_grad():
-            for wd, idx, steps in self._groups:
+            for wd, idx, (params, m1, m2, steps) in self._groups:
                 adamw(
-                    [self.params[i] for i in idx],
+                    params,
                     [grads[i] for i in idx],
-                    [self.exp_avg[i] for i in idx],
-                    [self.exp_avg_sq[i] for i in idx],
+                    m1,
+                    m2,
                     [],
                     steps,
                     foreach=None if self.fused else True,

@@ -167,6 +167,16 @@ def test_adamw_resumes_the_bias_correction_from_the_step_it_is_given() -> None:
     assert torch.allclose(p.detach(), ref, rtol=0, atol=1e-7)
 
 
+def test_adamw_refuses_moments_or_flags_that_do_not_match_its_parameters() -> None:
+    """A missing moment or flag would leave a parameter out of every update, silently."""
+    p = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    m = [torch.zeros(2), torch.zeros(3)]
+    with pytest.raises(ValueError, match="2 parameters, 2 and 1 moments, 2 decay flags"):
+        AdamW(p, m, m[:1], [True, False], betas=BETAS, eps=EPS, weight_decay=0.0, step=0)
+    with pytest.raises(ValueError, match="1 decay flags"):
+        AdamW(p, m, m, [True], betas=BETAS, eps=EPS, weight_decay=0.0, step=0)
+
+
 def test_phase_timer_sums_each_phases_spans_on_the_injected_clock() -> None:
     now = [0.0]
     timer = PhaseTimer(torch.device("cpu"), clock=lambda: now[0])
