@@ -297,11 +297,14 @@ class Agent(
         gs, rec = self._fs.gen, self._vs.record
         followed = gs.generation if gs is not None else 0
         current = rec.generation if rec is not None else 0
-        # Workers that train say something every step: a node whose workers spoke within a
+        # Workers that train report every step: a node whose workers reported a step within a
         # quiet tick keeps the short one. Its durability work (commits, replication rounds,
         # the safe step) follows the steps, and that every part of it wakes the loop is not
-        # established; what a quiet tick would cost a training job was not measured.
-        training = time.monotonic() - self.pool.event_at_s < QUIET_TICK_S
+        # established; what a quiet tick would cost a training job was not measured. Other
+        # worker events (ready, started, an exit) wake the loop themselves and are not
+        # training: after a transition 2,048 nodes whose workers had just started ticked 20
+        # times a second each.
+        training = time.monotonic() - self.pool.trained_at_s < QUIET_TICK_S
         quiet = (
             self._joined
             and not training

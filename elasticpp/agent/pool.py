@@ -24,6 +24,9 @@ from elasticpp.errors import ElasticppError
 from elasticpp.plan import Plan
 from elasticpp.train.procs import WorkerProcess
 
+# A worker's events that say it trains: each step, and each snapshot of one.
+TRAINING_EVENTS = frozenset({"step", "snapshot"})
+
 
 @dataclass
 class _Worker:
@@ -58,13 +61,16 @@ class WorkerPool:
         self._done: dict[int, set[int]] = {}
         self._halted: dict[int, str] = {}  # generation -> the first halt's message
         self._replaced: list[float] = []  # when never-ready spares were replaced (newest 16)
-        self.event_at_s = float("-inf")  # when a worker last said anything (monotonic)
+        # When a worker last reported training (a step or a snapshot; monotonic): ready,
+        # started and exit events are not training, and wake the loop all the same.
+        self.trained_at_s = float("-inf")
 
     # ------------------------------------------------------------------ events
     def deliver(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
         """From a worker's reader thread: queue the event and wake the loop."""
         self._events.put((proc, event))
-        self.event_at_s = time.monotonic()  # one float, written here only: read by the loop
+        if event.get("event") in TRAINING_EVENTS:
+            self.trained_at_s = time.monotonic()  # one float, written here only: read by the loop
         if self._wake is not None:
             self._wake.set()
 
