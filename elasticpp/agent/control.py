@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from elasticpp.agent.actions import Action, Event, PublishMemberInfo, ReleaseSpares, StepDown
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.limits import LOOP_STALL_S
+from elasticpp.agent.limits import LOOP_STALL_S, LOOP_WATCH_S
 from elasticpp.agent.metrics import WORKER_STATES
 
 log = logging.getLogger("elasticpp.agent")
@@ -108,7 +108,7 @@ class ControlPart:
         """Health follows the decision loop's heartbeat: a wedged loop (a blocked call, a
         stalled disk) makes the node NOT_SERVING, so probes and Kubernetes see the truth."""
         serving = True
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(LOOP_WATCH_S):
             stalled_s = time.monotonic() - self._heartbeat_s
             ok = stalled_s < LOOP_STALL_S
             if ok == serving:

@@ -217,7 +217,9 @@ class DurabilityPart:
         if cluster is None:
             return
         step, anchors, replicas = value
-        cluster.record_commit(generation, self.node_id, step, anchors, replicas)
+        cluster.record_commit(
+            generation, self.node_id, step, anchors, replicas, lease_id=self._member_lease()
+        )
 
     def _fenced(self) -> bool:
         reg = self._registration

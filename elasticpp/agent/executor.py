@@ -324,7 +324,7 @@ class ExecutorPart:
         else:
             barrier, value = "done", {"step": action.step, "at": action.at_s}
         try:
-            self.cluster.arrive(barrier, self.node_id, value)
+            self.cluster.arrive(barrier, self.node_id, value, lease_id=self._member_lease())
         except ClusterUnavailableError:
             self._execute(follower_arrived(self._fs, action, False, self._clock.monotonic()))
             raise

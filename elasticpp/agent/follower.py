@@ -93,7 +93,10 @@ class FollowerPart:
                 return
             try:
                 self.cluster.arrive(
-                    f"failed-{generation}", self.node_id, self._fs.pending_failures[generation]
+                    f"failed-{generation}",
+                    self.node_id,
+                    self._fs.pending_failures[generation],
+                    lease_id=self._member_lease(),
                 )
             except ClusterUnavailableError as exc:
                 if generation not in self._fs.failures_held:

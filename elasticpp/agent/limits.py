@@ -12,6 +12,7 @@ MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
 GPU_CHECK_INTERVAL_S = 10.0  # NVML health poll, only with --device cuda
 LOOP_STALL_S = 10.0  # health turns NOT_SERVING when the decision loop has not run this long
+LOOP_WATCH_S = 1.0  # how often the watchdog looks at the loop's heartbeat (a wake-up each)
 # The node's membership and leader leases are not renewed while the decision loop has not run
 # this long: they lapse a TTL later and the job goes on without the wedged node. Above a
 # tick's usual worst case (a worker kill waits up to 10 s only for a process in D state).

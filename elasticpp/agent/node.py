@@ -326,6 +326,12 @@ class Agent(
                 return code
         return None
 
+    def _member_lease(self) -> int | None:
+        """The lease this node's member key is meant to be on: its writes as a node (barrier
+        arrivals, commit records) land only while the key is on it (`ClusterClient.arrive`)."""
+        reg = self._registration
+        return int(reg.lease_id) if reg is not None else None
+
     def _node_id_conflict(self) -> str | None:
         """Why this agent must stop because another agent registered its node id: its lease
         lapsed and the key is another incarnation's (the keeper found it), or the key was

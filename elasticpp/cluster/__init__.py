@@ -18,6 +18,7 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     GenerationConflictError,
     LeaseNotFoundError,
+    MembershipLapsedError,
     NodeIdConflictError,
 )
 from elasticpp.cluster.leases import Leadership, ProgressGate, Registration
@@ -47,6 +48,7 @@ __all__ = [
     "Leadership",
     "LeaseNotFoundError",
     "Members",
+    "MembershipLapsedError",
     "NodeIdConflictError",
     "ProgressGate",
     "Registration",

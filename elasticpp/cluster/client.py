@@ -41,6 +41,7 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     GenerationConflictError,
     LeaseNotFoundError,
+    MembershipLapsedError,
 )
 from elasticpp.cluster.etcd_client import (
     Compare,
@@ -442,11 +443,29 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         )
 
     # ------------------------------------------------------------------ barriers
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
-        self._kv.put(
-            self.keys.barrier(barrier, node_id),
-            dumps({"node_id": node_id, "value": value, "at": time.time()}),
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
+        """Put `node_id`'s arrival at `barrier`. With `lease_id` (the node's registration
+        lease) etcd writes it only while the node's member key is on that lease, else
+        `MembershipLapsedError`: a node whose lease lapsed arrives nowhere, however late its
+        write reaches etcd (a check before the put would race with the lapse)."""
+        self._put_as_node(
+            node_id,
+            lease_id,
+            Put(
+                self.keys.barrier(barrier, node_id),
+                dumps({"node_id": node_id, "value": value, "at": time.time()}),
+            ),
         )
+
+    def _put_as_node(self, node_id: str, lease_id: int | None, put: Put) -> None:
+        if lease_id is None:
+            self._kv.put(put.key, put.value)
+            return
+        ok, _, _ = self._kv.txn([Compare(self.keys.node(node_id), "lease", lease_id)], [put])
+        if not ok:
+            raise MembershipLapsedError(node_id, lease_id)
 
     def write_resume(self, generation: int, value: Any, leader: Leadership) -> bool:
         """Publish generation `generation`'s resume instruction (barrier `resume-<G>`, member

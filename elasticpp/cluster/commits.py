@@ -40,6 +40,8 @@ class CommitsPart:
 
         def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
 
+        def _put_as_node(self, node_id: str, lease_id: int | None, put: Put) -> None: ...
+
     # ------------------------------------------------------------------ commits
     def record_commit(
         self,
@@ -48,9 +50,13 @@ class CommitsPart:
         step: int,
         anchors: Sequence[int] = (),
         replicas: Mapping[str, Sequence[int]] | None = None,
+        *,
+        lease_id: int | None = None,
     ) -> None:
         """Record `step` as this node's newest committed step in `generation` (-1: none), and
-        the anchor steps of `generation` it holds: its own and, per origin, its replicas."""
+        the anchor steps of `generation` it holds: its own and, per origin, its replicas.
+        With `lease_id` (the node's registration lease) etcd writes it only while the node's
+        member key is on that lease, else `MembershipLapsedError` (see `arrive`)."""
         record = CommitRecord(
             node_id,
             generation,
@@ -58,8 +64,13 @@ class CommitsPart:
             tuple(sorted(anchors, reverse=True)),
             {o: tuple(sorted(s, reverse=True)) for o, s in (replicas or {}).items()},
         )
-        self._kv.put(
-            self.keys.commit(generation, node_id), dumps({**record.to_dict(), "at": time.time()})
+        self._put_as_node(
+            node_id,
+            lease_id,
+            Put(
+                self.keys.commit(generation, node_id),
+                dumps({**record.to_dict(), "at": time.time()}),
+            ),
         )
 
     def commit_records(self, generation: int, *, cached: bool = False) -> dict[str, CommitRecord]:

@@ -21,6 +21,21 @@ class ClusterUnavailableError(ClusterError):
         self.fast = fast
 
 
+class MembershipLapsedError(ClusterUnavailableError):
+    """A write as a node was refused by etcd: the node's member key is not on the lease the
+    writer holds (the lease lapsed, and the key is gone or not put again yet). Retried as an
+    outage is, once the registration is whole again."""
+
+    def __init__(self, node_id: str, lease_id: int) -> None:
+        super().__init__(
+            f"node {node_id}: its member key is not on its lease {lease_id:x} (lapsed): "
+            "the write waits until it is registered again",
+            fast=True,
+        )
+        self.node_id = node_id
+        self.lease_id = lease_id
+
+
 class BarrierTimeoutError(ClusterError):
     """A barrier's deadline passed before every expected node arrived."""
 

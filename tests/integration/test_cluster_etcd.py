@@ -21,6 +21,7 @@ from elasticpp.cluster import (
     GenerationRecord,
     GenerationSummary,
     JobEpoch,
+    MembershipLapsedError,
     ProgressGate,
     Registration,
     WatchEvent,
@@ -814,3 +815,31 @@ def test_cached_reads_parse_a_record_again_only_when_it_changed(
     assert a.read_generation(cached=True)[0] is rec
     assert wait_until(lambda: b.write_generation(record(2, "n1"), b.read_generation()[1], lead), 5)
     assert wait_until(lambda: a.read_generation(cached=True)[0].generation == 2, 10.0)  # type: ignore[union-attr]
+
+
+def test_a_node_whose_member_key_left_its_lease_arrives_and_commits_nowhere(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    """The check is etcd's, in the write's transaction: an agent that checked its lease and
+    then wrote late (a stalled process at 256 simulated nodes) arrived after its lapse."""
+    a = clients()
+    started = {"at": 1.0, "moved_at": 1.0}
+    reg = a.register("n1", {}, ttl_s=5)
+    lease = reg.lease_id
+    a.arrive("started-4", "n1", started, lease_id=lease)
+    a.record_commit(4, "n1", 7, lease_id=lease)
+    assert set(a.barrier_state("started-4")[0]) == {"n1"}
+    assert a.commits(4) == {"n1": 7}
+    reg.close()  # the key leaves with its lease, as at a lapse
+    with pytest.raises(MembershipLapsedError, match=r"n1.*lapsed"):
+        a.arrive("started-5", "n1", started, lease_id=lease)
+    with pytest.raises(MembershipLapsedError):
+        a.record_commit(4, "n1", 8, lease_id=lease)
+    assert a.barrier_state("started-5")[0] == {}
+    assert a.commits(4) == {"n1": 7}  # the committed record is not overwritten
+    # Registered again (a new lease): the old lease's writes stay refused, the new one's land.
+    again = a.register("n1", {}, ttl_s=5)
+    with pytest.raises(MembershipLapsedError):
+        a.arrive("started-5", "n1", started, lease_id=lease)
+    a.arrive("started-5", "n1", started, lease_id=again.lease_id)
+    assert set(a.barrier_state("started-5")[0]) == {"n1"}

@@ -29,7 +29,9 @@ class _Cluster:
     class keys:  # the one key name the agent asks for here
         generation = "/elasticpp/j/generation"
 
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
         self.arrivals.append((barrier, node_id, value))
 
     def skip_value(self, key: str, exc: Exception) -> None:
@@ -43,7 +45,9 @@ class _RefusesOnce(_Cluster):
         super().__init__()
         self.refuse = barrier
 
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
         if barrier == self.refuse:
             self.refuse = ""
             raise ClusterUnavailableError("etcd: connection refused", fast=True)

@@ -35,11 +35,15 @@ class _SlowCluster:
         self.records: list[tuple[int, int, float]] = []  # (generation, step, when)
         self.arrivals: list[tuple[str, str, Any]] = []
 
-    def record_commit(self, generation, node_id, step, anchors=(), replicas=None) -> None:
+    def record_commit(
+        self, generation, node_id, step, anchors=(), replicas=None, *, lease_id=None
+    ) -> None:
         time.sleep(self.put_s)  # the latency being modelled, not a wait for a condition
         self.records.append((generation, step, time.monotonic()))
 
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
         self.arrivals.append((barrier, node_id, value))
 
     def record_timeline(self, generation: int, timeline: Any, leader: Any) -> bool:
@@ -280,7 +284,9 @@ def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_pa
 
 
 class _Unreachable(_SlowCluster):
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
         raise ClusterUnavailableError("etcd: connection refused", fast=True)
 
 

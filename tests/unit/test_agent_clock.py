@@ -18,6 +18,8 @@ from tests.unit.test_agent_deadlines import SPEC, _Cluster, _plan, _SlowSpare, _
 
 
 class _Registration:
+    lease_id = 7  # the lease the member key is on
+
     def __init__(self) -> None:
         self.updates: list[dict[str, Any]] = []
 

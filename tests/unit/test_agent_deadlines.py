@@ -64,7 +64,9 @@ class _Cluster:
         self.quarantines: list[QuarantineRecord] = []
         self.ends: list[tuple[str, str]] = []
 
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
         self.arrivals.append((barrier, node_id, value))
 
     def quarantine(self, record: QuarantineRecord, leader: Any) -> bool:
@@ -272,6 +274,8 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
 
 
 class _Registration:
+    lease_id = 7  # the lease the member key is on
+
     def __init__(self) -> None:
         self.updates: list[dict[str, Any]] = []
 

@@ -51,7 +51,9 @@ class _Cluster:
     def read_safe(self, *, cached: bool = False) -> tuple[None, int]:
         return None, 0
 
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
         self.arrivals.append((barrier, node_id, value))
 
 

@@ -69,7 +69,9 @@ class _Cluster:
     def __init__(self) -> None:
         self.arrivals: list[tuple[str, str, Any]] = []
 
-    def arrive(self, barrier: str, node_id: str, value: Any = None) -> None:
+    def arrive(
+        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
+    ) -> None:
         self.arrivals.append((barrier, node_id, value))
 
     def record_timeline(self, generation: int, timeline: Any, leader: Any) -> bool:

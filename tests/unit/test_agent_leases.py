@@ -19,6 +19,8 @@ def _agent(tmp_path: Path) -> Agent:
 
 
 class _Registration:
+    lease_id = 7  # the lease the member key is on
+
     def __init__(self, conflict: str | None = None, lapsed: bool = False) -> None:
         self.conflict = conflict
         self.lapsed = lapsed

@@ -35,7 +35,9 @@ class _Cluster:
         self.revision = 0
         self.writes: list[SafeStep] = []
 
-    def record_commit(self, generation, node_id, step, anchors=(), replicas=None) -> None:
+    def record_commit(
+        self, generation, node_id, step, anchors=(), replicas=None, *, lease_id=None
+    ) -> None:
         replicas = {o: tuple(s) for o, s in (replicas or {}).items()}
         self.records[node_id] = CommitRecord(node_id, generation, step, tuple(anchors), replicas)
 
