@@ -92,6 +92,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5000),
 ]
 
+# Keys per range reply: with records of a few hundred bytes (one per node) a reply stays far
+# under 1 MiB; a larger range is read in pages at one revision (`EtcdKV.get_range`).
+RANGE_PAGE_KEYS = 512
+COMPACTED_RETRIES = 3  # a paged read whose revision was compacted meanwhile starts again
 _RANGE = "/etcdserverpb.KV/Range"
 _PUT = "/etcdserverpb.KV/Put"
 _DELETE = "/etcdserverpb.KV/DeleteRange"
@@ -388,27 +392,50 @@ class EtcdKV:
         return _kv(reply.kvs[0]) if reply.kvs else None
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """All keys under `prefix` (sorted by key) and the store revision they were read at."""
-        request = pb.RangeRequest(
-            key=prefix.encode(),
-            range_end=_prefix_end(prefix.encode()),
-            sort_order=pb.RangeRequest.ASCEND,
-            sort_target=pb.RangeRequest.KEY,
-        )
-        reply = self._unary(f"get prefix {prefix}", _RANGE, request)
-        return [_kv(kv) for kv in reply.kvs], int(reply.header.revision)
+        """All keys under `prefix` (sorted by key) and the store revision they were read at
+        (in pages: see `get_range`)."""
+        return self.get_range(prefix, _prefix_end(prefix.encode()).decode())
 
-    def get_range(self, key: str, range_end: str) -> tuple[list[KeyValue], int]:
+    def get_range(
+        self, key: str, range_end: str, *, page_keys: int = RANGE_PAGE_KEYS
+    ) -> tuple[list[KeyValue], int]:
         """Every key from `key` up to `range_end` (exclusive), sorted by key, and the store
-        revision they were read at."""
-        request = pb.RangeRequest(
-            key=key.encode(),
-            range_end=range_end.encode(),
-            sort_order=pb.RangeRequest.ASCEND,
-            sort_target=pb.RangeRequest.KEY,
-        )
-        reply = self._unary(f"get range {key}..{range_end}", _RANGE, request)
-        return [_kv(kv) for kv in reply.kvs], int(reply.header.revision)
+        revision they were read at.
+
+        Read in pages of `page_keys` keys, every page at the revision of the first: one
+        snapshot, as one reply would be, while no reply grows with the cluster (a range of
+        one record per node passed 1 MiB at a few hundred nodes). A page whose revision was
+        compacted meanwhile starts the read again, at most `COMPACTED_RETRIES` times."""
+        if page_keys < 1:
+            raise ValueError(f"page_keys must be >= 1, got {page_keys}")
+        end = range_end.encode()
+        for attempt in range(COMPACTED_RETRIES + 1):
+            out: list[KeyValue] = []
+            start, revision = key.encode(), 0
+            try:
+                while True:
+                    request = pb.RangeRequest(
+                        key=start,
+                        range_end=end,
+                        limit=page_keys,
+                        revision=revision,
+                        sort_order=pb.RangeRequest.ASCEND,
+                        sort_target=pb.RangeRequest.KEY,
+                    )
+                    reply = self._unary(f"get range {key}..{range_end}", _RANGE, request)
+                    if revision == 0:
+                        revision = int(reply.header.revision)
+                    out.extend(_kv(kv) for kv in reply.kvs)
+                    if not reply.more or not reply.kvs:
+                        return out, revision
+                    start = bytes(reply.kvs[-1].key) + b"\0"
+            except ClusterUnavailableError as exc:
+                if "required revision has been compacted" not in str(exc):
+                    raise
+                if attempt == COMPACTED_RETRIES:
+                    raise
+                log.info("range %s: revision %d compacted between pages; read again", key, revision)
+        raise AssertionError("unreachable")
 
     def revision(self) -> int:
         """The store's current revision."""

@@ -197,7 +197,7 @@ def test_a_request_or_a_reply_over_the_limits_is_a_limit_error_not_an_outage(
             kv.txn([], [Put("/big/two", "x" * (3 * 1024 * 1024))])
         for i in range(4):
             kv.put(f"/big/{i}", "y" * 30_000)
-        with pytest.raises(ClusterLimitError, match="get prefix /big/"):
+        with pytest.raises(ClusterLimitError, match="get range /big/"):
             small.get_prefix("/big/")
         assert len(kv.get_prefix("/big/")[0]) == 4  # the default limit reads it
     finally:
