@@ -290,10 +290,10 @@ class Agent(
         (the records' watch events, its workers' events, the fetch's future) and deadlines
         of seconds, so it ticks quietly in every phase while its workers are silent (a
         spare, a node waiting for a plan, the simulated workers of bench/scale.py); what
-        polls is training (workers that spoke within a quiet tick), leading (its waits read
-        its cache, its safe step is due every SAFE_EVERY_S), a failure of this node's until
-        a new plan answers it (the leader is suspected after LEADER_SUSPECT_S), a drain, an
-        unreachable etcd and joining."""
+        polls is training (workers that reported a step within a quiet tick), leading (its
+        waits read its cache, its safe step is due every SAFE_EVERY_S), a failure of this
+        node's until a new plan answers it (the leader is suspected after
+        LEADER_SUSPECT_S), a drain, an unreachable etcd and joining."""
         gs, rec = self._fs.gen, self._vs.record
         followed = gs.generation if gs is not None else 0
         current = rec.generation if rec is not None else 0
