@@ -1,7 +1,8 @@
 """The one module that calls etcd's v3 gRPC API: a thin client of our own.
 
 It sends and reads the messages of `proto/elasticpp/rpc/etcd/v3/etcd.proto` (etcd's wire
-format, the subset we use) by etcd's method names, over grpcio; everything above it is typed.
+format, the subset we use) by etcd's method names, over grpcio; everything above it is typed
+(the typed operations and their encoding are `etcd_ops`).
 Failures come out as `ClusterUnavailableError` (no answer within `request_timeout_s`; `fast`
 when refused at once), `LeaseNotFoundError`, `ClusterLimitError` (over a message-size limit:
 not an outage) and `ClusterAuthError` (elasticpp.cluster.etcd_errors).
@@ -36,7 +37,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped]
@@ -49,6 +49,16 @@ from elasticpp.cluster.errors import (
 from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
 from elasticpp.cluster.etcd_keepalive import KeepAliveStream
 from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
+from elasticpp.cluster.etcd_ops import (
+    Compare,
+    Delete,
+    Put,
+    byte_prefix_end,
+    compare_msg,
+    is_compacted,
+    kv_of,
+    op_msg,
+)
 from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.etcd_watch_stream import (
     WatchBatch,
@@ -115,38 +125,6 @@ _REPLIES: dict[str, Any] = {
     _REVOKE: pb.LeaseRevokeResponse,
     _AUTHENTICATE: pb.AuthenticateResponse,
 }
-
-
-@dataclass(frozen=True)
-class Compare:
-    """An equality test of a transaction: `target` is "value", "mod", "create" or "lease"
-    (the id of the lease the key is on, 0 for none)."""
-
-    key: str
-    target: str
-    value: str | int
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: str
-    lease_id: int | None = None
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode()
-
-
-def _kv(kv: Any) -> KeyValue:
-    return KeyValue(
-        _text(kv.key), _text(kv.value), int(kv.mod_revision), int(kv.create_revision), int(kv.lease)
-    )
 
 
 _R = TypeVar("_R")
@@ -389,12 +367,12 @@ class EtcdKV:
     # ------------------------------------------------------------------ reads
     def get(self, key: str) -> KeyValue | None:
         reply = self._unary(f"get {key}", _RANGE, pb.RangeRequest(key=key.encode()))
-        return _kv(reply.kvs[0]) if reply.kvs else None
+        return kv_of(reply.kvs[0]) if reply.kvs else None
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """All keys under `prefix` (sorted by key) and the store revision they were read at
         (in pages: see `get_range`)."""
-        return self.get_range(prefix, _prefix_end(prefix.encode()).decode())
+        return self.get_range(prefix, byte_prefix_end(prefix.encode()).decode())
 
     def get_range(
         self, key: str, range_end: str, *, page_keys: int = RANGE_PAGE_KEYS
@@ -425,12 +403,12 @@ class EtcdKV:
                     reply = self._unary(f"get range {key}..{range_end}", _RANGE, request)
                     if revision == 0:
                         revision = int(reply.header.revision)
-                    out.extend(_kv(kv) for kv in reply.kvs)
+                    out.extend(kv_of(kv) for kv in reply.kvs)
                     if not reply.more or not reply.kvs:
                         return out, revision
                     start = bytes(reply.kvs[-1].key) + b"\0"
             except ClusterUnavailableError as exc:
-                if "required revision has been compacted" not in str(exc):
+                if not is_compacted(exc):
                     raise
                 if attempt == COMPACTED_RETRIES:
                     raise
@@ -455,7 +433,7 @@ class EtcdKV:
 
     def delete_prefix(self, prefix: str) -> int:
         raw = prefix.encode()
-        request = pb.DeleteRangeRequest(key=raw, range_end=_prefix_end(raw))
+        request = pb.DeleteRangeRequest(key=raw, range_end=byte_prefix_end(raw))
         return int(self._unary(f"delete prefix {prefix}", _DELETE, request).deleted)
 
     def compact(self, revision: int, *, physical: bool = False) -> bool:
@@ -465,7 +443,7 @@ class EtcdKV:
         try:
             self._unary(f"compact to revision {revision}", _COMPACT, request)
         except ClusterUnavailableError as exc:
-            if "required revision has been compacted" in str(exc):
+            if is_compacted(exc):
                 return False
             raise
         return True
@@ -480,8 +458,8 @@ class EtcdKV:
 
         Returns (succeeded, what failure_get found, revision of the transaction)."""
         request = pb.TxnRequest(
-            compare=[_compare(c) for c in compares],
-            success=[_op(p) for p in success],
+            compare=[compare_msg(c) for c in compares],
+            success=[op_msg(p) for p in success],
             failure=[
                 pb.RequestOp(request_range=pb.RangeRequest(key=k.encode())) for k in failure_get
             ],
@@ -493,7 +471,7 @@ class EtcdKV:
             for r in reply.responses:
                 if r.WhichOneof("response") == "response_range":
                     kvs = r.response_range.kvs
-                    found.append(_kv(kvs[0]) if kvs else None)
+                    found.append(kv_of(kvs[0]) if kvs else None)
         return bool(reply.succeeded), found, int(reply.header.revision)
 
     def _check_size(self, op: str, request: Any) -> None:
@@ -632,41 +610,3 @@ def _metered(sink: Callable[[WatchItem], None], meter: EtcdMeter) -> Callable[[W
         sink(item)
 
     return counted
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The end of the range of keys that start with `prefix` (etcd's convention)."""
-    raw = bytearray(prefix)
-    for i in reversed(range(len(raw))):
-        if raw[i] < 0xFF:
-            raw[i] += 1
-            return bytes(raw[: i + 1])
-    return b"\0"  # every key from `prefix` on
-
-
-def _compare(c: Compare) -> Any:
-    msg = pb.Compare(key=c.key.encode(), result=pb.Compare.EQUAL)
-    if c.target == "value":
-        msg.target = pb.Compare.VALUE
-        msg.value = str(c.value).encode()
-    elif c.target == "mod":
-        msg.target = pb.Compare.MOD
-        msg.mod_revision = int(c.value)
-    elif c.target == "create":
-        msg.target = pb.Compare.CREATE
-        msg.create_revision = int(c.value)
-    elif c.target == "lease":
-        # "Is the key still on my lease": how a registration tells its own key from another's.
-        msg.target = pb.Compare.LEASE
-        msg.lease = int(c.value)
-    else:
-        raise ConfigError(f"compare target {c.target!r}: allowed value, mod, create, lease")
-    return msg
-
-
-def _op(p: Put | Delete) -> Any:
-    if isinstance(p, Delete):
-        return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=p.key.encode()))
-    return pb.RequestOp(
-        request_put=pb.PutRequest(key=p.key.encode(), value=p.value.encode(), lease=p.lease_id or 0)
-    )
