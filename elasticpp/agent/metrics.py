@@ -32,6 +32,7 @@ class AgentMetrics:
     etcd_values_skipped_total: Counter
     etcd_requests_total: Counter
     errors_total: Counter
+    warm_started_total: Counter
     snapshot_failures_total: Counter
     halted: Gauge
     quarantined_nodes: Gauge
@@ -103,6 +104,14 @@ class AgentMetrics:
                 "Errors the agent survived, by where they came from (etcd, disk, worker, "
                 "internal): each was logged and the decision loop went on",
                 [*labels, "source"],
+                registry=r,
+            ),
+            warm_started_total=Counter(
+                "elasticpp_warm_workers_started",
+                "Warm workers this agent started, by how: fork (from the node's worker "
+                "template, which imported torch once) or exec (a new interpreter importing "
+                "torch: until the template is ready, or for good if it failed)",
+                [*labels, "how"],
                 registry=r,
             ),
             snapshot_failures_total=c(

@@ -357,6 +357,8 @@ class Agent(
         """Kill every process this agent started; leave etcd cleanly if it can."""
         self._stop.set()  # ends the loop watchdog too
         self.pool.kill_all()
+        if self._ss.template is not None:
+            self._ss.template.close()
         if self._ds.persister is not None:
             self._ds.persister.close(timeout_s=10.0)
         if self.cluster is not None:

@@ -108,6 +108,10 @@ class WorkerPool:
     def replace_overdue(self, proc: WorkerProcess, now_s: float) -> None:
         """Kill and drop a spare that never became ready (the caller spawns another)."""
         self.drop_spare(proc, kill=True)
+        self.note_never_ready(now_s)
+
+    def note_never_ready(self, now_s: float) -> None:
+        """A warm worker that never became ready was given up on (the worker template)."""
         self._replaced = [*self._replaced[-15:], now_s]
 
     def replaced_since(self, since_s: float) -> int:

@@ -33,7 +33,7 @@ from elasticpp.agent.decide import (
 from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
 from elasticpp.agent.limits import GPU_CHECK_INTERVAL_S
 from elasticpp.errors import ElasticppError
-from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerProcess
+from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerProcess, WorkerTemplate
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -45,6 +45,8 @@ class SupervisorState:
 
     gpus: list[int]  # physical GPUs of the slots, healthy ones only
     gpu_checked_s: float = 0.0  # monotonic
+    template: WorkerTemplate | None = None  # forks the warm workers, once it is ready
+    template_since_s: float = 0.0  # monotonic: when it was started
 
 
 @dataclass(frozen=True)
@@ -97,24 +99,59 @@ class SupervisorPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
     def _spawn_warm(self) -> None:
-        """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work."""
+        """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work. They
+        are forked from this node's worker template once it is ready (it imported torch
+        once), and exec'd until then or if it cannot fork (elasticpp.train.forkserver)."""
         env = dict(os.environ)
         env["ELASTICPP_NODE_ID"] = self.node_id
         env[WORKER_DEVICE_ENV] = self.cfg.device  # a CUDA worker initialises CUDA while warm
         if self.cfg.worker_threads is not None:
             env.setdefault("OMP_NUM_THREADS", str(self.cfg.worker_threads))
+        python = {"python": self.python} if self.python else {}
+        if self._worker_factory is None and not self._template_waited(env, python):
+            return  # the template imports torch: the spares are forked from it in a moment
         while len(self.pool.spares()) < self.cfg.slots:
             name = f"{self.node_id}-w{uuid.uuid4().hex[:6]}"
-            kwargs: dict[str, Any] = {"env": env, "name": name}
-            if self.python:
-                kwargs["python"] = self.python
+            kwargs: dict[str, Any] = {"env": env, "name": name, "template": self._ss.template}
+            kwargs.update(python)
             log_path = self.log_dir / f"{name}.log"
             if self._worker_factory is not None:  # a simulated worker (bench/scale.py)
                 proc = self._worker_factory(log_path, env, name)
             else:
                 proc = WorkerProcess(log_path, **kwargs)
+                how = "fork" if proc.forked else "exec"
+                self.metrics.warm_started_total.labels(**self.metrics.labels, how=how).inc()
             proc.listen(self.pool.deliver)
             self.pool.add_spare(proc)
+
+    def _template_waited(self, env: dict[str, str], python: dict[str, str]) -> bool:
+        """Whether spares may be spawned now: the node's worker template is ready (forks),
+        or failed (exec). It is started with the first spares; they wait for it, as they
+        would for their own imports, and it is held to their deadline: a template not
+        ready within `ready_timeout_s` is given up and counts as a never-ready spare (the
+        follower reports this node sick for it), and spares are exec'd."""
+        now = self._clock.monotonic()
+        if self._ss.template is None:
+            self._ss.template = WorkerTemplate(
+                self.log_dir / f"{self.node_id}-template.log",
+                env=env,
+                on_ready=self._wake.set,
+                **python,
+            )
+            self._ss.template_since_s = now
+        if not self._ss.template.loading():
+            return True
+        waited_s = now - self._ss.template_since_s
+        if waited_s <= self.spec.ready_timeout_s:
+            return False
+        self._ss.template.give_up(f"not ready within {self.spec.ready_timeout_s:.0f} s")
+        self.pool.note_never_ready(now)
+        self._event(
+            "worker",
+            f"worker template {self._ss.template.pid} not ready {waited_s:.0f} s after its start "
+            f"(ready_timeout_s is {self.spec.ready_timeout_s:.0f}): spares start with exec",
+        )
+        return True
 
     def _supervise(self) -> None:
         """The supervisor's step on the clock: observe, decide (`supervisor_step`, pure),

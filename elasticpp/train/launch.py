@@ -20,7 +20,13 @@ from typing import Any
 
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerError, WorkerProcess
+from elasticpp.train.procs import (
+    EXITED,
+    WORKER_DEVICE_ENV,
+    WorkerError,
+    WorkerProcess,
+    WorkerTemplate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +39,50 @@ def spawn_workers(
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
     device: str = "cpu",
+    template: WorkerTemplate | None = None,
 ) -> list[WorkerProcess]:
     """Start `count` warm workers (they import torch, and initialise CUDA for a CUDA
-    `device`, and wait for an assignment)."""
+    `device`, and wait for an assignment): forked from `template` when it is usable
+    (see `start_template`), else exec'd."""
     env = {**(env if env is not None else os.environ), WORKER_DEVICE_ENV: device}
     workers: list[WorkerProcess] = []
     try:
         for i in range(count):
             workers.append(
-                WorkerProcess(log_dir / f"{tag}-{i}.log", python=python, env=env, name=f"{tag}-{i}")
+                WorkerProcess(
+                    log_dir / f"{tag}-{i}.log",
+                    python=python,
+                    env=env,
+                    name=f"{tag}-{i}",
+                    template=template,
+                )
             )
     except BaseException:
         kill_all(workers)
         raise
     return workers
+
+
+def start_template(
+    log_dir: Path,
+    *,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+) -> WorkerTemplate:
+    """A worker template (elasticpp.train.forkserver) for `spawn_workers`, once it is ready
+    or failed (then it is not used: workers are exec'd), or `timeout_s` passed (then it is
+    given up). The caller closes it after its workers."""
+    env = {**(env if env is not None else os.environ), WORKER_DEVICE_ENV: device}
+    template = WorkerTemplate(log_dir / "template.log", python=python, env=env)
+    deadline = time.monotonic() + timeout_s
+    while template.loading():
+        if time.monotonic() > deadline:
+            template.give_up(f"not ready within {timeout_s:.0f} s")
+            break
+        time.sleep(0.02)
+    return template
 
 
 def kill_all(workers: Sequence[WorkerProcess]) -> None:

@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +40,8 @@ EVENT_FD_ENV = "ELASTICPP_EVENT_FD"  # the worker's descriptor of the event pipe
 # spare's readiness includes it and a recovery does not pay it. No device context is made
 # until the assignment names the GPU.
 WORKER_DEVICE_ENV = "ELASTICPP_WORKER_DEVICE"
+TEMPLATE_FD_ENV = "ELASTICPP_TEMPLATE_FD"  # as elasticpp.train.forkserver's
+MAX_TEMPLATE_MESSAGE = 1 << 16
 
 
 class WorkerError(ElasticppError):
@@ -56,7 +59,10 @@ class WorkerProcess:
         env: Mapping[str, str] | None = None,
         on_event: Callable[[WorkerProcess, dict[str, Any]], None] | None = None,  # see listen
         name: str = "",
+        template: WorkerTemplate | None = None,
     ) -> None:
+        """`template`: fork it from this worker template when the template is usable (it
+        imported torch already); else, or when the fork is refused, start it with exec."""
         self.name = name
         self.log_path = log_path
         self._events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -64,28 +70,18 @@ class WorkerProcess:
         self._listen_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self.returncode: int | None = None
+        self.forked = False  # forked from a template (else exec'd)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("ab")
-        read_fd, write_fd = os.pipe()
         child_env = dict(env) if env is not None else dict(os.environ)
-        child_env[EVENT_FD_ENV] = str(write_fd)
+        read_fd, write_fd = os.pipe()
         try:
-            self.proc = subprocess.Popen(
-                [python, "-m", "elasticpp.train.worker"],
-                stdin=subprocess.PIPE,
-                stdout=self._log,
-                stderr=self._log,
-                env=child_env,
-                start_new_session=True,
-                text=True,
-                bufsize=1,
-                pass_fds=(write_fd,),
+            self.proc: subprocess.Popen[str] | _ForkedChild = self._start(
+                python, child_env, write_fd, template
             )
         except BaseException:
             os.close(read_fd)
             raise
         finally:
-            self._log.close()  # the child holds its own descriptors
             os.close(write_fd)
         self._event_pipe: IO[str] = os.fdopen(read_fd, "r", encoding="utf-8")
         self.pid = self.proc.pid
@@ -93,6 +89,39 @@ class WorkerProcess:
             target=self._read, name=f"worker-{self.pid}-events", daemon=True
         )
         self._reader.start()
+
+    def _start(
+        self,
+        python: str,
+        env: dict[str, str],
+        event_fd: int,
+        template: WorkerTemplate | None,
+    ) -> subprocess.Popen[str] | _ForkedChild:
+        with self.log_path.open("ab") as out:  # the child holds its own descriptors
+            if template is not None and template.usable():
+                stdin_r, stdin_w = os.pipe()
+                try:
+                    child = template.fork(env, stdin_r, event_fd, out.fileno())
+                except WorkerError:
+                    os.close(stdin_w)  # the template said why (its log); exec instead
+                else:
+                    child.stdin = os.fdopen(stdin_w, "w", encoding="utf-8", buffering=1)
+                    self.forked = True
+                    return child
+                finally:
+                    os.close(stdin_r)
+            env[EVENT_FD_ENV] = str(event_fd)
+            return subprocess.Popen(
+                [python, "-m", "elasticpp.train.worker"],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=True,
+                text=True,
+                bufsize=1,
+                pass_fds=(event_fd,),
+            )
 
     # ----- events -----
 
@@ -236,3 +265,196 @@ class WorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+class WorkerTemplate:
+    """Client of the worker template (elasticpp.train.forkserver): a process that imported
+    torch once and forks warm workers on request, so that a warm pool's refill costs a fork,
+    not an import. Usable once it reported ready and forkable; until then, and for good once
+    it failed (it died, refused, or did not answer a request in time), `WorkerProcess`
+    spawns with exec as before. `close()` kills it and, by their parent-death signal, the
+    workers it forked."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        *,
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
+        answer_timeout_s: float = 10.0,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        self.log_path = log_path
+        self.answer_timeout_s = answer_timeout_s
+        self.why_not: str | None = None  # why it is not used, once it is not
+        self._on_ready = on_ready
+        self._ready = False
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._answers: dict[int, queue.Queue[dict[str, Any]]] = {}
+        self._children: dict[int, _ForkedChild] = {}
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        child_env = dict(env) if env is not None else dict(os.environ)
+        child_env[TEMPLATE_FD_ENV] = str(theirs.fileno())
+        try:
+            with log_path.open("ab") as out:
+                self.proc = subprocess.Popen(
+                    [python, "-m", "elasticpp.train.forkserver"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    env=child_env,
+                    start_new_session=True,
+                    pass_fds=(theirs.fileno(),),
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.pid = self.proc.pid
+        self._sock = ours
+        threading.Thread(target=self._read, name=f"template-{self.pid}", daemon=True).start()
+
+    def usable(self) -> bool:
+        return self._ready and self.why_not is None
+
+    def loading(self) -> bool:
+        """Still importing: neither ready nor failed."""
+        return not self._ready and self.why_not is None
+
+    def give_up(self, why: str) -> None:
+        """Not used from now on (it did not become ready in time): it is killed."""
+        self._fail(why)
+        self.close()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._sock.recv(MAX_TEMPLATE_MESSAGE)
+                if not msg:
+                    break
+                try:
+                    obj = json.loads(msg)
+                except ValueError:
+                    continue
+                self._on_message(obj)
+        except OSError:
+            pass
+        self._gone("its process exited")
+
+    def _on_message(self, obj: dict[str, Any]) -> None:
+        if obj.get("event") == "ready":
+            if not obj.get("forkable"):
+                self._fail(f"the template cannot fork: {obj.get('why')}")
+            self._ready = True
+            if self._on_ready is not None:
+                self._on_ready()
+            return
+        op = obj.get("op")
+        if op == "exited":
+            with self._lock:
+                child = self._children.pop(int(obj["pid"]), None)
+            if child is not None:
+                child._exited(int(obj["returncode"]))
+        elif op in ("forked", "refused"):
+            with self._lock:
+                answer = self._answers.get(obj.get("id"))  # type: ignore[arg-type]
+                if op == "forked":
+                    # Registered here, before the next message is read: its "exited" may be it.
+                    child = _ForkedChild(int(obj["pid"]))
+                    self._children[child.pid] = child
+                    obj = {**obj, "child": child}
+            if answer is not None:
+                answer.put(obj)
+
+    def _fail(self, why: str, *, quiet: bool = False) -> None:
+        if self.why_not is None:
+            self.why_not = why
+            if not quiet:
+                log.warning(
+                    "worker template %d not used: %s; workers start with exec", self.pid, why
+                )
+
+    def _gone(self, why: str) -> None:
+        """The template is gone: its workers were killed with it (their parent-death
+        signal); each is reported exited, as SIGKILL, once its process is."""
+        self._fail(why)
+        with self._lock:
+            children, self._children = list(self._children.values()), {}
+            answers = list(self._answers.values())
+        for answer in answers:
+            answer.put({"op": "refused", "why": why})
+        for child in children:
+            child._exited(-signal.SIGKILL)
+
+    def fork(
+        self, env: Mapping[str, str], stdin_fd: int, event_fd: int, log_fd: int
+    ) -> _ForkedChild:
+        """A worker forked from the template, with these descriptors as its stdin, event
+        pipe and stdout/stderr. Raises WorkerError when the template cannot (the caller
+        spawns with exec); a template that does not answer in time is not used again."""
+        if not self.usable():
+            raise WorkerError(f"worker template {self.pid}: {self.why_not or 'not ready'}")
+        answer: queue.Queue[dict[str, Any]] = queue.Queue()
+        with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            self._answers[rid] = answer
+        try:
+            request = json.dumps({"op": "fork", "id": rid, "env": dict(env)}).encode()
+            try:
+                socket.send_fds(self._sock, [request], [stdin_fd, event_fd, log_fd])
+            except OSError as exc:
+                self._fail(f"cannot send it a request: {exc}")
+                raise WorkerError(f"worker template {self.pid}: {exc}") from exc
+            try:
+                reply = answer.get(timeout=self.answer_timeout_s)
+            except queue.Empty:
+                self._fail(f"no answer to a fork request in {self.answer_timeout_s:.0f} s")
+                self.close()
+                raise WorkerError(f"worker template {self.pid}: no answer") from None
+        finally:
+            with self._lock:
+                self._answers.pop(rid, None)
+        if reply.get("op") != "forked":
+            self._fail(str(reply.get("why")))
+            raise WorkerError(f"worker template {self.pid}: {reply.get('why')}")
+        child: _ForkedChild = reply["child"]
+        return child
+
+    def close(self) -> None:
+        """Kill the template (its workers die with it) and reap it."""
+        self._fail("closed", quiet=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class _ForkedChild:
+    """The part of `subprocess.Popen` that `WorkerProcess` uses, for a worker forked by
+    the template: its exit status comes from the template, its parent."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin: IO[str] | None = None
+        self._done = threading.Event()
+
+    def _exited(self, returncode: int) -> None:
+        if self.returncode is None:
+            self.returncode = returncode
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(["worker", str(self.pid)], timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode

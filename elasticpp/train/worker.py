@@ -406,18 +406,27 @@ def _event_stream() -> TextIO:
     return os.fdopen(int(fd), "w", encoding="utf-8", buffering=1)
 
 
-def prepare(cuda: bool) -> None:
-    """Import and run once everything an assignment needs before saying "ready": a warm
-    worker must never pay an import on the recovery path (tests/unit/test_worker_prepare.py
-    checks that an assignment's optimizer and first step import nothing after this)."""
-    import torch
-    import torch.distributed
+def preload() -> None:
+    """Import everything an assignment needs, and run nothing: no thread pool, no CUDA.
+    The worker template (elasticpp.train.forkserver) calls this once and forks warm workers
+    from it; a fork copies only the thread that calls it."""
+    import torch.distributed  # noqa: F401  (torch with it)
 
     import elasticpp.checkpoint.tensors
     import elasticpp.train.engine
     import elasticpp.train.families.gpt
     import elasticpp.train.families.llama
-    import elasticpp.train.hostcopy  # noqa: F401
+    import elasticpp.train.hostcopy
+    import elasticpp.train.kernels  # noqa: F401
+
+
+def prepare(cuda: bool) -> None:
+    """Import and run once everything an assignment needs before saying "ready": a warm
+    worker must never pay an import on the recovery path (tests/unit/test_worker_prepare.py
+    checks that an assignment's optimizer and first step import nothing after this)."""
+    preload()
+    import torch
+
     from elasticpp.train.kernels import warm_up
 
     torch.zeros(1)  # touch the allocator and the thread pool once

@@ -1,11 +1,12 @@
 """Layout independence: every (p, t, d, b) trains the same loss curve as one rank.
 
-All layouts run once in a module fixture on real worker processes (gloo, CPU); the next
-layout's workers are started while the current one trains, so the torch import overlaps.
+All layouts run once in a module fixture on real worker processes (gloo, CPU), forked from
+one worker template (torch imported once, elasticpp.train.forkserver).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.launch import RunResult, kill_all, run_local, spawn_workers
+from elasticpp.train.launch import RunResult, kill_all, run_local, spawn_workers, start_template
 
 MODEL = ModelSpec("t4", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 GLOBAL_BATCH = 10
@@ -79,14 +80,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Case, RunResult]:
     logs: Path = tmp_path_factory.mktemp("layout-logs")
     results: dict[Case, RunResult] = {}
     plans = [plan_for(c) for c in ALL_CASES]
-    upcoming = spawn_workers(plans[0].gpus_used, logs, tag="case0")
+    # Every case's workers are forked from one template (torch imported once); the curves
+    # below are those of forked workers, the agent's warm pool's kind.
+    template = start_template(logs, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert template.usable(), template.why_not
+    upcoming = spawn_workers(plans[0].gpus_used, logs, tag="case0", template=template)
+    forked = [w.forked for w in upcoming]
     try:
         for i, (case, plan) in enumerate(zip(ALL_CASES, plans, strict=True)):
             workers = upcoming
             upcoming = []
             try:
                 if i + 1 < len(ALL_CASES):
-                    upcoming = spawn_workers(plans[i + 1].gpus_used, logs, tag=f"case{i + 1}")
+                    upcoming = spawn_workers(
+                        plans[i + 1].gpus_used, logs, tag=f"case{i + 1}", template=template
+                    )
+                    forked += [w.forked for w in upcoming]
                 job = TrainConfig.from_dict(
                     {**JOB.to_dict(), "schedule": case.schedule, "precision": case.precision}
                 )
@@ -95,6 +104,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Case, RunResult]:
                 kill_all(workers)
     finally:
         kill_all(upcoming)
+        template.close()
+    assert all(forked), "a case's workers were not forked from the template"
     return results
 
 
