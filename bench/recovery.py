@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
-from elasticpp.proctree import blocked_reading_stdin, children, sigterm_as_interrupt
+from elasticpp.proctree import blocked_reading_stdin, sigterm_as_interrupt, worker_processes
 
 BASELINE_DIR = Path(__file__).resolve().parent / "torchrun_baseline"
 GLOBAL_BATCH = 16
@@ -177,7 +177,7 @@ def warm_pool_ready(lc: LocalCluster, node_id: str) -> bool:
     n = lc.node(node_id)
     if n.proc is None or n.proc.poll() is not None:
         return False
-    idle = [p for p in children(n.proc.pid) if blocked_reading_stdin(p)]
+    idle = [p for p in worker_processes(n.proc.pid) if blocked_reading_stdin(p)]
     return len(idle) >= lc.slots
 
 

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.proctree import blocked_reading_stdin, children, descendants
+from elasticpp.proctree import blocked_reading_stdin, descendants, worker_processes
 from elasticpp.waiting import wait_until
 
 GLOBAL_BATCH = 12
@@ -314,7 +314,7 @@ def observe(lc: LocalCluster) -> JobView:
             gen, phase, ranks = -1, "", frozenset()
         warm = 0
         if proc is not None and alive:
-            warm = sum(blocked_reading_stdin(p) for p in children(proc.pid))
+            warm = sum(blocked_reading_stdin(p) for p in worker_processes(proc.pid))
         planned = frozenset(s.rank for s in plan.ranks_on(n.node_id))
         nodes.append(NodeView(n.node_id, gen, phase, planned, ranks, warm, alive))
     steps = [int(r["step"]) for r in lc.metrics() if int(r["generation"]) == record.generation]
@@ -622,7 +622,7 @@ def f_second_fault_in_recovery(ctx: Ctx) -> str:
     delay = ctx.rng.uniform(0.0, 1.5)  # lands in stopping, moving or starting
     time.sleep(delay)
     for n in ctx.rng.sample([n.node_id for n in ctx.lc.nodes], len(ctx.lc.nodes)):
-        pids = [p for p in children(ctx.lc.node(n).proc.pid) if not blocked_reading_stdin(p)]  # type: ignore[union-attr]
+        pids = [p for p in ctx.lc.worker_pids(n) if not blocked_reading_stdin(p)]
         with contextlib.suppress(ProcessLookupError):
             if pids:
                 os.kill(ctx.rng.choice(pids), signal.SIGKILL)

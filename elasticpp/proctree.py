@@ -56,6 +56,28 @@ def children(pid: int) -> list[int]:
     return out
 
 
+TEMPLATE_MODULE = b"elasticpp.train.forkserver"
+
+
+def worker_processes(agent_pid: int) -> list[int]:
+    """The worker processes under an agent, warm or training: its descendants but its worker
+    template (elasticpp.train.forkserver). An exec'd worker is the agent's child, a forked
+    one the template's, and a forked worker keeps the template's command line: the template
+    is the agent's child that runs that module."""
+    out = []
+    for pid in descendants(agent_pid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if parent == agent_pid and TEMPLATE_MODULE in cmdline.split(b"\0"):
+            continue
+        out.append(pid)
+    return out
+
+
 def blocked_reading_stdin(pid: int) -> bool:
     """Whether `pid` waits in read(0, ...): a warm worker that imported torch and waits for
     its assignment does (x86-64 and arm64 number read 0 and 63)."""

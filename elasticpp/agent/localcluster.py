@@ -21,7 +21,7 @@ from typing import Any
 
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.errors import ElasticppError
-from elasticpp.proctree import descendants
+from elasticpp.proctree import descendants, worker_processes
 from elasticpp.waiting import wait_until
 
 
@@ -174,8 +174,9 @@ class LocalCluster:
             n.proc.wait(timeout=10)
 
     def worker_pids(self, node_id: str) -> list[int]:
+        """The node's worker processes, warm or training (not its worker template)."""
         n = self.node(node_id)
-        return descendants(n.proc.pid) if n.proc and n.proc.poll() is None else []
+        return worker_processes(n.proc.pid) if n.proc and n.proc.poll() is None else []
 
     def metrics(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.proctree import descendants
+from elasticpp.proctree import blocked_reading_stdin, descendants
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 from elasticpp.waiting import wait_until
 
@@ -71,19 +71,10 @@ def _training_pids(lc: LocalCluster, node_id: str) -> set[int]:
 
 
 def _warm_spares(lc: LocalCluster, node_id: str) -> set[int]:
-    # The agent's direct children that hold no rank: its warm workers.
-    agent = lc.node(node_id).proc
-    assert agent is not None
-    children = {p for p in lc.worker_pids(node_id) if _parent(p) == agent.pid}
-    return children - _training_pids(lc, node_id)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    # The node's worker processes that hold no rank and wait for one: its warm workers (not
+    # its worker template, which forks them).
+    training = _training_pids(lc, node_id)
+    return {p for p in lc.worker_pids(node_id) if p not in training and blocked_reading_stdin(p)}
 
 
 @pytest.mark.timeout(240)

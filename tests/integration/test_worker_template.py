@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.proctree import descendants
+from elasticpp.proctree import blocked_reading_stdin, descendants, worker_processes
 from elasticpp.train.launch import kill_all, spawn_workers, start_template
 from elasticpp.train.procs import EXITED, WorkerTemplate
 from elasticpp.waiting import wait_until
@@ -168,6 +168,9 @@ def test_a_killed_supervisor_takes_its_template_and_forked_workers_with_it(
         assert sup.poll() is None, "the supervisor failed"
         started = descendants(sup.pid)
         assert len(started) == 3  # the template and two workers
+        # What a harness counts as the supervisor's workers: not the template.
+        workers = worker_processes(sup.pid)
+        assert len(workers) == 2 and all(blocked_reading_stdin(p) for p in workers), workers
         os.kill(sup.pid, signal.SIGKILL)  # no handler runs: only the lifelines help
         sup.wait(timeout=10)
         assert wait_until(lambda: not any(_alive(p) for p in started), 10), (
