@@ -262,8 +262,14 @@ def run(args: argparse.Namespace) -> int:
         write_manifest,
     )
     from elasticpp.checkpoint.manifest import PieceEntry as Entry
-    from elasticpp.train.launch import default_threads, kill_all, run_local, spawn_workers
-    from elasticpp.train.procs import WorkerError
+    from elasticpp.train.launch import (
+        default_threads,
+        kill_all,
+        run_local,
+        spawn_workers,
+        start_template,
+    )
+    from elasticpp.train.procs import WorkerError, WorkerTemplate
     from elasticpp.train.snapshots import is_snapshot_writer
 
     # Worker logs go to --log-dir, or to a temporary directory that is removed when the run
@@ -286,9 +292,16 @@ def run(args: argparse.Namespace) -> int:
     # control starts background commands with SIGINT ignored, and Python keeps it so.
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     workers: list[Any] = []
+    template: WorkerTemplate | None = None
     started = time.monotonic()
     try:
-        workers = spawn_workers(plan.gpus_used, log_dir, tag="rank", device=args.device)
+        if plan.gpus_used > 1:
+            # One process imports torch and forks the ranks (elasticpp.train.forkserver);
+            # where it cannot, the ranks are exec'd.
+            template = start_template(log_dir, device=args.device)
+        workers = spawn_workers(
+            plan.gpus_used, log_dir, tag="rank", device=args.device, template=template
+        )
 
         def on_record(record: dict[str, Any]) -> None:
             if metrics is not None:
@@ -356,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
         return 143
     finally:
         kill_all(workers)
+        if template is not None:
+            template.close()
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
         if metrics is not None:

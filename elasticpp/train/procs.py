@@ -297,6 +297,10 @@ class WorkerTemplate:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         child_env = dict(env) if env is not None else dict(os.environ)
         child_env[TEMPLATE_FD_ENV] = str(theirs.fileno())
+        # numpy's OpenBLAS (imported with torch) starts a thread pool at import unless told
+        # not to, and a template with a second thread does not fork. torch's CPU kernels do
+        # not use it; the forked workers keep numpy's BLAS on one thread.
+        child_env.setdefault("OPENBLAS_NUM_THREADS", "1")
         try:
             with log_path.open("ab") as out:
                 self.proc = subprocess.Popen(

@@ -17,7 +17,7 @@ import torch
 
 from elasticpp.checkpoint.manifest import verify_step_dir
 from elasticpp.checkpoint.tensors import load_units
-from elasticpp.proctree import descendants
+from elasticpp.proctree import descendants, worker_processes
 from elasticpp.train.launch import wait_gone
 from elasticpp.waiting import wait_until
 
@@ -68,7 +68,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def children_of(pid: int) -> list[int]:
-    return descendants(pid)
+    """The command's worker processes (forked from its worker template, not the template)."""
+    return worker_processes(pid)
 
 
 @pytest.mark.timeout(60)
@@ -317,6 +318,7 @@ def test_a_killed_worker_ends_the_command_non_zero_within_seconds_leaving_no_pro
         wait_for_steps(proc, metrics, 90)
         workers = children_of(proc.pid)
         assert len(workers) == 2
+        everything = descendants(proc.pid)  # the workers and their template
         os.kill(workers[1], signal.SIGKILL)
         killed = time.monotonic()
         rc = proc.wait(timeout=30)
@@ -327,7 +329,7 @@ def test_a_killed_worker_ends_the_command_non_zero_within_seconds_leaving_no_pro
         assert proc.stderr is not None
         err = proc.stderr.read()
         assert "exited with code" in err or "rank 0:" in err, err
-        assert wait_gone(workers, 10) == []
+        assert wait_gone(everything, 10) == []
         # A failed run keeps its worker logs, and says where they are.
         (kept,) = (tmp_path / "tmp").glob("elasticpp-train-*")
         assert f"worker logs are in {kept}" in err
@@ -348,6 +350,7 @@ def test_ctrl_c_or_sigterm_kills_every_worker(
         wait_for_steps(proc, metrics, 90)
         workers = children_of(proc.pid)
         assert len(workers) == 2
+        everything = descendants(proc.pid)  # the workers and their template
         proc.send_signal(signal.SIGUSR1)  # prints the threads' stacks; training goes on
         proc.send_signal(sig)
         assert proc.stderr is not None
@@ -361,6 +364,6 @@ def test_ctrl_c_or_sigterm_kills_every_worker(
             pytest.fail(f"no exit 30 s after signal {sig}; its stacks:\n{proc.stderr.read()}")
         assert rc in (130, 143)
         assert "most recent call first" in proc.stderr.read()
-        assert wait_gone(workers, 10) == []
+        assert wait_gone(everything, 10) == []
     finally:
         cleanup(proc, workers)

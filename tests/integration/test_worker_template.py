@@ -197,3 +197,18 @@ def test_a_template_is_not_asked_before_it_is_ready(tmp_path: Path) -> None:
             kill_all(workers)
     finally:
         template.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_template_forks_whatever_the_thread_settings(tmp_path: Path, no_orphans: None) -> None:
+    # Without OMP_NUM_THREADS, or with several intra-op threads, numpy's BLAS would start a
+    # thread pool at import (and a template with two threads must not fork): the template
+    # keeps it to one thread unless OPENBLAS_NUM_THREADS says otherwise.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
+    for threads in (None, "4"):
+        run_env = env if threads is None else {**env, "OMP_NUM_THREADS": threads}
+        template = start_template(tmp_path / str(threads), env=run_env)
+        try:
+            assert template.usable(), (threads, template.why_not)
+        finally:
+            template.close()
