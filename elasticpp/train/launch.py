@@ -76,12 +76,8 @@ def start_template(
     given up). The caller closes it after its workers."""
     env = {**(env if env is not None else os.environ), WORKER_DEVICE_ENV: device}
     template = WorkerTemplate(log_dir / "template.log", python=python, env=env)
-    deadline = time.monotonic() + timeout_s
-    while template.loading():
-        if time.monotonic() > deadline:
-            template.give_up(f"not ready within {timeout_s:.0f} s")
-            break
-        time.sleep(0.02)
+    if not template.wait_settled(timeout_s):
+        template.give_up(f"not ready within {timeout_s:.0f} s")
     return template
 
 

@@ -289,6 +289,7 @@ class WorkerTemplate:
         self.why_not: str | None = None  # why it is not used, once it is not
         self._on_ready = on_ready
         self._ready = False
+        self._settled = threading.Event()  # ready, or failed
         self._lock = threading.Lock()
         self._next_id = 0
         self._answers: dict[int, queue.Queue[dict[str, Any]]] = {}
@@ -324,6 +325,10 @@ class WorkerTemplate:
     def usable(self) -> bool:
         return self._ready and self.why_not is None
 
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until it is ready or has failed; False if it still loads after `timeout_s`."""
+        return self._settled.wait(timeout_s)
+
     def loading(self) -> bool:
         """Still importing: neither ready nor failed."""
         return not self._ready and self.why_not is None
@@ -353,6 +358,7 @@ class WorkerTemplate:
             if not obj.get("forkable"):
                 self._fail(f"the template cannot fork: {obj.get('why')}")
             self._ready = True
+            self._settled.set()
             if self._on_ready is not None:
                 self._on_ready()
             return
@@ -376,6 +382,7 @@ class WorkerTemplate:
     def _fail(self, why: str, *, quiet: bool = False) -> None:
         if self.why_not is None:
             self.why_not = why
+            self._settled.set()
             if not quiet:
                 log.warning(
                     "worker template %d not used: %s; workers start with exec", self.pid, why

@@ -23,16 +23,9 @@ from elasticpp.proctree import blocked_reading_stdin, descendants, worker_proces
 from elasticpp.train.launch import kill_all, spawn_workers, start_template
 from elasticpp.train.procs import EXITED, WorkerTemplate
 from elasticpp.waiting import wait_until
+from tests.integration.test_worker_lifeline import _alive
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _hooked_env(tmp_path: Path, source: str) -> dict[str, str]:
