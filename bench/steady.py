@@ -13,12 +13,14 @@ seq 128), where compute dominates a step on this CPU. Every process runs one tor
   `Schedule1F1B` over the same stage cut (`torchrun_baseline/train_pipe.py`); P = 2 and 4
   (4 processes) on the small model, 2 at the compute size;
 - agent: a job under the agent (`LocalCluster`: real etcd, 2 agent processes of 1 slot,
-  snapshots and replication every step, the defaults) against `elasticpp train` at the layout
-  the agent's planner chose (b = 2); in between, one phase at a time: the same training with
-  the workers' snapshots every step but no agent, the agent with no snapshots
-  (`snapshot_every` past the end), and the agent with snapshots but no replication
-  (`replication_copies: 0`). A phase's cost is a difference of those step times within one
-  repetition; the table gives its median over the repetitions.
+  the defaults: a snapshot at least every `snapshot_every_s` = 2 s of training, each one
+  replicated to the peer) against `elasticpp train` at the layout the agent's planner chose
+  (b = 2); in between, one phase at a time: the same training with the workers' snapshots on
+  the same time rule but no agent, the agent with no snapshots (`snapshot_every` past the
+  end), and the agent with snapshots but no replication (`replication_copies: 0`). A phase's
+  cost is a difference of those step times within one repetition; the table gives its median
+  over the repetitions. The agent with snapshots and replication every step
+  (`snapshot_every: 1`, the default before the time rule) runs beside them.
 
 Throughput is B x seq_len / the median interval between consecutive steps' completions (after
 a warm-up), from each system's own per-step records. The configurations of one comparison run
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticpp.agent.jobspec import SNAPSHOT_EVERY_S_DEFAULT
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.proctree import sigterm_as_interrupt
 
@@ -63,6 +66,7 @@ SIZES: dict[str, tuple[str | dict[str, Any], int, int]] = {
     ),
 }
 RUN_TIMEOUT_S = 300.0
+FULL_AGENT = "agent, defaults (snapshots + replication)"
 
 
 class BenchError(RuntimeError):
@@ -122,7 +126,8 @@ def run_train(
     model: str, layout: str, micro_batch: int, steps: int, *, snapshots: bool = False
 ) -> Callable[[Path], list[float]]:
     """`elasticpp train`'s own path (warm workers, `run_local`), optionally with the
-    workers' snapshots every step (written and reported as under an agent, nothing else)."""
+    workers' snapshots on the agent's default time rule (written and reported as under an
+    agent, nothing else)."""
 
     def run(workdir: Path) -> list[float]:
         from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
@@ -146,7 +151,7 @@ def run_train(
                 TrainConfig(seed=0, steps=steps),
                 workers,
                 snapshot_dir=workdir / "snapshots" if snapshots else None,
-                snapshot_every=1 if snapshots else 0,
+                snapshot_every_s=SNAPSHOT_EVERY_S_DEFAULT if snapshots else 0.0,
                 num_threads=1,
                 on_record=lambda _record: times.append(time.monotonic()),
             )
@@ -284,7 +289,13 @@ def configs_for(size: str, model: str, steps: int, pps: Sequence[int]) -> list[C
     base = "elasticpp train (agent's layout)"
     out += [
         Config("agent", base, train_at_agent_layout(False)),
-        Config("agent", "+ worker snapshots every step", train_at_agent_layout(True), base),
+        Config(
+            "agent",
+            "agent, snapshots + replication every step",
+            run_agent(model, steps, layouts, snapshot_every=1),
+            base,
+        ),
+        Config("agent", "+ worker snapshots", train_at_agent_layout(True), base),
         Config(
             "agent",
             "agent, no snapshots",
@@ -297,7 +308,7 @@ def configs_for(size: str, model: str, steps: int, pps: Sequence[int]) -> list[C
             run_agent(model, steps, layouts, replication_copies=0),
             base,
         ),
-        Config("agent", "agent, snapshots + replication", run_agent(model, steps, layouts), base),
+        Config("agent", FULL_AGENT, run_agent(model, steps, layouts), base),
     ]
     out = [dataclasses.replace(c, row=i) for i, c in enumerate(out)]
     # The full agent runs first: it tells the layout the `elasticpp train` runs compare at.
@@ -328,10 +339,16 @@ def table(size: str, configs: list[Config], tput: dict[str, list[float]], seq_le
             f"| {c.group} | {c.name} | {tokens / med:.3f} | {med:,.0f} [{min(got):,.0f}–"
             f"{max(got):,.0f}] | {vs} |"
         )
-    agent = [c.name for c in configs if c.group == "agent"]
-    if len(agent) == 5:
-        # Per repetition (the five ran back to back), then the median of each phase.
-        reps = [[tokens / tput[name][i] for name in agent] for i in range(len(tput[agent[0]]))]
+    phase_of = [
+        "elasticpp train (agent's layout)",
+        "+ worker snapshots",
+        "agent, no snapshots",
+        "agent, snapshots, no replication",
+        FULL_AGENT,
+    ]
+    if all(name in tput for name in phase_of):
+        # Per repetition (they ran back to back), then the median of each phase.
+        reps = [[tokens / tput[name][i] for name in phase_of] for i in range(len(tput[FULL_AGENT]))]
         phases = {
             "the workers' snapshots (copy, serialise, hash, write)": [t[1] - t[0] for t in reps],
             "the agent itself (no state handled)": [t[2] - t[0] for t in reps],

@@ -226,7 +226,7 @@ class FollowerPart:
                     "start_step": step,
                     "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),
                     "snapshot_dir": str(self.store.snapshot_dir(gs.generation)),
-                    "snapshot_every": self.spec.snapshot_every,
+                    **self.spec.worker_snapshots(),
                     "snapshot_when_busy": self.spec.snapshot_when_busy,
                     "backend": self.cfg.backend,
                     "device": self.cfg.device,

@@ -47,6 +47,9 @@ from elasticpp.plan.specs import check_fields
 from elasticpp.train.config import TrainConfig
 
 JOBSPEC_FORMAT_VERSION = 1
+# Periodic snapshots when a spec names neither `snapshot_every` nor `snapshot_every_s`: one at
+# least every this many seconds of training (docs/store.md, "How often state is saved").
+SNAPSHOT_EVERY_S_DEFAULT = 2.0
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps", "clip_grad")
 # Top-level keys of the spec copied into its TrainConfig.
@@ -87,13 +90,18 @@ class JobSpec:
     # The planner's cost model of one slot: a preset name (`cpu` on CPU nodes), or a mapping
     # of `DeviceSpec` fields for hardware without a preset.
     device: str | dict[str, Any] = "cpu"
-    snapshot_every: int = 1  # hand state to the node's store every N committed steps
+    # Periodic snapshots, the state a worker's failure resumes from and replication sends:
+    # every `snapshot_every` steps, or (the default) on the first step at least
+    # `snapshot_every_s` seconds of training after the last one. Give one of the two (the
+    # other is stored as 0); neither: `snapshot_every_s` = SNAPSHOT_EVERY_S_DEFAULT.
+    snapshot_every: int | None = None
+    snapshot_every_s: float | None = None
     # A snapshot due while a worker's writer is still busy with the last one: "wait" (every
     # due step is written; training waits for the disk) or "skip" (every rank skips it alike;
     # training never waits, a crash recomputes the steps since the newest written one).
     snapshot_when_busy: str = "wait"
     replication_copies: int = 1  # peer nodes holding a copy of each node's pieces (ring order)
-    replication_every: int = 1  # replicate every N committed steps
+    replication_every: int = 1  # replicate committed steps divisible by N (see snapshot_every_s)
     persist_dir: str | None = None  # persistent checkpoints (a shared directory), or none
     persist_every: int = 0  # steps between persistent checkpoints; 0 = never
     lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (whole s, >= 3)
@@ -120,6 +128,7 @@ class JobSpec:
     init_from: str | None = None
 
     def __post_init__(self) -> None:
+        self._resolve_snapshot_cadence()
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise ConfigError(
                 f"job spec: name must be lowercase letters, digits and '-', got {self.name!r}"
@@ -130,7 +139,6 @@ class JobSpec:
             "steps",
             "min_nodes",
             "max_nodes",
-            "snapshot_every",
             "replication_every",
             "quarantine_after",
             "max_failures",
@@ -182,6 +190,45 @@ class JobSpec:
             )
         if self.persist_every and not self.persist_dir:
             raise ConfigError("job spec: persist_every is set but persist_dir is not")
+
+    def _resolve_snapshot_cadence(self) -> None:
+        every, every_s = self.snapshot_every, self.snapshot_every_s
+        if every is not None:
+            _check_int("snapshot_every", every, minimum=0)
+        if every_s is not None and (
+            isinstance(every_s, bool)
+            or not isinstance(every_s, (int, float))
+            or not 0 <= every_s < float("inf")
+        ):
+            raise ConfigError(f"job spec: snapshot_every_s must be a number >= 0, got {every_s!r}")
+        if every and every_s:
+            raise ConfigError(
+                f"job spec: give one of snapshot_every ({every} steps) and snapshot_every_s "
+                f"({every_s} s), not both"
+            )
+        if every is not None and every_s is not None and not every and not every_s:
+            raise ConfigError(
+                "job spec: snapshot_every and snapshot_every_s are both 0: one of them must "
+                "say how often state is saved"
+            )
+        if not every and not every_s:
+            every_s = SNAPSHOT_EVERY_S_DEFAULT
+        # Frozen: the resolved pair is what is stored, so a spec read back from etcd is equal.
+        object.__setattr__(self, "snapshot_every", int(every or 0))
+        object.__setattr__(self, "snapshot_every_s", float(every_s or 0.0))
+
+    def worker_snapshots(self) -> dict[str, Any]:
+        """The workers' snapshot rules (`train.worker.Assignment`). Under the time rule a
+        snapshot waits for a step divisible by `replication_every` (when replicating), so
+        every snapshot is an anchor and the anchors are the same steps on every node; the
+        steps a persistent checkpoint is due at are always snapshots."""
+        if self.snapshot_every:
+            return {"snapshot_every": self.snapshot_every, "snapshot_every_s": 0.0}
+        return {
+            "snapshot_every": self.persist_every if self.persist_dir else 0,
+            "snapshot_every_s": self.snapshot_every_s,
+            "snapshot_align": self.replication_every if self.replication_copies else 1,
+        }
 
     def sick_policy(self) -> SickPolicy:
         return SickPolicy(

@@ -73,6 +73,8 @@ class StepResult:
     peak_activation_bytes: int  # most bytes autograd held saved for live micro-batches
     stop_at: int  # the agreed stop step (NO_STOP if none)
     writers_idle: bool = True  # every rank's snapshot writer was free after the update
+    # The shortest time any rank's snapshot writer has been free (see Trainer.train_step).
+    writers_rested_s: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -238,12 +240,18 @@ class Trainer:
     # ----- one step -----
 
     def train_step(
-        self, step: int, local_stop: int, writer_idle: Callable[[], bool] = lambda: True
+        self,
+        step: int,
+        local_stop: int,
+        writer_idle: Callable[[], bool] = lambda: True,
+        writer_rested: Callable[[], float] = lambda: math.inf,
     ) -> StepResult:
-        """One step. `writer_idle()`, asked once after the update, says whether this rank's
-        snapshot writer is free; `StepResult.writers_idle` is whether every rank's is (it
-        travels in the step's last all-gather), so every rank takes or skips a snapshot of
-        this step alike."""
+        """One step. `writer_idle()` and `writer_rested()`, asked once after the update, say
+        whether this rank's snapshot writer is free and for how long (s) it has been, since
+        its last write ended or its last snapshot was taken (0 while busy; infinite for a
+        rank that writes none); `StepResult.writers_idle` is whether every rank's writer is
+        free and `StepResult.writers_rested_s` the shortest of those times (both travel in the
+        step's last all-gather), so every rank takes or skips a snapshot of this step alike."""
         started = time.perf_counter()
         plan, g = self.plan, self.groups
         B, b = plan.global_batch, plan.micro_batch
@@ -365,6 +373,7 @@ class Trainer:
                 float(loss_sum.item()) if g.is_last_stage and self.coord.tp == 0 else 0.0,
                 float(min(local_stop, NO_STOP)),
                 1.0 if writer_idle() else 0.0,
+                float(writer_rested()),
             ],
             dtype=torch.float64,
             device=self.device,
@@ -375,6 +384,7 @@ class Trainer:
         loss = float(rows[:, 0].sum()) / B
         agreed_stop = int(rows[:, 1].min())
         writers_idle = bool(rows[:, 2].min() > 0.5)
+        writers_rested_s = float(rows[:, 3].min())
         return StepResult(
             step=step,
             loss=loss,
@@ -388,6 +398,7 @@ class Trainer:
             peak_activation_bytes=peak_bytes,
             stop_at=agreed_stop,
             writers_idle=writers_idle,
+            writers_rested_s=writers_rested_s,
         )
 
     def _autocast(self) -> torch.autocast:

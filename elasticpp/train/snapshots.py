@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +55,7 @@ class SnapshotWriter:
         self.last_step: int | None = None  # the newest step handed over
         self.failed = 0  # snapshots lost to disk errors
         self.waited = 0  # submits that waited for the write in flight (the disk is behind)
+        self._idle_at = time.monotonic()  # when the last write ended (or the writer started)
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -61,6 +63,14 @@ class SnapshotWriter:
         """Nothing in flight: a `submit` now would not wait."""
         with self._cond:
             return self._waiting is None and not self._busy
+
+    def idle_since(self) -> float | None:
+        """When (time.monotonic()) the last write ended; None while one is waiting or being
+        written."""
+        with self._cond:
+            if self._waiting is not None or self._busy:
+                return None
+            return self._idle_at
 
     def wait_for_room(self) -> None:
         """Wait until no snapshot is in flight (waiting or being written): the host buffers
@@ -87,6 +97,8 @@ class SnapshotWriter:
         self.flush()
         self.last_step = step
         self._write(step, capture())
+        with self._cond:
+            self._idle_at = time.monotonic()
 
     def flush(self) -> None:
         """Wait until nothing is waiting or being written."""
@@ -113,6 +125,7 @@ class SnapshotWriter:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._idle_at = time.monotonic()
                     self._cond.notify_all()
 
     def _write(self, step: int, states: Sequence[PieceSource]) -> None:

@@ -76,7 +76,12 @@ class Assignment:
     start_step: int = 0
     resume_dir: str | None = None
     snapshot_dir: str | None = None
-    snapshot_every: int = 1  # 0 = only after the last step and at a stop
+    snapshot_every: int = 1  # every N steps; 0 = no step rule
+    # Also (or instead) a snapshot on the first step divisible by `snapshot_align` once every
+    # rank's writer has been free this long (s) since its last write ended; 0 = no time
+    # rule. Neither rule: only after the last step and at a stop.
+    snapshot_every_s: float = 0.0
+    snapshot_align: int = 1
     # A periodic snapshot due while a rank's writer is still busy: "wait" for it (every due
     # step is written), or "skip" the step on every rank (training never waits for the disk).
     snapshot_when_busy: str = "wait"
@@ -103,6 +108,12 @@ class Assignment:
             raise ConfigError("assignment: start_step > 0 needs a resume_dir")
         if self.snapshot_every < 0:
             raise ConfigError("assignment: snapshot_every must be >= 0")
+        if not (math.isfinite(self.snapshot_every_s) and self.snapshot_every_s >= 0):
+            raise ConfigError(
+                f"assignment: snapshot_every_s must be a number >= 0, got {self.snapshot_every_s}"
+            )
+        if self.snapshot_align < 1:
+            raise ConfigError(f"assignment: snapshot_align must be >= 1, got {self.snapshot_align}")
         if self.snapshot_when_busy not in SNAPSHOT_WHEN_BUSY:
             raise ConfigError(
                 f"assignment: snapshot_when_busy must be one of {', '.join(SNAPSHOT_WHEN_BUSY)}"
@@ -115,6 +126,21 @@ class Assignment:
             raise ConfigError("assignment: num_threads must be positive or null")
         if self.gpu_index is not None and self.gpu_index < 0:
             raise ConfigError("assignment: gpu_index must be >= 0 or null")
+
+    def snapshot_due(self, step: int, rested_s: float) -> bool:
+        """Whether the state after `step` steps is a periodic snapshot: every
+        `snapshot_every`-th step, or a step divisible by `snapshot_align` once every rank's
+        writer has been free for `snapshot_every_s` (`rested_s`: the shortest such time over
+        the ranks, the same on every rank, so every rank decides alike). The time rule never
+        makes training wait for a write in flight: a write takes what it takes, and the
+        interval starts when it ends."""
+        if self.snapshot_every > 0 and step % self.snapshot_every == 0:
+            return True
+        return (
+            self.snapshot_every_s > 0
+            and rested_s >= self.snapshot_every_s
+            and step % self.snapshot_align == 0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -129,6 +155,8 @@ class Assignment:
             "resume_dir": self.resume_dir,
             "snapshot_dir": self.snapshot_dir,
             "snapshot_every": self.snapshot_every,
+            "snapshot_every_s": self.snapshot_every_s,
+            "snapshot_align": self.snapshot_align,
             "snapshot_when_busy": self.snapshot_when_busy,
             "backend": self.backend,
             "device": self.device,
@@ -157,6 +185,8 @@ class Assignment:
                 resume_dir=_opt_str(data.get("resume_dir")),
                 snapshot_dir=_opt_str(data.get("snapshot_dir")),
                 snapshot_every=int(data.get("snapshot_every", 1)),
+                snapshot_every_s=float(data.get("snapshot_every_s", 0.0)),
+                snapshot_align=int(data.get("snapshot_align", 1)),
                 snapshot_when_busy=str(data.get("snapshot_when_busy", "wait")),
                 backend=str(data.get("backend", "gloo")),
                 device=str(data.get("device", "cpu")),
@@ -310,12 +340,22 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     skip_busy = writer is not None and a.snapshot_when_busy == "skip"
     skipped = 0  # periodic snapshots skipped because some rank's writer was busy
 
+    # The state this generation starts from is the newest one on disk: the time rule counts
+    # from the start of training.
+    last_snapshot = time.monotonic()
+
     def writer_idle() -> bool:
         return not skip_busy or writer is None or writer.idle()
 
+    def writer_rested() -> float:
+        if writer is None:
+            return math.inf  # this rank writes no snapshot: it never holds one back
+        idle_at = writer.idle_since()
+        return 0.0 if idle_at is None else time.monotonic() - max(idle_at, last_snapshot)
+
     while step < job.steps and step < stop:
         with profile.around(step):
-            res = trainer.train_step(step, control.value(NO_STOP), writer_idle)
+            res = trainer.train_step(step, control.value(NO_STOP), writer_idle, writer_rested)
         out.emit(
             {
                 "event": "step",
@@ -349,10 +389,11 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
         stop = res.stop_at
         if writer is not None:
             writer.check()
-            periodic = a.snapshot_every > 0 and step % a.snapshot_every == 0
+            periodic = a.snapshot_due(step, res.writers_rested_s)
             if periodic and step < job.steps and step < stop:
                 if res.writers_idle:  # the same answer on every rank: see Trainer.train_step
                     writer.submit(step, capture)
+                    last_snapshot = time.monotonic()
                 else:
                     skipped += 1
                     if skipped in (1, 10, 100) or skipped % 1000 == 0:

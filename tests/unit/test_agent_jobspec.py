@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.jobspec import JobSpec, diff, load_job_spec, parse_job_spec
+from elasticpp.agent.jobspec import (
+    SNAPSHOT_EVERY_S_DEFAULT,
+    JobSpec,
+    diff,
+    load_job_spec,
+    parse_job_spec,
+)
 from elasticpp.errors import ConfigError
 from elasticpp.train.config import TrainConfig
 
@@ -50,6 +57,40 @@ def test_compile_and_snapshot_when_busy_are_kept_and_default_off_and_wait() -> N
     assert again.train_config().compile is True and again.snapshot_when_busy == "skip"
 
 
+def test_snapshots_default_to_the_time_rule_and_a_step_rule_replaces_it() -> None:
+    plain = parse_job_spec(dict(MINIMAL))
+    assert (plain.snapshot_every, plain.snapshot_every_s) == (0, SNAPSHOT_EVERY_S_DEFAULT)
+    assert plain.worker_snapshots() == {
+        "snapshot_every": 0,
+        "snapshot_every_s": SNAPSHOT_EVERY_S_DEFAULT,
+        "snapshot_align": 1,
+    }
+    steps = parse_job_spec({**MINIMAL, "snapshot_every": 3})
+    assert (steps.snapshot_every, steps.snapshot_every_s) == (3, 0.0)
+    assert steps.worker_snapshots() == {"snapshot_every": 3, "snapshot_every_s": 0.0}
+    # Either way the resolved pair is what etcd stores, and it reads back equal.
+    for spec in (plain, steps, parse_job_spec({**MINIMAL, "snapshot_every_s": 0.5})):
+        again = JobSpec.from_json(spec.to_json())
+        assert again == spec and again.to_json() == spec.to_json()
+    # A spec stored before the time rule existed (snapshot_every only) keeps its step rule.
+    old = json.loads(steps.to_json())
+    del old["snapshot_every_s"]
+    assert JobSpec.from_json(json.dumps(old)).snapshot_every == 3
+
+
+def test_time_rule_snapshots_land_on_anchors_and_on_persistent_checkpoints() -> None:
+    spec = parse_job_spec(
+        {**MINIMAL, "replication_every": 4, "persist_dir": "/ckpt", "persist_every": 10}
+    )
+    assert spec.worker_snapshots() == {
+        "snapshot_every": 10,  # every persistent checkpoint's step is a snapshot
+        "snapshot_every_s": SNAPSHOT_EVERY_S_DEFAULT,
+        "snapshot_align": 4,  # a timed snapshot waits for an anchor step
+    }
+    unreplicated = parse_job_spec({**MINIMAL, "replication_every": 4, "replication_copies": 0})
+    assert unreplicated.worker_snapshots()["snapshot_align"] == 1
+
+
 def test_precision_is_copied_to_the_train_config_and_defaults_to_fp32() -> None:
     assert parse_job_spec(dict(MINIMAL)).train_config().precision == "fp32"
     spec = parse_job_spec({**MINIMAL, "precision": "bf16"})
@@ -78,6 +119,11 @@ def test_precision_is_copied_to_the_train_config_and_defaults_to_fp32() -> None:
         ({"data": "corpus.txt", "data_shuffle": False}, "data_shuffle"),
         ({"data_dtype": "uint16"}, "data_dtype"),
         ({"persist_every": 5}, "persist_dir"),
+        ({"snapshot_every": -1}, "snapshot_every must be an integer >= 0"),
+        ({"snapshot_every_s": -0.5}, "snapshot_every_s must be a number >= 0"),
+        ({"snapshot_every_s": "2s"}, "snapshot_every_s must be a number >= 0"),
+        ({"snapshot_every": 4, "snapshot_every_s": 2}, "give one of snapshot_every"),
+        ({"snapshot_every": 0, "snapshot_every_s": 0}, "both 0"),
         ({"device": "tpu"}, "tpu"),
         ({"device": {"memory_gib": 8, "peak_tflops": 1}}, "intra_node_gbps"),
         ({"device": {"memory_gib": 8, "colour": 1}}, "colour"),
