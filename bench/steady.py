@@ -11,7 +11,7 @@ seq 128), where compute dominates a step on this CPU. Every process runs one tor
   against torchrun + DDP (`torchrun_baseline/train_ddp.py`, no checkpoints);
 - pp=P: `elasticpp train` at `pp=P` (b = 2) against torch.distributed.pipelining's
   `Schedule1F1B` over the same stage cut (`torchrun_baseline/train_pipe.py`); P = 2 and 4
-  (4 processes) on the small model, 2 at the compute size;
+  (4 processes) at both sizes;
 - agent: a job under the agent (`LocalCluster`: real etcd, 2 agent processes of 1 slot,
   the defaults: a snapshot at least every `snapshot_every_s` = 2 s of training, each one
   replicated to the peer) against `elasticpp train` at the layout the agent's planner chose
@@ -67,6 +67,14 @@ SIZES: dict[str, tuple[str | dict[str, Any], int, int]] = {
 }
 RUN_TIMEOUT_S = 300.0
 FULL_AGENT = "agent, defaults (snapshots + replication)"
+# The agent's tax, phase by phase: each config adds one phase to the one before it.
+PHASE_CONFIGS = (
+    "elasticpp train (agent's layout)",
+    "+ worker snapshots",
+    "agent, no snapshots",
+    "agent, snapshots, no replication",
+    FULL_AGENT,
+)
 
 
 class BenchError(RuntimeError):
@@ -339,16 +347,11 @@ def table(size: str, configs: list[Config], tput: dict[str, list[float]], seq_le
             f"| {c.group} | {c.name} | {tokens / med:.3f} | {med:,.0f} [{min(got):,.0f}–"
             f"{max(got):,.0f}] | {vs} |"
         )
-    phase_of = [
-        "elasticpp train (agent's layout)",
-        "+ worker snapshots",
-        "agent, no snapshots",
-        "agent, snapshots, no replication",
-        FULL_AGENT,
-    ]
-    if all(name in tput for name in phase_of):
+    if all(name in tput for name in PHASE_CONFIGS):
         # Per repetition (they ran back to back), then the median of each phase.
-        reps = [[tokens / tput[name][i] for name in phase_of] for i in range(len(tput[FULL_AGENT]))]
+        reps = [
+            [tokens / tput[name][i] for name in PHASE_CONFIGS] for i in range(len(tput[FULL_AGENT]))
+        ]
         phases = {
             "the workers' snapshots (copy, serialise, hash, write)": [t[1] - t[0] for t in reps],
             "the agent itself (no state handled)": [t[2] - t[0] for t in reps],
@@ -370,9 +373,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of every config")
     parser.add_argument("--sizes", default="small,compute", help=f"of {', '.join(SIZES)}")
-    parser.add_argument(
-        "--pp", default="2,4", help="pipeline depths compared (the compute size: the first only)"
-    )
+    parser.add_argument("--pp", default="2,4", help="pipeline depths compared, at both sizes")
     parser.add_argument(
         "--groups", default="dp,pp,agent", help="comparisons to run: dp, pp (every depth), agent"
     )
@@ -407,7 +408,7 @@ def main() -> int:
             from elasticpp.train.modelref import resolve_model
 
             seq_len = resolve_model(model).spec.seq_len
-            configs = configs_for(size, model, steps, pps if size == "small" else pps[:1])
+            configs = configs_for(size, model, steps, pps)
             tput: dict[str, list[float]] = {c.name: [] for c in configs}
             wanted = set(args.groups.split(","))
             configs = [c for c in configs if c.group.split("=")[0] in wanted]

@@ -33,6 +33,9 @@ SPEC: dict[str, Any] = {
     "lease_ttl_s": 3,
     "join_settle_s": 0.5,
     "hang_timeout_s": 20,
+    # Every step committed, so what the nodes hold at the wipe is the step they stopped at
+    # (under the default time rule a 10-step job may commit nothing before its end).
+    "snapshot_every": 1,
 }
 
 
@@ -71,7 +74,7 @@ def test_a_job_whose_etcd_state_is_wiped_resumes_from_what_its_nodes_hold(
 
     assert wait_until(all_stopped, 60), "the agents did not stop when their epoch went"
     assert [n.proc.returncode for n in cluster.nodes] == [EPOCH_ENDED_EXIT] * 2  # type: ignore[union-attr]
-    before = cluster.max_step()  # every step trained was committed (snapshot_every 1)
+    before = cluster.max_step()  # every step trained was committed (snapshot_every: 1)
     for n in cluster.nodes:
         cluster.start_node(n.node_id)
     cluster.wait_finished(120)

@@ -135,6 +135,9 @@ def leader_of(lc: LocalCluster) -> str | None:
         return c.leader()
 
 
+# Every step committed (the step rule; the default time rule commits a step every 2 s):
+# then at most the step in flight is recomputed.
+@pytest.mark.parametrize("cluster", [{"snapshot_every": 1}], indirect=True)
 @pytest.mark.timeout(240)
 def test_kill_9_of_a_node_recovers_with_the_same_loss_curve(
     cluster: LocalCluster, reference: dict[int, float]
