@@ -105,6 +105,7 @@ from elasticpp.agent.limits import (
     PROBE_THREADS,
     QUIET_TICK_S,
     STATUS_EVERY_S,
+    TRAINING_TICK_S,
     VIEW_REFRESH_S,
 )
 from elasticpp.agent.liveness import LivenessPart, LivenessState
@@ -263,7 +264,7 @@ class Agent(
         """The decision loop; returns the exit code."""
         try:
             while not self._stop.is_set():
-                self._wake.wait(BUSY_TICK_S if self._tick_busy() else QUIET_TICK_S)
+                self._wake.wait(self._tick_s())
                 self._wake.clear()
                 self._heartbeat_s = time.monotonic()
                 try:
@@ -284,16 +285,17 @@ class Agent(
         finally:
             self.shutdown()
 
-    def _tick_busy(self) -> bool:
-        """Whether this node may need the loop sooner than something wakes it (see
-        limits.QUIET_TICK_S). A follower's way through a generation is driven by events
-        (the records' watch events, its workers' events, the fetch's future) and deadlines
-        of seconds, so it ticks quietly in every phase while its workers are silent (a
-        spare, a node waiting for a plan, the simulated workers of bench/scale.py); what
-        polls is training (workers that reported a step within a quiet tick), leading (its
-        waits read its cache, its safe step is due every SAFE_EVERY_S), a failure of this
-        node's until a new plan answers it (the leader is suspected after
-        LEADER_SUSPECT_S), a drain, an unreachable etcd and joining."""
+    def _tick_s(self) -> float:
+        """How long the loop may sleep when nothing wakes it (see limits.QUIET_TICK_S). A
+        follower's way through a generation is driven by events (the records' watch events,
+        its workers' events, the fetch's future) and deadlines of seconds, so it ticks
+        quietly in every phase while its workers are silent (a spare, a node waiting for a
+        plan, the simulated workers of bench/scale.py). What polls at BUSY_TICK_S: leading
+        while this node's workers do not train (its waits read its cache), a failure of
+        this node's until a new plan answers it (the leader is suspected after
+        LEADER_SUSPECT_S), a drain, an unreachable etcd and joining. Training (workers that
+        reported a step within a quiet tick), the steady state of a job, ticks at
+        TRAINING_TICK_S, leader or not."""
         gs, rec = self._fs.gen, self._vs.record
         followed = gs.generation if gs is not None else 0
         current = rec.generation if rec is not None else 0
@@ -305,18 +307,20 @@ class Agent(
         # training: after a transition 2,048 nodes whose workers had just started ticked 20
         # times a second each.
         training = time.monotonic() - self.pool.trained_at_s < QUIET_TICK_S
-        quiet = (
+        settled = (
             self._joined
-            and not training
             and self._vs.etcd_ok
-            and self._ls.leadership is None
             and current == followed  # a record not yet followed is taken at the next tick
             and not self._fs.pending_failures
             and (current == 0 or self._fs.reported != current)
             and not self._lvs.suspect_since
             and not self._cs.draining
         )
-        return not quiet
+        if not settled:
+            return BUSY_TICK_S
+        if training:
+            return TRAINING_TICK_S
+        return BUSY_TICK_S if self._ls.leadership is not None else QUIET_TICK_S
 
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is
