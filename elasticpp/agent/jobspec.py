@@ -47,8 +47,9 @@ from elasticpp.plan.specs import check_fields
 from elasticpp.train.config import TrainConfig
 
 JOBSPEC_FORMAT_VERSION = 1
-# Periodic snapshots when a spec names neither `snapshot_every` nor `snapshot_every_s`: one at
-# least every this many seconds of training (docs/store.md, "How often state is saved").
+# Periodic snapshots when a spec names neither `snapshot_every` nor `snapshot_every_s`: one
+# each time every worker's snapshot writer has been free this long (docs/store.md, "How often
+# state is saved").
 SNAPSHOT_EVERY_S_DEFAULT = 2.0
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps", "clip_grad")
@@ -91,9 +92,9 @@ class JobSpec:
     # of `DeviceSpec` fields for hardware without a preset.
     device: str | dict[str, Any] = "cpu"
     # Periodic snapshots, the state a worker's failure resumes from and replication sends:
-    # every `snapshot_every` steps, or (the default) on the first step at least
-    # `snapshot_every_s` seconds of training after the last one. Give one of the two (the
-    # other is stored as 0); neither: `snapshot_every_s` = SNAPSHOT_EVERY_S_DEFAULT.
+    # every `snapshot_every` steps, or (the default) on the first step once every worker's
+    # writer has been free `snapshot_every_s` seconds. Give one of the two (the other is
+    # stored as 0); neither: `snapshot_every_s` = SNAPSHOT_EVERY_S_DEFAULT.
     snapshot_every: int | None = None
     snapshot_every_s: float | None = None
     # A snapshot due while a worker's writer is still busy with the last one: "wait" (every

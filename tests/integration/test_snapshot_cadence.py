@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
-from elasticpp.train.config import TrainConfig
-from elasticpp.train.launch import kill_all, run_local, spawn_workers
+from elasticpp.plan import ModelSpec
+from tests.integration.test_snapshot_when_busy import run_snapshots
 
 MODEL = ModelSpec("t4", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 STEPS = 40
@@ -21,36 +19,16 @@ STEPS = 40
 
 def _run(tmp_path: Path, every_s: float, align: int) -> tuple[dict[int, list[int]], float]:
     """The steps each rank wrote, and the run's wall time (the workers' start included)."""
-    plan = build_plan(
+    started = time.monotonic()
+    written = run_snapshots(
+        tmp_path,
         MODEL,
-        ClusterSpec.uniform(1, 2, load_device_spec("cpu")),
-        Layout.parse("pp=2,tp=1,dp=1"),
-        global_batch=4,
-        micro_batch=2,
+        STEPS,
+        snapshot_every=0,
+        snapshot_every_s=every_s,
+        snapshot_align=align,
     )
-    written: dict[int, list[int]] = {0: [], 1: []}
-
-    def on_snapshot(ev: dict[str, Any]) -> None:
-        written[int(ev["rank"])].append(int(ev["step"]))
-
-    workers = spawn_workers(2, tmp_path / "logs", tag="rank")
-    try:
-        started = time.monotonic()
-        run_local(
-            plan,
-            TrainConfig(seed=0, steps=STEPS),
-            workers,
-            snapshot_dir=tmp_path / "snap",
-            snapshot_every=0,
-            snapshot_every_s=every_s,
-            snapshot_align=align,
-            num_threads=1,
-            on_snapshot=on_snapshot,
-        )
-        wall = time.monotonic() - started
-    finally:
-        kill_all(workers)
-    return written, wall
+    return written, time.monotonic() - started
 
 
 @pytest.mark.timeout(300)

@@ -21,34 +21,42 @@ MODEL = ModelSpec("wide", num_layers=2, hidden_size=128, num_heads=4, vocab_size
 STEPS = 8
 
 
-def _run(tmp_path: Path, when_busy: str) -> dict[int, set[int]]:
+def run_snapshots(
+    tmp_path: Path, model: ModelSpec = MODEL, steps: int = STEPS, **rule: Any
+) -> dict[int, list[int]]:
+    """Train `model` at pp=2 over real workers with the snapshot `rule` (run_local's
+    snapshot_* arguments); the steps each rank wrote, in order."""
     plan = build_plan(
-        MODEL,
+        model,
         ClusterSpec.uniform(1, 2, load_device_spec("cpu")),
         Layout.parse("pp=2,tp=1,dp=1"),
         global_batch=4,
         micro_batch=2,
     )
-    written: dict[int, set[int]] = {0: set(), 1: set()}
+    written: dict[int, list[int]] = {0: [], 1: []}
 
     def on_snapshot(ev: dict[str, Any]) -> None:
-        written[int(ev["rank"])].add(int(ev["step"]))
+        written[int(ev["rank"])].append(int(ev["step"]))
 
     workers = spawn_workers(2, tmp_path / "logs", tag="rank")
     try:
         run_local(
             plan,
-            TrainConfig(seed=0, steps=STEPS),
+            TrainConfig(seed=0, steps=steps),
             workers,
             snapshot_dir=tmp_path / "snap",
-            snapshot_every=1,
-            snapshot_when_busy=when_busy,
             num_threads=1,
             on_snapshot=on_snapshot,
+            **rule,
         )
     finally:
         kill_all(workers)
     return written
+
+
+def _run(tmp_path: Path, when_busy: str) -> dict[int, set[int]]:
+    written = run_snapshots(tmp_path, snapshot_every=1, snapshot_when_busy=when_busy)
+    return {rank: set(steps) for rank, steps in written.items()}
 
 
 @pytest.mark.timeout(300)
