@@ -14,10 +14,16 @@ in `transformers`, and the agent's tax on one GPU.
   head) + 12 x layers x seq x hidden (attention's two matmuls, forward and backward, with no
   causal discount, as in PaLM's MFU); MFU against `--peak-tflops` (989: the H100's and the
   H200's dense bf16).
-- tax: a job under one agent with one CUDA slot (real etcd; snapshots every step, the
-  default; no peer to replicate to) against `elasticpp train` at the same layout, on the
-  `llama-tax` spec (~200 M parameters, 2.4 GB of fp32 state a snapshot): median step
-  interval of each; the ratio is the agent's tax on one GPU.
+- tax: a job under one agent with one CUDA slot (real etcd, no peer to replicate to)
+  against `elasticpp train` at the same layout, on the `llama-tax` spec (~200 M parameters,
+  2.4 GB of fp32 state a snapshot), one run per `--tax-modes` entry: `time`, the default
+  time rule (a snapshot once every writer has been free `snapshot_every_s` = 2 s);
+  `every-skip` and `every-wait`, a snapshot every step (`snapshot_every: 1`) with
+  `snapshot_when_busy` skip or wait; `time-10s`, the time rule at 10 s; `no-snapshots`, the
+  agent's own work alone (`snapshot_every` past the end). Each side's throughput is its mean interval between
+  consecutive steps' completions after a warm-up (wall clock: the lines `elasticpp train`
+  prints, the agents' step records), so a periodic snapshot step counts; the ratio is the
+  agent's tax on one GPU.
 
 Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.md` to
 `--out` (a temp dir by default) and prints the tables.
@@ -26,7 +32,6 @@ Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -202,30 +207,79 @@ def mfu_section(
     return rows, "\n".join(lines)
 
 
+TAX_MODES: dict[str, dict[str, Any]] = {
+    "time": {},  # the job spec's defaults: the time rule
+    "every-skip": {"snapshot_every": 1, "snapshot_when_busy": "skip"},
+    "every-wait": {"snapshot_every": 1, "snapshot_when_busy": "wait"},
+    "time-10s": {"snapshot_every_s": 10.0},
+    "no-snapshots": {"snapshot_every": 10**6},  # past the end: the agent's own work alone
+}
+TAX_WARMUP = 10  # intervals left out: CUDA warm-up and the first snapshot's buffers
+
+
+def mean_interval_s(times: list[float]) -> float:
+    done = sorted(times)[TAX_WARMUP:]
+    if len(done) < 2:
+        raise RuntimeError(f"{len(times)} steps: too few after {TAX_WARMUP} of warm-up")
+    return (done[-1] - done[0]) / (len(done) - 1)
+
+
+def train_step_times(spec: dict[str, Any], micro_batch: int, steps: int, work: Path) -> list[float]:
+    """`elasticpp train` on CUDA in bf16; when each step's line was printed (wall clock)."""
+    spec_file = work / f"{spec['name']}.json"
+    spec_file.write_text(json.dumps(spec))
+    cmd = [
+        sys.executable, "-m", "elasticpp.cli.main", "train", "--model", str(spec_file),
+        "--device", "cuda", "--precision", "bf16", "--layout", "pp=1,tp=1,dp=1",
+        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch),
+        "--steps", str(steps), "--log-dir", str(work / "logs-train"),
+    ]  # fmt: skip
+    times: list[float] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("step "):
+                    times.append(time.monotonic())
+            code = proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if code != 0:
+        raise RuntimeError(f"elasticpp train exited {code}")
+    return times
+
+
 def tax_section(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], str]:
     spec = LLAMA_TAX
     b = 8
-    ours = steady_step_s(run_ours(spec, b, args.steps * 2, work))
-    modes = args.when_busy.split(",")
-    agent = {mode: agent_step_s(spec, b, args.steps * 2, work, mode) for mode in modes}
+    steps = args.tax_steps
+    ours = mean_interval_s(train_step_times(spec, b, steps, work))
+    agent = {m: mean_interval_s(agent_step_times(spec, b, steps, work, m)) for m in args.tax_modes}
     out = {"train_step_s": ours, **{f"agent_{m}_step_s": v for m, v in agent.items()}}
-    text = (
-        f"llama-tax (8 layers x 1024, seq 1024, B = 16, b = {b}, bf16, "
-        f"{matmul_params(spec) * 12 / 1e9:.1f} GB of state), one CUDA slot: `elasticpp train` "
-        f"{ours:.3f} s/step; under the agent, snapshots every step: "
-        + "; ".join(
-            f"snapshot_when_busy {m} {v:.3f} s/step ({v / ours:.2f}×)" for m, v in agent.items()
-        )
-    )
-    return out, text
+    lines = [
+        f"llama-tax (8 layers x 1024, seq 1024, B = {GLOBAL_BATCH}, b = {b}, bf16, "
+        f"{matmul_params(spec) * 12 / 1e9:.1f} GB of state), one CUDA slot, {steps} steps, "
+        f"mean interval after {TAX_WARMUP}:",
+        "",
+        "| run | s/step | vs `elasticpp train` |",
+        "|---|---:|---:|",
+        f"| `elasticpp train` | {ours:.3f} | 1.00× |",
+        *(f"| agent, {m} | {v:.3f} | {v / ours:.2f}× |" for m, v in agent.items()),
+    ]
+    return out, "\n".join(lines)
 
 
-def agent_step_s(spec: dict[str, Any], b: int, steps: int, work: Path, when_busy: str) -> float:
+def agent_step_times(
+    spec: dict[str, Any], b: int, steps: int, work: Path, mode: str
+) -> list[float]:
     from elasticpp.agent.localcluster import LocalCluster
 
     job = {
         "name": "gpu-tax",
-        "model": str(work / f"{spec['name']}.json"),  # written by run_ours
+        "model": str(work / f"{spec['name']}.json"),  # written by train_step_times
         "global_batch": GLOBAL_BATCH,
         "micro_batch": b,
         "steps": steps,
@@ -236,9 +290,9 @@ def agent_step_s(spec: dict[str, Any], b: int, steps: int, work: Path, when_busy
         "join_settle_s": 0.5,
         "hang_timeout_s": 120,
         "precision": "bf16",
-        "snapshot_when_busy": when_busy,
+        **TAX_MODES[mode],
     }
-    lc = LocalCluster(work / f"cluster-{when_busy}", job, nodes=1, slots=1, device="cuda")
+    lc = LocalCluster(work / f"cluster-{mode}", job, nodes=1, slots=1, device="cuda")
     try:
         lc.start()
         lc.wait_finished(RUN_TIMEOUT_S)
@@ -246,8 +300,7 @@ def agent_step_s(spec: dict[str, Any], b: int, steps: int, work: Path, when_busy
     finally:
         lc.close()
     newest = max(int(r["generation"]) for r in rows)
-    times = sorted(float(r["time"]) for r in rows if int(r["generation"]) == newest)
-    return steady_step_s([b2 - a for a, b2 in itertools.pairwise(times)])
+    return sorted(float(r["time"]) for r in rows if int(r["generation"]) == newest)
 
 
 def main() -> int:
@@ -260,9 +313,18 @@ def main() -> int:
     p.add_argument("--sections", default="mfu,tax")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--when-busy", default="wait,skip", help="tax: snapshot_when_busy modes")
+    p.add_argument(
+        "--tax-modes",
+        default="time,every-skip",
+        type=lambda s: s.split(","),
+        help=f"tax: agent runs, of {', '.join(TAX_MODES)}",
+    )
+    p.add_argument("--tax-steps", type=int, default=150, help="tax: steps of every run")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip --compile runs")
     args = p.parse_args()
+    unknown = sorted(set(args.tax_modes) - set(TAX_MODES))
+    if unknown:
+        p.error(f"--tax-modes: unknown {', '.join(unknown)} (known: {', '.join(TAX_MODES)})")
     import torch
 
     if not torch.cuda.is_available():
