@@ -20,10 +20,10 @@ in `transformers`, and the agent's tax on one GPU.
   time rule (a snapshot once every writer has been free `snapshot_every_s` = 2 s);
   `every-skip` and `every-wait`, a snapshot every step (`snapshot_every: 1`) with
   `snapshot_when_busy` skip or wait; `time-10s`, the time rule at 10 s; `no-snapshots`, the
-  agent's own work alone (`snapshot_every` past the end). Each side's throughput is its mean interval between
-  consecutive steps' completions after a warm-up (wall clock: the lines `elasticpp train`
-  prints, the agents' step records), so a periodic snapshot step counts; the ratio is the
-  agent's tax on one GPU.
+  agent's own work alone (`snapshot_every` past the end). Each side's throughput is its
+  mean interval between consecutive steps' completions after a warm-up (wall clock: the
+  lines `elasticpp train` prints, the agents' step records), so a periodic snapshot step
+  counts; the ratio is the agent's tax on one GPU.
 
 Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.md` to
 `--out` (a temp dir by default) and prints the tables.
