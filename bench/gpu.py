@@ -2,6 +2,7 @@
 in `transformers`, and the agent's tax on one GPU.
 
     python bench/gpu.py [--micro-batches 4,8] [--steps 10] [--sections mfu,tax] [--out DIR]
+                        [--tax-modes time,every-skip] [--tax-steps 150] [--py-spy BIN]
 
 - mfu: `elasticpp train --device cuda --precision bf16` at `pp=1,tp=1,dp=1` (the `llama-1b`
   spec below: Llama 3.2 1B's shape with a 32k vocabulary and untied embeddings, 1.1 B
@@ -23,7 +24,9 @@ in `transformers`, and the agent's tax on one GPU.
   agent's own work alone (`snapshot_every` past the end). Each side's throughput is its
   mean interval between consecutive steps' completions after a warm-up (wall clock: the
   lines `elasticpp train` prints, the agents' step records), so a periodic snapshot step
-  counts; the ratio is the agent's tax on one GPU.
+  counts; the ratio is the agent's tax on one GPU. `--py-spy BIN` also samples the training
+  worker's Python stacks for 5 s of every run (`BIN`: a py-spy executable; not a dependency)
+  and prints each run's busiest threads and frames side by side.
 
 Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.md` to
 `--out` (a temp dir by default) and prints the tables.
@@ -38,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -224,7 +228,87 @@ def mean_interval_s(times: list[float]) -> float:
     return (done[-1] - done[0]) / (len(done) - 1)
 
 
-def train_step_times(spec: dict[str, Any], micro_batch: int, steps: int, work: Path) -> list[float]:
+def cpu_ticks(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def busiest_descendant(root: int) -> int | None:
+    """The descendant of `root` that used the most CPU over the next second (the training
+    worker, in these runs)."""
+    from elasticpp.proctree import descendants
+
+    before = {pid: cpu_ticks(pid) for pid in descendants(root)}
+    time.sleep(1.0)
+    used = {pid: cpu_ticks(pid) - t for pid, t in before.items() if t >= 0}
+    return max(used, key=lambda p: used[p]) if used else None
+
+
+class StackSampler:
+    """`--py-spy BIN`: 5 s of the training worker's Python stacks (py-spy's collapsed
+    format, every thread on a CPU) once a run is past its warm-up, written to
+    `OUT/stacks-RUN.txt`; `summary()` gives the busiest frames of each run side by side."""
+
+    SECONDS = 5
+
+    def __init__(self, binary: str | None, out: Path) -> None:
+        self.binary, self.out = binary, out
+        self.files: dict[str, Path] = {}
+
+    def sample(self, run: str, root: int) -> None:
+        if self.binary is None:
+            return
+        pid = busiest_descendant(root)
+        if pid is None:
+            return
+        path = self.out / f"stacks-{run}.txt"
+        cmd = [self.binary, "record", "--rate", "200", "--duration", str(self.SECONDS),
+               "--format", "raw", "--threads", "--nonblocking", "--pid", str(pid),
+               "--output", str(path)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if done.returncode == 0 and path.exists():
+            self.files[run] = path
+        else:
+            print(f"py-spy on {run} (pid {pid}): exit {done.returncode}: {done.stderr[-300:]}")
+
+    def summary(self, top: int = 12) -> str:
+        lines = []
+        for run, path in self.files.items():
+            threads: dict[str, int] = {}
+            own: dict[str, int] = {}
+            total = 0
+            for line in path.read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                if not count.isdigit():
+                    continue
+                n = int(count)
+                frames = stack.split(";")
+                total += n
+                threads[frames[0]] = threads.get(frames[0], 0) + n
+                own[frames[-1]] = own.get(frames[-1], 0) + n
+            lines += ["", f"{run}: {total} samples in {self.SECONDS} s at 200 Hz", ""]
+            lines += [f"  {100 * n / total:5.1f} %  {t}" for t, n in sorted(
+                threads.items(), key=lambda kv: -kv[1])]  # fmt: skip
+            lines.append("  own frames:")
+            lines += [f"  {100 * n / total:5.1f} %  {f}" for f, n in sorted(
+                own.items(), key=lambda kv: -kv[1])[:top]]  # fmt: skip
+        return "\n".join(lines)
+
+
+SAMPLE_AFTER = 30  # steps trained before the stacks are sampled
+
+
+def train_step_times(
+    spec: dict[str, Any],
+    micro_batch: int,
+    steps: int,
+    work: Path,
+    sampler: StackSampler | None = None,
+) -> list[float]:
     """`elasticpp train` on CUDA in bf16; when each step's line was printed (wall clock)."""
     spec_file = work / f"{spec['name']}.json"
     spec_file.write_text(json.dumps(spec))
@@ -242,6 +326,10 @@ def train_step_times(spec: dict[str, Any], micro_batch: int, steps: int, work: P
             for line in proc.stdout:
                 if line.startswith("step "):
                     times.append(time.monotonic())
+                    if sampler is not None and len(times) == SAMPLE_AFTER:
+                        threading.Thread(
+                            target=sampler.sample, args=("train", proc.pid), daemon=True
+                        ).start()
             code = proc.wait(timeout=RUN_TIMEOUT_S)
         finally:
             if proc.poll() is None:
@@ -256,8 +344,12 @@ def tax_section(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], s
     spec = LLAMA_TAX
     b = 8
     steps = args.tax_steps
-    ours = mean_interval_s(train_step_times(spec, b, steps, work))
-    agent = {m: mean_interval_s(agent_step_times(spec, b, steps, work, m)) for m in args.tax_modes}
+    sampler = StackSampler(args.py_spy, work)
+    ours = mean_interval_s(train_step_times(spec, b, steps, work, sampler))
+    agent = {
+        m: mean_interval_s(agent_step_times(spec, b, steps, work, m, sampler))
+        for m in args.tax_modes
+    }
     out = {"train_step_s": ours, **{f"agent_{m}_step_s": v for m, v in agent.items()}}
     lines = [
         f"llama-tax (8 layers x 1024, seq 1024, B = {GLOBAL_BATCH}, b = {b}, bf16, "
@@ -269,11 +361,18 @@ def tax_section(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], s
         f"| `elasticpp train` | {ours:.3f} | 1.00× |",
         *(f"| agent, {m} | {v:.3f} | {v / ours:.2f}× |" for m, v in agent.items()),
     ]
+    if sampler.files:
+        lines += ["", "Python stacks of the training worker (py-spy):", sampler.summary()]
     return out, "\n".join(lines)
 
 
 def agent_step_times(
-    spec: dict[str, Any], b: int, steps: int, work: Path, mode: str
+    spec: dict[str, Any],
+    b: int,
+    steps: int,
+    work: Path,
+    mode: str,
+    sampler: StackSampler | None = None,
 ) -> list[float]:
     from elasticpp.agent.localcluster import LocalCluster
 
@@ -295,6 +394,9 @@ def agent_step_times(
     lc = LocalCluster(work / f"cluster-{mode}", job, nodes=1, slots=1, device="cuda")
     try:
         lc.start()
+        if sampler is not None and sampler.binary is not None:
+            lc.wait_for(lambda: lc.max_step() >= SAMPLE_AFTER, RUN_TIMEOUT_S, "warm-up")
+            sampler.sample(f"agent-{mode}", os.getpid())
         lc.wait_finished(RUN_TIMEOUT_S)
         rows = lc.metrics()
     finally:
@@ -320,6 +422,12 @@ def main() -> int:
         help=f"tax: agent runs, of {', '.join(TAX_MODES)}",
     )
     p.add_argument("--tax-steps", type=int, default=150, help="tax: steps of every run")
+    p.add_argument(
+        "--py-spy",
+        default=None,
+        metavar="BIN",
+        help="tax: sample the training worker's Python stacks with this py-spy",
+    )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip --compile runs")
     args = p.parse_args()
     unknown = sorted(set(args.tax_modes) - set(TAX_MODES))
