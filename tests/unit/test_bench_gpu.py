@@ -1,0 +1,71 @@
+"""bench/gpu.py's arithmetic and its refusals, which run without a GPU: the agent's tax is a
+mean interval (a periodic snapshot step counts), split into the engine's own time and the
+rest; py-spy's collapsed stacks summed per thread and per frame; unknown modes refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import TAX_WARMUP, StackSampler, Timing, mean_interval_s
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+
+
+def test_the_tax_interval_is_the_mean_after_the_warm_up_slow_steps_included() -> None:
+    warm = [0.0] + [10.0 + 0.1 * i for i in range(TAX_WARMUP)]  # start-up, then warm-up
+    last = warm[-1]
+    steady = [last + 0.1, last + 0.2, last + 0.7, last + 0.8]  # one 0.5 s snapshot step
+    assert mean_interval_s(warm + steady) == pytest.approx((0.8 - 0.0) / 4)
+
+
+def test_a_run_too_short_for_its_warm_up_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="too few"):
+        mean_interval_s([float(i) for i in range(TAX_WARMUP)])
+
+
+def test_the_engine_time_is_the_mean_over_the_same_steps() -> None:
+    n = TAX_WARMUP + 5
+    times = [float(i) for i in range(n)]
+    engine = [9.0] * (TAX_WARMUP + 1) + [0.5, 0.5, 0.7, 0.7]  # the warm-up's steps left out
+    timing = Timing.of(times, engine)
+    assert timing.interval_s == pytest.approx(1.0)
+    assert timing.engine_s == pytest.approx(0.6)
+
+
+def test_collapsed_stacks_are_summed_per_thread_and_per_own_frame(tmp_path: Path) -> None:
+    stacks = tmp_path / "stacks-train.txt"
+    stacks.write_text(
+        "thread (1): MainThread;main (w.py:1);step (e.py:5) 6\n"
+        "thread (1): MainThread;main (w.py:1);emit (w.py:9) 2\n"
+        "thread (2): snapshot-writer;_run (s.py:3);step (e.py:5) 2\n"
+        "not a sample line\n"
+    )
+    sampler = StackSampler(None, tmp_path)
+    sampler.files["train"] = stacks
+    text = sampler.summary()
+    assert "train: 10 samples" in text
+    assert " 80.0 %  thread (1): MainThread" in text
+    assert " 20.0 %  thread (2): snapshot-writer" in text
+    assert " 80.0 %  step (e.py:5)" in text  # own frame, whichever thread
+    assert " 20.0 %  emit (w.py:9)" in text
+
+
+def test_without_py_spy_nothing_is_sampled(tmp_path: Path) -> None:
+    sampler = StackSampler(None, tmp_path)
+    sampler.sample("train", 1)
+    assert sampler.files == {} and sampler.summary() == ""
+
+
+def test_an_unknown_tax_mode_is_refused_naming_it() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--tax-modes", "time,hourly"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--tax-modes: unknown hourly" in done.stderr
