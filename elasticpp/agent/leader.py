@@ -27,6 +27,7 @@ from elasticpp.agent.leaderstep import LeaderObservation, leader_step
 from elasticpp.agent.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
 from elasticpp.agent.pull import PulledHoldings, pull_holdings
 from elasticpp.agent.sick import SickNodes
+from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ElasticppError
 
 log = logging.getLogger("elasticpp.agent")
@@ -117,12 +118,27 @@ class LeaderPart:
         except RuntimeError as exc:  # best effort: the keys go with the next generation
             log.warning("leader: rendezvous keys of old generations not deleted: %s", exc)
 
+    def _restarted(
+        self, rec: GenerationRecord | None, members: dict[str, dict[str, Any]]
+    ) -> frozenset[str]:
+        """The planned nodes whose agent restarted, computed again only when the record or
+        the members changed (both are replaced, never changed in place, on a new read)."""
+        if rec is None:
+            return frozenset()
+        memo = self._ls.restarted_memo
+        if memo is not None and memo[0] is rec and memo[1] is members:
+            return memo[2]
+        restarted = frozenset(rec.reregistered(members))
+        self._ls.restarted_memo = (rec, members, restarted)
+        return restarted
+
     def _view(self) -> ClusterView:
         rec = self._vs.record
         current = tuple(sorted(rec.planned_nodes)) if rec else None
         failed = set(self._vs.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
-        dead = self._lvs.dead_now(self._vs.members) & set(self._vs.members)
-        restarted = rec.reregistered(self._vs.members) if rec else set()
+        members = self._vs.members
+        dead = {n for n in self._lvs.dead_now(members) if n in members}
+        restarted = self._restarted(rec, members)
         return ClusterView(
             members=self._vs.members,
             dead=dead,

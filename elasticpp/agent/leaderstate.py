@@ -23,6 +23,11 @@ class LeaderState:
     replan_not_before_s: float = 0.0  # monotonic: the backoff between failed generations
     last_wait: str = ""  # the last "waiting"/"cannot" sentence, logged once
     safe_checked_s: float = 0.0  # monotonic: when the safe step was last computed
+    # The steady leader's view, remembered while its inputs are the same objects (a cached
+    # read that did not change is the same object): (record, members, restarted nodes) and
+    # (members, incarnations). Recomputing them cost every tick O(N) hashes and dicts.
+    restarted_memo: tuple[Any, Any, frozenset[str]] | None = None
+    incarnations_memo: tuple[Any, dict[str, str]] | None = None
     compacted_s: float | None = None  # monotonic: etcd's history last compacted, or the
     # term's first look (the first compaction comes a period into the term)
     # the transition of `generation` (reset by `at` when the generation changes)

@@ -214,7 +214,13 @@ class QuarantinePart:
             for n in set(sick.quarantined) - set(published):
                 sick.lifted(n)  # an operator lifted it, or a new term reads etcd
             sick.load(published)
-        incarnations = {n: str(i.get("incarnation", "")) for n, i in self._vs.members.items()}
+        members = self._vs.members
+        memo = self._ls.incarnations_memo
+        if memo is not None and memo[0] is members:
+            incarnations = memo[1]
+        else:
+            incarnations = {n: str(i.get("incarnation", "")) for n, i in members.items()}
+            self._ls.incarnations_memo = (members, incarnations)
         now = self._clock.time()
         actions = sick.expire(incarnations, now)
         rec = self._vs.record

@@ -1,0 +1,116 @@
+"""The leader's steady view costs no per-node work while nothing changes. It ticks 20 times a
+second; each tick compared every planned node's registration with the generation record (a
+hash of each node's incarnation, twice) and rebuilt a map of every member's incarnation:
+at 128 simulated nodes that was half of the leader's tick, O(N) hashes 40 times a second.
+Now a restart is looked for again only when the record or the members are new objects (a
+cached read that did not change is the same object), and a tag is hashed once."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster import records
+from elasticpp.cluster.records import GenerationRecord, incarnation_tag, node_fields
+from tests.unit.test_agent_safe import SPEC, _plan
+
+
+class _Leadership:
+    node_id = "n0"
+    create_revision = 1
+
+    def is_held(self) -> bool:
+        return True
+
+
+def _leader(tmp_path: Path) -> Agent:
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    plan = _plan(3).to_dict()
+    fields = node_fields(plan, ["n0", "n1"], {n: f"inc-{n}" for n in ("n0", "n1")})
+    agent._vs.record = GenerationRecord(3, plan, "n0", time.time(), extra=fields)
+    agent._vs.members = {n: {"incarnation": f"inc-{n}"} for n in ("n0", "n1")}
+    agent._vs.etcd_ok = True
+    agent._ls.leadership = _Leadership()
+    return agent
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the record's restart checks."""
+    calls = [0]
+    original = GenerationRecord.reregistered
+
+    def reregistered(self: GenerationRecord, members: Any) -> set[str]:
+        calls[0] += 1
+        return original(self, members)
+
+    monkeypatch.setattr(GenerationRecord, "reregistered", reregistered)
+    return calls
+
+
+def test_an_unchanged_view_is_not_checked_for_restarts_again(
+    tmp_path: Path, counted: list[int]
+) -> None:
+    agent = _leader(tmp_path)
+    try:
+        for _ in range(5):
+            assert agent._view().restarted == frozenset()
+        assert counted[0] == 1
+    finally:
+        agent._probe_pool.shutdown()
+
+
+def test_new_members_or_a_new_record_are_checked_again(tmp_path: Path, counted: list[int]) -> None:
+    agent = _leader(tmp_path)
+    try:
+        agent._view()
+        # A new read of the members: n1's agent restarted (a new incarnation).
+        agent._vs.members = {"n0": {"incarnation": "inc-n0"}, "n1": {"incarnation": "inc-x"}}
+        assert agent._view().restarted == {"n1"}
+        assert counted[0] == 2
+        # A new generation record that planned n1's new incarnation.
+        plan = _plan(4).to_dict()
+        fields = node_fields(plan, ["n0", "n1"], {"n0": "inc-n0", "n1": "inc-x"})
+        agent._vs.record = GenerationRecord(4, plan, "n0", time.time(), extra=fields)
+        assert agent._view().restarted == frozenset()
+        assert counted[0] == 3
+    finally:
+        agent._probe_pool.shutdown()
+
+
+def test_the_quarantine_check_reuses_the_members_incarnations_while_they_are_unchanged(
+    tmp_path: Path,
+) -> None:
+    agent = _leader(tmp_path)
+    agent.cluster = object()  # type: ignore[assignment]  # nothing is quarantined: unused
+    try:
+        view = agent._view()
+        agent._lead_health(view)
+        memo = agent._ls.incarnations_memo
+        assert memo is not None and memo[1] == {"n0": "inc-n0", "n1": "inc-n1"}
+        agent._lead_health(view)
+        assert agent._ls.incarnations_memo is memo  # not rebuilt
+        agent._vs.members = {"n0": {"incarnation": "inc-n0"}}
+        agent._lead_health(agent._view())
+        assert agent._ls.incarnations_memo is not None
+        assert agent._ls.incarnations_memo[1] == {"n0": "inc-n0"}
+    finally:
+        agent._probe_pool.shutdown()
+
+
+def test_an_incarnation_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [0]
+    original = records.hashlib.blake2b
+
+    def blake2b(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(records.hashlib, "blake2b", blake2b)
+    first = incarnation_tag("inc-hashed-once")
+    assert [incarnation_tag("inc-hashed-once") for _ in range(10)] == [first] * 10
+    assert calls[0] == 1
