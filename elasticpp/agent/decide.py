@@ -165,8 +165,11 @@ def lost_nodes(view: ClusterView) -> list[str]:
     """Nodes of the current generation that are gone: dead, lease lapsed, or restarted."""
     if view.current_nodes is None:
         return []
-    current = set(view.current_nodes)
-    return sorted((current - set(live_nodes(view))) | (current & set(view.restarted)))
+    # O(nodes of the generation), not a sort of every member: the leader asks every tick.
+    members, dead, restarted = view.members, view.dead, view.restarted
+    return sorted(
+        {n for n in view.current_nodes if n not in members or n in dead or n in restarted}
+    )
 
 
 def _short_of(view: ClusterView, usable: list[str], min_nodes: int) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elasticpp.agent.decide import (
     ClusterView,
@@ -12,6 +14,8 @@ from elasticpp.agent.decide import (
     WorkerState,
     decide_replan,
     is_hung,
+    live_nodes,
+    lost_nodes,
     transition,
 )
 
@@ -125,3 +129,32 @@ def test_every_phase_that_waits_on_others_has_a_deadline_of_at_least_the_hang_ti
         floor = phase_deadline_s(phase, 1.0)
         assert floor is not None and floor >= 60.0  # never under a rendezvous timeout
     assert phase_deadline_s(Phase.RUNNING, 5.0) is None  # hangs are the hang check's
+
+
+NODE = st.sampled_from([f"n{i}" for i in range(8)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    members=st.sets(NODE),
+    dead=st.sets(NODE),
+    current=st.none() | st.lists(NODE, unique=True),
+    restarted=st.sets(NODE),
+)
+def test_lost_nodes_are_the_generations_nodes_not_live_or_restarted(
+    members: set[str], dead: set[str], current: list[str] | None, restarted: set[str]
+) -> None:
+    # The reference: the generation's nodes minus the live ones (members not found dead),
+    # plus those whose agent restarted. lost_nodes computes it without sorting every member
+    # (the leader asks every tick, of thousands of members).
+    v = view(
+        sorted(members),
+        dead=dead,
+        current_nodes=None if current is None else tuple(current),
+        restarted=frozenset(restarted),
+    )
+    if current is None:
+        assert lost_nodes(v) == []
+        return
+    live = set(live_nodes(v))
+    assert lost_nodes(v) == sorted((set(current) - live) | (set(current) & restarted))
