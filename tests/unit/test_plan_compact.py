@@ -96,6 +96,26 @@ def test_every_built_plan_reads_back_equal(
     check_reads_back(p)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=models, cluster=clusters, batch=st.integers(1, 512))
+def test_a_nodes_ranks_are_its_slots_of_the_placement_in_rank_order(
+    model: ModelSpec, cluster: ClusterSpec, batch: int
+) -> None:
+    # ranks_on is read from an index built once per plan (every agent asks every tick).
+    try:
+        p = plan(model, cluster, batch, top_k=1).best
+    except PlanError:
+        return
+    for node in [*(n.node_id for n in cluster.nodes), "not-a-node"]:
+        assert p.ranks_on(node) == [s for s in p.placement if s.node_id == node]
+    ranks = p.ranks_on(cluster.nodes[0].node_id)
+    ranks.clear()  # a caller's list is its own
+    assert p.ranks_on(cluster.nodes[0].node_id) == [
+        s for s in p.placement if s.node_id == cluster.nodes[0].node_id
+    ]
+    assert through_json(p.to_dict()) == p  # the index is no part of the plan's value
+
+
 def _small_plan() -> Plan:
     cluster = ClusterSpec((NodeSpec("a", 4), NodeSpec("b", 4), NodeSpec("c", 4)), DEVICE)
     return build_plan(
