@@ -148,17 +148,17 @@ class ControlPart:
         return self._events.since(index, timeout_s)
 
     def _update_gauges(self) -> None:
-        m, lbl = self.metrics, self.metrics.labels
-        m.etcd_up.labels(**lbl).set(1 if self._vs.etcd_ok else 0)
-        m.members.labels(**lbl).set(len(self._vs.members))
-        m.is_leader.labels(**lbl).set(1 if self._is_leader() else 0)
-        m.generation.labels(**lbl).set(self.generation)
+        m = self.metrics
+        m.of(m.etcd_up).set(1 if self._vs.etcd_ok else 0)
+        m.of(m.members).set(len(self._vs.members))
+        m.of(m.is_leader).set(1 if self._is_leader() else 0)
+        m.of(m.generation).set(self.generation)
         floor = self.store.floor
-        m.safe_step.labels(**lbl).set(floor[1] if floor is not None else -1)
+        m.of(m.safe_step).set(floor[1] if floor is not None else -1)
         counts = dict.fromkeys(WORKER_STATES, 0)
         counts.update(self.pool.counts())
         for state, n in counts.items():
-            m.workers.labels(**lbl, state=state).set(n)
+            m.of(m.workers, state=state).set(n)
 
     def _control(self) -> None:
         """The control part's step: observe, decide (`control_step`, pure), execute."""

@@ -150,12 +150,12 @@ class ExecutorPart:
                 self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
             # --- the durability part's actions
             elif isinstance(action, StepMetrics):
-                m, lbl = self.metrics, self.metrics.labels
-                m.step.labels(**lbl).set(action.step)
-                m.loss.labels(**lbl).set(action.loss)
-                m.steps_total.labels(**lbl).inc()
+                m = self.metrics
+                m.of(m.step).set(action.step)
+                m.of(m.loss).set(action.loss)
+                m.of(m.steps_total).inc()
                 if action.step_seconds is not None:
-                    m.step_seconds.labels(**lbl).observe(action.step_seconds)
+                    m.of(m.step_seconds).observe(action.step_seconds)
             elif isinstance(action, WriteMetricsLine):
                 self._write_metrics_line(action.line)
             elif isinstance(action, CountSnapshotFailure):
