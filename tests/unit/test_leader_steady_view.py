@@ -17,14 +17,7 @@ from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import records
 from elasticpp.cluster.records import GenerationRecord, incarnation_tag, node_fields
 from tests.unit.test_agent_safe import SPEC, _plan
-
-
-class _Leadership:
-    node_id = "n0"
-    create_revision = 1
-
-    def is_held(self) -> bool:
-        return True
+from tests.unit.test_agent_tick import _Leadership
 
 
 def _leader(tmp_path: Path) -> Agent:
