@@ -15,18 +15,19 @@ in `transformers`, and the agent's tax on one GPU.
   head) + 12 x layers x seq x hidden (attention's two matmuls, forward and backward, with no
   causal discount, as in PaLM's MFU); MFU against `--peak-tflops` (989: the H100's and the
   H200's dense bf16).
-- tax: a job under one agent with one CUDA slot (real etcd, no peer to replicate to)
-  against `elasticpp train` at the same layout, on the `llama-tax` spec (~200 M parameters,
-  2.4 GB of fp32 state a snapshot), one run per `--tax-modes` entry: `time`, the default
-  time rule (a snapshot once every writer has been free `snapshot_every_s` = 2 s);
+- tax: a job under one agent with one CUDA slot (real etcd, no peer to replicate to; the job
+  spec's planner device is the visible GPU's preset, so the agent plans the same layout,
+  recompute off) against `elasticpp train` at the same layout, on the `llama-tax` spec (~200 M
+  parameters, 2.4 GB of fp32 state a snapshot), one run per `--tax-modes` entry: `time`, the
+  default time rule (a snapshot once every writer has been free `snapshot_every_s` = 2 s);
   `every-skip` and `every-wait`, a snapshot every step (`snapshot_every: 1`) with
   `snapshot_when_busy` skip or wait; `time-10s`, the time rule at 10 s; `no-snapshots`, the
-  agent's own work alone (`snapshot_every` past the end). Each side's throughput is its
-  mean interval between consecutive steps' completions after a warm-up (wall clock: the
-  lines `elasticpp train` prints, the agents' step records), so a periodic snapshot step
-  counts; the ratio is the agent's tax on one GPU. `--py-spy BIN` also samples the training
-  worker's Python stacks for 5 s of every run (`BIN`: a py-spy executable; not a dependency)
-  and prints each run's busiest threads and frames side by side.
+  agent's own work alone (`snapshot_every` past the end). Each side's throughput is its mean
+  interval between consecutive steps' completions after a warm-up (wall clock: the lines
+  `elasticpp train` prints, the agents' step records), so a periodic snapshot step counts; the
+  ratio is the agent's tax on one GPU. `--py-spy BIN` also samples the training worker's Python
+  stacks for 5 s of every run (`BIN`: a py-spy executable; not a dependency) and prints each
+  run's busiest threads and frames side by side.
 
 Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.md` to
 `--out` (a temp dir by default) and prints the tables.
@@ -222,14 +223,57 @@ TAX_MODES: dict[str, dict[str, Any]] = {
 TAX_WARMUP = 10  # intervals left out: CUDA warm-up and the first snapshot's buffers
 
 
+def device_model() -> str | dict[str, float]:
+    """The job spec's `device` for the visible GPU: its preset, else rough figures (an agent
+    with CUDA workers refuses the default `cpu` model: it plans 8 GiB slots)."""
+    import torch
+
+    from elasticpp.plan.specs import gpu_preset
+
+    props = torch.cuda.get_device_properties(0)
+    memory_gib = props.total_memory / 2**30
+    preset = gpu_preset(props.name, memory_gib)
+    if preset is not None:
+        return preset
+    return {"memory_gib": round(memory_gib, 1), "peak_tflops": 100.0,
+            "intra_node_gbps": 100.0, "inter_node_gbps": 10.0}  # fmt: skip
+
+
+def agent_plan(spec: dict[str, Any], b: int, device: str | dict[str, float]) -> str:
+    """The plan the agent's planner makes for the tax job on one slot, as "pp/tp/dp, b,
+    recompute" (`elasticpp train` is given its layout, with recompute off)."""
+    from elasticpp.plan.search import plan
+    from elasticpp.plan.specs import ClusterSpec, DeviceSpec, ModelSpec, NodeSpec, load_device_spec
+
+    dev = load_device_spec(device) if isinstance(device, str) else DeviceSpec("custom", **device)
+    model = ModelSpec.from_dict(spec)
+    best = plan(model, ClusterSpec((NodeSpec("n0", 1),), dev), GLOBAL_BATCH, micro_batch=b).best
+    return (
+        f"pp={best.pp} tp={best.tp} dp={best.dp}, b={best.micro_batch}, "
+        f"recompute {'on' if best.recompute else 'off'}"
+    )
+
+
 @dataclass(frozen=True)
 class Timing:
     interval_s: float  # mean interval between steps' completions (wall clock)
     engine_s: float  # mean of the engine's own step time over the same steps
+    median_s: float = 0.0  # the median interval: the common step, one-off stalls left out
+    slowest: tuple[tuple[int, float], ...] = ()  # the 3 longest intervals: (step, s)
 
     @classmethod
     def of(cls, times: list[float], engine: list[float]) -> Timing:
-        return cls(mean_interval_s(times), statistics.fmean(engine[TAX_WARMUP + 1 :]))
+        done = sorted(times)
+        gaps = [(i, done[i] - done[i - 1]) for i in range(TAX_WARMUP + 1, len(done))]
+        return cls(
+            mean_interval_s(times),
+            statistics.fmean(engine[TAX_WARMUP + 1 :]),
+            statistics.median(g for _, g in gaps),
+            tuple(sorted(gaps, key=lambda g: -g[1])[:3]),
+        )
+
+    def slowest_text(self) -> str:
+        return ", ".join(f"{s:.2f} (step {i})" for i, s in self.slowest)
 
 
 def mean_interval_s(times: list[float]) -> float:
@@ -372,13 +416,16 @@ def tax_section(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], s
         f"llama-tax (8 layers x 1024, seq 1024, B = {GLOBAL_BATCH}, b = {b}, bf16, "
         f"{matmul_params(spec) * 12 / 1e9:.1f} GB of state), one CUDA slot, {steps} steps, "
         f"mean interval after {TAX_WARMUP} (s/step); in the step: the engine's own time of a "
-        "step (`step_seconds`), the rest is between steps:",
+        "step (`step_seconds`), the rest is between steps. The agent's plan: "
+        f"{agent_plan(spec, b, device_model())} (device model {device_model()}):",
         "",
-        "| run | s/step | vs `elasticpp train` | in the step (s) |",
-        "|---|---:|---:|---:|",
-        f"| `elasticpp train` | {ours:.3f} | 1.00× | {train.engine_s:.3f} |",
+        "| run | s/step | vs `elasticpp train` | in the step (s) | median (s) | slowest (s) |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| `elasticpp train` | {ours:.3f} | 1.00× | {train.engine_s:.3f} | "
+        f"{train.median_s:.3f} | {train.slowest_text()} |",
         *(
-            f"| agent, {m} | {v.interval_s:.3f} | {v.interval_s / ours:.2f}× | {v.engine_s:.3f} |"
+            f"| agent, {m} | {v.interval_s:.3f} | {v.interval_s / ours:.2f}× | {v.engine_s:.3f} | "
+            f"{v.median_s:.3f} | {v.slowest_text()} |"
             for m, v in agent.items()
         ),
     ]
@@ -412,6 +459,7 @@ def agent_step_times(
         "join_settle_s": 0.5,
         "hang_timeout_s": 120,
         "precision": "bf16",
+        "device": device_model(),
         **TAX_MODES[mode],
     }
     lc = LocalCluster(work / f"cluster-{mode}", job, nodes=1, slots=1, device="cuda")

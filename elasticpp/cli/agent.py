@@ -61,6 +61,42 @@ def _visible_gpus() -> int:
         return 0
 
 
+def _gpu_identity() -> tuple[str, float] | None:
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        return str(props.name), props.total_memory / 2**30
+    except Exception:  # no CUDA device or no CUDA build: no hint
+        return None
+
+
+def check_device_model(device: str | dict[str, object], spec_path: Path) -> None:
+    """Refuse CUDA workers under a job spec whose planner device is `cpu` (the default): the
+    planner would size every plan for 8 GiB CPU slots (recomputing activations a GPU has
+    room for, say), and the job would run slower than it should without a word."""
+    from elasticpp.errors import ConfigError
+    from elasticpp.plan.specs import DEVICE_PRESETS, gpu_preset
+
+    if not (isinstance(device, str) and device.lower() == "cpu"):
+        return
+    gpus = ", ".join(n for n in DEVICE_PRESETS if n != "cpu")
+    hint = ""
+    found = _gpu_identity()
+    if found is not None:
+        name, memory_gib = found
+        preset = gpu_preset(name, memory_gib)
+        hint = f"; this node's GPU is {name} ({memory_gib:.0f} GiB): " + (
+            f"device: {preset}" if preset else "give its figures"
+        )
+    raise ConfigError(
+        f"job spec {spec_path}: device is 'cpu' (the default), the planner's model of a CPU "
+        "slot, but this agent runs its workers on CUDA GPUs (--device cuda): set the job "
+        f"spec's device to the GPUs' preset ({gpus}) or to their figures (memory_gib, "
+        f"peak_tflops, intra_node_gbps, inter_node_gbps){hint}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
     import signal
@@ -77,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     spec = load_job_spec(args.job_spec)
     gpus = _visible_gpus() if args.slots is None or args.device is None else 0
     device = args.device or ("cuda" if gpus else "cpu")
+    if device == "cuda":
+        check_device_model(spec.device, args.job_spec)
     slots = args.slots if args.slots is not None else (gpus or 1)
     if slots < 1:
         raise ConfigError(f"--slots must be >= 1, got {slots}")

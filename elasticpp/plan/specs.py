@@ -412,6 +412,19 @@ def load_device_spec(name: str) -> DeviceSpec:
         ) from None
 
 
+def gpu_preset(gpu_name: str, memory_gib: float) -> str | None:
+    """The device preset for a GPU as CUDA names it (`torch.cuda.get_device_name`) with its
+    memory, or None where no preset models it (then a job spec gives a custom device)."""
+    name = gpu_name.upper()
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        return "h100-80g" if memory_gib >= 70 else None
+    if "A100" in name:
+        return "a100-80g" if memory_gib >= 60 else "a100-40g"
+    return None
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     node_id: str

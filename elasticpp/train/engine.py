@@ -144,8 +144,15 @@ class Trainer:
         self.reducer: GradReducer | None = None
         self.optimizer: AdamW | None = None
         self.tf32 = set_tf32(device, job.precision)
+        self._update_gates: list[torch.cuda.Event] = []  # CUDA events the next update waits for
 
     # ----- state -----
+
+    def update_after(self, event: torch.cuda.Event) -> None:
+        """The next optimizer update waits on the device for `event` (a CUDA event): a
+        snapshot's copy of the state on a side stream reads what that update overwrites.
+        The forward and backward before it do not wait."""
+        self._update_gates.append(event)
 
     def init_fresh(self) -> None:
         tp_rank, tp_size = self.coord.tp, self.groups.tp_size
@@ -366,6 +373,11 @@ class Trainer:
         lr = self.job.lr_at(step)
         assert self.optimizer is not None  # installed with the parameters
         self.opt_step += 1
+        if self._update_gates:
+            stream = torch.cuda.current_stream(self.device)
+            for event in self._update_gates:
+                stream.wait_event(event)
+            self._update_gates.clear()
         self.optimizer.step(grads, lr, clip)
 
         mine = torch.tensor(

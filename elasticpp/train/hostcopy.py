@@ -7,10 +7,15 @@ Invariants:
   the caller (`SnapshotWriter`) captures only when no write still reads them, so a rank
   holds at most one snapshot's copy of its state, however slow the disk.
 - On CUDA the buffers are pinned and the copy runs on a side stream, queued after the step's
-  update; the compute stream then waits for it on the device (the next step updates the
-  parameters in place), and the writer waits for it on the host before reading a buffer.
-  The training thread never blocks on the device-to-host copy. On CPU the copy is a plain
-  `copy_` on the calling thread: no allocation, no serialisation, no hashing.
+  update; the next step's forward and backward run beside it (they only read the state),
+  and only its optimizer update waits for the copy on the device (`Trainer.update_after`:
+  the update writes the parameters and moments in place). The writer waits for the copy on
+  the host before reading a buffer. The training thread never blocks on the device-to-host
+  copy. On CPU the copy is a plain `copy_` on the calling thread: no allocation, no
+  serialisation, no hashing.
+- Pinning 2-3 GB of host memory takes a second or more: `reserve` allocates the buffers on a
+  thread of their own while training runs, and the first capture waits only for what is
+  left of it.
 - A piece written from the buffers is byte for byte the file `checkpoint.tensors.write_piece`
   writes for the same tensors and metadata (safetensors: 8-byte header length, JSON header
   with `__metadata__` first and tensors by name, padded with spaces to 8 bytes, then the
@@ -28,6 +33,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +124,32 @@ class HostBuffers:
         if self._cuda:
             self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.allocated = 0  # buffers allocated so far (stays flat while shapes do)
+        self._reserving: threading.Thread | None = None
+        self._reserve_error: BaseException | None = None
+
+    def reserve(self, trainer: Any) -> None:
+        """Allocate every buffer a capture of `trainer` needs, on a thread of its own; the
+        next capture waits for it. A failure here (out of pinned memory, say) is raised by
+        that capture."""
+
+        def run() -> None:
+            try:
+                for (unit, full), t in _state(trainer):
+                    self._buffer((unit, full), t)
+            except BaseException as exc:
+                self._reserve_error = exc
+
+        self._reserving = threading.Thread(target=run, name="snapshot-buffers", daemon=True)
+        self._reserving.start()
+
+    def _reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+            if self._reserve_error is not None:
+                raise RuntimeError(
+                    f"snapshot buffers: {self._reserve_error}"
+                ) from self._reserve_error
 
     def _buffer(self, key: tuple[str, str], like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -130,6 +162,7 @@ class HostBuffers:
     def capture(self, trainer: Any) -> list[HostPiece]:
         """Copy `trainer`'s units (an `engine.Trainer`: the state `Trainer.snapshot` copies)
         into the buffers. Call it only when no write reads the buffers any more."""
+        self._reserved()
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged: list[tuple[PieceKey, dict[str, torch.Tensor], PieceMeta]] = []
         tp_rank, tp_size = trainer.coord.tp, trainer.groups.tp_size
@@ -146,10 +179,12 @@ class HostBuffers:
                     dims[full] = trainer.shard_dims[unit][name]
             key = PieceKey(unit, tp_rank, tp_size)
             staged.append((key, tensors, PieceMeta(unit, tp_rank, tp_size, trainer.opt_step, dims)))
-        ready = self._copy(pairs)
+        ready = self._copy(pairs, trainer)
         return [HostPiece(key, tensors, meta, ready) for key, tensors, meta in staged]
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    def _copy(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], trainer: Any
+    ) -> Callable[[], None]:
         if self._stream is None:
             for buf, src in pairs:
                 buf.copy_(src)
@@ -162,8 +197,19 @@ class HostBuffers:
                 src.record_stream(self._stream)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(self._stream)
-        compute.wait_event(done)  # the next step's in-place update waits for the copy
+        trainer.update_after(done)  # the next in-place update waits for the copy
         return done.synchronize
+
+
+def _state(trainer: Any) -> list[tuple[tuple[str, str], torch.Tensor]]:
+    """Every tensor a capture copies, keyed as its buffer is (unit, "kind/name")."""
+    sources = (trainer.params, trainer.exp_avg, trainer.exp_avg_sq)
+    return [
+        ((unit, f"{kind}/{name}"), t)
+        for unit in trainer.stage.unit_names
+        for kind, source in zip(KINDS, sources, strict=True)
+        for name, t in source[unit].items()
+    ]
 
 
 def _nothing() -> None:

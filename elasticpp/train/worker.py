@@ -310,6 +310,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
 
         writer = SnapshotWriter(Path(a.snapshot_dir), out.emit, {"generation": gen, "rank": rank})
         host = HostBuffers(device)
+        host.reserve(trainer)  # pinned on a thread of its own while training starts
 
         def capture() -> list[HostPiece]:
             return host.capture(trainer)

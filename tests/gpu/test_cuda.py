@@ -49,6 +49,23 @@ SPEC: dict[str, Any] = {
 }
 
 
+def _device_model() -> str | dict[str, float]:
+    """The job spec's planner device for the visible GPU (an agent with CUDA workers refuses
+    the default `cpu` model)."""
+    import torch
+
+    from elasticpp.plan.specs import gpu_preset
+
+    props = torch.cuda.get_device_properties(0)
+    memory_gib = props.total_memory / 2**30
+    return gpu_preset(props.name, memory_gib) or {
+        "memory_gib": round(memory_gib, 1),
+        "peak_tflops": 100.0,
+        "intra_node_gbps": 100.0,
+        "inter_node_gbps": 10.0,
+    }
+
+
 def _train(out: Path, device: str, steps: int = STEPS) -> dict[int, float]:
     subprocess.run(
         [
@@ -90,7 +107,7 @@ def test_a_worker_killed_on_cuda_recovers_under_the_agent_on_the_same_curve(
     # Every step snapshotted: at most the step in flight is recomputed. The default time rule
     # (a snapshot every 2 s once the writer is free): the curve is the same, more is recomputed.
     reference = _train(tmp_path / "ref.jsonl", "cuda", KILL_STEPS)
-    spec = SPEC | {"steps": KILL_STEPS} | snapshots
+    spec = SPEC | {"steps": KILL_STEPS, "device": _device_model()} | snapshots
     lc = LocalCluster(tmp_path / "job", spec, nodes=1, slots=1, device="cuda")
     try:
         lc.start()
@@ -111,3 +128,68 @@ def test_a_worker_killed_on_cuda_recovers_under_the_agent_on_the_same_curve(
             assert all(int(t["steps_recomputed"]) <= 1 for t in recoveries), recoveries
     finally:
         lc.close()
+
+
+def _saved(save: Path, stop: int, every: int, model: Path) -> dict[int, dict[str, Any]]:
+    """Each saved step's state: {step: {piece/tensor name: fp32 tensor}}."""
+    from safetensors.torch import load_file
+
+    subprocess.run(
+        [
+            sys.executable, "-m", "elasticpp.cli.main", "train", "--model", str(model),
+            "--device", "cuda", "--layout", "pp=1,tp=1,dp=1", "--global-batch", "8",
+            "--micro-batch", "2", "--steps", "5", "--stop-at", str(stop), "--seed", "5",
+            "--save", str(save), "--save-every", str(every),
+        ],
+        check=True,
+        timeout=300,
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return {
+        int(d.name.split("-")[-1]): {
+            f"{p.name}/{k}": t for p in d.glob("*.safetensors") for k, t in load_file(p).items()
+        }
+        for d in save.iterdir()
+        if d.is_dir()
+    }
+
+
+def _distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.timeout(600)
+def test_a_snapshot_holds_its_steps_state_while_the_next_step_runs_beside_its_copy(
+    tmp_path: Path,
+) -> None:
+    # The device-to-host copy of a snapshot runs on a side stream beside the next step's
+    # forward and backward; only that step's update waits for it. Each snapshot of a run
+    # that snapshots every step must be the state of the same run stopped at that step
+    # (whose final state nothing overwrites), up to CUDA's run-to-run noise (atomics in backward):
+    # far closer to it than to the state one update later. A model whose state takes a
+    # while to copy (~0.6 GB), so a copy that raced the update would show.
+    model = tmp_path / "model.json"
+    model.write_text(
+        json.dumps(
+            {
+                "name": "copy-race",
+                "family": "llama",
+                "num_layers": 4,
+                "hidden_size": 1024,
+                "num_heads": 16,
+                "num_kv_heads": 8,
+                "ffn_hidden_size": 4096,
+                "vocab_size": 8192,
+                "seq_len": 256,
+            }
+        )
+    )
+    every = _saved(tmp_path / "every", 5, 1, model)
+    assert sorted(every) == [1, 2, 3, 4, 5]
+    for stop in (2, 4):
+        final = _saved(tmp_path / f"stop-{stop}", stop, 0, model)
+        assert sorted(final) == [stop]
+        one_update = _distance(every[stop + 1], final[stop])
+        assert one_update > 0
+        assert _distance(every[stop], final[stop]) <= 0.01 * one_update

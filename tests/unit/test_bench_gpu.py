@@ -36,6 +36,19 @@ def test_the_engine_time_is_the_mean_over_the_same_steps() -> None:
     assert timing.engine_s == pytest.approx(0.6)
 
 
+def test_the_median_leaves_a_stall_out_and_the_slowest_intervals_name_their_steps() -> None:
+    times = [float(i) for i in range(TAX_WARMUP + 1)]  # 1 s apart through the warm-up
+    last = times[-1]
+    for gap in (0.1, 0.1, 2.0, 0.1, 0.3):
+        last += gap
+        times.append(last)
+    timing = Timing.of(times, [0.1] * len(times))
+    assert timing.median_s == pytest.approx(0.1)
+    assert [i for i, _ in timing.slowest] == [TAX_WARMUP + 3, TAX_WARMUP + 5, TAX_WARMUP + 1]
+    assert timing.slowest[0][1] == pytest.approx(2.0)
+    assert timing.slowest_text().startswith(f"2.00 (step {TAX_WARMUP + 3})")
+
+
 def test_collapsed_stacks_are_summed_per_thread_and_per_own_frame(tmp_path: Path) -> None:
     stacks = tmp_path / "stacks-train.txt"
     stacks.write_text(

@@ -386,6 +386,11 @@ IMPOSSIBLE = {
     "same-ports": (["--set", "agent.metricsPort=7430"], True,
                    "agent.grpcPort and agent.metricsPort are both 7430"),
     "unknown-device": (["--set", "agent.device=tpu"], True, "/agent/device"),
+    "cpu-model-on-gpus": (["--set", "jobSpec.device=cpu"], True,
+                          "jobSpec.device is cpu (the default: the planner's model of a CPU slot)"
+                          " but agent.device is cuda"),
+    "no-model-on-gpus": (["--set", "jobSpec.device=null"], True,
+                         "jobSpec.device is cpu (the default"),
     "zero-slots": (["--set", "agent.slots=0"], True, "/agent/slots"),
     "unknown-key": (["--set", "agent.gpus=8"], True, "gpus"),
 }  # fmt: skip

@@ -92,6 +92,47 @@ def test_host_buffers_are_allocated_once_and_every_later_snapshot_reuses_them(
         assert not torch.equal(second[0].tensors[f"param/{name}"], live.detach())
 
 
+class _Recording(HostBuffers):
+    """HostBuffers that note the thread of each buffer they allocate."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.threads: list[str] = []
+
+    def _buffer(self, key: tuple[str, str], like: torch.Tensor) -> torch.Tensor:
+        before = self.allocated
+        buf = super()._buffer(key, like)
+        if self.allocated > before:
+            self.threads.append(threading.current_thread().name)
+        return buf
+
+
+def test_reserved_buffers_are_allocated_off_the_training_thread_and_the_capture_uses_them(
+    tmp_path: Path,
+) -> None:
+    # Pinning a rank's state in host memory takes seconds on a GPU: reserve() does it on a
+    # thread of its own while training starts, and the first capture allocates nothing.
+    state = trainer_state(0, 1, opt_step=3)
+    host = _Recording()
+    host.reserve(state)
+    pieces = host.capture(state)
+    tensors = sum(len(p.tensors) for p in pieces)
+    assert host.allocated == tensors
+    assert host.threads == ["snapshot-buffers"] * tensors
+    # ... and what it writes is still the engine's own snapshot, byte for byte.
+    before = [s.write(tmp_path / "before") for s in Trainer.snapshot(state)]
+    assert [p.write(tmp_path / "after") for p in pieces] == before
+
+
+def test_a_failed_reservation_is_raised_by_the_next_capture() -> None:
+    state = trainer_state(0, 1, opt_step=3)
+    broken = SimpleNamespace(**{**vars(state), "stage": SimpleNamespace(unit_names=("nope",))})
+    host = HostBuffers(torch.device("cpu"))
+    host.reserve(broken)
+    with pytest.raises(RuntimeError, match="snapshot buffers: 'nope'"):
+        host.capture(state)
+
+
 def test_a_streamed_piece_refuses_what_write_piece_refuses(tmp_path: Path) -> None:
     key = PieceKey("embed", 0, 1)
     tensors = {"param/w": torch.zeros(2, 2)}

@@ -103,6 +103,12 @@ that depends on them, so `helm template` and `helm install` fail before anything
 {{- if mod (int $spec.global_batch) (int $spec.micro_batch) }}
 {{- fail (printf "jobSpec.global_batch (%d) is not a multiple of jobSpec.micro_batch (%d)" (int $spec.global_batch) (int $spec.micro_batch)) }}
 {{- end }}
+{{- if eq .Values.agent.device "cuda" }}
+{{- $device := get $spec "device" | default "cpu" }}
+{{- if and (kindIs "string" $device) (eq (lower $device) "cpu") }}
+{{- fail "jobSpec.device is cpu (the default: the planner's model of a CPU slot) but agent.device is cuda: set jobSpec.device to the GPUs' preset (a100-40g, a100-80g, h100-80g, h200) or to their figures (memory_gib, peak_tflops, intra_node_gbps, inter_node_gbps)" }}
+{{- end }}
+{{- end }}
 {{- if eq (int .Values.agent.grpcPort) (int .Values.agent.metricsPort) }}
 {{- fail (printf "agent.grpcPort and agent.metricsPort are both %d: they must differ" (int .Values.agent.grpcPort)) }}
 {{- end }}
