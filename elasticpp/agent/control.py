@@ -147,10 +147,18 @@ class ControlPart:
         """Events after the `index`-th one ever logged (for the WatchEvents stream)."""
         return self._events.since(index, timeout_s)
 
+    def _known_members(self) -> list[str]:
+        """The registered nodes where this agent reads them all (the leader); a follower,
+        which reads only its own and the leader's, says the current generation's nodes."""
+        vs = self._vs
+        if vs.members_complete or vs.record is None:
+            return sorted(vs.members)
+        return sorted(vs.record.planned_nodes)
+
     def _update_gauges(self) -> None:
         m = self.metrics
         m.of(m.etcd_up).set(1 if self._vs.etcd_ok else 0)
-        m.of(m.members).set(len(self._vs.members))
+        m.of(m.members).set(len(self._known_members()))
         m.of(m.is_leader).set(1 if self._is_leader() else 0)
         m.of(m.generation).set(self.generation)
         floor = self.store.floor
@@ -237,7 +245,7 @@ class ControlPart:
             "layout": str(gs.plan.layout) if gs else "",
             "last_step": self._ds.last_step,
             "last_loss": self._ds.last_loss,
-            "members": sorted(self._vs.members),
+            "members": self._known_members(),
             "workers": [
                 {
                     "rank": w.rank,

@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.store.instruction import node_fetches
 from elasticpp.store.persist import Persister, copy_verified
-from elasticpp.store.replicate import replicate_once
+from elasticpp.store.replicate import backup_origins, replicate_once
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 from elasticpp.train.snapshots import is_snapshot_writer
@@ -231,8 +231,8 @@ class DurabilityPart:
     def _resume_dir(self, gs: _GenState) -> Path:
         return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
 
-    def _fetch_addresses(self, gs: _GenState) -> dict[str, str]:
-        return fetch_addresses(gs.record, self._vs.members)
+    def _fetch_addresses(self, gs: _GenState, sources: Iterable[str]) -> dict[str, str]:
+        return fetch_addresses(gs.record, self._member_records(sources))
 
     def _fetch(
         self,
@@ -245,8 +245,6 @@ class DurabilityPart:
         thread of its own: it writes nothing of the agent's; its outcome is returned (to the
         loop, through a future) and its bytes are counted in `progress`."""
         progress = progress if progress is not None else TransferProgress()
-        if addresses is None:
-            addresses = self._fetch_addresses(gs)
         try:
             step = int(resume["step"])
             target = self._resume_dir(gs)
@@ -271,6 +269,8 @@ class DurabilityPart:
                 for name, (origin, source, sha, size) in sorted(wanted.items())
                 if source not in (self.node_id, DISK_SOURCE)
             ]
+            if addresses is None:  # a follower reads its sources' member keys here
+                addresses = self._fetch_addresses(gs, {t.source for t in transfers})
             unknown = sorted({t.source for t in transfers} - set(addresses))
             if unknown:
                 raise StateUnavailableError(
@@ -312,19 +312,24 @@ class DurabilityPart:
         gs = self._fs.gen
         if gs is None:
             return
-        addresses = {n: str(i.get("address")) for n, i in self._vs.members.items()}
         # The plan's nodes with ranks, as the leader's safe step computes it: a member that
         # is not planned (yet) changes nobody's replica holders.
         ring = sorted({s.node_id for s in gs.plan.placement})
         generation = gs.generation
+        copies = self.spec.replication_copies
 
         def run() -> None:
             try:
+                # The nodes this one backs up, by key on a follower (once a generation).
+                origins = backup_origins(ring, self.node_id, copies)
+                addresses = {
+                    n: str(i.get("address")) for n, i in self._member_records(origins).items()
+                }
                 results = replicate_once(
                     self.store,
                     addresses,
                     ring,
-                    self.spec.replication_copies,
+                    copies,
                     generation,
                     every=self.spec.replication_every,
                 )

@@ -287,7 +287,7 @@ class ExecutorPart:
                 gs = self._fs.gen
                 if gs is not None and gs.generation == action.generation:
                     progress = TransferProgress()
-                    args = (gs, action.resume, progress, self._fetch_addresses(gs))
+                    args = (gs, action.resume, progress)  # addresses: read on its thread
                     future = run_in_thread("fetch-state", self._fetch, *args)
                     future.add_done_callback(lambda _: self._wake.set())
                     self._execute(follower_fetch_started(self._fs, action, future, progress))

@@ -72,7 +72,10 @@ class AgentMetrics:
             generation=g("elasticpp_generation", "Plan generation this agent follows"),
             is_leader=g("elasticpp_is_leader", "1 if this agent is the leader"),
             etcd_up=g("elasticpp_etcd_up", "1 if the agent's last etcd call succeeded"),
-            members=g("elasticpp_members", "Registered nodes of the job, as this agent sees"),
+            members=g(
+                "elasticpp_members",
+                "Registered nodes of the job (on a follower: the nodes of its generation)",
+            ),
             safe_step=g(
                 "elasticpp_safe_step",
                 "Newest step this node knows to survive any single node loss (its store's "

@@ -115,7 +115,7 @@ from elasticpp.agent.quarantine import HealthState, QuarantinePart
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
 from elasticpp.agent.supervisor import SupervisorPart, SupervisorState
-from elasticpp.agent.view import ViewPart, ViewState
+from elasticpp.agent.view import MemberDirectory, ViewPart, ViewState
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
@@ -197,6 +197,7 @@ class Agent(
         )  # the supervisor's workers (elasticpp.agent.pool)
         self._ss = SupervisorState(gpus=list(range(cfg.slots)))
         self._vs = ViewState(last_join_s=self._clock.monotonic())
+        self._directory = MemberDirectory()  # the members a follower reads by key
         self._fs = FollowerState()
         self._ds = DurabilityState()
         self._lvs = LivenessState()

@@ -135,9 +135,10 @@ class StartupPart:
             self._registration = self.cluster.register(
                 self.node_id, self._member_info(), self.spec.lease_ttl_s, self._lease_gate()
             )
-        # The view reads members, leader, generation, barriers and the safe step from the
-        # job's watch-fed cache; each change wakes the loop.
-        self.cluster.follow(self._on_watch)
+        # The view reads the leader, generation, barriers and the safe step from the job's
+        # watch-fed cache, and this node's own member key; each change wakes the loop. The
+        # other member keys are cached on the leader alone.
+        self.cluster.follow(self._on_watch, own_node=self.node_id)
         keys = self.cluster.keys
         for key, prefix, callback in (
             (keys.quarantine_prefix, True, self._on_health_watch),

@@ -19,7 +19,9 @@ this agent joined is gone (the job's etcd state started afresh under it), the ag
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +41,13 @@ class ViewState:
     """What this agent knows of etcd: one object, written by the view's refresh only.
     Other parts ask for a fresh read by raising the agent's `refresh` signal."""
 
+    # Every registered node while this agent leads (it caches the member keys); a follower
+    # holds only its own record and the leader's (`members_complete` False): it reads the
+    # others it needs by key (`MemberDirectory`), so a registration reaches one node, not N.
     members: dict[str, dict[str, Any]] = field(default_factory=dict)
+    members_complete: bool = True
+    leader_member: tuple[str | None, int, dict[str, dict[str, Any]]] = (None, -1, {})  # a
+    # follower's read of the leader's record: (leader, generation, {leader: record})
     record: GenerationRecord | None = None
     record_rev: int = 0
     leader: str | None = None
@@ -54,6 +62,44 @@ class ViewState:
     detected: dict[int, float] = field(default_factory=dict)  # generation -> wall time a
     # join or a lease lapse that calls for it was first seen (the recovery timeline)
     exit_code: int | None = None  # EPOCH_ENDED_EXIT once the job's epoch is gone
+
+
+class MemberDirectory:
+    """The member records of the nodes a part needs (its fetch sources, its replication
+    peers), for threads as well as the loop: from the view where it holds every member
+    (the leader), else read by key once per generation and kept (a node that registers
+    again under another incarnation is a new generation: the leader re-plans for it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._held: dict[str, dict[str, Any]] = {}
+
+    def records(
+        self,
+        nodes: Iterable[str],
+        view: ViewState,
+        read: Callable[[list[str]], dict[str, dict[str, Any]]],
+    ) -> dict[str, dict[str, Any]]:
+        """The records of `nodes` that are registered; `read` reads missing ones by key."""
+        members = view.members  # replaced whole by the view, never changed in place
+        out = {n: members[n] for n in sorted(set(nodes)) if n in members}
+        missing = sorted(set(nodes) - set(out))
+        if not missing:
+            return out
+        generation = view.record.generation if view.record is not None else 0
+        with self._lock:
+            if generation != self._generation:
+                self._generation, self._held = generation, {}
+            out.update((n, self._held[n]) for n in missing if n in self._held)
+        unread = [n for n in missing if n not in out]
+        if unread:  # on the leader: not registered (a read by key says so again)
+            found = read(unread)
+            with self._lock:
+                if generation == self._generation:
+                    self._held.update(found)
+            out.update(found)
+        return out
 
 
 # The exit status of an agent whose job epoch ended under it (EX_TEMPFAIL: start it again;
@@ -71,6 +117,7 @@ class EtcdRead:
     leader: str | None
     barriers: dict[str, dict[str, Any]]
     safe: SafeStep | None  # read at most every SAFE_EVERY_S; None when not read this time
+    complete: bool = True  # `members` is every registered node (the leader's read)
 
 
 def view_step(
@@ -87,8 +134,10 @@ def view_step(
     joined: list[str] = []
     left: list[str] = []
     # An unchanged cached read is the same object (ClusterClient): nothing joined or left,
-    # and comparing every member on every refresh is O(N) a second per node.
-    if read.members is not state.members:
+    # and comparing every member on every refresh is O(N) a second per node. Joins and
+    # departures are the leader's to see: a follower's members are itself and the leader,
+    # and the first complete read of a new leader is where it starts from.
+    if read.members is not state.members and read.complete and state.members_complete:
         joined = sorted(
             n
             for n, info in read.members.items()
@@ -105,7 +154,7 @@ def view_step(
         planned = set(read.record.planned_nodes) if read.record else set()
         if planned & (set(left) - dead):
             state.detected.setdefault(next_gen, wall_s)
-    state.members = read.members
+    state.members, state.members_complete = read.members, read.complete
     state.record, state.record_rev = read.record, read.record_rev
     # Detection times of generations up to the record's are of no use now.
     for g in [g for g in state.detected if g < next_gen]:
@@ -154,11 +203,15 @@ class ViewPart:
             # Only the leader caches the nodes' holdings digests and commit records (one read
             # each when its term starts, then their events); a follower knows its own
             # arrival from its write, and needs only the resume record.
-            cluster.cache_for_leader(self._ls.leadership is not None)
+            leading = self._ls.leadership is not None
+            cluster.cache_for_leader(leading)
             cluster.sync_cache()  # reads a range again only if its watch lost events
-            members = cluster.agent_members(cached=True).nodes
             record, rev = cluster.read_generation(cached=True)
             leader = cluster.leader(cached=True)
+            if leading:
+                members = cluster.agent_members(cached=True).nodes
+            else:
+                members = self._follower_members(leader, record.generation if record else 0)
             barriers: dict[str, dict[str, Any]] = {}
             names = ["done", "timelines"]
             gen = record.generation if record else 0
@@ -183,10 +236,37 @@ class ViewPart:
         finally:
             self._count_skipped()
             self._count_requests()
-        read = EtcdRead(members, record, rev, leader, barriers, safe)
+        read = EtcdRead(members, record, rev, leader, barriers, safe, complete=leading)
         dead = frozenset(self._lvs.dead_now(self._vs.members))
         now_s, wall_s = self._clock.monotonic(), self._clock.time()
         self._execute(view_step(self._vs, read, dead=dead, now_s=now_s, wall_s=wall_s))
+
+    def _member_records(self, nodes: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The member records of `nodes` (registered ones), on any thread: see
+        `MemberDirectory`."""
+
+        def read(missing: list[str]) -> dict[str, dict[str, Any]]:
+            assert self.cluster is not None
+            return self.cluster.member_records(missing)
+
+        return self._directory.records(nodes, self._vs, read)
+
+    def _follower_members(self, leader: str | None, generation: int) -> dict[str, dict[str, Any]]:
+        """A follower's members: its own record (cached: its key is watched) and the
+        leader's, read by key when the leader or the generation changes (or while it is
+        missing). The same object while neither changed."""
+        assert self.cluster is not None
+        own = self.cluster.member_records([self.node_id])
+        held_leader, held_gen, held = self._vs.leader_member
+        if leader is None or leader == self.node_id:
+            held = {}
+        elif (leader, generation) != (held_leader, held_gen) or not held:
+            held = self.cluster.member_records([leader])
+        self._vs.leader_member = (leader, generation, held)
+        members = {**held, **own}
+        if not self._vs.members_complete and members == self._vs.members:
+            return self._vs.members
+        return members
 
     def _on_epoch_event(self, _event: Any) -> None:
         self._epoch_changed.raise_()

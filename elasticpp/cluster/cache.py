@@ -223,15 +223,23 @@ class RangeCache:
 
 class JobCache:
     """What an agent reads of its job, cached: every key under the job's root but those
-    every node writes at every transition or more often, which would send each node's value
-    to every node (N² watch events a transition): the commit records (`commits/`), and the
+    that would send each node's value to every node (N² watch events when a job starts, and
+    at every transition or more often): the member keys (`nodes/`: every registration, and
+    every drain, would reach every node), the commit records (`commits/`), and the
     `failed-<G>`, `started-<G>` and `stopped-<G>` arrivals (a holdings digest each in
-    stopped). The leader alone reads those, and caches them too while `serve_leader(True)`;
-    a follower knows its own arrivals from its writes, and learns that a generation started
-    everywhere from the leader's timeline. Four watches, seven on the leader."""
+    stopped). The leader alone reads those, and caches them too while `serve_leader(True)`.
+    A follower caches its own member key (another agent taking its node id shows at once),
+    reads the few others it needs by key (`ClusterClient.member_records`: the leader's, its
+    sources' and its replication peers'), knows its own arrivals from its writes, and
+    learns that a generation started everywhere from the leader's timeline. Five watches
+    (six with `own_node`), nine on the leader."""
 
     def __init__(
-        self, kv: EtcdKV, keys: JobKeys, on_event: Callable[[WatchEvent], None] | None = None
+        self,
+        kv: EtcdKV,
+        keys: JobKeys,
+        on_event: Callable[[WatchEvent], None] | None = None,
+        own_node: str | None = None,
     ) -> None:
         self._kv, self._on_event = kv, on_event
         barriers = keys.barriers_prefix
@@ -240,16 +248,22 @@ class JobCache:
         failed = (barriers + "failed-", barriers + "failed.")
         arrivals = (barriers + "started-", barriers + "stopped.")
         commits = (keys.commits_prefix, prefix_end(keys.commits_prefix))
-        self._leader_only = (failed, arrivals, commits)
+        nodes = (keys.nodes_prefix, prefix_end(keys.nodes_prefix))
+        self._leader_only = tuple(sorted((nodes, failed, arrivals, commits)))
         self._ranges: list[RangeCache] = []
         self._leader: list[RangeCache] = []
+        # Every node caches the rest of the job's keys: the gaps between those ranges.
+        shared: list[tuple[str, str]] = []
+        start = keys.root
+        for key, end in self._leader_only:
+            shared.append((start, key))
+            start = end
+        shared.append((start, prefix_end(keys.root)))
+        if own_node is not None:
+            own = keys.node(own_node)
+            shared.append((own, own + "\0"))  # the one key: "\0" sorts first after it
         try:
-            for key, end in (
-                (keys.root, failed[0]),
-                (failed[1], arrivals[0]),
-                (arrivals[1], commits[0]),
-                (commits[1], prefix_end(keys.root)),
-            ):
+            for key, end in shared:
                 self._ranges.append(RangeCache(kv, key, end, on_event=on_event))
         except BaseException:
             self.close()
@@ -279,6 +293,11 @@ class JobCache:
 
     def reads(self) -> int:
         return sum(r.reads for r in self._all())
+
+    def covers(self, key: str) -> bool:
+        """Whether `key` is served here now (a member key: the own one, or any while the
+        leader's ranges are cached)."""
+        return any(r.covers(key) for r in self._all())
 
     def _range(self, key: str, end: str) -> RangeCache:
         for r in self._all():

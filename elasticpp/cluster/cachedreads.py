@@ -63,13 +63,16 @@ class CachedReadsPart:
         """Requests this client sent to etcd, by method (`EtcdKV.requests`)."""
         return self._kv.requests()
 
-    def follow(self, on_event: Callable[[WatchEvent], None] | None = None) -> None:
-        """Start the job's watch-fed cache (once; four range reads, four watches), for
-        reads with `cached=True`. `on_event` runs on a watch thread after each change."""
+    def follow(
+        self, on_event: Callable[[WatchEvent], None] | None = None, own_node: str | None = None
+    ) -> None:
+        """Start the job's watch-fed cache (once; a range read and a watch per range, see
+        `JobCache`), for reads with `cached=True`; `own_node`'s member key is cached too.
+        `on_event` runs on a watch thread after each change."""
         with self._lock:
             if self._cache is not None:
                 return
-        cache = JobCache(self._kv, self.keys, on_event)
+        cache = JobCache(self._kv, self.keys, on_event, own_node)
         with self._lock:
             self._cache = cache
 
@@ -87,6 +90,12 @@ class CachedReadsPart:
         if cache is None:
             raise ClusterUnavailableError(f"job {self.job}: the etcd cache is not started")
         return cache
+
+    def _covered(self, key: str) -> bool:
+        """Whether the cache serves `key` now (False when nothing is cached)."""
+        with self._lock:
+            cache = self._cache
+        return cache is not None and cache.covers(key)
 
     def _get(self, key: str, cached: bool) -> Any:
         return self._cached().get(key)[0] if cached else self._kv.get(key)

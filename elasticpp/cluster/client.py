@@ -261,6 +261,26 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
 
         return Members(self._memo("agent members", members.nodes, cached, usable), members.revision)
 
+    def member_records(self, nodes: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The usable member records (see `agent_members`) of `nodes`, by node; a node not
+        registered, or with an unusable record, is left out. Each key comes from the cache
+        where it is cached (this node's own, and every one on the leader), else from etcd
+        by key: a follower reads the few members it needs, not the cluster's."""
+        out: dict[str, dict[str, Any]] = {}
+        for node in sorted(set(nodes)):
+            key = self.keys.node(node)
+            kv = self._get(key, self._covered(key))
+            if kv is None:
+                continue
+            try:
+                record = self._parsed_once(kv, f"member {node}")
+                check_member(node, record)
+            except ClusterDataError as exc:
+                self.skip_value(key, exc)
+                continue
+            out[node] = record
+        return out
+
     def watch_members(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
     ) -> Watch:

@@ -184,8 +184,9 @@ def test_a_new_etcd_behind_the_cache_revision_makes_it_read_again(
 def test_the_job_cache_leaves_every_nodes_frequent_records_to_the_leader(
     kv: EtcdKV,
 ) -> None:
-    """Commit records and the stopped-G, started-G and failed-G arrivals (one per node per
-    transition) reach only the leader; a follower still sees the rest of the job."""
+    """Commit records, the stopped-G, started-G and failed-G arrivals (one per node per
+    transition) and the member keys (one per node, all written when a job starts) reach
+    only the leader; a follower still sees the rest of the job, and its own member key."""
     keys = JobKeys("j")
     kv.put(keys.barrier("stopped-3", "n1"), "digest")
     kv.put(keys.barrier("started-3", "n1"), "s")
@@ -194,9 +195,11 @@ def test_the_job_cache_leaves_every_nodes_frequent_records_to_the_leader(
     kv.put(keys.barrier("done", "n1"), "d")
     kv.put(keys.generation, "g")
     events: list[str] = []
-    cache = JobCache(kv, keys, lambda e: events.append(e.key))
+    kv.put(keys.node("n0"), "m0")
+    cache = JobCache(kv, keys, lambda e: events.append(e.key), own_node="n1")
     try:
         kv.put(keys.commit(3, "n1"), "c")
+        kv.put(keys.node("n2"), "m2")  # another node registers
         kv.put(keys.barrier("stopped-3", "n2"), "digest")
         kv.put(keys.barrier("started-3", "n2"), "s")
         kv.put(keys.barrier("failed-3", "n2"), "f")
@@ -205,6 +208,7 @@ def test_the_job_cache_leaves_every_nodes_frequent_records_to_the_leader(
         wait_for(lambda: keys.node("n1") in events, "the member's event")
         for key in (
             keys.commit(3, "n1"),
+            keys.node("n2"),
             keys.barrier("stopped-3", "n2"),
             keys.barrier("started-3", "n2"),
             keys.barrier("failed-3", "n2"),
@@ -220,7 +224,17 @@ def test_the_job_cache_leaves_every_nodes_frequent_records_to_the_leader(
                 cache.prefix(keys.barrier_prefix(barrier))
         with pytest.raises(ClusterUnavailableError, match="not cached"):
             cache.prefix(keys.commits_of(3))
+        assert cache.get(keys.node("n1"))[0].value == "m"  # its own member key
+        assert cache.covers(keys.node("n1")) and not cache.covers(keys.node("n2"))
+        for other in ("n0", "n2"):
+            with pytest.raises(ClusterUnavailableError, match="not cached"):
+                cache.get(keys.node(other))
+        with pytest.raises(ClusterUnavailableError, match="not cached"):
+            cache.prefix(keys.nodes_prefix)
         cache.serve_leader(True)
+        members, _ = cache.prefix(keys.nodes_prefix)
+        assert [x.value for x in members] == ["m0", "m", "m2"]
+        assert cache.covers(keys.node("n2"))
         assert [x.value for x in cache.prefix(keys.commits_of(3))[0]] == ["c"]
         stopped, _ = cache.prefix(keys.barrier_prefix("stopped-3"))
         assert [x.key for x in stopped] == [

@@ -785,6 +785,9 @@ def test_cached_reads_parse_a_record_again_only_when_it_changed(
     O(N²) for the cluster. An unchanged answer is now the object derived before."""
     a, b = clients(), clients()
     a.follow()
+    with pytest.raises(ClusterUnavailableError, match="not cached"):
+        a.agent_members(cached=True)  # every member: the leader's cache alone holds them
+    a.cache_for_leader(True)
     b.register("n1", {"address": "127.0.0.1:7000", "slots": 2}, ttl_s=2)
     lead = b.campaign("n1", ttl_s=2)
     assert lead is not None
@@ -815,6 +818,29 @@ def test_cached_reads_parse_a_record_again_only_when_it_changed(
     assert a.read_generation(cached=True)[0] is rec
     assert wait_until(lambda: b.write_generation(record(2, "n1"), b.read_generation()[1], lead), 5)
     assert wait_until(lambda: a.read_generation(cached=True)[0].generation == 2, 10.0)  # type: ignore[union-attr]
+
+
+def test_a_follower_reads_the_members_it_needs_by_key_and_its_own_from_its_cache(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    a, b = clients(), clients()
+    a.register("n0", {"address": "127.0.0.1:7000", "slots": 1}, ttl_s=5)
+    b.register("n1", {"address": "127.0.0.1:7001", "slots": 2}, ttl_s=5)
+    b.register("bad", {"slots": 1}, ttl_s=5)  # no address: not usable
+    a.follow(own_node="n0")
+    before = a.etcd_requests().get("Range", 0)
+    found = a.member_records(["n0", "n1", "bad", "ghost"])
+    assert {n: r["address"] for n, r in found.items()} == {
+        "n0": "127.0.0.1:7000",
+        "n1": "127.0.0.1:7001",
+    }
+    # n0 from the cache; n1, bad and ghost by key: one range request each.
+    assert a.etcd_requests().get("Range", 0) - before == 3
+    assert a.skipped_values >= 1  # the unusable record is counted, not returned
+    a.cache_for_leader(True)  # the leader: every member key from its cache
+    before = a.etcd_requests().get("Range", 0)
+    assert sorted(a.member_records(["n0", "n1", "ghost"])) == ["n0", "n1"]
+    assert a.etcd_requests().get("Range", 0) == before
 
 
 def test_a_node_whose_member_key_left_its_lease_arrives_and_commits_nowhere(

@@ -16,6 +16,8 @@ from elasticpp.store.digest import HoldingsDigest
 from tests.unit.test_agent_done import SPEC, _plan
 from tests.unit.test_store_local import commit_replica_step, commit_step
 
+MEMBERS = ("n0", "n1", "n2", "n3")
+
 
 class _Cluster:
     keys: Any = None
@@ -36,7 +38,12 @@ class _Cluster:
         return {}
 
     def agent_members(self, *, cached: bool = False) -> Members:
-        return Members({}, 1)
+        self.read.append("every member")
+        return Members({n: {"address": f"{n}:1", "incarnation": "i"} for n in MEMBERS}, 1)
+
+    def member_records(self, nodes: Any) -> dict[str, dict[str, Any]]:
+        self.read += [f"member {n}" for n in sorted(nodes)]
+        return {n: {"address": f"{n}:1", "incarnation": "i"} for n in nodes if n in MEMBERS}
 
     def read_generation(self, *, cached: bool = False) -> tuple[GenerationRecord | None, int]:
         return GenerationRecord(3, _plan(3).to_dict(), "n0", time.time()), 5
@@ -86,6 +93,39 @@ def test_only_the_leader_reads_the_nodes_arrivals(tmp_path: Path) -> None:
     agent._refresh()
     assert {"stopped-3", "started-3", "failed-3", "resume-3"} <= set(cluster.read)
     assert cluster.leader_cached
+
+
+def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
+    """Every agent cached every member key: each registration (N of them when a job starts)
+    and each drain reached every node, N² watch events. A follower reads its own record and
+    the leader's, the leader's again only when the leader or the generation changes."""
+    agent, cluster = _agent(tmp_path)  # n1, following n0
+    agent._refresh()
+    assert "every member" not in cluster.read
+    assert [r for r in cluster.read if r.startswith("member ")] == ["member n1", "member n0"]
+    assert sorted(agent._vs.members) == ["n0", "n1"] and not agent._vs.members_complete
+    first = agent._vs.members
+    cluster.read.clear()
+    agent._refresh()
+    assert [r for r in cluster.read if r.startswith("member ")] == ["member n1"]  # own: cached
+    assert agent._vs.members is first  # unchanged: the same object
+    # What a follower says of the job's members: its generation's nodes.
+    assert agent._known_members() == sorted(agent._vs.record.planned_nodes)
+    # Its fetch sources and replication peers: read by key once a generation.
+    cluster.read.clear()
+    assert sorted(agent._member_records(["n2", "n3", "n9"])) == ["n2", "n3"]
+    assert sorted(agent._member_records(["n2", "n3"])) == ["n2", "n3"]
+    assert cluster.read == ["member n2", "member n3", "member n9"]
+    agent._ls.leadership = _Leadership()  # this node leads: every member, cached
+    cluster.read.clear()
+    agent._refresh()
+    assert "every member" in cluster.read
+    assert not [r for r in cluster.read if r.startswith("member ")]
+    assert sorted(agent._vs.members) == list(MEMBERS) and agent._vs.members_complete
+    assert agent._known_members() == list(MEMBERS)
+    cluster.read.clear()
+    assert sorted(agent._member_records(["n2", "n3"])) == ["n2", "n3"]
+    assert cluster.read == []  # the leader's view holds them
 
 
 def test_a_node_arrives_at_stopped_with_a_digest_of_what_it_holds(tmp_path: Path) -> None:

@@ -69,6 +69,9 @@ class _Cluster:
     def agent_members(self, *, cached: bool = False) -> Members:
         return Members({}, 1)
 
+    def member_records(self, nodes: Any) -> dict[str, dict[str, Any]]:
+        return {}
+
     def read_generation(self, *, cached: bool = False) -> tuple[GenerationRecord | None, int]:
         return None, 0
 
