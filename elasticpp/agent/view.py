@@ -47,7 +47,8 @@ class ViewState:
     members: dict[str, dict[str, Any]] = field(default_factory=dict)
     members_complete: bool = True
     leader_member: tuple[str | None, int, dict[str, dict[str, Any]]] = (None, -1, {})  # a
-    # follower's read of the leader's record: (leader, generation, {leader: record})
+    # follower's read of the leader's record: (leader, its key's create revision, {leader:
+    # record})
     record: GenerationRecord | None = None
     record_rev: int = 0
     leader: str | None = None
@@ -135,8 +136,10 @@ def view_step(
     left: list[str] = []
     # An unchanged cached read is the same object (ClusterClient): nothing joined or left,
     # and comparing every member on every refresh is O(N) a second per node. Joins and
-    # departures are the leader's to see: a follower's members are itself and the leader,
-    # and the first complete read of a new leader is where it starts from.
+    # departures are the leader's to see: a follower's members are itself and the leader.
+    # A new leader's first complete read has no earlier one to compare with: the members
+    # the generation record does not plan count as joined (all of them when there is no
+    # record yet, as a job starts), so that it lets joins settle as the leader before did.
     if read.members is not state.members and read.complete and state.members_complete:
         joined = sorted(
             n
@@ -144,6 +147,9 @@ def view_step(
             if state.members.get(n, {}).get("incarnation") != info.get("incarnation")
         )
         left = sorted(set(state.members) - set(read.members))
+    elif read.complete and not state.members_complete:
+        planned = set(read.record.planned_nodes) if read.record else set()
+        joined = sorted(set(read.members) - planned)
     next_gen = (read.record.generation if read.record else 0) + 1
     if joined:
         state.last_join_s = now_s
@@ -207,11 +213,11 @@ class ViewPart:
             cluster.cache_for_leader(leading)
             cluster.sync_cache()  # reads a range again only if its watch lost events
             record, rev = cluster.read_generation(cached=True)
-            leader = cluster.leader(cached=True)
+            leader, term = cluster.leader_term(cached=True)
             if leading:
                 members = cluster.agent_members(cached=True).nodes
             else:
-                members = self._follower_members(leader, record.generation if record else 0)
+                members = self._follower_members(leader, term)
             barriers: dict[str, dict[str, Any]] = {}
             names = ["done", "timelines"]
             gen = record.generation if record else 0
@@ -251,18 +257,19 @@ class ViewPart:
 
         return self._directory.records(nodes, self._vs, read)
 
-    def _follower_members(self, leader: str | None, generation: int) -> dict[str, dict[str, Any]]:
+    def _follower_members(self, leader: str | None, term: int) -> dict[str, dict[str, Any]]:
         """A follower's members: its own record (cached: its key is watched) and the
-        leader's, read by key when the leader or the generation changes (or while it is
-        missing). The same object while neither changed."""
+        leader's, read by key when the leader's term changes (a restarted leader elected
+        again is a new term), or while it is missing. The same object while neither
+        changed."""
         assert self.cluster is not None
         own = self.cluster.member_records([self.node_id])
-        held_leader, held_gen, held = self._vs.leader_member
+        held_leader, held_term, held = self._vs.leader_member
         if leader is None or leader == self.node_id:
             held = {}
-        elif (leader, generation) != (held_leader, held_gen) or not held:
+        elif (leader, term) != (held_leader, held_term) or not held:
             held = self.cluster.member_records([leader])
-        self._vs.leader_member = (leader, generation, held)
+        self._vs.leader_member = (leader, term, held)
         members = {**held, **own}
         if not self._vs.members_complete and members == self._vs.members:
             return self._vs.members

@@ -359,6 +359,12 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         kv = self._get(self.keys.leader, cached)
         return kv.value if kv else None
 
+    def leader_term(self, *, cached: bool = False) -> tuple[str | None, int]:
+        """The leader and the create revision of its key: a new term (the same node
+        elected again, after a restart, say) is a new revision. (None, 0) with no leader."""
+        kv = self._get(self.keys.leader, cached)
+        return (kv.value, kv.create_revision) if kv else (None, 0)
+
     def watch_leader(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
     ) -> Watch:

@@ -27,6 +27,7 @@ class _Cluster:
         self.read: list[str] = []
         self.arrivals: list[tuple[str, str, Any]] = []
         self.leader_cached = False
+        self.term: tuple[str | None, int] = ("n0", 1)  # the leader and its key's revision
 
     def cache_for_leader(self, on: bool) -> None:
         self.leader_cached = on
@@ -50,6 +51,9 @@ class _Cluster:
 
     def leader(self, *, cached: bool = False) -> str | None:
         return "n0"
+
+    def leader_term(self, *, cached: bool = False) -> tuple[str | None, int]:
+        return self.term
 
     def barrier_state(self, name: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
         self.read.append(name)
@@ -98,7 +102,7 @@ def test_only_the_leader_reads_the_nodes_arrivals(tmp_path: Path) -> None:
 def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     """Every agent cached every member key: each registration (N of them when a job starts)
     and each drain reached every node, N² watch events. A follower reads its own record and
-    the leader's, the leader's again only when the leader or the generation changes."""
+    the leader's, the leader's again only when the leader's term changes."""
     agent, cluster = _agent(tmp_path)  # n1, following n0
     agent._refresh()
     assert "every member" not in cluster.read
@@ -109,6 +113,10 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     agent._refresh()
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1"]  # own: cached
     assert agent._vs.members is first  # unchanged: the same object
+    cluster.term = ("n0", 9)  # n0 elected again (restarted): its record is read again
+    cluster.read.clear()
+    agent._refresh()
+    assert [r for r in cluster.read if r.startswith("member ")] == ["member n1", "member n0"]
     # What a follower says of the job's members: its generation's nodes.
     assert agent._known_members() == sorted(agent._vs.record.planned_nodes)
     # Its fetch sources and replication peers: read by key once a generation.

@@ -78,6 +78,9 @@ class _Cluster:
     def leader(self, *, cached: bool = False) -> str | None:
         return None
 
+    def leader_term(self, *, cached: bool = False) -> tuple[str | None, int]:
+        return (None, 0)
+
     def barrier_state(self, name: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
         return {}, 1
 

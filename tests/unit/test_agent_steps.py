@@ -246,6 +246,28 @@ def test_the_view_notes_joins_and_lapses_of_planned_nodes_for_the_recovery_timel
     assert Event("membership", "member(s) left: n2") in gone and state.detected == {}
 
 
+def test_a_followers_members_note_no_joins_and_a_new_leader_lets_unplanned_ones_settle() -> None:
+    # A follower reads only itself and the leader: its members change with the leader, and
+    # none of that is a join or a departure.
+    state = ViewState(last_join_s=0.0)
+    view_step(state, _read({"n1": "b", "n0": "a"}, complete=False), **AT)
+    assert not state.members_complete
+    moved = view_step(state, _read({"n1": "b", "n2": "c"}, complete=False, leader="n2"), **AT)
+    assert not [a for a in moved if isinstance(a, Event) and a.kind == "membership"]
+    assert state.last_join_s == 0.0 and state.detected == {}
+    # It becomes the leader: its first complete read has nothing to compare with. The
+    # planned nodes (n0, n1, n2) are no joins; n3, registered but not planned, is one, so
+    # the new leader lets it settle before re-planning, as the leader before it did.
+    first = view_step(state, _read({"n0": "a", "n1": "b", "n2": "c", "n3": "d"}), **AT)
+    assert Event("membership", "member(s) joined: n3") in first
+    assert state.members_complete and state.last_join_s == 50.0 and state.detected == {5: 1.7e9}
+    # With no generation yet (a job starting), every member counts as joined.
+    state = ViewState(last_join_s=0.0)
+    view_step(state, _read({"n1": "b"}, complete=False, record=None), **AT)
+    start = view_step(state, _read({"n0": "a", "n1": "b"}, record=None), **AT)
+    assert Event("membership", "member(s) joined: n0, n1") in start and state.last_join_s == 50.0
+
+
 def test_the_view_says_when_etcd_is_back_and_hands_the_safe_step_to_the_store() -> None:
     state = ViewState(etcd_ok=False)
     actions = view_step(state, _read({}, safe=SafeStep(3, 120)), **AT)
