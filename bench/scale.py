@@ -158,6 +158,7 @@ class Transition:
     requests_per_node: float
     leader_cpu_s: float
     process_cpu_s: float
+    requests_by_kind: dict[str, int]  # etcd requests by method and key class
 
 
 def _generation_of(value: str | None) -> int:
@@ -193,7 +194,7 @@ def transition(
     n = len(healthy)
     keys = JobKeys(JOB)
     others = [r.node_id for r in healthy if r.node_id != leader.node_id]
-    (before, _, cpu0), lcpu0 = cluster.meter(), cluster.loop_cpu_s(leader.node_id)
+    (before, kinds0, cpu0), lcpu0 = cluster.meter(), cluster.loop_cpu_s(leader.node_id)
     t0 = time.monotonic()
     if fault == "loss":
         victim = others[-1]
@@ -227,8 +228,9 @@ def transition(
     if not wait_until(look(settled), timeout_s, interval_s=poll_s):
         error = f"{fault} of {victim}: not settled in {timeout_s:.0f} s"
     t_started = time.monotonic()
-    after, _, cpu1 = cluster.meter()
+    after, kinds1, cpu1 = cluster.meter()
     delta = after.minus(before)
+    kinds = {k: v - kinds0.get(k, 0) for k, v in kinds1.items() if v > kinds0.get(k, 0)}
     decided = observer.first_after(t0, keys.generation, lambda v: _generation_of(v) > g0)
     quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
     generation = rows_generation(rows)
@@ -249,6 +251,7 @@ def transition(
         requests_per_node=round(delta.requests / n, 1),
         leader_cpu_s=round(cluster.loop_cpu_s(leader.node_id) - lcpu0, 3),
         process_cpu_s=round(cpu1 - cpu0, 3),
+        requests_by_kind=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
     )
 
 

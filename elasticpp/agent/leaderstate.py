@@ -21,6 +21,8 @@ class LeaderState:
     # re-planning
     replan_failures: int = 0  # generations in a row that failed before they trained
     replan_not_before_s: float = 0.0  # monotonic: the backoff between failed generations
+    written_generation: int = 0  # the newest generation this term wrote: nothing is
+    # decided again until the view holds it (its own write reaches it through the watch)
     last_wait: str = ""  # the last "waiting"/"cannot" sentence, logged once
     safe_checked_s: float = 0.0  # monotonic: when the safe step was last computed
     # The steady leader's view, remembered while its inputs are the same objects (a cached

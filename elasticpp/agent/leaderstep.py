@@ -119,6 +119,11 @@ def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
     its resume instruction, its timeline, its safe step."""
     rec = obs.record
     spec = obs.spec
+    if state.written_generation > (rec.generation if rec else 0):
+        # The view is older than this term's own write: deciding on it would plan the
+        # same change again and fail its compare-and-swap (a read and a plan each time,
+        # several times a transition while the write's watch event was on its way).
+        return []
     decision = decide_replan(
         obs.view,
         min_nodes=spec.min_nodes,
@@ -227,6 +232,7 @@ def leader_generation_written(
     """On record (`ok`); or refused (the record changed, the term is over): nothing moves."""
     if not ok:
         return []
+    state.written_generation = max(state.written_generation, written.record.generation)
     # Back off when generations keep failing before they train (a bug or a bad node must
     # not turn into a re-plan storm); a generation that trains resets it.
     state.replan_failures = 0 if written.graceful else state.replan_failures + 1

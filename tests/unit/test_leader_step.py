@@ -152,24 +152,44 @@ def test_a_generation_is_written_by_compare_and_swap_and_counted_only_once_writt
 
 def test_generations_that_keep_failing_are_backed_off_and_one_that_trains_resets_it() -> None:
     state = _state()
-    record = _record(1)
-    failing = _obs(100.0, record=record, failed=frozenset({"n1"}), follows=False)
-    for _ in range(3):
+    for g in (1, 2, 3):  # each generation fails as it starts
+        failing = _obs(100.0, record=_record(g), failed=frozenset({"n1"}), follows=False)
         [write] = leader_step(state, failing)
-        assert isinstance(write, WriteGeneration) and write.record.generation == 2
+        assert isinstance(write, WriteGeneration) and write.record.generation == g + 1
         leader_generation_written(state, write, True)
     assert state.replan_failures == 3 and state.replan_not_before_s == 100.25
+    failing = _obs(100.0, record=_record(4), failed=frozenset({"n1"}), follows=False)
     assert leader_step(state, replace(failing, now_s=100.2)) == []  # within the backoff
     [write] = leader_step(state, replace(failing, now_s=100.25))
     leader_generation_written(state, write, True)
     assert state.replan_not_before_s == 100.25 + 0.5  # doubles
+    record = _record(5)  # the one just written, as the view holds it
     # A generation whose every planned node started trained: the count starts again.
-    state.at(1, 101.0).resume_written = True
+    state.at(5, 101.0).resume_written = True
     started = {n: {"at": WALL, "moved_at": WALL} for n in ("n0", "n1")}
     [timeline] = leader_timeline_step_of(
-        state, _obs(101.0, record=record, barriers={"started-1": started})
+        state, _obs(101.0, record=record, barriers={"started-5": started})
     )
     assert isinstance(timeline, RecordTimeline) and state.replan_failures == 0
+
+
+def test_nothing_is_decided_again_until_the_view_holds_the_terms_own_write() -> None:
+    """The leader re-planned the change it had just written, 3 to 6 times a transition at 64
+    nodes, until its write's watch event reached its view: each a plan and a refused
+    compare-and-swap (a read of the generation record)."""
+    state = _state()
+    lost = _obs(100.0, record=_record(1), members={"n0": MEMBERS["n0"]})  # n1 lost
+    [write] = leader_step(state, lost)
+    assert isinstance(write, WriteGeneration) and write.record.generation == 2
+    leader_generation_written(state, write, True)
+    assert leader_step(state, replace(lost, now_s=101.0)) == []  # the view still says 1
+    refused = _state()
+    [again] = leader_step(refused, lost)
+    leader_generation_written(refused, again, False)  # a write that lost: decide again
+    assert isinstance(leader_step(refused, replace(lost, now_s=101.0))[0], WriteGeneration)
+    # The view holds generation 2 (without n1): the leader carries it on, re-plans nothing.
+    caught_up = _obs(101.0, record=_record(2, ("n0",)), members={"n0": MEMBERS["n0"]})
+    assert not [a for a in leader_step(state, caught_up) if isinstance(a, WriteGeneration)]
 
 
 def leader_timeline_step_of(state: LeaderState, obs: LeaderObservation) -> list[Any]:
