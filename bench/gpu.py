@@ -224,19 +224,14 @@ TAX_WARMUP = 10  # intervals left out: CUDA warm-up and the first snapshot's buf
 
 
 def device_model() -> str | dict[str, float]:
-    """The job spec's `device` for the visible GPU: its preset, else rough figures (an agent
-    with CUDA workers refuses the default `cpu` model: it plans 8 GiB slots)."""
+    """The job spec's `device` for the visible GPU (an agent with CUDA workers refuses the
+    default `cpu` model: it plans 8 GiB slots)."""
     import torch
 
-    from elasticpp.plan.specs import gpu_preset
+    from elasticpp.plan.specs import gpu_device_model
 
     props = torch.cuda.get_device_properties(0)
-    memory_gib = props.total_memory / 2**30
-    preset = gpu_preset(props.name, memory_gib)
-    if preset is not None:
-        return preset
-    return {"memory_gib": round(memory_gib, 1), "peak_tflops": 100.0,
-            "intra_node_gbps": 100.0, "inter_node_gbps": 10.0}  # fmt: skip
+    return gpu_device_model(props.name, props.total_memory / 2**30)
 
 
 def agent_plan(spec: dict[str, Any], b: int, device: str | dict[str, float]) -> str:

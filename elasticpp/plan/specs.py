@@ -425,6 +425,21 @@ def gpu_preset(gpu_name: str, memory_gib: float) -> str | None:
     return None
 
 
+def gpu_device_model(gpu_name: str, memory_gib: float) -> str | dict[str, float]:
+    """A job spec's `device` for a GPU as CUDA names it: its preset (`gpu_preset`), else
+    figures from its memory with a guess at the rest (100 TFLOP/s, 100 GB/s in a node,
+    10 GB/s between nodes): give the real ones for plans that should be right."""
+    preset = gpu_preset(gpu_name, memory_gib)
+    if preset is not None:
+        return preset
+    return {
+        "memory_gib": round(memory_gib, 1),
+        "peak_tflops": 100.0,
+        "intra_node_gbps": 100.0,
+        "inter_node_gbps": 10.0,
+    }
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     node_id: str

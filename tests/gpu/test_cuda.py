@@ -54,16 +54,10 @@ def _device_model() -> str | dict[str, float]:
     the default `cpu` model)."""
     import torch
 
-    from elasticpp.plan.specs import gpu_preset
+    from elasticpp.plan.specs import gpu_device_model
 
     props = torch.cuda.get_device_properties(0)
-    memory_gib = props.total_memory / 2**30
-    return gpu_preset(props.name, memory_gib) or {
-        "memory_gib": round(memory_gib, 1),
-        "peak_tflops": 100.0,
-        "intra_node_gbps": 100.0,
-        "inter_node_gbps": 10.0,
-    }
+    return gpu_device_model(props.name, props.total_memory / 2**30)
 
 
 def _train(out: Path, device: str, steps: int = STEPS) -> dict[int, float]:

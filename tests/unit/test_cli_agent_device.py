@@ -12,7 +12,7 @@ import pytest
 
 from elasticpp.cli import agent as agent_cli
 from elasticpp.errors import ConfigError
-from elasticpp.plan.specs import DEVICE_PRESETS, gpu_preset
+from elasticpp.plan.specs import DEVICE_PRESETS, DeviceSpec, gpu_device_model, gpu_preset
 
 SPEC = """name: dev
 model: tiny
@@ -77,3 +77,11 @@ def test_a_gpu_model_is_accepted(device: str | dict[str, float]):
 def test_gpu_preset_by_cuda_name(name: str, memory_gib: float, preset: str | None):
     assert gpu_preset(name, memory_gib) == preset
     assert preset is None or preset in DEVICE_PRESETS
+
+
+def test_a_gpu_without_a_preset_gets_figures_a_job_spec_accepts():
+    assert gpu_device_model("NVIDIA H200", 139.8) == "h200"
+    figures = gpu_device_model("NVIDIA L40S", 44.4)
+    assert isinstance(figures, dict) and figures["memory_gib"] == 44.4
+    DeviceSpec("custom", **figures)  # what the job spec builds from them
+    agent_cli.check_device_model(figures, Path("j.yaml"))
