@@ -223,7 +223,6 @@ class Agent(
         self.cluster: ClusterClient | None = None
         self._registration: Any = None
         self._torch_ready = threading.Event()
-        self._watches: set[str] = set()
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
 
     # ------------------------------------------------------------------ lifecycle
@@ -236,20 +235,17 @@ class Agent(
         return self._fs.gen.generation if self._fs.gen else 0
 
     def _on_watch(self, event: Any) -> None:
-        """A change under the job's keys (on a watch thread): the view reads again now, but
-        a follower takes a member's change at its next periodic refresh (within
-        VIEW_REFRESH_S): when a job starts, N registrations each woke N agents to rebuild
-        a view of N members (N³ work; minutes at 256 simulated nodes). The leader, who plans
-        on membership, and every other change (the generation, the resume instruction, the
-        leader key) wake the loop at once."""
-        if (
-            self._ls.leadership is None
-            and isinstance(event, WatchEvent)
-            and event.type is not EventType.RESYNC
-            and self.cluster is not None
-            and event.key.startswith(self.cluster.keys.nodes_prefix)
-        ):
-            return
+        """A change under the job's cached keys (on a watch thread): the view reads again
+        now. A quarantine record or the job's end raises the health part's signal, the
+        epoch key the view's epoch check; a RESYNC (events lost) raises both. (These keys
+        had watches of their own, three more streams and threads an agent.) A follower sees
+        no other node's member key: when a job starts, N registrations woke N agents."""
+        if isinstance(event, WatchEvent) and self.cluster is not None:
+            keys, resync = self.cluster.keys, event.type is EventType.RESYNC
+            if resync or event.key.startswith(keys.quarantine_prefix) or event.key == keys.ended:
+                self._health_changed.raise_()
+            if resync or event.key == keys.epoch:
+                self._epoch_changed.raise_()
         self._reread.raise_()
         self._wake.set()
 

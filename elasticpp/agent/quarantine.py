@@ -129,11 +129,6 @@ class QuarantinePart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
     # ------------------------------------------------------------------ every agent
-    def _on_health_watch(self, _event: Any) -> None:
-        self._health_changed.raise_()
-        self._reread.raise_()
-        self._wake.set()
-
     def _read_health(self) -> None:
         """Read the quarantines and the job's end (called by the refresh when a watch said
         they changed, and once at the start)."""

@@ -136,20 +136,10 @@ class StartupPart:
                 self.node_id, self._member_info(), self.spec.lease_ttl_s, self._lease_gate()
             )
         # The view reads the leader, generation, barriers and the safe step from the job's
-        # watch-fed cache, and this node's own member key; each change wakes the loop. The
-        # other member keys are cached on the leader alone.
+        # watch-fed cache, and this node's own member key; each change wakes the loop, and
+        # the quarantines', the job end's and the epoch's tell their parts (`_on_watch`).
+        # The other member keys are cached on the leader alone.
         self.cluster.follow(self._on_watch, own_node=self.node_id)
-        keys = self.cluster.keys
-        for key, prefix, callback in (
-            (keys.quarantine_prefix, True, self._on_health_watch),
-            (keys.ended, False, self._on_health_watch),
-        ):
-            if key not in self._watches:
-                self.cluster.watch(key, callback, prefix=prefix)
-                self._watches.add(key)
-        if keys.epoch not in self._watches:
-            self.cluster.watch(keys.epoch, self._on_epoch_event)
-            self._watches.add(keys.epoch)
 
     def _member_info(self) -> dict[str, Any]:
         return {

@@ -275,10 +275,6 @@ class ViewPart:
             return self._vs.members
         return members
 
-    def _on_epoch_event(self, _event: Any) -> None:
-        self._epoch_changed.raise_()
-        self._on_watch(_event)
-
     def _check_epoch(self) -> None:
         """The job's epoch key changed, or the generation record vanished: if the epoch this
         agent joined is gone (etcd wiped, the job's prefix deleted), its generation numbering
