@@ -18,6 +18,7 @@ from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import BUSY_TICK_S, QUIET_TICK_S, TRAINING_TICK_S
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
 from tests.unit.test_agent_safe import SPEC, _plan
 
@@ -138,33 +139,38 @@ def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None
     agent._probe_pool.shutdown()
 
 
-class _Keys:
-    nodes_prefix = "/elasticpp/j/nodes/"
-
-
 class _Cluster:
-    keys = _Keys()
+    keys = JobKeys("j")
 
 
-def test_a_follower_takes_member_changes_at_its_next_refresh_the_leader_at_once(
+def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     tmp_path: Path,
 ) -> None:
-    """When a job starts, N registrations each woke N agents to rebuild a view of N members:
-    N³ work, minutes at 256 simulated nodes."""
+    """The quarantine records, the job's end and the epoch had watches of their own (three
+    streams' watchers and threads an agent): their events now come with the cached ranges'
+    and raise their parts' signals. A follower sees no other node's member key at all (the
+    leader alone caches them): when a job starts, N registrations each woke N agents."""
     agent = _quiet_agent(tmp_path)
     agent.cluster = _Cluster()  # type: ignore[assignment]
-    agent._reread.take()
-    agent._wake.clear()
-    member = WatchEvent(EventType.PUT, "/elasticpp/j/nodes/n7", "{}", 10, 10, 0)
-    agent._on_watch(member)
-    assert not agent._reread.is_raised() and not agent._wake.is_set()
-    agent._on_watch(WatchEvent(EventType.RESYNC, "/elasticpp/j/", None, 11))
-    assert agent._reread.take() and agent._wake.is_set()
-    agent._wake.clear()
-    agent._on_watch(WatchEvent(EventType.PUT, "/elasticpp/j/generation", "{}", 12, 12, 0))
-    assert agent._reread.take() and agent._wake.is_set()
-    agent._wake.clear()
-    agent._ls.leadership = _Leadership()  # type: ignore[assignment]
-    agent._on_watch(member)
-    assert agent._reread.take() and agent._wake.is_set()
+    keys = _Cluster.keys
+
+    def taken() -> tuple[bool, bool, bool]:
+        woke = agent._wake.is_set()
+        agent._wake.clear()
+        return (agent._reread.take() and woke, agent._health_changed.take(),
+                agent._epoch_changed.take())  # fmt: skip
+
+    taken()
+    agent._on_watch(WatchEvent(EventType.PUT, keys.generation, "{}", 12, 12, 0))
+    assert taken() == (True, False, False)
+    agent._on_watch(WatchEvent(EventType.PUT, keys.quarantine("n3"), "{}", 13, 13, 0))
+    assert taken() == (True, True, False)
+    agent._on_watch(WatchEvent(EventType.PUT, keys.ended, "{}", 14, 14, 0))
+    assert taken() == (True, True, False)
+    agent._on_watch(WatchEvent(EventType.DELETE, keys.epoch, None, 15))
+    assert taken() == (True, False, True)
+    agent._on_watch(WatchEvent(EventType.RESYNC, keys.root, None, 16))  # events lost
+    assert taken() == (True, True, True)
+    agent._on_watch(WatchEvent(EventType.PUT, keys.node("n1"), "{}", 17, 17, 0))  # its own
+    assert taken() == (True, False, False)
     agent._probe_pool.shutdown()
