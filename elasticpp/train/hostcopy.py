@@ -166,17 +166,16 @@ class HostBuffers:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged: list[tuple[PieceKey, dict[str, torch.Tensor], PieceMeta]] = []
         tp_rank, tp_size = trainer.coord.tp, trainer.groups.tp_size
-        sources = (trainer.params, trainer.exp_avg, trainer.exp_avg_sq)
-        for unit in trainer.stage.unit_names:
-            tensors: dict[str, torch.Tensor] = {}
-            dims: dict[str, int | None] = {}
-            for kind, source in zip(KINDS, sources, strict=True):
-                for name, t in source[unit].items():
-                    full = f"{kind}/{name}"
-                    buf = self._buffer((unit, full), t)
-                    pairs.append((buf, t.detach()))
-                    tensors[full] = buf
-                    dims[full] = trainer.shard_dims[unit][name]
+        by_unit: dict[str, tuple[dict[str, torch.Tensor], dict[str, int | None]]] = {
+            unit: ({}, {}) for unit in trainer.stage.unit_names
+        }
+        for (unit, full), t in _state(trainer):  # the same walk `reserve` allocated for
+            buf = self._buffer((unit, full), t)
+            pairs.append((buf, t.detach()))
+            tensors, dims = by_unit[unit]
+            tensors[full] = buf
+            dims[full] = trainer.shard_dims[unit][full.split("/", 1)[1]]
+        for unit, (tensors, dims) in by_unit.items():
             key = PieceKey(unit, tp_rank, tp_size)
             staged.append((key, tensors, PieceMeta(unit, tp_rank, tp_size, trainer.opt_step, dims)))
         ready = self._copy(pairs, trainer)
