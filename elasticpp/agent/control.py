@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,18 +148,21 @@ class ControlPart:
         """Events after the `index`-th one ever logged (for the WatchEvents stream)."""
         return self._events.since(index, timeout_s)
 
-    def _known_members(self) -> list[str]:
+    def _member_ids(self) -> Collection[str]:
         """The registered nodes where this agent reads them all (the leader); a follower,
         which reads only its own and the leader's, says the current generation's nodes."""
         vs = self._vs
         if vs.members_complete or vs.record is None:
-            return sorted(vs.members)
-        return sorted(vs.record.planned_nodes)
+            return vs.members.keys()
+        return vs.record.planned_nodes
+
+    def _known_members(self) -> list[str]:
+        return sorted(self._member_ids())
 
     def _update_gauges(self) -> None:
         m = self.metrics
         m.of(m.etcd_up).set(1 if self._vs.etcd_ok else 0)
-        m.of(m.members).set(len(self._known_members()))
+        m.of(m.members).set(len(self._member_ids()))  # every second: counted, not sorted
         m.of(m.is_leader).set(1 if self._is_leader() else 0)
         m.of(m.generation).set(self.generation)
         floor = self.store.floor
