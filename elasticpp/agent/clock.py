@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -53,3 +54,31 @@ class ManualClock:
             raise ValueError(f"a clock does not go back ({seconds} s)")
         with self._lock:
             self._now_s += seconds
+
+
+class LoopHeartbeat:
+    """How long the decision loop has been stuck in one piece of work: the time since it
+    last began one (a tick, a try at joining), or 0 while it waits for something to do.
+
+    A loop that sleeps until it is woken is not stalled, however long it sleeps; a loop
+    that began a tick and has not come back from it is (a blocked call, a stalled disk).
+    The watchdog (health NOT_SERVING) and the lease gate (leases not renewed) read it from
+    their own threads, so a quiet follower may tick rarely. On the real clock (see above).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._busy_since: float | None = clock()  # the loop is starting up
+
+    def busy(self) -> None:
+        """The loop begins a piece of work."""
+        self._busy_since = self._clock()
+
+    def idle(self) -> None:
+        """The loop waits to be woken."""
+        self._busy_since = None
+
+    def stuck_s(self) -> float:
+        """Seconds the loop has been in its current piece of work; 0 while it waits."""
+        since = self._busy_since  # one read: the loop thread may reset it meanwhile
+        return 0.0 if since is None else max(0.0, self._clock() - since)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +109,7 @@ class ControlPart:
         stalled disk) makes the node NOT_SERVING, so probes and Kubernetes see the truth."""
         serving = True
         while not self._stop.wait(LOOP_WATCH_S):
-            stalled_s = time.monotonic() - self._heartbeat_s
+            stalled_s = self._heartbeat.stuck_s()
             ok = stalled_s < LOOP_STALL_S
             if ok == serving:
                 continue

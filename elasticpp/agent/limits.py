@@ -11,11 +11,12 @@ STOPPED_WAIT_MARGIN_S = 5.0
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
 GPU_CHECK_INTERVAL_S = 10.0  # NVML health poll, only with --device cuda
-LOOP_STALL_S = 10.0  # health turns NOT_SERVING when the decision loop has not run this long
-LOOP_WATCH_S = 1.0  # how often the watchdog looks at the loop's heartbeat (a wake-up each)
-# The node's membership and leader leases are not renewed while the decision loop has not run
-# this long: they lapse a TTL later and the job goes on without the wedged node. Above a
-# tick's usual worst case (a worker kill waits up to 10 s only for a process in D state).
+LOOP_STALL_S = 10.0  # health turns NOT_SERVING when the loop has been in one tick this long
+LOOP_WATCH_S = 2.0  # how often the watchdog looks at the loop's heartbeat (a wake-up each)
+# The node's membership and leader leases are not renewed while the decision loop has been in
+# one tick this long (its waits for work do not count): they lapse a TTL later and the job
+# goes on without the wedged node. Above a tick's usual worst case (a worker kill waits up
+# to 10 s only for a process in D state).
 LEASE_STALL_S = 5.0
 EVENT_STREAMS = 4  # concurrent `ctl events` streams per agent
 FETCH_STREAMS = 16  # concurrent piece transfers served per agent
@@ -35,11 +36,13 @@ STATUS_EVERY_S = 0.2  # how often the loop publishes the status snapshot the RPC
 # The decision loop runs when something wakes it (a watch event, a worker's event, a thread's
 # result, an RPC) and otherwise every BUSY_TICK_S while it polls (training, leading, a failure
 # of its own unanswered, a drain, etcd unreachable), every QUIET_TICK_S as a follower whose
-# workers are silent: its phases move on events, its deadlines are seconds long, and 20 ticks
-# a second of an idle agent cost 10-17 ms of CPU a second (a 2,048-node simulation needs
-# ~0.5 ms). Well inside LEASE_STALL_S.
+# workers are silent: its phases move on events and its deadlines are tens of seconds long,
+# so a quiet tick is a safety net (a deadline checked up to QUIET_TICK_S late). An idle
+# follower's tick costs ~0.5 ms: at 1 s, 2,048 simulated nodes spent a core on ticks that
+# found nothing. The watchdog and the lease gate count only time spent inside a tick
+# (`clock.LoopHeartbeat`), so a long quiet wait stalls nothing.
 BUSY_TICK_S = 0.05
-QUIET_TICK_S = 1.0
+QUIET_TICK_S = 5.0
 # While its workers train (and nothing else is in motion) a node, leader or follower, ticks
 # at this pace: every worker event, finished commit, replication round and watch event wakes
 # the loop anyway, and what polls (the safe step every SAFE_EVERY_S, the status every
@@ -49,7 +52,7 @@ QUIET_TICK_S = 1.0
 TRAINING_TICK_S = 0.25
 # The view reads the job's cache at least this often (a tick's worth below QUIET_TICK_S, so a
 # quiet tick refreshes it), and at once on a watch event but a member's change on a follower.
-VIEW_REFRESH_S = 0.95
+VIEW_REFRESH_S = QUIET_TICK_S - BUSY_TICK_S
 # The leader compacts etcd's history this often, to the revision it read the time before: the
 # history (a commit record per node per second, every transition's barriers) stays bounded.
 COMPACT_EVERY_S = 300.0

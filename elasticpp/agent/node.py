@@ -27,8 +27,8 @@ Fencing: workers rendezvous under the prefix `gen<G>`, state requests carry G an
 refused by a store on a newer generation, and every generation write is a CAS guarded by
 the leader key. One loop thread makes every decision; watches and worker readers only wake
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
-hand results back through futures wake it too), or for a tick: a second on a follower whose
-workers are silent, short while its workers train, it leads, fails, drains or lacks etcd
+hand results back through futures wake it too), or for a tick: five seconds on a follower
+whose workers are silent, short while its workers train, it leads, fails, drains or lacks etcd
 (`limits.QUIET_TICK_S`, `Agent._tick_busy`).
 
 This module composes the agent: the parts' state, the decision loop and shutdown (its
@@ -83,7 +83,7 @@ from typing import Any
 
 import grpc
 
-from elasticpp.agent.clock import Clock, SystemClock
+from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart, ControlState
 from elasticpp.agent.durability import (
@@ -214,7 +214,7 @@ class Agent(
             due_now=anchors_ran_ahead,
         )
         self._joined = False
-        self._heartbeat_s = time.monotonic()  # the loop's last iteration (loop-watchdog)
+        self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
@@ -261,13 +261,16 @@ class Agent(
         """The decision loop; returns the exit code."""
         try:
             while not self._stop.is_set():
-                self._wake.wait(self._tick_s())
+                tick_s = self._tick_s()
+                self._heartbeat.idle()
+                self._wake.wait(tick_s)
                 self._wake.clear()
-                self._heartbeat_s = time.monotonic()
+                self._heartbeat.busy()
                 try:
                     self._tick()
-                    if self._heartbeat_s - self._status_at_s >= STATUS_EVERY_S:
-                        self._status_at_s = self._heartbeat_s
+                    now_s = time.monotonic()
+                    if now_s - self._status_at_s >= STATUS_EVERY_S:
+                        self._status_at_s = now_s
                         self._status = self.status()
                 except Exception as exc:  # a daemon survives what comes from outside
                     self._survive("internal", exc)

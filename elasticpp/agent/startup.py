@@ -82,7 +82,7 @@ class StartupPart:
         )
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
-            self._heartbeat_s = time.monotonic()  # joining is this loop's progress
+            self._heartbeat.busy()  # each try at joining is this loop's work
             try:
                 self._join_cluster()
                 break
@@ -95,7 +95,7 @@ class StartupPart:
                 )
                 time.sleep(0.5)
         self._joined = True
-        self._heartbeat_s = time.monotonic()
+        self._heartbeat.busy()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._watch_loop, daemon=True, name="loop-watchdog").start()
         self._event(
@@ -152,7 +152,7 @@ class StartupPart:
 
     def _lease_gate(self) -> ProgressGate:
         """Leases are renewed only while the decision loop runs (see limits.LEASE_STALL_S)."""
-        return ProgressGate(lambda: time.monotonic() - self._heartbeat_s, LEASE_STALL_S)
+        return ProgressGate(self._heartbeat.stuck_s, LEASE_STALL_S)
 
     def _import_torch(self) -> None:
         import torch.distributed  # noqa: F401

@@ -66,10 +66,11 @@ def fence_after_s(ttl_s: float, request_timeout_s: float) -> float:
 class ProgressGate:
     """Renew a lease only while the owner's loop makes progress.
 
-    `since_progress_s()` is how long ago the loop last ran; past `stall_limit_s` the keeper
-    stops renewing and the lease lapses one TTL later."""
+    `stuck_s()` is how long the loop has been in its current piece of work (0 while it
+    waits to be woken: an idle loop is not stalled); past `stall_limit_s` the keeper stops
+    renewing and the lease lapses one TTL later."""
 
-    since_progress_s: Callable[[], float]
+    stuck_s: Callable[[], float]
     stall_limit_s: float
 
     def __post_init__(self) -> None:
@@ -78,7 +79,7 @@ class ProgressGate:
 
     def stalled_s(self) -> float | None:
         """How long the loop has stalled, or None while it makes progress."""
-        since_s = self.since_progress_s()
+        since_s = self.stuck_s()
         return since_s if since_s > self.stall_limit_s else None
 
 

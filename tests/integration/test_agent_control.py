@@ -5,7 +5,6 @@ threads that health checks need."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -15,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp.agent.clock import LoopHeartbeat
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.service import AgentServicer
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
@@ -41,18 +41,21 @@ def test_health_is_not_serving_while_the_decision_loop_is_stalled(
     tmp_path: Path, server: tuple[grpc.Server, str]
 ) -> None:
     srv, address = server
+    now = [1000.0]
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     agent._health = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(agent._health, srv)
     srv.start()
     agent._health.set("", health_pb2.HealthCheckResponse.SERVING)
     agent._server = srv
-    agent._heartbeat_s = time.monotonic() - 60.0  # the loop last ran a minute ago
+    agent._heartbeat = LoopHeartbeat(lambda: now[0])
+    agent._heartbeat.busy()
+    now[0] += 60.0  # the loop began a tick a minute ago and is still in it
     watchdog = threading.Thread(target=agent._watch_loop, daemon=True)
     watchdog.start()
     try:
         assert wait_until(lambda: _health(address) == "NOT_SERVING", 10)
-        agent._heartbeat_s = time.monotonic() + 3600.0  # the loop runs again
+        agent._heartbeat.idle()  # the tick ended: the loop waits for work
         assert wait_until(lambda: _health(address) == "SERVING", 10)
     finally:
         agent._stop.set()

@@ -4,13 +4,15 @@ agent took over exits with an error, and a leader plans only while it sees itsel
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
+from elasticpp.agent.clock import LoopHeartbeat
+from elasticpp.agent.limits import LEASE_STALL_S, LOOP_STALL_S, QUIET_TICK_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.errors import NodeIdConflictError
+from elasticpp.cluster.leases import ProgressGate
 from tests.unit.test_agent_done import SPEC
 
 
@@ -35,13 +37,42 @@ class _Leadership:
 
 
 def test_the_lease_gate_follows_the_decision_loops_heartbeat(tmp_path: Path) -> None:
+    now = [1000.0]
     agent = _agent(tmp_path)
+    agent._heartbeat = LoopHeartbeat(lambda: now[0])
     gate = agent._lease_gate()
-    agent._heartbeat_s = time.monotonic()
+    agent._heartbeat.busy()
+    now[0] += 1.0
     assert gate.stalled_s() is None
-    agent._heartbeat_s = time.monotonic() - 60.0  # the loop last ran a minute ago
-    stalled_s = gate.stalled_s()
-    assert stalled_s is not None and stalled_s >= 60.0
+    now[0] += 59.0  # the loop began a tick a minute ago and is still in it
+    assert gate.stalled_s() == 60.0
+    agent._heartbeat.idle()
+    assert gate.stalled_s() is None
+
+
+def test_a_loop_that_waits_for_work_is_not_stalled_however_long_it_waits() -> None:
+    """A quiet follower sleeps up to QUIET_TICK_S between ticks, and longer than
+    LEASE_STALL_S: only time inside a tick counts (its leases would lapse otherwise)."""
+    now = [1000.0]
+    heartbeat = LoopHeartbeat(lambda: now[0])
+    gate = ProgressGate(heartbeat.stuck_s, LEASE_STALL_S)
+    heartbeat.busy()
+    now[0] += 0.01
+    heartbeat.idle()  # the tick ended; the loop waits
+    now[0] += 10 * max(QUIET_TICK_S, LEASE_STALL_S)
+    assert heartbeat.stuck_s() == 0.0 and gate.stalled_s() is None
+    heartbeat.busy()  # woken: a tick begins, and blocks
+    now[0] += LEASE_STALL_S + 1.0
+    assert gate.stalled_s() == LEASE_STALL_S + 1.0
+    assert LOOP_STALL_S > LEASE_STALL_S  # the node stops renewing before it says NOT_SERVING
+
+
+def test_a_starting_loop_counts_as_busy() -> None:
+    """From construction to its first wait the loop is at work (joining, starting)."""
+    now = [1000.0]
+    heartbeat = LoopHeartbeat(lambda: now[0])
+    now[0] += 7.0
+    assert heartbeat.stuck_s() == 7.0
 
 
 @pytest.mark.parametrize("how", ["lease lost, key taken", "key taken, lease alive"])
