@@ -56,14 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.scaleinvariants import HistoryEvent, check_history
-from bench.scaleproc import (
-    NodeRow,
-    ProcCluster,
-    rows_all_hold,
-    rows_all_started,
-    rows_generation,
-    rows_leader,
-)
+from bench.scaleproc import ProcCluster, Summary
 from bench.scalesim import sim_spec_fields
 from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchItem
 from elasticpp.cluster.etcd_server import EtcdServer
@@ -75,6 +68,7 @@ from elasticpp.waiting import wait_until
 JOB = "scale"
 FAULTS = ("loss", "join", "sick")
 POLL_S = 0.01  # how often the harness looks at the agents' generations
+LOOP_THREADS = 8  # per process: the agents' loops take turns on a pool (bench/scaleloops.py)
 
 
 class Observer:
@@ -174,27 +168,27 @@ def transition(
     """Apply `fault`, wait until every healthy node runs the generation it causes, measure."""
     # Between transitions a leader may be changing (a loop stalled past its lease on a busy
     # machine steps down): the fault waits for one.
-    rows: list[NodeRow] = []
+    now = [Summary()]
 
     def look(cond: Any) -> Any:
         def check() -> bool:
-            rows[:] = cluster.rows()
-            return bool(cond(rows))
+            now[0] = cluster.summary()
+            return bool(cond(now[0]))
 
         return check
 
-    if not wait_until(look(rows_leader), timeout_s, interval_s=poll_s):
+    if not wait_until(look(lambda s: s.leader is not None), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"no leader within {timeout_s:.0f} s before the fault")
-    if not wait_until(look(lambda r: rows_all_started(r, rows_generation(r))), timeout_s):
+    if not wait_until(look(lambda s: s.all_started(s.generation)), timeout_s):
         raise ElasticppError(f"nodes not all running within {timeout_s:.0f} s before the fault")
-    leader = rows_leader(rows)
+    leader = now[0].leader
     assert leader is not None
-    g0 = rows_generation(rows)
-    healthy = [r for r in rows if not (r.crashed or r.sick)]
+    g0 = now[0].generation
+    healthy = cluster.healthy()
     n = len(healthy)
     keys = JobKeys(JOB)
-    others = [r.node_id for r in healthy if r.node_id != leader.node_id]
-    (before, kinds0, cpu0), lcpu0 = cluster.meter(), cluster.loop_cpu_s(leader.node_id)
+    others = [node for node in healthy if node != leader]
+    (before, kinds0, cpu0), lcpu0 = cluster.meter(), cluster.loop_cpu_s(leader)
     t0 = time.monotonic()
     if fault == "loss":
         victim = others[-1]
@@ -208,19 +202,17 @@ def transition(
     else:
         raise ElasticppError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
 
-    def settled(rows: list[NodeRow]) -> bool:
-        g = rows_generation(rows)
-        if g <= g0 or not rows_all_started(rows, g):
+    def settled(s: Summary) -> bool:
+        if s.generation <= g0 or not s.all_started(s.generation):
             return False
         if fault == "sick":  # settled once quarantined and planned without the sick node
             quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
-            planned = next(r.planned for r in rows if not (r.crashed or r.sick))
-            return quarantined is not None and victim not in planned
+            return quarantined is not None and victim not in s.planned
         return True
 
-    if not wait_until(look(lambda r: rows_generation(r) > g0), timeout_s, interval_s=poll_s):
+    if not wait_until(look(lambda s: s.generation > g0), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"{fault} of {victim}: no new generation in {timeout_s:.0f} s")
-    if not wait_until(look(lambda r: rows_all_hold(r, g0 + 1)), timeout_s, interval_s=poll_s):
+    if not wait_until(look(lambda s: s.all_hold(g0 + 1)), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"{fault} of {victim}: not every node holds generation {g0 + 1}")
     t_hold = time.monotonic()
     # Not settled in time is a result (reported with the generations' reasons), not an error.
@@ -233,7 +225,7 @@ def transition(
     kinds = {k: v - kinds0.get(k, 0) for k, v in kinds1.items() if v > kinds0.get(k, 0)}
     decided = observer.first_after(t0, keys.generation, lambda v: _generation_of(v) > g0)
     quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
-    generation = rows_generation(rows)
+    generation = now[0].generation
     return Transition(
         nodes=n,
         fault=fault,
@@ -249,7 +241,7 @@ def transition(
         error=error,
         etcd=asdict(delta),
         requests_per_node=round(delta.requests / n, 1),
-        leader_cpu_s=round(cluster.loop_cpu_s(leader.node_id) - lcpu0, 3),
+        leader_cpu_s=round(cluster.loop_cpu_s(leader) - lcpu0, 3),
         process_cpu_s=round(cpu1 - cpu0, 3),
         requests_by_kind=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
     )
@@ -273,6 +265,7 @@ def run_size(
     processes: int = 1,
     lease_ttl_s: int | None = None,
     share_etcd: bool = True,
+    loop_threads: int = LOOP_THREADS,
 ) -> dict[str, Any]:
     """One cluster of `n` nodes: start, steady state, each fault; the invariants checked."""
     ttl = lease_ttl_s or lease_ttl_for(n)
@@ -293,15 +286,14 @@ def run_size(
             sim_spec_fields(JOB, n, slots, ttl),
             processes,
             share_etcd=share_etcd,
+            loop_threads=loop_threads,
         )
         observer = Observer(etcd.endpoint)
         cluster.add(ids)
-        rows: list[NodeRow] = []
 
         def running() -> bool:
-            rows[:] = cluster.rows()  # type: ignore[union-attr]
-            g = rows_generation(rows)
-            return g > 0 and rows_all_started(rows, g)
+            s = cluster.summary()  # type: ignore[union-attr]
+            return s.generation > 0 and s.all_started(s.generation)
 
         if not wait_until(running, timeout_s, interval_s=poll_s):
             raise ElasticppError(f"{n} simulated nodes not all running within {timeout_s:.0f} s")
@@ -328,6 +320,7 @@ def run_size(
             "processes": processes,
             "lease_ttl_s": ttl,
             "share_etcd": share_etcd,
+            "loop_threads": loop_threads,
             "start_s": round(started_s, 1),
             "steady": {
                 "seconds": round(window_s, 1),
@@ -400,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each agent its own etcd connection (default: one per process, shared)",
     )
+    ap.add_argument(
+        "--loop-threads",
+        type=int,
+        default=LOOP_THREADS,
+        help="threads a process runs its agents' decision loops on (bench/scaleloops.py); "
+        "0: a thread each, as on a real node",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     # A stopped run still closes its agents and its etcd (the finally blocks run).
@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 processes=args.processes,
                 lease_ttl_s=args.lease_ttl_s,
                 share_etcd=not args.connection_per_node,
+                loop_threads=args.loop_threads,
             )
             results.append(r)
             print(table([r]), flush=True)

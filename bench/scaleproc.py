@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,44 +36,92 @@ STACK_BYTES = 512 * 1024  # per thread: thousands of agent threads in one proces
 
 
 @dataclass(frozen=True)
-class NodeRow:
-    """One simulated node as its child process sees it."""
+class Summary:
+    """What the harness polls of the simulated nodes (of one child, or merged over all):
+    a few numbers, whatever the number of nodes, so that looking every few milliseconds
+    does not load the processes it measures (each node's row, with its plan's node list,
+    was ~400 KB a look at 256 nodes)."""
 
-    node_id: str
-    generation: int  # of the record it follows, 0 before any
-    phase: str  # its phase in that generation ("" before any)
-    leader: bool
-    crashed: bool
-    sick: bool
-    planned: tuple[str, ...]  # the nodes with ranks in its generation's plan
+    leaders: tuple[str, ...] = ()  # live nodes that hold the leadership
+    generation: int = 0  # the newest generation a live node follows (0: none yet)
+    healthy: int = 0  # live nodes that are not sick
+    min_generation: int | None = None  # the oldest generation a healthy node follows
+    # generation -> healthy nodes following it that do not run it yet (not RUNNING or IDLE)
+    unstarted: dict[int, int] = field(default_factory=dict)
+    planned: tuple[str, ...] = ()  # the plan's nodes, as a healthy node at `generation` has it
+
+    def plus(self, other: Summary) -> Summary:
+        mins = [g for g in (self.min_generation, other.min_generation) if g is not None]
+        unstarted = dict(self.unstarted)
+        for g, k in other.unstarted.items():
+            unstarted[g] = unstarted.get(g, 0) + k
+        generation = max(self.generation, other.generation)
+        planned = self.planned if self.generation >= other.generation else other.planned
+        return Summary(
+            self.leaders + other.leaders,
+            generation,
+            self.healthy + other.healthy,
+            min(mins) if mins else None,
+            unstarted,
+            planned or self.planned or other.planned,
+        )
+
+    @property
+    def leader(self) -> str | None:
+        return self.leaders[0] if self.leaders else None
+
+    def all_hold(self, generation: int) -> bool:
+        """Every healthy node follows `generation` or a newer one."""
+        return self.min_generation is None or self.min_generation >= generation
+
+    def all_started(self, generation: int) -> bool:
+        """Every healthy node holds `generation` and runs its ranks of it (or has none)."""
+        return self.all_hold(generation) and self.unstarted.get(generation, 0) == 0
 
 
-def _rows(cluster: Any) -> list[NodeRow]:
-    rows = []
+def _summary(cluster: Any) -> Summary:
+    leaders: list[str] = []
+    generation, healthy, min_gen = 0, 0, None
+    unstarted: dict[int, int] = {}
+    planned: tuple[str, ...] = ()
+    planned_gen = -1
     for node_id, node in list(cluster.nodes.items()):
+        if node_id in cluster.crashed:
+            continue
         agent = node.agent
         gs = agent._fs.gen
-        crashed = node_id in cluster.crashed
-        rows.append(
-            NodeRow(
-                node_id,
-                gs.generation if gs else 0,
-                str(gs.phase) if gs else "",
-                not crashed and agent._is_leader(),
-                crashed,
-                node_id in cluster.sick,
-                tuple(sorted(gs.record.planned_nodes)) if gs else (),
-            )
-        )
-    return rows
+        g = gs.generation if gs else 0
+        generation = max(generation, g)
+        if agent._is_leader():
+            leaders.append(node_id)
+        if node_id in cluster.sick:
+            continue
+        healthy += 1
+        min_gen = g if min_gen is None else min(min_gen, g)
+        if gs is None or gs.phase not in (Phase.RUNNING, Phase.IDLE):
+            unstarted[g] = unstarted.get(g, 0) + 1
+        if gs is not None and g > planned_gen:
+            planned, planned_gen = tuple(sorted(gs.record.planned_nodes)), g
+    return Summary(tuple(leaders), generation, healthy, min_gen, unstarted, planned)
 
 
-def _serve(endpoint: str, slots: int, state_root: str, spec: dict[str, Any], share: bool) -> None:
+def _healthy(cluster: Any) -> list[str]:
+    return [n for n in cluster.nodes if n not in cluster.crashed and n not in cluster.sick]
+
+
+def _serve(
+    endpoint: str,
+    slots: int,
+    state_root: str,
+    spec: dict[str, Any],
+    share: bool,
+    loop_threads: int,
+) -> None:
     """A child process: a SimCluster of the agents it is asked to add, until told to close."""
     threading.stack_size(STACK_BYTES)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C closes us in order
-    from bench.scalesim import SimCluster, thread_cpu_s
+    from bench.scalesim import SimCluster
     from elasticpp.agent.jobspec import parse_job_spec
     from elasticpp.cluster.etcd_meter import EtcdMeter
 
@@ -81,7 +129,14 @@ def _serve(endpoint: str, slots: int, state_root: str, spec: dict[str, Any], sha
     sys.stdout = sys.stderr  # replies alone go to the harness
     meter = EtcdMeter()
     cluster = SimCluster(
-        endpoint, [], slots, Path(state_root), parse_job_spec(spec), meter, share_etcd=share
+        endpoint,
+        [],
+        slots,
+        Path(state_root),
+        parse_job_spec(spec),
+        meter,
+        share_etcd=share,
+        loop_threads=loop_threads,
     )
     try:
         for line in sys.stdin:
@@ -99,15 +154,16 @@ def _serve(endpoint: str, slots: int, state_root: str, spec: dict[str, Any], sha
                 elif op == "sick":
                     cluster.make_sick(arg)
                     reply = {"ok": None}
-                elif op == "rows":
-                    reply = {"ok": [asdict(r) for r in _rows(cluster)]}
+                elif op == "summary":
+                    reply = {"ok": asdict(_summary(cluster))}
+                elif op == "healthy":
+                    reply = {"ok": _healthy(cluster)}
                 elif op == "meter":
                     r = resource.getrusage(resource.RUSAGE_SELF)
                     cpu_s = r.ru_utime + r.ru_stime
                     reply = {"ok": [asdict(meter.reading()), meter.by_kind(), cpu_s]}
                 elif op == "loop_cpu":
-                    node = cluster.nodes.get(arg)
-                    reply = {"ok": thread_cpu_s(node.thread) if node is not None else 0.0}
+                    reply = {"ok": cluster.loop_cpu_s(arg)}
                 elif op == "close":
                     break
                 else:
@@ -133,6 +189,7 @@ class ProcCluster:
         processes: int,
         *,
         share_etcd: bool = True,
+        loop_threads: int = 0,
     ) -> None:
         if processes < 1:
             raise ElasticppError(f"processes must be >= 1, got {processes}")
@@ -148,6 +205,7 @@ class ProcCluster:
                     "state_root": str(state_root / f"proc-{i}"),
                     "spec": spec,
                     "share": share_etcd,
+                    "loop_threads": loop_threads,
                 }
                 self._children.append(
                     subprocess.Popen(
@@ -211,8 +269,24 @@ class ProcCluster:
         self._ask(self._home[node_id], "sick", node_id)
 
     # ------------------------------------------------------------------ what the nodes hold
-    def rows(self) -> list[NodeRow]:
-        return [NodeRow(**r) for rows in self._ask_all("rows") for r in rows]
+    def summary(self) -> Summary:
+        total = Summary()
+        for r in self._ask_all("summary"):
+            unstarted = {int(g): int(k) for g, k in r.pop("unstarted").items()}
+            total = total.plus(
+                Summary(
+                    leaders=tuple(r.pop("leaders")),
+                    planned=tuple(r.pop("planned")),
+                    unstarted=unstarted,
+                    **r,
+                )
+            )
+        return total
+
+    def healthy(self) -> list[str]:
+        """The live, healthy nodes, in the order they were added."""
+        found = {n for ids in self._ask_all("healthy") for n in ids}
+        return [n for n in self._home if n in found]
 
     def count(self) -> int:
         return len(self._home)
@@ -247,30 +321,6 @@ class ProcCluster:
         self._children = []
 
 
-def rows_leader(rows: list[NodeRow]) -> NodeRow | None:
-    return next((r for r in rows if r.leader), None)
-
-
-def rows_generation(rows: list[NodeRow]) -> int:
-    return max((r.generation for r in rows if not r.crashed), default=0)
-
-
-def rows_all_hold(rows: list[NodeRow], generation: int) -> bool:
-    return all(r.generation >= generation for r in rows if not (r.crashed or r.sick))
-
-
-def rows_all_started(rows: list[NodeRow], generation: int) -> bool:
-    """Every live healthy node holds `generation` and runs its ranks of it (or has none)."""
-    for r in rows:
-        if r.crashed or r.sick:
-            continue
-        if r.generation < generation:
-            return False
-        if r.generation == generation and r.phase not in (Phase.RUNNING, Phase.IDLE):
-            return False
-    return True
-
-
 if __name__ == "__main__":
     _config = json.loads(sys.argv[1])
     _serve(
@@ -279,4 +329,5 @@ if __name__ == "__main__":
         _config["state_root"],
         _config["spec"],
         bool(_config["share"]),
+        int(_config.get("loop_threads", 0)),
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.scaleloops import LoopPool
 from elasticpp.agent.jobspec import JobSpec, parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.etcd_client import EtcdKV
@@ -170,11 +171,13 @@ def sim_spec(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> JobSpec
 @dataclass(frozen=True)
 class SimNode:
     agent: SimAgent
-    thread: threading.Thread
+    thread: threading.Thread | None  # its loop's own thread; None on the cluster's LoopPool
 
 
 class SimCluster:
-    """`nodes` simulated agents of one job in this process, one loop thread each."""
+    """`nodes` simulated agents of one job in this process: one loop thread each, or with
+    `loop_threads` their loops' turns on a `LoopPool` of that many threads (and one loop
+    watchdog for all of them)."""
 
     def __init__(
         self,
@@ -186,6 +189,7 @@ class SimCluster:
         meter: EtcdMeter | None = None,
         *,
         share_etcd: bool = False,
+        loop_threads: int = 0,
     ) -> None:
         self.endpoint = endpoint
         self.slots = slots
@@ -200,6 +204,7 @@ class SimCluster:
         # thousands of connections' idle polling would fill the process's core. etcd serves
         # the same watchers, leases and requests as for a connection per node.
         self.kv = EtcdKV([endpoint], meter=meter) if share_etcd else None
+        self.loops = LoopPool(loop_threads) if loop_threads > 0 else None
         for node_id in node_ids:
             self.add(node_id)
 
@@ -212,16 +217,38 @@ class SimCluster:
         def worker(log_path: Path, env: dict[str, str], name: str) -> SimWorker:
             return SimWorker(log_path, env, name, fails=lambda: node_id in self.sick)
 
-        agent = SimAgent(cfg, self.spec, worker_factory=worker, meter=self.meter, etcd_kv=self.kv)
+        wake = self.loops.wake() if self.loops is not None else None
+        agent = SimAgent(
+            cfg,
+            self.spec,
+            worker_factory=worker,
+            meter=self.meter,
+            etcd_kv=self.kv,
+            wake=wake,
+            watchdog=self.loops is None,
+        )
         try:
             agent.start()
         except BaseException:
             agent.shutdown()
             raise
-        thread = threading.Thread(target=agent.run, name=f"loop-{node_id}", daemon=True)
-        thread.start()
+        thread = None
+        if self.loops is not None and wake is not None:
+            self.loops.add(agent, wake)
+        else:
+            thread = threading.Thread(target=agent.run, name=f"loop-{node_id}", daemon=True)
+            thread.start()
         self.nodes[node_id] = SimNode(agent, thread)
         return agent
+
+    def loop_cpu_s(self, node_id: str) -> float:
+        """CPU seconds `node_id`'s decision loop has used."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return 0.0
+        if node.thread is None:
+            return self.loops.cpu_s(node_id) if self.loops is not None else 0.0
+        return thread_cpu_s(node.thread)
 
     def live(self, *, healthy: bool = False) -> list[SimAgent]:
         """The agents not crashed (and, with `healthy`, not sick)."""
@@ -245,8 +272,11 @@ class SimCluster:
     def close(self) -> None:
         for n in self.nodes.values():
             n.agent.request_stop()
+        if self.loops is not None:
+            self.loops.close()
         for n in self.nodes.values():
-            n.thread.join(timeout=10.0)
+            if n.thread is not None:
+                n.thread.join(timeout=10.0)
             with contextlib.suppress(Exception):
                 n.agent.shutdown()
         if self.kv is not None:

@@ -107,21 +107,28 @@ class ControlPart:
     def _watch_loop(self) -> None:
         """Health follows the decision loop's heartbeat: a wedged loop (a blocked call, a
         stalled disk) makes the node NOT_SERVING, so probes and Kubernetes see the truth."""
-        serving = True
         while not self._stop.wait(LOOP_WATCH_S):
-            stalled_s = self._heartbeat.stuck_s()
-            ok = stalled_s < LOOP_STALL_S
-            if ok == serving:
-                continue
-            serving = ok
-            status = health_pb2.HealthCheckResponse
-            if self._server is None:
+            if not self.check_loop():
                 return
-            self._health.set("", status.SERVING if ok else status.NOT_SERVING)
-            if ok:
-                log.warning("decision loop running again: health SERVING")
-            else:
-                log.warning("decision loop stalled for %.1f s: health NOT_SERVING", stalled_s)
+
+    def check_loop(self) -> bool:
+        """One look of the loop watchdog (every LOOP_WATCH_S): health NOT_SERVING while the
+        loop has been in one tick LOOP_STALL_S or more, SERVING again when it comes back.
+        False once the server is gone (nothing to tell)."""
+        if self._server is None:
+            return False
+        stalled_s = self._heartbeat.stuck_s()
+        ok = stalled_s < LOOP_STALL_S
+        if ok == self._loop_serving:
+            return True
+        self._loop_serving = ok
+        status = health_pb2.HealthCheckResponse
+        self._health.set("", status.SERVING if ok else status.NOT_SERVING)
+        if ok:
+            log.warning("decision loop running again: health SERVING")
+        else:
+            log.warning("decision loop stalled for %.1f s: health NOT_SERVING", stalled_s)
+        return True
 
     def _survive(self, source: str, exc: BaseException) -> None:
         """Error policy: nothing from outside (an etcd value, a disk error, a worker event)

@@ -156,14 +156,20 @@ class Agent(
         worker_factory: WorkerFactory | None = None,
         meter: EtcdMeter | None = None,
         etcd_kv: EtcdKV | None = None,
+        wake: threading.Event | None = None,
+        watchdog: bool = True,
     ) -> None:
         self._clock: Clock = clock or SystemClock()  # every part's decisions read it
         # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
-        # process, elasticpp.train.procs), a counter of this agent's etcd requests, and an
-        # etcd connection shared by the simulated agents of one process (default: its own).
+        # process, elasticpp.train.procs), a counter of this agent's etcd requests, an etcd
+        # connection shared by the simulated agents of one process (default: its own), the
+        # event that wakes the loop (a simulation's also schedules the agent's next `turn`
+        # on its pool of loop threads) and whether the agent starts its own loop watchdog
+        # (a simulation checks its agents' loops from one thread: `check_loop`).
         self._worker_factory = worker_factory
         self._meter = meter
         self._shared_kv = etcd_kv
+        self._own_watchdog = watchdog
         self.cfg = cfg
         self.spec = spec
         self.node_id = cfg.node_id
@@ -184,7 +190,7 @@ class Agent(
         self.log_dir = cfg.state_dir / "logs"
         self.python = python
         # Inboxes: what watches, gRPC threads and other parts may hand over (elasticpp.agent.inbox)
-        self._wake = threading.Event()  # the loop runs its next tick now
+        self._wake = wake if wake is not None else threading.Event()  # the loop ticks now
         self._stop = threading.Event()
         self._reread = Signal(raised=True)  # the view reads etcd again
         self._epoch_changed = Signal()  # the job's epoch key changed
@@ -215,6 +221,7 @@ class Agent(
         )
         self._joined = False
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
+        self._loop_serving = True  # what the watchdog last said of the loop (`check_loop`)
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
@@ -261,29 +268,42 @@ class Agent(
         """The decision loop; returns the exit code."""
         try:
             while not self._stop.is_set():
-                tick_s = self._tick_s()
-                self._heartbeat.idle()
-                self._wake.wait(tick_s)
+                self._wake.wait(self.idle_for())
                 self._wake.clear()
-                self._heartbeat.busy()
-                try:
-                    self._tick()
-                    now_s = time.monotonic()
-                    if now_s - self._status_at_s >= STATUS_EVERY_S:
-                        self._status_at_s = now_s
-                        self._status = self.status()
-                except Exception as exc:  # a daemon survives what comes from outside
-                    self._survive("internal", exc)
-                conflict = self._node_id_conflict()
-                if conflict is not None:  # two agents, one node id: this one must go
-                    self._event("decision", f"node {self.node_id}: {conflict}")
-                    raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
-                code = self._exit_requested()
+                code = self.turn()
                 if code is not None:
                     return code
             return 0
         finally:
             self.shutdown()
+
+    def turn(self) -> int | None:
+        """One turn of the decision loop, woken or due: a tick, the status the RPCs read,
+        and the checks that end the agent. Returns the exit code when the agent is to stop;
+        raises NodeIdConflictError when another agent holds this node id. `run` calls it on
+        the loop thread; a simulation of many agents (bench/scalesim.py) calls it from a
+        pool of threads, one turn of one agent at a time, after `_wake.clear()`."""
+        self._heartbeat.busy()
+        try:
+            self._tick()
+            now_s = time.monotonic()
+            if now_s - self._status_at_s >= STATUS_EVERY_S:
+                self._status_at_s = now_s
+                self._status = self.status()
+        except Exception as exc:  # a daemon survives what comes from outside
+            self._survive("internal", exc)
+        conflict = self._node_id_conflict()
+        if conflict is not None:  # two agents, one node id: this one must go
+            self._event("decision", f"node {self.node_id}: {conflict}")
+            raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
+        return self._exit_requested()
+
+    def idle_for(self) -> float:
+        """The loop is about to wait: the longest it may (`_tick_s`); from now on it counts
+        as idle, not stalled (`clock.LoopHeartbeat`)."""
+        tick_s = self._tick_s()
+        self._heartbeat.idle()
+        return tick_s
 
     def _tick_s(self) -> float:
         """How long the loop may sleep when nothing wakes it (see limits.QUIET_TICK_S). A

@@ -97,7 +97,8 @@ class StartupPart:
         self._joined = True
         self._heartbeat.busy()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        threading.Thread(target=self._watch_loop, daemon=True, name="loop-watchdog").start()
+        if self._own_watchdog:
+            threading.Thread(target=self._watch_loop, daemon=True, name="loop-watchdog").start()
         self._event(
             "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
         )

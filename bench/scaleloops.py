@@ -1,0 +1,219 @@
+"""The decision loops of many simulated agents on a few threads (bench/scalesim.py).
+
+A real agent runs its loop on a thread of its own (`Agent.run`): it waits until woken or
+until its tick is due, then takes a `turn`. A simulated process of a thousand agents would
+hold a thousand loop threads and a thousand watchdog threads, and the GIL's hand-offs
+between them, not the agents' work, would use the core. `LoopPool` runs the same turns
+from `threads` threads: an agent whose wake is set (`PoolWake`, the event its watches,
+workers and futures set) or whose tick is due gets its next turn on the first free thread.
+
+Invariants:
+- one turn of an agent at a time (an agent is queued once, and a wake that comes during
+  its turn queues it again after the turn), in the order agents became ready;
+- an agent's turn begins with its wake cleared, as `Agent.run`'s does; between turns the
+  agent is idle (`Agent.idle_for`), so a queue behind other agents is not a stalled loop;
+- an agent whose turn returns an exit code, raises, or whose stop was requested is shut
+  down on the pool thread and leaves the pool; `close()` stops every agent and waits for
+  the threads;
+- one watchdog thread looks at every agent's loop each LOOP_WATCH_S (`Agent.check_loop`).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from elasticpp.agent.limits import LOOP_WATCH_S
+from elasticpp.agent.node import Agent
+
+log = logging.getLogger("elasticpp.bench.scale")
+
+
+class PoolWake(threading.Event):
+    """An agent's wake event whose `set()` also queues the agent on its pool."""
+
+    def __init__(self, pool: LoopPool) -> None:
+        super().__init__()
+        self._pool = pool
+        self.agent: Agent | None = None  # bound once the agent exists
+
+    def set(self) -> None:
+        super().set()
+        if self.agent is not None:
+            self._pool.ready(self.agent)
+
+
+class LoopPool:
+    """Turns of many agents' decision loops on `threads` threads (see the module)."""
+
+    def __init__(self, threads: int, name: str = "loops") -> None:
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # pool threads wait on it for ready agents
+        self._timer_cond = threading.Condition(lock)  # the timer waits on it for due ticks
+        self._left = threading.Condition(lock)  # close() waits on it for agents to leave
+        self._closing = threading.Event()
+        self._ready: collections.deque[Agent] = collections.deque()
+        self._due: list[tuple[float, int, int, Agent]] = []  # (monotonic, seq, token, agent)
+        self._seq = itertools.count()
+        self._agents: dict[int, _Slot] = {}  # id(agent) -> its slot
+        self._closed = False
+        self.exit_codes: dict[str, int | str] = {}  # node id -> exit code or error
+        self._cpu_s: collections.Counter[str] = collections.Counter()  # node id -> its turns'
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._timer, name=f"{name}-timer", daemon=True)
+        )
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+        for t in self._threads:
+            t.start()
+        self._watchdog.start()
+
+    def wake(self) -> PoolWake:
+        """The wake event to construct an agent with; `add` binds it."""
+        return PoolWake(self)
+
+    def add(self, agent: Agent, wake: PoolWake) -> None:
+        """Run `agent`'s loop here (after its `start()`): its first turn now."""
+        wake.agent = agent
+        with self._cond:
+            self._agents[id(agent)] = _Slot(agent)
+        self.ready(agent)
+
+    def ready(self, agent: Agent) -> None:
+        """Queue `agent`'s next turn now (its wake was set, or its stop requested)."""
+        with self._cond:
+            slot = self._agents.get(id(agent))
+            if slot is None:
+                return
+            if slot.running:
+                slot.again = True
+                return
+            if slot.queued:
+                return
+            slot.queued = True
+            slot.token += 1  # a due entry in the heap is stale now
+            self._ready.append(agent)
+            self._cond.notify()
+
+    def _next(self) -> Agent | None:
+        """The next agent to take a turn; waits for one (only the timer thread waits for
+        due ticks: one wake-up per due tick, not one per pool thread)."""
+        with self._cond:
+            while not self._ready and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            agent = self._ready.popleft()
+            slot = self._agents[id(agent)]
+            slot.queued, slot.running, slot.again = False, True, False
+            return agent
+
+    def _timer(self) -> None:
+        """Moves agents whose tick is due to the ready queue."""
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                while self._due and self._due[0][0] <= now:
+                    _, _, token, agent = heapq.heappop(self._due)
+                    slot = self._agents.get(id(agent))
+                    if slot is not None and slot.token == token and not slot.queued:
+                        slot.queued = True
+                        self._ready.append(agent)
+                        self._cond.notify()
+                self._timer_cond.wait(self._due[0][0] - now if self._due else None)
+
+    def _work(self) -> None:
+        while (agent := self._next()) is not None:
+            code: int | str | None = None
+            if not agent._stop.is_set():
+                agent._wake.clear()
+                cpu_s = time.thread_time()
+                try:
+                    code = agent.turn()
+                except Exception as exc:  # NodeIdConflictError, or a bug: the agent ends
+                    log.warning("node %s: loop ended: %s", agent.node_id, exc)
+                    code = str(exc)
+                finally:
+                    self._cpu_s[agent.node_id] += time.thread_time() - cpu_s
+            if code is not None or agent._stop.is_set():
+                self._finish(agent, 0 if code is None else code)
+                continue
+            tick_s = agent.idle_for()
+            with self._cond:
+                slot = self._agents[id(agent)]
+                slot.running = False
+                if slot.again or agent._wake.is_set():
+                    slot.queued = True
+                    self._ready.append(agent)
+                    self._cond.notify()
+                else:
+                    slot.token += 1
+                    due = (time.monotonic() + tick_s, next(self._seq), slot.token, agent)
+                    if not self._due or due < self._due[0]:
+                        self._timer_cond.notify()
+                    heapq.heappush(self._due, due)
+
+    def _finish(self, agent: Agent, code: int | str) -> None:
+        with self._cond:
+            self._agents.pop(id(agent), None)
+            self.exit_codes[agent.node_id] = code
+            self._left.notify_all()
+        try:
+            agent.shutdown()
+        except Exception:
+            log.exception("node %s: shutdown failed", agent.node_id)
+
+    def cpu_s(self, node_id: str) -> float:
+        """CPU seconds `node_id`'s turns have used (its loop's CPU, as its own thread's)."""
+        return self._cpu_s[node_id]
+
+    def running(self, agent: Agent) -> bool:
+        """True until `agent` left the pool (stopped and shut down)."""
+        with self._cond:
+            return id(agent) in self._agents
+
+    def _watch(self) -> None:
+        while not self._closing.wait(LOOP_WATCH_S):
+            with self._cond:
+                agents = [s.agent for s in self._agents.values()]
+            for agent in agents:
+                try:
+                    agent.check_loop()
+                except Exception:
+                    log.exception("node %s: loop watchdog failed", agent.node_id)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop every agent still here, wait until each is shut down, end the threads."""
+        with self._cond:
+            agents = [s.agent for s in self._agents.values()]
+        for agent in agents:
+            agent.request_stop()
+        deadline = time.monotonic() + timeout_s
+        self._closing.set()
+        with self._cond:
+            while self._agents and time.monotonic() < deadline:
+                self._left.wait(0.1)
+            self._closed = True
+            self._cond.notify_all()
+            self._timer_cond.notify_all()
+        for t in [*self._threads, self._watchdog]:
+            t.join(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+
+
+class _Slot:
+    __slots__ = ("again", "agent", "queued", "running", "token")
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.queued = False  # in the ready queue
+        self.running = False  # a pool thread is in its turn
+        self.again = False  # woken during its turn: queued again after it
+        self.token = 0  # the due entry that is current (older ones are skipped)

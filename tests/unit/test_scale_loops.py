@@ -1,0 +1,133 @@
+"""The simulation's pool of decision-loop threads (bench/scaleloops.py) with fake agents that
+record their turns: one turn of an agent at a time, a wake during a turn gives one more turn
+after it, due ticks come without a wake, a stopped agent is shut down once and leaves the
+pool, and close() stops every agent."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from bench.scaleloops import LoopPool, PoolWake
+from elasticpp.waiting import wait_until
+
+
+class _FakeAgent:
+    def __init__(self, node_id: str, wake: PoolWake, tick_s: float = 60.0) -> None:
+        self.node_id = node_id
+        self._wake = wake
+        self._stop = threading.Event()
+        self.tick_s = tick_s
+        self.turns = 0
+        self.inside = 0  # turns in progress (never above 1)
+        self.most_inside = 0
+        self.shutdowns = 0
+        self.loop_checks = 0
+        self.exit_code: int | None = None
+        self.during_turn: Any = None  # called inside the next turn
+        self.lock = threading.Lock()
+
+    def turn(self) -> int | None:
+        with self.lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        try:
+            action, self.during_turn = self.during_turn, None
+            if action is not None:
+                action()
+            time.sleep(0.01)
+            self.turns += 1
+            return self.exit_code
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+    def idle_for(self) -> float:
+        return self.tick_s
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+    def check_loop(self) -> bool:
+        self.loop_checks += 1
+        return True
+
+
+def _agents(pool: LoopPool, n: int, tick_s: float = 60.0) -> list[_FakeAgent]:
+    agents = []
+    for i in range(n):
+        wake = pool.wake()
+        agent = _FakeAgent(f"n{i}", wake, tick_s)
+        pool.add(agent, wake)  # type: ignore[arg-type]
+        agents.append(agent)
+    return agents
+
+
+def test_each_agent_takes_its_first_turn_and_then_waits_for_its_wake() -> None:
+    pool = LoopPool(3)
+    try:
+        agents = _agents(pool, 5)
+        assert wait_until(lambda: all(a.turns == 1 for a in agents), 10)
+        agents[2]._wake.set()
+        assert wait_until(lambda: agents[2].turns == 2, 10)
+        assert [a.turns for a in agents] == [1, 1, 2, 1, 1]  # no tick was due
+    finally:
+        pool.close()
+
+
+def test_a_wake_during_a_turn_gives_one_more_turn_after_it_never_two_at_once() -> None:
+    pool = LoopPool(4)
+    try:
+        (agent,) = _agents(pool, 1)
+        assert wait_until(lambda: agent.turns == 1, 10)
+        agent.during_turn = lambda: [agent._wake.set() for _ in range(5)]
+        agent._wake.set()
+        assert wait_until(lambda: agent.turns == 3, 10)  # the woken turn, then one more
+        time.sleep(0.1)
+        assert agent.turns == 3 and agent.most_inside == 1
+    finally:
+        pool.close()
+
+
+def test_a_due_tick_comes_without_a_wake() -> None:
+    pool = LoopPool(2)
+    try:
+        (agent,) = _agents(pool, 1, tick_s=0.05)
+        assert wait_until(lambda: agent.turns >= 5, 10)
+    finally:
+        pool.close()
+
+
+def test_an_agent_that_stops_is_shut_down_once_and_leaves_the_pool() -> None:
+    pool = LoopPool(2)
+    try:
+        quitter, stopped, other = _agents(pool, 3)
+        assert wait_until(lambda: all(a.turns == 1 for a in (quitter, stopped, other)), 10)
+        quitter.exit_code = 3
+        quitter._wake.set()
+        stopped.request_stop()
+        assert wait_until(lambda: not pool.running(quitter) and not pool.running(stopped), 10)
+        assert pool.exit_codes == {"n0": 3, "n1": 0}
+        assert (quitter.shutdowns, stopped.shutdowns, other.shutdowns) == (1, 1, 0)
+        turns = stopped.turns
+        stopped._wake.set()  # woken after it left: nothing runs
+        other._wake.set()
+        assert wait_until(lambda: other.turns == 2, 10)
+        assert stopped.turns == turns
+    finally:
+        pool.close()
+    assert other.shutdowns == 1  # close() stopped it
+
+
+def test_one_watchdog_looks_at_every_agents_loop() -> None:
+    pool = LoopPool(2)
+    try:
+        agents = _agents(pool, 3)
+        assert wait_until(lambda: all(a.loop_checks >= 1 for a in agents), 10)
+    finally:
+        pool.close()
