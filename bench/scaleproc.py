@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import resource
 import select
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from elasticpp.agent.decide import Phase
 from elasticpp.cluster.etcd_meter import MeterReading
 from elasticpp.errors import ElasticppError
 
+log = logging.getLogger("elasticpp.bench.scale")
 REPLY_TIMEOUT_S = 120.0  # a child answers every request within this (adding agents included)
 STACK_BYTES = 512 * 1024  # per thread: thousands of agent threads in one process
 
@@ -127,6 +130,7 @@ def _serve(
 
     out = sys.stdout
     sys.stdout = sys.stderr  # replies alone go to the harness
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     meter = EtcdMeter()
     cluster = SimCluster(
         endpoint,
@@ -145,8 +149,11 @@ def _serve(
             reply: dict[str, Any]
             try:
                 if op == "add":
+                    t0 = time.monotonic()
                     for node_id in arg:
                         cluster.add(node_id)
+                    if len(arg) > 1:
+                        log.warning("%d agents started in %.1f s", len(arg), time.monotonic() - t0)
                     reply = {"ok": None}
                 elif op == "crash":
                     cluster.crash(arg)

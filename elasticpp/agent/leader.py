@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import re
 from typing import Any
 
@@ -22,7 +23,7 @@ from elasticpp.agent.actions import PullHoldings
 from elasticpp.agent.deadlines import pull_deadline_s
 from elasticpp.agent.decide import ClusterView
 from elasticpp.agent.follower import _GenState
-from elasticpp.agent.leaderstate import LeaderState
+from elasticpp.agent.leaderstate import CAMPAIGN_SPREAD_MAX_S, LeaderState, campaign_delay_s
 from elasticpp.agent.leaderstep import LeaderObservation, leader_step
 from elasticpp.agent.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
 from elasticpp.agent.pull import PulledHoldings, pull_holdings
@@ -62,14 +63,26 @@ class LeaderPart:
         if self._ls.leadership is not None:
             return  # won; the view reads the leader key on the next refresh
         if self._vs.leader is not None or self._cs.draining or self._exit_requested() is not None:
+            self._ls.campaign_at_s = None  # a leader is known: the next loss draws afresh
             return
         assert self.cluster is not None
         if not self._torch_ready.is_set():
             return  # the leader hosts the rendezvous store; wait until torch is imported
+        now_s = self._clock.monotonic()
+        if self._ls.campaign_at_s is None:  # spread over the nodes that see no leader
+            record = self._vs.record
+            nodes = len(record.planned_nodes) if record is not None else 1
+            self._ls.campaign_at_s = now_s + campaign_delay_s(nodes, random.random())
+        if now_s < self._ls.campaign_at_s:
+            return
         leadership = self.cluster.campaign(
             self.node_id, ttl_s=self.spec.lease_ttl_s, gate=self._lease_gate()
         )
         if leadership is None:
+            # Lost: another node holds the key, which the view will show; until it does,
+            # no new campaign (it would lose again): a leader that lapses meanwhile is
+            # campaigned for after a full spread.
+            self._ls.campaign_at_s = now_s + CAMPAIGN_SPREAD_MAX_S
             return
         # A new term starts the leader's state afresh: strikes and the failure budget too;
         # quarantines and what each generation's transition has written are read from etcd.

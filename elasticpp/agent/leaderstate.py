@@ -11,6 +11,9 @@ from typing import Any
 
 from elasticpp.agent.sick import SickNodes
 
+CAMPAIGN_SPREAD_S_PER_NODE = 0.002  # 1 s of spread at 500 nodes
+CAMPAIGN_SPREAD_MAX_S = 1.0  # a leaderless job waits at most this long for a candidate
+
 
 @dataclass
 class LeaderState:
@@ -42,6 +45,8 @@ class LeaderState:
     pull_not_before_s: float = 0.0  # monotonic: a pull that failed is asked again after this
     pull_set_aside: bool = False  # the nodes a pull found unanswering were set aside
     unreadable: frozenset[str] = frozenset()  # nodes whose stopped-G value was said unreadable
+    # monotonic: when this node campaigns, once it has seen no leader (`campaign_delay_s`)
+    campaign_at_s: float | None = None
 
     def at(self, generation: int, now_s: float) -> LeaderState:
         """This state, with the per-generation fields of `generation` (fresh if new)."""
@@ -56,3 +61,16 @@ class LeaderState:
             self.pull_set_aside = False
             self.unreadable = frozenset()
         return self
+
+
+def campaign_delay_s(nodes: int, draw: float) -> float:
+    """How long a node that sees no leader waits before it campaigns: a draw in [0, 1)
+    spread over CAMPAIGN_SPREAD_S_PER_NODE x `nodes` (at most CAMPAIGN_SPREAD_MAX_S). When a
+    leader's key goes, every node sees it at once; campaigning at once, each would grant a
+    lease, try the key and revoke the lease (3 requests a node, 6,000 at 2,048 nodes, while
+    the cluster is already changing). Spread, the first campaign wins and the others see its
+    key before their turn: a few campaign, not all."""
+    if not 0.0 <= draw < 1.0:
+        raise ValueError(f"draw {draw!r}: must be in [0, 1)")
+    spread_s = min(CAMPAIGN_SPREAD_MAX_S, CAMPAIGN_SPREAD_S_PER_NODE * max(1, nodes))
+    return draw * spread_s

@@ -335,6 +335,7 @@ class Agent(
             and (current == 0 or self._fs.reported != current)
             and not self._lvs.suspect_since
             and not self._cs.draining
+            and self._vs.leader is not None  # leaderless: a campaign may be due (leader.py)
         )
         if not settled:
             return BUSY_TICK_S

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticpp.agent.leaderstate import CAMPAIGN_SPREAD_MAX_S
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import ClusterClient, LeaseNotFoundError
@@ -35,21 +36,63 @@ def _leader_keepers() -> int:
     return sum(t.name == "lease-leader n0" and t.is_alive() for t in threading.enumerate())
 
 
+def _campaigns_until_won(agent: Agent) -> bool:
+    """The campaign step, as the loop takes it while no leader is known (every busy tick),
+    until this node leads: it campaigns after a draw within the spread for its job's size."""
+
+    def won() -> bool:
+        agent._maybe_campaign()
+        return agent._ls.leadership is not None
+
+    return wait_until(won, CAMPAIGN_SPREAD_MAX_S + 5.0, interval_s=0.005)
+
+
+@pytest.mark.timeout(30)
+def test_a_node_that_lost_a_campaign_waits_a_spread_before_the_next(
+    agent: Agent, etcd: EtcdServer
+) -> None:
+    """Another node won; until this node's view reads the new leader's key, its busy ticks
+    must not campaign again (each try grants a lease, tries the key and revokes the lease:
+    every node of a 2,048-node job doing so 20 times a second was a storm of requests)."""
+    assert agent.cluster is not None
+    tries = []
+    campaign = agent.cluster.campaign
+
+    def counted(*args: object, **kwargs: object) -> object:
+        tries.append(1)
+        return campaign(*args, **kwargs)  # type: ignore[arg-type]
+
+    agent.cluster.campaign = counted  # type: ignore[method-assign]
+    with ClusterClient([etcd.endpoint], SPEC.name) as other:
+        held = other.campaign("n9", ttl_s=SPEC.lease_ttl_s)
+        assert held is not None
+        try:
+            agent._vs.leader = None  # the view has not read n9's key yet
+            assert wait_until(lambda: bool(agent._maybe_campaign() or tries), 5, interval_s=0.005)
+            assert agent._ls.leadership is None  # lost to n9
+            for _ in range(40):  # two seconds of busy ticks
+                agent._maybe_campaign()
+            assert len(tries) == 1
+        finally:
+            held.resign()
+
+
 @pytest.mark.timeout(30)
 def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
     agent: Agent, etcd: EtcdServer
 ) -> None:
     assert agent.cluster is not None
     agent._vs.leader = None
-    agent._maybe_campaign()
+    assert _campaigns_until_won(agent)
     first = agent._ls.leadership
     assert first is not None and _leader_keepers() == 1
     with ClusterClient([etcd.endpoint], SPEC.name) as other:
         assert other.depose("n0")  # confirmed dead by a peer's probe, wrongly
     agent._vs.leader = agent.cluster.leader()  # what the next refresh reads: no leader
     assert agent._vs.leader is None
-    for _ in range(2):  # lost the term; then campaigns and wins again
-        agent._maybe_campaign()
+    agent._maybe_campaign()  # lost the term
+    assert agent._ls.leadership is None
+    assert _campaigns_until_won(agent)  # then campaigns (after its draw) and wins again
     second = agent._ls.leadership
     assert second is not None and second is not first and agent.cluster.leader() == "n0"
     assert _leader_keepers() == 1  # the old term's keep-alive ended
