@@ -16,6 +16,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from elasticpp.agent import probe
 from elasticpp.agent.actions import Action, Event, PublishMemberInfo, ReleaseSpares, StepDown
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.limits import LOOP_STALL_S, LOOP_WATCH_S
@@ -123,12 +124,18 @@ class ControlPart:
             return True
         self._loop_serving = ok
         status = health_pb2.HealthCheckResponse
-        self._health.set("", status.SERVING if ok else status.NOT_SERVING)
+        self._set_health(status.SERVING if ok else status.NOT_SERVING)
         if ok:
             log.warning("decision loop running again: health SERVING")
         else:
             log.warning("decision loop stalled for %.1f s: health NOT_SERVING", stalled_s)
         return True
+
+    def _set_health(self, status: Any) -> None:
+        """What the health service says, for the whole server ("") and for this node by
+        name (`probe.node_service`: the entry peers' probes ask for)."""
+        self._health.set("", status)
+        self._health.set(probe.node_service(self.node_id, self.incarnation), status)
 
     def _survive(self, source: str, exc: BaseException) -> None:
         """Error policy: nothing from outside (an etcd value, a disk error, a worker event)

@@ -135,7 +135,9 @@ class ExecutorPart:
                     action.generation, action.reason, culprit=action.culprit, severe=action.severe
                 )
             elif isinstance(action, ProbeLeader):
-                self._execute(leader_probed(action, probe.check(action.address)))
+                service = probe.node_service(action.leader, action.incarnation)
+                result = probe.check(action.address, service=service if action.incarnation else "")
+                self._execute(leader_probed(action, result))
             elif isinstance(action, DeposeLeader):
                 assert self.cluster is not None
                 done = self.cluster.depose(action.leader)

@@ -158,7 +158,12 @@ class LivenessPart:
                 results[n] = cache[(n, inc)][1]
             else:
                 todo[n] = (inc, str(address))
-        futures = {n: self._probe_pool.submit(probe.check, a) for n, (_, a) in todo.items()}
+        futures = {
+            n: self._probe_pool.submit(
+                probe.check, a, service=probe.node_service(n, inc) if inc else ""
+            )
+            for n, (inc, a) in todo.items()
+        }
         for n, future in futures.items():
             results[n] = future.result()
             cache[(n, todo[n][0])] = (self._clock.monotonic(), results[n])

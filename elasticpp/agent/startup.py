@@ -64,7 +64,7 @@ class StartupPart:
         # NOT_SERVING until this node has joined the job: a probe (a Kubernetes readiness
         # check, a peer's confirmation) must not take a node that is still waiting for etcd
         # for a working one.
-        self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.cfg.metrics_port:
             try:
                 self.metrics.serve(self.cfg.metrics_port)
@@ -96,7 +96,7 @@ class StartupPart:
                 time.sleep(0.5)
         self._joined = True
         self._heartbeat.busy()
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self._own_watchdog:
             threading.Thread(target=self._watch_loop, daemon=True, name="loop-watchdog").start()
         self._event(

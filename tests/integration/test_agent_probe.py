@@ -118,9 +118,44 @@ def test_a_process_that_answers_not_serving_is_alive_but_not_healthy() -> None:
         assert probe.check(address) is ProbeResult.SERVING
 
 
+def test_a_probe_that_names_the_node_finds_another_agent_at_its_address_dead() -> None:
+    """The address of a lost node may come to another agent (a pod IP given to a new pod, a
+    port reused on the host) or to the same node restarted: asked by name, the process there
+    does not answer for the incarnation looked for, and that one is dead, not alive."""
+    servicer = health.HealthServicer()
+    here = probe.node_service("n1", "inc-b")
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(here, health_pb2.HealthCheckResponse.SERVING)
+    for address in _serve(servicer):  # type: ignore[arg-type]
+        assert probe.check(address, service=here) is ProbeResult.SERVING
+        assert probe.check(address) is ProbeResult.SERVING  # whoever is there
+        gone = probe.node_service("n1", "inc-a")  # the node's earlier incarnation
+        assert probe.check(address, service=gone) is ProbeResult.DEAD
+        other = probe.node_service("n7", "inc-c")  # a lost node whose address this is now
+        assert probe.check(address, service=other) is ProbeResult.DEAD
+        servicer.set(here, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert probe.check(address, service=here) is ProbeResult.NOT_SERVING
+
+
+def test_an_agent_answers_for_itself_by_name_from_its_start(tmp_path: Path) -> None:
+    """NOT_SERVING by name from the server's start (a probe before it joined must not find
+    it dead), SERVING once its loop runs; the whole server's status says the same."""
+    agent = Agent(AgentConfig("n3", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    agent._health = health.HealthServicer()
+    name = probe.node_service("n3", agent.incarnation)
+    status = health_pb2.HealthCheckResponse
+    agent._set_health(status.NOT_SERVING)
+    for address in _serve(agent._health):  # type: ignore[arg-type]
+        assert probe.check(address, service=name) is ProbeResult.NOT_SERVING
+        agent._set_health(status.SERVING)
+        assert probe.check(address, service=name) is ProbeResult.SERVING
+        assert probe.check(address) is ProbeResult.SERVING
+
+
 def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
     servicer = health.HealthServicer()
-    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # a wedged decision loop
+    for service in ("", probe.node_service("n0", "a")):  # as the agent says (_set_health)
+        servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)  # a wedged loop
     deposed: list[str] = []
 
     class _Cluster:
