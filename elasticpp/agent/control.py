@@ -28,7 +28,7 @@ log = logging.getLogger("elasticpp.agent")
 @dataclass
 class ControlState:
     """The control part's state: one object, written by this module's code on the loop
-    (gRPC threads only queue drain requests)."""
+    (gRPC threads only queue drain requests), but `loop_serving`, the loop watchdog's own."""
 
     draining: bool = False
     drain_announced: bool = False  # the member key says draining; leadership resigned
@@ -37,6 +37,7 @@ class ControlState:
     job_done: bool = False  # the job trained every step (this node's, or a done barrier)
     errors_seen: set[tuple[str, str, str]] = field(default_factory=set)  # logged once each
     exit_code: int | None = None  # drained, or finished with on_job_end "exit"
+    loop_serving: bool = True  # what the watchdog last said of the loop (`check_loop`)
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,9 @@ class ControlPart:
             return False
         stalled_s = self._heartbeat.stuck_s()
         ok = stalled_s < LOOP_STALL_S
-        if ok == self._loop_serving:
+        if ok == self._cs.loop_serving:
             return True
-        self._loop_serving = ok
+        self._cs.loop_serving = ok
         status = health_pb2.HealthCheckResponse
         self._set_health(status.SERVING if ok else status.NOT_SERVING)
         if ok:

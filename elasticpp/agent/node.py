@@ -221,7 +221,6 @@ class Agent(
         )
         self._joined = False
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
-        self._loop_serving = True  # what the watchdog last said of the loop (`check_loop`)
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)

@@ -41,6 +41,7 @@ def _quiet_agent(tmp_path: Path) -> Agent:
     record = GenerationRecord(3, _plan(3).to_dict(), "n1", time.time(), resume_step=0)
     agent._vs.record = record
     agent._vs.etcd_ok = True
+    agent._vs.leader = "n1"
     agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
     agent._joined = True
     return agent
@@ -86,6 +87,7 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
         pytest.param(lambda a: setattr(a._cs, "draining", True), id="draining"),
         pytest.param(lambda a: setattr(a, "_joined", False), id="not joined"),
         pytest.param(lambda a: setattr(a._fs, "gen", None), id="a generation not followed yet"),
+        pytest.param(lambda a: setattr(a._vs, "leader", None), id="no leader: a campaign due"),
     ],
 )
 def test_anything_in_motion_makes_the_ticks_short(
