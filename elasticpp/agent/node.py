@@ -334,13 +334,17 @@ class Agent(
             and (current == 0 or self._fs.reported != current)
             and not self._lvs.suspect_since
             and not self._cs.draining
-            and self._vs.leader is not None  # leaderless: a campaign may be due (leader.py)
         )
         if not settled:
             return BUSY_TICK_S
         if training:
-            return TRAINING_TICK_S
-        return BUSY_TICK_S if self._ls.leadership is not None else QUIET_TICK_S
+            tick_s = TRAINING_TICK_S
+        else:
+            tick_s = BUSY_TICK_S if self._ls.leadership is not None else QUIET_TICK_S
+        campaign_at_s = self._ls.campaign_at_s  # leaderless: this node's campaign is due then
+        if campaign_at_s is not None and self._vs.leader is None:
+            tick_s = min(tick_s, max(0.0, campaign_at_s - self._clock.monotonic()))
+        return tick_s
 
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is

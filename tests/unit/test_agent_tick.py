@@ -87,7 +87,6 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
         pytest.param(lambda a: setattr(a._cs, "draining", True), id="draining"),
         pytest.param(lambda a: setattr(a, "_joined", False), id="not joined"),
         pytest.param(lambda a: setattr(a._fs, "gen", None), id="a generation not followed yet"),
-        pytest.param(lambda a: setattr(a._vs, "leader", None), id="no leader: a campaign due"),
     ],
 )
 def test_anything_in_motion_makes_the_ticks_short(
@@ -128,6 +127,23 @@ def test_a_worker_event_that_is_not_training_wakes_the_loop_once(tmp_path: Path,
     agent._wake.clear()
     agent.pool.deliver(_Proc(), {"event": kind})
     assert agent._wake.is_set()
+    assert agent._tick_s() == QUIET_TICK_S
+    agent._probe_pool.shutdown()
+
+
+def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: Path) -> None:
+    """Every node of a job sees a leader's key go at once; ticking busy while leaderless,
+    512 simulated nodes ticked 20 times a second each until a leader was known, and the load
+    made more leases lapse. A node wakes for its own campaign's turn (`campaign_delay_s`),
+    and the new leader's key (a watch event) wakes it before that."""
+    agent = _quiet_agent(tmp_path)
+    agent._vs.leader = None
+    assert agent._tick_s() == QUIET_TICK_S  # no campaign drawn yet: the tick draws it
+    agent._ls.campaign_at_s = agent._clock.monotonic() + 0.7
+    assert 0.6 < agent._tick_s() <= 0.7
+    agent._ls.campaign_at_s = agent._clock.monotonic() - 1.0  # overdue
+    assert agent._tick_s() == 0.0
+    agent._vs.leader = "n1"  # a leader is known: its draw no longer counts
     assert agent._tick_s() == QUIET_TICK_S
     agent._probe_pool.shutdown()
 
