@@ -343,7 +343,8 @@ class Agent(
             tick_s = BUSY_TICK_S if self._ls.leadership is not None else QUIET_TICK_S
         campaign_at_s = self._ls.campaign_at_s  # leaderless: this node's campaign is due then
         if campaign_at_s is not None and self._vs.leader is None:
-            tick_s = min(tick_s, max(0.0, campaign_at_s - self._clock.monotonic()))
+            due_s = campaign_at_s - self._clock.monotonic()
+            tick_s = min(tick_s, max(BUSY_TICK_S, due_s))  # overdue: polls, never spins
         return tick_s
 
     def _exit_requested(self) -> int | None:

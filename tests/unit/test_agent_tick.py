@@ -141,8 +141,8 @@ def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: P
     assert agent._tick_s() == QUIET_TICK_S  # no campaign drawn yet: the tick draws it
     agent._ls.campaign_at_s = agent._clock.monotonic() + 0.7
     assert 0.6 < agent._tick_s() <= 0.7
-    agent._ls.campaign_at_s = agent._clock.monotonic() - 1.0  # overdue
-    assert agent._tick_s() == 0.0
+    agent._ls.campaign_at_s = agent._clock.monotonic() - 1.0  # overdue (not yet taken)
+    assert agent._tick_s() == BUSY_TICK_S  # polls for it; never a wait of 0 (a spin)
     agent._vs.leader = "n1"  # a leader is known: its draw no longer counts
     assert agent._tick_s() == QUIET_TICK_S
     agent._probe_pool.shutdown()
