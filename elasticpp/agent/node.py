@@ -223,6 +223,7 @@ class Agent(
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
+        self._status_stale = False  # a turn ran since the status was last published
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
         self._server: grpc.Server | None = None
         self.port = 0
@@ -289,6 +290,9 @@ class Agent(
             if now_s - self._status_at_s >= STATUS_EVERY_S:
                 self._status_at_s = now_s
                 self._status = self.status()
+                self._status_stale = False
+            else:
+                self._status_stale = True  # published by a turn when STATUS_EVERY_S is up
         except Exception as exc:  # a daemon survives what comes from outside
             self._survive("internal", exc)
         conflict = self._node_id_conflict()
@@ -301,6 +305,9 @@ class Agent(
         """The loop is about to wait: the longest it may (`_tick_s`); from now on it counts
         as idle, not stalled (`clock.LoopHeartbeat`)."""
         tick_s = self._tick_s()
+        if self._status_stale:  # a turn changed what the RPCs read: publish it soon
+            due_s = self._status_at_s + STATUS_EVERY_S - time.monotonic()
+            tick_s = min(tick_s, max(0.0, due_s))
         self._heartbeat.idle()
         return tick_s
 

@@ -16,7 +16,7 @@ import pytest
 
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
-from elasticpp.agent.limits import BUSY_TICK_S, QUIET_TICK_S, TRAINING_TICK_S
+from elasticpp.agent.limits import BUSY_TICK_S, QUIET_TICK_S, STATUS_EVERY_S, TRAINING_TICK_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
@@ -145,6 +145,25 @@ def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: P
     assert agent._tick_s() == BUSY_TICK_S  # polls for it; never a wait of 0 (a spin)
     agent._vs.leader = "n1"  # a leader is known: its draw no longer counts
     assert agent._tick_s() == QUIET_TICK_S
+    agent._probe_pool.shutdown()
+
+
+def test_a_turn_that_did_not_publish_the_status_brings_the_next_turn_forward(
+    tmp_path: Path,
+) -> None:
+    """The status the RPCs read is published at most every STATUS_EVERY_S: a turn too soon
+    after the last publication leaves it to the next turn, which a quiet follower would
+    take QUIET_TICK_S later (`ctl status` up to 5 s behind after a burst of events)."""
+    agent = _quiet_agent(tmp_path)
+    agent._tick = lambda: None  # type: ignore[method-assign]
+    agent.turn()  # publishes
+    assert agent.idle_for() == QUIET_TICK_S
+    agent.turn()  # too soon: not published
+    assert agent._status_stale
+    assert 0.0 <= agent.idle_for() <= STATUS_EVERY_S
+    time.sleep(STATUS_EVERY_S)
+    agent.turn()  # publishes
+    assert not agent._status_stale and agent.idle_for() == QUIET_TICK_S
     agent._probe_pool.shutdown()
 
 
