@@ -6,7 +6,6 @@ pool, and close() stops every agent."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from bench.scaleloops import LoopPool, PoolWake
@@ -36,7 +35,6 @@ class _FakeAgent:
             action, self.during_turn = self.during_turn, None
             if action is not None:
                 action()
-            time.sleep(0.01)
             self.turns += 1
             return self.exit_code
         finally:
@@ -56,6 +54,13 @@ class _FakeAgent:
     def check_loop(self) -> bool:
         self.loop_checks += 1
         return True
+
+
+def _busy(pool: LoopPool, agent: _FakeAgent) -> bool:
+    """Whether `agent` is in a turn or queued for one (not waiting for a wake or its tick)."""
+    with pool._cond:
+        slot = pool._agents[id(agent)]
+        return slot.running or slot.queued
 
 
 def _agents(pool: LoopPool, n: int, tick_s: float = 60.0) -> list[_FakeAgent]:
@@ -88,7 +93,7 @@ def test_a_wake_during_a_turn_gives_one_more_turn_after_it_never_two_at_once() -
         agent.during_turn = lambda: [agent._wake.set() for _ in range(5)]
         agent._wake.set()
         assert wait_until(lambda: agent.turns == 3, 10)  # the woken turn, then one more
-        time.sleep(0.1)
+        assert wait_until(lambda: not _busy(pool, agent), 10)  # then waits for a wake
         assert agent.turns == 3 and agent.most_inside == 1
     finally:
         pool.close()
