@@ -2,7 +2,8 @@
 in `transformers`, and the agent's tax on one GPU.
 
     python bench/gpu.py [--micro-batches 4,8] [--steps 10] [--sections mfu,tax] [--out DIR]
-                        [--tax-modes time,every-skip] [--tax-steps 150] [--py-spy BIN]
+                        [--tax-modes time,every-skip] [--tax-steps 150] [--tax-rounds 1]
+                        [--py-spy BIN]
 
 - mfu: `elasticpp train --device cuda --precision bf16` at `pp=1,tp=1,dp=1` (the `llama-1b`
   spec below: Llama 3.2 1B's shape with a 32k vocabulary and untied embeddings, 1.1 B
@@ -25,9 +26,11 @@ in `transformers`, and the agent's tax on one GPU.
   agent's own work alone (`snapshot_every` past the end). Each side's throughput is its mean
   interval between consecutive steps' completions after a warm-up (wall clock: the lines
   `elasticpp train` prints, the agents' step records), so a periodic snapshot step counts; the
-  ratio is the agent's tax on one GPU. `--py-spy BIN` also samples the training worker's Python
-  stacks for 5 s of every run (`BIN`: a py-spy executable; not a dependency) and prints each
-  run's busiest threads and frames side by side.
+  ratio is the agent's tax on one GPU. `--tax-rounds N` repeats the baseline and every mode
+  N times, interleaved, each ratio against its own round's baseline. `--py-spy BIN` also
+  samples the training worker's Python stacks for 5 s of every run (`BIN`: a py-spy
+  executable; not a dependency) and prints each run's busiest threads and frames side by
+  side.
 
 Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.md` to
 `--out` (a temp dir by default) and prints the tables.
@@ -358,6 +361,7 @@ def train_step_times(
     steps: int,
     work: Path,
     sampler: StackSampler | None = None,
+    tag: str = "",
 ) -> Timing:
     """`elasticpp train` on CUDA in bf16: when each step's line was printed (wall clock), and
     the engine's own time of each step (the line's last field)."""
@@ -367,7 +371,7 @@ def train_step_times(
         sys.executable, "-m", "elasticpp.cli.main", "train", "--model", str(spec_file),
         "--device", "cuda", "--precision", "bf16", "--layout", "pp=1,tp=1,dp=1",
         "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro_batch),
-        "--steps", str(steps), "--log-dir", str(work / "logs-train"),
+        "--steps", str(steps), "--log-dir", str(work / f"logs-train{tag}"),
     ]  # fmt: skip
     times: list[float] = []
     inside: list[float] = []
@@ -381,7 +385,7 @@ def train_step_times(
                     inside.append(float(line.split()[-2]))
                     if sampler is not None and len(times) == SAMPLE_AFTER:
                         threading.Thread(
-                            target=sampler.sample, args=("train", proc.pid), daemon=True
+                            target=sampler.sample, args=(f"train{tag}", proc.pid), daemon=True
                         ).start()
             code = proc.wait(timeout=RUN_TIMEOUT_S)
         finally:
@@ -394,36 +398,52 @@ def train_step_times(
 
 
 def tax_section(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], str]:
+    """`--tax-rounds` rounds, each `elasticpp train` then every `--tax-modes` run, so a
+    ratio is always against the baseline of its own round and the rounds show how much one
+    run moves on the machine."""
     spec = LLAMA_TAX
     b = 8
     steps = args.tax_steps
     sampler = StackSampler(args.py_spy, work)
-    train = train_step_times(spec, b, steps, work, sampler)
-    agent = {m: agent_step_times(spec, b, steps, work, m, sampler) for m in args.tax_modes}
-    ours = train.interval_s
-    out = {
-        "train_step_s": ours,
-        "train_engine_s": train.engine_s,
-        **{f"agent_{m}_step_s": v.interval_s for m, v in agent.items()},
-        **{f"agent_{m}_engine_s": v.engine_s for m, v in agent.items()},
-    }
+    rounds: list[tuple[Timing, dict[str, Timing]]] = []
+    for r in range(args.tax_rounds):
+        tag = f"-r{r + 1}" if args.tax_rounds > 1 else ""
+        train = train_step_times(spec, b, steps, work, sampler, tag)
+        agent = {m: agent_step_times(spec, b, steps, work, m, sampler, tag) for m in args.tax_modes}
+        rounds.append((train, agent))
+    out: dict[str, Any] = {"rounds": []}
+    for train, agent in rounds:
+        out["rounds"].append(
+            {
+                "train_step_s": train.interval_s,
+                "train_engine_s": train.engine_s,
+                **{f"agent_{m}_step_s": v.interval_s for m, v in agent.items()},
+                **{f"agent_{m}_engine_s": v.engine_s for m, v in agent.items()},
+            }
+        )
     lines = [
         f"llama-tax (8 layers x 1024, seq 1024, B = {GLOBAL_BATCH}, b = {b}, bf16, "
         f"{matmul_params(spec) * 12 / 1e9:.1f} GB of state), one CUDA slot, {steps} steps, "
         f"mean interval after {TAX_WARMUP} (s/step); in the step: the engine's own time of a "
-        "step (`step_seconds`), the rest is between steps. The agent's plan: "
-        f"{agent_plan(spec, b, device_model())} (device model {device_model()}):",
+        "step (`step_seconds`), the rest is between steps; each round against its own "
+        f"`elasticpp train`. The agent's plan: {agent_plan(spec, b, device_model())} "
+        f"(device model {device_model()}):",
         "",
-        "| run | s/step | vs `elasticpp train` | in the step (s) | median (s) | slowest (s) |",
-        "|---|---:|---:|---:|---:|---|",
-        f"| `elasticpp train` | {ours:.3f} | 1.00× | {train.engine_s:.3f} | "
-        f"{train.median_s:.3f} | {train.slowest_text()} |",
-        *(
-            f"| agent, {m} | {v.interval_s:.3f} | {v.interval_s / ours:.2f}× | {v.engine_s:.3f} | "
-            f"{v.median_s:.3f} | {v.slowest_text()} |"
-            for m, v in agent.items()
-        ),
+        "| round | run | s/step | vs `elasticpp train` | in the step (s) | median (s) "
+        "| slowest (s) |",
+        "|---:|---|---:|---:|---:|---:|---|",
     ]
+    for r, (train, agent) in enumerate(rounds, 1):
+        ours = train.interval_s
+        lines.append(
+            f"| {r} | `elasticpp train` | {ours:.3f} | 1.00× | {train.engine_s:.3f} | "
+            f"{train.median_s:.3f} | {train.slowest_text()} |"
+        )
+        lines += [
+            f"| {r} | agent, {m} | {v.interval_s:.3f} | {v.interval_s / ours:.2f}× | "
+            f"{v.engine_s:.3f} | {v.median_s:.3f} | {v.slowest_text()} |"
+            for m, v in agent.items()
+        ]
     if sampler.files:
         lines += ["", "Python stacks of the training worker (py-spy):", sampler.summary()]
     return out, "\n".join(lines)
@@ -436,6 +456,7 @@ def agent_step_times(
     work: Path,
     mode: str,
     sampler: StackSampler | None = None,
+    tag: str = "",
 ) -> Timing:
     """A job under one agent with one CUDA slot: when the agent handled each step's record,
     and the engine's own time of each step (the record's `step_seconds`)."""
@@ -457,12 +478,12 @@ def agent_step_times(
         "device": device_model(),
         **TAX_MODES[mode],
     }
-    lc = LocalCluster(work / f"cluster-{mode}", job, nodes=1, slots=1, device="cuda")
+    lc = LocalCluster(work / f"cluster-{mode}{tag}", job, nodes=1, slots=1, device="cuda")
     try:
         lc.start()
         if sampler is not None and sampler.binary is not None:
             lc.wait_for(lambda: lc.max_step() >= SAMPLE_AFTER, RUN_TIMEOUT_S, "warm-up")
-            sampler.sample(f"agent-{mode}", os.getpid())
+            sampler.sample(f"agent-{mode}{tag}", os.getpid())
         lc.wait_finished(RUN_TIMEOUT_S)
         rows = lc.metrics()
     finally:
@@ -490,6 +511,12 @@ def main() -> int:
     )
     p.add_argument("--tax-steps", type=int, default=150, help="tax: steps of every run")
     p.add_argument(
+        "--tax-rounds",
+        type=int,
+        default=1,
+        help="tax: rounds of `elasticpp train` then every mode, each against its own baseline",
+    )
+    p.add_argument(
         "--py-spy",
         default=None,
         metavar="BIN",
@@ -497,6 +524,8 @@ def main() -> int:
     )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip --compile runs")
     args = p.parse_args()
+    if args.tax_rounds < 1:
+        p.error(f"--tax-rounds: {args.tax_rounds}: at least 1")
     unknown = sorted(set(args.tax_modes) - set(TAX_MODES))
     if unknown:
         p.error(f"--tax-modes: unknown {', '.join(unknown)} (known: {', '.join(TAX_MODES)})")

@@ -82,3 +82,50 @@ def test_an_unknown_tax_mode_is_refused_naming_it() -> None:
     )
     assert done.returncode == 2
     assert "--tax-modes: unknown hourly" in done.stderr
+
+
+def test_rounds_are_each_against_their_own_baseline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    import bench.gpu as gpu
+
+    def timing(step_s: float) -> Timing:
+        times = [step_s * i for i in range(TAX_WARMUP + 4)]
+        return Timing.of(times, [step_s] * len(times))
+
+    baselines = iter([0.1, 0.2])  # round 2's machine is twice as slow
+    runs: list[tuple[str, str]] = []
+
+    def train(spec: object, b: int, steps: int, work: Path, sampler: object, tag: str) -> Timing:
+        runs.append(("train", tag))
+        return timing(next(baselines))
+
+    def agent(
+        spec: object, b: int, steps: int, work: Path, mode: str, sampler: object, tag: str
+    ) -> Timing:
+        runs.append((mode, tag))
+        return timing(0.11 if tag == "-r1" else 0.22)
+
+    monkeypatch.setattr(gpu, "train_step_times", train)
+    monkeypatch.setattr(gpu, "agent_step_times", agent)
+    monkeypatch.setattr(gpu, "agent_plan", lambda *a: "pp=1 tp=1 dp=1")
+    monkeypatch.setattr(gpu, "device_model", lambda: "h200")
+    args = argparse.Namespace(tax_steps=20, py_spy=None, tax_rounds=2, tax_modes=["time"])
+    out, text = gpu.tax_section(args, tmp_path)
+    assert runs == [("train", "-r1"), ("time", "-r1"), ("train", "-r2"), ("time", "-r2")]
+    assert [r["train_step_s"] for r in out["rounds"]] == pytest.approx([0.1, 0.2])
+    assert "| 1 | agent, time | 0.110 | 1.10× |" in text
+    assert "| 2 | agent, time | 0.220 | 1.10× |" in text  # not 2.20× against round 1's
+
+
+def test_zero_rounds_are_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--tax-rounds", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--tax-rounds: 0: at least 1" in done.stderr
