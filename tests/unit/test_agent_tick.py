@@ -118,6 +118,27 @@ def test_a_node_whose_workers_train_ticks_at_the_training_pace(
     agent._probe_pool.shutdown()
 
 
+def test_a_leader_whose_transition_is_over_ticks_at_the_training_pace(tmp_path: Path) -> None:
+    """Its waits come as watch events now; its deadlines need no more than a training
+    leader's pace. While the generation's transition runs (its timeline not yet written),
+    or once a newer generation is in etcd, it polls again."""
+    agent = _quiet_agent(tmp_path)
+    agent._ls.leadership = _Leadership()  # type: ignore[assignment]
+    ls = agent._ls.at(3, 0.0)
+    assert agent._tick_s() == BUSY_TICK_S  # leading generation 3's transition
+    ls.resume_written = ls.timeline_written = True
+    assert agent._tick_s() == TRAINING_TICK_S
+    agent._ls.at(2, 0.0).timeline_written = True  # the transition it knows is an older one
+    assert agent._tick_s() == BUSY_TICK_S
+    agent._ls.at(3, 0.0)
+    assert agent._tick_s() == BUSY_TICK_S  # a new term: generation 3's transition unknown
+    agent._ls.timeline_written = True
+    assert agent._tick_s() == TRAINING_TICK_S
+    _newer_record(agent)
+    assert agent._tick_s() == BUSY_TICK_S
+    agent._probe_pool.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["ready", "started", "stopped", "exited"])
 def test_a_worker_event_that_is_not_training_wakes_the_loop_once(tmp_path: Path, kind: str) -> None:
     """The loop takes it at once; the ticks after it stay quiet. Before, any event kept a
