@@ -72,6 +72,7 @@ JOB = "scale"
 FAULTS = ("loss", "join", "sick")
 POLL_S = 0.01  # how often the harness looks at the agents' generations
 LOOP_THREADS = 8  # per process: the agents' loops take turns on a pool (bench/scaleloops.py)
+AGENTS_PER_CONNECTION = 64  # per shared etcd connection (bench/scalesim.py)
 
 
 class Observer:
@@ -268,6 +269,7 @@ def run_size(
     processes: int = 1,
     lease_ttl_s: int | None = None,
     share_etcd: bool = True,
+    agents_per_connection: int = AGENTS_PER_CONNECTION,
     loop_threads: int = LOOP_THREADS,
 ) -> dict[str, Any]:
     """One cluster of `n` nodes: start, steady state, each fault; the invariants checked."""
@@ -289,6 +291,7 @@ def run_size(
             sim_spec_fields(JOB, n, slots, ttl),
             processes,
             share_etcd=share_etcd,
+            agents_per_connection=agents_per_connection,
             loop_threads=loop_threads,
         )
         observer = Observer(etcd.endpoint)
@@ -302,9 +305,11 @@ def run_size(
             raise ElasticppError(f"{n} simulated nodes not all running within {timeout_s:.0f} s")
         started_s = time.monotonic() - t0
         r0, k0, c0 = cluster.meter()
+        t_0 = cluster.thread_cpu_s()
         w0 = time.monotonic()
         time.sleep(steady_s)  # a measuring window, not a wait for a condition
         r1, k1, c1 = cluster.meter()
+        t_1 = cluster.thread_cpu_s()
         steady = r1.minus(r0)
         window_s = time.monotonic() - w0
         steady_cpu = (c1 - c0) / window_s
@@ -313,6 +318,11 @@ def run_size(
             k: round(v / window_s / n, 2)
             for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
             if v > 0
+        }
+        by_thread = {
+            k: round((v - t_0.get(k, 0.0)) / window_s / n * 1000, 3)
+            for k, v in sorted(t_1.items(), key=lambda kv: kv[1] - t_0.get(kv[0], 0.0))[::-1]
+            if v - t_0.get(k, 0.0) > 0
         }
         transitions = [asdict(transition(cluster, observer, f, timeout_s, poll_s)) for f in faults]
         whole, _, _ = cluster.meter()
@@ -323,6 +333,7 @@ def run_size(
             "processes": processes,
             "lease_ttl_s": ttl,
             "share_etcd": share_etcd,
+            "agents_per_connection": agents_per_connection if share_etcd else 1,
             "loop_threads": loop_threads,
             "start_s": round(started_s, 1),
             "steady": {
@@ -336,6 +347,8 @@ def run_size(
                 "process_cpu_per_s": round(steady_cpu, 3),
                 "cpu_ms_per_node_s": round(steady_cpu / n * 1000, 2),
                 "requests_per_node_s_by_kind": steady_kinds,
+                # where that CPU goes: ms per node per second by kind of thread, busiest first
+                "cpu_ms_per_node_s_by_thread": dict(list(by_thread.items())[:15]),
             },
             "transitions": transitions,
             "largest_value": whole.largest_value,
@@ -394,7 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--connection-per-node",
         action="store_true",
-        help="each agent its own etcd connection (default: one per process, shared)",
+        help="each agent its own etcd connection (default: shared, see below)",
+    )
+    ap.add_argument(
+        "--agents-per-connection",
+        type=int,
+        default=AGENTS_PER_CONNECTION,
+        help="agents of a process on one shared etcd connection (0: all of them)",
     )
     ap.add_argument(
         "--loop-threads",
@@ -425,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                 processes=args.processes,
                 lease_ttl_s=args.lease_ttl_s,
                 share_etcd=not args.connection_per_node,
+                agents_per_connection=args.agents_per_connection,
                 loop_threads=args.loop_threads,
             )
             results.append(r)

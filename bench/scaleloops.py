@@ -24,14 +24,17 @@ import collections
 import heapq
 import itertools
 import logging
+import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from elasticpp.agent.limits import LOOP_WATCH_S
 from elasticpp.agent.node import Agent
 
 log = logging.getLogger("elasticpp.bench.scale")
+SLOW_TURN_S = 3.0  # a turn this long is logged with its stack (once per turn)
 
 
 class PoolWake(threading.Event):
@@ -51,7 +54,8 @@ class PoolWake(threading.Event):
 class LoopPool:
     """Turns of many agents' decision loops on `threads` threads (see the module)."""
 
-    def __init__(self, threads: int, name: str = "loops") -> None:
+    def __init__(self, threads: int, name: str = "loops", slow_turn_s: float = SLOW_TURN_S) -> None:
+        self._slow_turn_s = slow_turn_s
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # pool threads wait on it for ready agents
         self._timer_cond = threading.Condition(lock)  # the timer waits on it for due ticks
@@ -114,6 +118,7 @@ class LoopPool:
             agent = self._ready.popleft()
             slot = self._agents[id(agent)]
             slot.queued, slot.running, slot.again = False, True, False
+            slot.since, slot.ident, slot.told = time.monotonic(), threading.get_ident(), False
             return agent
 
     def _timer(self) -> None:
@@ -149,7 +154,7 @@ class LoopPool:
             tick_s = agent.idle_for()
             with self._cond:
                 slot = self._agents[id(agent)]
-                slot.running = False
+                slot.running, slot.since = False, None
                 if slot.again or agent._wake.is_set():
                     slot.queued = True
                     self._ready.append(agent)
@@ -184,11 +189,33 @@ class LoopPool:
         while not self._closing.wait(LOOP_WATCH_S):
             with self._cond:
                 agents = [s.agent for s in self._agents.values()]
+            self._tell_slow_turns()
             for agent in agents:
                 try:
                     agent.check_loop()
                 except Exception:
                     log.exception("node %s: loop watchdog failed", agent.node_id)
+
+    def _tell_slow_turns(self) -> None:
+        """Log, once per turn, where a turn longer than `slow_turn_s` is (its thread's stack):
+        a turn that blocks holds one of the pool's threads and its node's lease gate."""
+        now = time.monotonic()
+        with self._cond:
+            slow = [
+                s
+                for s in self._agents.values()
+                if s.since is not None and not s.told and now - s.since > self._slow_turn_s
+            ]
+            for s in slow:
+                s.told = True
+            found = [(s.agent.node_id, now - s.since, s.ident) for s in slow if s.since]
+        if not found:
+            return
+        frames = sys._current_frames()
+        for node_id, took, ident in found:
+            frame = frames.get(ident) if ident is not None else None
+            where = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "?"
+            log.warning("node %s: turn running for %.1f s, at:\n%s", node_id, took, where)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop every agent still here, wait until each is shut down, end the threads."""
@@ -209,7 +236,7 @@ class LoopPool:
 
 
 class _Slot:
-    __slots__ = ("again", "agent", "queued", "running", "token")
+    __slots__ = ("again", "agent", "ident", "queued", "running", "since", "token", "told")
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
@@ -217,3 +244,6 @@ class _Slot:
         self.running = False  # a pool thread is in its turn
         self.again = False  # woken during its turn: queued again after it
         self.token = 0  # the due entry that is current (older ones are skipped)
+        self.since: float | None = None  # monotonic start of the turn in progress
+        self.ident: int | None = None  # the pool thread running it
+        self.told = False  # the turn in progress was logged as slow

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import resource
 import select
 import signal
@@ -112,6 +113,34 @@ def _healthy(cluster: Any) -> list[str]:
     return [n for n in cluster.nodes if n not in cluster.crashed and n not in cluster.sick]
 
 
+_IDS = re.compile(r"node-\d+|[0-9a-f]{12,}|\d+")
+
+
+def thread_class(name: str) -> str:
+    """A thread's name with node ids, lease ids and numbers left out: the threads of one
+    kind, whichever node or pool slot they serve."""
+    return _IDS.sub("#", name)
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's live threads, summed by `thread_class` (Python threads
+    by name, the others, gRPC's own, by their kernel name). From each thread's schedstat
+    (nanoseconds): the clock-tick counts of /proc/.../stat round a thread that runs a few
+    milliseconds now and then to nothing, and thousands of them add up."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        task = Path("/proc/self/task") / tid
+        try:
+            comm = (task / "comm").read_text().strip()
+            on_cpu_ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        kind = thread_class(names.get(int(tid)) or comm)
+        out[kind] = out.get(kind, 0.0) + on_cpu_ns / 1e9
+    return out
+
+
 def _serve(
     endpoint: str,
     slots: int,
@@ -119,6 +148,7 @@ def _serve(
     spec: dict[str, Any],
     share: bool,
     loop_threads: int,
+    agents_per_connection: int = 0,
 ) -> None:
     """A child process: a SimCluster of the agents it is asked to add, until told to close."""
     threading.stack_size(STACK_BYTES)
@@ -140,6 +170,7 @@ def _serve(
         parse_job_spec(spec),
         meter,
         share_etcd=share,
+        agents_per_connection=agents_per_connection,
         loop_threads=loop_threads,
     )
     try:
@@ -169,6 +200,8 @@ def _serve(
                     r = resource.getrusage(resource.RUSAGE_SELF)
                     cpu_s = r.ru_utime + r.ru_stime
                     reply = {"ok": [asdict(meter.reading()), meter.by_kind(), cpu_s]}
+                elif op == "threads":
+                    reply = {"ok": thread_cpu_s()}
                 elif op == "loop_cpu":
                     reply = {"ok": cluster.loop_cpu_s(arg)}
                 elif op == "close":
@@ -196,6 +229,7 @@ class ProcCluster:
         processes: int,
         *,
         share_etcd: bool = True,
+        agents_per_connection: int = 0,
         loop_threads: int = 0,
     ) -> None:
         if processes < 1:
@@ -212,6 +246,7 @@ class ProcCluster:
                     "state_root": str(state_root / f"proc-{i}"),
                     "spec": spec,
                     "share": share_etcd,
+                    "agents_per_connection": agents_per_connection,
                     "loop_threads": loop_threads,
                 }
                 self._children.append(
@@ -311,6 +346,14 @@ class ProcCluster:
             cpu += cpu_s
         return total, kinds, cpu
 
+    def thread_cpu_s(self) -> dict[str, float]:
+        """Every child's CPU seconds by kind of thread (`thread_class`), added up."""
+        out: dict[str, float] = {}
+        for by_kind in self._ask_all("threads"):
+            for k, v in by_kind.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
     def close(self) -> None:
         for child, proc in enumerate(self._children):
             with contextlib.suppress(OSError, ValueError):
@@ -337,4 +380,5 @@ if __name__ == "__main__":
         _config["spec"],
         bool(_config["share"]),
         int(_config.get("loop_threads", 0)),
+        int(_config.get("agents_per_connection", 0)),
     )

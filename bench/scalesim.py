@@ -189,6 +189,7 @@ class SimCluster:
         meter: EtcdMeter | None = None,
         *,
         share_etcd: bool = False,
+        agents_per_connection: int = 0,
         loop_threads: int = 0,
     ) -> None:
         self.endpoint = endpoint
@@ -199,11 +200,17 @@ class SimCluster:
         self.nodes: dict[str, SimNode] = {}
         self.crashed: set[str] = set()
         self.sick: set[str] = set()  # nodes whose workers fail as they start
-        # One etcd connection for every agent of this process (with `share_etcd`): one watch
-        # stream and one keep-alive stream carry every agent's watches and leases, as
-        # thousands of connections' idle polling would fill the process's core. etcd serves
-        # the same watchers, leases and requests as for a connection per node.
-        self.kv = EtcdKV([endpoint], meter=meter) if share_etcd else None
+        # Shared etcd connections (with `share_etcd`): one for every `agents_per_connection`
+        # agents of this process (0: one for all). One watch stream and one keep-alive stream
+        # carry the watches and leases of the agents on it, as thousands of connections' idle
+        # polling would fill the process's core; etcd serves the same watchers, leases and
+        # requests as for a connection per node. Not one for 512 agents: every request takes
+        # the channel's and the client's locks, and a holder that waits for the GIL makes
+        # hundreds of turns wait behind it (turns of 4-16 s at 1,024 nodes).
+        self.share_etcd = share_etcd
+        self.agents_per_connection = agents_per_connection
+        self.kvs: list[EtcdKV] = []
+        self._on_last_kv = 0  # agents on the newest shared connection
         self.loops = LoopPool(loop_threads) if loop_threads > 0 else None
         for node_id in node_ids:
             self.add(node_id)
@@ -223,7 +230,7 @@ class SimCluster:
             self.spec,
             worker_factory=worker,
             meter=self.meter,
-            etcd_kv=self.kv,
+            etcd_kv=self._kv(),
             wake=wake,
             watchdog=self.loops is None,
         )
@@ -240,6 +247,16 @@ class SimCluster:
             thread.start()
         self.nodes[node_id] = SimNode(agent, thread)
         return agent
+
+    def _kv(self) -> EtcdKV | None:
+        """The shared connection the next agent uses (None: it opens its own)."""
+        if not self.share_etcd:
+            return None
+        if not self.kvs or 0 < self.agents_per_connection <= self._on_last_kv:
+            self.kvs.append(EtcdKV([self.endpoint], meter=self.meter))
+            self._on_last_kv = 0
+        self._on_last_kv += 1
+        return self.kvs[-1]
 
     def loop_cpu_s(self, node_id: str) -> float:
         """CPU seconds `node_id`'s decision loop has used."""
@@ -279,8 +296,8 @@ class SimCluster:
                 n.thread.join(timeout=10.0)
             with contextlib.suppress(Exception):
                 n.agent.shutdown()
-        if self.kv is not None:
-            self.kv.close()
+        for kv in self.kvs:
+            kv.close()
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:

@@ -5,8 +5,11 @@ pool, and close() stops every agent."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
+
+import pytest
 
 from bench.scaleloops import LoopPool, PoolWake
 from elasticpp.waiting import wait_until
@@ -136,3 +139,31 @@ def test_one_watchdog_looks_at_every_agents_loop() -> None:
         assert wait_until(lambda: all(a.loop_checks >= 1 for a in agents), 10)
     finally:
         pool.close()
+
+
+def test_a_long_turn_is_logged_once_with_where_it_is(caplog: pytest.LogCaptureFixture) -> None:
+    """A turn that blocks holds a pool thread and its node's lease gate: the watchdog names
+    the node and the frame it is in, once per turn."""
+    caplog.set_level(logging.WARNING, logger="elasticpp.bench.scale")
+    pool = LoopPool(2, slow_turn_s=0.1)
+    release = threading.Event()
+
+    def blocked_in_etcd_call() -> None:
+        release.wait(30)
+
+    try:
+        (agent, quick) = _agents(pool, 2)
+        assert wait_until(lambda: agent.turns == 1 and quick.turns == 1, 10)
+        agent.during_turn = blocked_in_etcd_call
+        agent._wake.set()
+        assert wait_until(lambda: "node n0: turn running for" in caplog.text, 10)
+        release.set()
+        assert wait_until(lambda: agent.turns == 2, 10)
+        quick._wake.set()
+        assert wait_until(lambda: quick.turns == 2, 10)
+    finally:
+        release.set()
+        pool.close()
+    slow = [r.getMessage() for r in caplog.records if "turn running for" in r.getMessage()]
+    assert len(slow) == 1, slow
+    assert "blocked_in_etcd_call" in slow[0]
