@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,8 @@ class Transition:
     leader_cpu_s: float
     process_cpu_s: float
     requests_by_kind: dict[str, int]  # etcd requests by method and key class
+    # the processes' CPU seconds by kind of thread (scaleproc.thread_class), busiest first
+    cpu_s_by_thread: dict[str, float] = field(default_factory=dict)
 
 
 def _generation_of(value: str | None) -> int:
@@ -193,6 +195,7 @@ def transition(
     keys = JobKeys(JOB)
     others = [node for node in healthy if node != leader]
     (before, kinds0, cpu0), lcpu0 = cluster.meter(), cluster.loop_cpu_s(leader)
+    threads0 = cluster.thread_cpu_s()
     t0 = time.monotonic()
     if fault == "loss":
         victim = others[-1]
@@ -225,6 +228,7 @@ def transition(
         error = f"{fault} of {victim}: not settled in {timeout_s:.0f} s"
     t_started = time.monotonic()
     after, kinds1, cpu1 = cluster.meter()
+    by_thread = cpu_by_thread(threads0, cluster.thread_cpu_s())
     delta = after.minus(before)
     kinds = {k: v - kinds0.get(k, 0) for k, v in kinds1.items() if v > kinds0.get(k, 0)}
     decided = observer.first_after(t0, keys.generation, lambda v: _generation_of(v) > g0)
@@ -248,7 +252,15 @@ def transition(
         leader_cpu_s=round(cluster.loop_cpu_s(leader) - lcpu0, 3),
         process_cpu_s=round(cpu1 - cpu0, 3),
         requests_by_kind=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        cpu_s_by_thread={k: round(v, 3) for k, v in by_thread[:12]},
     )
+
+
+def cpu_by_thread(before: dict[str, float], after: dict[str, float]) -> list[tuple[str, float]]:
+    """CPU seconds each kind of thread used between two `thread_cpu_s` readings, busiest
+    first (threads that ended between them are left out)."""
+    used = ((k, v - before.get(k, 0.0)) for k, v in after.items())
+    return sorted(((k, v) for k, v in used if v > 0), key=lambda kv: -kv[1])
 
 
 def lease_ttl_for(n: int) -> int:
@@ -319,11 +331,7 @@ def run_size(
             for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
             if v > 0
         }
-        by_thread = {
-            k: round((v - t_0.get(k, 0.0)) / window_s / n * 1000, 3)
-            for k, v in sorted(t_1.items(), key=lambda kv: kv[1] - t_0.get(kv[0], 0.0))[::-1]
-            if v - t_0.get(k, 0.0) > 0
-        }
+        by_thread = {k: round(v / window_s / n * 1000, 3) for k, v in cpu_by_thread(t_0, t_1)[:15]}
         transitions = [asdict(transition(cluster, observer, f, timeout_s, poll_s)) for f in faults]
         whole, _, _ = cluster.meter()
         violations = check_history(JOB, observer.history())
@@ -348,7 +356,7 @@ def run_size(
                 "cpu_ms_per_node_s": round(steady_cpu / n * 1000, 2),
                 "requests_per_node_s_by_kind": steady_kinds,
                 # where that CPU goes: ms per node per second by kind of thread, busiest first
-                "cpu_ms_per_node_s_by_thread": dict(list(by_thread.items())[:15]),
+                "cpu_ms_per_node_s_by_thread": by_thread,
             },
             "transitions": transitions,
             "largest_value": whole.largest_value,

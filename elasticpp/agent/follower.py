@@ -134,7 +134,7 @@ class FollowerPart:
         plan, plan_error = None, None
         if record is not None:
             try:
-                plan = Plan.from_dict(record.plan)
+                plan = Plan.shared(record.plan)
             except (ElasticppError, KeyError, TypeError, ValueError) as exc:
                 plan_error = str(exc)
         gs = self._fs.gen

@@ -124,7 +124,7 @@ class _GenState:
 
     @functools.cached_property
     def plan(self) -> Plan:
-        return Plan.from_dict(self.record.plan)
+        return Plan.shared(self.record.plan)
 
     @property
     def graceful(self) -> bool:

@@ -22,7 +22,10 @@ rank) is still read.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -33,6 +36,7 @@ from elasticpp.plan.specs import ClusterSpec, ModelSpec
 PLAN_FORMAT_VERSION = 2
 # Version 1 spelled out every rank's slot; plans of that form may still be in etcd or files.
 PLAN_FORMAT_VERSIONS_READ = (1, 2)
+SHARED_PLANS = 8  # plans `Plan.shared` keeps
 
 
 @dataclass(frozen=True, order=True)
@@ -210,7 +214,8 @@ class Plan:
         return first, first + self.microbatches[dp_index] * self.micro_batch
 
     def with_generation(self, generation: int) -> Plan:
-        return Plan(**{**self.__dict__, "generation": generation})
+        # The fields alone: __dict__ also holds what cached properties computed.
+        return dataclasses.replace(self, generation=generation)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -234,6 +239,26 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def shared(cls, data: dict[str, Any]) -> Plan:
+        """`from_dict(data)`, one object for equal data in this process (a plan is
+        immutable): the agents of one process (the simulation's hundreds) parse a
+        generation's plan and index its placement by node once, not once each, which was
+        O(N) per agent and O(N^2) per process. The last SHARED_PLANS are kept."""
+        key = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        with _SHARED_LOCK:
+            plan = _SHARED.get(key)
+            if plan is not None:
+                _SHARED.move_to_end(key)
+                return plan
+        plan = cls.from_dict(data)  # raises on bad data: nothing is kept
+        with _SHARED_LOCK:
+            plan = _SHARED.setdefault(key, plan)  # a parse beside this one may have won
+            _SHARED.move_to_end(key)
+            while len(_SHARED) > SHARED_PLANS:
+                _SHARED.popitem(last=False)
+        return plan
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -350,6 +375,10 @@ def build_plan(
     )
     plan.validate()
     return plan
+
+
+_SHARED: collections.OrderedDict[str, Plan] = collections.OrderedDict()
+_SHARED_LOCK = threading.Lock()
 
 
 def _placement_to_dict(placement: tuple[WorkerSlot, ...]) -> dict[str, Any]:
