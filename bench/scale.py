@@ -32,10 +32,11 @@ leader's TCPStore. Simulated: the workers (they answer at once and train
 no steps), hence no snapshots, commits, replication or transfers: every generation resumes at
 step 0, the leader's holdings pull has nothing to ask for, and the safe-step invariant is not
 exercised here (tests/unit/test_scale_invariants.py
-checks it on constructed histories). The agents of one process share one etcd connection
-(one watch stream and one keep-alive stream carry all their watches and leases; etcd serves
-the same watchers, leases and requests; `--connection-per-node` gives each its own): idle
-gRPC streams poll, and thousands of them fill a core. The agents' decision loops of one
+checks it on constructed histories). The agents of one process share etcd connections, one
+for every `--agents-per-connection` (one watch stream and one keep-alive stream carry their
+watches and leases; etcd serves the same watchers, leases and requests;
+`--connection-per-node` gives each its own): idle gRPC streams poll, and thousands of them
+fill a core. The agents' decision loops of one
 process take turns on a pool of `--loop-threads` threads (bench/scaleloops.py; 0: a thread
 each, as on a node), and the harness polls a summary of each process's nodes, a few numbers,
 not their rows. The GIL and the cores of a small
