@@ -491,17 +491,19 @@ class EtcdKV:
             raise ClusterUnavailableError(f"etcd lease grant: {reply.error}")
         return int(reply.ID)
 
-    def refresh(self, lease_id: int) -> int:
+    def refresh(self, lease_id: int, on_late: Callable[[], None] | None = None) -> int:
         """Keep a lease alive once; returns its new TTL, raises LeaseNotFoundError if gone.
 
         Sent on the endpoint's LeaseKeepAlive stream, shared by every lease of this client
         (threads may refresh at once); no answer within `request_timeout_s` raises
-        ClusterUnavailableError and the next call opens a new stream."""
+        ClusterUnavailableError (a stream that answered nothing meanwhile is replaced at the
+        next call), and an answer renewing the lease after that calls `on_late()` (see
+        `etcd_keepalive`)."""
 
         def once(ep: _Endpoint, metadata: Any) -> Any:
             self._count("LeaseKeepAlive")
             stream = self._keepalive_stream(ep, metadata)
-            return stream.refresh(lease_id, self.request_timeout_s)
+            return stream.refresh(lease_id, self.request_timeout_s, on_late)
 
         reply = self._attempts("lease keep-alive", once)
         if self._meter is not None:

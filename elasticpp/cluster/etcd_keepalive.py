@@ -7,14 +7,17 @@ and waits for etcd's answer with that lease's ID. Invariants:
   request once, in the order of the requests, so each lease has a FIFO of waiters and an
   answer goes to the oldest waiter of its ID;
 - a request that times out stays in its lease's FIFO, abandoned: its late answer is taken by
-  it and dropped, so a late answer is never taken for the answer to a later request (etcd
-  would have renewed the lease at the earlier one, while the lease keeper's fencing counts
-  from the later send instant). One slow answer on a stream that many leases share (the
-  simulated nodes of one process) fails only its own caller; a stream that answered nothing
-  at all within the timeout is taken as stuck and ended;
+  it, so a late answer is never taken for the answer to a later request (etcd would have
+  renewed the lease at the earlier one, while the lease keeper's fencing counts from the
+  later send instant). A late answer that renewed the lease (TTL > 0) is told to its
+  caller's `on_late`, which may credit the renewal to that request's own send instant: on
+  an overloaded etcd or process, answers that come after the timeout still keep the lease.
+  One slow answer on a stream that many leases share (the simulated nodes of one process)
+  fails only its own caller; a stream that answered nothing at all within the timeout is
+  taken as stuck and ended;
 - a stream error or the end of the stream ends the stream (`usable` False): every waiter on
   it fails, and the client opens a new stream for the next refresh;
-- the reader thread only matches answers to waiters.
+- the reader thread only matches answers to waiters (and calls a late answer's `on_late`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]
@@ -39,7 +43,8 @@ class _Waiter:
         self.done = threading.Event()
         self.reply: Any = None
         self.error: grpc.RpcError | ClusterUnavailableError | None = None
-        self.abandoned = False  # its caller timed out; its answer is dropped
+        self.abandoned = False  # its caller timed out; its answer goes to `on_late`
+        self.on_late: Callable[[], None] | None = None
 
 
 class KeepAliveStream:
@@ -65,12 +70,17 @@ class KeepAliveStream:
         with self._lock:
             return not self._ended
 
-    def refresh(self, lease_id: int, timeout_s: float) -> Any:
-        """etcd's answer to one keep-alive of `lease_id` (TTL 0: no such lease).
+    def refresh(
+        self, lease_id: int, timeout_s: float, on_late: Callable[[], None] | None = None
+    ) -> Any:
+        """etcd's answer to one keep-alive of `lease_id` (TTL 0: no such lease). If it
+        times out and an answer renewing the lease comes later, `on_late()` is called (on
+        the reader thread: it must not block).
 
         Raises the stream's gRPC error if it failed, ClusterUnavailableError (fast) if it had
         ended, or ClusterUnavailableError when no answer came within `timeout_s`."""
         waiter = _Waiter()
+        waiter.on_late = on_late
         with self._lock:
             if self._ended:
                 raise ClusterUnavailableError("etcd lease keep-alive: the stream ended", fast=True)
@@ -106,9 +116,12 @@ class KeepAliveStream:
                     waiter = fifo.popleft() if fifo else None
                     if fifo is not None and not fifo:
                         del self._waiters[int(reply.ID)]
+                    late = waiter is not None and waiter.abandoned
                 if waiter is not None:
                     waiter.reply = reply
                     waiter.done.set()
+                    if late and waiter.on_late is not None and int(reply.TTL) > 0:
+                        waiter.on_late()
         except grpc.RpcError as exc:
             error = exc
         finally:

@@ -6,7 +6,8 @@ Invariants:
   stalled past its bound stops renewing, says so once, and the lease lapses, so the cluster
   goes on without the wedged node (or leader). Renewal resumes when the loop runs again.
 - Self-fencing has a margin. A keep-alive is credited from the instant it was SENT (etcd
-  restarts the TTL when it serves the request, which may be just after the send), and
+  restarts the TTL when it serves the request, which may be just after the send), also
+  when its answer came after the request's timeout (an overloaded etcd or process), and
   `may_have_lapsed()` / `is_held()` turn true `fence_after_s(ttl, request timeout)` =
   `ttl - max(request timeout, ttl/3)` after the last successful send. A lease known lost
   (LeaseNotFound) fences at once.
@@ -167,6 +168,13 @@ class _LeaseKeeper:
                 return True
             return self._clock() - self._sent_ok >= self.fence_s
 
+    def _credit(self, lease_id: int, sent_s: float) -> None:
+        """etcd renewed `lease_id` at a keep-alive sent at `sent_s`: answered in time, or
+        late (after its timeout, from the stream's reader); never a lease replaced since."""
+        with self._lock:
+            if lease_id == self._lease_id and not self._lost:
+                self._sent_ok = max(self._sent_ok, sent_s)
+
     def _run(self) -> None:
         delay_s = self.interval_s
         while not self._stop.wait(delay_s):
@@ -192,10 +200,9 @@ class _LeaseKeeper:
             if self._need_put:
                 self._reput()
             else:
-                sent_s = self._clock()
-                self._kv.refresh(self.lease_id)
-                with self._lock:
-                    self._sent_ok = sent_s
+                sent_s, lease_id = self._clock(), self.lease_id
+                self._kv.refresh(lease_id, on_late=lambda: self._credit(lease_id, sent_s))
+                self._credit(lease_id, sent_s)
             if self._failing:
                 log.info("%s: etcd reachable again, lease %x kept", self._what, self.lease_id)
             self._failing = False

@@ -42,6 +42,8 @@ class FakeKV:
         self.refresh_takes_s = 0.0
         self.grant_fails = 0
         self.refreshes = 0
+        self.refresh_times_out = False
+        self.late: list[Any] = []  # each timed-out keep-alive's `on_late`
         self.leases: set[int] = set()
         self.keys: dict[str, KeyValue] = {}
         self._next = 0x100
@@ -55,9 +57,12 @@ class FakeKV:
         self.leases.add(self._next)
         return self._next
 
-    def refresh(self, lease_id: int) -> int:
+    def refresh(self, lease_id: int, on_late: Any = None) -> int:
         self.refreshes += 1
         self.clock.advance(self.refresh_takes_s)
+        if self.refresh_times_out:  # answered after the timeout, when the test calls `late`
+            self.late.append(on_late)
+            raise ClusterUnavailableError("etcd lease keep-alive: no answer within 1 s")
         if lease_id not in self.leases:
             raise LeaseNotFoundError(f"lease {lease_id:x} not found")
         return 2
@@ -139,6 +144,25 @@ def test_a_slow_keep_alive_reply_fences_before_etcd_could_expire_the_lease() -> 
     # etcd may have renewed the lease the instant it was sent: it may expire at sent + 2 s.
     assert clock() < sent_s + 2
     assert reg.may_have_lapsed()
+
+
+def test_a_keep_alive_answered_after_its_timeout_counts_from_its_own_send() -> None:
+    """An overloaded etcd or process answers late: the lease was renewed at that request,
+    so the holder's fence counts from its send, not from the last answer in time."""
+    clock = FakeClock()
+    kv = FakeKV(clock)  # ttl 2, request timeout 1: fenced 1 s after a send
+    reg = _registration(kv, clock)
+    reg._keeper.step()  # answered in time at 1000.0
+    clock.advance(0.5)
+    kv.refresh_times_out = True
+    reg._keeper.step()  # sent at 1000.5, no answer within the timeout
+    clock.advance(0.6)
+    assert reg.may_have_lapsed()  # 1.1 s after the last answered send
+    (late,) = kv.late
+    late()  # its answer comes now: etcd renewed the lease at (or after) 1000.5
+    assert not reg.may_have_lapsed()
+    clock.advance(0.4)
+    assert reg.may_have_lapsed()  # 1 s after that send, as for an answer in time
 
 
 def test_a_leadership_is_not_held_past_the_fence_point_of_its_last_answered_send() -> None:

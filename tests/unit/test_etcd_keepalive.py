@@ -149,3 +149,32 @@ def test_a_caller_that_wakes_late_does_not_end_a_stream_that_answered(
     assert results[2] == 10
     assert isinstance(results[1], ClusterUnavailableError)
     assert stream.usable and not call.cancelled
+
+
+@pytest.mark.parametrize(("late_ttl", "told"), [(3, True), (0, False)], ids=["renewed", "gone"])
+def test_a_late_answer_that_renewed_the_lease_is_told_to_its_caller(
+    late_ttl: int, told: bool
+) -> None:
+    """On an overloaded etcd or process an answer may come after its request's timeout:
+    the lease was renewed all the same (at that request), and the caller may credit it. A
+    late TTL 0 (the lease is gone) is not a renewal; an answer in time is not late."""
+    channel = _Channel()
+    stream = KeepAliveStream(channel, None)
+    call = channel.call
+    assert call is not None
+    late: list[str] = []
+    other = threading.Thread(target=lambda: stream.refresh(2, 5.0, lambda: late.append("2")))
+    other.start()
+    with pytest.raises(ClusterUnavailableError, match="no answer"):
+        threading.Timer(0.1, _answer, args=(call, 2, 10)).start()  # the stream is alive
+        stream.refresh(1, timeout_s=0.5, on_late=lambda: late.append("1"))
+    other.join()
+    assert stream.usable and late == []
+    _answer(call, 1, late_ttl)
+    _answer(call, 2, 10)  # an answer to no one: lease 2's caller was answered in time
+    nxt = threading.Thread(target=lambda: stream.refresh(1, 5.0, lambda: late.append("1b")))
+    nxt.start()
+    assert wait_until(lambda: call.sent.count(1) == 2, 5.0, interval_s=0.01)
+    _answer(call, 1, 9)  # the next request's own answer, in time
+    nxt.join()
+    assert late == (["1"] if told else [])
