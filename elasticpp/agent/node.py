@@ -317,21 +317,17 @@ class Agent(
         its workers' events, the fetch's future) and deadlines of seconds, so it ticks
         quietly in every phase while its workers are silent (a spare, a node waiting for a
         plan, the simulated workers of bench/scale.py). What polls at BUSY_TICK_S: leading
-        a transition (its waits read its cache), a failure of
-        this node's until a new plan answers it (the leader is suspected after
-        LEADER_SUSPECT_S), a drain, an unreachable etcd and joining. Training (workers that
+        a transition (its waits read its cache), a failure of this node's until a new plan
+        answers it (the leader is suspected after LEADER_SUSPECT_S), a drain, an unreachable
+        etcd and joining. Training (workers that
         reported a step within a quiet tick), the steady state of a job, ticks at
         TRAINING_TICK_S, leader or not, and so does a leader whose transition is over."""
         gs, rec = self._fs.gen, self._vs.record
         followed = gs.generation if gs is not None else 0
         current = rec.generation if rec is not None else 0
-        # Workers that train report every step: a node whose workers reported a step within a
-        # quiet tick keeps the short one. Its durability work (commits, replication rounds,
-        # the safe step) follows the steps, and that every part of it wakes the loop is not
-        # established; what a quiet tick would cost a training job was not measured. Other
-        # worker events (ready, started, an exit) wake the loop themselves and are not
-        # training: after a transition 2,048 nodes whose workers had just started ticked 20
-        # times a second each.
+        # A step reported within a quiet tick keeps the training tick: that every part of its
+        # durability work (commits, replication, the safe step) wakes the loop is not
+        # established. Other worker events (ready, started, an exit) wake it once.
         training = time.monotonic() - self.pool.trained_at_s < QUIET_TICK_S
         settled = (
             self._joined
@@ -350,11 +346,8 @@ class Agent(
         elif ls.leadership is None:
             tick_s = QUIET_TICK_S
         elif current and ls.generation == current and ls.timeline_written:
-            # Its transition is over: what it waits for now comes as watch events (a member
-            # key put or gone, a failure, a drain), and its deadlines (a join's settling, a
-            # quarantine's end, the safe step) are checked at the pace of a training leader.
-            # Polled at BUSY_TICK_S, its O(N) look cost 20 of them a second: half of every
-            # simulated agent's loop CPU at 512 nodes.
+            # Its transition is over: it waits for watch events now, and its deadlines (a
+            # join's settling, a quarantine's end) need no more than a training leader's pace.
             tick_s = TRAINING_TICK_S
         else:
             tick_s = BUSY_TICK_S
