@@ -27,8 +27,9 @@ control plane, gave out). The observer's watch of the job's keys from revision 1
 invariant checker (bench/scaleinvariants.py) at the end of each size.
 
 What is real: every agent's decision loop and parts, the executor, the etcd client and records,
-the agents' gRPC servers (liveness probes run over loopback), the node's LocalStore, the
-leader's TCPStore. Simulated: the workers (they answer at once and train
+the health service (liveness probes run over loopback gRPC; the agents of one process answer
+on one shared server, each under its own name, `--server-per-node` gives each its own), the
+node's LocalStore, the leader's TCPStore. Simulated: the workers (they answer at once and train
 no steps), hence no snapshots, commits, replication or transfers: every generation resumes at
 step 0, the leader's holdings pull has nothing to ask for, and the safe-step invariant is not
 exercised here (tests/unit/test_scale_invariants.py
@@ -284,6 +285,7 @@ def run_size(
     share_etcd: bool = True,
     agents_per_connection: int = AGENTS_PER_CONNECTION,
     loop_threads: int = LOOP_THREADS,
+    shared_server: bool = True,
 ) -> dict[str, Any]:
     """One cluster of `n` nodes: start, steady state, each fault; the invariants checked."""
     ttl = lease_ttl_s or lease_ttl_for(n)
@@ -309,6 +311,7 @@ def run_size(
             share_etcd=share_etcd,
             agents_per_connection=agents_per_connection,
             loop_threads=loop_threads,
+            shared_server=shared_server,
         )
         observer = Observer(etcd.endpoint)
         cluster.add(ids)
@@ -347,6 +350,7 @@ def run_size(
             "share_etcd": share_etcd,
             "agents_per_connection": agents_per_connection if share_etcd else 1,
             "loop_threads": loop_threads,
+            "shared_server": shared_server,
             "start_s": round(started_s, 1),
             "steady": {
                 "seconds": round(window_s, 1),
@@ -428,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
         help="agents of a process on one shared etcd connection (0: all of them)",
     )
     ap.add_argument(
+        "--server-per-node",
+        action="store_true",
+        help="each agent its own gRPC server (default: one per process, each agent's health "
+        "under its own name)",
+    )
+    ap.add_argument(
         "--loop-threads",
         type=int,
         default=LOOP_THREADS,
@@ -458,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 share_etcd=not args.connection_per_node,
                 agents_per_connection=args.agents_per_connection,
                 loop_threads=args.loop_threads,
+                shared_server=not args.server_per_node,
             )
             results.append(r)
             print(table([r]), flush=True)

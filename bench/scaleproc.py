@@ -149,6 +149,7 @@ def _serve(
     share: bool,
     loop_threads: int,
     agents_per_connection: int = 0,
+    shared_server: bool = True,
 ) -> None:
     """A child process: a SimCluster of the agents it is asked to add, until told to close."""
     threading.stack_size(STACK_BYTES)
@@ -172,6 +173,7 @@ def _serve(
         share_etcd=share,
         agents_per_connection=agents_per_connection,
         loop_threads=loop_threads,
+        shared_server=shared_server,
     )
     try:
         for line in sys.stdin:
@@ -231,6 +233,7 @@ class ProcCluster:
         share_etcd: bool = True,
         agents_per_connection: int = 0,
         loop_threads: int = 0,
+        shared_server: bool = True,
     ) -> None:
         if processes < 1:
             raise ElasticppError(f"processes must be >= 1, got {processes}")
@@ -248,6 +251,7 @@ class ProcCluster:
                     "share": share_etcd,
                     "agents_per_connection": agents_per_connection,
                     "loop_threads": loop_threads,
+                    "shared_server": shared_server,
                 }
                 self._children.append(
                     subprocess.Popen(
@@ -381,4 +385,5 @@ if __name__ == "__main__":
         bool(_config["share"]),
         int(_config.get("loop_threads", 0)),
         int(_config.get("agents_per_connection", 0)),
+        bool(_config.get("shared_server", True)),
     )

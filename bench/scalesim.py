@@ -11,6 +11,13 @@ A lost node is `SimAgent.crash()`: its loop stops without leaving etcd (no resig
 revoked lease), its gRPC server stops answering and its etcd client closes, so its lease lapses
 after the job's `lease_ttl_s`, as a node that lost power.
 
+By default the agents of one process share one gRPC server (`SharedServer`): each answers the
+health checks of its own name there (`probe.node_service`, what peers' probes ask for), and a
+crashed agent's name is forgotten, so a probe of it is answered NOT_FOUND and finds it dead at
+once, as a refused connection does. A real node runs one server; hundreds in one process would
+each wake five times a second to poll (the largest idle cost of a simulated node). No
+simulated node serves state transfers or control RPCs: none holds a step to pull or move.
+
 Invariants: a `SimCluster` owns every agent and thread it starts and `close()` ends them all;
 it never writes to etcd itself (the observer only reads); times are on the monotonic clock.
 """
@@ -23,11 +30,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from bench.scaleloops import LoopPool
+from elasticpp.agent import probe
 from elasticpp.agent.jobspec import JobSpec, parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.etcd_client import EtcdKV
@@ -120,10 +132,78 @@ class SimWorker:
         self._exit(None, -15)
 
 
+class SharedHealth(health_pb2_grpc.HealthServicer):
+    """The health service of a process's simulated agents: each node's status under its
+    own name; a name not served (never, or no longer) is NOT_FOUND. The whole server's
+    entry ("") is not kept: no probe of a node asks for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status: dict[str, int] = {}
+
+    def set(self, service: str, status: int) -> None:
+        if service:
+            with self._lock:
+                self._status[service] = status
+
+    def forget(self, service: str) -> None:
+        with self._lock:
+            self._status.pop(service, None)
+
+    def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        with self._lock:
+            status = self._status.get(request.service)
+        if status is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+class SharedServer:
+    """One gRPC server (health only) for every simulated agent of a process."""
+
+    THREADS = 32  # the probes of a transition: every follower may probe the leader at once
+
+    def __init__(self) -> None:
+        self.health = SharedHealth()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.THREADS))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        if self.port == 0:
+            raise ElasticppError("simulated nodes: cannot listen on a loopback port")
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(grace=None)
+
+
+class _Served:
+    """A simulated agent's place on the shared server: stopping it forgets its name."""
+
+    def __init__(self, health: SharedHealth, service: str) -> None:
+        self._health = health
+        self._service = service
+
+    def stop(self, grace: float | None = None) -> None:
+        self._health.forget(self._service)
+
+
 class SimAgent(Agent):
-    """The real agent; `crash()` ends it as a lost node ends, without leaving etcd."""
+    """The real agent; `crash()` ends it as a lost node ends, without leaving etcd. With
+    `shared_server` set before `start()`, it answers on that server (see the module)."""
 
     _crashed = False
+    shared_server: SharedServer | None = None
+
+    def _serve_grpc(self) -> None:
+        shared = self.shared_server
+        if shared is None:
+            super()._serve_grpc()
+            return
+        self._health = shared.health
+        self._server = _Served(shared.health, probe.node_service(self.node_id, self.incarnation))
+        self.port = shared.port
 
     def crash(self) -> None:
         self._crashed = True
@@ -177,7 +257,8 @@ class SimNode:
 class SimCluster:
     """`nodes` simulated agents of one job in this process: one loop thread each, or with
     `loop_threads` their loops' turns on a `LoopPool` of that many threads (and one loop
-    watchdog for all of them)."""
+    watchdog for all of them); a gRPC server each, or with `shared_server` one for all
+    (see the module)."""
 
     def __init__(
         self,
@@ -191,6 +272,7 @@ class SimCluster:
         share_etcd: bool = False,
         agents_per_connection: int = 0,
         loop_threads: int = 0,
+        shared_server: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.slots = slots
@@ -212,6 +294,7 @@ class SimCluster:
         self.kvs: list[EtcdKV] = []
         self._on_last_kv = 0  # agents on the newest shared connection
         self.loops = LoopPool(loop_threads) if loop_threads > 0 else None
+        self.server = SharedServer() if shared_server else None
         for node_id in node_ids:
             self.add(node_id)
 
@@ -234,6 +317,7 @@ class SimCluster:
             wake=wake,
             watchdog=self.loops is None,
         )
+        agent.shared_server = self.server
         try:
             agent.start()
         except BaseException:
@@ -298,6 +382,8 @@ class SimCluster:
                 n.agent.shutdown()
         for kv in self.kvs:
             kv.close()
+        if self.server is not None:
+            self.server.stop()
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:

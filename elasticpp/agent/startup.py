@@ -39,28 +39,7 @@ class StartupPart:
 
     def start(self) -> None:
         """Serve gRPC, join the job in etcd, start warm workers. Raises on a bad spec."""
-        from elasticpp.agent.service import AgentServicer
-        from elasticpp.rpc.agent.v1 import agent_pb2_grpc
-
-        # Separate limits: event streams and piece transfers each have their own, and the
-        # pool keeps UNARY_THREADS beyond both for health checks, status and drains.
-        threads = EVENT_STREAMS + FETCH_STREAMS + UNARY_THREADS
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS
-        )
-        add_to_server(
-            self._server,
-            StateServicer(self.store, lambda: self.generation, max_fetch_streams=FETCH_STREAMS),
-        )
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(self, max_event_streams=EVENT_STREAMS), self._server
-        )
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(self.cfg.listen)
-        if self.port == 0:
-            raise ConfigError(f"agent: cannot listen on {self.cfg.listen}")
-        self._server.start()
+        self._serve_grpc()
         # NOT_SERVING until this node has joined the job: a probe (a Kubernetes readiness
         # check, a peer's confirmation) must not take a node that is still waiting for etcd
         # for a working one.
@@ -102,6 +81,32 @@ class StartupPart:
         self._event(
             "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
         )
+
+    def _serve_grpc(self) -> None:
+        """Serve state transfers, the control service and health on `cfg.listen` (sets
+        `_server`, `_health` and `port`)."""
+        from elasticpp.agent.service import AgentServicer
+        from elasticpp.rpc.agent.v1 import agent_pb2_grpc
+
+        # Separate limits: event streams and piece transfers each have their own, and the
+        # pool keeps UNARY_THREADS beyond both for health checks, status and drains.
+        threads = EVENT_STREAMS + FETCH_STREAMS + UNARY_THREADS
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS
+        )
+        add_to_server(
+            self._server,
+            StateServicer(self.store, lambda: self.generation, max_fetch_streams=FETCH_STREAMS),
+        )
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentServicer(self, max_event_streams=EVENT_STREAMS), self._server
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(self.cfg.listen)
+        if self.port == 0:
+            raise ConfigError(f"agent: cannot listen on {self.cfg.listen}")
+        self._server.start()
 
     def _prepare_init(self) -> None:
         """A job that starts from trained weights (`init_from`) starts every worker from a
