@@ -23,7 +23,7 @@ from elasticpp.agent.actions import PullHoldings
 from elasticpp.agent.deadlines import pull_deadline_s
 from elasticpp.agent.decide import ClusterView
 from elasticpp.agent.follower import _GenState
-from elasticpp.agent.leaderstate import CAMPAIGN_SPREAD_MAX_S, LeaderState, campaign_delay_s
+from elasticpp.agent.leaderstate import LeaderState, campaign_delay_s, campaign_spread_s
 from elasticpp.agent.leaderstep import LeaderObservation, leader_step
 from elasticpp.agent.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
 from elasticpp.agent.pull import PulledHoldings, pull_holdings
@@ -69,9 +69,9 @@ class LeaderPart:
         if not self._torch_ready.is_set():
             return  # the leader hosts the rendezvous store; wait until torch is imported
         now_s = self._clock.monotonic()
+        record = self._vs.record
+        nodes = len(record.planned_nodes) if record is not None else 1
         if self._ls.campaign_at_s is None:  # spread over the nodes that see no leader
-            record = self._vs.record
-            nodes = len(record.planned_nodes) if record is not None else 1
             self._ls.campaign_at_s = now_s + campaign_delay_s(nodes, random.random())
         if now_s < self._ls.campaign_at_s:
             return
@@ -82,7 +82,7 @@ class LeaderPart:
             # Lost: another node holds the key, which the view will show; until it does,
             # no new campaign (it would lose again): a leader that lapses meanwhile is
             # campaigned for after a full spread.
-            self._ls.campaign_at_s = now_s + CAMPAIGN_SPREAD_MAX_S
+            self._ls.campaign_at_s = now_s + campaign_spread_s(nodes)
             return
         # A new term starts the leader's state afresh: strikes and the failure budget too;
         # quarantines and what each generation's transition has written are read from etcd.

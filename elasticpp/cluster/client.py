@@ -296,13 +296,16 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         on_lost: Callable[[], None] | None = None,
         gate: ProgressGate | None = None,
     ) -> Leadership | None:
-        """Become leader if nobody is: create `leader` under a new lease. None if taken.
+        """Become leader if nobody is: create `leader` under a new lease. None if taken
+        (seen taken first by a read: no lease is granted for a campaign already lost).
 
         `on_lost` is called (from the keep-alive thread) if the lease is lost later; the
         lease is renewed only while `gate` says the caller's loop makes progress."""
         keymod.check_name("node_id", node_id)
         ttl = check_ttl(ttl_s)
         fence_after_s(ttl, self._kv.request_timeout_s)  # refused before anything is granted
+        if self._kv.get(self.keys.leader) is not None:
+            return None  # taken: one read, not a lease granted and revoked around a lost try
         granted_at_s = time.monotonic()
         lease_id = self._kv.grant(ttl)
         try:

@@ -27,6 +27,7 @@ from elasticpp.cluster import (
     WatchEvent,
 )
 from elasticpp.cluster.etcd_client import EtcdKV, WatchEnded, WatchItem
+from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.cluster.records import propose_epoch
 from elasticpp.waiting import wait_until
@@ -239,6 +240,23 @@ def test_exactly_one_of_concurrent_campaigns_wins(clients: Callable[[], ClusterC
         t.join()
     assert len(won) == 1
     assert cs[0].leader() == won[0]
+
+
+def test_a_campaign_that_finds_the_key_taken_grants_no_lease(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    """Every node that sees its leader go campaigns within a spread; those that come after
+    the winner cost one read each, not a lease granted and revoked around a failed try."""
+    meter = EtcdMeter()
+    with ClusterClient([etcd.endpoint], JOB, meter=meter) as late:
+        lead = clients().campaign("n1", ttl_s=2)
+        assert lead is not None
+        before = meter.by_kind()
+        assert late.campaign("n2", ttl_s=10) is None
+        after = meter.by_kind()
+    made = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert made == {"range leader": 1}
+    assert not any(k.startswith("lease") for k in after)
 
 
 @pytest.mark.timeout(30)

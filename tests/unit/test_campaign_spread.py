@@ -15,7 +15,7 @@ from elasticpp.agent.leaderstate import (
 
 def test_a_small_job_campaigns_within_milliseconds() -> None:
     assert campaign_delay_s(1, 0.999) < 0.01
-    assert campaign_delay_s(4, 0.999) < 0.01
+    assert campaign_delay_s(4, 0.999) < 0.02
     assert campaign_delay_s(0, 0.5) == 0.5 * CAMPAIGN_SPREAD_S_PER_NODE  # no record yet
 
 
@@ -26,13 +26,15 @@ def test_the_spread_grows_with_the_nodes_up_to_its_ceiling() -> None:
     assert campaign_delay_s(2048, 0.0) == 0.0
 
 
-def test_few_of_many_nodes_draw_a_turn_before_the_first_ones_key_is_seen() -> None:
-    """With 2,048 nodes and draws spread evenly, the nodes whose turn comes within 50 ms of
-    the first (a watch event's way to every node, generously) are ~100, not 2,048."""
-    nodes = 2048
+@pytest.mark.parametrize("nodes", [1024, 2048])
+def test_few_of_many_nodes_draw_a_turn_before_the_first_ones_key_is_seen(nodes: int) -> None:
+    """With draws spread evenly, the nodes whose turn comes within 250 ms of the first (a
+    watch event's way to every node of a loaded cluster) are ~60, not every node; the
+    first turn comes within milliseconds all the same."""
     delays = sorted(campaign_delay_s(nodes, i / nodes) for i in range(nodes))
-    early = sum(d - delays[0] < 0.05 for d in delays)
-    assert early <= 0.06 * nodes
+    early = sum(d - delays[0] < 0.25 for d in delays)
+    assert early <= 0.065 * nodes
+    assert delays[1] < 0.005  # the second of the even draws: 1/N of the spread
 
 
 @pytest.mark.parametrize("draw", [-0.1, 1.0, 2.0])
