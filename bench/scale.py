@@ -156,6 +156,9 @@ class Transition:
     error: str | None  # why it did not settle (then all_started_s is when the wait ended)
     etcd: dict[str, int]
     requests_per_node: float
+    # what the transition added per node: its requests less the steady state's rate over
+    # its window (a slow transition's window holds many keep-alives it did not cause)
+    added_requests_per_node: float
     leader_cpu_s: float
     process_cpu_s: float
     requests_by_kind: dict[str, int]  # etcd requests by method and key class
@@ -171,9 +174,15 @@ def _generation_of(value: str | None) -> int:
 
 
 def transition(
-    cluster: ProcCluster, observer: Observer, fault: str, timeout_s: float, poll_s: float
+    cluster: ProcCluster,
+    observer: Observer,
+    fault: str,
+    timeout_s: float,
+    poll_s: float,
+    steady_requests_per_s: float = 0.0,
 ) -> Transition:
-    """Apply `fault`, wait until every healthy node runs the generation it causes, measure."""
+    """Apply `fault`, wait until every healthy node runs the generation it causes, measure
+    (`steady_requests_per_s`: the steady state's etcd requests per second, all nodes)."""
     # Between transitions a leader may be changing (a loop stalled past its lease on a busy
     # machine steps down): the fault waits for one.
     now = [Summary()]
@@ -251,6 +260,9 @@ def transition(
         error=error,
         etcd=asdict(delta),
         requests_per_node=round(delta.requests / n, 1),
+        added_requests_per_node=round(
+            (delta.requests - steady_requests_per_s * (t_started - t0)) / n, 1
+        ),
         leader_cpu_s=round(cluster.loop_cpu_s(leader) - lcpu0, 3),
         process_cpu_s=round(cpu1 - cpu0, 3),
         requests_by_kind=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
@@ -339,7 +351,10 @@ def run_size(
             if v > 0
         }
         by_thread = {k: round(v / window_s / n * 1000, 3) for k, v in cpu_by_thread(t_0, t_1)[:15]}
-        transitions = [asdict(transition(cluster, observer, f, timeout_s, poll_s)) for f in faults]
+        steady_rate = steady.requests / window_s
+        transitions = [
+            asdict(transition(cluster, observer, f, timeout_s, poll_s, steady_rate)) for f in faults
+        ]
         whole, _, _ = cluster.meter()
         violations = check_history(JOB, observer.history())
         return {
@@ -385,7 +400,7 @@ def table(results: list[dict[str, Any]]) -> str:
     """The markdown table of `results` (one row per transition)."""
     lines = [
         "| nodes | fault | decided s | all hold s | all started s | decide->hold s "
-        "| etcd req (per node) | KiB sent / recv | leader CPU s | process CPU s "
+        "| etcd req (per node; added per node) | KiB sent / recv | leader CPU s | process CPU s "
         "| steady req/node/s | steady writes/node/s | largest value B | largest read B "
         "| gens | steady CPU ms/node/s | leader terms | violations |",
         "|" + "---|" * 18,
@@ -397,7 +412,8 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['nodes']} | {t['fault']} | {t['decided_s']} | {t['all_hold_s']} "
                 f"| {t['all_started_s']} | {t['decide_to_hold_s']} "
-                f"| {e['requests']} ({t['requests_per_node']}) "
+                f"| {e['requests']} ({t['requests_per_node']}; "
+                f"{t.get('added_requests_per_node', '-')}) "
                 f"| {e['bytes_sent'] // 1024} / {e['bytes_received'] // 1024} "
                 f"| {t['leader_cpu_s']} | {t['process_cpu_s']} "
                 f"| {st['requests_per_node_s']} | {st['writes_per_node_s']} "

@@ -175,7 +175,10 @@ class LeaderPart:
         if rec is not None and view.failed and not (view.dead & set(view.current_nodes or ())):
             # Suspicion (a worker failure) is confirmed by probing before the TTL lapses;
             # results are kept for DEAD_RECHECK_S, so a failure that waits is no probe storm.
-            self._confirm_dead(self._suspects(rec.generation, view.current_nodes or ()))
+            suspects = self._suspects(rec.generation, view.current_nodes or ())
+            self._confirm_dead(suspects)
+            if self._probing(suspects):
+                return  # re-planned once the verdicts are in (a probe's budget at most)
             view = self._view()
         view = self._lead_health(view)
         if self._hs.job_end is not None:

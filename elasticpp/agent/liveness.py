@@ -12,15 +12,24 @@ Invariants:
   known (no member key) is not probed and gets no verdict; its lease decides;
 - a node is probed at most once per DEAD_RECHECK_S: results are kept per (node, incarnation)
   for that long, so a failure that waits (re-plan backoff, too few nodes) causes no storm;
-- probes run on one bounded pool of PROBE_THREADS threads, reused;
-- a node that answers NOT_SERVING is alive: it is recorded as unhealthy (`_unhealthy`,
-  node -> incarnation), never as dead, so that its own recovery is not raced.
+- probes run on one bounded pool of PROBE_THREADS threads, reused, and the loop never waits
+  for one: a probe asked for is started (at most one per node incarnation in flight), its
+  result wakes the loop, and the next leader cycle gives its verdict. While a failed
+  generation's suspects are being probed the leader's step waits for their verdicts (at most
+  a probe's budget), so it never re-plans around a node it is about to find dead. (The
+  leader once waited on its loop for the probes of every silent node of a 1,024-node job,
+  3-4 s a turn, and its lease lapsed.);
+- a verdict is given only for the incarnation that was probed, whoever asked for it: DEAD
+  records the node dead; an answer takes a node found dead back (it was only slow or stopped
+  for a while); NOT_SERVING is alive, recorded as unhealthy (`unhealthy`, node ->
+  incarnation), never as dead, so that its own recovery is not raced; SERVING clears it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +49,8 @@ class LivenessState:
     dead_checked_s: float = 0.0  # monotonic: dead nodes last probed again
     unhealthy: dict[str, str] = field(default_factory=dict)  # node -> NOT_SERVING incarnation
     probe_cache: dict[tuple[str, str], tuple[float, ProbeResult]] = field(default_factory=dict)
+    # (node, incarnation) -> its probe: started, no verdict given yet
+    probing: dict[tuple[str, str], Future[ProbeResult]] = field(default_factory=dict)
     suspect_since: dict[int, float] = field(default_factory=dict)  # generation -> first seen
     leader_probed_s: float = 0.0
     revived_s: float = 0.0  # monotonic: a node found dead last answered again
@@ -140,39 +151,79 @@ class LivenessPart:
         )
 
     def _probe(self, nodes: Iterable[str]) -> dict[str, ProbeResult]:
-        """The health of `nodes` (this node and nodes without an address left out), probed
-        on the bounded pool; a result younger than DEAD_RECHECK_S for the same incarnation
-        is reused instead of probing again."""
+        """The health of `nodes` known now (this node and nodes without an address left out):
+        results younger than DEAD_RECHECK_S for the node's incarnation. The others' probes are
+        started on the bounded pool (never twice at once); their verdicts come with a later
+        cycle (`_probes_done`), woken by the result."""
+        self._probes_done()
         now = self._clock.monotonic()
         cache = self._lvs.probe_cache
         for key in [k for k, (at, _) in cache.items() if now - at >= DEAD_RECHECK_S]:
             del cache[key]
         results: dict[str, ProbeResult] = {}
-        todo: dict[str, tuple[str, str]] = {}  # node -> (incarnation, address)
         for n in sorted(set(nodes) - {self.node_id}):
             info = self._vs.members.get(n, {})
             address, inc = info.get("address"), str(info.get("incarnation", ""))
             if not address:
                 continue
-            if (n, inc) in cache:
-                results[n] = cache[(n, inc)][1]
-            else:
-                todo[n] = (inc, str(address))
-        futures = {
-            n: self._probe_pool.submit(
-                probe.check, a, service=probe.node_service(n, inc) if inc else ""
-            )
-            for n, (inc, a) in todo.items()
-        }
-        for n, future in futures.items():
-            results[n] = future.result()
-            cache[(n, todo[n][0])] = (self._clock.monotonic(), results[n])
+            key = (n, inc)
+            if key in cache:
+                results[n] = cache[key][1]
+            elif key not in self._lvs.probing:
+                future = self._probe_pool.submit(
+                    probe.check, str(address), service=probe.node_service(n, inc) if inc else ""
+                )
+                future.add_done_callback(lambda _: self._wake.set())
+                self._lvs.probing[key] = future
         return results
+
+    def _probes_done(self) -> None:
+        """The verdicts of the probes that have finished (see the module)."""
+        for key, future in list(self._lvs.probing.items()):
+            if not future.done():
+                continue
+            del self._lvs.probing[key]
+            if future.cancelled():
+                continue  # the pool shut down: the agent is stopping
+            try:
+                result = future.result()
+            except Exception as exc:  # a probe that raised says nothing of the node
+                self._survive("probe", exc)
+                continue
+            self._lvs.probe_cache[key] = (self._clock.monotonic(), result)
+            self._verdict(key[0], key[1], result)
+
+    def _probing(self, nodes: Iterable[str]) -> bool:
+        """True while a probe of one of `nodes` is out (no verdict on it yet)."""
+        wanted = set(nodes)
+        return any(n in wanted for n, _ in self._lvs.probing)
+
+    def _verdict(self, n: str, inc: str, result: ProbeResult) -> None:
+        """What the probe of `n`'s incarnation `inc` says (see the module)."""
+        if str(self._vs.members.get(n, {}).get("incarnation", "")) != inc:
+            return  # a new incarnation registered meanwhile: the answer was of the old one
+        lvs = self._lvs
+        if result is ProbeResult.DEAD:
+            if lvs.dead.get(n) != inc:
+                lvs.dead[n] = inc
+                self._event("decision", f"node {n} confirmed dead by probe")
+            return
+        if lvs.dead.get(n) == inc:
+            del lvs.dead[n]
+            lvs.revived_s = self._clock.monotonic()
+            self._event("decision", f"node {n} answers again: no longer dead")
+        if result is ProbeResult.NOT_SERVING:
+            if lvs.unhealthy.get(n) != inc:
+                lvs.unhealthy[n] = inc
+                self._event("decision", f"node {n} answers the probe NOT_SERVING: unhealthy")
+        elif lvs.unhealthy.pop(n, None) is not None:
+            self._event("decision", f"node {n} answers the probe SERVING again")
 
     def _recheck_dead(self) -> None:
         """A node confirmed dead that still holds its registration is probed again now and
         then: if it answers (it was only slow or stopped for a while), it is no longer dead,
         and the leader takes it back as it would a joining node."""
+        self._probes_done()
         now = self._clock.monotonic()
         if not self._lvs.dead or now - self._lvs.dead_checked_s < DEAD_RECHECK_S:
             return
@@ -182,27 +233,14 @@ class LivenessPart:
             for n, inc in self._lvs.dead.items()
             if self._vs.members.get(n, {}).get("incarnation") == inc
         ]
-        results = self._probe(registered)
-        for n in sorted(n for n, r in results.items() if r is not ProbeResult.DEAD):
-            del self._lvs.dead[n]
-            self._lvs.revived_s = now
-            self._event("decision", f"node {n} answers again: no longer dead")
+        for n, result in self._probe(registered).items():
+            self._verdict(n, str(self._vs.members[n].get("incarnation", "")), result)
 
     def _confirm_dead(self, nodes: Iterable[str]) -> None:
-        """Probe the suspects `nodes`: a dead one is recorded in `_dead` (the view leaves it
-        out), one that answers NOT_SERVING in `_unhealthy` (alive: not dead)."""
-        for n, result in sorted(self._probe(nodes).items()):
-            inc = str(self._vs.members.get(n, {}).get("incarnation", ""))
-            if result is ProbeResult.DEAD:
-                if self._lvs.dead.get(n) != inc:
-                    self._lvs.dead[n] = inc
-                    self._event("decision", f"node {n} confirmed dead by probe")
-            elif result is ProbeResult.NOT_SERVING:
-                if self._lvs.unhealthy.get(n) != inc:
-                    self._lvs.unhealthy[n] = inc
-                    self._event("decision", f"node {n} answers the probe NOT_SERVING: unhealthy")
-            elif self._lvs.unhealthy.pop(n, None) is not None:
-                self._event("decision", f"node {n} answers the probe SERVING again")
+        """Probe the suspects `nodes`: the verdicts (`_verdict`) of results known now are
+        given now, the others' when their probes finish."""
+        for n, result in self._probe(nodes).items():
+            self._verdict(n, str(self._vs.members.get(n, {}).get("incarnation", "")), result)
 
     def _suspects(self, generation: int, nodes: Iterable[str]) -> list[str]:
         """The nodes of failed `generation` worth probing: those that did not report the

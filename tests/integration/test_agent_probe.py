@@ -20,6 +20,7 @@ from elasticpp.agent import probe
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.cluster.records import GenerationRecord
+from elasticpp.waiting import wait_until
 from tests.unit.test_agent_done import SPEC
 
 
@@ -187,6 +188,12 @@ def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
         "n2": {"address": _closed_port(), "incarnation": "b"},
     }
     agent._lvs.dead = {"n1": "a", "n2": "b"}
-    agent._recheck_dead()
+    agent._recheck_dead()  # the probes start; their verdicts come with later cycles
+
+    def answered() -> bool:
+        agent._probes_done()
+        return not agent._lvs.probing
+
+    assert wait_until(answered, 10, interval_s=0.01)
     assert agent._lvs.dead == {"n2": "b"}  # n1 answered (after one slow reply); n2 is gone
     agent._probe_pool.shutdown()
