@@ -176,9 +176,13 @@ class LeaderPart:
             # Suspicion (a worker failure) is confirmed by probing before the TTL lapses;
             # results are kept for DEAD_RECHECK_S, so a failure that waits is no probe storm.
             suspects = self._suspects(rec.generation, view.current_nodes or ())
+            lvs, gen = self._lvs, rec.generation
+            if lvs.suspects_probed_gen == gen and not self._probing(suspects):
+                lvs.verdicts_gen = gen  # the first round's verdicts are in
             self._confirm_dead(suspects)
-            if self._probing(suspects):
-                return  # re-planned once the verdicts are in (a probe's budget at most)
+            lvs.suspects_probed_gen = gen
+            if lvs.verdicts_gen != gen and self._probing(suspects):
+                return  # re-planned once the first round's verdicts are in
             view = self._view()
         view = self._lead_health(view)
         if self._hs.job_end is not None:

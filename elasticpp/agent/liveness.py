@@ -14,11 +14,12 @@ Invariants:
   for that long, so a failure that waits (re-plan backoff, too few nodes) causes no storm;
 - probes run on one bounded pool of PROBE_THREADS threads, reused, and the loop never waits
   for one: a probe asked for is started (at most one per node incarnation in flight), its
-  result wakes the loop, and the next leader cycle gives its verdict. While a failed
-  generation's suspects are being probed the leader's step waits for their verdicts (at most
-  a probe's budget), so it never re-plans around a node it is about to find dead. (The
-  leader once waited on its loop for the probes of every silent node of a 1,024-node job,
-  3-4 s a turn, and its lease lapsed.);
+  result wakes the loop, and the next leader cycle gives its verdict. Probes go in rounds:
+  while any node asked for is being probed, none of them is probed anew. While the first
+  round of a failed generation's suspects is out the leader's step waits for its verdicts,
+  so it never re-plans around a node it is about to find dead; later rounds it does not
+  wait for. (The leader once waited on its loop for the probes of every silent node of a
+  1,024-node job, 3-4 s a turn, and its lease lapsed.);
 - a verdict is given only for the incarnation that was probed, whoever asked for it: DEAD
   records the node dead; an answer takes a node found dead back (it was only slow or stopped
   for a while); NOT_SERVING is alive, recorded as unhealthy (`unhealthy`, node ->
@@ -52,6 +53,8 @@ class LivenessState:
     # (node, incarnation) -> its probe: started, no verdict given yet
     probing: dict[tuple[str, str], Future[ProbeResult]] = field(default_factory=dict)
     suspect_since: dict[int, float] = field(default_factory=dict)  # generation -> first seen
+    suspects_probed_gen: int = 0  # the failed generation whose suspects' probes started
+    verdicts_gen: int = 0  # the failed generation whose suspects' first verdicts are all in
     leader_probed_s: float = 0.0
     revived_s: float = 0.0  # monotonic: a node found dead last answered again
 
@@ -161,7 +164,12 @@ class LivenessPart:
         for key in [k for k, (at, _) in cache.items() if now - at >= DEAD_RECHECK_S]:
             del cache[key]
         results: dict[str, ProbeResult] = {}
-        for n in sorted(set(nodes) - {self.node_id}):
+        wanted = sorted(set(nodes) - {self.node_id})
+        # One round at a time: while any of `nodes` is being probed, none is probed anew. A
+        # round of thousands of nodes outlasts DEAD_RECHECK_S; re-probing its first answers
+        # meanwhile would keep it from ever ending.
+        start = not self._probing(wanted)
+        for n in wanted:
             info = self._vs.members.get(n, {})
             address, inc = info.get("address"), str(info.get("incarnation", ""))
             if not address:
@@ -169,7 +177,7 @@ class LivenessPart:
             key = (n, inc)
             if key in cache:
                 results[n] = cache[key][1]
-            elif key not in self._lvs.probing:
+            elif start:
                 future = self._probe_pool.submit(
                     probe.check, str(address), service=probe.node_service(n, inc) if inc else ""
                 )

@@ -29,11 +29,13 @@ class _Probes:
         self.calls: list[str] = []
         self.results = results or {}
         self.gate: threading.Event | None = None  # set: every probe waits for it to open
+        self.gates: dict[str, threading.Event] = {}  # the probe of one address waits
 
     def check(self, address: str, **_: Any) -> ProbeResult:
         self.calls.append(address)
-        if self.gate is not None:
-            self.gate.wait()
+        for gate in (self.gate, self.gates.get(address)):
+            if gate is not None:
+                gate.wait()
         return self.results.get(address, ProbeResult.SERVING)
 
     def answers(self, address: str, **_: Any) -> bool:
@@ -157,6 +159,36 @@ def test_the_leader_never_waits_on_a_probe_and_replans_with_the_verdicts(
     agent._lead()
     assert agent._lvs.dead == {"n09": "i-n09"}
     assert len(steps) == 1 and "n09" in steps[0].view.dead
+    agent._probe_pool.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_steps(
+    tmp_path: Path, probes: _Probes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thousands of suspects take longer to probe than DEAD_RECHECK_S: the first answers'
+    results expire while the round is still out. They are not probed anew before the
+    round ends (else it never would, and the leader's step would wait for ever)."""
+    steps: list[Any] = []
+    monkeypatch.setattr(leader_module, "leader_step", lambda ls, obs: steps.append(obs) or [])
+    probes.gates = {"n15:1": threading.Event()}  # the round's last answer is slow
+    agent = _agent(tmp_path)
+    agent._lead()
+    assert wait_until(lambda: len(agent._lvs.probe_cache) == 13 or agent._probes_done(), 10)
+    agent._lvs.probe_cache = {  # DEAD_RECHECK_S has passed for the first answers
+        k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent._lvs.probe_cache.items()
+    }
+    for _ in range(5):
+        agent._lead()
+    assert len(probes.calls) == 14 and steps == []  # no new round while this one is out
+    probes.gates["n15:1"].set()
+    settle(agent)
+    agent._lead()
+    assert len(steps) == 1  # the first round's verdicts are in: the step is taken
+    agent._lead()
+    assert len(steps) == 2  # later rounds (the expired ones, started now) are not waited for
+    assert agent._lvs.probing
+    settle(agent)
     agent._probe_pool.shutdown()
 
 
