@@ -222,6 +222,7 @@ class SimAgent(Agent):
             self.cluster.close()  # keep-alives stop; the lease lapses by its TTL
             self.cluster = None
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_channels.close()
 
 
 def sim_spec_fields(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> dict[str, Any]:

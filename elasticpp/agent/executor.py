@@ -136,7 +136,11 @@ class ExecutorPart:
                 )
             elif isinstance(action, ProbeLeader):
                 service = probe.node_service(action.leader, action.incarnation)
-                result = probe.check(action.address, service=service if action.incarnation else "")
+                result = probe.check(
+                    action.address,
+                    service=service if action.incarnation else "",
+                    channels=self._probe_channels,
+                )
                 self._execute(leader_probed(action, result))
             elif isinstance(action, DeposeLeader):
                 assert self.cluster is not None

@@ -179,7 +179,10 @@ class LivenessPart:
                 results[n] = cache[key][1]
             elif start:
                 future = self._probe_pool.submit(
-                    probe.check, str(address), service=probe.node_service(n, inc) if inc else ""
+                    probe.check,
+                    str(address),
+                    service=probe.node_service(n, inc) if inc else "",
+                    channels=self._probe_channels,
                 )
                 future.add_done_callback(lambda _: self._wake.set())
                 self._lvs.probing[key] = future

@@ -27,9 +27,7 @@ Fencing: workers rendezvous under the prefix `gen<G>`, state requests carry G an
 refused by a store on a newer generation, and every generation write is a CAS guarded by
 the leader key. One loop thread makes every decision; watches and worker readers only wake
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
-hand results back through futures wake it too), or for a tick: five seconds on a follower
-whose workers are silent, short while its workers train, it leads, fails, drains or lacks etcd
-(`limits.QUIET_TICK_S`, `Agent._tick_busy`).
+hand results back through futures wake it too, probes included) or for a tick (`_tick_s`).
 
 This module composes the agent: the parts' state, the decision loop and shutdown (its
 flags are `config.AgentConfig`); start-up and joining the job are in `startup`, the
@@ -62,8 +60,8 @@ way through a generation (`phases.follower_step`: arrivals, the fetch and the as
 back), the durability part's worker events (`durabilitystep`: the store's record, commit and
 drop fed back) and the leader's decisions (`leaderstep.leader_step`: its writes and reads fed
 back). The shells that build their observations (`follower`, `durability`, `leader`) still
-do the reads a decision needs; probing suspects and the leader's health judgement run before
-its step. Pure rules under the parts: `decide` (re-planning, phases), `sick` (quarantine) and
+do the reads a decision needs; the verdicts of probes and the leader's health judgement come
+before its step. Pure rules under the parts: `decide` (re-planning, phases), `sick` (quarantine) and
 the leader's resolve (`elasticpp.store.resolver`).
 """
 
@@ -111,6 +109,7 @@ from elasticpp.agent.limits import (
 from elasticpp.agent.liveness import LivenessPart, LivenessState
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pool import WorkerPool
+from elasticpp.agent.probe import ProbeChannels
 from elasticpp.agent.quarantine import HealthState, QuarantinePart
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
@@ -212,6 +211,7 @@ class Agent(
         self._cs = ControlState()
         # The executor's own: the lifecycle of this agent's server, registration and loop.
         self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
+        self._probe_channels = ProbeChannels()  # to peers, kept between probes
         # The one writer of this node's commit records (loop and replicate thread feed it).
         self._commit_records: LatestWriter[CommitValue] = LatestWriter(
             self._put_commit_record,
@@ -415,6 +415,7 @@ class Agent(
             self._server.stop(grace=0.5)
             self._server = None
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_channels.close()
 
     # ------------------------------------------------------------------ events log
 

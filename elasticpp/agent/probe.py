@@ -14,11 +14,19 @@ same node restarted) answers NOT_FOUND, and the node looked for is DEAD, not ali
 A check that times out comes from a live but slow or briefly stopped process (a long GIL hold,
 a page-in, a SIGSTOP): it is retried until `budget_s` is spent, so one slow reply never gets a
 live node evicted. The budget is measured on `clock` (monotonic by default).
+
+With `channels` (`ProbeChannels`, one per agent) a probe goes over a channel kept for its
+address from earlier probes instead of a new one: a leader probing a thousand suspects pays
+a connection and an HTTP/2 handshake per peer once, not per probe. A kept channel that
+answers UNAVAILABLE may be in its reconnect backoff from an earlier failure while the peer is
+back: the probe tries once more on a new channel before it says DEAD.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,6 +35,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PROBE_TIMEOUT_S = 0.5  # one attempt
 PROBE_BUDGET_S = 1.0  # all attempts of one probe
+KEPT_CHANNELS = 2048  # peers whose channels an agent keeps (the least recently probed go)
+# A kept channel's connection closes after this long unused (it reconnects on the next probe).
+CHANNEL_IDLE_MS = 60_000
+
+# Each kept channel its own connection (gRPC shares one per address between a process's
+# channels by default): a new channel must try anew, not wait out a kept one's backoff.
+_KEPT_OPTIONS = [
+    ("grpc.client_idle_timeout_ms", CHANNEL_IDLE_MS),
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 # Answers from a process that is there but does not offer a healthy service.
 _ALIVE_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED}
@@ -44,6 +62,39 @@ def node_service(node_id: str, incarnation: str) -> str:
     return f"elasticpp.node/{node_id}/{incarnation}"
 
 
+class ProbeChannels:
+    """Channels to peers' agents kept between probes, at most `size` (least recently used
+    go first). Thread-safe. A channel that goes is only forgotten, not closed: a probe may
+    still be on it, and it closes once that probe lets it go."""
+
+    def __init__(self, size: int = KEPT_CHANNELS) -> None:
+        self._lock = threading.Lock()
+        self._channels: collections.OrderedDict[str, grpc.Channel] = collections.OrderedDict()
+        self._size = size
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.pop(address, None)
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=_KEPT_OPTIONS)
+            self._channels[address] = channel
+            while len(self._channels) > self._size:
+                self._channels.popitem(last=False)
+            return channel
+
+    def forget(self, address: str, channel: grpc.Channel) -> None:
+        """Forget `channel` (the next probe of `address` opens a new one)."""
+        with self._lock:
+            if self._channels.get(address) is channel:
+                del self._channels[address]
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), collections.OrderedDict()
+        for channel in channels:
+            channel.close()
+
+
 def check(
     address: str,
     *,
@@ -51,33 +102,56 @@ def check(
     timeout_s: float = PROBE_TIMEOUT_S,
     budget_s: float = PROBE_BUDGET_S,
     clock: Callable[[], float] = time.monotonic,
+    channels: ProbeChannels | None = None,
 ) -> ProbeResult:
     """The health of the agent at `address`, within the budget; with `service`, of the one
-    agent that answers for it there (see the module)."""
+    agent that answers for it there; with `channels`, over a kept channel (see the module)."""
     deadline = clock() + budget_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            left_s = deadline - clock()
-            try:
-                reply = stub.Check(
-                    health_pb2.HealthCheckRequest(service=service),
-                    timeout=max(0.05, min(timeout_s, left_s)),
-                )
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if service and code == grpc.StatusCode.NOT_FOUND:
-                    return ProbeResult.DEAD  # another process holds the address now
-                if code in _ALIVE_CODES:
-                    return ProbeResult.NOT_SERVING
-                if code != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return ProbeResult.DEAD  # refused or reset: the process is gone
-                if clock() >= deadline:
-                    return ProbeResult.DEAD
-                continue
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return ProbeResult.SERVING
-            return ProbeResult.NOT_SERVING
+    if channels is None:
+        with grpc.insecure_channel(address) as channel:
+            return _check(channel, service, timeout_s, deadline, clock)
+    channel = channels.get(address)
+    result = _check(channel, service, timeout_s, deadline, clock, kept=True)
+    if result is not None:
+        return result
+    channels.forget(address, channel)  # UNAVAILABLE: tried again on a new channel
+    return _check(channels.get(address), service, timeout_s, deadline, clock)
+
+
+def _check(
+    channel: grpc.Channel,
+    service: str,
+    timeout_s: float,
+    deadline: float,
+    clock: Callable[[], float],
+    *,
+    kept: bool = False,
+) -> ProbeResult | None:
+    """`check` on `channel`; None if `kept` and the channel answered UNAVAILABLE."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    while True:
+        left_s = deadline - clock()
+        try:
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=max(0.05, min(timeout_s, left_s)),
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if service and code == grpc.StatusCode.NOT_FOUND:
+                return ProbeResult.DEAD  # another process holds the address now
+            if code in _ALIVE_CODES:
+                return ProbeResult.NOT_SERVING
+            if kept and code == grpc.StatusCode.UNAVAILABLE:
+                return None
+            if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                return ProbeResult.DEAD  # refused or reset: the process is gone
+            if clock() >= deadline:
+                return ProbeResult.DEAD
+            continue
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return ProbeResult.SERVING
+        return ProbeResult.NOT_SERVING
 
 
 def answers(

@@ -197,3 +197,50 @@ def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
     assert wait_until(answered, 10, interval_s=0.01)
     assert agent._lvs.dead == {"n2": "b"}  # n1 answered (after one slow reply); n2 is gone
     agent._probe_pool.shutdown()
+
+
+def _health_server(port: int = 0) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, bound
+
+
+def test_probes_with_kept_channels_reuse_one_channel_per_peer() -> None:
+    channels = probe.ProbeChannels(size=2)
+    server, port = _health_server()
+    address = f"127.0.0.1:{port}"
+    try:
+        for _ in range(3):
+            assert probe.check(address, channels=channels) is ProbeResult.SERVING
+        kept = channels.get(address)
+        assert channels.get(address) is kept
+        channels.get("127.0.0.1:1"), channels.get("127.0.0.1:2")  # the least recent goes
+        assert channels.get(address) is not kept
+    finally:
+        server.stop(0)
+        channels.close()
+
+
+def test_a_peer_back_at_its_address_answers_though_its_kept_channel_saw_it_go() -> None:
+    """The kept channel saw the connection refused and waits out a reconnect backoff; the
+    peer is back meanwhile. The probe retries on a new channel: SERVING, not DEAD."""
+    channels = probe.ProbeChannels()
+    server, port = _health_server()
+    address = f"127.0.0.1:{port}"
+    try:
+        assert probe.check(address, channels=channels) is ProbeResult.SERVING
+        server.stop(0).wait()
+        assert probe.check(address, channels=channels, budget_s=2.0) is ProbeResult.DEAD
+        kept = channels.get(address)
+        _ = probe.check(address, channels=channels, budget_s=2.0)  # refused again: backoff
+        server, again = _health_server(port)
+        assert again == port
+        assert probe.check(address, channels=channels, budget_s=2.0) is ProbeResult.SERVING
+        assert channels.get(address) is not kept
+    finally:
+        server.stop(0)
+        channels.close()
