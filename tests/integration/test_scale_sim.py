@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.scale import run_size
 
-NODES = 64  # 256 takes minutes on a two-core machine (README, "Control plane at scale")
+NODES = 256  # 30 s on a two-core machine (README, "Control plane at scale")
 
 
 def test_a_node_loss_in_a_simulated_cluster_reaches_every_node_within_bounds(
