@@ -84,9 +84,13 @@ class LeaderPart:
             # campaigned for after a full spread.
             self._ls.campaign_at_s = now_s + campaign_spread_s(nodes)
             return
-        # A new term starts the leader's state afresh: strikes and the failure budget too;
-        # quarantines and what each generation's transition has written are read from etcd.
-        self._ls = LeaderState(SickNodes(self.spec.sick_policy()), leadership=leadership)
+        # A new term starts the leader's state afresh, the failure budget too; strikes go on
+        # from the newest record, quarantines and what each generation's transition has
+        # written are read from etcd.
+        sick = SickNodes(self.spec.sick_policy())
+        if self._vs.record is not None:
+            sick.seed(self._vs.record.extra.get("strikes"))
+        self._ls = LeaderState(sick, leadership=leadership)
         self._reread.raise_()  # the view (the one writer of `leader`) reads the key now
         self._start_rendezvous_store()
         self._event("decision", f"node {self.node_id} is the leader")

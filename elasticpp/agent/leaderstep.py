@@ -211,6 +211,9 @@ def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Repla
         "detected_at": detection_time(obs, generation),
         "planned_at": obs.wall_s,
     }
+    strikes = state.sick.carried()
+    if strikes:
+        extra["strikes"] = strikes  # the next term starts from them (elasticpp.agent.sick)
     record = GenerationRecord(
         generation=generation,
         plan=plan_dict,
@@ -267,8 +270,10 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         return []
     if f"gen-{gen.generation}" in obs.barriers.get("timelines", {}):
         # Written by the leader that ran this generation; a leader elected later (at the
-        # job's end, say) must not overwrite it with what it did not see.
+        # job's end, say) must not overwrite it with what it did not see. It trained: the
+        # strikes this term started from (the record's) start again.
         ls.timeline_written = True
+        state.sick.trained(gen.planned_nodes)
         return []
     started = obs.barriers.get(f"started-{gen.generation}", {})
     nodes = set(gen.planned_nodes)

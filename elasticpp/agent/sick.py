@@ -26,8 +26,13 @@ The rules, in the order the leader applies them:
   torchrun's `--max-restarts` and JobSet's `maxRestarts` do), instead of re-planning for ever.
 
 The leader publishes quarantines in etcd (`quarantine/<node>`, see
-`elasticpp.cluster.health`); a new leader loads them, while strikes and the failure budget's
-window start afresh with each term (documented in docs/cluster.md).
+`elasticpp.cluster.health`); a new leader loads them. Strikes go on from term to term: each
+generation record carries the strikes of the nodes it plans (`carried`, at most
+CARRIED_STRIKES nodes, the most struck first), and a new leader starts from the newest
+record's (`seed`); a generation that trained, seen by any term, clears them. (A leader lost
+to an overloaded machine once reset them every few generations, and a sick node at 1,024
+simulated nodes was never quarantined.) The failure budget's window starts afresh with each
+term (documented in docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from elasticpp.errors import ConfigError
+
+CARRIED_STRIKES = 64  # nodes whose strikes a generation record carries (bounded record)
 
 # Reports whose `at` lies this close to the earliest one share the blame (clocks of
 # different nodes, and a peer's collective failing a moment after the cause).
@@ -142,6 +149,20 @@ class SickNodes:
     judged: int = 0  # the newest generation whose failure was judged
     ended: bool = False
     _not_serving: dict[str, str] = field(default_factory=dict)  # node -> incarnation judged
+
+    def carried(self) -> dict[str, int]:
+        """The strikes a generation record carries into later terms (see the module)."""
+        most = sorted(self.strikes.items(), key=lambda kv: (-kv[1], kv[0]))[:CARRIED_STRIKES]
+        return dict(sorted(most))
+
+    def seed(self, carried: object) -> None:
+        """Start a term from the strikes a generation record carried; entries that are not
+        a node id with a positive count (a corrupt or foreign record) are left out."""
+        if not isinstance(carried, Mapping):
+            return
+        for node, count in carried.items():
+            if isinstance(node, str) and type(count) is int and count > 0:
+                self.strikes[node] = max(self.strikes.get(node, 0), count)
 
     def load(self, published: Mapping[str, Quarantined]) -> None:
         """Take the quarantines etcd holds (a new term, an operator's lift)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import ClusterClient, LeaseNotFoundError
 from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
 from tests.unit.test_agent_done import SPEC, SPEC_FIELDS
 
@@ -137,3 +139,11 @@ def test_an_agent_back_from_a_lapse_finds_its_node_id_taken_and_exits_2(
             kill_tree(first.pid)
             first.wait(timeout=10)
         lc.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_new_term_starts_from_the_strikes_the_newest_record_carried(agent: Agent) -> None:
+    agent._vs.record = GenerationRecord(4, {}, "n9", time.time(), extra={"strikes": {"n5": 2}})
+    agent._vs.leader = None
+    assert _campaigns_until_won(agent)
+    assert agent._ls.sick.strikes == {"n5": 2}

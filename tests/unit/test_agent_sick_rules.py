@@ -179,3 +179,35 @@ def test_below_min_nodes_the_job_waits_and_names_the_quarantined() -> None:
     decision = decide_replan(view, min_nodes=3, max_nodes=4, settle_s=2.0)
     assert isinstance(decision, Wait)
     assert decision.reason == "only 2 usable node(s) (2 quarantined: c, d), min_nodes is 3"
+
+
+def test_strikes_carried_to_the_next_term_quarantine_at_its_first_failure() -> None:
+    """A term ends (its leader's lease lapsed on an overloaded machine) between two failures
+    of a sick node: the next term starts from the strikes the newest record carried, so
+    the node's third failed generation quarantines it whoever leads."""
+    first = _sick(strikes_to_quarantine=3)
+    for gen in (1, 2):
+        first.judge(gen, [Report("a", "crash", 100.0 + gen)], INC, 100.0 + gen)
+    carried = first.carried()
+    assert carried == {"a": 2}
+    second = _sick(strikes_to_quarantine=3)  # a new term
+    second.seed(carried)
+    assert _quarantined(second.judge(3, [Report("a", "crash", 103.0)], INC, 103.0)) == ["a"]
+    fresh = _sick(strikes_to_quarantine=3)  # without the carried strikes: one strike only
+    assert _quarantined(fresh.judge(3, [Report("a", "crash", 103.0)], INC, 103.0)) == []
+
+
+def test_a_record_carries_the_most_struck_nodes_only_and_junk_is_not_seeded() -> None:
+    from elasticpp.agent.sick import CARRIED_STRIKES
+
+    sick = _sick(strikes_to_quarantine=1000)
+    sick.strikes = {f"n{i:04d}": 1 for i in range(2 * CARRIED_STRIKES)}
+    sick.strikes["n1999"] = 5
+    carried = sick.carried()
+    assert len(carried) == CARRIED_STRIKES and carried["n1999"] == 5
+    seeded = _sick()
+    seeded.seed({"a": 2, "b": 0, "c": -1, "d": "3", "e": 1.5, "f": True, 7: 2})
+    assert seeded.strikes == {"a": 2}
+    seeded.seed(["a"])  # not a mapping: nothing
+    seeded.seed(None)
+    assert seeded.strikes == {"a": 2}

@@ -362,6 +362,7 @@ def test_the_timeline_is_written_once_every_planned_node_started() -> None:
 
 def test_a_timeline_an_earlier_leader_wrote_is_not_written_again() -> None:
     state = _state()
+    state.sick.seed({"n1": 2})  # carried by the record this term started from
     record = _record(2)
     state.at(2, 100.0).resume_written = True
     barriers = {
@@ -370,6 +371,18 @@ def test_a_timeline_an_earlier_leader_wrote_is_not_written_again() -> None:
     }
     assert leader_timeline_step_of(state, _obs(100.0, record=record, barriers=barriers)) == []
     assert state.timeline_written
+    assert state.sick.strikes == {}  # the generation trained: its nodes' strikes start again
+
+
+def test_a_generation_record_carries_the_strikes_into_the_next_term() -> None:
+    state = _state()
+    [plain] = leader_step(state, _obs(100.0))
+    assert isinstance(plain, WriteGeneration) and "strikes" not in plain.record.extra
+    state = _state()
+    state.sick.strikes = {"n1": 2}
+    [write] = leader_step(state, _obs(100.0))
+    assert isinstance(write, WriteGeneration)
+    assert write.record.extra["strikes"] == {"n1": 2}
 
 
 def test_the_safe_step_is_computed_every_safe_period_and_written_only_when_it_rises() -> None:
