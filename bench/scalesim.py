@@ -17,6 +17,9 @@ crashed agent's name is forgotten, so a probe of it is answered NOT_FOUND and fi
 once, as a refused connection does. A real node runs one server; hundreds in one process would
 each wake five times a second to poll (the largest idle cost of a simulated node). No
 simulated node serves state transfers or control RPCs: none holds a step to pull or move.
+The agents of a process share an address, so a prober keeps one channel a process, not one a
+peer (elasticpp.agent.probe.ProbeChannels): a real leader's first round of probes opens a
+connection to every suspect.
 
 Invariants: a `SimCluster` owns every agent and thread it starts and `close()` ends them all;
 it never writes to etcd itself (the observer only reads); times are on the monotonic clock.
