@@ -173,6 +173,7 @@ class LeaderPart:
         """The leader's cycle: probes and health decisions first (their results are in the
         view the step sees), then the pure step (`leaderstep.leader_step`), whose actions
         the executor applies, feeding the outcomes of writes and reads back to it."""
+        self._probes_done()  # the verdicts of the probes finished since the last cycle
         self._recheck_dead()
         rec = self._vs.record
         view = self._view()

@@ -157,8 +157,7 @@ class LivenessPart:
         """The health of `nodes` known now (this node and nodes without an address left out):
         results younger than DEAD_RECHECK_S for the node's incarnation. The others' probes are
         started on the bounded pool (never twice at once); their verdicts come with a later
-        cycle (`_probes_done`), woken by the result."""
-        self._probes_done()
+        cycle (`_probes_done`, first in the leader's), woken by the result."""
         now = self._clock.monotonic()
         cache = self._lvs.probe_cache
         for key in [k for k, (at, _) in cache.items() if now - at >= DEAD_RECHECK_S]:
@@ -234,7 +233,6 @@ class LivenessPart:
         """A node confirmed dead that still holds its registration is probed again now and
         then: if it answers (it was only slow or stopped for a while), it is no longer dead,
         and the leader takes it back as it would a joining node."""
-        self._probes_done()
         now = self._clock.monotonic()
         if not self._lvs.dead or now - self._lvs.dead_checked_s < DEAD_RECHECK_S:
             return
