@@ -93,8 +93,8 @@ from elasticpp.agent.phases import (
 )
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.errors import CheckpointError
+from elasticpp.store.checkpoints import checkpoint_holdings
 from elasticpp.store.digest import digest_of
-from elasticpp.store.persist import checkpoint_holdings
 from elasticpp.store.resume import TransferProgress
 
 log = logging.getLogger("elasticpp.agent")

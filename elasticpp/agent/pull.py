@@ -30,10 +30,10 @@ from typing import Protocol
 
 from elasticpp.checkpoint.manifest import JobIdentity
 from elasticpp.errors import ElasticppError, StaleGenerationError
+from elasticpp.store.checkpoints import checkpoint_holdings
 from elasticpp.store.client import StateClient
 from elasticpp.store.digest import HoldingsDigest, digest_of, pull_wants
 from elasticpp.store.holdings import NodeHoldings
-from elasticpp.store.persist import checkpoint_holdings
 
 log = logging.getLogger("elasticpp.agent")
 

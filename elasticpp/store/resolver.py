@@ -164,7 +164,7 @@ def resolve(
 
     `holdings` maps node id -> what it holds (entries of nodes not in `live_nodes` are
     ignored); `disk` is what the persistent checkpoint holds (see
-    `persist.checkpoint_holdings`), used only where no live node has a piece.
+    `checkpoints.checkpoint_holdings`), used only where no live node has a piece.
     """
     live = set(live_nodes)
     units = target.model.units

@@ -24,17 +24,15 @@ from elasticpp.checkpoint.manifest import (
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan.layout import Layout, build_plan
 from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec, default_units
-from elasticpp.store.holdings import DISK_SOURCE
-from elasticpp.store.local import LocalStore
-from elasticpp.store.persist import (
-    PersistPolicy,
+from elasticpp.store.checkpoints import (
     checkpoint_holdings,
-    finalize_checkpoint,
     find_latest_checkpoint,
     load_latest_checkpoint,
-    persist_pieces,
     prune_checkpoints,
 )
+from elasticpp.store.holdings import DISK_SOURCE
+from elasticpp.store.local import LocalStore
+from elasticpp.store.persist import PersistPolicy, finalize_checkpoint, persist_pieces
 from elasticpp.store.resolver import FetchKind, resolve
 from elasticpp.store.resume import prepare_resume
 

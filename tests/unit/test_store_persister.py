@@ -15,9 +15,10 @@ import pytest
 from elasticpp.checkpoint.manifest import PieceKey, step_dirname
 from elasticpp.errors import ConfigError
 from elasticpp.plan.specs import ModelSpec
+from elasticpp.store.checkpoints import checkpoint_holdings, find_latest_checkpoint
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.store.local import LocalStore
-from elasticpp.store.persist import Persister, checkpoint_holdings, find_latest_checkpoint
+from elasticpp.store.persist import Persister
 from elasticpp.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
