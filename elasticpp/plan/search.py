@@ -13,10 +13,9 @@ Choice
     best plan of each other (p, t, b, recompute) combination, in the same order.
 Speed
     Everything except d and the cluster's shape is cluster-independent, so a `Planner`
-    computes one *profile* per (p, t, b, recompute) once: the cost-balanced stages, the
-    slowest stage's time, the largest stage's parameters and the largest micro-batch count
-    that still fits in memory. For a cluster only d remains, and the step time is
-    `slot * (ceil(N/d) + p - 1) + allreduce(d) + optimizer` (N = B/b) whose minimum lies at
+    computes one `Profile` per (p, t, b, recompute) once (elasticpp.plan.profile: the
+    balanced stages, their times, what fits in memory). For a cluster only d remains; the
+    step time `slot * (ceil(N/d) + p - 1) + allreduce(d) + optimizer` (N = B/b) is least at
     the smallest d of each distinct ceil(N/d) (allreduce(d) grows with d, in bytes and in its
     2(d-1) message latencies, and a larger d can only move p2p and DP traffic from the
     intra-node link to the network, assumed no faster in bandwidth or latency); profiles are
@@ -38,100 +37,10 @@ from elasticpp.errors import ConfigError, PlanError
 from elasticpp.plan import cost
 from elasticpp.plan.layout import Layout, Plan, build_plan, split_batch
 from elasticpp.plan.partition import balanced_stages
+from elasticpp.plan.profile import NO_LIMIT, Choice, Profile, Shape, largest_fitting_m, memory_bytes
 from elasticpp.plan.specs import GIB, ClusterSpec, DeviceSpec, ModelSpec
 
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16, 32)
-_NO_LIMIT = 1 << 62  # a micro-batch count larger than any real one: memory never binds
-
-
-@dataclass(frozen=True)
-class _Profile:
-    """What a layout costs apart from d and the cluster's shape."""
-
-    pp: int
-    tp: int
-    micro_batch: int
-    recompute: bool
-    stages: tuple[tuple[int, int], ...]
-    # (index of the first stage of the kind, blocks, is first, is last): the distinct stages
-    kinds: tuple[tuple[int, int, bool, bool], ...]
-    compute_slot: float  # the slowest stage's forward + backward of one micro-batch
-    p2p_intra: float  # the two boundary transfers of a slot, on NVLink (0 when pp == 1)
-    p2p_inter: float  # ... on the network
-    max_stage_params: int
-    optimizer_seconds: float
-    max_in_flight_fit: int  # the largest m_max whose memory fits; _NO_LIMIT; 0: never fits
-    min_memory_bytes: float  # with one micro-batch in flight
-    memory: cost.MemoryCosts
-
-    def memory_bytes(self, mc: cost.ModelCosts, m_max: int) -> float:
-        return _memory_bytes(mc, self.memory, self.kinds, self.pp, m_max)
-
-
-def _memory_bytes(
-    mc: cost.ModelCosts,
-    mem: cost.MemoryCosts,
-    kinds: tuple[tuple[int, int, bool, bool], ...],
-    pp: int,
-    m_max: int,
-) -> float:
-    """The largest stage's memory: per kind of stage, its earliest (most in flight) stage."""
-    return max(
-        cost.stage_memory_bytes(mc, mem, n, first, last, min(pp - s, m_max))
-        for s, n, first, last in kinds
-    )
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """A cluster's shape for one t: how many TP groups it holds and where nodes break."""
-
-    groups: int  # TP groups the whole cluster holds
-    first_node_groups: int  # groups on the first node that holds any: DP stays intra below it
-    # (group count, cumulative groups through the first node with that count): where a
-    # replica of p stages first straddles a node boundary
-    breaks: tuple[tuple[int, int], ...]
-
-    def straddle_replica(self, pp: int) -> int:
-        """Replicas `[0, result)` each sit inside one node (p2p on NVLink)."""
-        first = _NO_LIMIT
-        for count, cumulative in self.breaks:
-            if count % pp:
-                first = min(first, cumulative // pp)
-        return first
-
-    @classmethod
-    def of(cls, cluster: ClusterSpec, tp: int) -> _Shape:
-        counts = [n.gpus // tp for n in cluster.nodes]
-        breaks: dict[int, int] = {}
-        cumulative = 0
-        for count in counts[:-1]:  # the end of the last node bounds d, it is not crossed
-            cumulative += count
-            breaks.setdefault(count, cumulative)
-        return cls(
-            groups=sum(counts),
-            first_node_groups=next((c for c in counts if c), 0),
-            breaks=tuple(sorted(breaks.items())),
-        )
-
-    @classmethod
-    def uniform(cls, gpus_per_node: int, tp: int, nodes: int) -> _Shape:
-        g = gpus_per_node // tp
-        return cls(groups=g * nodes, first_node_groups=g, breaks=((g, g),) if nodes > 1 else ())
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """A profile with its best d on one cluster."""
-
-    key: tuple[float, int, int, int, int, int, bool]
-    profile: _Profile
-    dp: int
-    m_max: int
-
-    @property
-    def step_seconds(self) -> float:
-        return self.key[0]
 
 
 @dataclass(frozen=True)
@@ -223,7 +132,7 @@ class Planner:
         self.global_batch = global_batch
         self.params = params or cost.CostParams()
         self._mc = cost.ModelCosts.of(model)
-        self._profiles: dict[int, tuple[_Profile, ...]] = {}  # per tp
+        self._profiles: dict[int, tuple[Profile, ...]] = {}  # per tp
 
     # -- profiles ---------------------------------------------------------------------------
 
@@ -236,14 +145,14 @@ class Planner:
             if self.model.tp_fits(t) and any(g % t == 0 for g in sizes)
         ]
 
-    def _profiles_for(self, tp: int) -> tuple[_Profile, ...]:
+    def _profiles_for(self, tp: int) -> tuple[Profile, ...]:
         cached = self._profiles.get(tp)
         if cached is None:
             cached = tuple(self._build_profiles(tp))
             self._profiles[tp] = cached
         return cached
 
-    def _build_profiles(self, tp: int) -> Iterator[_Profile]:
+    def _build_profiles(self, tp: int) -> Iterator[Profile]:
         """The profiles that fit in memory with some micro-batch count."""
         capacity = self.device.memory_bytes
         # No stage holds less than the average state, so a (p, t) whose average alone
@@ -279,7 +188,7 @@ class Planner:
         recompute: bool,
         pp: int,
         costs: tuple[cost.UnitCosts, cost.MemoryCosts, float, float],
-    ) -> _Profile:
+    ) -> Profile:
         mc = self._mc
         uc, mem, p2p_intra, p2p_inter = costs
         stages = balanced_stages(
@@ -292,7 +201,7 @@ class Planner:
         slot = max(cost.stage_seconds(uc, n, f, last) for _, n, f, last in kind_list)
         biggest = max(cost.stage_params(mc, n, f, last) for _, n, f, last in kind_list)
         capacity = self.device.memory_bytes
-        return _Profile(
+        return Profile(
             pp=pp,
             tp=tp,
             micro_batch=b,
@@ -304,15 +213,15 @@ class Planner:
             p2p_inter=p2p_inter if pp > 1 else 0.0,
             max_stage_params=biggest,
             optimizer_seconds=cost.optimizer_seconds(self.device, self.params, biggest, tp),
-            max_in_flight_fit=_largest_fitting_m(mc, mem, kind_list, pp, capacity),
-            min_memory_bytes=_memory_bytes(mc, mem, kind_list, pp, 1),
+            max_in_flight_fit=largest_fitting_m(mc, mem, kind_list, pp, capacity),
+            min_memory_bytes=memory_bytes(mc, mem, kind_list, pp, 1),
             memory=mem,
         )
 
     # -- one profile on one cluster ---------------------------------------------------------
 
     def _best_dp(
-        self, prof: _Profile, shape: _Shape, straddle: int, bound: float
+        self, prof: Profile, shape: Shape, straddle: int, bound: float
     ) -> tuple[float, int, int] | None:
         """(step seconds, d, m_max) minimising the step time, or None if none beats `bound`."""
         n = self.global_batch // prof.micro_batch
@@ -348,19 +257,19 @@ class Planner:
 
     def _choose(
         self,
-        shapes: dict[int, _Shape],
+        shapes: dict[int, Shape],
         top_k: int,
-        order: list[tuple[float, _Profile]] | None = None,
-    ) -> list[_Choice]:
+        order: list[tuple[float, Profile]] | None = None,
+    ) -> list[Choice]:
         """The best `top_k + 1` choices.
 
         `order` lists (lower bound of the step time, profile) by ascending bound; without
         it every profile of `shapes` is bounded for this cluster and sorted.
         """
         keep = top_k + 1
-        chosen: list[_Choice] = []
+        chosen: list[Choice] = []
         if order is None:
-            bounded: list[tuple[float, int, int, _Profile]] = []
+            bounded: list[tuple[float, int, int, Profile]] = []
             for tp, shape in shapes.items():
                 for i, prof in enumerate(self._profiles_for(tp)):
                     n = self.global_batch // prof.micro_batch
@@ -395,14 +304,14 @@ class Planner:
                 prof.micro_batch,
                 prof.recompute,
             )
-            choice = _Choice(key=key, profile=prof, dp=d, m_max=m)
+            choice = Choice(key=key, profile=prof, dp=d, m_max=m)
             bisect.insort(chosen, choice, key=lambda c: c.key)
             del chosen[keep:]
         return chosen
 
     # -- building plans ---------------------------------------------------------------------
 
-    def _candidate(self, choice: _Choice) -> Candidate:
+    def _candidate(self, choice: Choice) -> Candidate:
         prof = choice.profile
         return Candidate(
             layout=Layout(prof.pp, prof.tp, choice.dp),
@@ -415,7 +324,7 @@ class Planner:
             memory_gib=prof.memory_bytes(self._mc, choice.m_max) / GIB,
         )
 
-    def _build(self, choice: _Choice, cluster: ClusterSpec) -> Plan:
+    def _build(self, choice: Choice, cluster: ClusterSpec) -> Plan:
         prof = choice.profile
         plan = build_plan(
             self.model,
@@ -433,12 +342,12 @@ class Planner:
             memory_gib=prof.memory_bytes(self._mc, choice.m_max) / GIB,
         )
 
-    def _nothing_fits(self, shapes: dict[int, _Shape], gpus: int) -> PlanError:
+    def _nothing_fits(self, shapes: dict[int, Shape], gpus: int) -> PlanError:
         """Why no plan fits: the smallest memory need of any layout the cluster can hold.
 
         Only on the error path, so it may partition every (p, t) again.
         """
-        smallest: tuple[float, _Profile] | None = None
+        smallest: tuple[float, Profile] | None = None
         b = self.micro_batches[0]
         for tp, shape in shapes.items():
             for recompute in (False, True):
@@ -467,7 +376,7 @@ class Planner:
             )
         if top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {top_k}")
-        shapes = {t: _Shape.of(cluster, t) for t in self.tp_choices(cluster)}
+        shapes = {t: Shape.of(cluster, t) for t in self.tp_choices(cluster)}
         chosen = self._choose(shapes, top_k)
         if not chosen:
             raise self._nothing_fits(shapes, cluster.total_gpus)
@@ -494,46 +403,26 @@ class Planner:
         # The step time of a profile at a given d is the same for every node count (the
         # node boundaries repeat every gpus_per_node // tp groups), so its best time with
         # unlimited nodes is a lower bound for any count: visit profiles in that order.
-        huge = {t: _Shape.uniform(gpus_per_node, t, max(2, max_nodes)) for t in tps}
-        ideal: list[tuple[float, int, int, _Profile]] = []
+        huge = {t: Shape.uniform(gpus_per_node, t, max(2, max_nodes)) for t in tps}
+        ideal: list[tuple[float, int, int, Profile]] = []
         for t in tps:
-            shape = dataclasses.replace(huge[t], groups=_NO_LIMIT)
+            shape = dataclasses.replace(huge[t], groups=NO_LIMIT)
             for i, prof in enumerate(self._profiles_for(t)):
                 found = self._best_dp(prof, shape, shape.straddle_replica(prof.pp), math.inf)
                 if found is not None:
                     ideal.append((found[0], t, i, prof))
         ideal.sort(key=lambda x: x[:3])
         order = [(lb, prof) for lb, _, _, prof in ideal]
-        choices: dict[int, _Choice] = {}
+        choices: dict[int, Choice] = {}
         reasons: dict[int, str] = {}
         for nodes in range(min_nodes, max_nodes + 1):
-            shapes = {t: _Shape.uniform(gpus_per_node, t, nodes) for t in tps}
+            shapes = {t: Shape.uniform(gpus_per_node, t, nodes) for t in tps}
             chosen = self._choose(shapes, 0, order)
             if chosen:
                 choices[nodes] = chosen[0]
             else:
                 reasons[nodes] = str(self._nothing_fits(shapes, nodes * gpus_per_node))
         return PlanTable(self, gpus_per_node, choices, reasons)
-
-
-def _largest_fitting_m(
-    mc: cost.ModelCosts,
-    mem: cost.MemoryCosts,
-    kinds: tuple[tuple[int, int, bool, bool], ...],
-    pp: int,
-    capacity: float,
-) -> int:
-    """The largest m_max whose memory fits (memory grows with m up to m = p)."""
-    if _memory_bytes(mc, mem, kinds, pp, pp) <= capacity:
-        return _NO_LIMIT
-    lo, hi = 0, pp - 1  # lo fits (0 = nothing), the answer is in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _memory_bytes(mc, mem, kinds, pp, mid) <= capacity:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class PlanTable(Mapping[int, Plan]):
@@ -547,7 +436,7 @@ class PlanTable(Mapping[int, Plan]):
         self,
         planner: Planner,
         gpus_per_node: int,
-        choices: dict[int, _Choice],
+        choices: dict[int, Choice],
         reasons: dict[int, str],
     ) -> None:
         self._planner = planner
