@@ -31,7 +31,7 @@ from typing import Any
 from elasticpp.agent.actions import ResolveResume
 from elasticpp.agent.resumestep import _resume_instruction
 from elasticpp.checkpoint.manifest import PieceKey
-from elasticpp.cluster.client import resume_records
+from elasticpp.cluster.arrivals import resume_records
 from elasticpp.cluster.commits import HISTORY_KEPT
 from elasticpp.cluster.health import QuarantineRecord
 from elasticpp.cluster.keys import JobKeys

@@ -36,7 +36,7 @@ from elasticpp.agent.phases import (
     follower_step,
 )
 from elasticpp.agent.pool import _Worker
-from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import Plan

@@ -60,7 +60,7 @@ from elasticpp.agent.resumestep import (
     leader_resume_step,
     leader_resume_written,
 )
-from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep, node_fields
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan

@@ -39,7 +39,7 @@ from elasticpp.agent.actions import (
 from elasticpp.agent.decide import live_nodes
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.quarantine import stop_wait_step
-from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.digest import HoldingsDigest
 from elasticpp.store.holdings import NodeHoldings

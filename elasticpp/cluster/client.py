@@ -25,23 +25,18 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from elasticpp.cluster import keys as keymod
+from elasticpp.cluster.arrivals import ArrivalsPart
 from elasticpp.cluster.barriers import (
-    check_arrival,
     check_member,
-    join_resume,
-    resume_part_member,
-    split_resume,
 )
 from elasticpp.cluster.cache import JobCache
 from elasticpp.cluster.cachedreads import CachedReadsPart
 from elasticpp.cluster.commits import CommitsPart
 from elasticpp.cluster.errors import (
-    BarrierTimeoutError,
     ClusterDataError,
     ClusterUnavailableError,
     GenerationConflictError,
     LeaseNotFoundError,
-    MembershipLapsedError,
 )
 from elasticpp.cluster.etcd_client import (
     Compare,
@@ -59,14 +54,11 @@ from elasticpp.cluster.leases import (
     fence_after_s,
 )
 from elasticpp.cluster.records import (
-    EventType,
     GenerationRecord,
     GenerationSummary,
     JobEpoch,
     Members,
     WatchEvent,
-    dumps,
-    loads,
 )
 from elasticpp.cluster.watch import Watch
 
@@ -74,22 +66,8 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T", "Registration", "Leadership", "Watch")
 
-# The one member of barrier `resume-<G>`: the instruction of whichever leader wrote it.
-RESUME_MEMBER = "resume"
 
-
-def resume_records(value: Any, leader_id: str, at: float) -> list[tuple[str, str]]:
-    """The barrier members and records that hold resume instruction `value`: the instruction
-    and, when its pieces table is large, the parts holding it (`barriers.split_resume`)."""
-    main, parts = split_resume(value)
-    out = [(RESUME_MEMBER, dumps({"node_id": leader_id, "value": main, "at": at}))]
-    for part in parts:
-        record = dumps({"node_id": leader_id, "value": part, "at": at})
-        out.append((resume_part_member(int(part["part"])), record))
-    return out
-
-
-class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
+class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
     """One job's cluster state in etcd. Thread-safe; one instance per process is enough.
 
     `request_timeout_s` bounds every etcd call; past it the call raises
@@ -469,139 +447,4 @@ class ClusterClient(CachedReadsPart, CommitsPart, HealthPart):
         (default: changes after now). Survives etcd restarts; `cancel()` to stop."""
         return self._own(
             Watch(self._kv, key, callback, prefix=prefix, start_revision=start_revision)
-        )
-
-    # ------------------------------------------------------------------ barriers
-    def arrive(
-        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
-    ) -> None:
-        """Put `node_id`'s arrival at `barrier`. With `lease_id` (the node's registration
-        lease) etcd writes it only while the node's member key is on that lease, else
-        `MembershipLapsedError`: a node whose lease lapsed arrives nowhere, however late its
-        write reaches etcd (a check before the put would race with the lapse)."""
-        self._put_as_node(
-            node_id,
-            lease_id,
-            Put(
-                self.keys.barrier(barrier, node_id),
-                dumps({"node_id": node_id, "value": value, "at": time.time()}),
-            ),
-        )
-
-    def _put_as_node(self, node_id: str, lease_id: int | None, put: Put) -> None:
-        if lease_id is None:
-            self._kv.put(put.key, put.value)
-            return
-        ok, _, _ = self._kv.txn([Compare(self.keys.node(node_id), "lease", lease_id)], [put])
-        if not ok:
-            raise MembershipLapsedError(node_id, lease_id)
-
-    def write_resume(self, generation: int, value: Any, leader: Leadership) -> bool:
-        """Publish generation `generation`'s resume instruction (barrier `resume-<G>`, member
-        `RESUME_MEMBER`) once, fenced by `leader`'s term.
-
-        Whichever leader writes first wins; a later one (elected mid-transition) reads it
-        instead of writing its own, so followers never wait on a record that names a
-        leader they do not expect. False if one exists already or `leader` lost its term."""
-        key = self.keys.barrier(f"resume-{generation}", RESUME_MEMBER)
-        compares = [
-            Compare(key, "create", 0),
-            Compare(self.keys.leader, "value", leader.node_id),
-            Compare(self.keys.leader, "create", leader.create_revision),
-        ]
-        puts = [
-            Put(self.keys.barrier(f"resume-{generation}", member), record)
-            for member, record in resume_records(value, leader.node_id, time.time())
-        ]
-        ok, _, _ = self._kv.txn(compares, puts)
-        return ok
-
-    def barrier_state(self, barrier: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
-        """Who arrived (node id -> value) and the revision read. A value without the shape
-        its barrier needs (`barriers.check_arrival`) is skipped and counted, like an
-        unreadable one: the caller never sees it."""
-        prefix = self.keys.barrier_prefix(barrier)
-        kvs, revision = self._get_prefix(prefix, cached)
-        return self._memo(prefix, kvs, cached, lambda: self._arrivals(barrier, kvs)), revision
-
-    def _arrivals(self, barrier: str, kvs: list[Any]) -> dict[str, Any]:
-        prefix = self.keys.barrier_prefix(barrier)
-        records = self._records(kvs, f"{barrier} arrival")
-        out: dict[str, Any] = {}
-        for node, r in records.items():
-            try:
-                out[node] = check_arrival(barrier, node, r.get("value"))
-            except ClusterDataError as exc:
-                self.skip_value(prefix + node, exc)
-        if barrier.startswith("resume-"):
-            try:
-                out = join_resume(out, RESUME_MEMBER)
-            except ClusterDataError as exc:
-                self.skip_value(prefix + RESUME_MEMBER, exc)
-                # Without its parts the instruction cannot be used: neither is seen.
-                out = {m: v for m, v in out.items() if m != RESUME_MEMBER and "-part-" not in m}
-        return out
-
-    def wait_barrier(
-        self, barrier: str, expected_nodes: Iterable[str], timeout_s: float
-    ) -> dict[str, Any]:
-        """Block until every expected node arrived; returns node id -> value.
-
-        Raises BarrierTimeoutError (naming the missing nodes) at the deadline; keeps waiting
-        through an etcd restart (the watch resumes), but the first read needs etcd."""
-        expected = set(expected_nodes)
-        deadline = time.monotonic() + timeout_s
-        arrived, revision = self.barrier_state(barrier)
-        cond = threading.Condition()
-        prefix = self.keys.barrier_prefix(barrier)
-
-        def on_event(event: WatchEvent) -> None:
-            node_id = keymod.last_segment(event.key)
-            with cond:
-                if event.type is EventType.PUT and event.value is not None:
-                    try:
-                        arrived[node_id] = loads(event.value, "barrier arrival").get("value")
-                    except ClusterDataError as exc:
-                        self.skip_value(event.key, exc)
-                elif event.type is EventType.DELETE:
-                    arrived.pop(node_id, None)
-                cond.notify_all()
-
-        if expected <= arrived.keys():
-            return {n: arrived[n] for n in expected}
-        watch = Watch(self._kv, prefix, on_event, prefix=True, start_revision=revision + 1)
-        try:
-            with cond:
-                while not expected <= arrived.keys():
-                    left_s = deadline - time.monotonic()
-                    if left_s <= 0:
-                        raise BarrierTimeoutError(barrier, sorted(expected - arrived.keys()))
-                    cond.wait(left_s)
-                return {n: arrived[n] for n in expected}
-        finally:
-            watch.cancel()
-
-    def clear_barrier(self, barrier: str) -> int:
-        return self._kv.delete_prefix(self.keys.barrier_prefix(barrier))
-
-    # ------------------------------------------------------------------ suspicion
-    def report_suspect(self, node_id: str, by: str, reason: str) -> None:
-        self._kv.put(
-            self.keys.suspect(node_id),
-            dumps({"node_id": node_id, "by": by, "reason": reason, "at": time.time()}),
-        )
-        log.info("node %s suspected by %s: %s", node_id, by, reason)
-
-    def suspects(self) -> dict[str, dict[str, Any]]:
-        kvs, _ = self._kv.get_prefix(self.keys.suspects_prefix)
-        return self._records(kvs, "suspect")
-
-    def clear_suspect(self, node_id: str) -> bool:
-        return self._kv.delete(self.keys.suspect(node_id))
-
-    def watch_suspects(
-        self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
-    ) -> Watch:
-        return self.watch(
-            self.keys.suspects_prefix, callback, prefix=True, start_revision=start_revision
         )

@@ -314,7 +314,7 @@ def _resume(step: int) -> dict[str, Any]:
 def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leader(
     clients: Callable[[], ClusterClient],
 ) -> None:
-    from elasticpp.cluster.client import RESUME_MEMBER
+    from elasticpp.cluster.arrivals import RESUME_MEMBER
 
     a, b = clients(), clients()
     old = a.campaign("n1", ttl_s=5)
@@ -336,7 +336,7 @@ def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leade
 def test_a_large_resume_instruction_is_written_in_parts_and_read_whole(
     clients: Callable[[], ClusterClient],
 ) -> None:
-    from elasticpp.cluster.client import RESUME_MEMBER
+    from elasticpp.cluster.arrivals import RESUME_MEMBER
 
     a, b = clients(), clients()
     lead = a.campaign("n1", ttl_s=30)

@@ -19,7 +19,7 @@ from elasticpp.agent.latest import LatestWriter, Pacing
 from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
-from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR

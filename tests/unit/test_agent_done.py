@@ -18,7 +18,7 @@ from elasticpp.agent.leaderstep import leader_resume_step, leader_timeline_step
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
-from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import DISK_SOURCE

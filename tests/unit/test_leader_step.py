@@ -43,7 +43,7 @@ from elasticpp.agent.leaderstep import (
 from elasticpp.agent.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import Quarantine, SickNodes
 from elasticpp.checkpoint.manifest import PieceKey
-from elasticpp.cluster.client import RESUME_MEMBER
+from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.records import (
     CommitRecord,
     GenerationRecord,

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from elasticpp.cluster.arrivals import RESUME_MEMBER, resume_records
 from elasticpp.cluster.barriers import (
     RESUME_PART_BYTES,
     check_arrival,
@@ -15,7 +16,6 @@ from elasticpp.cluster.barriers import (
     resume_part_member,
     split_resume,
 )
-from elasticpp.cluster.client import RESUME_MEMBER, resume_records
 from elasticpp.cluster.errors import ClusterDataError
 
 
