@@ -2,8 +2,9 @@
 commit records and suspicion. The only package that talks to etcd (through `etcd_client`).
 
 Modules: `client` (the `ClusterClient` calls), `leases` (membership and leadership keys
-under leases), `watch` (watches that survive etcd restarts), `commits` (commit records,
-the safe step, housekeeping), `records` (the versioned values), `keys` (the key layout).
+under leases), `watch` (watches that survive etcd restarts), `arrivals` (barriers, the
+resume instruction, suspicion), `commits` (commit records, the safe step, housekeeping),
+`records` (the versioned values), `keys` (the key layout).
 Import `EtcdServer` from `elasticpp.cluster.etcd_server` (it starts a local etcd for tests
 and the demo).
 """
