@@ -46,9 +46,23 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     LeaseNotFoundError,
 )
-from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
+from elasticpp.cluster.etcd_endpoint import (
+    AUTHENTICATE,
+    CHANNEL_OPTIONS,
+    COMPACT,
+    DELETE,
+    GRANT,
+    PUT,
+    RANGE,
+    REVOKE,
+    TXN,
+    Endpoint,
+    meter_request,
+    metered,
+)
+from elasticpp.cluster.etcd_errors import is_token_error, is_watch_token_refusal, raise_mapped
 from elasticpp.cluster.etcd_keepalive import KeepAliveStream
-from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
+from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.etcd_ops import (
     Compare,
     Delete,
@@ -91,72 +105,12 @@ DEFAULT_MAX_SEND_BYTES = 2 * 1024 * 1024
 # gRPC's own default is 4 MiB; a reply over the limit is a ClusterLimitError naming the read.
 DEFAULT_MAX_RECEIVE_BYTES = 16 * 1024 * 1024
 
-_CHANNEL_OPTIONS = [
-    # Reconnect quickly once etcd is back (gRPC's default backoff grows to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    # Notice a silently dead connection (partition) under a long-lived watch stream;
-    # etcd refuses pings more often than every 5 s.
-    ("grpc.keepalive_time_ms", 10000),
-    ("grpc.keepalive_timeout_ms", 5000),
-]
-
 # Keys per range reply: with records of a few hundred bytes (one per node) a reply stays far
 # under 1 MiB; a larger range is read in pages at one revision (`EtcdKV.get_range`).
 RANGE_PAGE_KEYS = 512
 COMPACTED_RETRIES = 3  # a paged read whose revision was compacted meanwhile starts again
-_RANGE = "/etcdserverpb.KV/Range"
-_PUT = "/etcdserverpb.KV/Put"
-_DELETE = "/etcdserverpb.KV/DeleteRange"
-_TXN = "/etcdserverpb.KV/Txn"
-_COMPACT = "/etcdserverpb.KV/Compact"
-_GRANT = "/etcdserverpb.Lease/LeaseGrant"
-_REVOKE = "/etcdserverpb.Lease/LeaseRevoke"
-_AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
-
-_REPLIES: dict[str, Any] = {
-    _RANGE: pb.RangeResponse,
-    _PUT: pb.PutResponse,
-    _DELETE: pb.DeleteRangeResponse,
-    _TXN: pb.TxnResponse,
-    _COMPACT: pb.CompactionResponse,
-    _GRANT: pb.LeaseGrantResponse,
-    _REVOKE: pb.LeaseRevokeResponse,
-    _AUTHENTICATE: pb.AuthenticateResponse,
-}
-
-
 _R = TypeVar("_R")
 _RETRY_PAUSE_S = 0.1
-
-
-class _Endpoint:
-    """One etcd endpoint's channel, when it last refused a call, and its streams (guarded by
-    the client's lock; replaced when they end)."""
-
-    def __init__(self, target: str, security: EtcdSecurity, options: list[Any]) -> None:
-        self.target = target
-        if security.tls:
-            self.channel = grpc.secure_channel(target, security.channel_credentials(), options)
-        else:
-            self.channel = grpc.insecure_channel(target, options)
-        self.failed_at_s = float("-inf")
-        self._unary: dict[str, Any] = {}
-        self.watch_stream: WatchStream | None = None
-        self.keepalive: KeepAliveStream | None = None
-
-    def unary(self, method: str) -> Any:
-        call = self._unary.get(method)
-        if call is None:
-            reply = _REPLIES[method]
-            call = self.channel.unary_unary(
-                method,
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=reply.FromString,
-            )
-            self._unary[method] = call
-        return call
 
 
 class EtcdKV:
@@ -187,7 +141,7 @@ class EtcdKV:
         self._limits = (max_send_bytes, max_receive_bytes)
         self._meter = meter  # counts requests and bytes (bench/scale.py); None: nothing counted
         options = [
-            *_CHANNEL_OPTIONS,
+            *CHANNEL_OPTIONS,
             ("grpc.max_send_message_length", max_send_bytes),
             ("grpc.max_receive_message_length", max_receive_bytes),
         ]
@@ -195,7 +149,7 @@ class EtcdKV:
         for text in endpoints:
             host, port = parse_endpoint(text, tls=self.security.tls)
             target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            self._endpoints.append(_Endpoint(target, self.security, options))
+            self._endpoints.append(Endpoint(target, self.security, options))
         self._lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
@@ -227,7 +181,7 @@ class EtcdKV:
             ep.channel.close()
 
     # ------------------------------------------------------------------ plumbing
-    def _endpoint(self) -> _Endpoint:
+    def _endpoint(self) -> Endpoint:
         """The endpoint to use: the current one, unless it refused a call within
         `retry_endpoint_s` and another did not."""
         with self._lock:
@@ -243,12 +197,12 @@ class EtcdKV:
             self._current = self._endpoints.index(ep)
             return ep
 
-    def _refused(self, ep: _Endpoint) -> None:
+    def _refused(self, ep: Endpoint) -> None:
         if len(self._endpoints) > 1:
             with self._lock:
                 ep.failed_at_s = time.monotonic()
 
-    def _metadata(self, ep: _Endpoint, *, renew: bool = False) -> list[tuple[str, str]] | None:
+    def _metadata(self, ep: Endpoint, *, renew: bool = False) -> list[tuple[str, str]] | None:
         """The auth token for calls (fetched on first use, or again when `renew`)."""
         sec = self.security
         if sec.user is None:
@@ -258,7 +212,7 @@ class EtcdKV:
         if token is None:
             self._count("Authenticate")
             try:
-                reply = ep.unary(_AUTHENTICATE)(
+                reply = ep.unary(AUTHENTICATE)(
                     pb.AuthenticateRequest(name=sec.user, password=sec.password or ""),
                     timeout=self.request_timeout_s,
                 )
@@ -273,7 +227,7 @@ class EtcdKV:
         with self._lock:
             self._token = None  # etcd restarted, or the token lapsed: log in again
 
-    def _watch_stream(self, ep: _Endpoint) -> WatchStream:
+    def _watch_stream(self, ep: Endpoint) -> WatchStream:
         """The endpoint's Watch stream, opened if it has none that takes watchers."""
         with self._lock:
             stream = ep.watch_stream
@@ -287,7 +241,7 @@ class EtcdKV:
                 ep.watch_stream = stream
             return stream
 
-    def _keepalive_stream(self, ep: _Endpoint, metadata: Any) -> KeepAliveStream:
+    def _keepalive_stream(self, ep: Endpoint, metadata: Any) -> KeepAliveStream:
         """The endpoint's LeaseKeepAlive stream, opened if it has none that works."""
         with self._lock:
             stream = ep.keepalive
@@ -300,40 +254,16 @@ class EtcdKV:
         """One unary call (see `_attempts`)."""
         name = method.rsplit("/", 1)[-1]
 
-        def call(ep: _Endpoint, md: Any) -> Any:
+        def call(ep: Endpoint, md: Any) -> Any:
             self._count(name)
             return ep.unary(method)(request, timeout=self.request_timeout_s, metadata=md)
 
         reply = self._attempts(op, call, retry=retry)
         if self._meter is not None:
-            self._meter_request(method, request, reply)
+            meter_request(self._meter, method, request, reply)
         return reply
 
-    def _meter_request(self, method: str, request: Any, reply: Any) -> None:
-        """The bench's meter (elasticpp.cluster.etcd_meter): sizes and kinds of a request."""
-        assert self._meter is not None
-        value, key = 0, b""
-        if method == _PUT:
-            value, key = len(request.value), request.key
-        elif method == _TXN:
-            puts = [op.request_put for op in request.success if op.HasField("request_put")]
-            value = max((len(p.value) for p in puts), default=0)
-            key = puts[0].key if puts else b""
-        elif method in (_RANGE, _DELETE):
-            key = request.key
-        prefix = method == _RANGE and bool(request.range_end)
-        name = method.rsplit("/", 1)[-1].lower()
-        self._meter.request(
-            sent=request.ByteSize(),
-            received=reply.ByteSize(),
-            write=method in (_PUT, _TXN, _DELETE),
-            read=method == _RANGE,
-            prefix=prefix,
-            value=value,
-            kind=kind_of(name, key, prefix=prefix),
-        )
-
-    def _attempts(self, op: str, call: Callable[[_Endpoint, Any], _R], *, retry: bool = True) -> _R:
+    def _attempts(self, op: str, call: Callable[[Endpoint, Any], _R], *, retry: bool = True) -> _R:
         """Run `call(endpoint, auth metadata)`; with `retry`, a fast "unavailable" answer is
         retried for `retry_window_s` (on the next endpoint, if there are several).
 
@@ -366,7 +296,7 @@ class EtcdKV:
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str) -> KeyValue | None:
-        reply = self._unary(f"get {key}", _RANGE, pb.RangeRequest(key=key.encode()))
+        reply = self._unary(f"get {key}", RANGE, pb.RangeRequest(key=key.encode()))
         return kv_of(reply.kvs[0]) if reply.kvs else None
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
@@ -400,7 +330,7 @@ class EtcdKV:
                         sort_order=pb.RangeRequest.ASCEND,
                         sort_target=pb.RangeRequest.KEY,
                     )
-                    reply = self._unary(f"get range {key}..{range_end}", _RANGE, request)
+                    reply = self._unary(f"get range {key}..{range_end}", RANGE, request)
                     if revision == 0:
                         revision = int(reply.header.revision)
                     out.extend(kv_of(kv) for kv in reply.kvs)
@@ -418,30 +348,30 @@ class EtcdKV:
     def revision(self) -> int:
         """The store's current revision."""
         request = pb.RangeRequest(key=b"\0", keys_only=True, limit=1)
-        return int(self._unary("read revision", _RANGE, request).header.revision)
+        return int(self._unary("read revision", RANGE, request).header.revision)
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, value: str, lease_id: int | None = None) -> int:
         """Write `key`; returns the revision of the write."""
         request = pb.PutRequest(key=key.encode(), value=value.encode(), lease=lease_id or 0)
         self._check_size(f"put {key}", request)
-        return int(self._unary(f"put {key}", _PUT, request).header.revision)
+        return int(self._unary(f"put {key}", PUT, request).header.revision)
 
     def delete(self, key: str) -> bool:
-        reply = self._unary(f"delete {key}", _DELETE, pb.DeleteRangeRequest(key=key.encode()))
+        reply = self._unary(f"delete {key}", DELETE, pb.DeleteRangeRequest(key=key.encode()))
         return int(reply.deleted) > 0
 
     def delete_prefix(self, prefix: str) -> int:
         raw = prefix.encode()
         request = pb.DeleteRangeRequest(key=raw, range_end=byte_prefix_end(raw))
-        return int(self._unary(f"delete prefix {prefix}", _DELETE, request).deleted)
+        return int(self._unary(f"delete prefix {prefix}", DELETE, request).deleted)
 
     def compact(self, revision: int, *, physical: bool = False) -> bool:
         """Drop the history before `revision` (etcd keeps every revision until compacted);
         False if it was compacted that far already."""
         request = pb.CompactionRequest(revision=revision, physical=physical)
         try:
-            self._unary(f"compact to revision {revision}", _COMPACT, request)
+            self._unary(f"compact to revision {revision}", COMPACT, request)
         except ClusterUnavailableError as exc:
             if is_compacted(exc):
                 return False
@@ -465,7 +395,7 @@ class EtcdKV:
             ],
         )
         self._check_size("txn", request)
-        reply = self._unary("txn", _TXN, request, retry=False)
+        reply = self._unary("txn", TXN, request, retry=False)
         found: list[KeyValue | None] = []
         if not reply.succeeded:
             for r in reply.responses:
@@ -486,7 +416,7 @@ class EtcdKV:
     # ------------------------------------------------------------------ leases
     def grant(self, ttl_s: int) -> int:
         # A retried grant may leave an unused lease behind; it lapses after its TTL.
-        reply = self._unary("lease grant", _GRANT, pb.LeaseGrantRequest(TTL=int(ttl_s)))
+        reply = self._unary("lease grant", GRANT, pb.LeaseGrantRequest(TTL=int(ttl_s)))
         if reply.error:
             raise ClusterUnavailableError(f"etcd lease grant: {reply.error}")
         return int(reply.ID)
@@ -500,7 +430,7 @@ class EtcdKV:
         next call), and an answer renewing the lease after that calls `on_late()` (see
         `etcd_keepalive`)."""
 
-        def once(ep: _Endpoint, metadata: Any) -> Any:
+        def once(ep: Endpoint, metadata: Any) -> Any:
             self._count("LeaseKeepAlive")
             stream = self._keepalive_stream(ep, metadata)
             return stream.refresh(lease_id, self.request_timeout_s, on_late)
@@ -515,7 +445,7 @@ class EtcdKV:
         return ttl
 
     def revoke(self, lease_id: int) -> None:
-        self._unary("lease revoke", _REVOKE, pb.LeaseRevokeRequest(ID=lease_id))
+        self._unary("lease revoke", REVOKE, pb.LeaseRevokeRequest(ID=lease_id))
 
     # ------------------------------------------------------------------ watches
     def add_watch(
@@ -543,7 +473,7 @@ class EtcdKV:
                 self._count("WatchEvent", len(item.events))
             sink(item)
 
-        deliver = counted if self._meter is None else _metered(counted, self._meter)
+        deliver = counted if self._meter is None else metered(counted, self._meter)
         for attempt in range(2):
             renew = self.security.user is not None and attempt == 0
             ep = self._endpoint()
@@ -566,7 +496,7 @@ class EtcdKV:
                         self._refused(ep)
                     raise
             if watcher.refused is not None:
-                if renew and _token_refused(watcher.refused.reason):
+                if renew and is_watch_token_refusal(watcher.refused.reason):
                     # The stream's token went stale: new watches go to a stream with a new one.
                     self._forget_token()
                     with self._lock:
@@ -594,21 +524,3 @@ class EtcdKV:
         if entry is not None:
             stream, watcher = entry
             stream.cancel(watcher)  # never raises: the stream may be dead already
-
-
-def _token_refused(reason: str) -> bool:
-    """etcd's refusal of a watch for its stream's token: a stale token reads as "permission
-    denied" (etcd 3.5 says "invalid auth token" elsewhere)."""
-    return "permission denied" in reason or "invalid auth token" in reason
-
-
-def _metered(sink: Callable[[WatchItem], None], meter: EtcdMeter) -> Callable[[WatchItem], None]:
-    """`sink`, with every batch it is handed counted first."""
-
-    def counted(item: WatchItem) -> None:
-        if isinstance(item, WatchBatch):
-            size = sum(len(e.key) + len(e.value or "") for e in item.events)
-            meter.watched(len(item.events), size)
-        sink(item)
-
-    return counted

@@ -42,3 +42,9 @@ def raise_mapped(op: str, exc: grpc.RpcError, limits: tuple[int, int]) -> NoRetu
     # Refused at once (no connection, etcd restarting) is worth another try; a timeout is not.
     fast = code == grpc.StatusCode.UNAVAILABLE
     raise ClusterUnavailableError(f"etcd {op}: {code.name} {details}", fast=fast) from None
+
+
+def is_watch_token_refusal(reason: str) -> bool:
+    """etcd's refusal of a watch for its stream's token: a stale token reads as "permission
+    denied" (etcd 3.5 says "invalid auth token" elsewhere)."""
+    return "permission denied" in reason or "invalid auth token" in reason

@@ -68,9 +68,11 @@ def test_only_the_etcd_client_talks_to_etcd() -> None:
         for p in ROOT.rglob("*.py")
         if any(n.startswith(("etcd3", "elasticpp.rpc.etcd")) for n in imports_of(p))
     )
-    # The client's modules: its calls, its streams, and the encoding of its messages.
+    # The client's modules: its calls, its endpoints, its streams, and the encoding of its
+    # messages.
     assert users == [
         "elasticpp/cluster/etcd_client.py",
+        "elasticpp/cluster/etcd_endpoint.py",
         "elasticpp/cluster/etcd_keepalive.py",
         "elasticpp/cluster/etcd_ops.py",
         "elasticpp/cluster/etcd_watch_stream.py",
