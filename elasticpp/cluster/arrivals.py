@@ -65,15 +65,6 @@ class ArrivalsPart:
             self, name: str, source: object, cached: bool, build: Callable[[], Any]
         ) -> Any: ...
 
-        def watch(
-            self,
-            key: str,
-            callback: Callable[[WatchEvent], None],
-            *,
-            prefix: bool = False,
-            start_revision: int | None = None,
-        ) -> Watch: ...
-
     # ------------------------------------------------------------------ barriers
     def arrive(
         self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
@@ -201,10 +192,3 @@ class ArrivalsPart:
 
     def clear_suspect(self, node_id: str) -> bool:
         return self._kv.delete(self.keys.suspect(node_id))
-
-    def watch_suspects(
-        self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
-    ) -> Watch:
-        return self.watch(
-            self.keys.suspects_prefix, callback, prefix=True, start_revision=start_revision
-        )

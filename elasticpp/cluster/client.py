@@ -346,6 +346,13 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         kv = self._get(self.keys.leader, cached)
         return (kv.value, kv.create_revision) if kv else (None, 0)
 
+    def watch_suspects(
+        self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
+    ) -> Watch:
+        return self.watch(
+            self.keys.suspects_prefix, callback, prefix=True, start_revision=start_revision
+        )
+
     def watch_leader(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
     ) -> Watch:
