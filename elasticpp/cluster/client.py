@@ -364,8 +364,9 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         kv = self._get(self.keys.generation, cached)
         if kv is None:
             return None, 0
-        # The cache holds one KeyValue per change of the key: parsed once per change.
-        record = self._memo("generation", kv, cached, lambda: GenerationRecord.from_json(kv.value))
+        # The cache holds one KeyValue per change of the key: parsed once per change (and
+        # once per process: the same text is one record for every agent of a process).
+        record = self._memo("generation", kv, cached, lambda: GenerationRecord.shared(kv.value))
         return record, kv.mod_revision
 
     def write_generation(

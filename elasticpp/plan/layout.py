@@ -245,19 +245,30 @@ class Plan:
         """`from_dict(data)`, one object for equal data in this process (a plan is
         immutable): the agents of one process (the simulation's hundreds) parse a
         generation's plan and index its placement by node once, not once each, which was
-        O(N) per agent and O(N^2) per process. The last SHARED_PLANS are kept."""
+        O(N) per agent and O(N^2) per process. The last SHARED_PLANS are kept. `data` must
+        not be changed afterwards (the same dict asked again is answered without reading it)."""
+        with _SHARED_LOCK:
+            # The same dict again (the agents of a process share a parsed generation record,
+            # `GenerationRecord.shared`): no key to serialise. The entry holds `data`, so its
+            # id is not reused while it is kept.
+            held = _SHARED_BY_ID.get(id(data))
+            if held is not None and held[0] is data:
+                return held[1]
         key = json.dumps(data, sort_keys=True, separators=(",", ":"))
         with _SHARED_LOCK:
             plan = _SHARED.get(key)
             if plan is not None:
                 _SHARED.move_to_end(key)
-                return plan
-        plan = cls.from_dict(data)  # raises on bad data: nothing is kept
+        if plan is None:
+            plan = cls.from_dict(data)  # raises on bad data: nothing is kept
         with _SHARED_LOCK:
             plan = _SHARED.setdefault(key, plan)  # a parse beside this one may have won
             _SHARED.move_to_end(key)
             while len(_SHARED) > SHARED_PLANS:
                 _SHARED.popitem(last=False)
+            _SHARED_BY_ID[id(data)] = (data, plan)
+            while len(_SHARED_BY_ID) > SHARED_PLANS:
+                _SHARED_BY_ID.pop(next(iter(_SHARED_BY_ID)))
         return plan
 
     @classmethod
@@ -378,6 +389,8 @@ def build_plan(
 
 
 _SHARED: collections.OrderedDict[str, Plan] = collections.OrderedDict()
+# id(data) -> (data, its plan): the dicts asked about last, insertion-ordered.
+_SHARED_BY_ID: dict[int, tuple[dict[str, Any], Plan]] = {}
 _SHARED_LOCK = threading.Lock()
 
 
