@@ -186,10 +186,11 @@ def transition(
     # Between transitions a leader may be changing (a loop stalled past its lease on a busy
     # machine steps down): the fault waits for one.
     now = [Summary()]
+    asked: list[str | None] = [None]  # the sick node: is it planned still?
 
     def look(cond: Any) -> Any:
         def check() -> bool:
-            now[0] = cluster.summary()
+            now[0] = cluster.summary(asked[0])
             return bool(cond(now[0]))
 
         return check
@@ -216,6 +217,7 @@ def transition(
         cluster.add([victim])
     elif fault == "sick":
         victim = others[0]
+        asked[0] = victim
         cluster.make_sick(victim)
     else:
         raise ElasticppError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
@@ -225,7 +227,7 @@ def transition(
             return False
         if fault == "sick":  # settled once quarantined and planned without the sick node
             quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
-            return quarantined is not None and victim not in s.planned
+            return quarantined is not None and s.asked_planned is False
         return True
 
     if not wait_until(look(lambda s: s.generation > g0), timeout_s, interval_s=poll_s):

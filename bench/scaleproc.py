@@ -52,7 +52,10 @@ class Summary:
     min_generation: int | None = None  # the oldest generation a healthy node follows
     # generation -> healthy nodes following it that do not run it yet (not RUNNING or IDLE)
     unstarted: dict[int, int] = field(default_factory=dict)
-    planned: tuple[str, ...] = ()  # the plan's nodes, as a healthy node at `generation` has it
+    # Whether the node asked about (`summary(asked)`) is planned in the newest generation a
+    # healthy node holds, `asked_gen` (None: none asked, or no healthy node holds a plan).
+    asked_planned: bool | None = None
+    asked_gen: int = -1
 
     def plus(self, other: Summary) -> Summary:
         mins = [g for g in (self.min_generation, other.min_generation) if g is not None]
@@ -60,14 +63,15 @@ class Summary:
         for g, k in other.unstarted.items():
             unstarted[g] = unstarted.get(g, 0) + k
         generation = max(self.generation, other.generation)
-        planned = self.planned if self.generation >= other.generation else other.planned
+        newer = self if self.asked_gen >= other.asked_gen else other
         return Summary(
             self.leaders + other.leaders,
             generation,
             self.healthy + other.healthy,
             min(mins) if mins else None,
             unstarted,
-            planned or self.planned or other.planned,
+            newer.asked_planned,
+            newer.asked_gen,
         )
 
     @property
@@ -83,12 +87,12 @@ class Summary:
         return self.all_hold(generation) and self.unstarted.get(generation, 0) == 0
 
 
-def _summary(cluster: Any) -> Summary:
+def _summary(cluster: Any, asked: str | None = None) -> Summary:
     leaders: list[str] = []
     generation, healthy, min_gen = 0, 0, None
     unstarted: dict[int, int] = {}
-    planned: tuple[str, ...] = ()
-    planned_gen = -1
+    asked_planned: bool | None = None
+    asked_gen = -1
     for node_id, node in list(cluster.nodes.items()):
         if node_id in cluster.crashed:
             continue
@@ -104,9 +108,11 @@ def _summary(cluster: Any) -> Summary:
         min_gen = g if min_gen is None else min(min_gen, g)
         if gs is None or gs.phase not in (Phase.RUNNING, Phase.IDLE):
             unstarted[g] = unstarted.get(g, 0) + 1
-        if gs is not None and g > planned_gen:
-            planned, planned_gen = tuple(sorted(gs.record.planned_nodes)), g
-    return Summary(tuple(leaders), generation, healthy, min_gen, unstarted, planned)
+        if asked is not None and gs is not None and g > asked_gen:
+            asked_planned, asked_gen = asked in gs.record.planned_nodes, g
+    return Summary(
+        tuple(leaders), generation, healthy, min_gen, unstarted, asked_planned, asked_gen
+    )
 
 
 def _healthy(cluster: Any) -> list[str]:
@@ -195,7 +201,7 @@ def _serve(
                     cluster.make_sick(arg)
                     reply = {"ok": None}
                 elif op == "summary":
-                    reply = {"ok": asdict(_summary(cluster))}
+                    reply = {"ok": asdict(_summary(cluster, arg))}
                 elif op == "healthy":
                     reply = {"ok": _healthy(cluster)}
                 elif op == "meter":
@@ -315,14 +321,15 @@ class ProcCluster:
         self._ask(self._home[node_id], "sick", node_id)
 
     # ------------------------------------------------------------------ what the nodes hold
-    def summary(self) -> Summary:
+    def summary(self, asked: str | None = None) -> Summary:
+        """Every child's summary, merged; `asked`: a node whose place in the newest plan to
+        report (`Summary.asked_planned`)."""
         total = Summary()
-        for r in self._ask_all("summary"):
+        for r in self._ask_all("summary", asked):
             unstarted = {int(g): int(k) for g, k in r.pop("unstarted").items()}
             total = total.plus(
                 Summary(
                     leaders=tuple(r.pop("leaders")),
-                    planned=tuple(r.pop("planned")),
                     unstarted=unstarted,
                     **r,
                 )
