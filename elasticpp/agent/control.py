@@ -38,6 +38,7 @@ class ControlState:
     errors_seen: set[tuple[str, str, str]] = field(default_factory=set)  # logged once each
     exit_code: int | None = None  # drained, or finished with on_job_end "exit"
     loop_serving: bool = True  # what the watchdog last said of the loop (`check_loop`)
+    gauges: tuple[object, ...] | None = None  # the values the gauges were last set to
 
 
 @dataclass(frozen=True)
@@ -174,15 +175,26 @@ class ControlPart:
         return sorted(self._member_ids())
 
     def _update_gauges(self) -> None:
-        m = self.metrics
-        m.of(m.etcd_up).set(1 if self._vs.etcd_ok else 0)
-        m.of(m.members).set(len(self._member_ids()))  # every second: counted, not sorted
-        m.of(m.is_leader).set(1 if self._is_leader() else 0)
-        m.of(m.generation).set(self.generation)
+        """Set the gauges (on every view refresh), unless their values did not change."""
         floor = self.store.floor
-        m.of(m.safe_step).set(floor[1] if floor is not None else -1)
         counts = dict.fromkeys(WORKER_STATES, 0)
         counts.update(self.pool.counts())
+        values = (
+            1 if self._vs.etcd_ok else 0,
+            len(self._member_ids()),  # counted, not sorted
+            1 if self._is_leader() else 0,
+            self.generation,
+            floor[1] if floor is not None else -1,
+            tuple(counts.values()),
+        )
+        if values == self._cs.gauges:
+            return
+        self._cs.gauges = values
+        m = self.metrics
+        for gauge, value in zip(
+            (m.etcd_up, m.members, m.is_leader, m.generation, m.safe_step), values, strict=False
+        ):
+            m.of(gauge).set(value)
         for state, n in counts.items():
             m.of(m.workers, state=state).set(n)
 
@@ -198,7 +210,7 @@ class ControlPart:
             now_s=self._clock.monotonic(),
             node_id=self.node_id,
             generation=self.generation,
-            plan_nodes=frozenset(gs.record.planned_nodes) if gs else None,
+            plan_nodes=gs.record.planned_set if gs else None,
             # The leader writes a generation's timeline once every planned node arrived at
             # started-G (which only the leader reads).
             started_everywhere=f"gen-{self.generation}" in self._vs.barriers.get("timelines", {}),

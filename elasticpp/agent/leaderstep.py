@@ -276,7 +276,7 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         state.sick.trained(gen.planned_nodes)
         return []
     started = obs.barriers.get(f"started-{gen.generation}", {})
-    nodes = set(gen.planned_nodes)
+    nodes = gen.planned_set
     if not nodes <= set(started):
         return []
     state.replan_failures = 0

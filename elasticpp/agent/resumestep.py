@@ -120,7 +120,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
             actions.append(SetAside(tuple(decisions)))
         if not passed:
             return actions
-        if missing & set(gen.planned_nodes):
+        if missing & gen.planned_set:
             return actions  # quarantined now: the next step re-plans without them
         expected -= missing  # set aside, outside the plan: resume from the others
     next_steps = tuple(int(v.get("next_step", 0)) for v in stopped.values())
@@ -165,7 +165,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
             incarnation = str(obs.members.get(node, {}).get("incarnation", ""))
             decisions += state.sick.exclude(node, reason, incarnation, obs.wall_s)
         actions.append(SetAside(tuple(decisions)))
-    if unanswered & set(gen.planned_nodes):
+    if unanswered & gen.planned_set:
         return actions  # quarantined now: the next step re-plans without them
     live = tuple(sorted(expected - unanswered))
     holdings = {n: h for n, h in pulled.holdings.items() if n in live}

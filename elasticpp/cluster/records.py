@@ -176,6 +176,12 @@ class GenerationRecord:
         return (*placed, *(n for n in dict.fromkeys(spares) if n not in ranked))
 
     @cached_property
+    def planned_set(self) -> frozenset[str]:
+        """`planned_nodes` as a set, made once per record (the agents of a process share
+        one record: `shared`)."""
+        return frozenset(self.planned_nodes)
+
+    @cached_property
     def incarnation_tags(self) -> dict[str, str]:
         """Planned node -> the tag of its agent's incarnation when planned (`incarnation_tag`);
         empty if the record has none. `ClusterDataError` if unreadable."""

@@ -60,3 +60,9 @@ def test_the_plan_of_a_shared_record_is_not_serialised_again(
     copy = json.loads(real(record.plan))
     assert Plan.shared(copy) is plan  # an equal dict: by its serialised form, as before
     assert dumps == [1]
+
+
+def test_the_planned_nodes_as_a_set_are_made_once_per_record() -> None:
+    record = GenerationRecord.shared(_record_of(["n2", "n0", "n1"], 8).to_json())
+    assert record.planned_set == frozenset(record.planned_nodes) == {"n0", "n1", "n2"}
+    assert record.planned_set is record.planned_set
