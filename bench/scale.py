@@ -150,6 +150,11 @@ class Transition:
     all_hold_s: float  # fault -> every node holds it
     all_started_s: float  # fault -> every node reports started
     decide_to_hold_s: float | None
+    # decision -> a node holds it: median, 90th percentile and slowest over the nodes, and
+    # the slowest of each simulation process (which process lags, or all alike)
+    hold_p50_s: float | None
+    hold_p90_s: float | None
+    hold_max_by_process_s: list[float]
     quarantined_s: float | None  # fault -> the node's quarantine record (sick)
     generations: int  # generations the fault caused
     reasons: list[str]  # each one's reason, as its record says
@@ -235,6 +240,7 @@ def transition(
     if not wait_until(look(lambda s: s.all_hold(g0 + 1)), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"{fault} of {victim}: not every node holds generation {g0 + 1}")
     t_hold = time.monotonic()
+    held_at = cluster.held_at(g0 + 1)  # now, before a next generation replaces it
     # Not settled in time is a result (reported with the generations' reasons), not an error.
     error = None
     if not wait_until(look(settled), timeout_s, interval_s=poll_s):
@@ -246,6 +252,8 @@ def transition(
     kinds = {k: v - kinds0.get(k, 0) for k, v in kinds1.items() if v > kinds0.get(k, 0)}
     decided = observer.first_after(t0, keys.generation, lambda v: _generation_of(v) > g0)
     quarantined = observer.first_after(t0, keys.quarantine(victim), lambda v: v)
+    held = [[t - decided for t in times] for times in held_at] if decided else []
+    spread = sorted(t for times in held for t in times)
     generation = now[0].generation
     return Transition(
         nodes=n,
@@ -256,6 +264,9 @@ def transition(
         all_hold_s=round(t_hold - t0, 3),
         all_started_s=round(t_started - t0, 3),
         decide_to_hold_s=None if decided is None else round(t_hold - decided, 3),
+        hold_p50_s=round(_quantile(spread, 0.5), 3) if spread else None,
+        hold_p90_s=round(_quantile(spread, 0.9), 3) if spread else None,
+        hold_max_by_process_s=[round(max(times), 3) for times in held if times],
         quarantined_s=None if quarantined is None else round(quarantined - t0, 3),
         generations=generation - g0,
         reasons=observer.reasons_after(t0),
@@ -270,6 +281,11 @@ def transition(
         requests_by_kind=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         cpu_s_by_thread={k: round(v, 3) for k, v in by_thread[:12]},
     )
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The `q` quantile of a sorted, non-empty list (the nearest rank)."""
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
 def cpu_by_thread(before: dict[str, float], after: dict[str, float]) -> list[tuple[str, float]]:
@@ -402,6 +418,7 @@ def table(results: list[dict[str, Any]]) -> str:
     """The markdown table of `results` (one row per transition)."""
     lines = [
         "| nodes | fault | decided s | all hold s | all started s | decide->hold s "
+        "(p50 / p90) "
         "| etcd req (per node; added per node) | KiB sent / recv | leader CPU s | process CPU s "
         "| steady req/node/s | steady writes/node/s | largest value B | largest read B "
         "| gens | steady CPU ms/node/s | leader terms | violations |",
@@ -414,6 +431,7 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['nodes']} | {t['fault']} | {t['decided_s']} | {t['all_hold_s']} "
                 f"| {t['all_started_s']} | {t['decide_to_hold_s']} "
+                f"({t.get('hold_p50_s', '-')} / {t.get('hold_p90_s', '-')}) "
                 f"| {e['requests']} ({t['requests_per_node']}; "
                 f"{t.get('added_requests_per_node', '-')}) "
                 f"| {e['bytes_sent'] // 1024} / {e['bytes_received'] // 1024} "

@@ -115,6 +115,17 @@ def _summary(cluster: Any, asked: str | None = None) -> Summary:
     )
 
 
+def _held_at(cluster: Any, generation: int) -> list[float]:
+    """When each live node of this process began following `generation` (monotonic: one
+    clock for every process of the machine); nodes that follow another are left out."""
+    out = []
+    for node_id, node in list(cluster.nodes.items()):
+        gs = node.agent._fs.gen
+        if node_id not in cluster.crashed and gs is not None and gs.generation == generation:
+            out.append(gs.stop_began_s)
+    return out
+
+
 def _healthy(cluster: Any) -> list[str]:
     return [n for n in cluster.nodes if n not in cluster.crashed and n not in cluster.sick]
 
@@ -202,6 +213,8 @@ def _serve(
                     reply = {"ok": None}
                 elif op == "summary":
                     reply = {"ok": asdict(_summary(cluster, arg))}
+                elif op == "held_at":
+                    reply = {"ok": _held_at(cluster, int(arg))}
                 elif op == "healthy":
                     reply = {"ok": _healthy(cluster)}
                 elif op == "meter":
@@ -335,6 +348,10 @@ class ProcCluster:
                 )
             )
         return total
+
+    def held_at(self, generation: int) -> list[list[float]]:
+        """Per child, when each of its nodes began following `generation` (`_held_at`)."""
+        return [list(map(float, times)) for times in self._ask_all("held_at", generation)]
 
     def healthy(self) -> list[str]:
         """The live, healthy nodes, in the order they were added."""
