@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.errors import ClusterDataError
-from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
+from elasticpp.cluster.etcd_client import Compare, Delete, EtcdKV, Put
 from elasticpp.cluster.leases import Leadership
 from elasticpp.cluster.records import CommitRecord, SafeStep, dumps, loads
 
 HISTORY_KEPT = 100  # generations of history and recovery timelines kept in etcd
+HOUSEKEEP_OPS = 100  # operations in one housekeeping transaction (etcd allows 128)
 
 
 class CommitsPart:
@@ -139,14 +140,19 @@ class CommitsPart:
         """Drop the commit records of generations older than `generation` (default: the
         newest generation that has any, whose records stay as the job's "ever committed"
         mark). Returns the keys deleted."""
+        return sum(
+            self._kv.delete_prefix(self.keys.commits_of(g)) for g in self._commits_below(generation)
+        )
+
+    def _commits_below(self, generation: int | None = None) -> list[int]:
+        """The generations older than `generation` (default: the newest that has any) that
+        have commit records."""
         kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
         held = {_gen_of(kv.key) for kv in kvs} - {-1}
         if not held:
-            return 0
+            return []
         below = max(held) if generation is None else generation
-        return sum(
-            self._kv.delete_prefix(self.keys.commits_of(g)) for g in sorted(held) if g < below
-        )
+        return [g for g in sorted(held) if g < below]
 
     # ------------------------------------------------------------------ housekeeping
     def _term(self, leader: Leadership) -> list[Compare]:
@@ -170,39 +176,48 @@ class CommitsPart:
         (it keeps the job's "ever committed" mark). Idempotent; a watermark record makes
         each call cost only the generations since the last one. Returns keys deleted.
 
-        With `leader`, nothing is done unless its term holds, and the watermark is written
-        only while it does (a deposed leader deletes nothing and moves no mark)."""
-        if leader is not None:
-            ok, _, _ = self._kv.txn(self._term(leader), [])
-            if not ok:
-                return 0
+        The deletes and the watermark go in as few transactions as etcd allows, each a
+        revision: a node watching these keys is sent one message, not one per key. With
+        `leader`, each is fenced by its term (a deposed leader deletes nothing and moves no
+        mark)."""
         kv = self._kv.get(self.keys.housekeeping)
         marks = {"barriers_below": 1, "history_below": 1}
+        stored_marks = None
         if kv is not None:
             try:
                 stored = loads(kv.value, "housekeeping")
                 marks = {k: max(1, int(stored.get(k, 1))) for k in marks}
+                stored_marks = dict(marks)
             except (ClusterDataError, TypeError, ValueError) as exc:
                 self.skip_value(self.keys.housekeeping, exc)
-        deleted = 0
+        ops: list[Put | Delete] = []
         barriers_upto = generation - 1  # the current and the previous generation stay
         for g in range(marks["barriers_below"], barriers_upto):
             for name in ("stopped", "resume", "started", "failed"):
-                deleted += self._kv.delete_prefix(self.keys.barrier_prefix(f"{name}-{g}"))
+                ops.append(Delete(self.keys.barrier_prefix(f"{name}-{g}"), prefix=True))
         history_upto = generation - keep_history
         for g in range(marks["history_below"], history_upto):
-            deleted += int(self._kv.delete(self.keys.generation_history(g)))
-            deleted += int(self._kv.delete(self.keys.barrier("timelines", f"gen-{g}")))
-        deleted += self.clear_commits_before()
+            ops.append(Delete(self.keys.generation_history(g)))
+            ops.append(Delete(self.keys.barrier("timelines", f"gen-{g}")))
+        ops += [Delete(self.keys.commits_of(g), prefix=True) for g in self._commits_below()]
         marks = {
             "barriers_below": max(marks["barriers_below"], barriers_upto),
             "history_below": max(marks["history_below"], history_upto),
         }
-        put = Put(self.keys.housekeeping, dumps(marks))
-        if leader is None:
-            self._kv.put(put.key, put.value)
-        else:
-            self._kv.txn(self._term(leader), [put])
+        # In transactions of at most HOUSEKEEP_OPS operations (etcd refuses more than its
+        # --max-txn-ops, 128 by default), the mark with the last: each one revision, so a
+        # watcher of these keys (every node watches the resume instructions and timelines)
+        # gets one message for all of them, not one per key.
+        if not ops and marks == stored_marks:
+            return 0  # nothing to delete, the mark as it is: no write (and no watch event)
+        ops.append(Put(self.keys.housekeeping, dumps(marks)))
+        term = self._term(leader) if leader is not None else []
+        deleted = 0
+        for i in range(0, len(ops), HOUSEKEEP_OPS):
+            done = self._kv.txn_deleting(term, ops[i : i + HOUSEKEEP_OPS])
+            if done is None:
+                return deleted  # the term is over: nothing more, and the mark stays
+            deleted += done
         return deleted
 
     def compact_history(self, leader: Leadership) -> int | None:

@@ -387,6 +387,33 @@ class EtcdKV:
         """All `compares` equal -> apply `success`; else read `failure_get` (one entry each).
 
         Returns (succeeded, what failure_get found, revision of the transaction)."""
+        reply = self._txn(compares, success, failure_get)
+        found: list[KeyValue | None] = []
+        if not reply.succeeded:
+            for r in reply.responses:
+                if r.WhichOneof("response") == "response_range":
+                    kvs = r.response_range.kvs
+                    found.append(kv_of(kvs[0]) if kvs else None)
+        return bool(reply.succeeded), found, int(reply.header.revision)
+
+    def txn_deleting(self, compares: Sequence[Compare], ops: Sequence[Put | Delete]) -> int | None:
+        """All `compares` equal -> apply `ops` in one transaction (one revision: a watcher
+        of their keys gets one message). Returns the keys deleted, None if a compare failed."""
+        reply = self._txn(compares, ops)
+        if not reply.succeeded:
+            return None
+        return sum(
+            int(r.response_delete_range.deleted)
+            for r in reply.responses
+            if r.WhichOneof("response") == "response_delete_range"
+        )
+
+    def _txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Put | Delete],
+        failure_get: Sequence[str] = (),
+    ) -> Any:
         request = pb.TxnRequest(
             compare=[compare_msg(c) for c in compares],
             success=[op_msg(p) for p in success],
@@ -395,14 +422,7 @@ class EtcdKV:
             ],
         )
         self._check_size("txn", request)
-        reply = self._unary("txn", TXN, request, retry=False)
-        found: list[KeyValue | None] = []
-        if not reply.succeeded:
-            for r in reply.responses:
-                if r.WhichOneof("response") == "response_range":
-                    kvs = r.response_range.kvs
-                    found.append(kv_of(kvs[0]) if kvs else None)
-        return bool(reply.succeeded), found, int(reply.header.revision)
+        return self._unary("txn", TXN, request, retry=False)
 
     def _check_size(self, op: str, request: Any) -> None:
         size = request.ByteSize()

@@ -42,6 +42,7 @@ class Put:
 @dataclass(frozen=True)
 class Delete:
     key: str
+    prefix: bool = False  # every key that starts with `key`
 
 
 def kv_of(kv: Any) -> KeyValue:
@@ -87,7 +88,9 @@ def compare_msg(c: Compare) -> Any:
 
 def op_msg(p: Put | Delete) -> Any:
     if isinstance(p, Delete):
-        return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=p.key.encode()))
+        raw = p.key.encode()
+        end = byte_prefix_end(raw) if p.prefix else b""
+        return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=raw, range_end=end))
     return pb.RequestOp(
         request_put=pb.PutRequest(key=p.key.encode(), value=p.value.encode(), lease=p.lease_id or 0)
     )

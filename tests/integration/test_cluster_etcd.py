@@ -397,6 +397,44 @@ def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
     assert a.housekeep(6, keep_history=2) == 0  # the watermark: nothing is looked at twice
 
 
+def test_housekeeping_is_one_revision_that_a_watcher_gets_as_one_message(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    # Every node watches the resume instructions and timelines: a delete per key was a
+    # watch message (and a wake of its loop) per key for every node, at every transition.
+    a = clients()
+    lead = a.campaign("n1", ttl_s=30)
+    assert lead is not None
+    for g in range(1, 7):
+        _, rev = a.read_generation()
+        assert a.write_generation(record(g, "n1"), rev, lead)
+        assert a.write_resume(g, _resume(g), lead)
+        a.arrive("timelines", f"gen-{g}", _timeline(g))
+        a.record_commit(g, "n1", g)
+    _, start = a.barrier_state("timelines")  # the store's revision now
+    batches: list[list[int]] = []
+    seen = threading.Event()
+
+    def on_event(event: Any) -> None:
+        batches.append([event.mod_revision])
+        if event.key == a.keys.housekeeping:
+            seen.set()
+
+    watch = a.watch(a.keys.root, on_event, prefix=True, start_revision=start + 1)
+    try:
+        removed = a.housekeep(6, keep_history=2, leader=lead)
+        assert removed == 4 + 3 + 3 + 5  # resume-1..4, timelines and history 1..3, commits 1..5
+        assert seen.wait(10)
+        assert len({r for (r,) in batches}) == 1  # every delete and the mark: one revision
+        mark = a._kv.get(a.keys.housekeeping)
+        assert mark is not None
+        assert a.housekeep(6, keep_history=2, leader=lead) == 0
+        again = a._kv.get(a.keys.housekeeping)
+        assert again is not None and again.mod_revision == mark.mod_revision  # not rewritten
+    finally:
+        watch.cancel()
+
+
 # ---------------------------------------------------------------------------- generations
 def test_generation_cas_refuses_stale_revision_and_wrong_number(
     clients: Callable[[], ClusterClient],
