@@ -136,8 +136,10 @@ class QuarantinePart:
             return
         assert self.cluster is not None
         try:
-            records = self.cluster.quarantined()
-            ended = self.cluster.job_end()
+            # From the job's cache, which the watch event that raised the signal updated
+            # first: a quarantine made every node read etcd twice (2,048 reads at 1,024 nodes).
+            records = self.cluster.quarantined(cached=True)
+            ended = self.cluster.job_end(cached=True)
         except BaseException:
             self._health_changed.raise_()  # read again on the next tick
             raise

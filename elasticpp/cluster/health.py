@@ -125,10 +125,15 @@ class HealthPart:
 
         def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
 
+        def _get(self, key: str, cached: bool) -> Any: ...
+
+        def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
+
     # ------------------------------------------------------------------ quarantine
-    def quarantined(self) -> dict[str, QuarantineRecord]:
-        """The quarantined nodes; a value that cannot be read is skipped (counted)."""
-        kvs, _ = self._kv.get_prefix(self.keys.quarantine_prefix)
+    def quarantined(self, *, cached: bool = False) -> dict[str, QuarantineRecord]:
+        """The quarantined nodes; a value that cannot be read is skipped (counted). With
+        `cached`, from the job's watch-fed cache (`follow`): no request to etcd."""
+        kvs, _ = self._get_prefix(self.keys.quarantine_prefix, cached)
         out: dict[str, QuarantineRecord] = {}
         for kv in kvs:
             node = keymod.last_segment(kv.key)
@@ -160,8 +165,9 @@ class HealthPart:
         return self._kv.delete(self.keys.quarantine(node_id))
 
     # ------------------------------------------------------------------ the job's end
-    def job_end(self) -> JobEnd | None:
-        kv = self._kv.get(self.keys.ended)
+    def job_end(self, *, cached: bool = False) -> JobEnd | None:
+        """The job's end on record, if any (`cached`: from the job's cache)."""
+        kv = self._get(self.keys.ended, cached)
         if kv is None:
             return None
         try:

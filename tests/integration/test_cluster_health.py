@@ -11,6 +11,7 @@ from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.cluster.health import QuarantineRecord
+from elasticpp.waiting import wait_until
 
 JOB = "job-health"
 
@@ -61,6 +62,25 @@ def test_the_job_ends_once_and_the_first_reason_stays(
     assert second == first
     end = b.job_end()
     assert end is not None and (end.status, end.reason, end.step) == ("halted", first.reason, 6)
+
+
+def test_a_following_node_reads_quarantines_and_the_end_from_its_cache(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    # A quarantine's watch event made every node read the quarantines and the end from etcd
+    # (2,048 reads at 1,024 nodes); the event had already brought them into its cache.
+    a, b = clients(), clients()
+    events: list[str] = []
+    b.follow(lambda e: events.append(e.key), own_node="n2")
+    lead = a.campaign("n1", ttl_s=30)
+    assert lead is not None
+    assert a.quarantine(_record("n3"), lead)
+    end = a.end_job("halted", "step 7: loss nan", by="n1", step=6)
+    assert wait_until(lambda: a.keys.ended in events, 10, interval_s=0.01)
+    before = b.etcd_requests()
+    assert b.quarantined(cached=True) == {"n3": _record("n3")}
+    assert b.job_end(cached=True) == end
+    assert b.etcd_requests() == before  # no request: both from the cache
 
 
 def test_unreadable_health_values_are_skipped_and_counted(
