@@ -21,6 +21,7 @@ from elasticpp.cluster import (
     GenerationRecord,
     GenerationSummary,
     JobEpoch,
+    Leadership,
     MembershipLapsedError,
     ProgressGate,
     Registration,
@@ -369,22 +370,30 @@ def _timeline(generation: int) -> dict[str, Any]:
     }
 
 
-def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
-    clients: Callable[[], ClusterClient], etcd: EtcdServer
-) -> None:
-    a = clients()
-    lead = a.campaign("n1", ttl_s=5)
+def _six_generations(a: ClusterClient, *, arrivals: bool, commits_upto: int) -> Leadership:
+    """Generations 1-6 led by n1, each with its resume instruction and timeline (and, with
+    `arrivals`, n1's stopped, started and failed arrivals), commits up to `commits_upto`."""
+    lead = a.campaign("n1", ttl_s=30)
     assert lead is not None
     for g in range(1, 7):
         _, rev = a.read_generation()
         assert a.write_generation(record(g, "n1"), rev, lead)
-        a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": g, "at": g})
-        a.arrive(f"started-{g}", "n1", {"at": g, "moved_at": g})
-        a.arrive(f"failed-{g}", "n1", {"reason": "a worker exited", "at": g})
+        if arrivals:
+            a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": g, "at": g})
+            a.arrive(f"started-{g}", "n1", {"at": g, "moved_at": g})
+            a.arrive(f"failed-{g}", "n1", {"reason": "a worker exited", "at": g})
         assert a.write_resume(g, _resume(g), lead)
         a.arrive("timelines", f"gen-{g}", _timeline(g))
-        if g <= 4:
+        if g <= commits_upto:
             a.record_commit(g, "n1", g)
+    return lead
+
+
+def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
+    clients: Callable[[], ClusterClient], etcd: EtcdServer
+) -> None:
+    a = clients()
+    _six_generations(a, arrivals=True, commits_upto=4)
     assert a.housekeep(6, keep_history=2) > 0
     for g in range(1, 7):
         kept = g >= 5  # the running generation and the one before it
@@ -403,14 +412,7 @@ def test_housekeeping_is_one_revision_that_a_watcher_gets_as_one_message(
     # Every node watches the resume instructions and timelines: a delete per key was a
     # watch message (and a wake of its loop) per key for every node, at every transition.
     a = clients()
-    lead = a.campaign("n1", ttl_s=30)
-    assert lead is not None
-    for g in range(1, 7):
-        _, rev = a.read_generation()
-        assert a.write_generation(record(g, "n1"), rev, lead)
-        assert a.write_resume(g, _resume(g), lead)
-        a.arrive("timelines", f"gen-{g}", _timeline(g))
-        a.record_commit(g, "n1", g)
+    lead = _six_generations(a, arrivals=False, commits_upto=6)
     _, start = a.barrier_state("timelines")  # the store's revision now
     batches: list[list[int]] = []
     seen = threading.Event()
