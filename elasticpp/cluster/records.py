@@ -7,11 +7,9 @@ guessing, so an old agent never acts on a record it does not understand.
 from __future__ import annotations
 
 import base64
-import collections
 import enum
 import hashlib
 import json
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,11 +17,11 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from elasticpp.cluster.errors import ClusterDataError
+from elasticpp.interned import Interned
 
 FORMAT_VERSION = 1
 SHARED_RECORDS = 8  # generation records `GenerationRecord.shared` keeps
-_SHARED: collections.OrderedDict[str | bytes, GenerationRecord] = collections.OrderedDict()
-_SHARED_LOCK = threading.Lock()
+_SHARED: Interned[str | bytes, GenerationRecord] = Interned(SHARED_RECORDS)
 # Anchor steps a commit record lists per origin (newest first): etcd values stay small.
 ANCHORS_REPORTED = 16
 
@@ -231,18 +229,7 @@ class GenerationRecord:
         simulation's hundreds) parse and check it once, not once each (O(N) per agent, O(N^2)
         per process). Callers must not change the record's `plan` or `extra`. The last
         SHARED_RECORDS are kept; text that does not parse is refused every time."""
-        with _SHARED_LOCK:
-            record = _SHARED.get(text)
-            if record is not None:
-                _SHARED.move_to_end(text)
-                return record
-        record = cls.from_json(text)
-        with _SHARED_LOCK:
-            record = _SHARED.setdefault(text, record)  # a parse beside this one may have won
-            _SHARED.move_to_end(text)
-            while len(_SHARED) > SHARED_RECORDS:
-                _SHARED.popitem(last=False)
-        return record
+        return _SHARED.get(text, lambda: cls.from_json(text))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> GenerationRecord:

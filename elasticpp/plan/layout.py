@@ -22,7 +22,6 @@ rank) is still read.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import threading
@@ -31,6 +30,7 @@ from functools import cached_property
 from typing import Any
 
 from elasticpp.errors import ConfigError, PlanError
+from elasticpp.interned import Interned
 from elasticpp.plan.specs import ClusterSpec, ModelSpec
 
 PLAN_FORMAT_VERSION = 2
@@ -255,17 +255,8 @@ class Plan:
             if held is not None and held[0] is data:
                 return held[1]
         key = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        plan = _SHARED.get(key, lambda: cls.from_dict(data))  # bad data raises: nothing kept
         with _SHARED_LOCK:
-            plan = _SHARED.get(key)
-            if plan is not None:
-                _SHARED.move_to_end(key)
-        if plan is None:
-            plan = cls.from_dict(data)  # raises on bad data: nothing is kept
-        with _SHARED_LOCK:
-            plan = _SHARED.setdefault(key, plan)  # a parse beside this one may have won
-            _SHARED.move_to_end(key)
-            while len(_SHARED) > SHARED_PLANS:
-                _SHARED.popitem(last=False)
             _SHARED_BY_ID[id(data)] = (data, plan)
             while len(_SHARED_BY_ID) > SHARED_PLANS:
                 _SHARED_BY_ID.pop(next(iter(_SHARED_BY_ID)))
@@ -388,7 +379,7 @@ def build_plan(
     return plan
 
 
-_SHARED: collections.OrderedDict[str, Plan] = collections.OrderedDict()
+_SHARED: Interned[str, Plan] = Interned(SHARED_PLANS)  # by the plan's canonical JSON
 # id(data) -> (data, its plan): the dicts asked about last, insertion-ordered.
 _SHARED_BY_ID: dict[int, tuple[dict[str, Any], Plan]] = {}
 _SHARED_LOCK = threading.Lock()

@@ -32,7 +32,7 @@ FORBIDDEN = {
     "cluster": ("elasticpp.store", "elasticpp.train", "elasticpp.agent", "elasticpp.rpc"),
 }
 ALLOWED = {
-    "plan": ("elasticpp.errors", "elasticpp.names", "elasticpp.plan"),
+    "plan": ("elasticpp.errors", "elasticpp.interned", "elasticpp.names", "elasticpp.plan"),
     "cluster": ("elasticpp.rpc.etcd",),  # etcd's wire messages, for the etcd client only
 }
 
