@@ -136,23 +136,12 @@ class CommitsPart:
         kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
         return bool(kvs)
 
-    def clear_commits_before(self, generation: int | None = None) -> int:
-        """Drop the commit records of generations older than `generation` (default: the
-        newest generation that has any, whose records stay as the job's "ever committed"
-        mark). Returns the keys deleted."""
-        return sum(
-            self._kv.delete_prefix(self.keys.commits_of(g)) for g in self._commits_below(generation)
-        )
-
-    def _commits_below(self, generation: int | None = None) -> list[int]:
-        """The generations older than `generation` (default: the newest that has any) that
-        have commit records."""
+    def _commits_below(self) -> list[int]:
+        """The generations that have commit records, but the newest of them (whose records
+        stay as the job's "ever committed" mark)."""
         kvs, _ = self._kv.get_prefix(self.keys.commits_prefix)
-        held = {_gen_of(kv.key) for kv in kvs} - {-1}
-        if not held:
-            return []
-        below = max(held) if generation is None else generation
-        return [g for g in sorted(held) if g < below]
+        held = sorted({_gen_of(kv.key) for kv in kvs} - {-1})
+        return held[:-1]
 
     # ------------------------------------------------------------------ housekeeping
     def _term(self, leader: Leadership) -> list[Compare]:
