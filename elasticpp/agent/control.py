@@ -191,9 +191,8 @@ class ControlPart:
             return
         self._cs.gauges = values
         m = self.metrics
-        for gauge, value in zip(
-            (m.etcd_up, m.members, m.is_leader, m.generation, m.safe_step), values, strict=False
-        ):
+        gauges = (m.etcd_up, m.members, m.is_leader, m.generation, m.safe_step)
+        for gauge, value in zip(gauges, values[: len(gauges)], strict=True):
             m.of(gauge).set(value)
         for state, n in counts.items():
             m.of(m.workers, state=state).set(n)
