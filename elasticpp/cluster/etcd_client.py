@@ -16,7 +16,8 @@ sent twice. Message sizes are explicit. TLS and username/password (`etcd_securit
 is fetched on first use and again when etcd stops accepting it.
 
 Streams, as etcd's own clients keep them: all the watches of a client share one Watch stream
-per endpoint (`etcd_watch_stream`), and its lease keep-alives one LeaseKeepAlive stream per
+per endpoint (`etcd_watch_stream`; creating and cancelling watches is `etcd_watches`), and its
+lease keep-alives one LeaseKeepAlive stream per
 endpoint (`etcd_keepalive`); each stream has one reader thread and lives until it fails, which
 ends every watch on it (each gets its WatchEnded) or fails the keep-alives waiting on it; the
 next call opens a new one. A stream carries the token of its creation: when etcd refuses a
@@ -58,9 +59,8 @@ from elasticpp.cluster.etcd_endpoint import (
     TXN,
     Endpoint,
     meter_request,
-    metered,
 )
-from elasticpp.cluster.etcd_errors import is_token_error, is_watch_token_refusal, raise_mapped
+from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
 from elasticpp.cluster.etcd_keepalive import KeepAliveStream
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.etcd_ops import (
@@ -81,6 +81,7 @@ from elasticpp.cluster.etcd_watch_stream import (
     WatchItem,
     WatchStream,
 )
+from elasticpp.cluster.etcd_watches import WatchesPart
 from elasticpp.cluster.records import KeyValue
 from elasticpp.errors import ConfigError
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
@@ -113,7 +114,7 @@ _R = TypeVar("_R")
 _RETRY_PAUSE_S = 0.1
 
 
-class EtcdKV:
+class EtcdKV(WatchesPart):
     """A thread-safe, typed view of one etcd cluster. Every call is bounded by
     `request_timeout_s` and raises `ClusterUnavailableError` when etcd does not answer."""
 
@@ -226,20 +227,6 @@ class EtcdKV:
     def _forget_token(self) -> None:
         with self._lock:
             self._token = None  # etcd restarted, or the token lapsed: log in again
-
-    def _watch_stream(self, ep: Endpoint) -> WatchStream:
-        """The endpoint's Watch stream, opened if it has none that takes watchers."""
-        with self._lock:
-            stream = ep.watch_stream
-            if stream is not None and stream.usable:
-                return stream
-        metadata = self._metadata(ep)
-        with self._lock:
-            stream = ep.watch_stream
-            if stream is None or not stream.usable:
-                stream = WatchStream(ep.channel, metadata, name=f"etcd-watch-{ep.target}")
-                ep.watch_stream = stream
-            return stream
 
     def _keepalive_stream(self, ep: Endpoint, metadata: Any) -> KeepAliveStream:
         """The endpoint's LeaseKeepAlive stream, opened if it has none that works."""
@@ -466,81 +453,3 @@ class EtcdKV:
 
     def revoke(self, lease_id: int) -> None:
         self._unary("lease revoke", REVOKE, pb.LeaseRevokeRequest(ID=lease_id))
-
-    # ------------------------------------------------------------------ watches
-    def add_watch(
-        self,
-        key: str,
-        range_end: str | None,
-        start_revision: int | None,
-        sink: Callable[[WatchItem], None],
-    ) -> int:
-        """Start a watch; `sink` gets WatchBatch items, then one WatchEnded when it stops.
-        Returns a handle for `cancel_watch` (-1 when etcd refused the watch, a start revision
-        it had compacted included: the sink has its WatchEnded already).
-
-        The watch is created before this returns (a dead etcd raises here). `sink` runs on
-        the reader thread of the Watch stream that all of this client's watches share: it
-        must only hand the item over, never wait on this client."""
-        request = pb.WatchCreateRequest(
-            key=key.encode(),
-            range_end=range_end.encode() if range_end is not None else b"",
-            start_revision=start_revision or 0,
-        )
-
-        def counted(item: WatchItem) -> None:
-            if isinstance(item, WatchBatch):
-                self._count("WatchEvent", len(item.events))
-            sink(item)
-
-        deliver = counted if self._meter is None else metered(counted, self._meter)
-        for attempt in range(2):
-            renew = self.security.user is not None and attempt == 0
-            ep = self._endpoint()
-            try:
-                stream = self._watch_stream(ep)
-                self._count("Watch")
-                watcher = stream.create(key, request, deliver, self.request_timeout_s)
-            except ClusterUnavailableError as exc:
-                if exc.fast:
-                    self._refused(ep)
-                raise
-            except grpc.RpcError as exc:
-                if renew and is_token_error(exc):
-                    self._forget_token()
-                    continue
-                try:
-                    raise_mapped(f"watch {key}", exc, self._limits)
-                except ClusterUnavailableError as mapped:
-                    if mapped.fast:
-                        self._refused(ep)
-                    raise
-            if watcher.refused is not None:
-                if renew and is_watch_token_refusal(watcher.refused.reason):
-                    # The stream's token went stale: new watches go to a stream with a new one.
-                    self._forget_token()
-                    with self._lock:
-                        if ep.watch_stream is stream:
-                            ep.watch_stream = None
-                    stream.retire()
-                    continue
-                deliver(watcher.refused)
-                return -1
-            handle = next(self._watch_ids)
-            with self._lock:
-                self._watches[handle] = (stream, watcher)
-            return handle
-        raise ClusterUnavailableError(f"etcd watch {key}: refused twice")  # not reached
-
-    def watch_created_revision(self, watch_id: int) -> int:
-        """The store's revision when etcd created watch `watch_id` (0 if unknown)."""
-        with self._lock:
-            entry = self._watches.get(watch_id)
-        return entry[1].created_revision if entry is not None else 0
-
-    def cancel_watch(self, watch_id: int) -> None:
-        with self._lock:
-            entry = self._watches.pop(watch_id, None)
-        if entry is not None:
-            stream, watcher = entry
-            stream.cancel(watcher)  # never raises: the stream may be dead already

@@ -76,4 +76,5 @@ def test_only_the_etcd_client_talks_to_etcd() -> None:
         "elasticpp/cluster/etcd_keepalive.py",
         "elasticpp/cluster/etcd_ops.py",
         "elasticpp/cluster/etcd_watch_stream.py",
+        "elasticpp/cluster/etcd_watches.py",
     ]
