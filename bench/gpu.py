@@ -20,17 +20,16 @@ in `transformers`, and the agent's tax on one GPU.
   spec's planner device is the visible GPU's preset, so the agent plans the same layout,
   recompute off) against `elasticpp train` at the same layout, on the `llama-tax` spec (~200 M
   parameters, 2.4 GB of fp32 state a snapshot), one run per `--tax-modes` entry: `time`, the
-  default time rule (a snapshot once every writer has been free `snapshot_every_s` = 2 s);
+  default time rule (a snapshot once every writer has been free `snapshot_every_s`, 10 s);
   `every-skip` and `every-wait`, a snapshot every step (`snapshot_every: 1`) with
-  `snapshot_when_busy` skip or wait; `time-10s`, the time rule at 10 s; `no-snapshots`, the
-  agent's own work alone (`snapshot_every` past the end). Each side's throughput is its mean
-  interval between consecutive steps' completions after a warm-up (wall clock: the lines
-  `elasticpp train` prints, the agents' step records), so a periodic snapshot step counts; the
-  ratio is the agent's tax on one GPU. `--tax-rounds N` repeats the baseline and every mode
-  N times, interleaved, each ratio against its own round's baseline. `--py-spy BIN` also
-  samples the training worker's Python stacks for 5 s of every run (`BIN`: a py-spy
-  executable; not a dependency) and prints each run's busiest threads and frames side by
-  side.
+  `snapshot_when_busy` skip or wait; `time-2s`, the time rule at 2 s (the default before);
+  `no-snapshots`, the agent's own work alone (`snapshot_every` past the end). Each side's
+  throughput is its mean interval between consecutive steps' completions after a warm-up (wall
+  clock: the lines `elasticpp train` prints, the agents' step records), so a periodic snapshot
+  step counts; the ratio is the agent's tax on one GPU. `--tax-rounds N` repeats the baseline
+  and every mode N times, interleaved, each ratio against its own round's baseline. `--py-spy
+  BIN` also samples the training worker's Python stacks for 5 s of every run (`BIN`: a py-spy
+  executable; not a dependency) and prints each run's busiest threads and frames side by side.
 
 Every process this starts is stopped on the way out. Writes `gpu.json` and `gpu.md` to
 `--out` (a temp dir by default) and prints the tables.
@@ -220,7 +219,7 @@ TAX_MODES: dict[str, dict[str, Any]] = {
     "time": {},  # the job spec's defaults: the time rule
     "every-skip": {"snapshot_every": 1, "snapshot_when_busy": "skip"},
     "every-wait": {"snapshot_every": 1, "snapshot_when_busy": "wait"},
-    "time-10s": {"snapshot_every_s": 10.0},
+    "time-2s": {"snapshot_every_s": 2.0},  # the default before 10 s
     "no-snapshots": {"snapshot_every": 10**6},  # past the end: the agent's own work alone
 }
 TAX_WARMUP = 10  # intervals left out: CUDA warm-up and the first snapshot's buffers

@@ -12,18 +12,20 @@ seq 128), where compute dominates a step on this CPU. Every process runs one tor
 - pp=P: `elasticpp train` at `pp=P` (b = 2) against torch.distributed.pipelining's
   `Schedule1F1B` over the same stage cut (`torchrun_baseline/train_pipe.py`); P = 2 and 4
   (4 processes) at both sizes;
-- agent: a job under the agent (`LocalCluster`: real etcd, 2 agent processes of 1 slot,
-  the defaults: a snapshot at least every `snapshot_every_s` = 2 s of training, each one
-  replicated to the peer) against `elasticpp train` at the layout the agent's planner chose
-  (b = 2); in between, one phase at a time: the same training with the workers' snapshots on
-  the same time rule but no agent, the agent with no snapshots (`snapshot_every` past the
-  end), and the agent with snapshots but no replication (`replication_copies: 0`). A phase's
-  cost is a difference of those step times within one repetition; the table gives its median
-  over the repetitions. The agent with snapshots and replication every step
-  (`snapshot_every: 1`, the default before the time rule) runs beside them.
+- agent: a job under the agent (`LocalCluster`: real etcd, 2 agent processes of 1 slot, the
+  defaults: a snapshot once every writer has been free `snapshot_every_s` (10 s), each one
+  replicated to the peer; runs long enough for three of them) against `elasticpp train` at the
+  layout the agent's planner chose (b = 2); in between, one phase at a time: the same training
+  with the workers' snapshots on the same time rule but no agent, the agent with no snapshots
+  (`snapshot_every` past the end), and the agent with snapshots but no replication
+  (`replication_copies: 0`). A phase's cost is a difference of those step times within one
+  repetition; the table gives its median over the repetitions. The agent with snapshots and
+  replication every step (`snapshot_every: 1`, the default before the time rule) runs beside
+  them.
 
-Throughput is B x seq_len / the median interval between consecutive steps' completions (after
-a warm-up), from each system's own per-step records. The configurations of one comparison run
+Throughput is B x seq_len / the mean interval between consecutive steps' completions after a
+warm-up (the steady window's span over its steps, so a periodic slow step counts), from each
+system's own per-step records. The configurations of one comparison run
 back to back, in an order rotated every repetition (A B, B A, ...), and every ratio is the
 median of the ratios of the same repetition. The machine is shared: read medians, not single
 runs. Every process this starts is killed on the way out, also on Ctrl-C or SIGTERM.
@@ -55,13 +57,17 @@ from elasticpp.proctree import sigterm_as_interrupt
 BASELINE_DIR = Path(__file__).resolve().parent / "torchrun_baseline"
 GLOBAL_BATCH = 16
 MICRO_BATCH = 2
-# name -> (model preset or spec fields, steps per run, warm-up intervals left out)
-SIZES: dict[str, tuple[str | dict[str, Any], int, int]] = {
-    "small": ("tiny", 200, 20),
+# name -> (model preset or spec fields, steps per run, steps per run of the agent's comparison,
+# warm-up intervals left out). The agent's runs are longer: their steady window spans at least
+# three intervals of the default snapshot rule (SNAPSHOT_EVERY_S_DEFAULT), so that the periodic
+# snapshots and replications weigh in it as they do in a long job.
+SIZES: dict[str, tuple[str | dict[str, Any], int, int, int]] = {
+    "small": ("tiny", 200, 600, 20),
     "compute": (
         {"name": "steady-compute", "num_layers": 4, "hidden_size": 256, "num_heads": 8}
         | {"vocab_size": 256, "seq_len": 128},
         40,
+        130,
         5,
     ),
 }
@@ -258,7 +264,7 @@ def run_agent(
     return run
 
 
-def configs_for(size: str, model: str, steps: int, pps: Sequence[int]) -> list[Config]:
+def configs_for(model: str, steps: int, agent_steps: int, pps: Sequence[int]) -> list[Config]:
     half = GLOBAL_BATCH // 2
     train_args = ["--model", model, "--global-batch", str(GLOBAL_BATCH), "--steps", str(steps)]
     ddp_args = [*train_args, "--ckpt-every", str(10**9)]  # no checkpoints
@@ -290,7 +296,7 @@ def configs_for(size: str, model: str, steps: int, pps: Sequence[int]) -> list[C
     def train_at_agent_layout(snapshots: bool) -> Callable[[Path], list[float]]:
         def run(workdir: Path) -> list[float]:
             layout = layouts[model]  # the agent's run comes first (see below)
-            return run_train(model, layout, MICRO_BATCH, steps, snapshots=snapshots)(workdir)
+            return run_train(model, layout, MICRO_BATCH, agent_steps, snapshots=snapshots)(workdir)
 
         return run
 
@@ -300,23 +306,23 @@ def configs_for(size: str, model: str, steps: int, pps: Sequence[int]) -> list[C
         Config(
             "agent",
             "agent, snapshots + replication every step",
-            run_agent(model, steps, layouts, snapshot_every=1),
+            run_agent(model, agent_steps, layouts, snapshot_every=1),
             base,
         ),
         Config("agent", "+ worker snapshots", train_at_agent_layout(True), base),
         Config(
             "agent",
             "agent, no snapshots",
-            run_agent(model, steps, layouts, snapshot_every=steps + 1),
+            run_agent(model, agent_steps, layouts, snapshot_every=agent_steps + 1),
             base,
         ),
         Config(
             "agent",
             "agent, snapshots, no replication",
-            run_agent(model, steps, layouts, replication_copies=0),
+            run_agent(model, agent_steps, layouts, replication_copies=0),
             base,
         ),
-        Config("agent", FULL_AGENT, run_agent(model, steps, layouts), base),
+        Config("agent", FULL_AGENT, run_agent(model, agent_steps, layouts), base),
     ]
     out = [dataclasses.replace(c, row=i) for i, c in enumerate(out)]
     # The full agent runs first: it tells the layout the `elasticpp train` runs compare at.
@@ -403,12 +409,12 @@ def main() -> int:
     tables = []
     with sigterm_as_interrupt():
         for size in sizes:
-            model_spec, steps, warmup = SIZES[size]
+            model_spec, steps, agent_steps, warmup = SIZES[size]
             model = model_arg(model_spec, workdir)
             from elasticpp.train.modelref import resolve_model
 
             seq_len = resolve_model(model).spec.seq_len
-            configs = configs_for(size, model, steps, pps)
+            configs = configs_for(model, steps, agent_steps, pps)
             tput: dict[str, list[float]] = {c.name: [] for c in configs}
             wanted = set(args.groups.split(","))
             configs = [c for c in configs if c.group.split("=")[0] in wanted]

@@ -48,9 +48,12 @@ from elasticpp.train.config import TrainConfig
 
 JOBSPEC_FORMAT_VERSION = 1
 # Periodic snapshots when a spec names neither `snapshot_every` nor `snapshot_every_s`: one
-# each time every worker's snapshot writer has been free this long (docs/store.md, "How often
-# state is saved").
-SNAPSHOT_EVERY_S_DEFAULT = 2.0
+# each time every worker's snapshot writer has been free this long. 10 s keeps a snapshot's
+# cost (its copy, write and replication) to a few per cent of training where the node's CPUs
+# are busy, and a failure recomputes at most that much more; by Young's rule the best interval
+# for a job that fails every few hours is a minute or more (docs/store.md, "How often state is
+# saved").
+SNAPSHOT_EVERY_S_DEFAULT = 10.0
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _OPTIMIZER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps", "clip_grad")
 # Top-level keys of the spec copied into its TrainConfig.
