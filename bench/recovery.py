@@ -172,7 +172,7 @@ def elasticpp_spec(name: str) -> dict[str, Any]:
         "hang_timeout_s": 30,
         # Every step committed (the step rule): downtime is measured the same way as in the
         # earlier tables, and a failure recomputes at most the step in flight. Under the
-        # default time rule (a snapshot every 2 s) it would recompute up to 2 s of steps.
+        # default time rule (a snapshot every 10 s) it would recompute up to 10 s of steps.
         "snapshot_every": 1,
     }
 
