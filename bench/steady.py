@@ -26,8 +26,10 @@ seq 128), where compute dominates a step on this CPU. Every process runs one tor
 Throughput is B x seq_len / the mean interval between consecutive steps' completions after a
 warm-up (the steady window's span over its steps, so a periodic slow step counts), from each
 system's own per-step records. The configurations of one comparison run
-back to back, in an order rotated every repetition (A B, B A, ...), and every ratio is the
-median of the ratios of the same repetition. The machine is shared: read medians, not single
+back to back: two of them mirrored (A B B A, then B A A B), so that the machine's drift over
+minutes cancels, each one's throughput in a repetition taken over its two runs; the agent's
+six once each, in an order rotated every repetition. Every ratio is the median of the ratios
+of the same repetition. The machine is shared: read medians, not single
 runs. Every process this starts is killed on the way out, also on Ctrl-C or SIGTERM.
 """
 
@@ -118,6 +120,18 @@ def completion_times(rows: Sequence[dict[str, Any]], time_key: str = "time") -> 
         step = int(r["step"])
         done[step] = max(done.get(step, float("-inf")), float(r[time_key]))
     return [done[s] for s in sorted(done)]
+
+
+def run_order(members: Sequence[Config], rep: int) -> list[Config]:
+    """The runs of one repetition of a comparison. Two configs run A B B A (B A A B in every
+    other repetition): the machine's speed drifts by a few per cent over minutes, and a
+    mirrored order takes a steady drift out of their ratio. More configs (the agent's) run
+    once each, in an order rotated every repetition."""
+    k = rep % len(members)
+    order = list(members[k:]) + list(members[:k])
+    if len(order) == 2:
+        return order + order[::-1]
+    return order
 
 
 def ratio_summary(ours: Sequence[float], theirs: Sequence[float]) -> tuple[float, float, float]:
@@ -355,7 +369,7 @@ def table(size: str, configs: list[Config], tput: dict[str, list[float]], seq_le
             f"| {c.group} | {c.name} | {tokens / med:.3f} | {med:,.0f} [{min(got):,.0f}–"
             f"{max(got):,.0f}] | {vs} |"
         )
-    if all(name in tput for name in PHASE_CONFIGS):
+    if all(tput.get(name) for name in PHASE_CONFIGS):  # every agent config measured
         # Per repetition (they ran back to back), then the median of each phase.
         reps = [
             [tokens / tput[name][i] for name in PHASE_CONFIGS] for i in range(len(tput[FULL_AGENT]))
@@ -416,26 +430,32 @@ def main() -> int:
             from elasticpp.train.modelref import resolve_model
 
             seq_len = resolve_model(model).spec.seq_len
-            configs = configs_for(model, steps, agent_steps, pps)
-            tput: dict[str, list[float]] = {c.name: [] for c in configs}
             wanted = set(args.groups.split(","))
-            configs = [c for c in configs if c.group.split("=")[0] in wanted]
+            configs = [
+                c
+                for c in configs_for(model, steps, agent_steps, pps)
+                if c.group.split("=")[0] in wanted
+            ]
+            # Only the configs that run: the phase table needs every agent config measured.
+            tput: dict[str, list[float]] = {c.name: [] for c in configs}
             groups = list(dict.fromkeys(c.group for c in configs))
             for group, rep in itertools.product(groups, range(args.repeats)):
                 # The configs of a comparison run back to back, in an order rotated every
                 # repetition: each ratio pairs runs minutes apart at most, and no config
                 # always runs first.
                 members = [c for c in configs if c.group == group]
-                k = rep % len(members)
-                for c in members[k:] + members[:k]:
-                    run_dir = workdir / size / f"rep{rep}" / c.name.replace(" ", "_")
+                intervals: dict[str, list[float]] = {c.name: [] for c in members}
+                for n, c in enumerate(run_order(members, rep)):
+                    run_dir = workdir / size / f"rep{rep}" / f"{n}-{c.name.replace(' ', '_')}"
                     run_dir.mkdir(parents=True, exist_ok=True)
                     interval = steady_interval_s(c.run(run_dir), warmup)
-                    tput[c.name].append(GLOBAL_BATCH * seq_len / interval)
+                    intervals[c.name].append(interval)
                     results["runs"].append(
                         {"size": size, "rep": rep, "config": c.name, "step_s": interval}
                     )
                     log(f"{size} rep {rep + 1}/{args.repeats}: {c.name}: {interval:.4f} s/step")
+                for name, got in intervals.items():
+                    tput[name].append(GLOBAL_BATCH * seq_len / statistics.mean(got))
             tables.append(table(size, configs, tput, seq_len))
     (workdir / "results.json").write_text(json.dumps(results, indent=1))
     print("\n\n".join(tables))

@@ -10,6 +10,7 @@ from bench.steady import (
     Config,
     completion_times,
     ratio_summary,
+    run_order,
     steady_interval_s,
     table,
 )
@@ -31,6 +32,36 @@ def test_the_steady_interval_is_the_mean_step_after_the_warm_up_slow_steps_inclu
     assert steady_interval_s(times, warmup=1) == pytest.approx(0.2)
     with pytest.raises(RuntimeError, match="too few"):
         steady_interval_s([0.0, 1.0], warmup=1)
+
+
+def _never(_: object) -> list[float]:
+    raise AssertionError("not run")
+
+
+def test_two_configs_run_mirrored_so_a_steady_drift_cancels_and_more_rotate() -> None:
+    a, b = Config("dp=2", "A", _never), Config("dp=2", "B", _never, "A", 1)
+    names = [[c.name for c in run_order([a, b], rep)] for rep in range(3)]
+    assert names == [["A", "B", "B", "A"], ["B", "A", "A", "B"], ["A", "B", "B", "A"]]
+    # A machine slowing 1 % a run: each config's mean position is the same, so is its speed.
+    slow = {name: [] for name in "AB"}  # type: dict[str, list[float]]
+    for n, name in enumerate(names[0]):
+        slow[name].append(1.0 + 0.01 * n)
+    assert sum(slow["A"]) == pytest.approx(sum(slow["B"]))
+    three = [Config("agent", n, _never) for n in "XYZ"]
+    assert [[c.name for c in run_order(three, r)] for r in range(3)] == [
+        list("XYZ"),
+        list("YZX"),
+        list("ZXY"),
+    ]
+
+
+def test_a_table_of_some_groups_has_no_phase_rows() -> None:
+    a, b = Config("dp=2", "A", _never), Config("dp=2", "B", _never, "A", 1)
+    # `--groups dp`: the agent's configs were not run, their lists are empty.
+    tput = {"A": [100.0, 110.0], "B": [105.0, 110.0]} | {n: [] for n in PHASE_CONFIGS}
+    out = table("compute", [a, b], tput, seq_len=128)
+    assert "1.02× [1.00–1.05] of A" in out
+    assert "by phase" not in out
 
 
 def test_ratios_pair_the_runs_of_the_same_repetition() -> None:
