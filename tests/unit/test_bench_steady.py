@@ -13,6 +13,7 @@ from bench.steady import (
     run_order,
     steady_interval_s,
     table,
+    trained_to_the_end,
 )
 
 
@@ -84,3 +85,10 @@ def test_the_agents_tax_by_phase_adds_up_to_the_agents_step_minus_trains() -> No
     # Each phase is taken within a repetition, then the median (of 2: the mean) over them.
     assert values[:4] == pytest.approx([0.015, 0.0075, 0.0225, 0.015])
     assert sum(values[:4]) == pytest.approx(values[4]) == pytest.approx(0.06)
+
+
+def test_a_baseline_crashed_after_its_last_step_counts_one_stopped_early_does_not() -> None:
+    rows = [{"step": s, "rank": r} for s in range(5) for r in (0, 1)]
+    assert trained_to_the_end(rows, 5)
+    assert not trained_to_the_end(rows[:-2], 5)  # no record of step 4
+    assert not trained_to_the_end([], 5)
