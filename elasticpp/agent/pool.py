@@ -51,7 +51,9 @@ class WorkerPool:
     ) -> None:
         self._wake = wake
         self._clock = clock  # the agent's (elasticpp.agent.clock)
-        self._events: queue.Queue[tuple[WorkerProcess, dict[str, Any]]] = queue.Queue()
+        # SimpleQueue: a get on an empty one is one C call, where queue.Queue's takes its
+        # condition's lock in Python; every turn of every agent asks it (bench/scale.py).
+        self._events: queue.SimpleQueue[tuple[WorkerProcess, dict[str, Any]]] = queue.SimpleQueue()
         self._spares: list[WorkerProcess] = []  # spawned, maybe not yet ready
         self._ready: set[int] = set()  # pids of spares that reported "ready"
         self._since: dict[int, float] = {}  # pid of a spare -> when it was spawned
