@@ -450,13 +450,11 @@ def main() -> int:
                 for c in configs_for(model, steps, agent_steps, pps)
                 if c.group.split("=")[0] in wanted
             ]
-            # Only the configs that run: the phase table needs every agent config measured.
             tput: dict[str, list[float]] = {c.name: [] for c in configs}
             groups = list(dict.fromkeys(c.group for c in configs))
             for group, rep in itertools.product(groups, range(args.repeats)):
-                # The configs of a comparison run back to back, in an order rotated every
-                # repetition: each ratio pairs runs minutes apart at most, and no config
-                # always runs first.
+                # The configs of a comparison run back to back (`run_order`): each ratio pairs
+                # runs minutes apart at most, and no config always runs first.
                 members = [c for c in configs if c.group == group]
                 intervals: dict[str, list[float]] = {c.name: [] for c in members}
                 for n, c in enumerate(run_order(members, rep)):

@@ -44,7 +44,7 @@ def test_two_configs_run_mirrored_so_a_steady_drift_cancels_and_more_rotate() ->
     names = [[c.name for c in run_order([a, b], rep)] for rep in range(3)]
     assert names == [["A", "B", "B", "A"], ["B", "A", "A", "B"], ["A", "B", "B", "A"]]
     # A machine slowing 1 % a run: each config's mean position is the same, so is its speed.
-    slow = {name: [] for name in "AB"}  # type: dict[str, list[float]]
+    slow: dict[str, list[float]] = {name: [] for name in "AB"}
     for n, name in enumerate(names[0]):
         slow[name].append(1.0 + 0.01 * n)
     assert sum(slow["A"]) == pytest.approx(sum(slow["B"]))
