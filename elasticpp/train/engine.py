@@ -11,11 +11,15 @@ What keeps training layout independent (see the design's invariant 1):
 - the optimizer is elementwise, so a tp slice updates exactly like its part of the whole.
 
 The pipeline's p2p (see `schedule.p2p_phases`): each op's receive travels in one
-`batch_isend_irecv` with the send the op before it owes, and the batch is waited on whole
-before the op runs. No receive blocks while a send to a neighbour is queued (NCCL orders p2p
-per communicator), and a sent tensor is freed one phase after it was made: sent buffers stay
-O(1) per rank, so 1F1B's activation memory stays O(p) for any micro-batch count m. The loss
-is summed on the device and read to the host once per step.
+`batch_isend_irecv` with the send the op before it owes. The receive is waited on before the
+op runs; the send is waited on after it, before the next exchange is posted, so the transfer
+(which gloo makes only once the peer has posted its receive) overlaps the op's compute, as
+torch's 1F1B does with its warm-up and cool-down sends. Where the backend coalesces a batch
+into one work (NCCL), that work is waited on whole before the op. No receive is posted while
+a send of an earlier phase is unfinished (NCCL orders p2p per communicator), and a sent
+tensor is freed one phase after it was made: sent buffers stay O(1) per rank, so 1F1B's
+activation memory stays O(p) for any micro-batch count m. The loss is summed on the device
+and read to the host once per step.
 
 Precision (`TrainConfig.precision`): fp32, or bf16 compute under autocast over fp32
 parameters; gradients, AdamW moments and snapshots are fp32 either way. Under bf16 a stage
@@ -34,10 +38,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -287,13 +292,15 @@ class Trainer:
         live_bytes = peak_bytes = 0
         backwards = 0
         timer.start("pipeline")
+        sending = _Sending()  # the last phase's send, finished while this phase's op runs
         for phase in p2p_phases(self.job.schedule, g.pp_size, self.coord.pp, m):
             op, inbox, recv = phase.run, None, None
             if phase.recv is not None:
                 inbox = torch.empty(b, *boundary, dtype=wire_dtype, device=self.device)
                 recv = (inbox, g.prev_rank if phase.recv.kind == FORWARD else g.next_rank)
-            _exchange(owed, recv)
-            owed = None  # its send has completed: the buffer goes now, not at the step's end
+            sending.finish()  # its buffer goes now, not at the step's end
+            sending = _exchange(owed, recv)
+            owed = None
             if op is None:
                 break
             i = op.microbatch
@@ -347,6 +354,7 @@ class Trainer:
                         raise RuntimeError(f"stage {self.coord.pp}: no input gradient")
                     owed = (x.grad.to(wire_dtype).contiguous(), g.prev_rank)
                 del x, out
+        sending.finish()
         timer.stop("pipeline")
         if reducer is not None:
             reducer.finish()  # every bucket summed over the replicas
@@ -465,11 +473,25 @@ def tie_stages(model: ModelDef, plan: Plan) -> tuple[int, ...]:
     )
 
 
+class _Sending:
+    """A phase's send in flight: its tensor, kept alive until `finish` has waited on it."""
+
+    def __init__(self, tensor: torch.Tensor | None = None, works: Sequence[Any] = ()) -> None:
+        self.tensor, self.works = tensor, list(works)
+
+    def finish(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.tensor, self.works = None, []
+
+
 def _exchange(
     send: tuple[torch.Tensor, int | None] | None, recv: tuple[torch.Tensor, int | None] | None
-) -> None:
-    """One phase's p2p as one batch (at most a send and a receive, to any neighbours), waited
-    on whole: when it returns the received tensor is filled and the sent one may be freed."""
+) -> _Sending:
+    """One phase's p2p as one batch (at most a send and a receive, to any neighbours). When
+    it returns the received tensor is filled; the send may still be in flight, and the caller
+    finishes it before its next exchange. A backend that coalesces the batch into one work
+    (NCCL) has it waited on whole here."""
     ops = []
     for item, op in ((send, dist.isend), (recv, dist.irecv)):
         if item is None:
@@ -477,6 +499,18 @@ def _exchange(
         if item[1] is None:  # p2p_phases pairs no first stage's input, no last stage's output
             raise RuntimeError("a pipeline exchange with a neighbour this stage does not have")
         ops.append(dist.P2POp(op, item[0], item[1]))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
+    if not ops:
+        return _Sending()
+    works = dist.batch_isend_irecv(ops)
+    if send is None:
+        for work in works:
             work.wait()
+        return _Sending()
+    if recv is None:
+        return _Sending(send[0], works)
+    if len(works) != len(ops):  # coalesced: one work for the send and the receive
+        for work in works:
+            work.wait()
+        return _Sending()
+    works[1].wait()  # the receive; the send (works[0]) finishes after the op
+    return _Sending(send[0], works[:1])

@@ -55,8 +55,9 @@ class Phase:
     the previous one) is made together with the receive the following op needs, as
     Megatron's `send_forward_recv_backward` does: NCCL orders the p2p of a communicator on one
     stream, so a receive that blocks while a send to the same neighbour is still queued could
-    wait on a peer that waits on us. Waiting on the whole exchange before the op also frees
-    each sent buffer one phase after it was made, whatever the micro-batch count.
+    wait on a peer that waits on us. The engine finishes a phase's send before it posts the
+    next phase, so each sent buffer is freed one phase after it was made, whatever the
+    micro-batch count.
     """
 
     send: Op | None  # the op whose output is sent now

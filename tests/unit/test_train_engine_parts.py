@@ -241,3 +241,51 @@ def test_stop_control_keeps_the_smallest_request() -> None:
     c.request(7)
     c.request(9)
     assert c.value(99) == 7
+
+
+class _Work:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def wait(self) -> bool:
+        self.log.append(self.name)
+        return True
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_an_exchange_waits_on_its_receive_and_leaves_its_send_for_after_the_op(
+    monkeypatch: pytest.MonkeyPatch, coalesced: bool
+) -> None:
+    from elasticpp.train import engine
+
+    waited: list[str] = []
+
+    def batch(ops: list[object]) -> list[_Work]:
+        if coalesced:  # NCCL: one work for the whole batch
+            return [_Work("batch", waited)]
+        return [_Work(f"op{i}", waited) for i in range(len(ops))]
+
+    monkeypatch.setattr(engine.dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(engine.dist, "P2POp", lambda op, t, peer: (op, t, peer))
+    sent, inbox = torch.ones(2), torch.empty(2)
+
+    sending = engine._exchange((sent, 1), (inbox, 1))
+    if coalesced:
+        assert waited == ["batch"] and sending.tensor is None  # waited on whole before the op
+    else:
+        assert waited == ["op1"]  # the receive only; the send is still in flight
+        assert sending.tensor is sent
+        sending.finish()
+        assert waited == ["op1", "op0"] and sending.tensor is None and sending.works == []
+
+    waited.clear()
+    alone = engine._exchange((sent, 1), None)  # a send with no receive: finished after the op
+    assert waited == [] and alone.tensor is sent
+    alone.finish()
+    assert waited == ["batch" if coalesced else "op0"]
+
+    waited.clear()
+    engine._exchange(None, (inbox, 1)).finish()  # a receive alone is waited on at once
+    assert waited == ["batch" if coalesced else "op0"]
+    with pytest.raises(RuntimeError, match="neighbour this stage does not have"):
+        engine._exchange((sent, None), None)
