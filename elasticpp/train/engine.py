@@ -10,16 +10,12 @@ What keeps training layout independent (see the design's invariant 1):
   replicas hold the same gradients), summed over the world;
 - the optimizer is elementwise, so a tp slice updates exactly like its part of the whole.
 
-The pipeline's p2p (see `schedule.p2p_phases`): each op's receive travels in one
-`batch_isend_irecv` with the send the op before it owes. The receive is waited on before the
-op runs; the send is waited on after it, before the next exchange is posted, so the transfer
-(which gloo makes only once the peer has posted its receive) overlaps the op's compute, as
-torch's 1F1B does with its warm-up and cool-down sends. Where the backend coalesces a batch
-into one work (NCCL), that work is waited on whole before the op. No receive is posted while
-a send of an earlier phase is unfinished (NCCL orders p2p per communicator), and a sent
-tensor is freed one phase after it was made: sent buffers stay O(1) per rank, so 1F1B's
-activation memory stays O(p) for any micro-batch count m. The loss is summed on the device
-and read to the host once per step.
+The pipeline's p2p (see `schedule.p2p_phases` and `p2p.exchange`): each op's receive
+travels in one batch with the send the op before it owes; the receive is waited on before
+the op runs, the send after it, before the next exchange. A sent tensor is freed one phase
+after it was made: sent buffers stay O(1) per rank, so 1F1B's activation memory stays O(p)
+for any micro-batch count m. The loss is summed on the device and read to the host once per
+step.
 
 Precision (`TrainConfig.precision`): fp32, or bf16 compute under autocast over fp32
 parameters; gradients, AdamW moments and snapshots are fp32 either way. Under bf16 a stage
@@ -38,11 +34,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +53,7 @@ from elasticpp.train.data import Corpus
 from elasticpp.train.families import build_model
 from elasticpp.train.kernels import AdamW, PhaseTimer, set_tf32
 from elasticpp.train.model import Stage
+from elasticpp.train.p2p import Sending, exchange
 from elasticpp.train.parallel import ParallelGroups
 from elasticpp.train.schedule import FORWARD, p2p_phases
 
@@ -292,14 +288,14 @@ class Trainer:
         live_bytes = peak_bytes = 0
         backwards = 0
         timer.start("pipeline")
-        sending = _Sending()  # the last phase's send, finished while this phase's op runs
+        sending = Sending()  # the last phase's send, finished while this phase's op runs
         for phase in p2p_phases(self.job.schedule, g.pp_size, self.coord.pp, m):
             op, inbox, recv = phase.run, None, None
             if phase.recv is not None:
                 inbox = torch.empty(b, *boundary, dtype=wire_dtype, device=self.device)
                 recv = (inbox, g.prev_rank if phase.recv.kind == FORWARD else g.next_rank)
             sending.finish()  # its buffer goes now, not at the step's end
-            sending = _exchange(owed, recv)
+            sending = exchange(owed, recv)
             owed = None
             if op is None:
                 break
@@ -471,46 +467,3 @@ def tie_stages(model: ModelDef, plan: Plan) -> tuple[int, ...]:
     return tuple(
         pp for pp in range(plan.pp) if names & set(plan.model.stage_units(plan.stages, pp))
     )
-
-
-class _Sending:
-    """A phase's send in flight: its tensor, kept alive until `finish` has waited on it."""
-
-    def __init__(self, tensor: torch.Tensor | None = None, works: Sequence[Any] = ()) -> None:
-        self.tensor, self.works = tensor, list(works)
-
-    def finish(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.tensor, self.works = None, []
-
-
-def _exchange(
-    send: tuple[torch.Tensor, int | None] | None, recv: tuple[torch.Tensor, int | None] | None
-) -> _Sending:
-    """One phase's p2p as one batch (at most a send and a receive, to any neighbours). When
-    it returns the received tensor is filled; the send may still be in flight, and the caller
-    finishes it before its next exchange. A backend that coalesces the batch into one work
-    (NCCL) has it waited on whole here."""
-    ops = []
-    for item, op in ((send, dist.isend), (recv, dist.irecv)):
-        if item is None:
-            continue
-        if item[1] is None:  # p2p_phases pairs no first stage's input, no last stage's output
-            raise RuntimeError("a pipeline exchange with a neighbour this stage does not have")
-        ops.append(dist.P2POp(op, item[0], item[1]))
-    if not ops:
-        return _Sending()
-    works = dist.batch_isend_irecv(ops)
-    if send is None:
-        for work in works:
-            work.wait()
-        return _Sending()
-    if recv is None:
-        return _Sending(send[0], works)
-    if len(works) != len(ops):  # coalesced: one work for the send and the receive
-        for work in works:
-            work.wait()
-        return _Sending()
-    works[1].wait()  # the receive; the send (works[0]) finishes after the op
-    return _Sending(send[0], works[:1])

@@ -256,7 +256,7 @@ class _Work:
 def test_an_exchange_waits_on_its_receive_and_leaves_its_send_for_after_the_op(
     monkeypatch: pytest.MonkeyPatch, coalesced: bool
 ) -> None:
-    from elasticpp.train import engine
+    from elasticpp.train import p2p
 
     waited: list[str] = []
 
@@ -265,11 +265,11 @@ def test_an_exchange_waits_on_its_receive_and_leaves_its_send_for_after_the_op(
             return [_Work("batch", waited)]
         return [_Work(f"op{i}", waited) for i in range(len(ops))]
 
-    monkeypatch.setattr(engine.dist, "batch_isend_irecv", batch)
-    monkeypatch.setattr(engine.dist, "P2POp", lambda op, t, peer: (op, t, peer))
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(p2p.dist, "P2POp", lambda op, t, peer: (op, t, peer))
     sent, inbox = torch.ones(2), torch.empty(2)
 
-    sending = engine._exchange((sent, 1), (inbox, 1))
+    sending = p2p.exchange((sent, 1), (inbox, 1))
     if coalesced:
         assert waited == ["batch"] and sending.tensor is None  # waited on whole before the op
     else:
@@ -279,13 +279,13 @@ def test_an_exchange_waits_on_its_receive_and_leaves_its_send_for_after_the_op(
         assert waited == ["op1", "op0"] and sending.tensor is None and sending.works == []
 
     waited.clear()
-    alone = engine._exchange((sent, 1), None)  # a send with no receive: finished after the op
+    alone = p2p.exchange((sent, 1), None)  # a send with no receive: finished after the op
     assert waited == [] and alone.tensor is sent
     alone.finish()
     assert waited == ["batch" if coalesced else "op0"]
 
     waited.clear()
-    engine._exchange(None, (inbox, 1)).finish()  # a receive alone is waited on at once
+    p2p.exchange(None, (inbox, 1)).finish()  # a receive alone is waited on at once
     assert waited == ["batch" if coalesced else "op0"]
     with pytest.raises(RuntimeError, match="neighbour this stage does not have"):
-        engine._exchange((sent, None), None)
+        p2p.exchange((sent, None), None)
