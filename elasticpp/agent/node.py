@@ -84,6 +84,7 @@ import grpc
 from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart, ControlState
+from elasticpp.agent.decide import Phase
 from elasticpp.agent.durability import (
     CommitValue,
     DurabilityPart,
@@ -91,7 +92,7 @@ from elasticpp.agent.durability import (
     anchors_ran_ahead,
 )
 from elasticpp.agent.executor import ExecutorPart
-from elasticpp.agent.follower import FollowerPart, FollowerState
+from elasticpp.agent.follower import FollowerPart, FollowerState, _GenState
 from elasticpp.agent.inbox import EventLog, Signal
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.latest import LatestWriter
@@ -102,6 +103,7 @@ from elasticpp.agent.limits import (
     COMMIT_RECORD_EVERY_S,
     PROBE_THREADS,
     QUIET_TICK_S,
+    RESTING_TICK_S,
     STATUS_EVERY_S,
     TRAINING_TICK_S,
     VIEW_REFRESH_S,
@@ -344,7 +346,7 @@ class Agent(
         if training:
             tick_s = TRAINING_TICK_S
         elif ls.leadership is None:
-            tick_s = QUIET_TICK_S
+            tick_s = self._quiet_tick_s(gs)
         elif current and ls.generation == current and ls.timeline_written:
             # Its transition is over: it waits for watch events now, and its deadlines (a
             # join's settling, a quarantine's end) need no more than a training leader's pace.
@@ -356,6 +358,17 @@ class Agent(
             due_s = campaign_at_s - self._clock.monotonic()
             tick_s = min(tick_s, max(BUSY_TICK_S, due_s))  # overdue: polls, never spins
         return tick_s
+
+    def _quiet_tick_s(self, gs: _GenState | None) -> float:
+        """A quiet follower's tick: QUIET_TICK_S, or up to RESTING_TICK_S at rest (its ranks
+        running or none planned here, the supervisor with no poll of its own), never past
+        the supervisor's next deadline."""
+        if gs is None or gs.phase not in (Phase.RUNNING, Phase.IDLE):
+            return QUIET_TICK_S
+        rest_s = self._rest_for_s(self._clock.monotonic())
+        if rest_s is None:
+            return QUIET_TICK_S
+        return max(BUSY_TICK_S, min(RESTING_TICK_S, rest_s))
 
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is

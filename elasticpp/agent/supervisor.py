@@ -179,6 +179,23 @@ class SupervisorPart:
             )
         )
 
+    def _rest_for_s(self, now_s: float) -> float | None:
+        """How long the supervisor's step may wait: until its next deadline (a running
+        worker's hang deadline, the next GPU check), or None while it polls (a spare not
+        ready yet, or one to start)."""
+        spares = self.pool.spares()
+        if self.pool.ready_spares() < len(spares):
+            return None
+        if self._may_refill() and len(spares) < self.cfg.slots:
+            return None
+        rest_s = float("inf")
+        for w in self.pool.workers():
+            if w.state is WorkerState.RUNNING:
+                rest_s = min(rest_s, w.last_progress_s + self.spec.hang_timeout_s - now_s)
+        if self.cfg.device == "cuda":
+            rest_s = min(rest_s, self._ss.gpu_checked_s + GPU_CHECK_INTERVAL_S - now_s)
+        return rest_s
+
     def _may_refill(self) -> bool:
         """Spares are wanted, except while this node's ranks of the current generation are
         starting (spares import torch, and on a loaded node that would compete for the CPU

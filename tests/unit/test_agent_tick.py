@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.decide import Phase
+from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower import _GenState
-from elasticpp.agent.limits import BUSY_TICK_S, QUIET_TICK_S, STATUS_EVERY_S, TRAINING_TICK_S
+from elasticpp.agent.limits import (
+    BUSY_TICK_S,
+    QUIET_TICK_S,
+    RESTING_TICK_S,
+    STATUS_EVERY_S,
+    TRAINING_TICK_S,
+)
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
 from tests.unit.test_agent_safe import SPEC, _plan
@@ -231,4 +238,67 @@ def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     assert taken() == (True, True, True)
     agent._on_watch(WatchEvent(EventType.PUT, keys.node("n1"), "{}", 17, 17, 0))  # its own
     assert taken() == (True, False, False)
+    agent._probe_pool.shutdown()
+
+
+class _Spare:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+def _at_rest(agent: Agent) -> None:
+    """Its slots' spares all started and ready: the supervisor has nothing to poll for."""
+    for i in range(agent.cfg.slots):
+        agent.pool.add_spare(_Spare(20_000 + i))  # type: ignore[arg-type]
+        agent.pool.mark_ready(20_000 + i)
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_follower_at_rest_sleeps_longer_only_while_its_ranks_run_or_it_has_none(
+    tmp_path: Path, phase: Phase
+) -> None:
+    """Running or a spare (IDLE), its spares ready, its workers silent: nothing but events
+    and the supervisor's deadlines can move it, so it ticks every RESTING_TICK_S. In a phase
+    with a deadline of its own (MOVING, STARTING, ...) it keeps the quiet tick."""
+    agent = _quiet_agent(tmp_path)
+    _set_phase(phase)(agent)
+    _at_rest(agent)
+    resting = phase in (Phase.RUNNING, Phase.IDLE)
+    assert agent._tick_s() == (RESTING_TICK_S if resting else QUIET_TICK_S)
+    assert QUIET_TICK_S < RESTING_TICK_S
+    agent._probe_pool.shutdown()
+
+
+def test_a_spare_not_ready_or_missing_keeps_the_quiet_tick(tmp_path: Path) -> None:
+    """The supervisor polls a starting spare's readiness deadline and starts missing ones."""
+    agent = _quiet_agent(tmp_path)
+    assert agent._tick_s() == QUIET_TICK_S  # no spare yet: one is to be started
+    agent.pool.add_spare(_Spare(30_000))  # type: ignore[arg-type]
+    assert agent._tick_s() == QUIET_TICK_S  # started, not ready
+    agent.pool.mark_ready(30_000)
+    assert agent._tick_s() == RESTING_TICK_S
+    agent._probe_pool.shutdown()
+
+
+def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
+    tmp_path: Path,
+) -> None:
+    """A worker that stopped reporting steps is killed at its hang deadline, not up to a
+    resting tick later; past the deadline the loop polls (never a wait of 0)."""
+    agent = _quiet_agent(tmp_path)
+    _at_rest(agent)
+    now = agent._clock.monotonic()
+    assert agent._fs.gen is not None
+    worker = _Worker(
+        _Proc(),  # type: ignore[arg-type]
+        rank=0,
+        generation=3,
+        plan=agent._fs.gen.plan,
+        state=WorkerState.RUNNING,
+        last_progress_s=now - SPEC.hang_timeout_s + 7.0,
+    )
+    agent.pool.add_worker(worker)
+    assert 6.0 < agent._tick_s() <= 7.0
+    worker.last_progress_s = now - SPEC.hang_timeout_s - 1.0
+    assert agent._tick_s() == BUSY_TICK_S
     agent._probe_pool.shutdown()
