@@ -73,7 +73,10 @@ from elasticpp.waiting import wait_until
 JOB = "scale"
 FAULTS = ("loss", "join", "sick")
 POLL_S = 0.01  # how often the harness looks at the agents' generations
-LOOP_THREADS = 8  # per process: the agents' loops take turns on a pool (bench/scaleloops.py)
+# Per process: the agents' loops take turns on a pool (bench/scaleloops.py). Two, not eight:
+# fewer threads contending for the process's GIL (decide->hold at 512 nodes 0.64-0.87 s with
+# 2, 1.12-1.41 s with 8; at 2,048, 3.6-4.5 s against 6.0-6.5 s with 8 and 5.6-8.4 s with 32).
+LOOP_THREADS = 2
 AGENTS_PER_CONNECTION = 64  # per shared etcd connection (bench/scalesim.py)
 
 
