@@ -277,7 +277,7 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         """Become leader if nobody is: create `leader` under a new lease. None if taken
         (seen taken first by a read: no lease is granted for a campaign already lost).
 
-        `on_lost` is called (from the keep-alive thread) if the lease is lost later; the
+        `on_lost` is called (from the client's lease thread) if the lease is lost later; the
         lease is renewed only while `gate` says the caller's loop makes progress."""
         keymod.check_name("node_id", node_id)
         ttl = check_ttl(ttl_s)

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import grpc  # type: ignore[import-untyped]
 
 from elasticpp.cluster.errors import (
+    ClusterError,
     ClusterLimitError,
     ClusterUnavailableError,
     LeaseNotFoundError,
@@ -450,6 +451,33 @@ class EtcdKV(WatchesPart):
         if ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             raise LeaseNotFoundError(f"lease {lease_id:x} not found")
         return ttl
+
+    def refresh_many(
+        self, leases: Sequence[tuple[int, Callable[[], None] | None]]
+    ) -> list[int | ClusterError]:
+        """`refresh` of several leases at once, for one thread that keeps them all: every
+        keep-alive is sent before any answer is waited for. For each `(lease_id, on_late)`,
+        in order: its new TTL, LeaseNotFoundError, or ClusterUnavailableError (no answer
+        within `request_timeout_s`; a late answer that renewed it calls `on_late`). Raises
+        ClusterUnavailableError when the stream failed (every keep-alive on it did)."""
+
+        def once(ep: Endpoint, metadata: Any) -> list[Any]:
+            self._count("LeaseKeepAlive", len(leases))
+            stream = self._keepalive_stream(ep, metadata)
+            return stream.refresh_many(leases, self.request_timeout_s)
+
+        replies = self._attempts("lease keep-alive", once)
+        out: list[int | ClusterError] = []
+        for (lease_id, _), reply in zip(leases, replies, strict=True):
+            if isinstance(reply, ClusterError):
+                out.append(reply)
+                continue
+            if self._meter is not None:
+                received = 0 if reply is None else reply.ByteSize()
+                self._meter.request(sent=12, received=received, kind="keepalive")
+            ttl = int(reply.TTL) if reply is not None else 0
+            out.append(ttl if ttl > 0 else LeaseNotFoundError(f"lease {lease_id:x} not found"))
+        return out
 
     def revoke(self, lease_id: int) -> None:
         self._unary("lease revoke", REVOKE, pb.LeaseRevokeRequest(ID=lease_id))

@@ -26,7 +26,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]
@@ -79,6 +79,31 @@ class KeepAliveStream:
 
         Raises the stream's gRPC error if it failed, ClusterUnavailableError (fast) if it had
         ended, or ClusterUnavailableError when no answer came within `timeout_s`."""
+        waiter, sent_s = self._post(lease_id, on_late)
+        return self._answer(waiter, sent_s, timeout_s)
+
+    def refresh_many(
+        self,
+        leases: Sequence[tuple[int, Callable[[], None] | None]],
+        timeout_s: float,
+    ) -> list[Any]:
+        """One keep-alive of each `(lease_id, on_late)`, all sent before any is waited for;
+        etcd's answer to each, in order, or the ClusterUnavailableError of one not answered
+        within `timeout_s` of its send. Raises as `refresh` does when the stream has ended
+        or failed (every keep-alive on it failed)."""
+        posted = [self._post(lease_id, on_late) for lease_id, on_late in leases]
+        out: list[Any] = []
+        for waiter, sent_s in posted:
+            left_s = max(0.0, sent_s + timeout_s - time.monotonic())
+            try:
+                out.append(self._answer(waiter, sent_s, left_s, timeout_s))
+            except ClusterUnavailableError as exc:
+                if exc.fast:
+                    raise
+                out.append(exc)
+        return out
+
+    def _post(self, lease_id: int, on_late: Callable[[], None] | None) -> tuple[_Waiter, float]:
         waiter = _Waiter()
         waiter.on_late = on_late
         with self._lock:
@@ -87,7 +112,15 @@ class KeepAliveStream:
             self._waiters.setdefault(lease_id, collections.deque()).append(waiter)
             self._requests.put(pb.LeaseKeepAliveRequest(ID=lease_id))
             sent_s = time.monotonic()
-        if not waiter.done.wait(timeout_s):
+        return waiter, sent_s
+
+    def _answer(
+        self, waiter: _Waiter, sent_s: float, wait_s: float, timeout_s: float | None = None
+    ) -> Any:
+        """The answer of a posted keep-alive, waited for up to `wait_s` (its timeout,
+        `timeout_s`, counts from its send)."""
+        timeout_s = wait_s if timeout_s is None else timeout_s
+        if not waiter.done.wait(wait_s):
             with self._lock:
                 waiter.abandoned = True  # still queued: it takes its late answer
                 stuck = self._answered_s < sent_s

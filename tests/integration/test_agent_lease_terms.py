@@ -6,7 +6,6 @@ agent registered under its node id, exits 2 saying so and leaves the other's key
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import ClusterClient, LeaseNotFoundError
 from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.leases import kept
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
 from tests.unit.test_agent_done import SPEC, SPEC_FIELDS
@@ -34,8 +34,10 @@ def agent(tmp_path: Path, etcd: EtcdServer) -> Iterator[Agent]:
     made.shutdown()
 
 
-def _leader_keepers() -> int:
-    return sum(t.name == "lease-leader n0" and t.is_alive() for t in threading.enumerate())
+def _leader_keepers(agent: Agent) -> int:
+    """The leadership leases the agent's client keeps alive now."""
+    assert agent.cluster is not None
+    return kept(agent.cluster._kv).count("leader n0 leader")
 
 
 def _campaigns_until_won(agent: Agent) -> bool:
@@ -87,7 +89,7 @@ def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
     agent._vs.leader = None
     assert _campaigns_until_won(agent)
     first = agent._ls.leadership
-    assert first is not None and _leader_keepers() == 1
+    assert first is not None and _leader_keepers(agent) == 1
     with ClusterClient([etcd.endpoint], SPEC.name) as other:
         assert other.depose("n0")  # confirmed dead by a peer's probe, wrongly
     agent._vs.leader = agent.cluster.leader()  # what the next refresh reads: no leader
@@ -97,7 +99,7 @@ def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
     assert _campaigns_until_won(agent)  # then campaigns (after its draw) and wins again
     second = agent._ls.leadership
     assert second is not None and second is not first and agent.cluster.leader() == "n0"
-    assert _leader_keepers() == 1  # the old term's keep-alive ended
+    assert _leader_keepers(agent) == 1  # the old term's keep-alive ended
     with pytest.raises(LeaseNotFoundError):
         agent.cluster._kv.refresh(first.lease_id)  # and its lease was revoked
 

@@ -25,7 +25,7 @@ def test_a_node_loss_in_a_simulated_cluster_reaches_every_node_within_bounds(
     assert r["largest_value"] <= 64 * 1024
     assert r["largest_read"] <= 1024 * 1024
     by_thread = r["steady"]["cpu_ms_per_node_s_by_thread"]
-    assert "loops-#" in by_thread and "lease-node #" in by_thread  # where the idle CPU goes
+    assert "loops-#" in by_thread and "etcd-leases-#" in by_thread  # where the idle CPU goes
 
 
 def test_a_join_and_a_sick_node_in_a_small_simulated_cluster_settle(
