@@ -49,18 +49,50 @@ class Node:
         return f"127.0.0.1:{self.port}"
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIXED_PORTS_LOW = 10_000  # chosen ports come from here up to the ephemeral range
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (held open together, so they differ)."""
+    """Distinct free loopback ports for processes started later, below the kernel's
+    ephemeral range: a port the kernel hands out (a client's outgoing connection, a bind to
+    port 0) is never one of them, so none is taken between this check and the agent's bind
+    (an agent exited "address already in use" when a connection took its metrics port in
+    that gap). Each is checked free and held while the others are chosen."""
+    import random
     import socket
 
-    socks = [socket.socket() for _ in range(count)]
+    low, _ = _ephemeral_range()
+    if low - FIXED_PORTS_LOW < 10 * count:  # no room below it: let the kernel choose
+        candidates: list[int] = [0] * count
+    else:
+        candidates = random.sample(range(FIXED_PORTS_LOW, low), min(low - FIXED_PORTS_LOW, 256))
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(int(s.getsockname()[1]))
+            if len(ports) == count:
+                return ports
     finally:
         for s in socks:
             s.close()
+    raise LocalClusterError(f"no {count} free loopback ports below {low}")
 
 
 class LocalCluster:
