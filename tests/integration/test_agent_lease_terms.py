@@ -17,7 +17,7 @@ from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import ClusterClient, LeaseNotFoundError
 from elasticpp.cluster.etcd_server import EtcdServer
-from elasticpp.cluster.leases import kept
+from elasticpp.cluster.keepers import kept
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
 from tests.unit.test_agent_done import SPEC, SPEC_FIELDS
