@@ -20,10 +20,16 @@ Invariants:
   so it never re-plans around a node it is about to find dead; later rounds it does not
   wait for. (The leader once waited on its loop for the probes of every silent node of a
   1,024-node job, 3-4 s a turn, and its lease lapsed.);
+- silence is looked at twice: a probe unanswered within its budget (SILENT: gone without a
+  word, or alive on a saturated machine) is followed at once by a second probe of that
+  incarnation, still in the same round, and only a second silence is a verdict of death. (A
+  leader probing 2,047 suspects on a saturated machine once evicted a healthy node whose
+  single probe went unanswered, and took it back a generation later.);
 - a verdict is given only for the incarnation that was probed, whoever asked for it: DEAD
-  records the node dead; an answer takes a node found dead back (it was only slow or stopped
-  for a while); NOT_SERVING is alive, recorded as unhealthy (`unhealthy`, node ->
-  incarnation), never as dead, so that its own recovery is not raced; SERVING clears it.
+  (refused, or silent twice) records the node dead; an answer takes a node found dead back
+  (it was only slow or stopped for a while); NOT_SERVING is alive, recorded as unhealthy
+  (`unhealthy`, node -> incarnation), never as dead, so that its own recovery is not raced;
+  SERVING clears it.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class LivenessState:
     probe_cache: dict[tuple[str, str], tuple[float, ProbeResult]] = field(default_factory=dict)
     # (node, incarnation) -> its probe: started, no verdict given yet
     probing: dict[tuple[str, str], Future[ProbeResult]] = field(default_factory=dict)
+    silent_once: set[tuple[str, str]] = field(default_factory=set)  # second probe out
     suspect_since: dict[int, float] = field(default_factory=dict)  # generation -> first seen
     suspects_probed_gen: int = 0  # the failed generation whose suspects' probes started
     verdicts_gen: int = 0  # the failed generation whose suspects' first verdicts are all in
@@ -102,13 +109,17 @@ def leader_watch_step(state: LivenessState, obs: LeaderWatch) -> list[Action]:
 
 
 def leader_probed(probed: ProbeLeader, result: ProbeResult) -> list[Action]:
-    """A leader that fails the probe (a refused connection is final at once; NOT_SERVING
-    means its loop stalled) has its term deposed, so that a new leader is elected now, not
+    """A leader that fails the probe (a refused connection is final at once; silence is
+    taken as death here, without a second look; NOT_SERVING means its loop stalled) has its
+    term deposed, so that a new leader is elected now, not
     after its lease lapses."""
     if result is ProbeResult.SERVING:
         return []
-    dead = result is ProbeResult.DEAD
-    why = "dead" if dead else "not serving (its loop stalled)"
+    dead = result is ProbeResult.DEAD or result is ProbeResult.SILENT
+    why = {
+        ProbeResult.DEAD: "dead",
+        ProbeResult.SILENT: "silent (no answer to the probe)",
+    }.get(result, "not serving (its loop stalled)")
     return [DeposeLeader(probed.leader, why, probed.incarnation if dead else None)]
 
 
@@ -177,15 +188,21 @@ class LivenessPart:
             if key in cache:
                 results[n] = cache[key][1]
             elif start:
-                future = self._probe_pool.submit(
-                    probe.check,
-                    str(address),
-                    service=probe.node_service(n, inc) if inc else "",
-                    channels=self._probe_channels,
-                )
-                future.add_done_callback(lambda _: self._wake.set())
-                self._lvs.probing[key] = future
+                self._start_probe(key, str(address))
         return results
+
+    def _start_probe(self, key: tuple[str, str], address: str) -> None:
+        """Probe node `key[0]`'s incarnation `key[1]` at `address` on the pool; its result
+        wakes the loop."""
+        n, inc = key
+        future = self._probe_pool.submit(
+            probe.check,
+            address,
+            service=probe.node_service(n, inc) if inc else "",
+            channels=self._probe_channels,
+        )
+        future.add_done_callback(lambda _: self._wake.set())
+        self._lvs.probing[key] = future
 
     def _probes_done(self) -> None:
         """The verdicts of the probes that have finished (see the module)."""
@@ -198,10 +215,25 @@ class LivenessPart:
             try:
                 result = future.result()
             except Exception as exc:  # a probe that raised says nothing of the node
+                self._lvs.silent_once.discard(key)
                 self._survive("probe", exc)
                 continue
+            if result is ProbeResult.SILENT:
+                if key not in self._lvs.silent_once:
+                    address = self._vs.members.get(key[0], {}).get("address")
+                    if address and self._still_registered(key):
+                        self._lvs.silent_once.add(key)  # a second look before any verdict
+                        self._start_probe(key, str(address))
+                        continue
+                result = ProbeResult.DEAD  # silent twice (or no second look to take)
+            self._lvs.silent_once.discard(key)
             self._lvs.probe_cache[key] = (self._clock.monotonic(), result)
             self._verdict(key[0], key[1], result)
+
+    def _still_registered(self, key: tuple[str, str]) -> bool:
+        """True while node `key[0]`'s member key holds incarnation `key[1]`."""
+        info = self._vs.members.get(key[0])
+        return info is not None and str(info.get("incarnation", "")) == key[1]
 
     def _probing(self, nodes: Iterable[str]) -> bool:
         """True while a probe of one of `nodes` is out (no verdict on it yet)."""

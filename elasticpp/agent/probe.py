@@ -1,8 +1,11 @@
 """Is a peer agent alive, and is it healthy? One gRPC health check, retried within a budget.
 
-`check` tells three answers apart:
-- DEAD: the connection is refused or reset (a dead agent's port refuses at once: final), or
-  no reply came within `budget_s`;
+`check` tells four answers apart:
+- DEAD: the connection is refused or reset (a dead agent's port refuses at once: final);
+- SILENT: no reply came within `budget_s`: a process gone without a word (power lost, a
+  partition) or a live one too slow to answer (a long GIL hold, a page-in, a SIGSTOP, a
+  saturated machine). Not final on its own: a caller that evicts for it looks again first
+  (elasticpp.agent.liveness); `answers` counts it as no answer;
 - NOT_SERVING: the process answers but says it is not healthy (its decision loop stalled,
   or it has not joined the job yet). It is alive: it must not be declared dead, since it may
   recover on its own; a caller may still leave it out of the next plan;
@@ -11,9 +14,8 @@ A probe that names the node it looks for (`service=node_service(node, incarnatio
 the agent's health service for that node's entry: a process at the address that is not that
 incarnation (the address reused by another agent, e.g. a pod IP given to a new pod, or the
 same node restarted) answers NOT_FOUND, and the node looked for is DEAD, not alive.
-A check that times out comes from a live but slow or briefly stopped process (a long GIL hold,
-a page-in, a SIGSTOP): it is retried until `budget_s` is spent, so one slow reply never gets a
-live node evicted. The budget is measured on `clock` (monotonic by default).
+A check that times out is retried until `budget_s` is spent, so one slow reply is not yet
+silence. The budget is measured on `clock` (monotonic by default).
 
 With `channels` (`ProbeChannels`, one per agent) a probe goes over a channel kept for its
 address from earlier probes instead of a new one: a leader probing a thousand suspects pays
@@ -54,6 +56,7 @@ class ProbeResult(enum.Enum):
     SERVING = "serving"
     NOT_SERVING = "not_serving"
     DEAD = "dead"
+    SILENT = "silent"
 
 
 def node_service(node_id: str, incarnation: str) -> str:
@@ -147,7 +150,7 @@ def _check(
             if code != grpc.StatusCode.DEADLINE_EXCEEDED:
                 return ProbeResult.DEAD  # refused or reset: the process is gone
             if clock() >= deadline:
-                return ProbeResult.DEAD
+                return ProbeResult.SILENT
             continue
         if reply.status == health_pb2.HealthCheckResponse.SERVING:
             return ProbeResult.SERVING
@@ -159,4 +162,5 @@ def answers(
 ) -> bool:
     """True if the agent at `address` answers a health check within the budget (healthy or
     not): the process is alive."""
-    return check(address, timeout_s=timeout_s, budget_s=budget_s) is not ProbeResult.DEAD
+    result = check(address, timeout_s=timeout_s, budget_s=budget_s)
+    return result is ProbeResult.SERVING or result is ProbeResult.NOT_SERVING

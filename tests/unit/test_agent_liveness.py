@@ -28,6 +28,7 @@ class _Probes:
     def __init__(self, results: dict[str, ProbeResult] | None = None) -> None:
         self.calls: list[str] = []
         self.results = results or {}
+        self.sequences: dict[str, list[ProbeResult]] = {}  # answers in turn, then `results`
         self.gate: threading.Event | None = None  # set: every probe waits for it to open
         self.gates: dict[str, threading.Event] = {}  # the probe of one address waits
 
@@ -36,10 +37,12 @@ class _Probes:
         for gate in (self.gate, self.gates.get(address)):
             if gate is not None:
                 gate.wait()
+        if self.sequences.get(address):
+            return self.sequences[address].pop(0)
         return self.results.get(address, ProbeResult.SERVING)
 
     def answers(self, address: str, **_: Any) -> bool:
-        return self.check(address) is not ProbeResult.DEAD
+        return self.check(address) in (ProbeResult.SERVING, ProbeResult.NOT_SERVING)
 
 
 @pytest.fixture
@@ -132,6 +135,63 @@ def test_a_suspect_that_answers_not_serving_is_unhealthy_not_dead(
     settle(agent)
     assert agent._lvs.dead == {"n08": "i-n08"}
     assert agent._lvs.unhealthy == {"n07": "i-n07"}
+    agent._probe_pool.shutdown()
+
+
+def test_a_suspect_silent_once_is_probed_again_and_its_answer_is_the_verdict(
+    tmp_path: Path, probes: _Probes
+) -> None:
+    """A probe unanswered within its budget (a healthy node on a saturated machine) is
+    followed by a second one before any verdict: answered, the node is alive; silent again,
+    it is dead. (2,047 suspects probed on one overloaded machine: a healthy node's single
+    silent probe had it planned out and taken back a generation later.)"""
+    probes.sequences = {
+        "n04:1": [ProbeResult.SILENT, ProbeResult.SERVING],
+        "n05:1": [ProbeResult.SILENT, ProbeResult.NOT_SERVING],
+        "n06:1": [ProbeResult.SILENT, ProbeResult.SILENT],
+    }
+    agent = _agent(tmp_path)
+    agent._confirm_dead(["n04", "n05", "n06", "n07"])
+    settle(agent)
+    assert sorted(probes.calls) == ["n04:1", "n04:1", "n05:1", "n05:1", "n06:1", "n06:1", "n07:1"]
+    assert agent._lvs.dead == {"n06": "i-n06"}
+    assert agent._lvs.unhealthy == {"n05": "i-n05"}
+    assert agent._lvs.silent_once == set()
+    assert {n for (n, _), (_, r) in agent._lvs.probe_cache.items() if r is ProbeResult.DEAD} == {
+        "n06"
+    }
+    agent._probe_pool.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_the_leader_waits_for_the_second_look_at_a_silent_suspect(
+    tmp_path: Path, probes: _Probes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second probe of a silent suspect belongs to the first round: the leader's step
+    waits for it, so it neither plans around a live node nor keeps a dead one in."""
+    steps: list[Any] = []
+    monkeypatch.setattr(leader_module, "leader_step", lambda ls, obs: steps.append(obs) or [])
+    probes.sequences = {"n09:1": [ProbeResult.SILENT]}
+    probes.results = {"n09:1": ProbeResult.SILENT}
+    agent = _agent(tmp_path)
+    agent._lead()  # the first round: only this thread starts a second look
+    assert agent._lvs.probing and steps == []
+    assert wait_until(lambda: all(f.done() for f in agent._lvs.probing.values()), 10)
+    gate = probes.gates["n09:1"] = threading.Event()  # the second look is held open
+    try:
+        agent._lead()  # the first verdicts; the second look at n09 starts
+        agent._lead()
+        assert steps == [] and agent._lvs.dead == {}
+        assert ("n09", "i-n09") in agent._lvs.probing
+        assert wait_until(lambda: probes.calls.count("n09:1") == 2, 10, interval_s=0.005)
+        agent._lead()
+        assert steps == [] and agent._lvs.dead == {}
+    finally:
+        gate.set()
+    settle(agent)
+    agent._lead()
+    assert agent._lvs.dead == {"n09": "i-n09"}
+    assert len(steps) == 1 and "n09" in steps[0].view.dead
     agent._probe_pool.shutdown()
 
 
@@ -235,6 +295,7 @@ def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
         (ProbeResult.SERVING, [], False),
         (ProbeResult.NOT_SERVING, ["n00"], False),
         (ProbeResult.DEAD, ["n00"], True),
+        (ProbeResult.SILENT, ["n00"], True),
     ],
 )
 def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
