@@ -164,6 +164,39 @@ def test_a_suspect_silent_once_is_probed_again_and_its_answer_is_the_verdict(
 
 
 @pytest.mark.timeout(30)
+def test_a_round_of_serving_answers_wakes_the_loop_once_not_per_answer(
+    tmp_path: Path, probes: _Probes
+) -> None:
+    """A leader woken by each of 2,047 answers took ~2,000 turns a round, each going over
+    every suspect. SERVING answers wake it when the round ends; an answer that needs a look
+    (here NOT_SERVING) wakes it at once."""
+    agent = _agent(tmp_path)
+    held = {f"n{i:02d}:1": threading.Event() for i in (4, 5, 6)}
+    probes.gates = dict(held)
+    probes.results = {"n05:1": ProbeResult.NOT_SERVING}
+    woken = agent._wake
+    woken.clear()
+    try:
+        agent._confirm_dead(["n04", "n05", "n06", "n07", "n08"])
+        assert wait_until(lambda: agent._lvs.probing[("n08", "i-n08")].done(), 10)
+        assert agent._lvs.probing[("n07", "i-n07")].done() and not woken.is_set()
+        held["n04:1"].set()
+        assert wait_until(lambda: agent._lvs.probing[("n04", "i-n04")].done(), 10)
+        assert not woken.is_set()  # SERVING, and two probes still out
+        held["n05:1"].set()
+        assert wait_until(woken.is_set, 10)  # NOT_SERVING: a verdict to give now
+        woken.clear()
+        held["n06:1"].set()
+        assert wait_until(woken.is_set, 10)  # the round's last answer
+    finally:
+        for gate in held.values():
+            gate.set()
+    settle(agent)
+    assert agent._lvs.unhealthy == {"n05": "i-n05"} and agent._lvs.dead == {}
+    agent._probe_pool.shutdown()
+
+
+@pytest.mark.timeout(30)
 def test_the_leader_waits_for_the_second_look_at_a_silent_suspect(
     tmp_path: Path, probes: _Probes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
