@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -175,6 +176,26 @@ class Transition:
     requests_by_kind: dict[str, int]  # etcd requests by method and key class
     # the processes' CPU seconds by kind of thread (scaleproc.thread_class), busiest first
     cpu_s_by_thread: dict[str, float] = field(default_factory=dict)
+    etcd_cpu_s: float | None = None  # the etcd server's CPU seconds, fault -> all started
+    # CPU seconds from the fault until the harness saw every node hold the generation: the
+    # etcd server's and the simulation processes' (what the hold's wait is made of)
+    to_hold_cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+def pid_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) process `pid` has used (Linux /proc); None if unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _minus(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else round(after - before, 3)
 
 
 def _generation_of(value: str | None) -> int:
@@ -191,9 +212,11 @@ def transition(
     timeout_s: float,
     poll_s: float,
     steady_requests_per_s: float = 0.0,
+    etcd_pid: int | None = None,
 ) -> Transition:
     """Apply `fault`, wait until every healthy node runs the generation it causes, measure
-    (`steady_requests_per_s`: the steady state's etcd requests per second, all nodes)."""
+    (`steady_requests_per_s`: the steady state's etcd requests per second, all nodes;
+    `etcd_pid`: the etcd server's process, whose CPU is measured too)."""
     # Between transitions a leader may be changing (a loop stalled past its lease on a busy
     # machine steps down): the fault waits for one.
     now = [Summary()]
@@ -219,6 +242,7 @@ def transition(
     others = [node for node in healthy if node != leader]
     (before, kinds0, cpu0), lcpu0 = cluster.meter(), cluster.loop_cpu_s(leader)
     threads0 = cluster.thread_cpu_s()
+    etcd0 = pid_cpu_s(etcd_pid)
     t0 = time.monotonic()
     if fault == "loss":
         victim = others[-1]
@@ -246,6 +270,8 @@ def transition(
     if not wait_until(look(lambda s: s.all_hold(g0 + 1)), timeout_s, interval_s=poll_s):
         raise ElasticppError(f"{fault} of {victim}: not every node holds generation {g0 + 1}")
     t_hold = time.monotonic()
+    _, _, cpu_hold = cluster.meter()
+    etcd_hold = pid_cpu_s(etcd_pid)
     held_at = cluster.held_at(g0 + 1)  # now, before a next generation replaces it
     # Not settled in time is a result (reported with the generations' reasons), not an error.
     error = None
@@ -253,6 +279,7 @@ def transition(
         error = f"{fault} of {victim}: not settled in {timeout_s:.0f} s"
     t_started = time.monotonic()
     after, kinds1, cpu1 = cluster.meter()
+    etcd1 = pid_cpu_s(etcd_pid)
     by_thread = cpu_by_thread(threads0, cluster.thread_cpu_s())
     delta = after.minus(before)
     kinds = {k: v - kinds0.get(k, 0) for k, v in kinds1.items() if v > kinds0.get(k, 0)}
@@ -284,6 +311,12 @@ def transition(
         ),
         leader_cpu_s=round(cluster.loop_cpu_s(leader) - lcpu0, 3),
         process_cpu_s=round(cpu1 - cpu0, 3),
+        etcd_cpu_s=_minus(etcd1, etcd0),
+        to_hold_cpu_s={
+            k: v
+            for k, v in (("etcd", _minus(etcd_hold, etcd0)), ("processes", cpu_hold - cpu0))
+            if v is not None
+        },
         requests_by_kind=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         cpu_s_by_thread={k: round(v, 3) for k, v in by_thread[:12]},
     )
@@ -364,14 +397,17 @@ def run_size(
             raise ElasticppError(f"{n} simulated nodes not all running within {timeout_s:.0f} s")
         started_s = time.monotonic() - t0
         r0, k0, c0 = cluster.meter()
+        e0 = pid_cpu_s(etcd.pid)
         t_0 = cluster.thread_cpu_s()
         w0 = time.monotonic()
         time.sleep(steady_s)  # a measuring window, not a wait for a condition
         r1, k1, c1 = cluster.meter()
+        e1 = pid_cpu_s(etcd.pid)
         t_1 = cluster.thread_cpu_s()
         steady = r1.minus(r0)
         window_s = time.monotonic() - w0
         steady_cpu = (c1 - c0) / window_s
+        etcd_steady = None if e0 is None or e1 is None else round((e1 - e0) / window_s, 3)
         kinds = {k: v - k0.get(k, 0) for k, v in k1.items()}
         steady_kinds = {
             k: round(v / window_s / n, 2)
@@ -381,7 +417,8 @@ def run_size(
         by_thread = {k: round(v / window_s / n * 1000, 3) for k, v in cpu_by_thread(t_0, t_1)[:15]}
         steady_rate = steady.requests / window_s
         transitions = [
-            asdict(transition(cluster, observer, f, timeout_s, poll_s, steady_rate)) for f in faults
+            asdict(transition(cluster, observer, f, timeout_s, poll_s, steady_rate, etcd.pid))
+            for f in faults
         ]
         whole, _, _ = cluster.meter()
         violations = check_history(JOB, observer.history())
@@ -404,6 +441,7 @@ def run_size(
                 "bytes_received_per_s": round(steady.bytes_received / window_s),
                 # CPU of every agent's idle loop together: what bounds N on one machine
                 "process_cpu_per_s": round(steady_cpu, 3),
+                "etcd_cpu_per_s": etcd_steady,  # the etcd server's CPU seconds a second
                 "cpu_ms_per_node_s": round(steady_cpu / n * 1000, 2),
                 "requests_per_node_s_by_kind": steady_kinds,
                 # where that CPU goes: ms per node per second by kind of thread, busiest first
@@ -429,10 +467,11 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| nodes | fault | decided s | all hold s | all started s | decide->hold s "
         "(p50 / p90) "
-        "| etcd req (per node; added per node) | KiB sent / recv | leader CPU s | process CPU s "
+        "| etcd req (per node; added per node) | KiB sent / recv | leader CPU s "
+        "| process CPU s | etcd CPU s "
         "| steady req/node/s | steady writes/node/s | largest value B | largest read B "
         "| gens | steady CPU ms/node/s | leader terms | violations |",
-        "|" + "---|" * 18,
+        "|" + "---|" * 19,
     ]
     for r in results:
         st = r["steady"]
@@ -445,7 +484,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"| {e['requests']} ({t['requests_per_node']}; "
                 f"{t.get('added_requests_per_node', '-')}) "
                 f"| {e['bytes_sent'] // 1024} / {e['bytes_received'] // 1024} "
-                f"| {t['leader_cpu_s']} | {t['process_cpu_s']} "
+                f"| {t['leader_cpu_s']} | {t['process_cpu_s']} | {t.get('etcd_cpu_s', '-')} "
                 f"| {st['requests_per_node_s']} | {st['writes_per_node_s']} "
                 f"| {r['largest_value']} | {r['largest_read']} | {t['generations']} "
                 f"| {st['cpu_ms_per_node_s']} | {r['leader_terms']} | {len(r['violations'])} |"
