@@ -19,9 +19,10 @@ For each: the seconds from the fault to the leader's new generation record (seen
 watch), to every node holding it and to every node reporting started (its ranks running); etcd
 requests, bytes both ways and watch events from the fault until every node started (counted in
 the agents' etcd client, elasticpp.cluster.etcd_meter); the largest value written and the
-largest range reply of the run; the CPU seconds of the leader's loop thread and of the
-simulation's processes. The steady state gives requests per node per second by kind (method
-and key class) and the processes' CPU per node per second; the run, how many leader terms began
+largest range reply of the run; the CPU seconds of the leader's loop thread, of the
+simulation's processes and of the etcd server (also from the fault until every node holds the
+plan). The steady state gives requests per node per second by kind (method and key class),
+the processes' CPU per node per second and etcd's per second; the run, how many leader terms began
 (a loop starved of CPU past its lease loses its term: the sign that the machine, not the
 control plane, gave out). The observer's watch of the job's keys from revision 1 feeds the
 invariant checker (bench/scaleinvariants.py) at the end of each size.
