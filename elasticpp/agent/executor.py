@@ -141,7 +141,7 @@ class ExecutorPart:
                     service=service if action.incarnation else "",
                     channels=self._probe_channels,
                 )
-                self._execute(leader_probed(action, result))
+                self._execute(leader_probed(self._lvs, action, result))
             elif isinstance(action, DeposeLeader):
                 assert self.cluster is not None
                 done = self.cluster.depose(action.leader)

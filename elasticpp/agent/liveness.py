@@ -23,7 +23,8 @@ Invariants:
   1,024-node job, 3-4 s a turn, and its lease lapsed.);
 - silence is looked at twice: a probe unanswered within its budget (SILENT: gone without a
   word, or alive on a saturated machine) is followed at once by a second probe of that
-  incarnation, still in the same round, and only a second silence is a verdict of death. (A
+  incarnation, still in the same round, and only a second silence is a verdict of death; a
+  follower's probe of a silent leader is repeated DEAD_RECHECK_S later before it deposes. (A
   leader probing 2,047 suspects on a saturated machine once evicted a healthy node whose
   single probe went unanswered, and took it back a generation later.);
 - a verdict is given only for the incarnation that was probed, whoever asked for it: DEAD
@@ -101,6 +102,7 @@ class LivenessState:
     suspects_probed_gen: int = 0  # the failed generation whose suspects' probes started
     verdicts_gen: int = 0  # the failed generation whose suspects' first verdicts are all in
     leader_probed_s: float = 0.0
+    leader_silent: tuple[str, str] | None = None  # (leader, incarnation) silent to a probe
     revived_s: float = 0.0  # monotonic: a node found dead last answered again
 
     def dead_now(self, members: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -136,6 +138,7 @@ def leader_watch_step(state: LivenessState, obs: LeaderWatch) -> list[Action]:
         return []
     if not obs.failure_reported:
         state.suspect_since.clear()
+        state.leader_silent = None
         return []
     since = state.suspect_since.setdefault(obs.generation, obs.now_s)
     if obs.now_s - since < LEADER_SUSPECT_S or obs.now_s - state.leader_probed_s < DEAD_RECHECK_S:
@@ -146,17 +149,23 @@ def leader_watch_step(state: LivenessState, obs: LeaderWatch) -> list[Action]:
     return [ProbeLeader(obs.leader, obs.address, obs.incarnation)]
 
 
-def leader_probed(probed: ProbeLeader, result: ProbeResult) -> list[Action]:
-    """A leader that fails the probe (a refused connection is final at once; silence is
-    taken as death here, without a second look; NOT_SERVING means its loop stalled) has its
-    term deposed, so that a new leader is elected now, not
-    after its lease lapses."""
+def leader_probed(state: LivenessState, probed: ProbeLeader, result: ProbeResult) -> list[Action]:
+    """A leader that fails the probe has its term deposed, so that a new leader is elected
+    now, not after its lease lapses: a refused connection is final at once, NOT_SERVING
+    means its loop stalled; silence deposes only when the next probe (DEAD_RECHECK_S later)
+    is silent too. The leader is the busiest node of a large job (2,047 probes of its own
+    in a sick node's transition at 2,048 nodes): one slow answer must not cost an election."""
+    key = (probed.leader, probed.incarnation)
+    if result is ProbeResult.SILENT and state.leader_silent != key:
+        state.leader_silent = key
+        return [Event("decision", f"leader {probed.leader} silent to a probe: probed again")]
+    state.leader_silent = None
     if result is ProbeResult.SERVING:
         return []
     dead = result is ProbeResult.DEAD or result is ProbeResult.SILENT
     why = {
         ProbeResult.DEAD: "dead",
-        ProbeResult.SILENT: "silent (no answer to the probe)",
+        ProbeResult.SILENT: "silent to two probes",
     }.get(result, "not serving (its loop stalled)")
     return [DeposeLeader(probed.leader, why, probed.incarnation if dead else None)]
 

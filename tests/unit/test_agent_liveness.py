@@ -328,7 +328,6 @@ def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
         (ProbeResult.SERVING, [], False),
         (ProbeResult.NOT_SERVING, ["n00"], False),
         (ProbeResult.DEAD, ["n00"], True),
-        (ProbeResult.SILENT, ["n00"], True),
     ],
 )
 def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
@@ -340,4 +339,27 @@ def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
     assert probes.calls == ["n00:1"]
     assert agent.cluster.deposed == deposed  # type: ignore[union-attr]
     assert ("n00" in agent._lvs.dead) is dead
+    agent._probe_pool.shutdown()
+
+
+@pytest.mark.parametrize("second", [ProbeResult.SILENT, ProbeResult.SERVING])
+def test_a_follower_deposes_a_silent_leader_only_when_the_next_probe_is_silent_too(
+    tmp_path: Path, probes: _Probes, second: ProbeResult
+) -> None:
+    """The leader of a large job is its busiest node: one probe it leaves unanswered is
+    probed again DEAD_RECHECK_S later, and only a second silence deposes its term."""
+    probes.sequences = {"n00:1": [ProbeResult.SILENT, second]}
+    agent = _follower(tmp_path)
+    agent._check_leader()
+    assert probes.calls == ["n00:1"]
+    assert agent.cluster.deposed == []  # type: ignore[union-attr]
+    agent._check_leader()
+    assert probes.calls == ["n00:1"]  # not before DEAD_RECHECK_S
+    agent._lvs.leader_probed_s -= DEAD_RECHECK_S
+    agent._check_leader()
+    assert probes.calls == ["n00:1", "n00:1"]
+    silent = second is ProbeResult.SILENT
+    assert agent.cluster.deposed == (["n00"] if silent else [])  # type: ignore[union-attr]
+    assert ("n00" in agent._lvs.dead) is silent
+    assert agent._lvs.leader_silent is None
     agent._probe_pool.shutdown()

@@ -194,11 +194,27 @@ def test_a_follower_probes_a_leader_that_leaves_a_failure_unanswered_once_per_re
 
 def test_a_leader_that_fails_its_probe_is_deposed_and_a_dead_one_recorded_dead() -> None:
     probed = ProbeLeader("n0", "n0:7430", "i0")
-    assert leader_probed(probed, ProbeResult.SERVING) == []
-    [stalled] = leader_probed(probed, ProbeResult.NOT_SERVING)
+    state = LivenessState()
+    assert leader_probed(state, probed, ProbeResult.SERVING) == []
+    [stalled] = leader_probed(state, probed, ProbeResult.NOT_SERVING)
     assert stalled == DeposeLeader("n0", "not serving (its loop stalled)", None)
-    [dead] = leader_probed(probed, ProbeResult.DEAD)
+    [dead] = leader_probed(state, probed, ProbeResult.DEAD)
     assert dead == DeposeLeader("n0", "dead", "i0")
+    # Silence: the first probe only says so; a second silence deposes, an answer forgets it.
+    [said] = leader_probed(state, probed, ProbeResult.SILENT)
+    assert said == Event("decision", "leader n0 silent to a probe: probed again")
+    assert leader_probed(state, probed, ProbeResult.SERVING) == []
+    assert leader_probed(state, probed, ProbeResult.SILENT) == [said]
+    [silent] = leader_probed(state, probed, ProbeResult.SILENT)
+    assert silent == DeposeLeader("n0", "silent to two probes", "i0")
+    assert state.leader_silent is None
+    # Another incarnation's silence is a first one.
+    assert leader_probed(state, probed, ProbeResult.SILENT) == [said]
+    other = ProbeLeader("n0", "n0:7430", "i1")
+    assert leader_probed(state, other, ProbeResult.SILENT) == [said]
+    # Suspicion that ends (a new plan) forgets a silence.
+    leader_watch_step(state, replace(WATCH, failure_reported=False))
+    assert state.leader_silent is None
     state = LivenessState()
     assert leader_deposed(state, dead, done=False) == [] and state.dead == {}
     event, reread = leader_deposed(state, dead, done=True)
