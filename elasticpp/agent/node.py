@@ -27,16 +27,16 @@ Fencing: workers rendezvous under the prefix `gen<G>`, state requests carry G an
 refused by a store on a newer generation, and every generation write is a CAS guarded by
 the leader key. One loop thread makes every decision; watches and worker readers only wake
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
-hand results back through futures wake it too, probes included) or for a tick (`_tick_s`).
+hand results back through futures wake it too, probes included) or for a tick (`pace`).
 
 This module composes the agent: the parts' state, the decision loop and shutdown (its
 flags are `config.AgentConfig`); start-up and joining the job are in `startup`, the
 executor of the parts' actions in `executor`. The parts live in their own modules, each with its
 invariants in its docstring: `view` (what the agent knows of etcd), `supervisor` (worker
-processes), `durability` (commits, replication, persistence, resume state), `follower` (the
-phases of a generation, with deadlines), `liveness` (probes), `leader` (plans, resume
-instructions, the safe step) and `control` (status, events, drain, health, the error
-policy). Timeouts and limits are in `limits`.
+processes), `durability` (commits, replication, persistence, resume state), `pace` (how
+long the loop sleeps), `follower` (the phases of a generation, with deadlines), `liveness`
+(probes), `leader` (plans, resume instructions, the safe step) and `control` (status,
+events, drain, health, the error policy). Timeouts and limits are in `limits`.
 
 Who writes what: each part's state is one object with one writer, that part's module on
 the decision loop: the view's `ViewState` (`_vs`), the supervisor's `WorkerPool` and
@@ -84,7 +84,6 @@ import grpc
 from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control import ControlPart, ControlState
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.durability import (
     CommitValue,
     DurabilityPart,
@@ -92,24 +91,21 @@ from elasticpp.agent.durability import (
     anchors_ran_ahead,
 )
 from elasticpp.agent.executor import ExecutorPart
-from elasticpp.agent.follower import FollowerPart, FollowerState, _GenState
+from elasticpp.agent.follower import FollowerPart, FollowerState
 from elasticpp.agent.inbox import EventLog, Signal
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import (
-    BUSY_TICK_S,
     COMMIT_RECORD_EVERY_S,
     PROBE_THREADS,
-    QUIET_TICK_S,
-    RESTING_TICK_S,
     STATUS_EVERY_S,
-    TRAINING_TICK_S,
     VIEW_REFRESH_S,
 )
 from elasticpp.agent.liveness import LivenessPart, LivenessState
 from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.pace import PacePart
 from elasticpp.agent.pool import WorkerPool
 from elasticpp.agent.probe import ProbeChannels
 from elasticpp.agent.quarantine import HealthState, QuarantinePart
@@ -140,6 +136,7 @@ class Agent(
     ExecutorPart,
     ViewPart,
     SupervisorPart,
+    PacePart,
     DurabilityPart,
     FollowerPart,
     LivenessPart,
@@ -302,73 +299,6 @@ class Agent(
             self._event("decision", f"node {self.node_id}: {conflict}")
             raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
         return self._exit_requested()
-
-    def idle_for(self) -> float:
-        """The loop is about to wait: the longest it may (`_tick_s`); from now on it counts
-        as idle, not stalled (`clock.LoopHeartbeat`)."""
-        tick_s = self._tick_s()
-        if self._status_stale:  # a turn changed what the RPCs read: publish it soon
-            due_s = self._status_at_s + STATUS_EVERY_S - time.monotonic()
-            tick_s = min(tick_s, max(0.0, due_s))
-        self._heartbeat.idle()
-        return tick_s
-
-    def _tick_s(self) -> float:
-        """How long the loop may sleep when nothing wakes it (see limits.QUIET_TICK_S). A
-        follower's way through a generation is driven by events (the records' watch events,
-        its workers' events, the fetch's future) and deadlines of seconds, so it ticks
-        quietly in every phase while its workers are silent (a spare, a node waiting for a
-        plan, the simulated workers of bench/scale.py). What polls at BUSY_TICK_S: leading
-        a transition (its waits read its cache), a failure of this node's until a new plan
-        answers it (the leader is suspected after LEADER_SUSPECT_S), a drain, an unreachable
-        etcd and joining. Training (workers that
-        reported a step within a quiet tick), the steady state of a job, ticks at
-        TRAINING_TICK_S, leader or not, and so does a leader whose transition is over."""
-        gs, rec = self._fs.gen, self._vs.record
-        followed = gs.generation if gs is not None else 0
-        current = rec.generation if rec is not None else 0
-        # A step reported within a quiet tick keeps the training tick: that every part of its
-        # durability work (commits, replication, the safe step) wakes the loop is not
-        # established. Other worker events (ready, started, an exit) wake it once.
-        training = time.monotonic() - self.pool.trained_at_s < QUIET_TICK_S
-        settled = (
-            self._joined
-            and self._vs.etcd_ok
-            and current == followed  # a record not yet followed is taken at the next tick
-            and not self._fs.pending_failures
-            and (current == 0 or self._fs.reported != current)
-            and not self._lvs.suspect_since
-            and not self._cs.draining
-        )
-        if not settled:
-            return BUSY_TICK_S
-        ls = self._ls
-        if training:
-            tick_s = TRAINING_TICK_S
-        elif ls.leadership is None:
-            tick_s = self._quiet_tick_s(gs)
-        elif current and ls.generation == current and ls.timeline_written:
-            # Its transition is over: it waits for watch events now, and its deadlines (a
-            # join's settling, a quarantine's end) need no more than a training leader's pace.
-            tick_s = TRAINING_TICK_S
-        else:
-            tick_s = BUSY_TICK_S
-        campaign_at_s = self._ls.campaign_at_s  # leaderless: this node's campaign is due then
-        if campaign_at_s is not None and self._vs.leader is None:
-            due_s = campaign_at_s - self._clock.monotonic()
-            tick_s = min(tick_s, max(BUSY_TICK_S, due_s))  # overdue: polls, never spins
-        return tick_s
-
-    def _quiet_tick_s(self, gs: _GenState | None) -> float:
-        """A quiet follower's tick: QUIET_TICK_S, or up to RESTING_TICK_S at rest (its ranks
-        running or none planned here, the supervisor with no poll of its own), never past
-        the supervisor's next deadline."""
-        if gs is None or gs.phase not in (Phase.RUNNING, Phase.IDLE):
-            return QUIET_TICK_S
-        rest_s = self._rest_for_s(self._clock.monotonic())
-        if rest_s is None:
-            return QUIET_TICK_S
-        return max(BUSY_TICK_S, min(RESTING_TICK_S, rest_s))
 
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is
