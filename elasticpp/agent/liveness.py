@@ -50,9 +50,6 @@ from elasticpp.agent.probe import ProbeResult
 
 log = logging.getLogger("elasticpp.agent")
 
-_CANCELLED: Future[ProbeResult] = Future()  # stands for a probe that never started
-_CANCELLED.cancel()
-
 
 class ProbeWakes:
     """Decides, on the probe's thread, whether a finished probe wakes the loop: when its
@@ -70,6 +67,11 @@ class ProbeWakes:
     def started(self) -> None:
         with self._lock:
             self._out += 1
+
+    def not_started(self) -> None:
+        """A probe counted by `started` that never ran (the pool refused it)."""
+        with self._lock:
+            self._out -= 1
 
     def finished(self, future: Future[ProbeResult]) -> bool:
         """True if the loop is to be woken for `future`, which has just finished."""
@@ -97,7 +99,7 @@ class LivenessState:
     probing: dict[tuple[str, str], Future[ProbeResult]] = field(default_factory=dict)
     silent_once: set[tuple[str, str]] = field(default_factory=set)  # second probe out
     # Which finished probes wake the loop: the one field the probes' threads touch (locked).
-    wakes: ProbeWakes = field(default_factory=lambda: ProbeWakes())
+    wakes: ProbeWakes = field(default_factory=ProbeWakes)
     suspect_since: dict[int, float] = field(default_factory=dict)  # generation -> first seen
     suspects_probed_gen: int = 0  # the failed generation whose suspects' probes started
     verdicts_gen: int = 0  # the failed generation whose suspects' first verdicts are all in
@@ -252,7 +254,7 @@ class LivenessPart:
                 channels=self._probe_channels,
             )
         except BaseException:
-            wakes.finished(_CANCELLED)
+            wakes.not_started()
             raise
         future.add_done_callback(lambda f: wakes.finished(f) and self._wake.set())
         self._lvs.probing[key] = future
@@ -284,9 +286,9 @@ class LivenessPart:
             self._verdict(key[0], key[1], result)
 
     def _still_registered(self, key: tuple[str, str]) -> bool:
-        """True while node `key[0]`'s member key holds incarnation `key[1]`."""
-        info = self._vs.members.get(key[0])
-        return info is not None and str(info.get("incarnation", "")) == key[1]
+        """True while node `key[0]`'s member key holds incarnation `key[1]` (an incarnation
+        of "" stands for any agent without one, registered or not)."""
+        return str(self._vs.members.get(key[0], {}).get("incarnation", "")) == key[1]
 
     def _probing(self, nodes: Iterable[str]) -> bool:
         """True while a probe of one of `nodes` is out (no verdict on it yet)."""
@@ -295,7 +297,7 @@ class LivenessPart:
 
     def _verdict(self, n: str, inc: str, result: ProbeResult) -> None:
         """What the probe of `n`'s incarnation `inc` says (see the module)."""
-        if str(self._vs.members.get(n, {}).get("incarnation", "")) != inc:
+        if not self._still_registered((n, inc)):
             return  # a new incarnation registered meanwhile: the answer was of the old one
         lvs = self._lvs
         if result is ProbeResult.DEAD:
