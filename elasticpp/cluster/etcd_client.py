@@ -443,14 +443,19 @@ class EtcdKV(WatchesPart):
             stream = self._keepalive_stream(ep, metadata)
             return stream.refresh(lease_id, self.request_timeout_s, on_late)
 
-        reply = self._attempts("lease keep-alive", once)
+        result = self._renewed(lease_id, self._attempts("lease keep-alive", once))
+        if isinstance(result, LeaseNotFoundError):
+            raise result
+        return result
+
+    def _renewed(self, lease_id: int, reply: Any) -> int | LeaseNotFoundError:
+        """A keep-alive's answer, metered: the lease's new TTL, or LeaseNotFoundError (etcd
+        answers TTL 0 for a lease it no longer has)."""
         if self._meter is not None:
             received = 0 if reply is None else reply.ByteSize()
             self._meter.request(sent=12, received=received, kind="keepalive")
         ttl = int(reply.TTL) if reply is not None else 0
-        if ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
-            raise LeaseNotFoundError(f"lease {lease_id:x} not found")
-        return ttl
+        return ttl if ttl > 0 else LeaseNotFoundError(f"lease {lease_id:x} not found")
 
     def refresh_many(
         self, leases: Sequence[tuple[int, Callable[[], None] | None]]
@@ -469,14 +474,7 @@ class EtcdKV(WatchesPart):
         replies = self._attempts("lease keep-alive", once)
         out: list[int | ClusterError] = []
         for (lease_id, _), reply in zip(leases, replies, strict=True):
-            if isinstance(reply, ClusterError):
-                out.append(reply)
-                continue
-            if self._meter is not None:
-                received = 0 if reply is None else reply.ByteSize()
-                self._meter.request(sent=12, received=received, kind="keepalive")
-            ttl = int(reply.TTL) if reply is not None else 0
-            out.append(ttl if ttl > 0 else LeaseNotFoundError(f"lease {lease_id:x} not found"))
+            out.append(reply if isinstance(reply, ClusterError) else self._renewed(lease_id, reply))
         return out
 
     def revoke(self, lease_id: int) -> None:
