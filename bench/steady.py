@@ -206,8 +206,11 @@ def _torchrun_env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(script: str, nproc: int, args: list[str]) -> Callable[[Path], list[float]]:
-    """One torchrun job to its end; its ranks' own per-step records."""
+def run_torchrun(
+    script: str, nproc: int, steps: int, args: list[str]
+) -> Callable[[Path], list[float]]:
+    """One torchrun job of `steps` steps to its end (`args` besides `--steps`); its ranks'
+    own per-step records."""
 
     def run(workdir: Path) -> list[float]:
         metrics = workdir / "metrics.jsonl"
@@ -219,6 +222,8 @@ def run_torchrun(script: str, nproc: int, args: list[str]) -> Callable[[Path], l
             f"--nproc-per-node={nproc}",
             str(BASELINE_DIR / script),
             *args,
+            "--steps",
+            str(steps),
             "--metrics",
             str(metrics),
         ]
@@ -242,9 +247,9 @@ def run_torchrun(script: str, nproc: int, args: list[str]) -> Callable[[Path], l
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, 9)
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        steps = [r for r in rows if r["event"] == "step"]
+        records = [r for r in rows if r["event"] == "step"]
         if code != 0:
-            if not trained_to_the_end(steps, int(args[args.index("--steps") + 1])):
+            if not trained_to_the_end(records, steps):
                 raise BenchError(f"torchrun {script} exited {code}; see {workdir}/torchrun.log")
             # Every step trained: a crash in torch's teardown (gloo's "terminate called
             # without an active exception" after the last step) is not what is measured.
@@ -253,7 +258,7 @@ def run_torchrun(script: str, nproc: int, args: list[str]) -> Callable[[Path], l
                 f"count (see {workdir}/torchrun.log)",
                 file=sys.stderr,
             )
-        return completion_times(steps)
+        return completion_times(records)
 
     return run
 
@@ -296,10 +301,10 @@ def run_agent(
 
 def configs_for(model: str, steps: int, agent_steps: int, pps: Sequence[int]) -> list[Config]:
     half = GLOBAL_BATCH // 2
-    train_args = ["--model", model, "--global-batch", str(GLOBAL_BATCH), "--steps", str(steps)]
+    train_args = ["--model", model, "--global-batch", str(GLOBAL_BATCH)]
     ddp_args = [*train_args, "--ckpt-every", str(10**9)]  # no checkpoints
     out = [
-        Config("dp=2", "torchrun + DDP", run_torchrun("train_ddp.py", 2, ddp_args)),
+        Config("dp=2", "torchrun + DDP", run_torchrun("train_ddp.py", 2, steps, ddp_args)),
         Config(
             "dp=2",
             "elasticpp train dp=2",
@@ -311,7 +316,11 @@ def configs_for(model: str, steps: int, agent_steps: int, pps: Sequence[int]) ->
         g = f"pp={pp}"
         pipe_args = [*train_args, "--micro-batch", str(MICRO_BATCH)]
         out.append(
-            Config(g, f"torch Schedule1F1B pp={pp}", run_torchrun("train_pipe.py", pp, pipe_args))
+            Config(
+                g,
+                f"torch Schedule1F1B pp={pp}",
+                run_torchrun("train_pipe.py", pp, steps, pipe_args),
+            )
         )
         out.append(
             Config(
