@@ -179,9 +179,12 @@ class LeaderPart:
         view = self._view()
         if rec is not None and view.failed and not (view.dead & set(view.current_nodes or ())):
             # Suspicion (a worker failure) is confirmed by probing before the TTL lapses;
-            # results are kept for DEAD_RECHECK_S, so a failure that waits is no probe storm.
+            # results are kept for DEAD_RECHECK_S (live answers of a large round longer,
+            # `liveness.paced_keep_s`), so a failure that waits is no probe storm.
             suspects = self._suspects(rec.generation, view.current_nodes or ())
             lvs, gen = self._lvs, rec.generation
+            if lvs.suspects_probed_gen != gen:
+                self._unpace_probes()  # a new failure: its suspects are probed afresh
             if lvs.suspects_probed_gen == gen and not self._probing(suspects):
                 lvs.verdicts_gen = gen  # the first round's verdicts are in
             self._confirm_dead(suspects)

@@ -2,6 +2,10 @@
 
 DEAD_RECHECK_S = 2.0  # how often a node is probed at most (also nodes confirmed dead)
 PROBE_THREADS = 16  # the agent's pool for health probes of peers
+# Live suspects of a failure that waits are probed again at most this many a second: an
+# answer SERVING from a round of n probes is kept n / PROBE_RECHECK_PER_S when that is
+# longer than DEAD_RECHECK_S (a 2,048-node job's suspects every ~20 s, not every 2 s).
+PROBE_RECHECK_PER_S = 100.0
 LEADER_SUSPECT_S = 0.3  # a failure left unanswered this long makes followers probe the leader
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
 # The leader waits this much longer than stop_timeout_s for a node's stopped-G: a node whose

@@ -12,6 +12,11 @@ Invariants:
   known (no member key) is not probed and gets no verdict; its lease decides;
 - a node is probed at most once per DEAD_RECHECK_S: results are kept per (node, incarnation)
   for that long, so a failure that waits (re-plan backoff, too few nodes) causes no storm;
+  an answer SERVING from a round of n probes is kept n / PROBE_RECHECK_PER_S when that is
+  longer (`paced_keep_s`): while one failure waits, a leader re-probes at most ~100 live
+  suspects a second however large the job (a 2,048-node job's once every ~20 s; its lease
+  remains the bound on finding a node lost meanwhile). A newly failed generation's suspects
+  are probed afresh: only answers younger than DEAD_RECHECK_S are reused for it;
 - probes run on one bounded pool of PROBE_THREADS threads, reused, and the loop never waits
   for one: a probe asked for is started (at most one per node incarnation in flight), its
   result wakes the loop if it needs a look (anything but SERVING) or ends the round
@@ -45,10 +50,16 @@ from typing import Any
 
 from elasticpp.agent import probe
 from elasticpp.agent.actions import Action, DeposeLeader, Event, ProbeLeader, Reread
-from elasticpp.agent.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S
+from elasticpp.agent.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S, PROBE_RECHECK_PER_S
 from elasticpp.agent.probe import ProbeResult
 
 log = logging.getLogger("elasticpp.agent")
+
+
+def paced_keep_s(round_size: int, per_s: float) -> float:
+    """How long a SERVING answer of a round of `round_size` probes is kept: DEAD_RECHECK_S,
+    or as long as re-probing the round at `per_s` probes a second takes."""
+    return max(DEAD_RECHECK_S, round_size / per_s)
 
 
 class ProbeWakes:
@@ -95,6 +106,9 @@ class LivenessState:
     dead_checked_s: float = 0.0  # monotonic: dead nodes last probed again
     unhealthy: dict[str, str] = field(default_factory=dict)  # node -> NOT_SERVING incarnation
     probe_cache: dict[tuple[str, str], tuple[float, ProbeResult]] = field(default_factory=dict)
+    # how long a cached SERVING answer of a large round is kept (DEAD_RECHECK_S if absent)
+    probe_keep: dict[tuple[str, str], float] = field(default_factory=dict)
+    round_keep: dict[tuple[str, str], float] = field(default_factory=dict)  # probes out
     # (node, incarnation) -> its probe: started, no verdict given yet
     probing: dict[tuple[str, str], Future[ProbeResult]] = field(default_factory=dict)
     silent_once: set[tuple[str, str]] = field(default_factory=set)  # second probe out
@@ -215,19 +229,23 @@ class LivenessPart:
 
     def _probe(self, nodes: Iterable[str]) -> dict[str, ProbeResult]:
         """The health of `nodes` known now (this node and nodes without an address left out):
-        results younger than DEAD_RECHECK_S for the node's incarnation. The others' probes are
+        results younger than DEAD_RECHECK_S for the node's incarnation (a SERVING answer of
+        a large round: younger than its `paced_keep_s`). The others' probes are
         started on the bounded pool (never twice at once); their verdicts come with a later
         cycle (`_probes_done`, first in the leader's), woken by the result."""
         now = self._clock.monotonic()
-        cache = self._lvs.probe_cache
-        for key in [k for k, (at, _) in cache.items() if now - at >= DEAD_RECHECK_S]:
+        lvs = self._lvs
+        cache, keep = lvs.probe_cache, lvs.probe_keep
+        for key in [k for k, (at, _) in cache.items() if now - at >= keep.get(k, DEAD_RECHECK_S)]:
             del cache[key]
+            keep.pop(key, None)
         results: dict[str, ProbeResult] = {}
         wanted = sorted(set(nodes) - {self.node_id})
         # One round at a time: while any of `nodes` is being probed, none is probed anew. A
         # round of thousands of nodes outlasts DEAD_RECHECK_S; re-probing its first answers
         # meanwhile would keep it from ever ending.
         start = not self._probing(wanted)
+        due: list[tuple[tuple[str, str], str]] = []
         for n in wanted:
             info = self._vs.members.get(n, {})
             address, inc = info.get("address"), str(info.get("incarnation", ""))
@@ -237,8 +255,17 @@ class LivenessPart:
             if key in cache:
                 results[n] = cache[key][1]
             elif start:
-                self._start_probe(key, str(address))
+                due.append((key, str(address)))
+        round_keep_s = paced_keep_s(len(due), PROBE_RECHECK_PER_S)
+        for key, address in due:
+            lvs.round_keep[key] = round_keep_s
+            self._start_probe(key, address)
         return results
+
+    def _unpace_probes(self) -> None:
+        """A new failure: the answers kept past DEAD_RECHECK_S (`paced_keep_s`) are not
+        reused for it; its suspects are probed afresh."""
+        self._lvs.probe_keep.clear()
 
     def _start_probe(self, key: tuple[str, str], address: str) -> None:
         """Probe node `key[0]`'s incarnation `key[1]` at `address` on the pool; its result
@@ -266,10 +293,12 @@ class LivenessPart:
                 continue
             del self._lvs.probing[key]
             if future.cancelled():
+                self._lvs.round_keep.pop(key, None)
                 continue  # the pool shut down: the agent is stopping
             try:
                 result = future.result()
             except Exception as exc:  # a probe that raised says nothing of the node
+                self._lvs.round_keep.pop(key, None)
                 self._lvs.silent_once.discard(key)
                 self._survive("probe", exc)
                 continue
@@ -283,6 +312,11 @@ class LivenessPart:
                 result = ProbeResult.DEAD  # silent twice (or no second look to take)
             self._lvs.silent_once.discard(key)
             self._lvs.probe_cache[key] = (self._clock.monotonic(), result)
+            round_keep_s = self._lvs.round_keep.pop(key, DEAD_RECHECK_S)
+            if result is ProbeResult.SERVING and round_keep_s > DEAD_RECHECK_S:
+                self._lvs.probe_keep[key] = round_keep_s
+            else:  # anything but a live answer is looked at again within DEAD_RECHECK_S
+                self._lvs.probe_keep.pop(key, None)
             self._verdict(key[0], key[1], result)
 
     def _still_registered(self, key: tuple[str, str]) -> bool:

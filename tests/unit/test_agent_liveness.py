@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from elasticpp.agent import leader as leader_module
-from elasticpp.agent import probe
+from elasticpp.agent import liveness, probe
 from elasticpp.agent.limits import DEAD_RECHECK_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.probe import ProbeResult
@@ -107,6 +107,82 @@ def test_a_failed_generation_probes_each_suspect_once_per_recheck_period_not_eve
     probes.calls.clear()
     for _ in range(20):
         agent._lead()
+    settle(agent)
+    assert len(probes.calls) == 14
+    agent._probe_pool.shutdown()
+
+
+def _aged(agent: Agent, by_s: float) -> None:
+    """Every probe result as if it had come `by_s` earlier."""
+    agent._lvs.probe_cache = {k: (at - by_s, r) for k, (at, r) in agent._lvs.probe_cache.items()}
+
+
+def test_paced_keep_is_the_recheck_period_or_the_time_a_round_takes_at_the_pace() -> None:
+    assert liveness.paced_keep_s(14, 100.0) == DEAD_RECHECK_S
+    assert liveness.paced_keep_s(2047, 100.0) == pytest.approx(20.47)
+    assert liveness.paced_keep_s(0, 100.0) == DEAD_RECHECK_S
+
+
+def test_live_suspects_of_a_large_round_are_probed_again_at_the_pace_not_every_period(
+    tmp_path: Path, probes: _Probes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 14 suspects at 4 probes a second: their SERVING answers are kept 3.5 s, not 2 s. (A
+    # 2,048-node leader re-probed 2,047 live suspects every ~2 s while a failure waited.)
+    monkeypatch.setattr(liveness, "PROBE_RECHECK_PER_S", 4.0)
+    agent = _agent(tmp_path)
+    agent._ls.replan_not_before_s = time.monotonic() + 60  # in re-plan backoff: the failure waits
+    agent._lead()
+    settle(agent)
+    assert len(probes.calls) == 14
+    probes.calls.clear()
+    _aged(agent, DEAD_RECHECK_S + 0.1)
+    for _ in range(5):
+        agent._lead()
+    settle(agent)
+    assert probes.calls == []
+    _aged(agent, 1.5)  # 3.6 s after the round: past 14 / 4
+    for _ in range(5):
+        agent._lead()
+    settle(agent)
+    assert len(probes.calls) == 14
+    agent._probe_pool.shutdown()
+
+
+def test_only_live_answers_are_kept_past_the_recheck_period(
+    tmp_path: Path, probes: _Probes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(liveness, "PROBE_RECHECK_PER_S", 4.0)
+    probes.results["n05:1"] = ProbeResult.DEAD
+    probes.results["n06:1"] = ProbeResult.NOT_SERVING
+    agent = _agent(tmp_path)
+    agent._probe(NODES)  # 15 probes: a SERVING answer is kept 3.75 s
+    settle(agent)
+    keep = agent._lvs.probe_keep
+    assert set(keep) == {(n, f"i-{n}") for n in NODES if n not in ("n00", "n05", "n06")}
+    assert all(k == pytest.approx(3.75) for k in keep.values())
+    assert not agent._lvs.round_keep  # nothing left of the round
+    agent._probe_pool.shutdown()
+
+
+def test_a_newly_failed_generation_probes_its_suspects_afresh(
+    tmp_path: Path, probes: _Probes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(liveness, "PROBE_RECHECK_PER_S", 4.0)
+    agent = _agent(tmp_path)
+    agent._ls.replan_not_before_s = time.monotonic() + 60
+    agent._lead()
+    settle(agent)
+    probes.calls.clear()
+    _aged(agent, DEAD_RECHECK_S + 0.1)  # kept (3.5 s) for generation 5's failure, which waits
+    agent._lead()
+    settle(agent)
+    assert probes.calls == []
+    # Generation 6 is planned and fails too: the answers about generation 5 are not reused.
+    agent._vs.record = GenerationRecord(
+        6, _plan(6).to_dict(), "n00", time.time(), extra={"nodes": {n: f"{n}:1" for n in NODES}}
+    )
+    agent._vs.barriers = {"failed-6": {"n03": {"reason": "worker exited 1", "at": time.time()}}}
+    agent._lead()
     settle(agent)
     assert len(probes.calls) == 14
     agent._probe_pool.shutdown()
