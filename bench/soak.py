@@ -492,12 +492,17 @@ class Ctx:
     def any_node(self) -> str:
         return self.rng.choice([n.node_id for n in self.lc.nodes])
 
-    def signal_a_worker(self, sig: int, node_id: str | None = None) -> tuple[str, int]:
-        """Send `sig` to a training worker (of `node_id`, or of any node). The agent's
-        status may be a moment old: a worker that is gone already is skipped."""
+    def signal_a_worker(
+        self, sig: int, node_id: str | None = None, *, not_on: str | None = None
+    ) -> tuple[str, int]:
+        """Send `sig` to a training worker (of `node_id`, or of any node but `not_on`). The
+        agent's status may be a moment old: a worker that is gone already is skipped."""
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
-            nodes = [node_id] if node_id else [n.node_id for n in self.lc.nodes]
+            if node_id:
+                nodes = [node_id]
+            else:
+                nodes = [n.node_id for n in self.lc.nodes if n.node_id != not_on]
             for node in self.rng.sample(nodes, len(nodes)):
                 pids = training_pids(self.lc, node)
                 if pids:
@@ -514,8 +519,8 @@ class Ctx:
             + "; ".join(describe(self.lc, n.node_id) for n in self.lc.nodes)
         )
 
-    def kill_a_worker(self, node_id: str | None = None) -> str:
-        return self.signal_a_worker(signal.SIGKILL, node_id)[0]
+    def kill_a_worker(self, node_id: str | None = None, *, not_on: str | None = None) -> str:
+        return self.signal_a_worker(signal.SIGKILL, node_id, not_on=not_on)[0]
 
 
 def f_worker_kill(ctx: Ctx) -> str:
@@ -805,7 +810,8 @@ def f_stuck_exit(ctx: Ctx) -> str:
         assert holder.stdout is not None
         if holder.stdout.readline().strip() != "attached":
             raise RuntimeError(f"{node}: could not hold worker {pids[0]} at its exit")
-        ctx.kill_a_worker(next(n.node_id for n in ctx.lc.nodes if n.node_id != node))
+        # A worker of a node that trains: the first other node may be a spare of this plan.
+        ctx.kill_a_worker(not_on=node)
 
         def cure() -> None:
             holder.kill()  # the held worker exits

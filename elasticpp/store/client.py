@@ -41,14 +41,15 @@ from elasticpp.store.service import GRPC_OPTIONS, fetch_piece_callable
 log = logging.getLogger(__name__)
 
 # Status codes after which the same request may succeed: the stream broke, the peer is
-# restarting, or a chunk was refused. Anything else is an answer, not a glitch.
+# restarting, or a chunk was refused. Anything else is an answer, not a glitch: DATA_LOSS
+# among them, the source's word that its copy is corrupt or shorter than listed (asking it
+# again gets the same bytes).
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.DATA_LOSS,
 }
 
 # A busy source is asked again after BUSY_FIRST_PAUSE_S, doubling up to BUSY_MAX_PAUSE_S,

@@ -29,8 +29,10 @@ Invariants this module keeps:
 - On the hot path (a worker reports a step, the agent commits it) files are only stat'ed:
   the worker computed the sha256 while writing. A piece's bytes are hashed at most once by
   the store, on its first local use (`verify_piece`, `materialize`); every remote transfer is
-  verified end to end by the receiver. A commit one of whose pieces fails its checksum on
-  local use leaves the holdings at once (and is deleted): no later resume is planned on it.
+  verified end to end by the receiver; the source hashes what it reads for the first transfer
+  of a piece it never hashed (`served`). A commit one of whose pieces fails its checksum on
+  local use or as it is sent leaves the holdings at once (and is deleted): no later resume
+  is planned on it, and no peer fetches it again and again.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -525,24 +527,47 @@ class LocalStore:
         except FileNotFoundError:
             ok = False
         if not ok:
-            # A commit with a corrupt piece leaves the holdings at once: the next resume
-            # must take that state from a replica, a twin or an older step, not fail on the
-            # same piece generation after generation.
-            with self._lock:
-                held = self._committed.get((key[0], key[1]))
-                if held is not None and held.commit == key[2:]:
-                    del self._committed[(key[0], key[1])]
-                    self._retire(key)
-            log.warning(
-                "store %s: piece %s of %s step %d fails its checksum; that commit is dropped",
-                self.node_id,
-                name,
-                key[0],
-                key[1],
-            )
-            raise CheckpointError(f"piece {name} of {key[0]} step {key[1]} fails its checksum")
+            self._corrupt(key, name)
         with self._lock:
             self._verified.add((key, name))
+
+    def needs_hash(self, origin: str, step: int, name: str) -> bool:
+        """Whether this store never hashed the bytes of a committed piece (`served`)."""
+        key, _ = self._locate(origin, step, name)
+        with self._lock:
+            return (key, name) not in self._verified
+
+    def served(self, origin: str, step: int, name: str, sha256_read: str) -> None:
+        """The bytes of a committed piece, read in full to send them to a peer, hash to
+        `sha256_read`: the piece is verified if that is its sha256; if not, the copy here is
+        corrupt and its commit leaves the holdings (as on a local use, `CheckpointError`).
+        Nothing if the piece was dropped or committed again meanwhile."""
+        try:
+            key, info = self._locate(origin, step, name)
+        except PieceNotFoundError:
+            return
+        if info.sha256 != sha256_read:
+            self._corrupt(key, name)
+        with self._lock:
+            self._verified.add((key, name))
+
+    def _corrupt(self, key: _Key, name: str) -> NoReturn:
+        """A piece of commit `key` fails its checksum here. Its commit leaves the holdings at
+        once: the next resume must take that state from a replica, a twin or an older step,
+        not fail on the same piece generation after generation."""
+        with self._lock:
+            held = self._committed.get((key[0], key[1]))
+            if held is not None and held.commit == key[2:]:
+                del self._committed[(key[0], key[1])]
+                self._retire(key)
+        log.warning(
+            "store %s: piece %s of %s step %d fails its checksum; that commit is dropped",
+            self.node_id,
+            name,
+            key[0],
+            key[1],
+        )
+        raise CheckpointError(f"piece {name} of {key[0]} step {key[1]} fails its checksum")
 
     def materialize(
         self, target_dir: Path, pieces: Iterable[tuple[str, int, str]]

@@ -21,16 +21,17 @@ Chunks are encoded by `elasticpp.store.wire` (the protobuf wire format of
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import IO
+from typing import IO, Any
 
 import grpc
 
 from elasticpp.checkpoint.manifest import PieceKey
-from elasticpp.errors import ConfigError
+from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.holdings import NodeHoldings, check_node_id
 from elasticpp.store.local import LocalStore, PieceNotFoundError
@@ -235,7 +236,21 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
                         f"offset {request.offset} is past the end of {key.filename} "
                         f"({info.size} bytes)",
                     )
-                yield from self._stream(f, info.size, info.sha256, request, context)
+                # The first transfer of a piece this store never hashed hashes what it
+                # reads: a copy corrupt here is dropped, not fetched by peer after peer.
+                check = request.offset == 0 and self._store.needs_hash(
+                    origin, request.step, key.filename
+                )
+                digest = hashlib.sha256() if check else None
+                yield from self._stream(f, info.size, info.sha256, request, context, digest)
+            if digest is not None:
+                try:
+                    self._store.served(origin, request.step, key.filename, digest.hexdigest())
+                except CheckpointError as exc:
+                    context.abort(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"{exc} on the source, where its commit is dropped",
+                    )
         except PieceNotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
 
@@ -246,7 +261,10 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
         sha256: str,
         request: state_pb2.FetchPieceRequest,
         context: grpc.ServicerContext,
+        digest: Any = None,
     ) -> Iterator[Chunk]:
+        """The piece's chunks from `request.offset`; `digest` (a hashlib object), when given,
+        is fed every byte read."""
         read = f.read
         f.seek(request.offset)
         offset = request.offset
@@ -255,6 +273,8 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
             data = read(min(self._chunk_bytes, size - offset))
             if offset < size and not data:
                 context.abort(grpc.StatusCode.DATA_LOSS, f"{request.name} is shorter than listed")
+            if digest is not None:
+                digest.update(data)
             if first:
                 yield Chunk(offset, data, size, sha256)
                 first = False
