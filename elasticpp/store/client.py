@@ -260,6 +260,8 @@ class StateClient:
                         step=step,
                         name=name,
                         origin_node=origin,
+                        # After a mismatch the source checks its own copy (refused if corrupt).
+                        verify=attempt > 0,
                     ),
                     what,
                     fsync,

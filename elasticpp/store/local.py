@@ -29,10 +29,10 @@ Invariants this module keeps:
 - On the hot path (a worker reports a step, the agent commits it) files are only stat'ed:
   the worker computed the sha256 while writing. A piece's bytes are hashed at most once by
   the store, on its first local use (`verify_piece`, `materialize`); every remote transfer is
-  verified end to end by the receiver; the source hashes what it reads for the first transfer
-  of a piece it never hashed (`served`). A commit one of whose pieces fails its checksum on
-  local use or as it is sent leaves the holdings at once (and is deleted): no later resume
-  is planned on it, and no peer fetches it again and again.
+  verified end to end by the receiver, and one asked again after a checksum mismatch is
+  hashed by the source as it reads it (`served`). A commit one of whose pieces fails its
+  checksum on local use or as it is sent so leaves the holdings at once (and is deleted): no
+  later resume is planned on it, and no peer fetches it again and again.
 """
 
 from __future__ import annotations
@@ -530,12 +530,6 @@ class LocalStore:
             self._corrupt(key, name)
         with self._lock:
             self._verified.add((key, name))
-
-    def needs_hash(self, origin: str, step: int, name: str) -> bool:
-        """Whether this store never hashed the bytes of a committed piece (`served`)."""
-        key, _ = self._locate(origin, step, name)
-        with self._lock:
-            return (key, name) not in self._verified
 
     def served(self, origin: str, step: int, name: str, sha256_read: str) -> None:
         """The bytes of a committed piece, read in full to send them to a peer, hash to

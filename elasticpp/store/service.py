@@ -236,11 +236,9 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
                         f"offset {request.offset} is past the end of {key.filename} "
                         f"({info.size} bytes)",
                     )
-                # The first transfer of a piece this store never hashed hashes what it
-                # reads: a copy corrupt here is dropped, not fetched by peer after peer.
-                check = request.offset == 0 and self._store.needs_hash(
-                    origin, request.step, key.filename
-                )
+                # Asked again after a checksum mismatch: hash what is read, so that a copy
+                # corrupt here is dropped, not fetched by peer after peer.
+                check = request.verify and request.offset == 0
                 digest = hashlib.sha256() if check else None
                 yield from self._stream(f, info.size, info.sha256, request, context, digest)
             if digest is not None:

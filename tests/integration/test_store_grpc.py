@@ -195,7 +195,7 @@ def test_a_piece_corrupt_on_the_source_is_refused_and_its_commit_dropped_there(
 ):
     # The bytes on the source's disk rotted after the commit: it served them to peer after
     # peer, each fetch failing its checksum three times, the commit still in its holdings.
-    nodes["a"] = a = Node(tmp_path, "a", chunk_bytes=64 << 10)
+    nodes["a"] = a = Node(tmp_path, "a", FaultyServicer, chunk_bytes=64 << 10)
     commit_step(a.store, 1, [NAME], size=1 << 20)
     commit_step(a.store, 2, [NAME], size=1 << 20)
     sha = a.store.piece_info("a", 1, NAME).sha256
@@ -208,17 +208,23 @@ def test_a_piece_corrupt_on_the_source_is_refused_and_its_commit_dropped_there(
     with StateClient(a.address, checksum_retries=2) as client:
         with pytest.raises(CheckpointError, match="fails its checksum on the source"):
             client.fetch_piece(1, NAME, "a", dest, sha, 0)
+        assert a.servicer.offsets == [0, 0]  # asked again once, to check its own copy
         assert ("a", 1) not in a.store.holdings().steps  # no resume is planned on it
         assert ("a", 2) in a.store.holdings().steps
         with pytest.raises(CheckpointError, match="NOT_FOUND"):
             client.fetch_piece(1, NAME, "a", dest, sha, 0)
-        # A sound piece is hashed on its first transfer only, and served as before.
-        assert a.store.needs_hash("a", 2, NAME)
-        sha2 = a.store.piece_info("a", 2, NAME).sha256
-        assert client.fetch_piece(2, NAME, "a", dest, sha2, 0) == 1 << 20
-        assert not a.store.needs_hash("a", 2, NAME)
-        assert client.fetch_piece(2, NAME, "a", dest, sha2, 0) == 1 << 20
-    assert not dest.exists() or hashlib.sha256(dest.read_bytes()).hexdigest() == sha2
+    assert not dest.exists()
+
+
+def test_a_piece_corrupted_in_transit_is_sent_again_and_kept_at_the_source(tmp_path: Path, nodes):
+    nodes["a"] = a = Node(tmp_path, "a", FaultyServicer, corrupt=1, chunk_bytes=64 << 10)
+    commit_step(a.store, 1, [NAME], size=1 << 20)
+    sha = a.store.piece_info("a", 1, NAME).sha256
+    dest = tmp_path / "out"
+    with StateClient(a.address) as client:
+        client.fetch_piece(1, NAME, "a", dest, sha, 0)  # the source's copy checks out
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == sha
+    assert ("a", 1) in a.store.holdings().steps
 
 
 def test_broken_stream_resumes_from_last_good_offset(tmp_path: Path, nodes):

@@ -79,20 +79,22 @@ class ListHoldingsResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., generation: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepHolding, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class FetchPieceRequest(_message.Message):
-    __slots__ = ("generation", "step", "name", "origin_node", "offset", "epoch")
+    __slots__ = ("generation", "step", "name", "origin_node", "offset", "epoch", "verify")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     name: str
     origin_node: str
     offset: int
     epoch: int
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., origin_node: _Optional[str] = ..., offset: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    verify: bool
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., origin_node: _Optional[str] = ..., offset: _Optional[int] = ..., epoch: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class FetchPieceResponse(_message.Message):
     __slots__ = ("offset", "data", "total_size", "sha256")
