@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,12 +62,20 @@ def _ephemeral_range() -> tuple[int, int]:
     return low, high
 
 
+_HANDED_OUT: set[int] = set()  # ports `free_ports` chose in this process (see there)
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_ports(count: int) -> list[int]:
     """Distinct free loopback ports for processes started later, below the kernel's
     ephemeral range: a port the kernel hands out (a client's outgoing connection, a bind to
     port 0) is never one of them, so none is taken between this check and the agent's bind
     (an agent exited "address already in use" when a connection took its metrics port in
-    that gap). Each is checked free and held while the others are chosen."""
+    that gap). Each is checked free and held while the others are chosen, and a port this
+    process chose before is not chosen again while others are left: the agent of the node
+    started first may not have bound its ports yet when the next node's are chosen (an
+    agent exited "address already in use" for a port another node of its cluster had
+    been given a moment later)."""
     import random
     import socket
 
@@ -75,6 +84,12 @@ def free_ports(count: int) -> list[int]:
         candidates: list[int] = [0] * count
     else:
         candidates = random.sample(range(FIXED_PORTS_LOW, low), min(low - FIXED_PORTS_LOW, 256))
+        with _HANDED_OUT_LOCK:
+            fresh = [p for p in candidates if p not in _HANDED_OUT]
+            if len(fresh) < 2 * count:  # nearly all handed out once: start over
+                _HANDED_OUT.clear()
+                fresh = candidates
+        candidates = fresh
     socks: list[socket.socket] = []
     ports: list[int] = []
     try:
@@ -88,6 +103,8 @@ def free_ports(count: int) -> list[int]:
             socks.append(s)
             ports.append(int(s.getsockname()[1]))
             if len(ports) == count:
+                with _HANDED_OUT_LOCK:
+                    _HANDED_OUT.update(ports)
                 return ports
     finally:
         for s in socks:

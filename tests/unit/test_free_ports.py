@@ -47,3 +47,13 @@ def test_without_room_below_the_ephemeral_range_the_kernel_chooses(
     monkeypatch.setattr(localcluster, "_ephemeral_range", lambda: (1024, 65535))
     ports = free_ports(2)
     assert len(set(ports)) == 2 and all(p > 0 for p in ports)
+
+
+def test_a_port_chosen_before_is_not_chosen_again_while_others_are_left() -> None:
+    # The first node's agent may not have bound its ports when the next node's are chosen:
+    # 600 choices among ~22,000 ports repeated one with near certainty before.
+    seen: set[int] = set()
+    for _ in range(300):
+        ports = free_ports(2)
+        assert not seen & set(ports)
+        seen.update(ports)
