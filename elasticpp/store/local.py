@@ -531,14 +531,17 @@ class LocalStore:
         with self._lock:
             self._verified.add((key, name))
 
-    def served(self, origin: str, step: int, name: str, sha256_read: str) -> None:
-        """The bytes of a committed piece, read in full to send them to a peer, hash to
-        `sha256_read`: the piece is verified if that is its sha256; if not, the copy here is
-        corrupt and its commit leaves the holdings (as on a local use, `CheckpointError`).
-        Nothing if the piece was dropped or committed again meanwhile."""
+    def served(self, origin: str, step: int, name: str, sent: PieceInfo, sha256_read: str) -> None:
+        """The bytes of committed piece `sent` (as `open_piece` gave it), read in full to send
+        them to a peer, hash to `sha256_read`: the piece is verified if that is its sha256;
+        if not, the copy here is corrupt and its commit leaves the holdings (as on a local
+        use, `CheckpointError`). Nothing if the piece was dropped or committed again
+        meanwhile (another commit's piece is not judged by the bytes of this one)."""
         try:
             key, info = self._locate(origin, step, name)
         except PieceNotFoundError:
+            return
+        if info != sent:
             return
         if info.sha256 != sha256_read:
             self._corrupt(key, name)

@@ -243,7 +243,7 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
                 yield from self._stream(f, info.size, info.sha256, request, context, digest)
             if digest is not None:
                 try:
-                    self._store.served(origin, request.step, key.filename, digest.hexdigest())
+                    self._store.served(origin, request.step, key.filename, info, digest.hexdigest())
                 except CheckpointError as exc:
                     context.abort(
                         grpc.StatusCode.DATA_LOSS,

@@ -18,6 +18,7 @@ from elasticpp.plan.layout import Layout, build_plan
 from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec
 from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.client import PieceFetchError, StateClient
+from elasticpp.store.holdings import PieceInfo
 from elasticpp.store.local import LocalStore
 from elasticpp.store.replicate import replicate_once
 from elasticpp.store.resolver import FetchKind, resolve
@@ -214,6 +215,18 @@ def test_a_piece_corrupt_on_the_source_is_refused_and_its_commit_dropped_there(
         with pytest.raises(CheckpointError, match="NOT_FOUND"):
             client.fetch_piece(1, NAME, "a", dest, sha, 0)
     assert not dest.exists()
+
+
+def test_bytes_read_of_a_replaced_commit_do_not_drop_the_commit_held_now(tmp_path: Path):
+    store = LocalStore(tmp_path / "a", "a")
+    commit_step(store, 1, [NAME], size=4096)
+    held = store.piece_info("a", 1, NAME)
+    # The piece sent was another commit's (a step committed again meanwhile).
+    store.served("a", 1, NAME, PieceInfo(held.size, "0" * 64), "f" * 64)
+    assert ("a", 1) in store.holdings().steps
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        store.served("a", 1, NAME, held, "f" * 64)
+    assert ("a", 1) not in store.holdings().steps
 
 
 def test_a_piece_corrupted_in_transit_is_sent_again_and_kept_at_the_source(tmp_path: Path, nodes):
