@@ -79,6 +79,9 @@ POLL_S = 0.01  # how often the harness looks at the agents' generations
 # fewer threads contending for the process's GIL (decide->hold at 512 nodes 0.64-0.87 s with
 # 2, 1.12-1.41 s with 8; at 2,048, 3.6-4.5 s against 6.0-6.5 s with 8 and 5.6-8.4 s with 32).
 LOOP_THREADS = 2
+# More threads per process for turns waiting on an etcd round trip (bench/scaleloops.py): a
+# node's request waits on its own, as on a real node, not behind the process's other turns.
+PARKED_THREADS = 32
 AGENTS_PER_CONNECTION = 64  # per shared etcd connection (bench/scalesim.py)
 
 
@@ -359,6 +362,7 @@ def run_size(
     agents_per_connection: int = AGENTS_PER_CONNECTION,
     loop_threads: int = LOOP_THREADS,
     shared_server: bool = True,
+    parked_threads: int = PARKED_THREADS,
 ) -> dict[str, Any]:
     """One cluster of `n` nodes: start, steady state, each fault; the invariants checked."""
     ttl = lease_ttl_s or lease_ttl_for(n)
@@ -386,6 +390,7 @@ def run_size(
             agents_per_connection=agents_per_connection,
             loop_threads=loop_threads,
             shared_server=shared_server,
+            parked_threads=parked_threads,
         )
         observer = Observer(etcd.endpoint)
         cluster.add(ids)
@@ -431,6 +436,7 @@ def run_size(
             "share_etcd": share_etcd,
             "agents_per_connection": agents_per_connection if share_etcd else 1,
             "loop_threads": loop_threads,
+            "parked_threads": parked_threads,
             "shared_server": shared_server,
             "start_s": round(started_s, 1),
             "steady": {
@@ -533,6 +539,13 @@ def main(argv: list[str] | None = None) -> int:
         help="threads a process runs its agents' decision loops on (bench/scaleloops.py); "
         "0: a thread each, as on a real node",
     )
+    ap.add_argument(
+        "--parked-threads",
+        type=int,
+        default=PARKED_THREADS,
+        help="more threads a process has for turns waiting on etcd (bench/scaleloops.py); "
+        "0: a turn's etcd round trip holds its thread",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     # A stopped run still closes its agents and its etcd (the finally blocks run).
@@ -558,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                 agents_per_connection=args.agents_per_connection,
                 loop_threads=args.loop_threads,
                 shared_server=not args.server_per_node,
+                parked_threads=args.parked_threads,
             )
             results.append(r)
             print(table([r]), flush=True)

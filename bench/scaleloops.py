@@ -7,9 +7,17 @@ between them, not the agents' work, would use the core. `LoopPool` runs the same
 from `threads` threads: an agent whose wake is set (`PoolWake`, the event its watches,
 workers and futures set) or whose tick is due gets its next turn on the first free thread.
 
+A real agent's etcd round trip holds only its own loop. Here a turn that waits for etcd
+(`waiting()`, around the simulated nodes' requests) gives its slot to the next agent's turn,
+on one of `parked` more threads, and takes a slot again when the answer came (before any new
+turn starts). With none parked, every process's agents sent their requests 2 at a time: the
+last node held a new plan at 2,048 nodes after 1,024 etcd round trips on each of 2 threads.
+
 Invariants:
 - one turn of an agent at a time (an agent is queued once, and a wake that comes during
   its turn queues it again after the turn), in the order agents became ready;
+- at most `threads` turns run outside `waiting()` at once; a turn back from its wait goes
+  on before a new turn starts;
 - an agent's turn begins with its wake cleared, as `Agent.run`'s does; between turns the
   agent is idle (`Agent.idle_for`), so a queue behind other agents is not a stalled loop;
 - an agent whose turn returns an exit code, raises, or whose stop was requested is shut
@@ -21,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import logging
@@ -28,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 from elasticpp.agent.limits import LOOP_WATCH_S
@@ -54,10 +64,17 @@ class PoolWake(threading.Event):
 class LoopPool:
     """Turns of many agents' decision loops on `threads` threads (see the module)."""
 
-    def __init__(self, threads: int, name: str = "loops", slow_turn_s: float = SLOW_TURN_S) -> None:
+    def __init__(
+        self, threads: int, name: str = "loops", slow_turn_s: float = SLOW_TURN_S, parked: int = 0
+    ) -> None:
         self._slow_turn_s = slow_turn_s
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # pool threads wait on it for ready agents
+        self._back = threading.Condition(lock)  # turns back from `waiting()` wait for a slot
+        self._slots = threads  # turns that may run (outside `waiting()`) at once
+        self._running = 0  # turns holding a slot
+        self._returning = 0  # turns back from `waiting()` waiting for a slot
+        self._in_turn = threading.local()  # .turn: this pool thread runs a turn
         self._timer_cond = threading.Condition(lock)  # the timer waits on it for due ticks
         self._left = threading.Condition(lock)  # close() waits on it for agents to leave
         self._closing = threading.Event()
@@ -70,7 +87,7 @@ class LoopPool:
         self._cpu_s: collections.Counter[str] = collections.Counter()  # node id -> its turns'
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(threads)
+            for i in range(threads + parked)
         ]
         self._threads.append(
             threading.Thread(target=self._timer, name=f"{name}-timer", daemon=True)
@@ -111,10 +128,13 @@ class LoopPool:
         """The next agent to take a turn; waits for one (only the timer thread waits for
         due ticks: one wake-up per due tick, not one per pool thread)."""
         with self._cond:
-            while not self._ready and not self._closed:
+            while not self._closed and (
+                not self._ready or self._running >= self._slots or self._returning
+            ):
                 self._cond.wait()
             if self._closed:
                 return None
+            self._running += 1
             agent = self._ready.popleft()
             slot = self._agents[id(agent)]
             slot.queued, slot.running, slot.again = False, True, False
@@ -135,8 +155,36 @@ class LoopPool:
                         self._cond.notify()
                 self._timer_cond.wait(self._due[0][0] - now if self._due else None)
 
+    def _free_slot(self) -> None:
+        """A turn gave its slot back (the pool's lock held): to a turn back from its wait
+        first, else to a new turn."""
+        self._running -= 1
+        (self._back if self._returning else self._cond).notify()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a turn's wait for etcd: its slot goes to another turn meanwhile. Anywhere
+        but in a turn on this pool's thread (a watch thread, the harness) it does nothing."""
+        if not getattr(self._in_turn, "turn", False):
+            yield
+            return
+        with self._cond:
+            self._free_slot()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._returning += 1
+                while self._running >= self._slots and not self._closed:
+                    self._back.wait()
+                self._returning -= 1
+                self._running += 1
+                if not self._returning and self._running < self._slots:
+                    self._cond.notify()  # a slot is still free: a new turn may take it
+
     def _work(self) -> None:
         while (agent := self._next()) is not None:
+            self._in_turn.turn = True
             code: int | str | None = None
             if not agent._stop.is_set():
                 agent._wake.clear()
@@ -152,7 +200,9 @@ class LoopPool:
                 self._finish(agent, 0 if code is None else code)
                 continue
             tick_s = agent.idle_for()
+            self._in_turn.turn = False
             with self._cond:
+                self._free_slot()
                 slot = self._agents[id(agent)]
                 slot.running, slot.since = False, None
                 if slot.again or agent._wake.is_set():
@@ -167,7 +217,9 @@ class LoopPool:
                     heapq.heappush(self._due, due)
 
     def _finish(self, agent: Agent, code: int | str) -> None:
+        self._in_turn.turn = False
         with self._cond:
+            self._free_slot()
             self._agents.pop(id(agent), None)
             self.exit_codes[agent.node_id] = code
             self._left.notify_all()
@@ -230,6 +282,7 @@ class LoopPool:
                 self._left.wait(0.1)
             self._closed = True
             self._cond.notify_all()
+            self._back.notify_all()
             self._timer_cond.notify_all()
         for t in [*self._threads, self._watchdog]:
             t.join(timeout=max(0.0, deadline - time.monotonic()) + 5.0)

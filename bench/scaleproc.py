@@ -168,6 +168,7 @@ def _serve(
     loop_threads: int,
     agents_per_connection: int = 0,
     shared_server: bool = True,
+    parked_threads: int = 0,
 ) -> None:
     """A child process: a SimCluster of the agents it is asked to add, until told to close."""
     threading.stack_size(STACK_BYTES)
@@ -192,6 +193,7 @@ def _serve(
         agents_per_connection=agents_per_connection,
         loop_threads=loop_threads,
         shared_server=shared_server,
+        parked_threads=parked_threads,
     )
     try:
         for line in sys.stdin:
@@ -260,6 +262,7 @@ class ProcCluster:
         agents_per_connection: int = 0,
         loop_threads: int = 0,
         shared_server: bool = True,
+        parked_threads: int = 0,
     ) -> None:
         if processes < 1:
             raise ElasticppError(f"processes must be >= 1, got {processes}")
@@ -278,6 +281,7 @@ class ProcCluster:
                     "agents_per_connection": agents_per_connection,
                     "loop_threads": loop_threads,
                     "shared_server": shared_server,
+                    "parked_threads": parked_threads,
                 }
                 self._children.append(
                     subprocess.Popen(
@@ -417,4 +421,5 @@ if __name__ == "__main__":
         int(_config.get("loop_threads", 0)),
         int(_config.get("agents_per_connection", 0)),
         bool(_config.get("shared_server", True)),
+        int(_config.get("parked_threads", 0)),
     )

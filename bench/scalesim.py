@@ -252,6 +252,21 @@ def sim_spec(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> JobSpec
     return parse_job_spec(sim_spec_fields(name, nodes, slots, lease_ttl_s))
 
 
+class PooledKV(EtcdKV):
+    """A shared etcd connection whose requests, sent from a turn on `pool`, wait outside
+    the pool's slots (`LoopPool.waiting`): a node's round trip holds its own turn only."""
+
+    def __init__(self, *args: Any, pool: LoopPool | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool = pool
+
+    def _attempts(self, op: str, call: Callable[..., Any], *, retry: bool = True) -> Any:
+        if self._pool is None:
+            return super()._attempts(op, call, retry=retry)
+        with self._pool.waiting():
+            return super()._attempts(op, call, retry=retry)
+
+
 @dataclass(frozen=True)
 class SimNode:
     agent: SimAgent
@@ -277,6 +292,7 @@ class SimCluster:
         agents_per_connection: int = 0,
         loop_threads: int = 0,
         shared_server: bool = False,
+        parked_threads: int = 0,
     ) -> None:
         self.endpoint = endpoint
         self.slots = slots
@@ -297,7 +313,9 @@ class SimCluster:
         self.agents_per_connection = agents_per_connection
         self.kvs: list[EtcdKV] = []
         self._on_last_kv = 0  # agents on the newest shared connection
-        self.loops = LoopPool(loop_threads) if loop_threads > 0 else None
+        # With a pool, a turn's etcd requests on a shared connection give its slot to another
+        # turn while they wait (`PooledKV`), on one of `parked_threads` more threads.
+        self.loops = LoopPool(loop_threads, parked=parked_threads) if loop_threads > 0 else None
         self.server = SharedServer() if shared_server else None
         for node_id in node_ids:
             self.add(node_id)
@@ -341,7 +359,7 @@ class SimCluster:
         if not self.share_etcd:
             return None
         if not self.kvs or 0 < self.agents_per_connection <= self._on_last_kv:
-            self.kvs.append(EtcdKV([self.endpoint], meter=self.meter))
+            self.kvs.append(PooledKV([self.endpoint], meter=self.meter, pool=self.loops))
             self._on_last_kv = 0
         self._on_last_kv += 1
         return self.kvs[-1]

@@ -99,6 +99,8 @@ from elasticpp.agent.leader import LeaderPart
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import (
     COMMIT_RECORD_EVERY_S,
+    LEADER_TURN_GAP_MAX_S,
+    LEADER_TURN_SHARE,
     PROBE_THREADS,
     STATUS_EVERY_S,
     VIEW_REFRESH_S,
@@ -223,6 +225,8 @@ class Agent(
         self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._status_stale = False  # a turn ran since the status was last published
+        self._next_turn_s = 0.0  # a leader's next turn, no sooner (`PacePart._pace_turn`)
+        self._turn_waits = False  # a turn was deferred: the loop takes it at _next_turn_s
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
         self._server: grpc.Server | None = None
         self.port = 0
@@ -283,6 +287,9 @@ class Agent(
         the loop thread; a simulation of many agents (bench/scalesim.py) calls it from a
         pool of threads, one turn of one agent at a time, after `_wake.clear()`."""
         self._heartbeat.busy()
+        if self._turn_deferred():
+            return None  # what woke it is taken by the turn its pace allows (idle_for)
+        cpu_s = time.thread_time()
         try:
             self._tick()
             now_s = time.monotonic()
@@ -294,11 +301,32 @@ class Agent(
                 self._status_stale = True  # published by a turn when STATUS_EVERY_S is up
         except Exception as exc:  # a daemon survives what comes from outside
             self._survive("internal", exc)
+        self._pace_turn(time.thread_time() - cpu_s)
         conflict = self._node_id_conflict()
         if conflict is not None:  # two agents, one node id: this one must go
             self._event("decision", f"node {self.node_id}: {conflict}")
             raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
         return self._exit_requested()
+
+    def _pace_turn(self, cpu_s: float) -> None:
+        """After a leader's turn of `cpu_s` seconds of CPU: its next turn waits a multiple of
+        it (limits.LEADER_TURN_SHARE), so that the wakes of a transition's N arrivals are
+        taken a batch a turn, not a turn each (a turn reads all N). A follower's turns are
+        not paced: each reads its own records."""
+        self._turn_waits = False
+        if self._is_leader():
+            gap_s = min(LEADER_TURN_GAP_MAX_S, cpu_s * (1.0 / LEADER_TURN_SHARE - 1.0))
+            self._next_turn_s = time.monotonic() + gap_s
+        else:
+            self._next_turn_s = 0.0
+
+    def _turn_deferred(self) -> bool:
+        """A woken turn that comes before its pace allows (`_pace_turn`) is not taken; a stop
+        is never deferred."""
+        if self._stop.is_set() or time.monotonic() >= self._next_turn_s:
+            return False
+        self._turn_waits = True
+        return True
 
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is

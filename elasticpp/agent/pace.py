@@ -35,6 +35,9 @@ class PacePart:
         if self._status_stale:  # a turn changed what the RPCs read: publish it soon
             due_s = self._status_at_s + STATUS_EVERY_S - time.monotonic()
             tick_s = min(tick_s, max(0.0, due_s))
+        gap_s = self._next_turn_s - time.monotonic()
+        if gap_s > 0:  # no turn before the leader's pace allows; a deferred one right then
+            tick_s = gap_s if self._turn_waits else max(tick_s, gap_s)
         self._heartbeat.idle()
         return tick_s
 

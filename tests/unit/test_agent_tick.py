@@ -18,6 +18,8 @@ from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import (
     BUSY_TICK_S,
+    LEADER_TURN_GAP_MAX_S,
+    LEADER_TURN_SHARE,
     QUIET_TICK_S,
     RESTING_TICK_S,
     STATUS_EVERY_S,
@@ -301,4 +303,84 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
     assert 6.0 < agent._tick_s() <= 7.0
     worker.last_progress_s = now - SPEC.hang_timeout_s - 1.0
     assert agent._tick_s() == BUSY_TICK_S
+    agent._probe_pool.shutdown()
+
+
+def _leading_agent(tmp_path: Path) -> Agent:
+    agent = _quiet_agent(tmp_path)
+    agent._ls.leadership = _Leadership()  # type: ignore[assignment]
+    agent._vs.leader = "n0"
+    agent._vs.members = {"n0": {"incarnation": agent.incarnation}}
+    assert agent._is_leader()
+    return agent
+
+
+def _burning_tick(agent: Agent, cpu_s: float) -> list[float]:
+    """Make `agent`'s tick burn `cpu_s` of CPU; returns the list its ticks' times go to."""
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(time.monotonic())
+        end = time.thread_time() + cpu_s
+        while time.thread_time() < end:
+            pass
+
+    agent._tick = tick  # type: ignore[method-assign]
+    return ticks
+
+
+def test_a_leader_woken_again_within_its_pace_takes_the_next_turn_once_it_allows(
+    tmp_path: Path,
+) -> None:
+    """A leader's turn reads all N members and arrivals: woken by every arrival of a
+    transition, a 2,048-node leader took a turn per arrival or two and spent 9-18 s of a
+    core a transition. A wake within c * (1 / share - 1) of a turn of c seconds of CPU is
+    deferred, and the loop's wait ends when the pace allows the turn."""
+    agent = _leading_agent(tmp_path)
+    ticks = _burning_tick(agent, 0.02)
+    agent.turn()
+    gap_s = 0.02 * (1 / LEADER_TURN_SHARE - 1)
+    assert len(ticks) == 1
+    agent.turn()  # woken at once (an arrival): deferred
+    assert len(ticks) == 1
+    wait_s = agent.idle_for()
+    assert 0.0 < wait_s <= gap_s + 0.01  # the deferred turn is taken then, not at the tick
+    time.sleep(wait_s)
+    agent.turn()
+    assert len(ticks) == 2 and ticks[1] - ticks[0] >= gap_s
+    agent._probe_pool.shutdown()
+
+
+def test_a_leader_not_woken_waits_its_tick_and_never_less_than_its_pace(
+    tmp_path: Path,
+) -> None:
+    """Without a deferred turn the loop waits its tick as before, and never less than the
+    pace's gap: an overdue status (a wait of 0) does not make it spin on deferred turns."""
+    agent = _leading_agent(tmp_path)
+    _burning_tick(agent, 0.02)
+    agent.turn()
+    agent._status_stale, agent._status_at_s = True, 0.0  # overdue: 0 without the pace
+    assert 0.02 < agent.idle_for() <= LEADER_TURN_GAP_MAX_S
+    agent._probe_pool.shutdown()
+
+
+def test_a_leaders_pace_is_capped_and_a_stop_is_never_deferred(tmp_path: Path) -> None:
+    agent = _leading_agent(tmp_path)
+    agent._tick = lambda: None  # type: ignore[method-assign]
+    agent._pace_turn(10.0)  # a turn of 10 s of CPU (a plan at a huge scale)
+    assert agent._next_turn_s - time.monotonic() <= LEADER_TURN_GAP_MAX_S
+    assert agent._turn_deferred()
+    agent.request_stop()
+    assert not agent._turn_deferred()
+    agent._probe_pool.shutdown()
+
+
+def test_a_followers_turns_are_not_paced(tmp_path: Path) -> None:
+    """Each reads its own records: its turns cost the same at 4 nodes and at 2,048."""
+    agent = _quiet_agent(tmp_path)
+    ticks = _burning_tick(agent, 0.02)
+    agent.turn()
+    agent.turn()
+    assert len(ticks) == 2
+    assert not agent._turn_deferred()
     agent._probe_pool.shutdown()

@@ -167,3 +167,77 @@ def test_a_long_turn_is_logged_once_with_where_it_is(caplog: pytest.LogCaptureFi
     slow = [r.getMessage() for r in caplog.records if "turn running for" in r.getMessage()]
     assert len(slow) == 1, slow
     assert "blocked_in_etcd_call" in slow[0]
+
+
+def test_a_turn_waiting_on_etcd_gives_its_slot_to_another_agents_turn() -> None:
+    """A real node's etcd round trip holds its own loop only: with one slot and a parked
+    thread, a second agent's turn runs while the first waits inside `waiting()`."""
+    pool = LoopPool(1, parked=1)
+    release = threading.Event()
+    try:
+        (waiter, other) = _agents(pool, 2)
+        assert wait_until(lambda: waiter.turns == 1 and other.turns == 1, 10)
+
+        def round_trip() -> None:
+            with pool.waiting():
+                release.wait(30)
+
+        waiter.during_turn = round_trip
+        waiter._wake.set()
+        assert wait_until(lambda: waiter.inside == 1, 10)
+        other._wake.set()
+        assert wait_until(lambda: other.turns == 2, 10)  # ran while the first waited
+        assert waiter.turns == 1
+    finally:
+        release.set()
+        pool.close()
+    assert waiter.turns == 2
+
+
+def test_turns_outside_waiting_never_run_more_than_the_slots_at_once() -> None:
+    """However many threads are parked, at most `threads` turns run outside `waiting()`; a
+    turn back from its wait takes a slot before a new turn starts."""
+    pool = LoopPool(1, parked=3)
+    lock = threading.Lock()
+    running = [0]
+    most = [0]
+
+    def work() -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            for _ in range(3):
+                with lock:
+                    running[0] -= 1
+                with pool.waiting():
+                    threading.Event().wait(0.005)
+                with lock:
+                    running[0] += 1
+                    most[0] = max(most[0], running[0])
+        finally:
+            with lock:
+                running[0] -= 1
+
+    try:
+        agents = _agents(pool, 6)
+        assert wait_until(lambda: all(a.turns == 1 for a in agents), 10)
+        for a in agents:
+            a.during_turn = work
+        for a in agents:
+            a._wake.set()
+        assert wait_until(lambda: all(a.turns == 2 for a in agents), 10)
+        assert most[0] == 1
+    finally:
+        pool.close()
+
+
+def test_waiting_outside_a_turn_does_nothing() -> None:
+    pool = LoopPool(1)
+    try:
+        with pool.waiting():  # the harness's own thread: no slot to give back
+            pass
+        (agent,) = _agents(pool, 1)
+        assert wait_until(lambda: agent.turns == 1, 10)
+    finally:
+        pool.close()
