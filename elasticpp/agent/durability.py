@@ -128,8 +128,10 @@ class DurabilityPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
     def _on_step(self, w: _Worker, event: dict[str, Any]) -> None:
-        """A step a worker reported: observed, decided (`durability_on_step`, pure), done."""
-        plan = self._fs.gen.plan if self._fs.gen else None
+        """A step a worker reported: observed, decided (`durability_on_step`, pure), done.
+        Its row carries the layout the worker trained it in: an old worker's last steps are
+        drained after the node entered the next generation, in another layout."""
+        plan = w.plan
         seconds = event.get("step_seconds")
         self._execute(
             durability_on_step(
@@ -141,7 +143,7 @@ class DurabilityPart:
                     lr=event.get("lr"),
                     grad_norm=event.get("grad_norm"),
                     step_seconds=None if seconds is None else float(seconds),
-                    layout=str(plan.layout) if plan else "",
+                    layout=str(plan.layout),
                     node_id=self.node_id,
                     wall_s=self._clock.time(),
                 ),

@@ -401,3 +401,24 @@ def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path:
     assert _sample(agent, "elasticpp_halted") == 1
     halts = [e[2] for e in agent._events if "training halted" in e[2]]
     assert len(halts) == 1 and message in halts[0]
+
+
+def test_a_step_drained_after_the_next_generation_began_keeps_its_workers_layout(
+    tmp_path: Path,
+) -> None:
+    """An old worker's last steps are drained once the node follows the next generation: the
+    rows said the new generation's layout (a soak replaying its curve by layout trained
+    steps 247-248 of a dp=2 generation in dp=3)."""
+    agent, plan = _running_agent(tmp_path)
+    old = _Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.STOPPED)  # type: ignore[arg-type]
+    cluster = ClusterSpec((NodeSpec("n0", 1),), load_device_spec("cpu"))
+    newer = build_plan(
+        SPEC.model, cluster, Layout(1, 1, 1), global_batch=4, micro_batch=2
+    ).with_generation(2)
+    record = GenerationRecord(2, newer.to_dict(), "n0", time.time(), resume_step=0)
+    agent._fs.gen = _GenState(record=record, phase=Phase.STOPPING)
+    assert str(agent._fs.gen.plan.layout) == str(newer.layout)
+    agent._on_step(old, {"step": 7, "loss": 1.5, "generation": 1})
+    (row,) = [json.loads(x) for x in agent.metrics_path.read_text().splitlines()]
+    assert (row["generation"], row["layout"]) == (1, str(plan.layout))
+    assert str(plan.layout) != str(newer.layout)
