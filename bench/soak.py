@@ -149,6 +149,77 @@ def reference_curve(
     return {int(r["step"]): float(r["loss"]) for r in map(json.loads, out.read_text().splitlines())}
 
 
+# The curve a soak kept is checked against a replay of its own layouts without faults: each
+# run of steps one generation kept, trained by `elasticpp train` in that generation's layout
+# from the state the run before saved. The same layouts sum the same numbers in the same
+# order, so the curves agree to float noise unless a recovery resumed from a wrong state
+# (another step's, a mix of steps, a lost optimizer moment, a wrong data position). Against
+# the uninterrupted run (one layout) they differ by the rounding of each layout change,
+# compounding over the run (10^-3 after 10,000 steps and 230 changes): reported, and only a
+# difference past DRIFT_LIMIT fails. Not to the bit: two generations of one dp=3 layout from
+# one state differ by ~10^-8 (the order of the replicas' gradient sums varies), and that
+# compounds too (at most 6.4e-8 over a 740-step soak); a resume from a wrong state moves the
+# loss by 10^-3 and more at once.
+REPLAY_TOLERANCE = 1e-5  # relative, at every step
+DRIFT_LIMIT = 1e-2  # relative, against the uninterrupted run
+
+
+def kept_runs(rows: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
+    """(first step, last step + 1, layout) of each run of consecutive steps that one
+    generation kept (the newest generation that trained a step keeps it)."""
+    kept: dict[int, tuple[int, str]] = {}
+    for r in rows:
+        step, gen = int(r["step"]), int(r["generation"])
+        if step not in kept or gen > kept[step][0]:
+            kept[step] = (gen, str(r["layout"]))
+    runs: list[tuple[int, int, str]] = []
+    prev: tuple[int, str] | None = None
+    for step in sorted(kept):
+        if runs and kept[step] == prev and runs[-1][1] == step:
+            runs[-1] = (runs[-1][0], step + 1, runs[-1][2])
+        else:
+            runs.append((step, step + 1, kept[step][1]))
+        prev = kept[step]
+    return runs
+
+
+def replay_curve(
+    workdir: Path, steps: int, seed: int, runs: list[tuple[int, int, str]]
+) -> dict[int, float]:
+    """The curve of `runs` (`kept_runs`) trained one after another without faults, each
+    from the state the one before saved; the steps must follow on from step 0."""
+    out: dict[int, float] = {}
+    state: Path | None = None
+    for i, (first, end, layout) in enumerate(runs):
+        if first != (runs[i - 1][1] if i else 0):
+            raise ValueError(f"the kept steps are not contiguous at step {first}")
+        saved = workdir / "replay" / f"run-{i:04d}"
+        saved.mkdir(parents=True, exist_ok=True)
+        metrics = saved / "metrics.jsonl"
+        resume = ["--resume", str(state)] if state is not None else []
+        subprocess.run(
+            [
+                sys.executable, "-m", "elasticpp.cli.main", "train", "--model", "tiny",
+                "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH),
+                "--steps", str(steps), "--seed", str(seed), "--layout", layout,
+                "--metrics", str(metrics), "--save", str(saved), "--stop-at", str(end),
+                *resume,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        for r in map(json.loads, metrics.read_text().splitlines()):
+            out[int(r["step"])] = float(r["loss"])
+        if state is not None:
+            shutil.rmtree(state)
+        state = saved
+    return out
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
 # --------------------------------------------------------------------------- observing
 
 
@@ -884,6 +955,11 @@ class SoakResult:
     leftover_processes: list[int]
     median_step_s: float
     wall_s: float
+    # The largest relative difference of the kept curve from its layouts replayed, and from
+    # the uninterrupted run; the runs of steps one generation kept (`kept_runs`).
+    replay_max: float = 0.0
+    drift_max: float = 0.0
+    layout_runs: int = 0
 
     @property
     def ok(self) -> bool:
@@ -1003,6 +1079,7 @@ def run_soak(
         if finish:
             lc.wait_finished(600)
         curve = lc.curve()
+        rows = lc.metrics()
         times = {st: t for st, t in newest_times(lc).items() if st in curve}
         timelines.update({int(t["generation"]): t for t in lc.timelines()})
     finally:
@@ -1019,12 +1096,24 @@ def run_soak(
     last = max(reference) if finish else max(curve, default=-1)
     if not finish and last >= 0:
         reference = reference_curve(workdir, steps, seed, stop_at=last + 1)
-    errors = [
-        f"step {s}: {curve[s][0]} vs {reference[s]}"
-        for s in sorted(reference)
-        if s <= last
-        and (s not in curve or abs(curve[s][0] - reference[s]) > 1e-4 * abs(reference[s]))
+    runs = kept_runs([r for r in rows if int(r["step"]) <= last])
+    replay = replay_curve(workdir, steps, seed, runs) if runs else {}
+    errors = [f"step {s}: not trained" for s in range(last + 1) if s not in curve]
+    errors += [
+        f"step {s}: {curve[s][0]} vs {replay[s]}, its layouts replayed"
+        for s in sorted(replay)
+        if s in curve and _relative(curve[s][0], replay[s]) > REPLAY_TOLERANCE
     ]
+    apart = [_relative(curve[s][0], v) for s, v in replay.items() if s in curve]
+    replay_max = max(apart, default=0.0)
+    drift = {s: _relative(curve[s][0], v) for s, v in reference.items() if s <= last and s in curve}
+    drift_max = max(drift.values(), default=0.0)
+    if drift_max > DRIFT_LIMIT:
+        worst = max(drift, key=drift.__getitem__)
+        errors.append(
+            f"step {worst}: {curve[worst][0]} vs {reference[worst]} uninterrupted, "
+            f"more than {DRIFT_LIMIT} apart"
+        )
     gaps = [b - a for (_, a), (_, b) in itertools.pairwise(sorted(times.items()))]
     median_gap = statistics.median(gaps) if gaps else float("nan")
     lost = 0
@@ -1058,6 +1147,9 @@ def run_soak(
         leftover,
         median_gap,
         time.monotonic() - started,
+        replay_max,
+        drift_max,
+        len(runs),
     )
 
 
@@ -1139,6 +1231,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{len(result.faults)} fault(s) in {result.wall_s:.0f} s over {result.steps} steps "
         f"(median step {result.median_step_s:.3f} s); curve "
         + ("matches" if result.curve_ok else f"DIFFERS: {result.curve_errors}")
+        + f" (its {result.layout_runs} runs of layouts replayed: at most "
+        f"{result.replay_max:.1e} apart; the uninterrupted run: {result.drift_max:.1e})"
         + f"; committed steps lost: {result.lost_steps}; processes left: "
         f"{result.leftover_processes or 'none'}"
     )

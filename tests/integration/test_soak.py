@@ -1,6 +1,7 @@
 """A short soak in CI: the kinds `bench/soak.py` can inject here, once each (but for those
 below), drawn in a seeded order against a 3-node job. Every fault must be survived, the loss
-curve must be the uninterrupted run's, no committed step (the published safe step at the
+curve must be its own layouts' replayed without faults (and near the uninterrupted run's,
+`bench/soak.py`), no committed step (the published safe step at the
 moment of a fault) may be lost and no process left behind. The long soak (100+ faults) is
 `python bench/soak.py`.
 
@@ -59,5 +60,6 @@ def test_a_short_soak_survives_every_fault_kind_once_on_the_reference_curve(
     assert {f.kind for f in result.faults} == set(kinds), report
     assert all(f.survived for f in result.faults), report
     assert result.curve_ok, f"{result.curve_errors}\n{report}"
+    assert result.layout_runs >= 2, report  # a recovery's resume was replayed
     assert result.lost_steps == 0, report
     assert not result.leftover_processes, report

@@ -1,0 +1,44 @@
+"""The soak's curve check replays the layouts its kept curve was trained in (bench/soak.py):
+which generation keeps each step, and the runs of steps that are replayed one after another."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.soak import kept_runs
+
+
+def _row(step: int, generation: int, layout: str, node: str = "n0") -> dict[str, Any]:
+    return {"step": step, "generation": generation, "layout": layout, "node": node}
+
+
+def test_the_newest_generation_that_trained_a_step_keeps_it() -> None:
+    """Generation 2 trained steps 0-5, failed, and generation 3 resumed at step 4: steps 4
+    and 5 are generation 3's, trained in its layout; every node's row of a step counts once."""
+    rows = [_row(s, 2, "pp=1,tp=1,dp=3", n) for s in range(6) for n in ("n0", "n1")]
+    rows += [_row(s, 3, "pp=2,tp=1,dp=1") for s in range(4, 9)]
+    assert kept_runs(rows) == [(0, 4, "pp=1,tp=1,dp=3"), (4, 9, "pp=2,tp=1,dp=1")]
+
+
+def test_two_generations_of_one_layout_are_two_runs() -> None:
+    """A recovery into the same layout resumes from a saved state as well: it is replayed
+    as a run of its own (the resume is part of what the replay checks)."""
+    rows = [_row(s, 1, "pp=1,tp=1,dp=3") for s in range(3)]
+    rows += [_row(s, 2, "pp=1,tp=1,dp=3") for s in range(2, 5)]
+    assert kept_runs(rows) == [(0, 2, "pp=1,tp=1,dp=3"), (2, 5, "pp=1,tp=1,dp=3")]
+
+
+def test_a_generation_older_rows_of_which_come_back_after_a_newer_is_not_merged() -> None:
+    """Steps kept by one generation but not contiguous (a gap another generation kept) are
+    separate runs; a gap nobody kept shows as runs that do not follow on."""
+    rows = [_row(0, 1, "a"), _row(1, 2, "b"), _row(2, 1, "a")]
+    assert kept_runs(rows) == [(0, 1, "a"), (1, 2, "b"), (2, 3, "a")]
+    rows = [_row(0, 1, "a"), _row(2, 1, "a")]
+    assert kept_runs(rows) == [(0, 1, "a"), (2, 3, "a")]
+
+
+@pytest.mark.parametrize("rows", [[]])
+def test_no_rows_no_runs(rows: list[dict[str, Any]]) -> None:
+    assert kept_runs(rows) == []
