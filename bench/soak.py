@@ -157,8 +157,8 @@ def reference_curve(
 # the uninterrupted run (one layout) they differ by the rounding of each layout change,
 # compounding over the run (10^-3 after 10,000 steps and 230 changes): reported, and only a
 # difference past DRIFT_LIMIT fails. Not to the bit: two generations of one dp=3 layout from
-# one state differ by ~10^-8 (the order of the replicas' gradient sums varies), and that
-# compounds too (at most 6.4e-8 over a 740-step soak); a resume from a wrong state moves the
+# one state differ by ~10^-8 (their grad norms in the 9th digit; the cause is not known: the
+# gradient buckets launch in a fixed order), and that compounds too (at most 6.4e-8 over a 740-step soak); a resume from a wrong state moves the
 # loss by 10^-3 and more at once.
 REPLAY_TOLERANCE = 1e-5  # relative, at every step
 DRIFT_LIMIT = 1e-2  # relative, against the uninterrupted run
