@@ -158,8 +158,8 @@ def reference_curve(
 # compounding over the run (10^-3 after 10,000 steps and 230 changes): reported, and only a
 # difference past DRIFT_LIMIT fails. Not to the bit: two generations of one dp=3 layout from
 # one state differ by ~10^-8 (their grad norms in the 9th digit; the cause is not known: the
-# gradient buckets launch in a fixed order), and that compounds too (at most 6.4e-8 over a 740-step soak); a resume from a wrong state moves the
-# loss by 10^-3 and more at once.
+# gradient buckets launch in a fixed order), and that compounds too (at most 6.4e-8 over a
+# 740-step soak); a resume from a wrong state moves the loss by 10^-3 and more at once.
 REPLAY_TOLERANCE = 1e-5  # relative, at every step
 DRIFT_LIMIT = 1e-2  # relative, against the uninterrupted run
 
@@ -223,17 +223,18 @@ def _relative(a: float, b: float) -> float:
 # --------------------------------------------------------------------------- observing
 
 
-def newest_times(lc: LocalCluster) -> dict[int, float]:
-    """step -> when the newest generation that trained it had it on every node."""
-    best: dict[int, tuple[int, float]] = {}
-    for r in lc.metrics():
-        step, gen, at = int(r["step"]), int(r["generation"]), float(r["time"])
-        g, t = best.get(step, (-1, 0.0))
-        if gen > g:
-            best[step] = (gen, at)
-        elif gen == g:
-            best[step] = (gen, max(t, at))
-    return {s: t for s, (_, t) in best.items()}
+def completion_times(rows: list[dict[str, Any]]) -> list[float]:
+    """When each step of each generation was done on every node that trained it (its last
+    row), every generation's, in time order. A recovery's recomputed steps are training too
+    (counted apart, as steps recomputed): a stall is a pause in these. Only the newest
+    generation's times, as before, put a recomputed step's time after the recovery and left
+    the steps it replaced out: windows with no step (a stall of nan) and stalls that held
+    the steps trained before the fault."""
+    done: dict[tuple[int, int], float] = {}
+    for r in rows:
+        key = (int(r["step"]), int(r["generation"]))
+        done[key] = max(done.get(key, 0.0), float(r["time"]))
+    return sorted(done.values())
 
 
 def status(lc: LocalCluster, node_id: str) -> Any:
@@ -1080,7 +1081,6 @@ def run_soak(
             lc.wait_finished(600)
         curve = lc.curve()
         rows = lc.metrics()
-        times = {st: t for st, t in newest_times(lc).items() if st in curve}
         timelines.update({int(t["generation"]): t for t in lc.timelines()})
     finally:
         for holder in holders:  # let held workers go, or they outlive the run
@@ -1114,19 +1114,19 @@ def run_soak(
             f"step {worst}: {curve[worst][0]} vs {reference[worst]} uninterrupted, "
             f"more than {DRIFT_LIMIT} apart"
         )
-    gaps = [b - a for (_, a), (_, b) in itertools.pairwise(sorted(times.items()))]
+    pairs = list(itertools.pairwise(completion_times(rows)))
+    gaps = [b - a for a, b in pairs]
     median_gap = statistics.median(gaps) if gaps else float("nan")
     lost = 0
     for rec, nxt in itertools.zip_longest(records, records[1:]):
         end = nxt.at if nxt else float("inf")
         cut = rec.undo_at if rec.undo_at is not None else end
-        pairs = list(itertools.pairwise(sorted(times.items())))
         # The fault's stall ends where the harness gives back what it took: a killed node
         # restarting is a join, timed on its own (the rejoin stall).
-        window = [b - a for (_, a), (_, b) in pairs if rec.at < b <= cut]
+        window = [b - a for a, b in pairs if rec.at < b <= cut]
         rec.stall_s = max(window, default=float("nan")) - median_gap
         if rec.undo_at is not None:
-            rejoin = [b - a for (_, a), (_, b) in pairs if cut < b <= end]
+            rejoin = [b - a for a, b in pairs if cut < b <= end]
             rec.rejoin_stall_s = max(rejoin, default=float("nan")) - median_gap
         created = [t for t in timelines.values() if rec.at <= float(t.get("detected_at", 0)) < end]
         rec.recomputed = sum(int(t.get("steps_recomputed", 0)) for t in created)

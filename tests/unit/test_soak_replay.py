@@ -1,13 +1,15 @@
 """The soak's curve check replays the layouts its kept curve was trained in (bench/soak.py):
-which generation keeps each step, and the runs of steps that are replayed one after another."""
+which generation keeps each step, and the runs of steps that are replayed one after another;
+and the step completions its stalls are measured on."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
 
-from bench.soak import kept_runs
+from bench.soak import completion_times, kept_runs
 
 
 def _row(step: int, generation: int, layout: str, node: str = "n0") -> dict[str, Any]:
@@ -42,3 +44,21 @@ def test_a_generation_older_rows_of_which_come_back_after_a_newer_is_not_merged(
 @pytest.mark.parametrize("rows", [[]])
 def test_no_rows_no_runs(rows: list[dict[str, Any]]) -> None:
     assert kept_runs(rows) == []
+
+
+def test_a_stall_is_the_pause_in_training_and_recomputed_steps_are_training() -> None:
+    """Generation 1 trains steps 0-9 (0.1 s each), a fault at 1.0 s, generation 2 resumes at
+    step 5 at 3.0 s. Only the newest generation's times gave step 4 -> 5 a gap of 2.6 s (the
+    steps 5-9 trained before the fault inside the stall) and left nothing between the fault
+    and a second fault at 3.2 s once steps 5 and 6 were trained again later."""
+    rows = [
+        {"step": s, "generation": 1, "time": 0.1 * s, "node": n}
+        for s in range(10)
+        for n in ("n0", "n1")
+    ]
+    rows += [{"step": s, "generation": 2, "time": 3.0 + 0.1 * (s - 5)} for s in range(5, 8)]
+    times = completion_times(rows)
+    assert len(times) == 13  # one per (step, generation), however many nodes report it
+    gaps = [round(b - a, 6) for a, b in itertools.pairwise(times)]
+    assert max(gaps) == 2.1  # the last step before the fault to the first after it
+    assert [t for t in times if 1.0 < t <= 3.2] == [3.0, 3.1, 3.2]
