@@ -555,6 +555,11 @@ class Ctx:
     mounts: list[Path] = field(default_factory=list)  # the run's small disks still mounted
     holders: list[subprocess.Popen[str]] = field(default_factory=list)  # tools/hold_exit.py
     last_step: int | None = None  # the job's: once trained, no fault is waited on any more
+    # A step whose copy on one node the fault corrupted: the job is steady again only once
+    # every running node committed a newer one. Before, the next fault could kill the node
+    # with the only other copy: both copies of the job's state gone (a double fault the
+    # replication is not built for), and the job rightly refused to start over.
+    spoiled_step: int | None = None
 
     def non_leader(self) -> str:
         leader, _ = cluster_state(self.lc)
@@ -688,8 +693,22 @@ def f_corrupt_piece(ctx: Ctx) -> str:
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))  # in place: hard links (resume dirs) see it too
+    ctx.spoiled_step = int(step.name.split("-")[1])
     ctx.kill_a_worker(node)
     return f"corrupted {victim.name} of {step.name} on {node}, then a worker kill there"
+
+
+def committed_past(lc: LocalCluster, step: int | None) -> bool:
+    """Every node whose agent runs committed a step newer than `step` (None: no condition)."""
+    if step is None:
+        return True
+    for n in lc.nodes:
+        if n.proc is None or n.proc.poll() is not None:
+            continue
+        newest = newest_committed(n.state_dir / "store" / "own", 0.0)
+        if newest is None or int(newest.name.split("-")[1]) <= step:
+            return False
+    return True
 
 
 def f_second_fault_in_recovery(ctx: Ctx) -> str:
@@ -1067,8 +1086,9 @@ def run_soak(
             now_step = lc.max_step()
             # A healed node must train again: its quarantine lifted, its ranks running.
             if not wait_until(
-                lambda s=now_step, h=ctx.healed: (
-                    steady(lc, s, healed=h) or lc.max_step() >= steps - 1
+                lambda s=now_step, h=ctx.healed, sp=ctx.spoiled_step: (
+                    (steady(lc, s, healed=h) and committed_past(lc, sp))
+                    or lc.max_step() >= steps - 1
                 ),
                 resume_timeout_s,
                 interval_s=0.2,

@@ -29,6 +29,7 @@ from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
+from elasticpp.waiting import wait_until
 from tests.unit.test_agent_safe import SPEC, _plan
 
 
@@ -345,7 +346,7 @@ def test_a_leader_woken_again_within_its_pace_takes_the_next_turn_once_it_allows
     assert len(ticks) == 1
     wait_s = agent.idle_for()
     assert 0.0 < wait_s <= gap_s + 0.01  # the deferred turn is taken then, not at the tick
-    time.sleep(wait_s)
+    assert wait_until(lambda: time.monotonic() >= agent._next_turn_s, 5, interval_s=0.005)
     agent.turn()
     assert len(ticks) == 2 and ticks[1] - ticks[0] >= gap_s
     agent._probe_pool.shutdown()
