@@ -297,6 +297,15 @@ class WriteResume:
 
 
 @dataclass(frozen=True)
+class PublishResumeWait:
+    """Say in etcd that `generation` cannot resume yet, and why (fenced by the term, only
+    while no instruction is written): its followers wait for state instead of failing it."""
+
+    generation: int
+    why: str
+
+
+@dataclass(frozen=True)
 class RecordTimeline:
     """Publish the recovery timeline of `generation`, fenced by the term; whether it was
     written goes back to `leaderstep.leader_timeline_recorded`."""
@@ -501,6 +510,7 @@ Action = (
     | ResolveResume
     | CheckNeverCommitted
     | WriteResume
+    | PublishResumeWait
     | RecordTimeline
     | Housekeep
     | CleanRendezvous

@@ -39,6 +39,7 @@ from elasticpp.agent.actions import (
     Persist,
     ProbeLeader,
     PublishMemberInfo,
+    PublishResumeWait,
     PullHoldings,
     ReadCommitRecords,
     ReadSafe,
@@ -78,6 +79,7 @@ from elasticpp.agent.leaderstep import (
     leader_generation_written,
     leader_pull_started,
     leader_resume_resolved,
+    leader_resume_wait_published,
     leader_resume_written,
     leader_safe_read,
     leader_safe_step,
@@ -227,6 +229,13 @@ class ExecutorPart:
                 )
                 self._reread.raise_()
                 self._execute(leader_resume_written(self._ls, action, ok))
+            elif isinstance(action, PublishResumeWait):
+                assert self.cluster is not None
+                ok = self.cluster.write_resume_wait(
+                    action.generation, action.why, self._ls.leadership
+                )
+                self._reread.raise_()
+                self._execute(leader_resume_wait_published(self._ls, action, ok))
             elif isinstance(action, RecordTimeline):
                 assert self.cluster is not None
                 ok = self.cluster.record_timeline(

@@ -37,6 +37,7 @@ from elasticpp.agent.phases import (
 )
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.arrivals import RESUME_MEMBER
+from elasticpp.cluster.barriers import RESUME_WAIT_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import Plan
@@ -151,13 +152,15 @@ class FollowerPart:
         g = gs.generation
         mine = self.pool.of_generation(g)
         active = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
+        resume = self._vs.barriers.get(f"resume-{g}", {})
         return dataclasses.replace(
             obs,
             old_workers=tuple(
                 OldWorker(w.proc.pid, w.proc.alive(), w.state in active)
                 for w in self.pool.older_than(g)
             ),
-            resume=self._vs.barriers.get(f"resume-{g}", {}).get(RESUME_MEMBER),
+            resume=resume.get(RESUME_MEMBER),
+            resume_wait=str((resume.get(RESUME_WAIT_MEMBER) or {}).get("why", "")) or None,
             fetch=self._fetch_status(gs),
             ready_spares=self.pool.ready_spares(),
             spare_replaced=self.pool.replaced_since(gs.stop_began_s) > 0,

@@ -47,6 +47,7 @@ class LeaderState:
     pull_not_before_s: float = 0.0  # monotonic: a pull that failed is asked again after this
     pull_set_aside: bool = False  # the nodes a pull found unanswering were set aside
     unreadable: frozenset[str] = frozenset()  # nodes whose stopped-G value was said unreadable
+    wait_published: str = ""  # why the generation cannot resume, as etcd holds it
     # monotonic: when this node campaigns, once it has seen no leader (`campaign_delay_s`)
     campaign_at_s: float | None = None
 
@@ -62,6 +63,7 @@ class LeaderState:
             self.pull_not_before_s = 0.0
             self.pull_set_aside = False
             self.unreadable = frozenset()
+            self.wait_published = ""
         return self
 
 

@@ -6,8 +6,8 @@ barriers, the detection times, the generation this node follows, the job spec) a
 step's actions to the executor. The step and the functions the executor feeds results back
 to write only the leader's `LeaderState`; none does I/O. The actions (elasticpp.agent.actions,
 "the leader's actions"): WriteGeneration, ConfirmDead, SetAside, PullHoldings,
-ResolveResume, CheckNeverCommitted, WriteResume, RecordTimeline, Housekeep, CleanRendezvous,
-CountRecovery, ReadCommitRecords, ReadSafe, WriteSafe.
+ResolveResume, CheckNeverCommitted, WriteResume, PublishResumeWait, RecordTimeline,
+Housekeep, CleanRendezvous, CountRecovery, ReadCommitRecords, ReadSafe, WriteSafe.
 
 Invariants:
 - a generation is a compare-and-swap against the record's revision read; the failure count
@@ -18,7 +18,8 @@ Invariants:
   the nodes their digests name (elasticpp.agent.resumestep); `resume_written` is set only
   after the write succeeded (`leader_resume_written`) or when etcd shows an earlier leader's;
 - a job that committed steps before (held by a node, in the checkpoint, or on record in
-  etcd) never starts over at step 0: it waits and says so;
+  etcd) never starts over at step 0: it waits and says so, in its log and in etcd
+  (`PublishResumeWait`), where its followers read it and wait without a deadline;
 - the recovery timeline is written once every planned node started, never over one an
   earlier leader wrote; housekeeping follows only a written timeline;
 - the safe step is computed at most every SAFE_EVERY_S and written only when it rises;
@@ -58,6 +59,7 @@ from elasticpp.agent.resumestep import (
     leader_pull_started,
     leader_resume_resolved,
     leader_resume_step,
+    leader_resume_wait_published,
     leader_resume_written,
 )
 from elasticpp.cluster.arrivals import RESUME_MEMBER
@@ -80,6 +82,7 @@ __all__ = [
     "leader_pull_started",
     "leader_resume_resolved",
     "leader_resume_step",
+    "leader_resume_wait_published",
     "leader_resume_written",
     "leader_safe_check",
     "leader_safe_read",

@@ -88,6 +88,7 @@ class _GenState:
     fetch_progress: TransferProgress | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
+    waiting_said: str = ""  # the leader's wait for state (why), once said here
 
     @property
     def generation(self) -> int:
@@ -180,6 +181,7 @@ class FollowerObservation:
     plan_error: str | None  # why `record`'s plan cannot be read
     old_workers: tuple[OldWorker, ...] = ()
     resume: dict[str, Any] | None = None  # the generation's resume instruction, once written
+    resume_wait: str | None = None  # why the leader cannot resume the generation yet (etcd)
     fetch: FetchStatus = FetchStatus()
     ready_spares: int = 0
     spare_replaced: bool = False  # a never-ready spare was replaced since the stop began
@@ -345,6 +347,21 @@ def _deadline(gs: _GenState, obs: FollowerObservation) -> list[Action]:
         # Held only while bytes arrive: a stalled or trickling fetch runs out of time.
         gs.phase_since_s = obs.now_s
         return []
+    if gs.phase is Phase.MOVING and obs.resume is None and obs.resume_wait:
+        # The leader found no state to resume from and said so: held while it waits for a
+        # node that holds the state, or a checkpoint, to come back. Failing the generation
+        # would only get this node blamed for the wait.
+        gs.phase_since_s = obs.now_s
+        if gs.waiting_said == obs.resume_wait:
+            return []
+        gs.waiting_said = obs.resume_wait
+        return [
+            Event(
+                "decision",
+                f"generation {gs.generation}: waiting for state, without a deadline: the "
+                f"leader cannot resume: {obs.resume_wait}",
+            )
+        ]
     deadline = gs.overdue(obs.now_s, obs.hang_timeout_s)
     if deadline is None:
         return []

@@ -16,6 +16,9 @@ Invariants:
   else the resume is resolved from the others;
 - an arrival in the full form of the previous release is read as its detail (no pull); a
   value that is neither is said once and counts as missing;
+- a generation no step resolves for, in a job that committed before, waits for state and
+  says so once (`PublishResumeWait`: its followers hold their deadline); meanwhile the
+  holdings are pulled again every WAIT_REPULL_EVERY_S;
 - a result fed back for a generation the state has left is ignored (an empty list).
 """
 
@@ -30,6 +33,7 @@ from elasticpp.agent.actions import (
     CheckNeverCommitted,
     ConfirmDead,
     Event,
+    PublishResumeWait,
     PullHoldings,
     Reread,
     ResolveResume,
@@ -54,6 +58,9 @@ log = logging.getLogger("elasticpp.agent")
 # Nodes missing at `stopped-G` are probed at most this often while the leader waits; a
 # failed holdings pull is asked again after as long.
 MISSING_PROBE_EVERY_S = 2.0
+# While a generation waits for state it cannot resume from, the holdings (and the
+# checkpoint's) are pulled again this often.
+WAIT_REPULL_EVERY_S = 10.0
 
 
 def _arrivals(
@@ -167,6 +174,11 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
         actions.append(SetAside(tuple(decisions)))
     if unanswered & gen.planned_set:
         return actions  # quarantined now: the next step re-plans without them
+    if ls.wait_published and obs.now_s >= ls.pull_not_before_s + WAIT_REPULL_EVERY_S:
+        # Waiting for state: what the nodes and the checkpoint hold is pulled again now and
+        # then (a checkpoint restored into persist_dir ends the wait).
+        ls.pull = None
+        return actions
     live = tuple(sorted(expected - unanswered))
     holdings = {n: h for n, h in pulled.holdings.items() if n in live}
     actions.append(
@@ -228,15 +240,40 @@ def leader_fresh_checked(
 
 
 def _cannot_resume(state: LeaderState, generation: int, why: str) -> list[Action]:
-    msg = (
-        f"generation {generation}: cannot resume: {why}; the job committed "
-        "steps before, so it does not start over (restore a checkpoint into "
-        "persist_dir or bring back a node that holds the state)"
+    """Said once in the log, and in etcd until etcd has it (`leader_resume_wait_published`):
+    the followers of `generation` then wait for the state with it, without a deadline.
+    Failing the generation instead would blame the nodes that waited, quarantine them one
+    re-plan after another and spend the failure budget, while what the job needs is a node
+    that holds the state, or a checkpoint, brought back."""
+    why = (
+        f"{why}; the job committed steps before, so it does not start over (restore a "
+        "checkpoint into persist_dir or bring back a node that holds the state)"
     )
-    if state.last_wait == msg:
-        return []
-    state.last_wait = msg
-    return [Event("decision", msg)]
+    msg = f"generation {generation}: cannot resume: {why}"
+    actions: list[Action] = []
+    if state.last_wait != msg:
+        state.last_wait = msg
+        actions.append(Event("decision", msg))
+    if state.wait_published != why:
+        actions.append(PublishResumeWait(generation, why))
+    return actions
+
+
+def leader_resume_wait_published(
+    state: LeaderState, action: PublishResumeWait, ok: bool
+) -> list[Action]:
+    """The wait is in etcd (`ok`), or need not be: an instruction was written since, or the
+    term is over (the next leader says it again if it must). Not called when etcd could
+    not be reached: the next step asks again."""
+    if state.generation == action.generation:
+        state.wait_published = action.why
+    if not ok:
+        log.info(
+            "generation %d: the wait for state not published (an instruction was written, "
+            "or leadership lost)",
+            action.generation,
+        )
+    return []
 
 
 def _resume_instruction(action: ResolveResume, rp: ResumePlan | None) -> WriteResume:

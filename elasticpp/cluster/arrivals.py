@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.barriers import (
+    RESUME_WAIT_MEMBER,
     check_arrival,
     join_resume,
     resume_part_member,
@@ -108,6 +109,24 @@ class ArrivalsPart:
             for member, record in resume_records(value, leader.node_id, time.time())
         ]
         ok, _, _ = self._kv.txn(compares, puts)
+        return ok
+
+    def write_resume_wait(self, generation: int, why: str, leader: Leadership) -> bool:
+        """Say that generation `generation` cannot resume yet, and why (barrier `resume-<G>`,
+        member `RESUME_WAIT_MEMBER`), fenced by `leader`'s term and written only while no
+        instruction is: its followers then wait for state instead of failing the generation.
+        A later wait of the same generation replaces it. False if an instruction exists or
+        `leader` lost its term."""
+        at = time.time()
+        record = dumps({"node_id": leader.node_id, "value": {"why": why, "at": at}, "at": at})
+        ok, _, _ = self._kv.txn(
+            [
+                Compare(self.keys.barrier(f"resume-{generation}", RESUME_MEMBER), "create", 0),
+                Compare(self.keys.leader, "value", leader.node_id),
+                Compare(self.keys.leader, "create", leader.create_revision),
+            ],
+            [Put(self.keys.barrier(f"resume-{generation}", RESUME_WAIT_MEMBER), record)],
+        )
         return ok
 
     def barrier_state(self, barrier: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:

@@ -110,6 +110,10 @@ def _resume(what: str, v: Any) -> None:
 # barrier in the same transaction, so that no etcd value passes 64 KiB.
 RESUME_PART_BYTES = 48 * 1024
 _RESUME_PART = re.compile(r"^resume-part-(?P<index>\d{4})$")
+# The member of barrier `resume-<G>` by which a leader that cannot resume the generation says
+# so and why, `{"why": ..., "at": ...}`: its followers wait for state without a deadline
+# instead of failing the generation (which would blame and quarantine healthy nodes).
+RESUME_WAIT_MEMBER = "wait"
 
 
 def resume_part_member(index: int) -> str:
@@ -163,6 +167,11 @@ def join_resume(members: dict[str, Any], resume_member: str) -> dict[str, Any]:
     return out
 
 
+def _resume_wait(what: str, v: Any) -> None:
+    _text(what, v, "why")
+    _number(what, v, "at")
+
+
 def _resume_part(what: str, v: Any) -> None:
     _integer(what, v, "part")
     _integer(what, v, "of")
@@ -201,6 +210,8 @@ def check_arrival(barrier: str, member: str, value: Any) -> Any:
         raise ClusterDataError(f"{what}: expected an object, got {type(value).__name__}")
     if check is _resume and _RESUME_PART.match(member):
         check = _resume_part
+    elif check is _resume and member == RESUME_WAIT_MEMBER:
+        check = _resume_wait
     check(what, value)
     return value
 

@@ -334,6 +334,34 @@ def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leade
     assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: _resume(8)}
 
 
+def test_a_leader_that_cannot_resume_says_so_fenced_and_never_over_an_instruction(
+    clients: Callable[[], ClusterClient],
+) -> None:
+    from elasticpp.cluster.arrivals import RESUME_MEMBER
+    from elasticpp.cluster.barriers import RESUME_WAIT_MEMBER
+
+    a, b = clients(), clients()
+    old = a.campaign("n1", ttl_s=5)
+    assert old is not None
+    assert a.write_resume_wait(3, "no state", old)
+    assert a.write_resume_wait(3, "no state on n2", old)  # a later wait replaces it
+    [wait] = [v for m, v in b.barrier_state("resume-3")[0].items() if m == RESUME_WAIT_MEMBER]
+    assert wait["why"] == "no state on n2" and isinstance(wait["at"], float)
+    old.resign()
+    new = b.campaign("n2", ttl_s=5)
+    assert new is not None
+    assert not a.write_resume_wait(3, "stale", old)  # a deposed term says nothing
+    assert b.write_resume(3, _resume(7), new)  # the state came back: the instruction
+    assert not b.write_resume_wait(3, "too late", new)  # never said over an instruction
+    state = a.barrier_state("resume-3")[0]
+    assert (
+        state[RESUME_MEMBER] == _resume(7) and state[RESUME_WAIT_MEMBER]["why"] == "no state on n2"
+    )
+    # A wait without its reason is refused by name, as any malformed arrival.
+    a._kv.put(a.keys.barrier("resume-4", RESUME_WAIT_MEMBER), '{"node_id": "n2", "value": {}}')
+    assert a.barrier_state("resume-4")[0] == {}
+
+
 def test_a_large_resume_instruction_is_written_in_parts_and_read_whole(
     clients: Callable[[], ClusterClient],
 ) -> None:

@@ -92,6 +92,35 @@ def test_a_resume_instruction_that_never_comes_fails_the_generation_at_the_movin
     assert f"waited {deadline_s:.0f} s" in report["reason"]
 
 
+def test_a_leader_that_cannot_resume_holds_the_moving_deadline_while_it_says_so(
+    tmp_path: Path,
+) -> None:
+    # The leader found no state (both copies of a step lost) and said so in etcd: failing
+    # the generation at the moving deadline would get this node blamed and quarantined.
+    agent, cluster, clock = _agent(tmp_path)
+    _new_generation(agent, 2)
+    agent._follow_generation()
+    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.MOVING
+    why = "no committed state on any live node"
+    agent._vs.barriers = {"resume-2": {"wait": {"why": why, "at": clock.time()}}}
+    deadline_s = max(MOVING_DEADLINE_FLOOR_S, SPEC.hang_timeout_s)
+    for _ in range(5):
+        clock.advance(deadline_s)
+        agent._follow_generation()
+    assert agent._fs.gen.phase is Phase.MOVING and _failures(cluster) == []
+    said = [e for e in agent._events if "waiting for state" in e[2]]
+    assert len(said) == 1 and why in said[0][2]  # said once, not every step
+    # The wait is withdrawn (a new leader, say, whose resolve is still under way): the
+    # deadline runs again from the last step that saw the wait.
+    agent._vs.barriers = {}
+    clock.advance(deadline_s - 1.0)
+    agent._follow_generation()
+    assert agent._fs.gen.phase is Phase.MOVING
+    clock.advance(2.0)
+    agent._follow_generation()
+    assert agent._fs.gen.phase is Phase.FAILED and len(_failures(cluster)) == 1
+
+
 def test_a_spare_that_never_reports_ready_is_replaced_at_ready_timeout_s(tmp_path: Path) -> None:
     agent, _, clock = _agent(tmp_path)
     spare = _SlowSpare(200)

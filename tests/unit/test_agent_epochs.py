@@ -8,10 +8,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.view import EPOCH_ENDED_EXIT
+from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord, JobEpoch
 from tests.unit.test_agent_done import SPEC, _plan, lead_resume
 from tests.unit.test_store_local import commit_step
@@ -22,6 +25,8 @@ class _FreshCluster:
 
     def __init__(self, epoch: JobEpoch | None) -> None:
         self.resumes: list[Any] = []
+        self.waits: list[tuple[int, str]] = []
+        self.down = False  # etcd unreachable: the wait cannot be published
         self.stored_epoch = epoch
 
     def ever_committed(self) -> bool:
@@ -29,6 +34,12 @@ class _FreshCluster:
 
     def write_resume(self, generation: int, value: Any, leader: Any) -> bool:
         self.resumes.append(value)
+        return True
+
+    def write_resume_wait(self, generation: int, why: str, leader: Any) -> bool:
+        if self.down:
+            raise ClusterUnavailableError("etcd down")
+        self.waits.append((generation, why))
         return True
 
     def epoch(self) -> JobEpoch | None:
@@ -55,9 +66,19 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     gs = _GenState(record=record, phase=Phase.MOVING)
     holdings = agent.store.holdings().to_dict()
     agent._vs.barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
-    lead_resume(agent, gs)
+    cluster.down = True
+    with pytest.raises(ClusterUnavailableError):
+        lead_resume(agent, gs)
     assert cluster.resumes == [] and not agent._ls.resume_written  # before: resumed at step 0
     assert "does not start over" in agent._ls.last_wait
+    # The followers learn it from etcd (they wait instead of failing the generation): asked
+    # again until etcd has it, then not again.
+    cluster.down = False
+    lead_resume(agent, gs)
+    lead_resume(agent, gs)
+    [(generation, why)] = cluster.waits
+    assert generation == 1 and "does not start over" in why
+    assert sum("cannot resume" in e[2] for e in agent._events) == 1  # logged once
     # Nothing held anywhere, nothing committed in etcd: a fresh job starts at step 0.
     agent._vs.barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
     lead_resume(agent, gs)

@@ -7,9 +7,23 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from elasticpp.agent.actions import Event, PullHoldings, Reread, ResolveResume, SetAside
-from elasticpp.agent.leaderstep import leader_pull_started, leader_resume_resolved, leader_step
+from elasticpp.agent.actions import (
+    Event,
+    PublishResumeWait,
+    PullHoldings,
+    Reread,
+    ResolveResume,
+    SetAside,
+    WriteResume,
+)
+from elasticpp.agent.leaderstep import (
+    leader_pull_started,
+    leader_resume_resolved,
+    leader_resume_wait_published,
+    leader_step,
+)
 from elasticpp.agent.pull import PulledHoldings
+from elasticpp.agent.resumestep import WAIT_REPULL_EVERY_S
 from elasticpp.agent.sick import Quarantine
 from elasticpp.store.digest import digest_of
 from elasticpp.store.holdings import NodeHoldings
@@ -61,6 +75,39 @@ def test_digests_at_stopped_are_pulled_once_and_the_resume_is_resolved_from_the_
     assert resolve.holdings == pulled.holdings and resolve.held and resolve.disk is None
     [write] = leader_resume_resolved(state, resolve, resolve.disk)
     assert write.value["step"] == 8  # type: ignore[attr-defined]
+
+
+def test_a_generation_waiting_for_state_pulls_again_and_resumes_once_a_checkpoint_holds_it() -> (
+    None
+):
+    state = _state()
+    record = _record(2)
+    obs = _obs(100.0, record=record, barriers={"stopped-2": _arrived(("n0", "n1"))})
+    [pull] = leader_step(state, obs)
+    leader_pull_started(state, pull, object())
+    # The nodes hold step 8 of one unit only (its other copies were lost): nothing resolves.
+    partial = {n: NodeHoldings.from_dict(_holdings(n, 8, SPEC.model.units[:1])) for n in MEMBERS}
+    pulled = PulledHoldings(2, partial, held=True)
+    [resolve] = leader_step(state, replace(obs, now_s=101.0, pulled=pulled))
+    [told, wait] = leader_resume_resolved(state, resolve, resolve.disk)
+    assert isinstance(told, Event) and "cannot resume" in told.message
+    assert isinstance(wait, PublishResumeWait)
+    leader_resume_wait_published(state, wait, True)
+    # Waiting: the same result is resolved again, the pull is not asked again until
+    # WAIT_REPULL_EVERY_S after the last ask's backoff.
+    quiet = replace(obs, now_s=101.0 + WAIT_REPULL_EVERY_S, pulled=pulled)
+    [again] = leader_step(state, quiet)
+    assert isinstance(again, ResolveResume) and leader_resume_resolved(state, again, None) == []
+    assert leader_step(state, replace(quiet, now_s=103.0 + WAIT_REPULL_EVERY_S)) == []
+    assert state.pull is None
+    [repull] = leader_step(state, replace(obs, now_s=104.0 + WAIT_REPULL_EVERY_S))
+    assert repull == pull
+    leader_pull_started(state, repull, object())
+    # An operator restored a checkpoint into persist_dir: the pull reads it, and it resumes.
+    restored = PulledHoldings(2, partial, disk=_held("disk"), held=True)
+    [resolve] = leader_step(state, replace(obs, now_s=105.0 + WAIT_REPULL_EVERY_S, pulled=restored))
+    [write] = leader_resume_resolved(state, resolve, resolve.disk)
+    assert isinstance(write, WriteResume) and write.value["step"] == 8
 
 
 def test_a_planned_node_that_does_not_answer_the_pull_is_set_aside_once_and_not_resumed() -> None:

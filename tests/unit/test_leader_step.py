@@ -15,6 +15,7 @@ from elasticpp.agent.actions import (
     CountRecovery,
     Event,
     Housekeep,
+    PublishResumeWait,
     ReadCommitRecords,
     ReadSafe,
     RecordTimeline,
@@ -33,6 +34,7 @@ from elasticpp.agent.leaderstep import (
     leader_fresh_checked,
     leader_generation_written,
     leader_resume_resolved,
+    leader_resume_wait_published,
     leader_resume_written,
     leader_safe_check,
     leader_safe_read,
@@ -300,9 +302,14 @@ def test_a_fresh_job_starts_at_step_0_and_one_that_committed_before_does_not_sta
     [write] = leader_fresh_checked(state, check, False)
     assert isinstance(write, WriteResume) and write.value["step"] == 0
     assert write.value["pieces"] == {} and node_fetches(write.value, resolve.plan, "n0") == ()
-    # etcd says the job committed before: it waits and says why, once.
-    [told] = leader_fresh_checked(state, check, True)
+    # etcd says the job committed before: it waits and says why, once in the log, and in
+    # etcd until etcd has it (its followers wait with it instead of failing the generation).
+    [told, wait] = leader_fresh_checked(state, check, True)
     assert isinstance(told, Event) and "does not start over" in told.message
+    assert isinstance(wait, PublishResumeWait) and wait.generation == 1
+    assert "does not start over" in wait.why and "no committed state" in wait.why
+    assert leader_fresh_checked(state, check, True) == [wait]  # not in etcd yet: asked again
+    assert leader_resume_wait_published(state, wait, True) == []
     assert leader_fresh_checked(state, check, True) == []
     assert not state.resume_written
 
@@ -315,8 +322,9 @@ def test_a_job_whose_state_is_held_but_does_not_resolve_waits_without_asking_etc
     }
     [resolve] = leader_step(state, _obs(100.0, record=record, barriers={"stopped-1": partial}))
     assert isinstance(resolve, ResolveResume)
-    [told] = leader_resume_resolved(state, resolve, None)
+    [told, wait] = leader_resume_resolved(state, resolve, None)
     assert isinstance(told, Event) and "cannot resume" in told.message
+    assert isinstance(wait, PublishResumeWait)
     assert "does not start over" in state.last_wait
 
 
