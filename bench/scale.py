@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cpusample import CpuSampler, proc_cpu_s
 from bench.scaleinvariants import HistoryEvent, check_history
 from bench.scaleproc import ProcCluster, Summary
 from bench.scalesim import sim_spec_fields
@@ -184,18 +184,17 @@ class Transition:
     # CPU seconds from the fault until the harness saw every node hold the generation: the
     # etcd server's and the simulation processes' (what the hold's wait is made of)
     to_hold_cpu_s: dict[str, float] = field(default_factory=dict)
+    # CPU seconds from the decision until the last node held the plan (`decide_to_hold_s`):
+    # the etcd server's, the simulation processes' together, and `cores`, both over the
+    # window's length (2.0 on this machine: every core busy, the hold waited for CPU)
+    hold_window_cpu_s: dict[str, float] = field(default_factory=dict)
+    # the processes' CPU in that window by kind of thread, busiest first (sampled, when asked)
+    hold_window_by_thread: dict[str, float] = field(default_factory=dict)
 
 
 def pid_cpu_s(pid: int | None) -> float | None:
     """CPU seconds (user + system) process `pid` has used (Linux /proc); None if unknown."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None if pid is None else proc_cpu_s(pid)
 
 
 def _minus(after: float | None, before: float | None) -> float | None:
@@ -217,10 +216,12 @@ def transition(
     poll_s: float,
     steady_requests_per_s: float = 0.0,
     etcd_pid: int | None = None,
+    sampler: CpuSampler | None = None,
 ) -> Transition:
     """Apply `fault`, wait until every healthy node runs the generation it causes, measure
     (`steady_requests_per_s`: the steady state's etcd requests per second, all nodes;
-    `etcd_pid`: the etcd server's process, whose CPU is measured too)."""
+    `etcd_pid`: the etcd server's process, whose CPU is measured too; `sampler`: samples
+    the CPU of etcd ("etcd") and of each simulation process ("proc-<i>"))."""
     # Between transitions a leader may be changing (a loop stalled past its lease on a busy
     # machine steps down): the fault waits for one.
     now = [Summary()]
@@ -292,6 +293,13 @@ def transition(
     held = [[t - decided for t in times] for times in held_at] if decided else []
     spread = sorted(t for times in held for t in times)
     generation = now[0].generation
+    window: dict[str, float] = {}
+    window_threads: list[tuple[str, float]] = []
+    if decided is not None and spread:
+        if sampler is not None:
+            window = _window_cpu(sampler, cluster.pids(), decided, decided + spread[-1])
+        used = cluster.thread_window(decided, decided + spread[-1])
+        window_threads = sorted(used.items(), key=lambda kv: -kv[1])[:16]
     return Transition(
         nodes=n,
         fault=fault,
@@ -321,9 +329,27 @@ def transition(
             for k, v in (("etcd", _minus(etcd_hold, etcd0)), ("processes", cpu_hold - cpu0))
             if v is not None
         },
+        hold_window_cpu_s=window,
+        hold_window_by_thread={k: round(v, 3) for k, v in window_threads},
         requests_by_kind=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         cpu_s_by_thread={k: round(v, 3) for k, v in by_thread[:12]},
     )
+
+
+def _window_cpu(sampler: CpuSampler, pids: list[int], t0: float, t1: float) -> dict[str, float]:
+    """The CPU seconds etcd and the simulation processes used from `t0` to `t1`, and how
+    many cores that was; empty if any was not sampled over the window."""
+    etcd = sampler.used("etcd", t0, t1)
+    procs = [sampler.used(f"proc-{i}", t0, t1) for i in range(len(pids))]
+    if etcd is None or any(p is None for p in procs) or t1 <= t0:
+        return {}
+    total = etcd + sum(p for p in procs if p is not None)
+    processes = total - etcd
+    return {
+        "etcd": round(etcd, 3),
+        "processes": round(processes, 3),
+        "cores": round(total / (t1 - t0), 2),
+    }
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -363,8 +389,11 @@ def run_size(
     loop_threads: int = LOOP_THREADS,
     shared_server: bool = True,
     parked_threads: int = PARKED_THREADS,
+    sample_threads_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One cluster of `n` nodes: start, steady state, each fault; the invariants checked."""
+    """One cluster of `n` nodes: start, steady state, each fault; the invariants checked
+    (`sample_threads_s` > 0: the children sample their threads' CPU that often, and each
+    transition gives the decision -> hold window's CPU by kind of thread)."""
     ttl = lease_ttl_s or lease_ttl_for(n)
     # Each look asks every child to summarise its nodes, on the child's main thread beside
     # its agents: at 512 nodes every 13 ms, a fifth of a transition's CPU; at 2,048 every
@@ -391,6 +420,7 @@ def run_size(
             loop_threads=loop_threads,
             shared_server=shared_server,
             parked_threads=parked_threads,
+            sample_threads_s=sample_threads_s,
         )
         observer = Observer(etcd.endpoint)
         cluster.add(ids)
@@ -422,10 +452,19 @@ def run_size(
         }
         by_thread = {k: round(v / window_s / n * 1000, 3) for k, v in cpu_by_thread(t_0, t_1)[:15]}
         steady_rate = steady.requests / window_s
-        transitions = [
-            asdict(transition(cluster, observer, f, timeout_s, poll_s, steady_rate, etcd.pid))
-            for f in faults
-        ]
+        pids = {"etcd": etcd.pid, **{f"proc-{i}": p for i, p in enumerate(cluster.pids())}}
+        sampler = CpuSampler({k: v for k, v in pids.items() if v is not None})
+        try:
+            transitions = [
+                asdict(
+                    transition(
+                        cluster, observer, f, timeout_s, poll_s, steady_rate, etcd.pid, sampler
+                    )
+                )
+                for f in faults
+            ]
+        finally:
+            sampler.close()
         whole, _, _ = cluster.meter()
         violations = check_history(JOB, observer.history())
         return {
@@ -473,21 +512,23 @@ def table(results: list[dict[str, Any]]) -> str:
     """The markdown table of `results` (one row per transition)."""
     lines = [
         "| nodes | fault | decided s | all hold s | all started s | decide->hold s "
-        "(p50 / p90) "
+        "(p50 / p90) | window CPU s etcd / procs (cores) "
         "| etcd req (per node; added per node) | KiB sent / recv | leader CPU s "
         "| process CPU s | etcd CPU s "
         "| steady req/node/s | steady writes/node/s | largest value B | largest read B "
         "| gens | steady CPU ms/node/s | leader terms | violations |",
-        "|" + "---|" * 19,
+        "|" + "---|" * 20,
     ]
     for r in results:
         st = r["steady"]
         for t in r["transitions"]:
             e = t["etcd"]
+            w = t.get("hold_window_cpu_s") or {}
+            window = f"{w['etcd']} / {w['processes']} ({w['cores']})" if w else "-"
             lines.append(
                 f"| {r['nodes']} | {t['fault']} | {t['decided_s']} | {t['all_hold_s']} "
                 f"| {t['all_started_s']} | {t['decide_to_hold_s']} "
-                f"({t.get('hold_p50_s', '-')} / {t.get('hold_p90_s', '-')}) "
+                f"({t.get('hold_p50_s', '-')} / {t.get('hold_p90_s', '-')}) | {window} "
                 f"| {e['requests']} ({t['requests_per_node']}; "
                 f"{t.get('added_requests_per_node', '-')}) "
                 f"| {e['bytes_sent'] // 1024} / {e['bytes_received'] // 1024} "
@@ -546,6 +587,13 @@ def main(argv: list[str] | None = None) -> int:
         help="more threads a process has for turns waiting on etcd (bench/scaleloops.py); "
         "0: a turn's etcd round trip holds its thread",
     )
+    ap.add_argument(
+        "--sample-threads-s",
+        type=float,
+        default=0.0,
+        help="the simulation processes sample their threads' CPU this often (0: not): each "
+        "transition then gives the decision -> hold window's CPU by kind of thread",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     # A stopped run still closes its agents and its etcd (the finally blocks run).
@@ -572,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                 loop_threads=args.loop_threads,
                 shared_server=not args.server_per_node,
                 parked_threads=args.parked_threads,
+                sample_threads_s=args.sample_threads_s,
             )
             results.append(r)
             print(table([r]), flush=True)

@@ -14,6 +14,7 @@ outlives the run. Node ids are placed on children round-robin in the order they 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import json
@@ -159,6 +160,44 @@ def thread_cpu_s() -> dict[str, float]:
     return out
 
 
+class ThreadSampler:
+    """`thread_cpu_s()` every `every_s` on a thread of its own, the last `keep` samples kept:
+    what each kind of thread used in a window the harness names afterwards (`window`).
+    Reading every thread's schedstat costs ~2 ms at a few hundred threads: off unless asked."""
+
+    def __init__(self, every_s: float, keep: int = 20_000) -> None:
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._samples: collections.deque[tuple[float, dict[str, float]]] = collections.deque(
+            maxlen=keep
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            sample = (time.monotonic(), thread_cpu_s())
+            with self._lock:
+                self._samples.append(sample)
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds by kind of thread from the last sample at or before `t0` to the first
+        at or after `t1` (a window a sample wider at most); empty if not sampled around it."""
+        with self._lock:
+            samples = list(self._samples)
+        before = [cpu for t, cpu in samples if t <= t0]
+        after = [cpu for t, cpu in samples if t >= t1]
+        if not before or not after:
+            return {}
+        a, b = before[-1], after[0]
+        return {k: v - a.get(k, 0.0) for k, v in b.items() if v - a.get(k, 0.0) > 0}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def _serve(
     endpoint: str,
     slots: int,
@@ -169,6 +208,7 @@ def _serve(
     agents_per_connection: int = 0,
     shared_server: bool = True,
     parked_threads: int = 0,
+    sample_threads_s: float = 0.0,
 ) -> None:
     """A child process: a SimCluster of the agents it is asked to add, until told to close."""
     threading.stack_size(STACK_BYTES)
@@ -195,6 +235,7 @@ def _serve(
         shared_server=shared_server,
         parked_threads=parked_threads,
     )
+    sampler = ThreadSampler(sample_threads_s) if sample_threads_s > 0 else None
     try:
         for line in sys.stdin:
             request = json.loads(line)
@@ -232,6 +273,8 @@ def _serve(
                     reply = {"ok": [asdict(meter.reading()), meter.by_kind(), cpu_s]}
                 elif op == "threads":
                     reply = {"ok": thread_cpu_s()}
+                elif op == "thread_window":
+                    reply = {"ok": sampler.window(*arg) if sampler is not None else {}}
                 elif op == "loop_cpu":
                     reply = {"ok": cluster.loop_cpu_s(arg)}
                 elif op == "close":
@@ -243,6 +286,8 @@ def _serve(
             out.write(json.dumps(reply) + "\n")
             out.flush()
     finally:
+        if sampler is not None:
+            sampler.close()
         cluster.close()
 
 
@@ -263,6 +308,7 @@ class ProcCluster:
         loop_threads: int = 0,
         shared_server: bool = True,
         parked_threads: int = 0,
+        sample_threads_s: float = 0.0,
     ) -> None:
         if processes < 1:
             raise ElasticppError(f"processes must be >= 1, got {processes}")
@@ -282,6 +328,7 @@ class ProcCluster:
                     "loop_threads": loop_threads,
                     "shared_server": shared_server,
                     "parked_threads": parked_threads,
+                    "sample_threads_s": sample_threads_s,
                 }
                 self._children.append(
                     subprocess.Popen(
@@ -375,6 +422,10 @@ class ProcCluster:
     def loop_cpu_s(self, node_id: str) -> float:
         return float(self._ask(self._home[node_id], "loop_cpu", node_id))
 
+    def pids(self) -> list[int]:
+        """The simulation processes' pids, in child order."""
+        return [child.pid for child in self._children]
+
     def meter(self) -> tuple[MeterReading, dict[str, int], float]:
         """Every child's etcd meter together, its requests by kind, and its CPU seconds."""
         total, kinds, cpu = MeterReading(), {}, 0.0
@@ -384,6 +435,15 @@ class ProcCluster:
                 kinds[k] = kinds.get(k, 0) + v
             cpu += cpu_s
         return total, kinds, cpu
+
+    def thread_window(self, t0: float, t1: float) -> dict[str, float]:
+        """Every child's CPU seconds by kind of thread from monotonic `t0` to `t1`, added up
+        (`ThreadSampler.window`; empty unless the children sample their threads)."""
+        out: dict[str, float] = {}
+        for by_kind in self._ask_all("thread_window", [t0, t1]):
+            for k, v in by_kind.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     def thread_cpu_s(self) -> dict[str, float]:
         """Every child's CPU seconds by kind of thread (`thread_class`), added up."""
@@ -422,4 +482,5 @@ if __name__ == "__main__":
         int(_config.get("agents_per_connection", 0)),
         bool(_config.get("shared_server", True)),
         int(_config.get("parked_threads", 0)),
+        float(_config.get("sample_threads_s", 0.0)),
     )

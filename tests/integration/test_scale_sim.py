@@ -20,6 +20,9 @@ def test_a_node_loss_in_a_simulated_cluster_reaches_every_node_within_bounds(
     assert loss["error"] is None
     assert loss["generation"] >= 2  # every live node held it and started (else run_size raises)
     assert loss["nodes"] == NODES
+    window = loss["hold_window_cpu_s"]  # what the hold's window used, sampled from /proc
+    assert set(window) == {"etcd", "processes", "cores"}
+    assert window["etcd"] >= 0 and window["processes"] > 0 and window["cores"] > 0
     assert r["violations"] == []
     assert r["history_events"] > NODES  # the checker read the whole history
     assert r["largest_value"] <= 64 * 1024
