@@ -153,15 +153,57 @@ def reference_curve(
 # run of steps one generation kept, trained by `elasticpp train` in that generation's layout
 # from the state the run before saved. The same layouts sum the same numbers in the same
 # order, so the curves agree to float noise unless a recovery resumed from a wrong state
-# (another step's, a mix of steps, a lost optimizer moment, a wrong data position). Against
-# the uninterrupted run (one layout) they differ by the rounding of each layout change,
-# compounding over the run (10^-3 after 10,000 steps and 230 changes): reported, and only a
-# difference past DRIFT_LIMIT fails. Not to the bit: two generations of one dp=3 layout from
-# one state differ by ~10^-8 (their grad norms in the 9th digit; the cause is not known: the
-# gradient buckets launch in a fixed order), and that compounds too (at most 6.4e-8 over a
-# 740-step soak); a resume from a wrong state moves the loss by 10^-3 and more at once.
-REPLAY_TOLERANCE = 1e-5  # relative, at every step
-DRIFT_LIMIT = 1e-2  # relative, against the uninterrupted run
+# (another step's, a mix of steps, a lost optimizer moment, a wrong data position). Not to
+# the bit: two generations of one dp=3 layout from one state differ by ~10^-8 (their grad
+# norms in the 9th digit; the cause is not known: the gradient buckets launch in a fixed
+# order), and training compounds that, slowly and without a jump: 6.4e-8 over a 740-step
+# soak, but past 1e-5 some 5,000 steps into a 10,380-step one (a median 4.5e-6, at most
+# 8.5e-5 by its end; the first step past 1e-5 was 48 steps into a run, not at a resume).
+# So a step's difference alone cannot tell a wrong resume from compounded noise; a wrong
+# resume shows where the soak resumed: the difference jumps there, at once, by orders of
+# magnitude (1e-3 and more), while noise carries on from where it was. The check: at every
+# run's first REPLAY_WINDOW steps the difference is at most REPLAY_JUMP times what it was
+# over the run before's last REPLAY_WINDOW steps, or REPLAY_FLOOR (the first run: from step
+# 0, at most REPLAY_FLOOR). Against the uninterrupted run (one layout) they differ by the
+# rounding of each layout change, compounding over the run (10^-3 after 10,000 steps and
+# 230 changes): reported, and only a difference past DRIFT_LIMIT fails, as any step's
+# difference from the replay past it does.
+REPLAY_FLOOR = 1e-5  # relative: a difference this small is noise wherever it is
+REPLAY_WINDOW = 8  # steps each side of a resume
+REPLAY_JUMP = 10.0  # a resume's difference over the run before's
+DRIFT_LIMIT = 1e-2  # relative, against the uninterrupted run (and the replay, at any step)
+
+
+def replay_errors(
+    curve: dict[int, float], replay: dict[int, float], runs: list[tuple[int, int, str]]
+) -> tuple[list[str], list[tuple[int, float, float]]]:
+    """What the replay check finds (see above): an error per resume whose difference from
+    the replay jumped, and per step past DRIFT_LIMIT; and per run (its first step, the
+    difference before it, after it), for the record."""
+    apart = {s: _relative(curve[s], v) for s, v in replay.items() if s in curve}
+    errors = [
+        f"step {s}: {curve[s]} vs {replay[s]}, its layouts replayed, more than {DRIFT_LIMIT} apart"
+        for s, d in sorted(apart.items())
+        if d > DRIFT_LIMIT
+    ]
+    seams: list[tuple[int, float, float]] = []
+    before = 0.0
+    for first, end, _ in runs:
+        after = max(
+            (apart[s] for s in range(first, min(end, first + REPLAY_WINDOW)) if s in apart),
+            default=0.0,
+        )
+        seams.append((first, before, after))
+        if after > max(REPLAY_FLOOR, REPLAY_JUMP * before):
+            errors.append(
+                f"step {first}: resumed {after:.1e} from its layouts replayed, against "
+                f"{before:.1e} before (more than {REPLAY_JUMP:g}x and {REPLAY_FLOOR:g})"
+            )
+        before = max(
+            (apart[s] for s in range(max(first, end - REPLAY_WINDOW), end) if s in apart),
+            default=0.0,
+        )
+    return errors, seams
 
 
 def kept_runs(rows: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
@@ -195,7 +237,7 @@ def replay_curve(
             raise ValueError(f"the kept steps are not contiguous at step {first}")
         saved = workdir / "replay" / f"run-{i:04d}"
         saved.mkdir(parents=True, exist_ok=True)
-        metrics = saved / "metrics.jsonl"
+        metrics = workdir / "replay" / f"run-{i:04d}.jsonl"  # kept with the state gone
         resume = ["--resume", str(state)] if state is not None else []
         subprocess.run(
             [
@@ -980,6 +1022,10 @@ class SoakResult:
     replay_max: float = 0.0
     drift_max: float = 0.0
     layout_runs: int = 0
+    # Per replayed run: its first step, the difference over the run before's last steps and
+    # over its own first ones (`replay_errors`); the largest ratio of the two at a resume.
+    seams: list[tuple[int, float, float]] = field(default_factory=list)
+    jump_max: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -1119,11 +1165,8 @@ def run_soak(
     runs = kept_runs([r for r in rows if int(r["step"]) <= last])
     replay = replay_curve(workdir, steps, seed, runs) if runs else {}
     errors = [f"step {s}: not trained" for s in range(last + 1) if s not in curve]
-    errors += [
-        f"step {s}: {curve[s][0]} vs {replay[s]}, its layouts replayed"
-        for s in sorted(replay)
-        if s in curve and _relative(curve[s][0], replay[s]) > REPLAY_TOLERANCE
-    ]
+    found, seams = replay_errors({s: v[0] for s, v in curve.items()}, replay, runs)
+    errors += found
     apart = [_relative(curve[s][0], v) for s, v in replay.items() if s in curve]
     replay_max = max(apart, default=0.0)
     drift = {s: _relative(curve[s][0], v) for s, v in reference.items() if s <= last and s in curve}
@@ -1170,6 +1213,11 @@ def run_soak(
         replay_max,
         drift_max,
         len(runs),
+        seams,
+        max(
+            (after / max(before, REPLAY_FLOOR / REPLAY_JUMP) for _, before, after in seams[1:]),
+            default=0.0,
+        ),
     )
 
 
@@ -1252,7 +1300,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(median step {result.median_step_s:.3f} s); curve "
         + ("matches" if result.curve_ok else f"DIFFERS: {result.curve_errors}")
         + f" (its {result.layout_runs} runs of layouts replayed: at most "
-        f"{result.replay_max:.1e} apart; the uninterrupted run: {result.drift_max:.1e})"
+        f"{result.replay_max:.1e} apart, a resume at most {result.jump_max:.1f}x the "
+        f"difference before it; the uninterrupted run: {result.drift_max:.1e})"
         + f"; committed steps lost: {result.lost_steps}; processes left: "
         f"{result.leftover_processes or 'none'}"
     )
