@@ -22,8 +22,9 @@ the agents' etcd client, elasticpp.cluster.etcd_meter); the largest value writte
 largest range reply of the run; the CPU seconds of the leader's loop thread, of the
 simulation's processes and of the etcd server (also from the fault until every node holds the
 plan, and from the decision until the last node held it: the hold's window, with how many
-cores it used, bench/cpusample.py; by kind of thread with `--sample-threads-s`). The steady state gives requests per node per second by kind (method and key class),
-the processes' CPU per node per second and etcd's per second; the run, how many leader terms began
+cores it used, bench/cpusample.py; by kind of thread with `--sample-threads-s`). The steady
+state gives requests per node per second by kind (method and key class), the processes' CPU
+per node per second and etcd's per second; the run, how many leader terms began
 (a loop starved of CPU past its lease loses its term: the sign that the machine, not the
 control plane, gave out). The observer's watch of the job's keys from revision 1 feeds the
 invariant checker (bench/scaleinvariants.py) at the end of each size.
