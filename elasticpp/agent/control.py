@@ -270,6 +270,7 @@ class ControlPart:
             "leader": self._vs.leader or "",
             "phase": phase,
             "ended": f"{end.status}: {end.reason}" if end is not None else "",
+            "waiting": gs.waiting_said if gs is not None else "",
             "quarantined": self.quarantine_status(),
             "layout": str(gs.plan.layout) if gs else "",
             "last_step": self._ds.last_step,

@@ -88,7 +88,7 @@ class _GenState:
     fetch_progress: TransferProgress | None = None
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
-    waiting_said: str = ""  # the leader's wait for state (why), once said here
+    waiting_said: str = ""  # the leader's wait for state (why) while this node waits with it
 
     @property
     def generation(self) -> int:
@@ -347,7 +347,9 @@ def _deadline(gs: _GenState, obs: FollowerObservation) -> list[Action]:
         # Held only while bytes arrive: a stalled or trickling fetch runs out of time.
         gs.phase_since_s = obs.now_s
         return []
-    if gs.phase is Phase.MOVING and obs.resume is None and obs.resume_wait:
+    if not obs.resume_wait or obs.resume is not None:
+        gs.waiting_said = ""  # not waiting (any more): a wait said again is told again
+    elif gs.phase is Phase.MOVING:
         # The leader found no state to resume from and said so: held while it waits for a
         # node that holds the state, or a checkpoint, to come back. Failing the generation
         # would only get this node blamed for the wait.

@@ -40,6 +40,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             last_loss=s["last_loss"] if math.isfinite(s["last_loss"]) else 0.0,
             members=s["members"],
             ended=s.get("ended", ""),
+            waiting=s.get("waiting", ""),
         )
         for node, q in s.get("quarantined", {}).items():
             reply.quarantined.add(

@@ -77,6 +77,8 @@ def _print_status(s: object) -> None:
     )
     if s.ended:
         print(f"job ended: {s.ended}")
+    if s.waiting:
+        print(f"waiting for state: {s.waiting}")
     for q in s.quarantined:
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q.until))
         print(f"quarantined {q.node_id} until {until} (the {q.count}. time): {q.reason}")

@@ -110,12 +110,13 @@ def test_a_leader_that_cannot_resume_holds_the_moving_deadline_while_it_says_so(
     assert agent._fs.gen.phase is Phase.MOVING and _failures(cluster) == []
     said = [e for e in agent._events if "waiting for state" in e[2]]
     assert len(said) == 1 and why in said[0][2]  # said once, not every step
+    assert agent.status()["waiting"] == why  # `elasticpp ctl status` shows it
     # The wait is withdrawn (a new leader, say, whose resolve is still under way): the
     # deadline runs again from the last step that saw the wait.
     agent._vs.barriers = {}
     clock.advance(deadline_s - 1.0)
     agent._follow_generation()
-    assert agent._fs.gen.phase is Phase.MOVING
+    assert agent._fs.gen.phase is Phase.MOVING and agent.status()["waiting"] == ""
     clock.advance(2.0)
     agent._follow_generation()
     assert agent._fs.gen.phase is Phase.FAILED and len(_failures(cluster)) == 1

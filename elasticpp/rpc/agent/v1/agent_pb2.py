@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"elasticpp/rpc/agent/v1/agent.proto\x12\x12\x65lasticpp.agent.v1\"\x12\n\x10GetStatusRequest\"\x83\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\n\n\x02pp\x18\x03 \x01(\x05\x12\n\n\x02tp\x18\x04 \x01(\x05\x12\n\n\x02\x64p\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tlast_step\x18\x08 \x01(\x03\"\xd4\x01\n\x08Recovery\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rlayout_before\x18\x03 \x01(\t\x12\x14\n\x0clayout_after\x18\x04 \x01(\t\x12\x13\n\x0bresume_step\x18\x05 \x01(\x03\x12\x18\n\x10steps_recomputed\x18\x06 \x01(\x03\x12\x11\n\tplanned_s\x18\x07 \x01(\x01\x12\x11\n\tstopped_s\x18\x08 \x01(\x01\x12\x0f\n\x07moved_s\x18\t \x01(\x01\x12\x11\n\tresumed_s\x18\n \x01(\x01\"P\n\x0fQuarantinedNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05until\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x05\"\xd9\x02\n\x11GetStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0e\n\x06leader\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x11\n\tlast_step\x18\x07 \x01(\x03\x12\x11\n\tlast_loss\x18\x08 \x01(\x01\x12\x31\n\x07workers\x18\t \x03(\x0b\x32 .elasticpp.agent.v1.WorkerStatus\x12\x30\n\nrecoveries\x18\n \x03(\x0b\x32\x1c.elasticpp.agent.v1.Recovery\x12\x0f\n\x07members\x18\x0b \x03(\t\x12\x38\n\x0bquarantined\x18\x0c \x03(\x0b\x32#.elasticpp.agent.v1.QuarantinedNode\x12\r\n\x05\x65nded\x18\r \x01(\t\"(\n\x15LiftQuarantineRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"9\n\x16LiftQuarantineResponse\x12\x0e\n\x06lifted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"2\n\rDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x14\n\x12WatchEventsRequest\"M\n\nAgentEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x32\xf8\x02\n\x0c\x41gentService\x12X\n\tGetStatus\x12$.elasticpp.agent.v1.GetStatusRequest\x1a%.elasticpp.agent.v1.GetStatusResponse\x12L\n\x05\x44rain\x12 .elasticpp.agent.v1.DrainRequest\x1a!.elasticpp.agent.v1.DrainResponse\x12W\n\x0bWatchEvents\x12&.elasticpp.agent.v1.WatchEventsRequest\x1a\x1e.elasticpp.agent.v1.AgentEvent0\x01\x12g\n\x0eLiftQuarantine\x12).elasticpp.agent.v1.LiftQuarantineRequest\x1a*.elasticpp.agent.v1.LiftQuarantineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"elasticpp/rpc/agent/v1/agent.proto\x12\x12\x65lasticpp.agent.v1\"\x12\n\x10GetStatusRequest\"\x83\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\n\n\x02pp\x18\x03 \x01(\x05\x12\n\n\x02tp\x18\x04 \x01(\x05\x12\n\n\x02\x64p\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tlast_step\x18\x08 \x01(\x03\"\xd4\x01\n\x08Recovery\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rlayout_before\x18\x03 \x01(\t\x12\x14\n\x0clayout_after\x18\x04 \x01(\t\x12\x13\n\x0bresume_step\x18\x05 \x01(\x03\x12\x18\n\x10steps_recomputed\x18\x06 \x01(\x03\x12\x11\n\tplanned_s\x18\x07 \x01(\x01\x12\x11\n\tstopped_s\x18\x08 \x01(\x01\x12\x0f\n\x07moved_s\x18\t \x01(\x01\x12\x11\n\tresumed_s\x18\n \x01(\x01\"P\n\x0fQuarantinedNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05until\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x05\"\xea\x02\n\x11GetStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0e\n\x06leader\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x11\n\tlast_step\x18\x07 \x01(\x03\x12\x11\n\tlast_loss\x18\x08 \x01(\x01\x12\x31\n\x07workers\x18\t \x03(\x0b\x32 .elasticpp.agent.v1.WorkerStatus\x12\x30\n\nrecoveries\x18\n \x03(\x0b\x32\x1c.elasticpp.agent.v1.Recovery\x12\x0f\n\x07members\x18\x0b \x03(\t\x12\x38\n\x0bquarantined\x18\x0c \x03(\x0b\x32#.elasticpp.agent.v1.QuarantinedNode\x12\r\n\x05\x65nded\x18\r \x01(\t\x12\x0f\n\x07waiting\x18\x0e \x01(\t\"(\n\x15LiftQuarantineRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"9\n\x16LiftQuarantineResponse\x12\x0e\n\x06lifted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"2\n\rDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x14\n\x12WatchEventsRequest\"M\n\nAgentEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x32\xf8\x02\n\x0c\x41gentService\x12X\n\tGetStatus\x12$.elasticpp.agent.v1.GetStatusRequest\x1a%.elasticpp.agent.v1.GetStatusResponse\x12L\n\x05\x44rain\x12 .elasticpp.agent.v1.DrainRequest\x1a!.elasticpp.agent.v1.DrainResponse\x12W\n\x0bWatchEvents\x12&.elasticpp.agent.v1.WatchEventsRequest\x1a\x1e.elasticpp.agent.v1.AgentEvent0\x01\x12g\n\x0eLiftQuarantine\x12).elasticpp.agent.v1.LiftQuarantineRequest\x1a*.elasticpp.agent.v1.LiftQuarantineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,19 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUARANTINEDNODE']._serialized_start=427
   _globals['_QUARANTINEDNODE']._serialized_end=507
   _globals['_GETSTATUSRESPONSE']._serialized_start=510
-  _globals['_GETSTATUSRESPONSE']._serialized_end=855
-  _globals['_LIFTQUARANTINEREQUEST']._serialized_start=857
-  _globals['_LIFTQUARANTINEREQUEST']._serialized_end=897
-  _globals['_LIFTQUARANTINERESPONSE']._serialized_start=899
-  _globals['_LIFTQUARANTINERESPONSE']._serialized_end=956
-  _globals['_DRAINREQUEST']._serialized_start=958
-  _globals['_DRAINREQUEST']._serialized_end=991
-  _globals['_DRAINRESPONSE']._serialized_start=993
-  _globals['_DRAINRESPONSE']._serialized_end=1043
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1045
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1065
-  _globals['_AGENTEVENT']._serialized_start=1067
-  _globals['_AGENTEVENT']._serialized_end=1144
-  _globals['_AGENTSERVICE']._serialized_start=1147
-  _globals['_AGENTSERVICE']._serialized_end=1523
+  _globals['_GETSTATUSRESPONSE']._serialized_end=872
+  _globals['_LIFTQUARANTINEREQUEST']._serialized_start=874
+  _globals['_LIFTQUARANTINEREQUEST']._serialized_end=914
+  _globals['_LIFTQUARANTINERESPONSE']._serialized_start=916
+  _globals['_LIFTQUARANTINERESPONSE']._serialized_end=973
+  _globals['_DRAINREQUEST']._serialized_start=975
+  _globals['_DRAINREQUEST']._serialized_end=1008
+  _globals['_DRAINRESPONSE']._serialized_start=1010
+  _globals['_DRAINRESPONSE']._serialized_end=1060
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1062
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1082
+  _globals['_AGENTEVENT']._serialized_start=1084
+  _globals['_AGENTEVENT']._serialized_end=1161
+  _globals['_AGENTSERVICE']._serialized_start=1164
+  _globals['_AGENTSERVICE']._serialized_end=1540
 # @@protoc_insertion_point(module_scope)

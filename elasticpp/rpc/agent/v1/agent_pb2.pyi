@@ -67,7 +67,7 @@ class QuarantinedNode(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ..., until: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node_id", "job", "generation", "leader", "phase", "layout", "last_step", "last_loss", "workers", "recoveries", "members", "quarantined", "ended")
+    __slots__ = ("node_id", "job", "generation", "leader", "phase", "layout", "last_step", "last_loss", "workers", "recoveries", "members", "quarantined", "ended", "waiting")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GetStatusResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job: str
     generation: int
@@ -94,7 +95,8 @@ class GetStatusResponse(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[str]
     quarantined: _containers.RepeatedCompositeFieldContainer[QuarantinedNode]
     ended: str
-    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., leader: _Optional[str] = ..., phase: _Optional[str] = ..., layout: _Optional[str] = ..., last_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., members: _Optional[_Iterable[str]] = ..., quarantined: _Optional[_Iterable[_Union[QuarantinedNode, _Mapping]]] = ..., ended: _Optional[str] = ...) -> None: ...
+    waiting: str
+    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., leader: _Optional[str] = ..., phase: _Optional[str] = ..., layout: _Optional[str] = ..., last_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., members: _Optional[_Iterable[str]] = ..., quarantined: _Optional[_Iterable[_Union[QuarantinedNode, _Mapping]]] = ..., ended: _Optional[str] = ..., waiting: _Optional[str] = ...) -> None: ...
 
 class LiftQuarantineRequest(_message.Message):
     __slots__ = ("node_id",)
