@@ -172,14 +172,18 @@ class ThreadSampler:
             maxlen=keep
         )
         self._stop = threading.Event()
+        self._sample()  # one now: a window that starts after this has a sample before it
         self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
         self._thread.start()
 
+    def _sample(self) -> None:
+        sample = (time.monotonic(), thread_cpu_s())
+        with self._lock:
+            self._samples.append(sample)
+
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
-            sample = (time.monotonic(), thread_cpu_s())
-            with self._lock:
-                self._samples.append(sample)
+            self._sample()
 
     def window(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds by kind of thread from the last sample at or before `t0` to the first
