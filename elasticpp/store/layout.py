@@ -26,9 +26,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elasticpp.checkpoint.manifest import parse_step_dirname, step_dirname
-from elasticpp.errors import ConfigError
-from elasticpp.store.holdings import check_node_id
+from elasticpp.checkpoint.manifest import (
+    MANIFEST_NAME,
+    JobIdentity,
+    parse_step_dirname,
+    read_manifest,
+    step_dirname,
+)
+from elasticpp.errors import CheckpointError, ConfigError
+from elasticpp.store.holdings import StepHolding, check_node_id
 
 log = logging.getLogger("elasticpp.store.local")
 
@@ -171,3 +177,49 @@ def _gen_step_dirs(base: Path, epoch: int) -> Iterator[tuple[int, int, int, Path
             step = parse_step_dirname(sd.name)
             if step is not None:
                 yield epoch, gen, step, sd
+
+
+@dataclass
+class Scan:
+    """What a store's directories hold (`scan`): per origin, the committed steps of this job
+    in directory order; the step directories that are not (another job's, unreadable, or
+    with a manifest that contradicts its directory), never to be read or deleted; and the
+    other job's ones, with the job their manifest names (said once in the log)."""
+
+    commits: dict[str, list[StepHolding]] = field(default_factory=dict)
+    foreign: set[Path] = field(default_factory=set)
+    other_jobs: list[tuple[Path, JobIdentity]] = field(default_factory=list)
+
+
+def scan(layout: StoreLayout, job: JobIdentity | None) -> Scan:
+    """Read the manifest of every step directory under `layout` (a directory without one is
+    not committed and is left out): what a previous run of the node left."""
+    out = Scan()
+    for origin in layout.origins():
+        held = out.commits.setdefault(origin, [])
+        for epoch, gen, step, d in list(layout.step_dirs(origin)):
+            if not (d / MANIFEST_NAME).is_file():
+                continue
+            try:
+                manifest = read_manifest(d)
+            except CheckpointError as exc:
+                log.warning("store %s: ignoring %s: %s", layout.node_id, d, exc)
+                out.foreign.add(d)  # unreadable: not ours to delete either
+                continue
+            if job is not None and manifest.job not in (None, job):
+                out.foreign.add(d)
+                out.other_jobs.append((d, manifest.job))
+                continue
+            if manifest.generation not in (0, gen) or manifest.epoch not in (0, epoch):
+                log.warning(
+                    "store %s: ignoring %s: its manifest names generation %d of epoch %d",
+                    layout.node_id,
+                    d,
+                    manifest.generation,
+                    manifest.epoch,
+                )
+                out.foreign.add(d)
+                continue
+            holding = StepHolding.from_manifest(origin, manifest)
+            held.append(StepHolding(origin, step, holding.units, holding.pieces, gen, epoch))
+    return out

@@ -1,7 +1,8 @@
 """One node's keep of committed steps: its own and the replicas it holds of peers.
 
-The files' layout (own steps by generation, replicas by origin, staging) is
-`elasticpp.store.layout`.
+The files' layout (own steps by generation, replicas by origin, staging) and the scan of what
+a previous run left are `elasticpp.store.layout`; which commits readers hold is
+`elasticpp.store.pins`.
 
 Invariants this module keeps:
 - A step is listed (by `holdings`, served, linked) only once committed, i.e. once its
@@ -41,7 +42,6 @@ import contextlib
 import logging
 import shutil
 import threading
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -53,19 +53,18 @@ from elasticpp.checkpoint.manifest import (
     PieceEntry,
     PieceKey,
     fsync_dir,
-    read_manifest,
     sha256_file,
     write_manifest,
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
-from elasticpp.store.layout import StoreLayout, link_or_copy
+from elasticpp.store.layout import StoreLayout, link_or_copy, scan
+from elasticpp.store.pins import CommitKey, Pins
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR, Retention
 
 log = logging.getLogger(__name__)
 
-# A commit's identity on disk: (origin, step, epoch, generation).
-_Key = tuple[str, int, int, int]
+_Key = CommitKey  # (origin, step, epoch, generation)
 Order = tuple[int, int, int]  # (epoch, generation, step)
 
 
@@ -125,8 +124,7 @@ class LocalStore:
         self._reported: dict[Order, dict[str, PieceInfo]] = {}
         self._committed: dict[tuple[str, int], StepHolding] = {}
         self._verified: set[tuple[_Key, str]] = set()
-        self._pins: Counter[_Key] = Counter()
-        self._doomed: set[_Key] = set()  # no longer committed; deleted at the last unpin
+        self._pins = Pins()  # commits in use, and those to delete at their last unpin
         self._load()
         if epoch:
             self.set_epoch(epoch)
@@ -321,7 +319,7 @@ class LocalStore:
             raise ConfigError(f"store: keep must be an integer >= 1, got {keep!r}")
         with self._lock:
             held = {h.order for (o, _), h in self._committed.items() if o == self.node_id}
-            held |= {(k[2], k[3], k[1]) for k in self._doomed if k[0] == self.node_id}
+            held |= {(k[2], k[3], k[1]) for k in self._pins.doomed() if k[0] == self.node_id}
             loose = sorted(
                 ((e, g, s), d)
                 for e, g, s, d in self.layout.step_dirs(self.node_id)
@@ -479,7 +477,7 @@ class LocalStore:
         with self._lock:
             held = self._committed.get((origin, step))
             key = (origin, step, *(held.commit if held is not None else (0, 0)))
-            self._pins[key] += 1
+            self._pins.pin(key)
         try:
             yield
         finally:
@@ -487,11 +485,8 @@ class LocalStore:
 
     def _unpin(self, key: _Key) -> None:
         with self._lock:
-            self._pins[key] -= 1
-            if self._pins[key] <= 0:
-                del self._pins[key]
-                if key in self._doomed:
-                    self._delete(key)
+            if self._pins.unpin(key):
+                self._delete(key)
 
     @contextlib.contextmanager
     def open_piece(
@@ -500,7 +495,7 @@ class LocalStore:
         """The open file of a committed piece and its (size, sha256), pinned while open."""
         with self._lock:
             key, info = self._locate(origin, step, name)
-            self._pins[key] += 1
+            self._pins.pin(key)
         try:
             try:
                 f = (self._dir(*key) / name).open("rb")
@@ -578,7 +573,7 @@ class LocalStore:
         for origin, step, name in pieces:
             with self._lock:
                 key, info = self._locate(origin, step, name)
-                self._pins[key] += 1
+                self._pins.pin(key)
             try:
                 self._verify(key, name, info)
                 link_or_copy(self._dir(*key) / name, target_dir / name)
@@ -591,50 +586,28 @@ class LocalStore:
 
     def _load(self) -> None:
         """Pick up the committed steps a previous run of this node left (of this job)."""
-        foreign: list[tuple[Path, JobIdentity]] = []
-        for origin in self.layout.origins():
-            for epoch, gen, step, d in list(self.layout.step_dirs(origin)):
-                if not (d / MANIFEST_NAME).is_file():
-                    continue
-                try:
-                    manifest = read_manifest(d)
-                except CheckpointError as exc:
-                    log.warning("store %s: ignoring %s: %s", self.node_id, d, exc)
-                    self._foreign.add(d)  # unreadable: not ours to delete either
-                    continue
-                if self.job is not None and manifest.job not in (None, self.job):
-                    self._foreign.add(d)
-                    foreign.append((d, manifest.job))
-                    continue
-                if manifest.generation not in (0, gen) or manifest.epoch not in (0, epoch):
-                    log.warning(
-                        "store %s: ignoring %s: its manifest names generation %d of epoch %d",
-                        self.node_id,
-                        d,
-                        manifest.generation,
-                        manifest.epoch,
-                    )
-                    self._foreign.add(d)
-                    continue
-                holding = StepHolding.from_manifest(origin, manifest)
-                holding = StepHolding(origin, step, holding.units, holding.pieces, gen, epoch)
-                held = self._committed.get((origin, step))
+        found = scan(self.layout, self.job)
+        self._foreign |= found.foreign
+        for origin, holdings in found.commits.items():
+            for holding in holdings:
+                held = self._committed.get((origin, holding.step))
                 if held is None or held.commit < holding.commit:
                     self._install(holding, prune=False)
                 else:
-                    self._delete((origin, step, epoch, gen))
+                    self._delete((origin, holding.step, holding.epoch, holding.generation))
             self._prune(origin)
-        if foreign:
+        if found.other_jobs:
             # Once, at start: another job's state (a reused state dir) is left as it is.
+            (first, its_job), count = found.other_jobs[0], len(found.other_jobs)
             log.warning(
                 "store %s: %d step director%s of another job left untouched and ignored "
                 "(this job is %s; %s is of %s)",
                 self.node_id,
-                len(foreign),
-                "y" if len(foreign) == 1 else "ies",
+                count,
+                "y" if count == 1 else "ies",
                 self.job,
-                foreign[0][0],
-                foreign[0][1],
+                first,
+                its_job,
             )
 
     def _install(self, holding: StepHolding, *, prune: bool = True) -> None:
@@ -647,11 +620,10 @@ class LocalStore:
             self._prune(holding.origin)
 
     def _retire(self, key: _Key) -> None:
-        if self._pins[key] > 0:
-            self._doomed.add(key)
-            log.info("store %s: %s step %d in use; deleting it later", self.node_id, *key[:2])
-        else:
+        if self._pins.retire(key):
             self._delete(key)
+        else:
+            log.info("store %s: %s step %d in use; deleting it later", self.node_id, *key[:2])
 
     def _prune(self, origin: str) -> None:
         """Drop the commits `retention` does not keep, and stale uncommitted directories."""
@@ -676,7 +648,7 @@ class LocalStore:
         if not kept:
             return
         oldest = kept[0].order
-        live = {h.order for h in kept} | {(k[2], k[3], k[1]) for k in self._doomed}
+        live = {h.order for h in kept} | {(k[2], k[3], k[1]) for k in self._pins.doomed()}
         for epoch, gen, step, d in list(self.layout.step_dirs(origin)):
             order = (epoch, gen, step)
             if order < oldest and order not in live and d not in self._foreign:
@@ -690,7 +662,7 @@ class LocalStore:
 
     def _delete(self, key: _Key) -> None:
         step_dir = self._dir(*key)
-        self._doomed.discard(key)
+        self._pins.deleted(key)
         self._verified = {v for v in self._verified if v[0] != key}
         # Manifest first: a crash mid-delete must leave an incomplete dir, not a wrong one.
         with contextlib.suppress(FileNotFoundError):
