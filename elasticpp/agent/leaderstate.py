@@ -48,6 +48,9 @@ class LeaderState:
     pull_set_aside: bool = False  # the nodes a pull found unanswering were set aside
     unreadable: frozenset[str] = frozenset()  # nodes whose stopped-G value was said unreadable
     wait_published: str = ""  # why the generation cannot resume, as etcd holds it
+    wait_look_s: float = 0.0  # monotonic: while waiting, when the holdings are looked at again
+    resolved: Any = None  # the pull result (or arrivals) last resolved: a wait does not
+    # resolve the same again
     # monotonic: when this node campaigns, once it has seen no leader (`campaign_delay_s`)
     campaign_at_s: float | None = None
 
@@ -64,6 +67,8 @@ class LeaderState:
             self.pull_set_aside = False
             self.unreadable = frozenset()
             self.wait_published = ""
+            self.wait_look_s = 0.0
+            self.resolved = None
         return self
 
 

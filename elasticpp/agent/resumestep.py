@@ -17,8 +17,9 @@ Invariants:
 - an arrival in the full form of the previous release is read as its detail (no pull); a
   value that is neither is said once and counts as missing;
 - a generation no step resolves for, in a job that committed before, waits for state and
-  says so once (`PublishResumeWait`: its followers hold their deadline); meanwhile the
-  holdings are pulled again every WAIT_REPULL_EVERY_S;
+  says so once (`PublishResumeWait`: its followers hold their deadline); meanwhile nothing
+  is resolved again until the holdings are pulled (or the checkpoint read) again, every
+  WAIT_REPULL_EVERY_S;
 - a result fed back for a generation the state has left is ignored (an empty list).
 """
 
@@ -134,6 +135,9 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
     persist_dir = obs.spec.persist_dir or None
     if not any(d.groups for d in digests.values()):
         # Nothing to pull: what arrived in full (and the checkpoint) is all there is.
+        if ls.wait_published and stopped is ls.resolved and not _look_again(ls, obs.now_s):
+            return actions  # waiting for state: the same arrivals; the checkpoint read when due
+        ls.resolved = stopped
         return [
             *actions,
             ResolveResume(
@@ -174,11 +178,14 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
         actions.append(SetAside(tuple(decisions)))
     if unanswered & gen.planned_set:
         return actions  # quarantined now: the next step re-plans without them
-    if ls.wait_published and obs.now_s >= ls.pull_not_before_s + WAIT_REPULL_EVERY_S:
-        # Waiting for state: what the nodes and the checkpoint hold is pulled again now and
-        # then (a checkpoint restored into persist_dir ends the wait).
-        ls.pull = None
+    if ls.wait_published and pulled is ls.resolved:
+        # Waiting for state: this pull resolved to nothing and would again; what the nodes
+        # and the checkpoint hold is pulled again when due (a checkpoint restored into
+        # persist_dir ends the wait).
+        if _look_again(ls, obs.now_s):
+            ls.pull = None
         return actions
+    ls.resolved = pulled
     live = tuple(sorted(expected - unanswered))
     holdings = {n: h for n, h in pulled.holdings.items() if n in live}
     actions.append(
@@ -195,6 +202,19 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
         )
     )
     return actions
+
+
+def _look_again(ls: LeaderState, now_s: float) -> bool:
+    """While the generation waits for state: whether to look at the holdings again now,
+    every WAIT_REPULL_EVERY_S from the wait's first step (not every turn: a resolve of
+    2,048 nodes' holdings is ~0.2 s of the leader's CPU)."""
+    if ls.wait_look_s == 0.0:
+        ls.wait_look_s = now_s + WAIT_REPULL_EVERY_S
+        return False
+    if now_s < ls.wait_look_s:
+        return False
+    ls.wait_look_s = now_s + WAIT_REPULL_EVERY_S
+    return True
 
 
 def leader_pull_started(state: LeaderState, action: PullHoldings, future: Any) -> list[Action]:

@@ -93,19 +93,20 @@ def test_a_generation_waiting_for_state_pulls_again_and_resumes_once_a_checkpoin
     assert isinstance(told, Event) and "cannot resume" in told.message
     assert isinstance(wait, PublishResumeWait)
     leader_resume_wait_published(state, wait, True)
-    # Waiting: the same result is resolved again, the pull is not asked again until
-    # WAIT_REPULL_EVERY_S after the last ask's backoff.
-    quiet = replace(obs, now_s=101.0 + WAIT_REPULL_EVERY_S, pulled=pulled)
-    [again] = leader_step(state, quiet)
-    assert isinstance(again, ResolveResume) and leader_resume_resolved(state, again, None) == []
-    assert leader_step(state, replace(quiet, now_s=103.0 + WAIT_REPULL_EVERY_S)) == []
+    # Waiting: the same result is not resolved again (~0.2 s of CPU at 2,048 nodes a turn);
+    # the holdings are pulled again WAIT_REPULL_EVERY_S after the wait's first step.
+    quiet = replace(obs, now_s=102.0, pulled=pulled)
+    assert leader_step(state, quiet) == []
+    assert leader_step(state, replace(quiet, now_s=101.9 + WAIT_REPULL_EVERY_S)) == []
+    assert state.pull is not None
+    assert leader_step(state, replace(quiet, now_s=102.0 + WAIT_REPULL_EVERY_S)) == []
     assert state.pull is None
-    [repull] = leader_step(state, replace(obs, now_s=104.0 + WAIT_REPULL_EVERY_S))
+    [repull] = leader_step(state, replace(obs, now_s=102.5 + WAIT_REPULL_EVERY_S))
     assert repull == pull
     leader_pull_started(state, repull, object())
     # An operator restored a checkpoint into persist_dir: the pull reads it, and it resumes.
     restored = PulledHoldings(2, partial, disk=_held("disk"), held=True)
-    [resolve] = leader_step(state, replace(obs, now_s=105.0 + WAIT_REPULL_EVERY_S, pulled=restored))
+    [resolve] = leader_step(state, replace(obs, now_s=103.0 + WAIT_REPULL_EVERY_S, pulled=restored))
     [write] = leader_resume_resolved(state, resolve, resolve.disk)
     assert isinstance(write, WriteResume) and write.value["step"] == 8
 

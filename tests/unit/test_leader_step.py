@@ -43,6 +43,7 @@ from elasticpp.agent.leaderstep import (
     leader_timeline_recorded,
 )
 from elasticpp.agent.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
+from elasticpp.agent.resumestep import WAIT_REPULL_EVERY_S
 from elasticpp.agent.sick import Quarantine, SickNodes
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.arrivals import RESUME_MEMBER
@@ -320,12 +321,20 @@ def test_a_job_whose_state_is_held_but_does_not_resolve_waits_without_asking_etc
     partial = {
         n: {"holdings": _holdings(n, 5, SPEC.model.units[:1]), "next_step": 6} for n in ("n0", "n1")
     }
-    [resolve] = leader_step(state, _obs(100.0, record=record, barriers={"stopped-1": partial}))
+    obs = _obs(100.0, record=record, barriers={"stopped-1": partial})
+    [resolve] = leader_step(state, obs)
     assert isinstance(resolve, ResolveResume)
     [told, wait] = leader_resume_resolved(state, resolve, None)
     assert isinstance(told, Event) and "cannot resume" in told.message
     assert isinstance(wait, PublishResumeWait)
     assert "does not start over" in state.last_wait
+    # Waiting: the same arrivals are not resolved again every turn; the checkpoint is looked
+    # at again (persist_dir read by the executor) every WAIT_REPULL_EVERY_S.
+    leader_resume_wait_published(state, wait, True)
+    assert leader_step(state, replace(obs, now_s=101.0)) == []
+    assert leader_step(state, replace(obs, now_s=100.9 + WAIT_REPULL_EVERY_S)) == []
+    [again] = leader_step(state, replace(obs, now_s=101.0 + WAIT_REPULL_EVERY_S))
+    assert isinstance(again, ResolveResume)
 
 
 def test_an_earlier_leaders_resume_instruction_is_taken_and_stale_results_are_ignored() -> None:
