@@ -38,7 +38,9 @@ class ControlState:
     errors_seen: set[tuple[str, str, str]] = field(default_factory=set)  # logged once each
     exit_code: int | None = None  # drained, or finished with on_job_end "exit"
     loop_serving: bool = True  # what the watchdog last said of the loop (`check_loop`)
-    gauges: tuple[object, ...] | None = None  # the values the gauges were last set to
+    # The values the gauges were last set to (None: set them all at the next update); a
+    # gauge is set only when its value changed.
+    gauges: tuple[object, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -187,15 +189,19 @@ class ControlPart:
             floor[1] if floor is not None else -1,
             tuple(counts.values()),
         )
-        if values == self._cs.gauges:
+        last = self._cs.gauges
+        if values == last:
             return
         self._cs.gauges = values
         m = self.metrics
         gauges = (m.etcd_up, m.members, m.is_leader, m.generation, m.safe_step)
-        for gauge, value in zip(gauges, values[: len(gauges)], strict=True):
-            m.of(gauge).set(value)
-        for state, n in counts.items():
-            m.of(m.workers, state=state).set(n)
+        for i, (gauge, value) in enumerate(zip(gauges, values[: len(gauges)], strict=True)):
+            if last is None or last[i] != value:
+                m.of(gauge).set(value)
+        before = last[len(gauges)] if last is not None else None
+        for i, (state, n) in enumerate(counts.items()):
+            if not isinstance(before, tuple) or before[i] != n:
+                m.of(m.workers, state=state).set(n)
 
     def _control(self) -> None:
         """The control part's step: observe, decide (`control_step`, pure), execute."""

@@ -180,14 +180,14 @@ class ViewPart:
         if self._vs.etcd_ok:
             self._event("decision", f"etcd unreachable ({exc}); training continues, changes wait")
         self._vs.etcd_ok = False
-        self.metrics.etcd_up.labels(**self.metrics.labels).set(0)
+        self._update_gauges()  # etcd_up to 0: by the control part, which keeps what it set
 
     def _count_skipped(self) -> None:
         assert self.cluster is not None
         new = self.cluster.skipped_values - self._vs.skipped_seen
         if new > 0:
             self._vs.skipped_seen += new
-            self.metrics.etcd_values_skipped_total.labels(**self.metrics.labels).inc(new)
+            self.metrics.of(self.metrics.etcd_values_skipped_total).inc(new)
 
     def _count_requests(self) -> None:
         """Bring `elasticpp_etcd_requests_total` up to the client's own counts."""
@@ -196,9 +196,7 @@ class ViewPart:
             new = count - self._vs.requests_seen.get(method, 0)
             if new > 0:
                 self._vs.requests_seen[method] = count
-                self.metrics.etcd_requests_total.labels(**self.metrics.labels, method=method).inc(
-                    new
-                )
+                self.metrics.of(self.metrics.etcd_requests_total, method=method).inc(new)
 
     def _refresh(self) -> None:
         assert self.cluster is not None
