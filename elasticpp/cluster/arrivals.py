@@ -62,6 +62,10 @@ class ArrivalsPart:
 
         def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
 
+        def _checked_once(
+            self, key: str, record: object, check: Callable[..., Any], *args: Any
+        ) -> Any: ...
+
         def _memo(
             self, name: str, source: object, cached: bool, build: Callable[[], Any]
         ) -> Any: ...
@@ -143,7 +147,9 @@ class ArrivalsPart:
         out: dict[str, Any] = {}
         for node, r in records.items():
             try:
-                out[node] = check_arrival(barrier, node, r.get("value"))
+                out[node] = self._checked_once(
+                    prefix + node, r, check_arrival, barrier, node, r.get("value")
+                )
             except ClusterDataError as exc:
                 self.skip_value(prefix + node, exc)
         if barrier.startswith("resume-"):

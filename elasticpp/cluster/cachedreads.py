@@ -32,6 +32,7 @@ class CachedReadsPart:
     _cache: JobCache | None
     _derived: dict[str, tuple[object, Any]]  # name -> (the cached answer, what was derived)
     _parsed: dict[str, tuple[int, dict[str, Any]]]  # key -> (mod revision, record)
+    _checked: dict[str, tuple[object, Any]]  # key -> (the record checked, what the check gave)
 
     def _memo(self, name: str, source: object, cached: bool, build: Callable[[], _V]) -> _V:
         """`build()`, or what it returned before for the same cached `source` (the object
@@ -58,6 +59,20 @@ class CachedReadsPart:
             self._parsed.clear()
         self._parsed[kv.key] = (kv.mod_revision, record)
         return record
+
+    def _checked_once(self, key: str, record: object, check: Callable[..., _V], *args: Any) -> _V:
+        """`check(*args)` of the record parsed from `key`, run again only for another record (a
+        new revision, parsed by `_parsed_once`): the leader's view of N arrivals or members
+        is rebuilt at every change of one of them, and checking all N each time was most of
+        that. A check that raises is not kept (it runs again, and raises again)."""
+        held = self._checked.get(key)
+        if held is not None and held[0] is record:
+            return cast(_V, held[1])
+        value = check(*args)
+        if len(self._checked) >= MAX_PARSED:
+            self._checked.clear()
+        self._checked[key] = (record, value)
+        return value
 
     def etcd_requests(self) -> dict[str, int]:
         """Requests this client sent to etcd, by method (`EtcdKV.requests`)."""

@@ -100,6 +100,7 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         # What cached reads derived and parsed (cachedreads.CachedReadsPart._memo, _parsed_once)
         self._derived: dict[str, tuple[object, Any]] = {}
         self._parsed: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._checked: dict[str, tuple[object, Any]] = {}
 
     def _own(self, obj: _T) -> _T:
         with self._lock:
@@ -230,7 +231,8 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
             nodes: dict[str, dict[str, Any]] = {}
             for node, record in members.nodes.items():
                 try:
-                    check_member(node, record)
+                    key = self.keys.nodes_prefix + node
+                    self._checked_once(key, record, check_member, node, record)
                 except ClusterDataError as exc:
                     self.skip_value(self.keys.nodes_prefix + node, exc)
                     continue

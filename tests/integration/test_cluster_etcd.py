@@ -906,6 +906,59 @@ def test_cached_reads_parse_a_record_again_only_when_it_changed(
     assert wait_until(lambda: a.read_generation(cached=True)[0].generation == 2, 10.0)  # type: ignore[union-attr]
 
 
+def test_cached_arrivals_and_members_are_checked_again_only_when_they_changed(
+    clients: Callable[[], ClusterClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's view of N arrivals (or members) is rebuilt at each change of one of
+    them, and each rebuild checked the shape of all N: O(N) checks per arrival, O(N²) a
+    transition (a tenth of the leader's CPU in one at 1,024 nodes). Now a record is checked
+    once per revision; one that fails its check is skipped at every rebuild."""
+    from elasticpp.cluster import arrivals as arrivals_mod
+    from elasticpp.cluster import client as client_mod
+
+    checked: list[str] = []
+    real_arrival, real_member = arrivals_mod.check_arrival, client_mod.check_member
+
+    def count_arrival(barrier: str, member: str, value: Any) -> Any:
+        checked.append(member)
+        return real_arrival(barrier, member, value)
+
+    def count_member(node_id: str, value: Any) -> Any:
+        checked.append(node_id)
+        return real_member(node_id, value)
+
+    monkeypatch.setattr(arrivals_mod, "check_arrival", count_arrival)
+    monkeypatch.setattr(client_mod, "check_member", count_member)
+    a, b = clients(), clients()
+    a.follow()
+    a.cache_for_leader(True)
+    for i in range(4):
+        b.arrive("stopped-3", f"n{i}", {"next_step": 5, "at": 1.0, "holdings": {}})
+    b.arrive("stopped-3", "bad", "not an object")
+    for i in range(3):
+        b.register(f"n{i}", {"address": f"127.0.0.1:{7000 + i}", "slots": 1}, ttl_s=5)
+    b.register("noaddr", {"slots": 1}, ttl_s=5)
+
+    def arrived() -> set[str]:
+        return set(a.barrier_state("stopped-3", cached=True)[0])
+
+    assert wait_until(lambda: arrived() == {"n0", "n1", "n2", "n3"}, 10.0)
+    assert wait_until(lambda: set(a.agent_members(cached=True).nodes) == {"n0", "n1", "n2"}, 10.0)
+    skipped = a.skipped_values
+    checked.clear()
+    b.arrive("stopped-3", "n1", {"next_step": 6, "at": 2.0, "holdings": {}})  # one changes
+    assert wait_until(
+        lambda: a.barrier_state("stopped-3", cached=True)[0]["n1"]["next_step"] == 6, 10.0
+    )
+    assert sorted(checked) == ["bad", "n1"]  # the changed one, and the bad one again
+    assert "bad" not in arrived() and a.skipped_values > skipped
+    checked.clear()
+    b.register("n3", {"address": "127.0.0.1:7003", "slots": 1}, ttl_s=5)  # one member joins
+    assert wait_until(lambda: "n3" in a.agent_members(cached=True).nodes, 10.0)
+    assert sorted(checked) == ["n3", "noaddr"]
+    assert "noaddr" not in a.agent_members(cached=True).nodes
+
+
 def test_a_follower_reads_the_members_it_needs_by_key_and_its_own_from_its_cache(
     clients: Callable[[], ClusterClient],
 ) -> None:
