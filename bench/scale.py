@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cpusample import CpuSampler, proc_cpu_s
 from bench.scaleinvariants import HistoryEvent, check_history
+from bench.scaleloops import merge_turn_profiles
 from bench.scaleproc import ProcCluster, Summary
 from bench.scalesim import sim_spec_fields
 from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchItem
@@ -392,10 +393,13 @@ def run_size(
     shared_server: bool = True,
     parked_threads: int = PARKED_THREADS,
     sample_threads_s: float = 0.0,
+    profile_turns: Path | None = None,
 ) -> dict[str, Any]:
     """One cluster of `n` nodes: start, steady state, each fault; the invariants checked
     (`sample_threads_s` > 0: the children sample their threads' CPU that often, and each
-    transition gives the decision -> hold window's CPU by kind of thread)."""
+    transition gives the decision -> hold window's CPU by kind of thread; `profile_turns`:
+    the agents' turns of the whole run are profiled, merged into `profile_turns/turns.prof`
+    when the cluster closes)."""
     ttl = lease_ttl_s or lease_ttl_for(n)
     # Each look asks every child to summarise its nodes, on the child's main thread beside
     # its agents: at 512 nodes every 13 ms, a fifth of a transition's CPU; at 2,048 every
@@ -423,6 +427,7 @@ def run_size(
             shared_server=shared_server,
             parked_threads=parked_threads,
             sample_threads_s=sample_threads_s,
+            profile_turns=profile_turns,
         )
         observer = Observer(etcd.endpoint)
         cluster.add(ids)
@@ -596,6 +601,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the simulation processes sample their threads' CPU this often (0: not): each "
         "transition then gives the decision -> hold window's CPU by kind of thread",
     )
+    ap.add_argument(
+        "--profile-turns",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="profile the agents' turns (their loop threads' CPU, by function) over each "
+        "whole run: DIR/<nodes>/turns.prof, for python -m pstats",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     # A stopped run still closes its agents and its etcd (the finally blocks run).
@@ -608,6 +621,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="elasticpp-scale-") as tmp:
         for n in (int(x) for x in args.nodes.split(",")):
+            profile_dir = None
+            if args.profile_turns is not None:
+                profile_dir = args.profile_turns.resolve() / str(n)
+                profile_dir.mkdir(parents=True, exist_ok=True)
             r = run_size(
                 n,
                 faults,
@@ -623,8 +640,12 @@ def main(argv: list[str] | None = None) -> int:
                 shared_server=not args.server_per_node,
                 parked_threads=args.parked_threads,
                 sample_threads_s=args.sample_threads_s,
+                profile_turns=profile_dir,
             )
             results.append(r)
+            merged = merge_turn_profiles(profile_dir) if profile_dir is not None else None
+            if merged is not None:
+                print(f"the turns' profile of {n} nodes: {merged}", flush=True)
             print(table([r]), flush=True)
             for v in r["violations"]:
                 print(f"INVARIANT VIOLATED: {v}", flush=True)

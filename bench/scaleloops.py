@@ -23,21 +23,26 @@ Invariants:
 - an agent whose turn returns an exit code, raises, or whose stop was requested is shut
   down on the pool thread and leaves the pool; `close()` stops every agent and waits for
   the threads;
-- one watchdog thread looks at every agent's loop each LOOP_WATCH_S (`Agent.check_loop`).
+- one watchdog thread looks at every agent's loop each LOOP_WATCH_S (`Agent.check_loop`);
+- with `profile_to`, each pool thread profiles the turns it runs (cProfile on the thread's
+  CPU clock, on only while a turn runs) and writes them there as it ends (`close()`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import cProfile
 import heapq
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.limits import LOOP_WATCH_S
@@ -45,6 +50,22 @@ from elasticpp.agent.node import Agent
 
 log = logging.getLogger("elasticpp.bench.scale")
 SLOW_TURN_S = 3.0  # a turn this long is logged with its stack (once per turn)
+
+
+def merge_turn_profiles(directory: Path) -> Path | None:
+    """The pool threads' turn profiles under `directory` (`LoopPool(profile_to=...)`, of
+    every process) merged into `directory/turns.prof`; None if there are none."""
+    import pstats
+
+    parts = sorted(directory.glob("turns-*.prof"))
+    if not parts:
+        return None
+    merged = pstats.Stats(str(parts[0]))
+    for part in parts[1:]:
+        merged.add(str(part))
+    out = directory / "turns.prof"
+    merged.dump_stats(str(out))
+    return out
 
 
 class PoolWake(threading.Event):
@@ -65,9 +86,15 @@ class LoopPool:
     """Turns of many agents' decision loops on `threads` threads (see the module)."""
 
     def __init__(
-        self, threads: int, name: str = "loops", slow_turn_s: float = SLOW_TURN_S, parked: int = 0
+        self,
+        threads: int,
+        name: str = "loops",
+        slow_turn_s: float = SLOW_TURN_S,
+        parked: int = 0,
+        profile_to: Path | None = None,
     ) -> None:
         self._slow_turn_s = slow_turn_s
+        self._profile_to = profile_to
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # pool threads wait on it for ready agents
         self._back = threading.Condition(lock)  # turns back from `waiting()` wait for a slot
@@ -183,6 +210,18 @@ class LoopPool:
                     self._cond.notify()  # a slot is still free: a new turn may take it
 
     def _work(self) -> None:
+        if self._profile_to is None:
+            self._turns(None)
+            return
+        # The thread's CPU clock: a turn's waits (etcd, the pool's slots) are not its cost.
+        profile = cProfile.Profile(timer=time.thread_time)
+        try:
+            self._turns(profile)
+        finally:
+            name = f"turns-{os.getpid()}-{threading.current_thread().name}.prof"
+            profile.dump_stats(str(self._profile_to / name))
+
+    def _turns(self, profile: cProfile.Profile | None) -> None:
         while (agent := self._next()) is not None:
             self._in_turn.turn = True
             code: int | str | None = None
@@ -190,7 +229,7 @@ class LoopPool:
                 agent._wake.clear()
                 cpu_s = time.thread_time()
                 try:
-                    code = agent.turn()
+                    code = agent.turn() if profile is None else profile.runcall(agent.turn)
                 except Exception as exc:  # NodeIdConflictError, or a bug: the agent ends
                     log.warning("node %s: loop ended: %s", agent.node_id, exc)
                     code = str(exc)

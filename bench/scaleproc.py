@@ -213,6 +213,7 @@ def _serve(
     shared_server: bool = True,
     parked_threads: int = 0,
     sample_threads_s: float = 0.0,
+    profile_turns: str = "",
 ) -> None:
     """A child process: a SimCluster of the agents it is asked to add, until told to close."""
     threading.stack_size(STACK_BYTES)
@@ -238,6 +239,7 @@ def _serve(
         loop_threads=loop_threads,
         shared_server=shared_server,
         parked_threads=parked_threads,
+        profile_turns=Path(profile_turns) if profile_turns else None,
     )
     sampler = ThreadSampler(sample_threads_s) if sample_threads_s > 0 else None
     try:
@@ -313,6 +315,7 @@ class ProcCluster:
         shared_server: bool = True,
         parked_threads: int = 0,
         sample_threads_s: float = 0.0,
+        profile_turns: Path | None = None,
     ) -> None:
         if processes < 1:
             raise ElasticppError(f"processes must be >= 1, got {processes}")
@@ -333,6 +336,7 @@ class ProcCluster:
                     "shared_server": shared_server,
                     "parked_threads": parked_threads,
                     "sample_threads_s": sample_threads_s,
+                    "profile_turns": str(profile_turns or ""),
                 }
                 self._children.append(
                     subprocess.Popen(
@@ -487,4 +491,5 @@ if __name__ == "__main__":
         bool(_config.get("shared_server", True)),
         int(_config.get("parked_threads", 0)),
         float(_config.get("sample_threads_s", 0.0)),
+        str(_config.get("profile_turns", "")),
     )

@@ -293,6 +293,7 @@ class SimCluster:
         loop_threads: int = 0,
         shared_server: bool = False,
         parked_threads: int = 0,
+        profile_turns: Path | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.slots = slots
@@ -315,7 +316,11 @@ class SimCluster:
         self._on_last_kv = 0  # agents on the newest shared connection
         # With a pool, a turn's etcd requests on a shared connection give its slot to another
         # turn while they wait (`PooledKV`), on one of `parked_threads` more threads.
-        self.loops = LoopPool(loop_threads, parked=parked_threads) if loop_threads > 0 else None
+        self.loops = (
+            LoopPool(loop_threads, parked=parked_threads, profile_to=profile_turns)
+            if loop_threads > 0
+            else None
+        )
         self.server = SharedServer() if shared_server else None
         for node_id in node_ids:
             self.add(node_id)

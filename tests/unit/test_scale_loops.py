@@ -6,12 +6,15 @@ pool, and close() stops every agent."""
 from __future__ import annotations
 
 import logging
+import pstats
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.scaleloops import LoopPool, PoolWake
+from bench.scaleloops import LoopPool, PoolWake, merge_turn_profiles
 from elasticpp.waiting import wait_until
 
 
@@ -241,3 +244,37 @@ def test_waiting_outside_a_turn_does_nothing() -> None:
         assert wait_until(lambda: agent.turns == 1, 10)
     finally:
         pool.close()
+
+
+def _spin_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_turns_are_profiled_on_the_threads_cpu_clock_and_merged(tmp_path: Path) -> None:
+    # A turn that burns CPU shows in the profile; one that waits (etcd, a slot) does not.
+    pool = LoopPool(2, profile_to=tmp_path)
+    try:
+        agents = _agents(pool, 3)
+        assert wait_until(lambda: all(a.turns == 1 for a in agents), 10)
+        agents[0].during_turn = lambda: _spin_cpu(0.05)
+        agents[1].during_turn = lambda: time.sleep(0.3)
+        agents[0]._wake.set()
+        agents[1]._wake.set()
+        assert wait_until(lambda: agents[0].turns == 2 and agents[1].turns == 2, 10)
+    finally:
+        pool.close()
+    merged = merge_turn_profiles(tmp_path)
+    assert merged == tmp_path / "turns.prof"
+    stats = pstats.Stats(str(merged)).stats  # type: ignore[attr-defined]
+    by_name = {f"{fn[0].rsplit('/', 1)[-1]}:{fn[2]}": v for fn, v in stats.items()}
+    calls, _, _, spin_cum, _ = by_name["test_scale_loops.py:_spin_cpu"]
+    assert calls == 1 and spin_cum >= 0.04
+    turn_calls, _, _, turn_cum, _ = by_name["test_scale_loops.py:turn"]
+    assert turn_calls == 5  # every turn of every agent, on whichever thread ran it
+    assert turn_cum < spin_cum + 0.2  # the 0.3 s sleep is not CPU
+
+
+def test_no_profiles_merge_to_nothing(tmp_path: Path) -> None:
+    assert merge_turn_profiles(tmp_path) is None
