@@ -252,21 +252,6 @@ def sim_spec(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> JobSpec
     return parse_job_spec(sim_spec_fields(name, nodes, slots, lease_ttl_s))
 
 
-class PooledKV(EtcdKV):
-    """A shared etcd connection whose requests, sent from a turn on `pool`, wait outside
-    the pool's slots (`LoopPool.waiting`): a node's round trip holds its own turn only."""
-
-    def __init__(self, *args: Any, pool: LoopPool | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pool = pool
-
-    def _attempts(self, op: str, call: Callable[..., Any], *, retry: bool = True) -> Any:
-        if self._pool is None:
-            return super()._attempts(op, call, retry=retry)
-        with self._pool.waiting():
-            return super()._attempts(op, call, retry=retry)
-
-
 @dataclass(frozen=True)
 class SimNode:
     agent: SimAgent
@@ -315,7 +300,7 @@ class SimCluster:
         self.kvs: list[EtcdKV] = []
         self._on_last_kv = 0  # agents on the newest shared connection
         # With a pool, a turn's etcd requests on a shared connection give its slot to another
-        # turn while they wait (`PooledKV`), on one of `parked_threads` more threads.
+        # turn while they wait (`LoopPool.waiting`), on one of `parked_threads` more threads.
         self.loops = (
             LoopPool(loop_threads, parked=parked_threads, profile_to=profile_turns)
             if loop_threads > 0
@@ -364,7 +349,10 @@ class SimCluster:
         if not self.share_etcd:
             return None
         if not self.kvs or 0 < self.agents_per_connection <= self._on_last_kv:
-            self.kvs.append(PooledKV([self.endpoint], meter=self.meter, pool=self.loops))
+            # A turn's requests on it wait outside the pool's slots (`LoopPool.waiting`): a
+            # node's round trip holds its own turn only.
+            waiting = self.loops.waiting if self.loops is not None else None
+            self.kvs.append(EtcdKV([self.endpoint], meter=self.meter, around_request=waiting))
             self._on_last_kv = 0
         self._on_last_kv += 1
         return self.kvs[-1]

@@ -38,6 +38,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped]
@@ -130,6 +131,7 @@ class EtcdKV(WatchesPart):
         max_send_bytes: int = DEFAULT_MAX_SEND_BYTES,
         max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
         meter: EtcdMeter | None = None,
+        around_request: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         if not endpoints:
             raise ConfigError("etcd endpoints: at least one host:port is required")
@@ -142,6 +144,10 @@ class EtcdKV(WatchesPart):
         self.security = security or EtcdSecurity()
         self._limits = (max_send_bytes, max_receive_bytes)
         self._meter = meter  # counts requests and bytes (bench/scale.py); None: nothing counted
+        # Entered on the calling thread around each request with its retries: a simulation
+        # of many agents on a few threads (bench/scalesim.py) gives a waiting agent's thread
+        # to another agent's turn meanwhile. None: nothing around it.
+        self._around_request = around_request
         options = [
             *CHANNEL_OPTIONS,
             ("grpc.max_send_message_length", max_send_bytes),
@@ -252,6 +258,12 @@ class EtcdKV(WatchesPart):
         return reply
 
     def _attempts(self, op: str, call: Callable[[Endpoint, Any], _R], *, retry: bool = True) -> _R:
+        """`_tries` inside the `around_request` context, if there is one."""
+        around = self._around_request
+        with around() if around is not None else nullcontext():
+            return self._tries(op, call, retry=retry)
+
+    def _tries(self, op: str, call: Callable[[Endpoint, Any], _R], *, retry: bool = True) -> _R:
         """Run `call(endpoint, auth metadata)`; with `retry`, a fast "unavailable" answer is
         retried for `retry_window_s` (on the next endpoint, if there are several).
 
