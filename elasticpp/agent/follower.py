@@ -15,7 +15,6 @@ assignment back to the step's functions. It also keeps the pending failure repor
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -139,22 +138,28 @@ class FollowerPart:
             except (ElasticppError, KeyError, TypeError, ValueError) as exc:
                 plan_error = str(exc)
         gs = self._fs.gen
-        obs = FollowerObservation(
+        if gs is None or (record is not None and plan is not None):
+            # The step enters the new generation, then observes it.
+            return FollowerObservation(
+                now_s=now_s,
+                wall_s=wall_s,
+                node_id=self.node_id,
+                record=record,
+                plan=plan,
+                plan_error=plan_error,
+            )
+        g = gs.generation
+        mine = self.pool.of_generation(g)
+        active = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
+        resume = self._vs.barriers.get(f"resume-{g}", {})
+        # One construction (a copy with `dataclasses.replace` cost ~30 us a step).
+        return FollowerObservation(
             now_s=now_s,
             wall_s=wall_s,
             node_id=self.node_id,
             record=record,
             plan=plan,
             plan_error=plan_error,
-        )
-        if gs is None or (record is not None and plan is not None):
-            return obs  # the step enters the new generation, then observes it
-        g = gs.generation
-        mine = self.pool.of_generation(g)
-        active = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
-        resume = self._vs.barriers.get(f"resume-{g}", {})
-        return dataclasses.replace(
-            obs,
             old_workers=tuple(
                 OldWorker(w.proc.pid, w.proc.alive(), w.state in active)
                 for w in self.pool.older_than(g)
