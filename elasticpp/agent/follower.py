@@ -138,28 +138,23 @@ class FollowerPart:
             except (ElasticppError, KeyError, TypeError, ValueError) as exc:
                 plan_error = str(exc)
         gs = self._fs.gen
+        seen: dict[str, Any] = {
+            "now_s": now_s,
+            "wall_s": wall_s,
+            "node_id": self.node_id,
+            "record": record,
+            "plan": plan,
+            "plan_error": plan_error,
+        }
         if gs is None or (record is not None and plan is not None):
-            # The step enters the new generation, then observes it.
-            return FollowerObservation(
-                now_s=now_s,
-                wall_s=wall_s,
-                node_id=self.node_id,
-                record=record,
-                plan=plan,
-                plan_error=plan_error,
-            )
+            return FollowerObservation(**seen)  # the step enters the new generation first
         g = gs.generation
         mine = self.pool.of_generation(g)
         active = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
         resume = self._vs.barriers.get(f"resume-{g}", {})
         # One construction (a copy with `dataclasses.replace` cost ~30 us a step).
         return FollowerObservation(
-            now_s=now_s,
-            wall_s=wall_s,
-            node_id=self.node_id,
-            record=record,
-            plan=plan,
-            plan_error=plan_error,
+            **seen,
             old_workers=tuple(
                 OldWorker(w.proc.pid, w.proc.alive(), w.state in active)
                 for w in self.pool.older_than(g)
