@@ -950,12 +950,14 @@ def test_cached_arrivals_and_members_are_checked_again_only_when_they_changed(
     assert wait_until(
         lambda: a.barrier_state("stopped-3", cached=True)[0]["n1"]["next_step"] == 6, 10.0
     )
-    assert sorted(checked) == ["bad", "n1"]  # the changed one, and the bad one again
+    # The changed one, once; the bad one again at each rebuild (how many the cache made is
+    # its business); none of the unchanged good ones.
+    assert set(checked) == {"bad", "n1"} and checked.count("n1") == 1
     assert "bad" not in arrived() and a.skipped_values > skipped
     checked.clear()
     b.register("n3", {"address": "127.0.0.1:7003", "slots": 1}, ttl_s=5)  # one member joins
     assert wait_until(lambda: "n3" in a.agent_members(cached=True).nodes, 10.0)
-    assert sorted(checked) == ["n3", "noaddr"]
+    assert set(checked) == {"n3", "noaddr"} and checked.count("n3") == 1
     assert "noaddr" not in a.agent_members(cached=True).nodes
 
 
