@@ -255,15 +255,28 @@ def _spin_cpu(seconds: float) -> None:
 def test_turns_are_profiled_on_the_threads_cpu_clock_and_merged(tmp_path: Path) -> None:
     # A turn that burns CPU shows in the profile; one that waits (etcd, a slot) does not.
     pool = LoopPool(2, profile_to=tmp_path)
+    inside, released = threading.Event(), threading.Event()
+    blocked_s: list[float] = []
+
+    def block() -> None:  # a turn waiting on something else: released after the spin
+        inside.set()
+        t0 = time.monotonic()
+        assert released.wait(10)
+        blocked_s.append(time.monotonic() - t0)
+
     try:
         agents = _agents(pool, 3)
         assert wait_until(lambda: all(a.turns == 1 for a in agents), 10)
-        agents[0].during_turn = lambda: _spin_cpu(0.05)
-        agents[1].during_turn = lambda: time.sleep(0.3)
-        agents[0]._wake.set()
+        agents[1].during_turn = block
         agents[1]._wake.set()
-        assert wait_until(lambda: agents[0].turns == 2 and agents[1].turns == 2, 10)
+        assert inside.wait(10)  # it holds one of the two threads, waiting
+        agents[0].during_turn = lambda: _spin_cpu(0.05)
+        agents[0]._wake.set()
+        assert wait_until(lambda: agents[0].turns == 2, 10)
+        released.set()
+        assert wait_until(lambda: agents[1].turns == 2, 10)
     finally:
+        released.set()
         pool.close()
     merged = merge_turn_profiles(tmp_path)
     assert merged == tmp_path / "turns.prof"
@@ -273,7 +286,10 @@ def test_turns_are_profiled_on_the_threads_cpu_clock_and_merged(tmp_path: Path) 
     assert calls == 1 and spin_cum >= 0.04
     turn_calls, _, _, turn_cum, _ = by_name["test_scale_loops.py:turn"]
     assert turn_calls == 5  # every turn of every agent, on whichever thread ran it
-    assert turn_cum < spin_cum + 0.2  # the 0.3 s sleep is not CPU
+    # The blocked turn waited at least as long as the spin ran; had its wait counted, the
+    # turns' CPU would be the spin's plus all of it.
+    assert blocked_s and blocked_s[0] >= 0.04
+    assert turn_cum < spin_cum + blocked_s[0] / 2
 
 
 def test_no_profiles_merge_to_nothing(tmp_path: Path) -> None:
