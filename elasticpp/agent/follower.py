@@ -214,11 +214,7 @@ class FollowerPart:
                 f"generation {gs.generation}: no rendezvous store address in the record "
                 f"({gs.record.store_address!r})"
             )
-        if self._fs.job_settings is None:
-            # Built once: three conversions of the train config, ~1 ms of CPU at each
-            # assignment of every node (what the workers are handed is never changed).
-            self._fs.job_settings = self.spec.train_config().to_dict()
-        job = self._fs.job_settings
+        job = self.spec.worker_settings
         assignments = []
         for slot in mine:
             assignments.append(

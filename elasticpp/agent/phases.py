@@ -143,9 +143,6 @@ class FollowerState:
     reported: int = 0  # the newest generation this node reported failed (etcd has it)
     detected: dict[int, float] = field(default_factory=dict)  # generation -> wall time a
     # failure here that calls for it was first seen (the recovery timeline)
-    # The job's worker settings (`JobSpec.train_config().to_dict()`), built at the first
-    # assignment: the spec is fixed for the agent's life.
-    job_settings: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -224,3 +224,15 @@ def test_the_jobs_identity_changes_with_what_its_state_depends_on_only() -> None
     for what in ({"seed": 2}, {"global_batch": 32}, {"optimizer": {"lr": 3e-4}}, {"steps": 11}):
         assert parse_job_spec({**MINIMAL, **what}).identity() != base, what
     assert parse_job_spec({**MINIMAL, "name": "job-b"}).identity() != base
+
+
+def test_the_worker_settings_are_the_train_config_built_once_per_spec() -> None:
+    # Every node built them again (three conversions, ~1 ms) at every assignment.
+    spec = parse_job_spec(dict(MINIMAL))
+    settings = spec.worker_settings
+    assert settings == spec.train_config().to_dict()
+    assert settings["steps"] == 10 and settings["seed"] == 1
+    assert spec.worker_settings is settings
+    other = parse_job_spec({**MINIMAL, "steps": 20})
+    assert other.worker_settings["steps"] == 20  # its own spec's, not a shared cache
+    assert spec == parse_job_spec(dict(MINIMAL))  # equality is of the fields alone
