@@ -38,7 +38,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped]
@@ -260,7 +260,9 @@ class EtcdKV(WatchesPart):
     def _attempts(self, op: str, call: Callable[[Endpoint, Any], _R], *, retry: bool = True) -> _R:
         """`_tries` inside the `around_request` context, if there is one."""
         around = self._around_request
-        with around() if around is not None else nullcontext():
+        if around is None:
+            return self._tries(op, call, retry=retry)
+        with around():
             return self._tries(op, call, retry=retry)
 
     def _tries(self, op: str, call: Callable[[Endpoint, Any], _R], *, retry: bool = True) -> _R:
