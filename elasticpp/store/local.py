@@ -2,7 +2,8 @@
 
 The files' layout (own steps by generation, replicas by origin, staging) and the scan of what
 a previous run left are `elasticpp.store.layout`; which commits readers hold is
-`elasticpp.store.pins`.
+`elasticpp.store.pins`; what workers reported of steps not yet committed is
+`elasticpp.store.reports`.
 
 Invariants this module keeps:
 - A step is listed (by `holdings`, served, linked) only once committed, i.e. once its
@@ -60,30 +61,16 @@ from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
 from elasticpp.store.layout import StoreLayout, link_or_copy, scan
 from elasticpp.store.pins import CommitKey, Pins
+from elasticpp.store.reports import Order, PieceReports
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR, Retention
 
 log = logging.getLogger(__name__)
 
 _Key = CommitKey  # (origin, step, epoch, generation)
-Order = tuple[int, int, int]  # (epoch, generation, step)
 
 
 class PieceNotFoundError(CheckpointError):
     """The store holds no committed piece of that (origin, step, name)."""
-
-
-def _entry_info(entry: PieceEntry | Mapping[str, Any]) -> tuple[str, PieceInfo]:
-    if isinstance(entry, PieceEntry):
-        return entry.key.filename, PieceInfo(entry.size, entry.sha256)
-    try:
-        name = str(entry["name"])
-        size, sha = int(entry["size"]), str(entry["sha256"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"piece report: expected name, size and sha256, got {entry!r}") from exc
-    PieceKey.parse(name)
-    if size < 0 or len(sha) != 64:
-        raise ConfigError(f"piece report {name}: bad size {size} or sha256 {sha!r}")
-    return name, PieceInfo(size, sha.lower())
 
 
 class LocalStore:
@@ -120,8 +107,7 @@ class LocalStore:
         self.replicas_dir = self.layout.replicas_dir
         self.staging_dir = self.layout.staging_dir
         self._lock = threading.RLock()
-        # (epoch, generation, step) -> pieces reported, not yet committed
-        self._reported: dict[Order, dict[str, PieceInfo]] = {}
+        self._reports = PieceReports()  # pieces reported of own steps not yet committed
         self._committed: dict[tuple[str, int], StepHolding] = {}
         self._verified: set[tuple[_Key, str]] = set()
         self._pins = Pins()  # commits in use, and those to delete at their last unpin
@@ -241,33 +227,14 @@ class LocalStore:
                     f"step {step} is already committed by generation {held.generation} of "
                     f"epoch {held.epoch}; late report of generation {generation} refused"
                 )
-            reported = self._reported.setdefault((epoch, generation, step), {})
-            for entry in entries:
-                name, info = _entry_info(entry)
-                path = step_dir / name
-                try:
-                    size = path.stat().st_size
-                except FileNotFoundError:
-                    raise CheckpointError(
-                        f"step {step}: reported piece {name} is missing"
-                    ) from None
-                if size != info.size:
-                    raise CheckpointError(
-                        f"step {step}: piece {name} has {size} bytes, the report says {info.size}"
-                    )
-                prior = reported.get(name)
-                if prior is not None and prior != info:
-                    actual = sha256_file(path)
-                    if actual not in (prior.sha256, info.sha256):
-                        raise CheckpointError(f"step {step}: piece {name} matches no report")
-                    info = PieceInfo(size, actual)
-                    self._verified.add(((self.node_id, step, epoch, generation), name))
-                reported[name] = info
+            hashed = self._reports.record((epoch, generation, step), step_dir, entries)
+            key = (self.node_id, step, epoch, generation)
+            self._verified.update((key, name) for name in hashed)
 
     def reported(self, step: int, generation: int = 0) -> dict[str, PieceInfo]:
         """Pieces recorded for an uncommitted own step."""
         with self._lock:
-            return dict(self._reported.get((self._epoch, generation, step), {}))
+            return self._reports.of((self._epoch, generation, step))
 
     def commit(self, step: int, units: tuple[str, ...], generation: int = 0) -> StepHolding:
         """Mark own step `step` of `generation` (of the current epoch) committed (writes its
@@ -282,7 +249,7 @@ class LocalStore:
                 return existing
             step_dir = self._dir(self.node_id, step, epoch, generation)
             self._check_not_foreign(step_dir)
-            pieces = self._reported.pop((epoch, generation, step), {})
+            pieces = self._reports.take((epoch, generation, step))
             step_dir.mkdir(parents=True, exist_ok=True)
             manifest = Manifest(
                 step,
@@ -328,7 +295,7 @@ class LocalStore:
             dropped = []
             for order, d in loose[:-keep]:
                 shutil.rmtree(d, ignore_errors=True)
-                self._reported.pop(order, None)
+                self._reports.forget(order)
                 dropped.append(order)
             if dropped:
                 log.info(
@@ -654,7 +621,7 @@ class LocalStore:
             if order < oldest and order not in live and d not in self._foreign:
                 shutil.rmtree(d, ignore_errors=True)
                 if origin == self.node_id:
-                    self._reported.pop(order, None)
+                    self._reports.forget(order)
         for epoch, gen, d in list(self.layout.empty_dirs(origin)):
             if (epoch, gen) < oldest[:2]:
                 with contextlib.suppress(OSError):

@@ -453,7 +453,7 @@ def test_uncommitted_steps_beyond_the_newest_few_are_dropped_and_commits_stay(tm
         store.drop_uncommitted(3)
     on_disk = sorted(step for _, _, step, _ in store.layout.step_dirs("n0"))
     assert on_disk == [1, 99, 100, 101]
-    assert sorted(store._reported) == [(0, 2, 99), (0, 2, 100), (0, 2, 101)]
+    assert sorted(store._reports.orders()) == [(0, 2, 99), (0, 2, 100), (0, 2, 101)]
     assert store.drop_uncommitted(3) == []
     store.commit(101, UNITS, generation=2)  # committing again: the kept report commits
     verify_step_dir(store.step_dir("n0", 101))
