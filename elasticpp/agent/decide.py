@@ -146,19 +146,45 @@ class ClusterView:
     job_done: bool = False
     restarted: Set[str] = frozenset()  # nodes of the generation whose agent restarted since
     quarantined: Set[str] = frozenset()  # set aside by the leader (elasticpp.agent.sick)
+    # `live_nodes` and `candidates` of this view when the caller knows them already (the
+    # leader keeps them while members, dead and quarantined nodes stay the same:
+    # `NodeLists`); None: computed when asked
+    lists: NodeLists | None = None
+
+
+@dataclass(frozen=True)
+class NodeLists:
+    """A view's live nodes and candidates, both sorted, and the live nodes that drain (see
+    `node_lists`)."""
+
+    live: tuple[str, ...]
+    usable: tuple[str, ...]
+    draining: frozenset[str]
+
+
+def node_lists(
+    members: Mapping[str, Mapping[str, object]], dead: Set[str], quarantined: Set[str]
+) -> NodeLists:
+    """The live members (not dead), of them the ones that may receive work (not draining,
+    not quarantined), and the draining ones. O(N log N): the leader keeps the result while
+    its inputs are the same (at 2,048 nodes this was ~4 ms of CPU of every leader turn)."""
+    live = tuple(sorted(n for n in members if n not in dead))
+    draining = frozenset(n for n in live if members[n].get("draining"))
+    usable = tuple(n for n in live if n not in draining and n not in quarantined)
+    return NodeLists(live, usable, draining)
+
+
+def _lists(view: ClusterView) -> NodeLists:
+    return view.lists or node_lists(view.members, view.dead, view.quarantined)
 
 
 def live_nodes(view: ClusterView) -> list[str]:
-    return sorted(n for n in view.members if n not in view.dead)
+    return list(_lists(view).live)
 
 
 def candidates(view: ClusterView) -> list[str]:
     """Live nodes that may receive work: not draining, not quarantined."""
-    return [
-        n
-        for n in live_nodes(view)
-        if not view.members[n].get("draining") and n not in view.quarantined
-    ]
+    return list(_lists(view).usable)
 
 
 def lost_nodes(view: ClusterView) -> list[str]:
@@ -205,7 +231,8 @@ def decide_replan(
         else:
             reason = f"worker failure on {', '.join(sorted(view.failed & current))}"
         return Replan(reason, graceful=False, nodes=chosen)
-    draining = sorted(n for n in current if view.members[n].get("draining"))
+    # Every node of `current` is a live member here (else it was lost, above).
+    draining = sorted(current & _lists(view).draining)
     if draining:
         if len(usable) < min_nodes:
             return Wait(f"cannot drain {', '.join(draining)}: would go below min_nodes")

@@ -17,11 +17,12 @@ import contextlib
 import logging
 import random
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from elasticpp.agent.actions import PullHoldings
 from elasticpp.agent.deadlines import pull_deadline_s
-from elasticpp.agent.decide import ClusterView
+from elasticpp.agent.decide import ClusterView, NodeLists, node_lists
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.leaderstate import LeaderState, campaign_delay_s, campaign_spread_s
 from elasticpp.agent.leaderstep import LeaderObservation, leader_step
@@ -151,11 +152,12 @@ class LeaderPart:
 
     def _view(self) -> ClusterView:
         rec = self._vs.record
-        current = tuple(sorted(rec.planned_nodes)) if rec else None
+        current = rec.planned_sorted if rec else None
         failed = set(self._vs.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
         members = self._vs.members
-        dead = {n for n in self._lvs.dead_now(members) if n in members}
+        dead = frozenset(n for n in self._lvs.dead_now(members) if n in members)
         restarted = self._restarted(rec, members)
+        quarantined = frozenset(self._hs.quarantines)
         return ClusterView(
             members=self._vs.members,
             dead=dead,
@@ -166,8 +168,22 @@ class LeaderPart:
             last_join_s=max(self._vs.last_join_s, self._lvs.revived_s, self._hs.readmitted_s),
             job_done=self._cs.job_done or self._hs.job_end is not None,
             restarted=restarted,
-            quarantined=frozenset(self._hs.quarantines),
+            quarantined=quarantined,
+            lists=self._node_lists(members, dead, quarantined),
         )
+
+    def _node_lists(
+        self, members: Mapping[str, Any], dead: frozenset[str], quarantined: frozenset[str]
+    ) -> NodeLists:
+        """The view's live nodes and candidates (`decide.node_lists`), computed again only
+        when the members (replaced, never changed in place, on a new read), the dead or the
+        quarantined nodes changed."""
+        memo = self._ls.lists_memo
+        if memo is not None and memo[0] is members and memo[1] == dead and memo[2] == quarantined:
+            return memo[3]
+        lists = node_lists(members, dead, quarantined)
+        self._ls.lists_memo = (members, dead, quarantined, lists)
+        return lists
 
     def _lead(self) -> None:
         """The leader's cycle: probes and health decisions first (their results are in the

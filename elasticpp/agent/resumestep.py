@@ -64,24 +64,45 @@ MISSING_PROBE_EVERY_S = 2.0
 WAIT_REPULL_EVERY_S = 10.0
 
 
+def _parse_arrival(value: Any) -> HoldingsDigest | NodeHoldings | str:
+    """One `stopped-G` value: its digest, its full holdings (the previous release's form),
+    or why it cannot be read."""
+    try:
+        if "digest" in value:
+            return HoldingsDigest.from_dict(value["digest"])
+        return NodeHoldings.from_dict(value["holdings"])
+    except (ConfigError, KeyError, TypeError) as exc:
+        return str(exc)
+
+
 def _arrivals(
-    stopped: Mapping[str, Any], expected: set[str]
+    stopped: Mapping[str, Any],
+    expected: set[str],
+    parsed: dict[str, tuple[Any, HoldingsDigest | NodeHoldings | str]] | None = None,
 ) -> tuple[dict[str, HoldingsDigest], dict[str, NodeHoldings], dict[str, str]]:
     """The expected nodes' `stopped-G` values: digests, full holdings (the previous
-    release's form), and the unreadable ones (node -> why)."""
+    release's form), and the unreadable ones (node -> why). `parsed` (node -> (value,
+    parse)) keeps each value's parse while the value is the same object: the leader looks
+    at every arrival at each of its turns while a generation stops (a cached read that did
+    not change is the same object), and parsing N digests each time was O(N) a turn."""
     digests: dict[str, HoldingsDigest] = {}
     full: dict[str, NodeHoldings] = {}
     bad: dict[str, str] = {}
     for node, value in stopped.items():
         if node not in expected:
             continue
-        try:
-            if "digest" in value:
-                digests[node] = HoldingsDigest.from_dict(value["digest"])
-            else:
-                full[node] = NodeHoldings.from_dict(value["holdings"])
-        except (ConfigError, KeyError, TypeError) as exc:
-            bad[node] = str(exc)
+        held = parsed.get(node) if parsed is not None else None
+        if held is None or held[0] is not value:
+            held = (value, _parse_arrival(value))
+            if parsed is not None:
+                parsed[node] = held
+        result = held[1]
+        if isinstance(result, HoldingsDigest):
+            digests[node] = result
+        elif isinstance(result, NodeHoldings):
+            full[node] = result
+        else:
+            bad[node] = result
     return digests, full, bad
 
 
@@ -100,7 +121,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
         return []
     stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
     expected = set(live_nodes(obs.view))
-    digests, full, bad = _arrivals(stopped, expected)
+    digests, full, bad = _arrivals(stopped, expected, ls.arrivals_parsed)
     actions: list[Action] = []
     if set(bad) - ls.unreadable:
         ls.unreadable |= set(bad)

@@ -180,6 +180,12 @@ class GenerationRecord:
         return frozenset(self.planned_nodes)
 
     @cached_property
+    def planned_sorted(self) -> tuple[str, ...]:
+        """`planned_nodes` sorted, made once per record (the leader's view asks at every
+        turn)."""
+        return tuple(sorted(self.planned_nodes))
+
+    @cached_property
     def incarnation_tags(self) -> dict[str, str]:
         """Planned node -> the tag of its agent's incarnation when planned (`incarnation_tag`);
         empty if the record has none. `ClusterDataError` if unreadable."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,10 +14,12 @@ from elasticpp.agent.decide import (
     TransitionError,
     Wait,
     WorkerState,
+    candidates,
     decide_replan,
     is_hung,
     live_nodes,
     lost_nodes,
+    node_lists,
     transition,
 )
 
@@ -158,3 +162,43 @@ def test_lost_nodes_are_the_generations_nodes_not_live_or_restarted(
         return
     live = set(live_nodes(v))
     assert lost_nodes(v) == sorted((set(current) - live) | (set(current) & restarted))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    members=st.sets(NODE),
+    draining=st.sets(NODE),
+    dead=st.sets(NODE),
+    quarantined=st.sets(NODE),
+    current=st.none() | st.lists(NODE, unique=True),
+    failed=st.sets(NODE),
+)
+def test_the_leaders_kept_node_lists_decide_as_the_view_itself_does(
+    members: set[str],
+    draining: set[str],
+    dead: set[str],
+    quarantined: set[str],
+    current: list[str] | None,
+    failed: set[str],
+) -> None:
+    # The leader hands the view the lists it kept (`node_lists`, computed again only when
+    # members, dead or quarantined nodes changed); the decision must be the one made from
+    # the view's own fields, and the lists the plain reading of those fields.
+    v = view(
+        {m: {"draining": m in draining} for m in sorted(members)},
+        dead=frozenset(dead),
+        quarantined=frozenset(quarantined),
+        current_nodes=None if current is None else tuple(current),
+        failed=failed,
+    )
+    lists = node_lists(v.members, v.dead, v.quarantined)
+    assert list(lists.live) == sorted(members - dead)
+    assert list(lists.usable) == sorted(members - dead - draining - quarantined)
+    assert candidates(v) == list(lists.usable) and live_nodes(v) == list(lists.live)
+    kept = replace(v, lists=lists)
+    for min_nodes, max_nodes in ((1, 4), (3, 8), (1, 1)):
+        assert decide(kept, min_nodes, max_nodes) == decide(v, min_nodes, max_nodes)
+    decision = decide(v, 1, 8)
+    if isinstance(decision, Replan) and decision.reason.startswith("drain of "):
+        drained = decision.reason.removeprefix("drain of ").split(", ")
+        assert drained == sorted(n for n in current or () if n in draining)

@@ -192,3 +192,42 @@ def test_an_unreadable_arrival_is_said_once_and_counts_as_missing() -> None:
         isinstance(a, (PullHoldings, ResolveResume))
         for a in leader_step(state, replace(obs, now_s=102.5))
     )
+
+
+def test_each_stopped_arrival_is_parsed_once_while_its_value_is_the_same(monkeypatch) -> None:
+    """While a generation stops, the leader looks at every arrival at each of its turns;
+    parsing every digest each time was O(N) a turn. A value is parsed again only when it is
+    another object (a new revision of its key), and a new generation starts afresh."""
+    from elasticpp.store import digest as digest_module
+
+    calls: list[str] = []
+    original = digest_module.HoldingsDigest.from_dict.__func__  # type: ignore[attr-defined]
+
+    def from_dict(cls: Any, data: Any) -> Any:
+        calls.append(str(data.get("address", "")))
+        return original(cls, data)
+
+    monkeypatch.setattr(digest_module.HoldingsDigest, "from_dict", classmethod(from_dict))
+    state = _state()
+    record = _record(2)
+    arrived = _arrived(("n0",))  # n1 not yet: the leader waits
+    for now in (100.0, 100.1, 100.2):
+        assert not any(
+            isinstance(a, PullHoldings)
+            for a in leader_step(state, _obs(now, record=record, barriers={"stopped-2": arrived}))
+        )
+    assert len(calls) == 1
+    # n1 arrives: only its value is new; n0's is the same object.
+    arrived = {**arrived, **_arrived(("n1",))}
+    [pull] = leader_step(state, _obs(100.3, record=record, barriers={"stopped-2": arrived}))
+    assert isinstance(pull, PullHoldings) and sorted(pull.digests) == ["n0", "n1"]
+    assert len(calls) == 2
+    # n0 wrote its arrival again (another revision, another object): parsed again.
+    state2 = _state()
+    again = {**arrived, "n0": dict(arrived["n0"])}
+    leader_step(state2, _obs(100.0, record=record, barriers={"stopped-2": again}))
+    leader_step(state2, _obs(100.1, record=record, barriers={"stopped-2": arrived}))
+    assert len(calls) == 2 + 2 + 1
+    # A new generation's arrivals are parsed afresh, even the same objects.
+    leader_step(state2, _obs(100.2, record=_record(3), barriers={"stopped-3": arrived}))
+    assert len(calls) == 5 + 2

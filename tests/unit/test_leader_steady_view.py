@@ -107,3 +107,37 @@ def test_an_incarnation_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     first = incarnation_tag("inc-hashed-once")
     assert [incarnation_tag("inc-hashed-once") for _ in range(10)] == [first] * 10
     assert calls[0] == 1
+
+
+def test_the_live_nodes_and_candidates_are_listed_again_only_when_their_inputs_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each leader turn sorted every member and looked at each (~4 ms at 2,048 nodes, the
+    largest part of a turn): now the lists are kept while the members are the same object
+    and the dead and quarantined nodes the same."""
+    from elasticpp.agent import leader as leader_module
+
+    calls = [0]
+    original = leader_module.node_lists
+
+    def node_lists(*args: Any) -> Any:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(leader_module, "node_lists", node_lists)
+    agent = _leader(tmp_path)
+    try:
+        for _ in range(5):
+            assert agent._view().lists.live == ("n0", "n1")  # type: ignore[union-attr]
+        assert calls[0] == 1
+        agent._lvs.dead["n1"] = "inc-n1"  # n1 failed its probe, this incarnation
+        view = agent._view()
+        assert calls[0] == 2 and view.lists is not None and view.lists.live == ("n0",)
+        agent._hs.quarantines["n0"] = object()  # type: ignore[assignment]
+        assert agent._view().lists.usable == ()  # type: ignore[union-attr]
+        assert calls[0] == 3
+        agent._vs.members = {**agent._vs.members, "n2": {"incarnation": "inc-n2"}}
+        assert agent._view().lists.live == ("n0", "n2")  # type: ignore[union-attr]
+        assert calls[0] == 4
+    finally:
+        agent._probe_pool.shutdown()
