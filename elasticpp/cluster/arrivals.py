@@ -62,9 +62,9 @@ class ArrivalsPart:
 
         def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
 
-        def _checked_once(
-            self, key: str, record: object, check: Callable[..., Any], *args: Any
-        ) -> Any: ...
+        def _values_once(
+            self, kvs: list[Any], what: str, derive: Callable[[str, dict[str, Any]], Any]
+        ) -> dict[str, Any]: ...
 
         def _memo(
             self, name: str, source: object, cached: bool, build: Callable[[], Any]
@@ -143,15 +143,9 @@ class ArrivalsPart:
 
     def _arrivals(self, barrier: str, kvs: list[Any]) -> dict[str, Any]:
         prefix = self.keys.barrier_prefix(barrier)
-        records = self._records(kvs, f"{barrier} arrival")
-        out: dict[str, Any] = {}
-        for node, r in records.items():
-            try:
-                out[node] = self._checked_once(
-                    prefix + node, r, check_arrival, barrier, node, r.get("value")
-                )
-            except ClusterDataError as exc:
-                self.skip_value(prefix + node, exc)
+        out = self._values_once(
+            kvs, f"{barrier} arrival", lambda node, r: check_arrival(barrier, node, r.get("value"))
+        )
         if barrier.startswith("resume-"):
             try:
                 out = join_resume(out, RESUME_MEMBER)

@@ -57,6 +57,7 @@ from elasticpp.cluster.records import (
     GenerationRecord,
     GenerationSummary,
     JobEpoch,
+    KeyValue,
     Members,
     WatchEvent,
 )
@@ -101,6 +102,7 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         self._derived: dict[str, tuple[object, Any]] = {}
         self._parsed: dict[str, tuple[int, dict[str, Any]]] = {}
         self._checked: dict[str, tuple[object, Any]] = {}
+        self._seen: dict[str, dict[str, tuple[KeyValue, str, Any]]] = {}
 
     def _own(self, obj: _T) -> _T:
         with self._lock:
