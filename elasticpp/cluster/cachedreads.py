@@ -20,6 +20,9 @@ from elasticpp.cluster.records import KeyValue, WatchEvent, loads
 _V = TypeVar("_V")
 MAX_PARSED = 100_000  # records kept parsed (a few per node: members, arrivals)
 MAX_DERIVED = 256  # derived answers kept (names of old generations' barriers go)
+# Derivations `_values_once` keeps (a map of N keys each: the leader's arrivals, a few
+# barriers a generation): the current generation's and a few before it.
+MAX_SEEN = 16
 
 
 class CachedReadsPart:
@@ -104,7 +107,7 @@ class CachedReadsPart:
                     continue
             now[kv.key] = held
             out[held[1]] = held[2]
-        if what not in self._seen and len(self._seen) >= MAX_DERIVED:
+        if what not in self._seen and len(self._seen) >= MAX_SEEN:
             self._seen.clear()
         self._seen[what] = now
         return out

@@ -63,3 +63,13 @@ def test_what_is_kept_is_what_the_last_answer_held(client: ClusterClient) -> Non
     client._values_once(kvs, "stopped-2 arrival", lambda name, r: r["value"])
     client._values_once(kvs[:3], "stopped-2 arrival", lambda name, r: r["value"])
     assert sorted(client._seen["stopped-2 arrival"]) == [kv.key for kv in kvs[:3]]
+
+
+def test_a_bounded_number_of_derivations_is_kept(client: ClusterClient) -> None:
+    from elasticpp.cluster.cachedreads import MAX_SEEN
+
+    kvs = [_kv(f"n{i}", {"step": i}, 10 + i) for i in range(8)]
+    for g in range(3 * MAX_SEEN):  # arrivals of many generations
+        client._values_once(kvs, f"stopped-{g} arrival", lambda name, r: r["value"])
+        assert len(client._seen) <= MAX_SEEN
+    assert f"stopped-{3 * MAX_SEEN - 1} arrival" in client._seen
