@@ -78,7 +78,7 @@ def _parse_arrival(value: Any) -> HoldingsDigest | NodeHoldings | str:
 def _arrivals(
     stopped: Mapping[str, Any],
     expected: set[str],
-    parsed: dict[str, tuple[Any, HoldingsDigest | NodeHoldings | str]] | None = None,
+    parsed: dict[str, tuple[Any, HoldingsDigest | NodeHoldings | str]],
 ) -> tuple[dict[str, HoldingsDigest], dict[str, NodeHoldings], dict[str, str]]:
     """The expected nodes' `stopped-G` values: digests, full holdings (the previous
     release's form), and the unreadable ones (node -> why). `parsed` (node -> (value,
@@ -91,11 +91,9 @@ def _arrivals(
     for node, value in stopped.items():
         if node not in expected:
             continue
-        held = parsed.get(node) if parsed is not None else None
+        held = parsed.get(node)
         if held is None or held[0] is not value:
-            held = (value, _parse_arrival(value))
-            if parsed is not None:
-                parsed[node] = held
+            held = parsed[node] = (value, _parse_arrival(value))
         result = held[1]
         if isinstance(result, HoldingsDigest):
             digests[node] = result
