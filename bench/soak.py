@@ -402,8 +402,8 @@ def is_set_aside(view: JobView, node_id: str, since_step: int, slots: int, steps
 
 
 def observe(lc: LocalCluster) -> JobView:
+    from elasticpp.agent.jobspec import load_job_spec
     from elasticpp.cluster import ClusterClient
-    from elasticpp.plan import Plan
 
     none = JobView(0, frozenset(), (), -1)
     try:
@@ -415,7 +415,7 @@ def observe(lc: LocalCluster) -> JobView:
             quarantined = frozenset(c.quarantined())
     except Exception:  # etcd down or restarting
         return none
-    plan = Plan.from_dict(record.plan)
+    plan = load_job_spec(lc.spec_path).plan_of(record.plan)  # the record names no model
     nodes = []
     for n in lc.nodes:
         proc = n.proc

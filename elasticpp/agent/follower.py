@@ -39,7 +39,6 @@ from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.barriers import RESUME_WAIT_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.errors import ConfigError, ElasticppError
-from elasticpp.plan import Plan
 from elasticpp.train.procs import WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
@@ -134,7 +133,9 @@ class FollowerPart:
         plan, plan_error = None, None
         if record is not None:
             try:
-                plan = Plan.shared(record.plan)
+                # The model is this node's job spec's, never the record's: a record made for
+                # another model is skipped and counted, and nothing it names is built.
+                plan = self.spec.plan_of(record.plan)
             except (ElasticppError, KeyError, TypeError, ValueError) as exc:
                 plan_error = str(exc)
         gs = self._fs.gen
@@ -215,12 +216,13 @@ class FollowerPart:
                 f"({gs.record.store_address!r})"
             )
         job = self.spec.worker_settings
+        plan = gs.plan.to_dict()  # the model of this node's spec (`JobSpec.plan_of`)
         assignments = []
         for slot in mine:
             assignments.append(
                 {
                     "format_version": 1,
-                    "plan": gs.record.plan,
+                    "plan": plan,
                     "rank": slot.rank,
                     "store_host": host,
                     "store_port": int(port),

@@ -43,7 +43,7 @@ from typing import Any
 from elasticpp.agent.sick import SickPolicy
 from elasticpp.checkpoint.manifest import JobIdentity
 from elasticpp.errors import ConfigError
-from elasticpp.plan import DeviceSpec, ModelSpec, load_device_spec
+from elasticpp.plan import DeviceSpec, ModelSpec, Plan, load_device_spec
 from elasticpp.plan.specs import check_fields
 from elasticpp.train.config import TrainConfig
 
@@ -286,6 +286,28 @@ class JobSpec:
         state["model_files"] = (self.model_ref or {}).get("files", {})
         return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
+    @functools.cached_property
+    def model_fingerprint(self) -> str:
+        """sha256 of the model this spec trains: its canonical spec with the family's options,
+        the files it references (`model_ref`), and the data it reads. A generation record's
+        plan carries it instead of a model (`Plan.to_record`); a reader whose own differs
+        refuses the plan, so nothing an etcd writer puts there is built or run."""
+        model = {
+            "model": self.model.to_dict(),
+            "model_ref": self.model_ref or {},
+            "data": {k: getattr(self.train, k) for k in ("data", "data_dtype", "data_shuffle")},
+        }
+        return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()
+
+    def plan_record(self, plan: Plan) -> dict[str, Any]:
+        """`plan` as a generation record holds it (no model section: its fingerprint)."""
+        return plan.to_record(self.model_fingerprint)
+
+    def plan_of(self, record_plan: dict[str, Any]) -> Plan:
+        """A generation record's plan with this spec's model; `ConfigError` if it was made
+        for another model, options or data (`Plan.from_record`)."""
+        return Plan.shared(record_plan, self.model, self.model_fingerprint)
+
     def identity(self) -> JobIdentity:
         return JobIdentity(self.name, self.fingerprint())
 
@@ -295,14 +317,22 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
-        data = json.loads(text)
-        if data.pop("format_version", None) != JOBSPEC_FORMAT_VERSION:
-            raise ConfigError("job spec in etcd: unsupported format_version")
-        data["model"] = ModelSpec.from_dict(data["model"], source="job spec model")
-        data["train"] = TrainConfig.from_dict(
-            {**data["train"], "steps": data["steps"], "seed": data["seed"]}
-        )
-        return cls(**data)
+        """The canonical form read back (from etcd); `ConfigError` for anything else."""
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ConfigError("not a JSON object")
+            if data.pop("format_version", None) != JOBSPEC_FORMAT_VERSION:
+                raise ConfigError("unsupported format_version")
+            data["model"] = ModelSpec.from_dict(data["model"], source="job spec model")
+            data["train"] = TrainConfig.from_dict(
+                {**data["train"], "steps": data["steps"], "seed": data["seed"]}
+            )
+            return cls(**data)
+        except ConfigError as exc:
+            raise ConfigError(f"job spec in etcd: {exc}") from None
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
+            raise ConfigError(f"job spec in etcd: unreadable ({type(exc).__name__})") from None
 
 
 def _check_int(key: str, value: object, *, minimum: int) -> None:

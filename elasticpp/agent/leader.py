@@ -261,7 +261,20 @@ class LeaderPart:
             spec=self.spec,
             store_address=self._ls.store_address,
             pulled=self._pulled(),
+            refused=self._refused(followed),
         )
+
+    def _refused(self, followed: _GenState | None) -> str | None:
+        """Why the newest record's plan cannot be followed here (made for another model, or
+        unreadable), if this node's follower did not enter it; None when it is followed."""
+        rec = self._vs.record
+        if rec is None or (followed is not None and followed.generation >= rec.generation):
+            return None
+        try:
+            self.spec.plan_of(rec.plan)  # shared: the follower's read of the same record
+        except (ElasticppError, KeyError, TypeError, ValueError) as exc:
+            return str(exc)
+        return None
 
     def timelines(self) -> list[dict[str, Any]]:
         values = self._vs.barriers.get("timelines", {})

@@ -49,7 +49,7 @@ from elasticpp.agent.actions import (
     WriteGeneration,
     WriteSafe,
 )
-from elasticpp.agent.decide import ClusterView, Replan, Wait, decide_replan
+from elasticpp.agent.decide import ClusterView, Replan, Wait, candidates, decide_replan
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
@@ -63,7 +63,13 @@ from elasticpp.agent.resumestep import (
     leader_resume_written,
 )
 from elasticpp.cluster.arrivals import RESUME_MEMBER
-from elasticpp.cluster.records import CommitRecord, GenerationRecord, SafeStep, node_fields
+from elasticpp.cluster.records import (
+    CommitRecord,
+    GenerationRecord,
+    GenerationSummary,
+    SafeStep,
+    node_fields,
+)
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
@@ -114,6 +120,9 @@ class LeaderObservation:
     spec: JobSpec
     store_address: str | None  # the rendezvous store this term hosts
     pulled: PulledHoldings | None = None  # the followed generation's holdings pull, once back
+    # Why the newest record's plan is refused here (made for another model: a forged or
+    # foreign record), or None. Every node skips such a record; the leader writes over it.
+    refused: str | None = None
 
 
 def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
@@ -133,6 +142,18 @@ def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
         max_nodes=spec.max_nodes,
         settle_s=spec.join_settle_s,
     )
+    if rec is not None and obs.refused is not None:
+        # No node follows a record made for another model: it is superseded at once by a
+        # plan of this term's own, for the nodes the view has (no node blamed for it).
+        if obs.now_s < state.replan_not_before_s:
+            return []
+        nodes = decision.nodes if isinstance(decision, Replan) else candidates(obs.view)
+        if len(nodes) < spec.min_nodes:
+            return []
+        why = f"generation {rec.generation} refused: {obs.refused}"
+        return _plan_generation(
+            state, obs, Replan(why, graceful=False, nodes=tuple(nodes[: spec.max_nodes]))
+        )
     # Mid-transition while the current generation's resume instruction is not written,
     # as etcd says (not as this node's own follower phase says).
     in_progress = (
@@ -198,7 +219,7 @@ def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Repla
         state.last_wait = str(exc)
         return [Event("decision", f"cannot plan for {list(decision.nodes)}: {exc}")]
     plan = result.best.with_generation(generation)
-    plan_dict = plan.to_dict()
+    plan_dict = obs.spec.plan_record(plan)
     extra = {
         "reason": decision.reason,
         "graceful": decision.graceful if rec is not None else False,
@@ -386,7 +407,4 @@ def layout_of(rec: GenerationRecord | None) -> str:
     """The layout of `rec` for the timeline; "" if none or unreadable (a newer format)."""
     if rec is None:
         return ""
-    try:
-        return str(Plan.from_dict(rec.plan).layout)
-    except (ElasticppError, KeyError, TypeError, ValueError):
-        return ""
+    return GenerationSummary.of(rec).layout

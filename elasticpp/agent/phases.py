@@ -25,7 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from concurrent.futures import Future
@@ -77,6 +76,9 @@ class _GenState:
     """This agent's progress through one generation."""
 
     record: GenerationRecord
+    # The record's plan with this node's own job spec's model (`JobSpec.plan_of`): what
+    # the workers are handed; the record itself names no model.
+    plan: Plan
     phase: Phase = Phase.STOPPING
     phase_since_s: float = field(default_factory=time.monotonic)
     stop_sent: bool = False
@@ -122,10 +124,6 @@ class _GenState:
         if deadline is None or now_s - self.phase_since_s <= deadline:
             return None
         return deadline
-
-    @functools.cached_property
-    def plan(self) -> Plan:
-        return Plan.shared(self.record.plan)
 
     @property
     def graceful(self) -> bool:
@@ -234,7 +232,7 @@ def follower_step(state: FollowerState, obs: FollowerObservation) -> list[Action
 def _enter(
     state: FollowerState, record: GenerationRecord, plan: Plan, obs: FollowerObservation
 ) -> list[Action]:
-    state.gen = _GenState(record, phase_since_s=obs.now_s, stop_began_s=obs.now_s)
+    state.gen = _GenState(record, plan, phase_since_s=obs.now_s, stop_began_s=obs.now_s)
     # Detection times of generations up to this one are of no use now (the leader drops
     # them when it writes a generation; every agent drops them here).
     for g in [g for g in state.detected if g <= record.generation]:

@@ -3,8 +3,10 @@
 CHECKPOINT is a step directory with a manifest, or a root of them (the newest is taken): a
 `--save` of `elasticpp train` or an agent's persistent checkpoint, saved under any layout.
 OUT gets `config.json` and `model.safetensors`, loadable with `from_pretrained`. The model
-comes from the checkpoint's manifest; `--model` names it for checkpoints that do not record
-it (version 1). Bad input exits 2 and writes nothing.
+comes from the checkpoint's manifest when it is a built-in family (its fields are data);
+`--model` names it for checkpoints that do not record it (version 1) and for a user's model,
+whose code is named here, never taken from a file: a manifest that names a
+`package.module:function` is refused without it. Bad input exits 2 and writes nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from elasticpp.checkpoint.manifest import find_step_dir, verify_step_dir
+    from elasticpp.plan.specs import FAMILIES
     from elasticpp.train.hf import export_hf
     from elasticpp.train.modelref import resolve_model
 
@@ -31,8 +34,13 @@ def run(args: argparse.Namespace) -> int:
     manifest = verify_step_dir(step_dir)
     if args.model is not None:
         spec = resolve_model(args.model).spec
-    elif manifest.model is not None:
+    elif manifest.model is not None and manifest.model.family in FAMILIES:
         spec = manifest.model
+    elif manifest.model is not None:
+        raise ConfigError(
+            f"{step_dir}: the manifest names the model code {manifest.model.family!r:.80}, "
+            "which export does not import from a file; give --model to name it"
+        )
     else:
         raise ConfigError(f"{step_dir}: the manifest does not record its model; give --model")
     if manifest.units != spec.units or not manifest.is_full_model():

@@ -20,6 +20,9 @@ from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.interned import Interned
 
 FORMAT_VERSION = 1
+# The largest value a reader parses: etcd's default request limit (1.5 MiB) is the largest a
+# writer could store with it; the job's largest record is ~40 KB at 2,048 nodes.
+MAX_VALUE_BYTES = 1536 * 1024
 SHARED_RECORDS = 8  # generation records `GenerationRecord.shared` keeps
 _SHARED: Interned[str | bytes, GenerationRecord] = Interned(SHARED_RECORDS)
 # Anchor steps a commit record lists per origin (newest first): etcd values stay small.
@@ -37,9 +40,15 @@ def dumps(obj: dict[str, Any], *, tight: bool = False) -> str:
 
 
 def loads(text: str | bytes, what: str) -> dict[str, Any]:
-    """Parse a stored JSON object; refuse non-objects and unknown format versions."""
+    """Parse a stored JSON object; refuse values over MAX_VALUE_BYTES, nesting deeper than
+    the parser's stack (a value made to exhaust it), non-objects and unknown format
+    versions, each as `ClusterDataError` (a value skipped and counted, never a lost read)."""
+    if len(text) > MAX_VALUE_BYTES:
+        raise ClusterDataError(f"{what}: {len(text)} bytes, over {MAX_VALUE_BYTES}")
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise ClusterDataError(f"{what}: nested too deeply") from None
     except ValueError as exc:
         raise ClusterDataError(f"{what}: not JSON ({exc})") from None
     if not isinstance(data, dict):

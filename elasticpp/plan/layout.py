@@ -36,6 +36,10 @@ from elasticpp.plan.specs import ClusterSpec, ModelSpec
 PLAN_FORMAT_VERSION = 2
 # Version 1 spelled out every rank's slot; plans of that form may still be in etcd or files.
 PLAN_FORMAT_VERSIONS_READ = (1, 2)
+# The form a plan takes in a generation record (`Plan.to_record`): no model section, the
+# model's fingerprint instead. Whatever an etcd writer puts there, a reader builds the model
+# from its own job spec; a record made for another model is refused, never run.
+PLAN_RECORD_FORMAT_VERSION = 3
 SHARED_PLANS = 8  # plans `Plan.shared` keeps
 
 
@@ -240,35 +244,105 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    def to_record(self, model_fingerprint: str) -> dict[str, Any]:
+        """The plan as a generation record holds it: `to_dict()` without the model,
+        which every reader takes from its own job spec, and with the fingerprint of that
+        spec's model (`JobSpec.model_fingerprint`), which a reader compares with its own."""
+        data = self.to_dict()
+        del data["model"]
+        data["format_version"] = PLAN_RECORD_FORMAT_VERSION
+        data["model_fingerprint"] = model_fingerprint
+        return data
+
     @classmethod
-    def shared(cls, data: dict[str, Any]) -> Plan:
+    def from_record(cls, data: dict[str, Any], model: ModelSpec, model_fingerprint: str) -> Plan:
+        """The plan of a generation record, built with `model` (the reader's own job spec's,
+        whose fingerprint is `model_fingerprint`). A record names no code: a plan made for
+        another model (another fingerprint, or an earlier release's model section that is
+        not `model`) is refused with `ConfigError`, whatever that section names."""
+        if not isinstance(data, dict):
+            raise ConfigError("plan: expected a JSON object")
+        version = data.get("format_version")
+        if version == PLAN_RECORD_FORMAT_VERSION:
+            theirs = data.get("model_fingerprint")
+            if "model" in data:
+                raise ConfigError("plan: a record's plan carries no model section")
+            if theirs != model_fingerprint:
+                raise ConfigError(
+                    f"plan: made for the model with fingerprint {_short(theirs)}, "
+                    f"not this job spec's model ({model_fingerprint[:12]})"
+                )
+            body = {**data, "format_version": PLAN_FORMAT_VERSION}
+        elif version in PLAN_FORMAT_VERSIONS_READ:
+            # Written by an earlier release, with the model spelled out: read only when that
+            # model is this spec's, field for field; the model built is still this spec's.
+            theirs = data.get("model")
+            if theirs != json.loads(json.dumps(model.to_dict())):
+                family = theirs.get("family") if isinstance(theirs, dict) else theirs
+                raise ConfigError(
+                    "plan: its model section differs from this job spec's model "
+                    f"(family {_short(family)})"
+                )
+            body = data
+        else:
+            raise ConfigError(
+                f"plan: format_version {version!r} is not one of "
+                f"{(*PLAN_FORMAT_VERSIONS_READ, PLAN_RECORD_FORMAT_VERSION)}"
+            )
+        return cls._with_model(body, model)
+
+    @classmethod
+    def shared(
+        cls,
+        data: dict[str, Any],
+        model: ModelSpec | None = None,
+        model_fingerprint: str = "",
+    ) -> Plan:
         """`from_dict(data)`, one object for equal data in this process (a plan is
         immutable): the agents of one process (the simulation's hundreds) parse a
         generation's plan and index its placement by node once, not once each, which was
         O(N) per agent and O(N^2) per process. The last SHARED_PLANS are kept. `data` must
-        not be changed afterwards (the same dict asked again is answered without reading it)."""
+        not be changed afterwards (the same dict asked again is answered without reading it).
+        With `model`: `from_record(data, model, model_fingerprint)`, a generation record's
+        plan (kept apart by the fingerprint: what a record says is read against each spec)."""
+        if model is not None and not model_fingerprint:
+            raise ConfigError("plan: a record's plan is read with its model's fingerprint")
         with _SHARED_LOCK:
             # The same dict again (the agents of a process share a parsed generation record,
             # `GenerationRecord.shared`): no key to serialise. The entry holds `data`, so its
             # id is not reused while it is kept.
-            held = _SHARED_BY_ID.get(id(data))
+            held = _SHARED_BY_ID.get((id(data), model_fingerprint))
             if held is not None and held[0] is data:
                 return held[1]
-        key = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        plan = _SHARED.get(key, lambda: cls.from_dict(data))  # bad data raises: nothing kept
+        key = model_fingerprint + json.dumps(data, sort_keys=True, separators=(",", ":"))
+        if model is None:
+            plan = _SHARED.get(key, lambda: cls.from_dict(data))  # bad data: nothing kept
+        else:
+            plan = _SHARED.get(key, lambda: cls.from_record(data, model, model_fingerprint))
         with _SHARED_LOCK:
-            _SHARED_BY_ID[id(data)] = (data, plan)
+            _SHARED_BY_ID[(id(data), model_fingerprint)] = (data, plan)
             while len(_SHARED_BY_ID) > SHARED_PLANS:
                 _SHARED_BY_ID.pop(next(iter(_SHARED_BY_ID)))
         return plan
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """A plan with its model spelled out (`to_dict()`: plan files, a worker's
+        assignment); a generation record's plan is read with `from_record`."""
         version = data.get("format_version")
         if version not in PLAN_FORMAT_VERSIONS_READ:
             raise ConfigError(
                 f"plan: format_version {version!r} is not one of {PLAN_FORMAT_VERSIONS_READ}"
             )
+        try:
+            model = ModelSpec.from_dict(dict(data["model"]), source="plan.model")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"plan: malformed field: {exc!r}") from exc
+        return cls._with_model(data, model)
+
+    @classmethod
+    def _with_model(cls, data: dict[str, Any], model: ModelSpec) -> Plan:
+        version = data.get("format_version")
         try:
             layout = Layout(int(data["pp"]), int(data["tp"]), int(data["dp"]))
             if version == 1:
@@ -276,7 +350,7 @@ class Plan:
             else:
                 placement = _placement_from_dict(data["placement"], layout)
             plan = cls(
-                model=ModelSpec.from_dict(dict(data["model"]), source="plan.model"),
+                model=model,
                 layout=layout,
                 global_batch=int(data["global_batch"]),
                 micro_batch=int(data["micro_batch"]),
@@ -381,7 +455,7 @@ def build_plan(
 
 _SHARED: Interned[str, Plan] = Interned(SHARED_PLANS)  # by the plan's canonical JSON
 # id(data) -> (data, its plan): the dicts asked about last, insertion-ordered.
-_SHARED_BY_ID: dict[int, tuple[dict[str, Any], Plan]] = {}
+_SHARED_BY_ID: dict[tuple[int, str], tuple[dict[str, Any], Plan]] = {}
 _SHARED_LOCK = threading.Lock()
 
 
@@ -453,3 +527,8 @@ def _tp_sizes(model: ModelSpec) -> str:
     if model.numbers is not None:
         return f"the model's split sizes {model.tp_divisors}"
     return f"num_heads={model.num_heads} and num_kv_heads={model.num_kv_heads}"
+
+
+def _short(value: object) -> str:
+    """A value from outside, for a message: its repr, cut short."""
+    return f"{value!r:.80}"

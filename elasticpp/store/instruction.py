@@ -198,11 +198,11 @@ def node_fetches(value: Mapping[str, Any], plan: Plan, node_id: str) -> tuple[Fe
                 isinstance(run, list)
                 and len(run) in (2, 3)
                 and all(isinstance(i, int) and not isinstance(i, bool) for i in run)
-                and run[0] >= 1
+                and 1 <= run[0] <= len(wanted) - len(pairs)  # bounded before it is built
                 and all(0 <= i < len(table) for i in run[1:])
             )
             if not ok:
-                raise ConfigError(f"{_WHAT}: bad run for {node_id}: {run!r}")
+                raise ConfigError(f"{_WHAT}: bad run for {node_id}: {run!r:.80}")
             source = table[run[1]]
             pairs += [(source, table[run[-1]])] * run[0]
     if len(pairs) != len(wanted):

@@ -265,6 +265,25 @@ def test_export_refuses_a_non_empty_target_and_writes_nothing(
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 
+def test_export_refuses_a_manifest_that_names_code_and_runs_nothing(
+    hf_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint is data: a manifest whose model names `package.module:function` (here
+    the security review's F4 family, `subprocess:getoutput`) is not imported by export;
+    the user names a model of theirs with `--model`."""
+    step_dir = tmp_path / "ckpt" / "step-0000000000"
+    import_hf(hf_dirs["llama"], step_dir, seq_len=SEQ)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    marker = tmp_path / "PWNED.txt"
+    manifest["model"]["family"] = "subprocess:getoutput"
+    manifest["model"]["options"] = {f"echo FORGED > {marker}": 1}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "out"
+    assert cli_main(["export", str(tmp_path / "ckpt"), "--hf", str(out)]) == 2
+    assert "names the model code 'subprocess:getoutput'" in capsys.readouterr().err
+    assert not marker.exists() and not out.exists()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

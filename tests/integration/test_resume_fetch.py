@@ -16,7 +16,7 @@ from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import FETCH_PER_SOURCE
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
-from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_device_spec
+from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.client import PieceFetchError
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.store.service import StateServicer
@@ -70,7 +70,7 @@ def test_the_agent_fetches_a_sources_pieces_in_parallel_within_the_per_source_bo
     plan = build_plan(MODEL, cluster, Layout(1, 1, 2), global_batch=4, micro_batch=2)
     record = GenerationRecord(2, plan.with_generation(2).to_dict(), "n9", time.time())
     agent._vs.members = {"a": {"address": a.address, "incarnation": "i-a"}}  # a source outside
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     pieces = {n: a.store.piece_info("a", 3, n) for n in ALL_TP2}
     assert len(pieces) > FETCH_PER_SOURCE
     resume = {

@@ -16,6 +16,7 @@ from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError
+from elasticpp.plan import Plan
 from elasticpp.train.procs import WorkerError
 from tests.unit.test_agent_deadlines import _plan as _plan_on
 from tests.unit.test_agent_done import SPEC, _plan
@@ -100,7 +101,9 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
     written and no drain ever completed."""
     agent, cluster = _agent(tmp_path)
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, phase=Phase.FAILED)  # the STARTING deadline fired
+    gs = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.FAILED
+    )  # the STARTING deadline fired
     for rank in (0, 1):
         agent.pool.rank_done(1, rank)  # then both ranks trained every step
     agent._fs.gen = gs
@@ -111,7 +114,7 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
 
 def test_an_observation_out_of_order_is_ignored_not_raised(tmp_path: Path) -> None:
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, phase=Phase.DONE)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.DONE)
     assert not gs.enter(Phase.HALTED, time.monotonic())  # a late halt after the end
     assert gs.phase is Phase.DONE
 
@@ -121,7 +124,9 @@ def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path
     then raised on it every tick."""
     agent, cluster = _agent(tmp_path)
     current = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    agent._fs.gen = _GenState(record=current, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(
+        record=current, plan=Plan.from_dict(current.plan), phase=Phase.RUNNING
+    )
     newer = GenerationRecord(3, {**_plan(3).to_dict(), "format_version": 99}, "n9", time.time())
     agent._vs.record = newer
     agent._follow_generation()
@@ -153,7 +158,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
     running, the other spare orphaned, and the next tick assigned rank 0 again."""
     agent, cluster = _agent(tmp_path)
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address="h:1234")
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
     first, dead = _Spare(100), _Spare(101, dies=True)
     mine = gs.plan.ranks_on("n0")
@@ -168,7 +173,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
 
     untouched = _Spare(102)
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address=None)
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     try:
         agent._assign(gs, {"step": 0, "fetches": {}}, mine, [untouched, _Spare(103)])  # type: ignore[list-item]
     except ConfigError as exc:
@@ -196,7 +201,9 @@ def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path
     agent, cluster = _agent(tmp_path)
     agent.cluster = cluster = _RefusesOnce("started-2")  # type: ignore[assignment]
     record = GenerationRecord(2, _plan_on(2, ("n1",)).to_dict(), "n1", time.time())
-    agent._fs.gen = gs = _GenState(record=record, phase=Phase.MOVING)
+    agent._fs.gen = gs = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
+    )
     agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
     _follow_through_a_refused_write(agent)
     assert gs.phase is Phase.IDLE
@@ -209,7 +216,9 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
     agent, cluster = _agent(tmp_path)
     agent.cluster = cluster = _RefusesOnce("done")  # type: ignore[assignment]
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    agent._fs.gen = gs = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = gs = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
     for rank in (0, 1):
         agent.pool.rank_done(1, rank)
     _follow_through_a_refused_write(agent)
@@ -221,7 +230,7 @@ def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Pat
     agent, cluster = _agent(tmp_path)
     agent.cluster = cluster = _RefusesOnce("stopped-2")  # type: ignore[assignment]
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    agent._fs.gen = gs = _GenState(record=record)
+    agent._fs.gen = gs = _GenState(record=record, plan=Plan.from_dict(record.plan))
     with contextlib.suppress(ClusterUnavailableError):
         agent._follow_generation()
     assert gs.phase is Phase.STOPPING and cluster.arrivals == []  # not reported: stays

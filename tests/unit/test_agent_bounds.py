@@ -22,6 +22,7 @@ from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
+from elasticpp.plan import Plan
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 from tests.unit.test_agent_done import SPEC, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
@@ -58,7 +59,7 @@ def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[A
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(generation)
     record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._ds.replication = Future()  # a round in flight for good: no rounds here, one node
     agent.cluster = cluster
     writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
@@ -238,7 +239,7 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
         record = GenerationRecord(
             generation, _plan(generation).to_dict(), "n0", time.time(), resume_step=3
         )
-        gs = agent._fs.gen = _GenState(record=record)
+        gs = agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan))
         agent._follow_generation()  # no old workers: holdings reported, MOVING
         assert gs.phase is Phase.MOVING
         _fetched(agent, gs)
@@ -251,7 +252,9 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
 def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), resume_step=3)
-    gs = agent._fs.gen = _GenState(record=record, phase=Phase.MOVING)
+    gs = agent._fs.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
+    )
     agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
     _fetched(agent, gs)
     gs.fetch = Future()
@@ -265,7 +268,7 @@ def test_resume_directories_compare_generations_as_numbers(tmp_path: Path) -> No
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     for generation in (999_999, 1_000_000, 1_000_001):
         record = GenerationRecord(generation, _plan(1).to_dict(), "n0", time.time())
-        _fetched(agent, _GenState(record=record))
+        _fetched(agent, _GenState(record=record, plan=Plan.from_dict(record.plan)))
     agent._clean_local(1_000_001)
     assert _resume_dirs(agent) == ["gen-1000001"]
 
@@ -293,9 +296,11 @@ class _Unreachable(_SlowCluster):
 def test_failure_reports_replaced_by_a_newer_plan_are_not_remembered(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _Unreachable())
     for generation in range(1, 201):
-        agent._fs.gen = _GenState(record=_record(generation))
+        agent._fs.gen = _GenState(
+            record=_record(generation), plan=Plan.from_dict(_record(generation).plan)
+        )
         agent._report_failure(generation, "worker rank 0 exited with code 1")  # held
-    agent._fs.gen = _GenState(record=_record(201))
+    agent._fs.gen = _GenState(record=_record(201), plan=Plan.from_dict(_record(201).plan))
     agent._publish_failures()
     assert agent._fs.pending_failures == {}
     assert agent._fs.failures_held == set()
@@ -325,7 +330,11 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
             f"started-{generation}": {"n0": {"at": now, "moved_at": now}},
             f"resume-{generation}": {RESUME_MEMBER: {"step": 0}},
         }
-        gs = _GenState(record=_record(generation), phase=Phase.RUNNING)
+        gs = _GenState(
+            record=_record(generation),
+            plan=Plan.from_dict(_record(generation).plan),
+            phase=Phase.RUNNING,
+        )
         agent._ls.at(generation, time.monotonic()).resume_written = True
         lead_timeline(agent, gs)  # the generation runs on every node
         assert agent._ls.timeline_written

@@ -103,7 +103,7 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
         )
     )
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    gs = _GenState(record=record)  # a loss: stop at once
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan))  # a loss: stop at once
     agent._fs.gen = gs
     agent._follow_generation()
     assert old.kills == [False]  # signalled, not waited for
@@ -139,7 +139,7 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     agent.pool.add_spare(spare, start)  # type: ignore[arg-type]
     agent._spawn_warm = lambda: None  # type: ignore[method-assign]
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     gs.fetch = Future()
     gs.fetch.set_result(FetchOutcome(done_at=time.time()))
     agent._fs.gen = gs
@@ -184,7 +184,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     nodes = {n: "127.0.0.1:1" for n in ("n0", "n1", "n2")}
     record = GenerationRecord(2, plan.to_dict(), "n0", time.time(), extra={"nodes": nodes})
     agent._vs.record = record
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
     agent._confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
     holdings = {"digest": {"format": 1, "address": "127.0.0.1:1", "held": []}}
@@ -239,7 +239,7 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
     agent, cluster = _agent(tmp_path)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time())
-    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
 
     class _P:
         pid = 100

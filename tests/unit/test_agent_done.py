@@ -90,7 +90,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent = Agent(cfg, spec)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
     for rank in range(2):
@@ -121,7 +121,7 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), spec)
     plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
-    gs = _GenState(record=record, phase=Phase.RUNNING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._ls.at(2, time.monotonic()).resume_written = True
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
@@ -134,7 +134,9 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     assert cluster.arrivals == []  # n9's timeline of generation 2 stays
     del agent._vs.barriers["timelines"]["gen-2"]
     agent._ls.timeline_written = False  # as a leader elected later knows it
-    lead_timeline(agent, _GenState(record=record, phase=Phase.RUNNING))
+    lead_timeline(
+        agent, _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    )
     [(barrier, key, timeline)] = cluster.arrivals
     assert (barrier, key) == ("timelines", "gen-2")
     assert timeline["resume_step"] == 10 and timeline["steps_recomputed"] == 1  # n9's resume
@@ -147,7 +149,7 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     leader after it. Before, followers read only n9's and waited for good."""
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
     agent._vs.barriers = {"resume-2": {RESUME_MEMBER: _resume_v2(step=0)}}
     agent._follow_generation()
@@ -158,7 +160,7 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
 def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Path) -> None:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.cluster = _Cluster()  # type: ignore[assignment]  # any write would fail here
     agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
     lead_resume(agent, gs)
@@ -170,7 +172,7 @@ def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     return agent, plan
 
 
@@ -235,7 +237,7 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
     for phase in (Phase.MOVING, Phase.STARTING):
-        gs = _GenState(record=record, phase=phase)
+        gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=phase)
         agent._fs.gen = gs
         agent._follow_generation()
         assert gs.phase is phase and cluster.arrivals == []  # within the deadline
@@ -317,7 +319,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     spec = parse_job_spec({**SPEC_FIELDS, "persist_dir": str(ckpt)})
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "a"), spec)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=3)
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     before = {p for p in (tmp_path / "a").rglob("*")}
     info = [hashlib.sha256(data).hexdigest(), len(data)]
     names = {f"{u}.tp0-1.safetensors": info for u in SPEC.model.units}
@@ -416,7 +418,7 @@ def test_a_step_drained_after_the_next_generation_began_keeps_its_workers_layout
         SPEC.model, cluster, Layout(1, 1, 1), global_batch=4, micro_batch=2
     ).with_generation(2)
     record = GenerationRecord(2, newer.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, phase=Phase.STOPPING)
+    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.STOPPING)
     assert str(agent._fs.gen.plan.layout) == str(newer.layout)
     agent._on_step(old, {"step": 7, "loss": 1.5, "generation": 1})
     (row,) = [json.loads(x) for x in agent.metrics_path.read_text().splitlines()]

@@ -16,6 +16,7 @@ from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.view import EPOCH_ENDED_EXIT
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord, JobEpoch
+from elasticpp.plan import Plan
 from tests.unit.test_agent_done import SPEC, _plan, lead_resume
 from tests.unit.test_store_local import commit_step
 
@@ -63,7 +64,7 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     cluster = _FreshCluster(JobEpoch(2, "n0", time.time()))
     agent.cluster = cluster  # type: ignore[assignment]
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     holdings = agent.store.holdings().to_dict()
     agent._vs.barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
     cluster.down = True

@@ -15,6 +15,7 @@ from elasticpp.agent.limits import FETCH_STALL_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.records import GenerationRecord, node_fields
+from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from tests.unit.test_agent_done import SPEC, _Cluster, _plan
 
@@ -26,7 +27,7 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
     cluster = _Cluster()
     agent.cluster = cluster  # type: ignore[assignment]
     record = GenerationRecord(3, _plan(3).to_dict(), "n9", time.time(), resume_step=5)
-    gs = _GenState(record=record, phase=Phase.MOVING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
     gs.fetch = Future()  # a fetch in flight
     now = [time.monotonic()]
@@ -67,7 +68,11 @@ def test_a_fetch_takes_sources_addresses_from_member_keys_unless_re_registered()
 
 def test_a_fetch_from_a_source_without_an_address_fails_naming_it(tmp_path: Path) -> None:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    gs = _GenState(record=_planned("n0", "a"), phase=Phase.MOVING)
+    gs = _GenState(
+        record=_planned("n0", "a"),
+        plan=Plan.from_dict(_planned("n0", "a").plan),
+        phase=Phase.MOVING,
+    )
     units = SPEC.model.units
     resume = {
         "format_version": 2,

@@ -88,7 +88,7 @@ class _Cluster:
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
-    gs = _GenState(record=record, phase=Phase.RUNNING)
+    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._fs.gen = gs
     agent._ls.at(3, 0.0).resume_written = True  # the leader's: generation 3 resumed
     cluster = _Cluster()

@@ -29,6 +29,7 @@ from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
+from elasticpp.plan import Plan
 from elasticpp.waiting import wait_until
 from tests.unit.test_agent_safe import SPEC, _plan
 
@@ -52,7 +53,7 @@ def _quiet_agent(tmp_path: Path) -> Agent:
     agent._vs.record = record
     agent._vs.etcd_ok = True
     agent._vs.leader = "n1"
-    agent._fs.gen = _GenState(record=record, phase=Phase.RUNNING)
+    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._joined = True
     return agent
 

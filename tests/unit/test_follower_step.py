@@ -41,6 +41,7 @@ from elasticpp.agent.phases import (
     follower_step,
 )
 from elasticpp.cluster.records import GenerationRecord
+from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from tests.unit.test_agent_deadlines import _plan
 
@@ -72,8 +73,13 @@ def _obs(now_s: float = 100.0, **fields: Any) -> FollowerObservation:
 def _following(
     phase: Phase, generation: int = 2, since_s: float = 100.0, **extra: Any
 ) -> tuple[FollowerState, _GenState]:
+    record = _record(generation, **extra)
     gs = _GenState(
-        _record(generation, **extra), phase=phase, phase_since_s=since_s, stop_began_s=since_s
+        record,
+        Plan.from_dict(record.plan),
+        phase=phase,
+        phase_since_s=since_s,
+        stop_began_s=since_s,
     )
     return FollowerState(gen=gs), gs
 
@@ -137,7 +143,8 @@ def test_stopping_becomes_moving_only_once_stopped_is_written() -> None:
 
 def test_a_spare_is_idle_only_once_started_is_written() -> None:
     state, gs = _following(Phase.MOVING, generation=2)
-    state.gen = gs = replace(gs, record=_record(2, ("n1",)))
+    spare = _record(2, ("n1",))
+    state.gen = gs = replace(gs, record=spare, plan=Plan.from_dict(spare.plan))
     assert follower_step(state, _obs()) == []  # no resume instruction yet
     [arrive] = follower_step(state, _obs(resume=RESUME))
     assert arrive == ArriveStarted(2, 0.0, 5100.0, spare=True)

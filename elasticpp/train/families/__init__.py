@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -101,6 +102,11 @@ def load_entry_point(entry: str) -> object:
     module_name, sep, attr = entry.partition(":")
     if not sep or not module_name or not attr:
         raise ContractError(f"model {entry!r}: expected 'package.module:function'")
+    top = module_name.partition(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        # A model is a user's package: an entry point into the standard library can only be
+        # a mistake or an attack (`subprocess:getoutput` runs a shell command).
+        raise ContractError(f"model {entry!r}: {top} is a standard-library module, not a model")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
