@@ -23,10 +23,10 @@ CHARSET = "lowercase letters, digits, '_', '.', '-' (first a letter or digit, at
 
 def parse_name(name: object, *, what: str = "name") -> str:
     """`name` if it is a valid unit or parameter name; `ConfigError` naming it otherwise."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ConfigError(f"{what} {name!r} is not a valid name: use {CHARSET}")
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ConfigError(f"{what} {name!r:.80} is not a valid name: use {CHARSET}")
     return name
 
 
 def is_name(name: str) -> bool:
-    return bool(_NAME_RE.match(name))
+    return bool(_NAME_RE.fullmatch(name))

@@ -75,7 +75,7 @@ class FetchOutcome:
     disk_error: bool = False  # the error was this node's own disk (full, read-only, failing)
 
 
-_RESUME_DIR = re.compile(r"^gen-(\d+)$")  # resume/gen-<G>, see _resume_dir
+_RESUME_DIR = re.compile(r"gen-([0-9]{1,19})")  # resume/gen-<G>, see _resume_dir
 
 # A commit record's value: (newest committed step, own anchors, replica anchors by origin).
 CommitValue = tuple[int, tuple[int, ...], dict[str, tuple[int, ...]]]
@@ -355,7 +355,7 @@ class DurabilityPart:
         if not resume_root.is_dir():
             return
         for d in resume_root.iterdir():
-            m = _RESUME_DIR.match(d.name)
+            m = _RESUME_DIR.fullmatch(d.name)
             if m is not None and int(m.group(1)) < generation:
                 shutil.rmtree(d, ignore_errors=True)
 

@@ -134,7 +134,7 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         self._resolve_snapshot_cadence()
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
             raise ConfigError(
                 f"job spec: name must be lowercase letters, digits and '-', got {self.name!r}"
             )

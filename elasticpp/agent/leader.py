@@ -35,7 +35,7 @@ from elasticpp.errors import ElasticppError
 log = logging.getLogger("elasticpp.agent")
 
 # A key of the rendezvous store: workers of generation G use the prefix `gen<G>` (`_assign`).
-_GEN_KEY = re.compile(r"^gen(\d+)/")
+_GEN_KEY = re.compile(r"gen([0-9]{1,19})/")
 
 
 class LeaderPart:

@@ -53,8 +53,9 @@ FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 
-_PIECE_RE = re.compile(rf"^({NAME_PATTERN})\.tp(\d+)-(\d+)\.safetensors$")
-_STEP_RE = re.compile(r"^step-(\d{10})$")
+_TP_DIGITS = "([0-9]{1,6})"  # ASCII, bounded: int() of a peer's 5,000 digits raised
+_PIECE_RE = re.compile(f"({NAME_PATTERN})\\.tp{_TP_DIGITS}-{_TP_DIGITS}\\.safetensors")
+_STEP_RE = re.compile(r"^step-([0-9]{10})")
 
 
 @dataclass(frozen=True, order=True)
@@ -77,9 +78,9 @@ class PieceKey:
     @classmethod
     def parse(cls, name: str) -> PieceKey:
         """The key of a piece file name; refuses anything else (and so any path)."""
-        match = _PIECE_RE.match(name)
+        match = _PIECE_RE.fullmatch(name)
         if not match:
-            raise ConfigError(f"not a piece name: {name!r}")
+            raise ConfigError(f"not a piece name: {name!r:.80}")
         return cls(match.group(1), int(match.group(2)), int(match.group(3)))
 
 
@@ -90,7 +91,7 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
-    match = _STEP_RE.match(name)
+    match = _STEP_RE.fullmatch(name)
     return int(match.group(1)) if match else None
 
 

@@ -109,7 +109,7 @@ def _resume(what: str, v: Any) -> None:
 # pp=8 tp=8) is written in parts of at most this many bytes of JSON, as members of the same
 # barrier in the same transaction, so that no etcd value passes 64 KiB.
 RESUME_PART_BYTES = 48 * 1024
-_RESUME_PART = re.compile(r"^resume-part-(?P<index>\d{4})$")
+_RESUME_PART = re.compile(r"^resume-part-(?P<index>[0-9]{4})")
 # The member of barrier `resume-<G>` by which a leader that cannot resume the generation says
 # so and why, `{"why": ..., "at": ...}`: its followers wait for state without a deadline
 # instead of failing the generation (which would blame and quarantine healthy nodes).
@@ -145,7 +145,7 @@ def join_resume(members: dict[str, Any], resume_member: str) -> dict[str, Any]:
     `split_resume` had it). Raises ClusterDataError when a part the instruction names is
     missing or does not fit; parts without an instruction are dropped (none is written
     without the other: one transaction writes them all)."""
-    parts = {m: v for m, v in members.items() if _RESUME_PART.match(m)}
+    parts = {m: v for m, v in members.items() if _RESUME_PART.fullmatch(m)}
     out = {m: v for m, v in members.items() if m not in parts}
     main = out.get(resume_member)
     if main is None or "pieces_parts" not in main:
@@ -196,19 +196,19 @@ CHECKS: dict[str, _Check] = {
     "resume": _resume,
     "timelines": _timeline,
 }
-_KIND = re.compile(r"^(?P<kind>[a-z]+)(?:-\d+)?$")
+_KIND = re.compile(r"^(?P<kind>[a-z]+)(?:-[0-9]{1,19})?")
 
 
 def check_arrival(barrier: str, member: str, value: Any) -> Any:
     """`value` if it has the shape barrier `barrier` needs; raises ClusterDataError if not."""
-    m = _KIND.match(barrier)
+    m = _KIND.fullmatch(barrier)
     check = CHECKS.get(m.group("kind")) if m else None
     if check is None:
         return value
     what = f"{barrier} arrival of {member}"
     if not isinstance(value, dict):
         raise ClusterDataError(f"{what}: expected an object, got {type(value).__name__}")
-    if check is _resume and _RESUME_PART.match(member):
+    if check is _resume and _RESUME_PART.fullmatch(member):
         check = _resume_part
     elif check is _resume and member == RESUME_WAIT_MEMBER:
         check = _resume_wait

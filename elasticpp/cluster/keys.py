@@ -57,9 +57,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 def check_name(field: str, value: str) -> str:
     """Refuse names that would break the key layout (slashes, empty, odd characters)."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ConfigError(
-            f"{field} {value!r}: must be 1-128 characters of letters, digits and ._:@- "
+            f"{field} {value!r:.80}: must be 1-128 characters of letters, digits and ._:@- "
             "starting with a letter or digit"
         )
     return value

@@ -152,7 +152,7 @@ class ModelSpec:
                 f"num_kv_heads {self.num_kv_heads}"
             )
         if not isinstance(self.family, str) or not (
-            self.family in FAMILIES or _ENTRY_RE.match(self.family)
+            self.family in FAMILIES or _ENTRY_RE.fullmatch(self.family)
         ):
             raise ConfigError(
                 f"{owner}: family must be one of {', '.join(FAMILIES)} or "

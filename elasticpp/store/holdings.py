@@ -33,9 +33,9 @@ _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def check_node_id(node_id: str, *, field_name: str = "node_id") -> str:
     """`node_id` if it is safe as one path component; `ConfigError` naming the field if not."""
-    if not isinstance(node_id, str) or not _NODE_ID_RE.match(node_id) or ".." in node_id:
+    if not isinstance(node_id, str) or not _NODE_ID_RE.fullmatch(node_id) or ".." in node_id:
         raise ConfigError(
-            f"{field_name} {node_id!r}: must be 1-128 characters of letters, digits, '.', '_' "
+            f"{field_name} {node_id!r:.80}: must be 1-128 characters of letters, digits, '.', '_' "
             "or '-', start with a letter or digit, and contain no '..'"
         )
     return node_id

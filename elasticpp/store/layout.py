@@ -41,8 +41,8 @@ log = logging.getLogger("elasticpp.store.local")
 OWN_DIRNAME = "own"
 REPLICAS_DIRNAME = "replicas"
 STAGING_DIRNAME = "staging"
-_GEN_RE = re.compile(r"^gen-(\d{8})$")
-_EPOCH_RE = re.compile(r"^epoch-(\d{20})$")
+_GEN_RE = re.compile(r"^gen-([0-9]{8})$")
+_EPOCH_RE = re.compile(r"^epoch-([0-9]{20})$")
 
 
 def gen_dirname(generation: int) -> str:
@@ -50,7 +50,7 @@ def gen_dirname(generation: int) -> str:
 
 
 def parse_gen_dirname(name: str) -> int | None:
-    m = _GEN_RE.match(name)
+    m = _GEN_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -60,7 +60,7 @@ def epoch_dirname(epoch: int) -> str:
 
 
 def parse_epoch_dirname(name: str) -> int | None:
-    m = _EPOCH_RE.match(name)
+    m = _EPOCH_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

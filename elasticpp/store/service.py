@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -76,6 +77,9 @@ MAX_PAGE_PIECES = 4096
 MAX_STEPS_ASKED = 1024
 
 
+_STEP_DIGITS = re.compile(r"[0-9]{1,19}")  # a step number: ASCII digits, bounded
+
+
 def _page_token(step: int, origin: str, name: str) -> str:
     return f"{step}/{origin}/{name}"
 
@@ -84,8 +88,8 @@ def parse_page_token(token: str) -> tuple[int, str, str]:
     """(step, origin, piece name) of a ListHoldings page token; ConfigError if malformed."""
     step, _, rest = token.partition("/")
     origin, _, name = rest.partition("/")
-    if not step.isdigit():
-        raise ConfigError(f"page_token {token!r}: not a token this server gave")
+    if not _STEP_DIGITS.fullmatch(step):
+        raise ConfigError(f"page_token {token!r:.80}: not a token this server gave")
     PieceKey.parse(name)
     return int(step), check_node_id(origin, field_name="page_token origin"), name
 
@@ -195,7 +199,7 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
             )
         try:
             after = parse_page_token(request.page_token) if request.page_token else None
-        except ConfigError as exc:
+        except (ConfigError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         page = min(request.page_pieces or PAGE_PIECES, MAX_PAGE_PIECES)
         return holdings_page(
@@ -209,7 +213,7 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
         try:
             key = PieceKey.parse(request.name)
             origin = check_node_id(request.origin_node, field_name="origin_node")
-        except ConfigError as exc:
+        except (ConfigError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         slots = self._fetch_slots
         if slots is not None and not slots.acquire(blocking=False):

@@ -29,7 +29,8 @@ from elasticpp.plan.specs import MODEL_PRESETS, ModelSpec, OptionValue, load_mod
 from elasticpp.train import hfconfig
 
 KINDS = ("preset", "spec", "hf", "entry")
-_ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_]\w*$")
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_ENTRY_RE = re.compile(rf"{_IDENT}(\.{_IDENT})*:{_IDENT}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def resolve_model(
     ):
         raise ConfigError(f"model: seq_len must be a positive integer, got {seq_len!r}")
     opts = dict(options or {})
-    if _ENTRY_RE.match(ref) and not Path(ref).exists():
+    if _ENTRY_RE.fullmatch(ref) and not Path(ref).exists():
         return _entry(ref, opts, seq_len)
     if ref in MODEL_PRESETS:
         spec = MODEL_PRESETS[ref]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
@@ -125,3 +126,97 @@ def _tiny_model() -> dict[str, Any]:
 
     return MODEL_PRESETS["tiny"].to_dict()
 
+
+def _held_piece(job: LocalCluster) -> tuple[int, Any]:
+    """The node's generation and the newest step it holds, with its pieces (ListSteps),
+    once it holds one."""
+    from elasticpp.rpc.state.v1 import state_pb2
+
+    found: list[Any] = []
+
+    def holds() -> bool:
+        generation = _generation(job)[0].generation
+        with grpc.insecure_channel(job.nodes[0].address) as ch:
+            request = state_pb2.ListStepsRequest(generation=generation)
+            reply = _state(ch).ListSteps(request, timeout=10)
+        found[:] = [reply.generation, *reply.steps[-1:]]
+        return len(found) == 2
+
+    job.wait_for(holds, 120, "a committed step on the node")
+    return found[0], found[1]
+
+
+def _state(ch: grpc.Channel) -> Any:
+    from elasticpp.rpc.state.v1 import state_pb2_grpc
+
+    return state_pb2_grpc.StateServiceStub(ch)
+
+
+def _code(call: Any) -> tuple[grpc.StatusCode, str]:
+    try:
+        list(call()) if callable(call) else call
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _tracebacks(job: LocalCluster) -> int:
+    return job.nodes[0].log_path.read_text().count("Traceback")
+
+
+@pytest.mark.timeout(120)
+def test_F11_names_are_matched_whole_and_in_ascii_digits(job: LocalCluster) -> None:
+    """The review's F11: a piece name with a trailing newline, or with Arabic-Indic digits,
+    was served; `origin_node="n0\\n"` and `LiftQuarantine("n0\\n")` passed the name check."""
+    from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+    from elasticpp.rpc.state.v1 import state_pb2
+
+    generation, held = _held_piece(job)
+    name = held.pieces[0].name
+    arabic = name.replace("tp0-1", "tp\u0660-\u0661")
+    assert arabic != name
+    node = job.nodes[0].node_id
+    with grpc.insecure_channel(job.nodes[0].address) as ch:
+
+        def fetch(piece: str, origin: str = held.origin_node) -> Any:
+            request = state_pb2.FetchPieceRequest(
+                generation=generation, step=held.step, name=piece, origin_node=origin
+            )
+            return lambda: _state(ch).FetchPiece(request, timeout=10)
+
+        assert _code(fetch(name)) == (grpc.StatusCode.OK, "")  # the real name is served
+        for bad in (fetch(name + "\n"), fetch(arabic), fetch(name, origin=node + "\n")):
+            code, details = _code(bad)
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        lift = agent_pb2_grpc.AgentServiceStub(ch).LiftQuarantine
+        code, _ = _code(lambda: [lift(agent_pb2.LiftQuarantineRequest(node_id=node + "\n"))])
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.timeout(120)
+def test_F10_oversized_numbers_and_names_get_invalid_argument_without_a_traceback(
+    job: LocalCluster,
+) -> None:
+    """The review's F10: a tp size of 5,000 digits and a page token of 5,000 digits gave
+    UNKNOWN and an ERROR traceback in the agent's log per request; a 15 MiB name was echoed
+    into a reply trailer over the client's metadata limit."""
+    from elasticpp.rpc.state.v1 import state_pb2
+
+    generation, held = _held_piece(job)
+    before = _tracebacks(job)
+    digits = "9" * 5000
+    options = [("grpc.max_send_message_length", 32 << 20)]
+    with grpc.insecure_channel(job.nodes[0].address, options=options) as ch:
+        for name in (f"embed.tp0-{digits}.safetensors", "x" * (15 << 20)):
+            request = state_pb2.FetchPieceRequest(
+                generation=generation, step=held.step, name=name, origin_node=held.origin_node
+            )
+            code, details = _code(lambda r=request: _state(ch).FetchPiece(r, timeout=20))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])
+            assert len(details) < 200
+        request = state_pb2.ListHoldingsRequest(
+            generation=generation, steps=[held.step], page_token=f"{digits}/n0/x"
+        )
+        code, details = _code(lambda: [_state(ch).ListHoldings(request, timeout=10)])
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and len(details) < 200, code
+    assert _tracebacks(job) == before
