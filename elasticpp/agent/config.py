@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticpp.cluster.etcd_security import EtcdSecurity
 from elasticpp.errors import ConfigError
 
 
@@ -23,6 +24,11 @@ class AgentConfig:
     device: str = "cpu"
     worker_threads: int | None = 1  # torch threads per CPU worker (None: torch's default)
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = not served
+    # The address /metrics binds; "" = the listen host (all interfaces only when --listen
+    # says so: before, metrics bound 0.0.0.0 whatever --listen said).
+    metrics_host: str = ""
+    # How to reach a secured etcd (TLS, client certificate, user and password), or None.
+    etcd_security: EtcdSecurity | None = None
 
     def __post_init__(self) -> None:
         if self.on_job_end not in ("exit", "idle"):
@@ -34,6 +40,8 @@ class AgentConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"agent: --listen must be HOST:PORT, got {self.listen!r}")
+        if not self.metrics_host:
+            object.__setattr__(self, "metrics_host", host.strip("[]") or "0.0.0.0")
         if not self.advertise_host:
             object.__setattr__(
                 self, "advertise_host", "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host

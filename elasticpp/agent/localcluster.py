@@ -15,12 +15,12 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd_server import EtcdServer, ServerTLS
 from elasticpp.errors import ElasticppError
 from elasticpp.proctree import descendants, worker_processes
 from elasticpp.waiting import wait_until
@@ -123,10 +123,14 @@ class LocalCluster:
         python: str = sys.executable,
         cgroup_root: Path | None = None,
         device: str = "cpu",
+        etcd_tls: ServerTLS | None = None,
+        agent_args: Sequence[str] = (),
     ) -> None:
         """`cgroup_root` (a cgroup v2 directory, optional): each node's agent starts in
         `cgroup_root/<node id>`, and its workers with it, so that a harness can act on one
-        node's processes and sockets at once (a firewall rule that partitions it)."""
+        node's processes and sockets at once (a firewall rule that partitions it).
+        `etcd_tls`: etcd speaks TLS only (the agents reach it at https://, given their
+        `--etcd-*` flags in `agent_args`, which every agent's command line ends with)."""
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.spec_path = workdir / "job.yaml"
@@ -134,7 +138,8 @@ class LocalCluster:
         self.spec = spec
         self.slots = slots
         self.python = python
-        self.etcd = EtcdServer(workdir / "etcd-data")
+        self.etcd = EtcdServer(workdir / "etcd-data", tls=etcd_tls)
+        self.agent_args = tuple(agent_args)
         self.nodes = [Node(f"node-{i}", workdir / f"node-{i}") for i in range(nodes)]
         self.cgroup_root = cgroup_root
         self.device = device  # the agents' --device: cpu (gloo) or cuda (NCCL, a GPU a slot)
@@ -157,10 +162,16 @@ class LocalCluster:
         raise LocalClusterError(f"no node {node_id}")
 
     def start_node(
-        self, node_id: str, *, env: dict[str, str] | None = None, state_dir: Path | None = None
+        self,
+        node_id: str,
+        *,
+        env: dict[str, str] | None = None,
+        state_dir: Path | None = None,
+        args: Sequence[str] = (),
     ) -> Node:
         """Start `node_id`'s agent; `env` adds to its environment (and its workers'),
-        `state_dir` replaces its state directory (a small file system, say)."""
+        `state_dir` replaces its state directory (a small file system, say), `args` end
+        its command line (after the cluster's `agent_args`: a flag given again wins)."""
         n = self.node(node_id)
         if state_dir is not None:
             n.state_dir = state_dir
@@ -175,7 +186,7 @@ class LocalCluster:
                     "elasticpp.cli.main",
                     "agent",
                     "--etcd",
-                    self.etcd.endpoint,
+                    f"https://{self.etcd.endpoint}" if self.etcd.tls else self.etcd.endpoint,
                     "--job-spec",
                     str(self.spec_path),
                     "--node-id",
@@ -190,6 +201,8 @@ class LocalCluster:
                     self.device,
                     "--metrics-port",
                     str(n.metrics_port),
+                    *self.agent_args,
+                    *args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

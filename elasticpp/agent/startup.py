@@ -46,10 +46,11 @@ class StartupPart:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.cfg.metrics_port:
             try:
-                self.metrics.serve(self.cfg.metrics_port)
+                self.metrics.serve(self.cfg.metrics_port, addr=self.cfg.metrics_host)
             except OSError as exc:
                 raise ConfigError(
-                    f"agent: cannot serve metrics on port {self.cfg.metrics_port}: {exc}"
+                    f"agent: cannot serve metrics on {self.cfg.metrics_host}:"
+                    f"{self.cfg.metrics_port}: {exc}"
                 ) from exc
         # torch is imported once, off the recovery path: the leader hosts the rendezvous store.
         # Before joining etcd, not beside it: a thread importing torch holds the GIL for
@@ -57,7 +58,11 @@ class StartupPart:
         self._import_torch()
         self._prepare_init()
         self.cluster = ClusterClient(
-            list(self.cfg.etcd), self.spec.name, meter=self._meter, kv=self._shared_kv
+            list(self.cfg.etcd),
+            self.spec.name,
+            meter=self._meter,
+            kv=self._shared_kv,
+            security=self.cfg.etcd_security,
         )
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:

@@ -9,7 +9,22 @@ from pathlib import Path
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--etcd", required=True, help="etcd endpoints, HOST:PORT[,HOST:PORT...]")
+    p.add_argument(
+        "--etcd",
+        required=True,
+        help="etcd endpoints, HOST:PORT[,HOST:PORT...] (https://HOST:PORT with --etcd-ca)",
+    )
+    etcd = p.add_argument_group("etcd security (docs/deploy.md, 'Securing a job')")
+    etcd.add_argument("--etcd-ca", type=Path, default=None, help="CA file: speak TLS to etcd")
+    etcd.add_argument("--etcd-cert", type=Path, default=None, help="client certificate file")
+    etcd.add_argument("--etcd-key", type=Path, default=None, help="its private key file")
+    etcd.add_argument("--etcd-user", default=None, help="etcd user (needs TLS)")
+    etcd.add_argument(
+        "--etcd-password-file",
+        type=Path,
+        default=None,
+        help="file holding the etcd user's password (a systemd credential, a Secret)",
+    )
     p.add_argument("--job-spec", required=True, type=Path, help="the job's YAML spec")
     p.add_argument("--node-id", required=True, help="this node's unique id ([a-z0-9._-])")
     p.add_argument(
@@ -41,6 +56,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         type=int,
         default=9430,
         help="serve Prometheus metrics on this port (0: off)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="",
+        help="address /metrics binds (default: the --listen host)",
     )
     p.add_argument(
         "--on-job-end",
@@ -104,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     from elasticpp.agent.jobspec import load_job_spec
     from elasticpp.agent.node import AgentConfig, run_agent
+    from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
     from elasticpp.errors import ConfigError
 
     logging.basicConfig(
@@ -119,6 +140,15 @@ def run(args: argparse.Namespace) -> int:
     if slots < 1:
         raise ConfigError(f"--slots must be >= 1, got {slots}")
     endpoints = tuple(e.strip() for e in args.etcd.split(",") if e.strip())
+    security = EtcdSecurity.from_files(
+        ca_file=args.etcd_ca,
+        cert_file=args.etcd_cert,
+        key_file=args.etcd_key,
+        user=args.etcd_user,
+        password_file=args.etcd_password_file,
+    )
+    for endpoint in endpoints:
+        parse_endpoint(endpoint, tls=security is not None and security.tls)  # names a bad one
     cfg = AgentConfig(
         node_id=args.node_id,
         etcd=endpoints,
@@ -129,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
         backend="nccl" if device == "cuda" else "gloo",
         device=device,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         on_job_end=args.on_job_end,
+        etcd_security=security,
     )
     if not 0 <= args.metrics_port < 65536:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")

@@ -45,6 +45,7 @@ from elasticpp.cluster.etcd_client import (
     Put,
 )
 from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.cluster.etcd_security import EtcdSecurity
 from elasticpp.cluster.health import HealthPart
 from elasticpp.cluster.leases import (
     Leadership,
@@ -83,14 +84,18 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         request_timeout_s: float = 2.0,
         meter: EtcdMeter | None = None,
         kv: EtcdKV | None = None,
+        security: EtcdSecurity | None = None,
     ) -> None:
         """`kv`: an etcd connection shared with other clients in this process (simulated
         nodes, bench/scale.py); this client then neither makes nor closes one, and
-        `etcd_requests()` counts every sharer's requests."""
+        `etcd_requests()` counts every sharer's requests. `security`: TLS and
+        authentication for the connection this client makes."""
         self.job = job
         self.keys = keymod.JobKeys(job)
         self._shared_kv = kv is not None
-        self._kv = kv or EtcdKV(list(endpoints), request_timeout_s=request_timeout_s, meter=meter)
+        self._kv = kv or EtcdKV(
+            list(endpoints), request_timeout_s=request_timeout_s, meter=meter, security=security
+        )
         self._lock = threading.Lock()
         self._owned: list[Registration | Leadership | Watch] = []
         # Values that could not be read (malformed, or written by a newer format) are skipped,
@@ -136,7 +141,7 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         self.close()
 
     def revision(self) -> int:
-        return self._kv.revision()
+        return self._kv.revision(within=self.keys.root)
 
     # ------------------------------------------------------------------ spec
     def put_spec_if_absent(self, spec_json: str) -> str:

@@ -347,9 +347,10 @@ class EtcdKV(WatchesPart):
                 log.info("range %s: revision %d compacted between pages; read again", key, revision)
         raise AssertionError("unreachable")
 
-    def revision(self) -> int:
-        """The store's current revision."""
-        request = pb.RangeRequest(key=b"\0", keys_only=True, limit=1)
+    def revision(self, within: str = "\0") -> int:
+        """The store's current revision, read as the header of a one-key read of `within`
+        (a key a user confined to a prefix may read: any read's header has it)."""
+        request = pb.RangeRequest(key=within.encode(), keys_only=True, limit=1)
         return int(self._unary("read revision", RANGE, request).header.revision)
 
     # ------------------------------------------------------------------ writes

@@ -161,7 +161,7 @@ class Watch:
         self._broken: str | None = None  # why the stream is down, while it is
         self._backoff_s = RETRY_MIN_S
         if start_revision is None:
-            start_revision = kv.revision() + 1
+            start_revision = kv.revision(within=key) + 1
         self._next_revision = start_revision
         self._dispatcher = _Dispatcher.join(kv)
         try:

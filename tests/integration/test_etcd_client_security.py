@@ -143,6 +143,31 @@ def test_bad_security_settings_are_refused_naming_the_problem(
         EtcdSecurity(ca_file=tmp_path / "missing.pem")
     with pytest.raises(ConfigError, match="both the user and the password"):
         EtcdSecurity(user="root")
+
+
+def test_F14_a_password_is_never_printed_and_never_sent_in_clear_text(
+    tmp_path: Path, certs: dict[str, Path]
+) -> None:
+    """The review's F14: `repr(EtcdSecurity(user="root", password="hunter2"))` printed the
+    password, and a password without TLS was accepted (etcd's AuthenticateRequest then
+    travels in clear text)."""
+    secured = EtcdSecurity(ca_file=certs["ca.pem"], user="root", password="hunter2")
+    assert "hunter2" not in repr(secured) and "hunter2" not in str(secured)
+    with pytest.raises(ConfigError, match="only over TLS"):
+        EtcdSecurity(user="root", password="hunter2")
+    (tmp_path / "pw").write_text("hunter2\n")
+    read = EtcdSecurity.from_files(
+        ca_file=certs["ca.pem"], user="root", password_file=tmp_path / "pw"
+    )
+    assert read is not None and read.password == "hunter2"  # the file's line, its newline cut
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        EtcdSecurity.from_files(
+            ca_file=certs["ca.pem"], user="root", password_file=tmp_path / "empty"
+        )
+    with pytest.raises(ConfigError, match="cannot read"):
+        EtcdSecurity.from_files(ca_file=certs["ca.pem"], user="root", password_file=tmp_path / "no")
+    assert EtcdSecurity.from_files() is None
     with pytest.raises(ConfigError, match="needs the etcd CA file"):
         EtcdKV(["https://127.0.0.1:2379"])
     with pytest.raises(ConfigError, match="endpoint is http"):

@@ -15,15 +15,15 @@ import pytest
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.etcd_client import (
     EtcdKV,
-    EtcdSecurity,
     WatchBatch,
     WatchEnded,
     WatchItem,
 )
 from elasticpp.cluster.etcd_errors import is_token_error
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd_server import EtcdServer, ServerTLS
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 from elasticpp.waiting import wait_until
+from tests.integration.test_etcd_client_security import client_tls, make_certs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -254,11 +254,14 @@ def test_keep_alives_work_again_on_a_new_stream_after_an_etcd_restart(
 def test_a_watch_refused_for_a_stale_token_renews_it_on_a_new_stream(tmp_path: Path) -> None:
     # Simple tokens lapse after --auth-token-ttl seconds without use; a live watch stream
     # keeps the token it was opened with, and etcd refuses new watches on it.
-    server = EtcdServer(tmp_path / "etcd-auth", extra_args=("--auth-token-ttl=1",))
+    # A password goes over TLS only (EtcdSecurity refuses it over plain gRPC).
+    certs = make_certs(tmp_path / "certs")
+    tls = ServerTLS(certs["ca.pem"], certs["server.pem"], certs["server.key"])
+    server = EtcdServer(tmp_path / "etcd-auth", extra_args=("--auth-token-ttl=1",), tls=tls)
     try:
         server.start()
         server.enable_auth("s3cret")
-        kv = EtcdKV([server.endpoint], security=EtcdSecurity(user="root", password="s3cret"))
+        kv = EtcdKV([server.endpoint], security=client_tls(certs, user="root", password="s3cret"))
         try:
             start = kv.revision() + 1
             a, b, c, d = _Sink(), _Sink(), _Sink(), _Sink()
@@ -299,12 +302,13 @@ def _wait_token_lapsed(server: EtcdServer, kv: EtcdKV) -> None:
     """Until etcd forgot the token the client holds (asking uses it: poll slowly)."""
     token = kv._token  # the one its current watch stream was opened with
     assert token is not None
-    assert wait_until(lambda: _token_lapsed(server, token), 20, interval_s=2.5)
+    creds = kv.security.channel_credentials()
+    assert wait_until(lambda: _token_lapsed(server, token, creds), 20, interval_s=2.5)
 
 
-def _token_lapsed(server: EtcdServer, token: str) -> bool:
+def _token_lapsed(server: EtcdServer, token: str, creds: grpc.ChannelCredentials) -> bool:
     """True once etcd refuses `token` (asking uses it, so a live one lives on: poll slowly)."""
-    with grpc.insecure_channel(server.endpoint) as channel:
+    with grpc.secure_channel(server.endpoint, creds) as channel:
         rpc = channel.unary_unary(
             "/etcdserverpb.KV/Range",
             request_serializer=lambda m: m.SerializeToString(),

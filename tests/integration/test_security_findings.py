@@ -220,3 +220,92 @@ def test_F10_oversized_numbers_and_names_get_invalid_argument_without_a_tracebac
         code, details = _code(lambda: [_state(ch).ListHoldings(request, timeout=10)])
         assert code is grpc.StatusCode.INVALID_ARGUMENT and len(details) < 200, code
     assert _tracebacks(job) == before
+
+
+def _etcdctl(server: Any, *args: str, user: str | None = None) -> None:
+    import subprocess
+
+    etcdctl = Path(server._binary).with_name("etcdctl")
+    tls = server.tls
+    base = [str(etcdctl), f"--endpoints=https://{server.endpoint}", f"--cacert={tls.ca_file}"]
+    base += [f"--cert={tls.cert_file}", f"--key={tls.key_file}"]
+    if user is not None:
+        base.append(f"--user={user}")
+    subprocess.run([*base, *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(240)
+def test_F3_agents_train_against_an_etcd_with_tls_client_certificates_and_a_confined_user(
+    tmp_path: Path,
+) -> None:
+    """The review's F3: no flag could turn on the etcd client's TLS, client certificates or
+    password, so every shipped deployment spoke plain, anonymous gRPC to etcd. Here etcd
+    takes TLS only, with client certificates of its CA and authentication on; the agent's
+    user may read and write its job's prefix and nothing else (the role docs/deploy.md
+    gives). A wrong password is a clear error, exit 2."""
+    from elasticpp.cluster.etcd_server import ServerTLS
+    from tests.integration.test_etcd_client_security import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    tls = ServerTLS(certs["ca.pem"], certs["server.pem"], certs["server.key"])
+    (tmp_path / "pw").write_text("agent-s3cret\n")
+    (tmp_path / "wrong").write_text("nope\n")
+    for f in ("pw", "wrong"):
+        (tmp_path / f).chmod(0o600)
+    flags = [
+        "--etcd-ca", str(certs["ca.pem"]), "--etcd-cert", str(certs["client.pem"]),
+        "--etcd-key", str(certs["client.key"]), "--etcd-user", "agent-tls",
+        "--etcd-password-file", str(tmp_path / "pw"),
+    ]  # fmt: skip
+    spec = {**SPEC, "name": "tlsjob", "steps": 8}
+    lc = LocalCluster(tmp_path / "job", spec, nodes=2, slots=1, etcd_tls=tls, agent_args=flags)
+    try:
+        lc.etcd.start()
+        lc.etcd.enable_auth("root-s3cret")
+        root = "root:root-s3cret"
+        _etcdctl(lc.etcd, "role", "add", "elasticpp-tlsjob", user=root)
+        _etcdctl(
+            lc.etcd, "role", "grant-permission", "elasticpp-tlsjob", "readwrite",
+            "/elasticpp/tlsjob/", "--prefix=true", user=root,
+        )  # fmt: skip
+        _etcdctl(lc.etcd, "user", "add", "agent-tls", "--new-user-password=agent-s3cret", user=root)
+        _etcdctl(lc.etcd, "user", "grant-role", "agent-tls", "elasticpp-tlsjob", user=root)
+        lc.start_node("node-0")
+        wrong = lc.start_node("node-1", args=["--etcd-password-file", str(tmp_path / "wrong")])
+        assert wrong.proc is not None
+        assert wrong.proc.wait(timeout=120) == 2
+        assert "authenticate as agent-tls" in wrong.log_path.read_text()
+        lc.start_node("node-1")  # the right password: it joins and trains
+        lc.wait_finished(180)
+        curve = lc.curve()
+        assert sorted(curve) == list(range(8)), sorted(curve)
+    finally:
+        lc.close()
+
+
+def _listeners(port: int) -> set[str]:
+    """The addresses a TCP socket of this machine listens on at `port` (/proc/net/tcp{,6})."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hexport = local.partition(":")
+            if state != "0A" or int(hexport, 16) != port:
+                continue
+            raw = bytes.fromhex(addr)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            words = [raw[i : i + 4][::-1] for i in range(0, width, 4)]
+            ip = ipaddress.ip_address(b"".join(words))
+            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+            found.add(str(mapped or ip))
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_F9_metrics_bind_the_listen_host_not_every_interface(job: LocalCluster) -> None:
+    """The review's F9: with `--listen 127.0.0.1:...`, `/metrics` listened on 0.0.0.0."""
+    node = job.nodes[0]
+    assert _listeners(node.port) == {"127.0.0.1"}  # gRPC, as --listen says
+    assert _listeners(node.metrics_port) == {"127.0.0.1"}

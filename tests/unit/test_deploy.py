@@ -181,6 +181,12 @@ VALUE_SETS = {
         "--set", "resources.limits.memory=64Gi",
         "--set", "podAnnotations.team=ml",
     ],
+    "etcd-secured": [
+        "--set", "etcd.endpoints={https://etcd-0.etcd:2379,https://etcd-1.etcd:2379}",
+        "--set", "etcd.tls.existingSecret=etcd-client-tls",
+        "--set", "etcd.auth.user=elasticpp-demo",
+        "--set", "etcd.auth.existingSecret=etcd-password",
+    ],
     "cpu-ephemeral": [
         "--set", "agent.device=cpu",
         "--set", "persistence.enabled=false",
@@ -242,6 +248,34 @@ def test_statefulset_runs_the_agent_with_a_command_line_elasticpp_accepts():
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["grpc"] == 7430
+
+
+@pytest.mark.timeout(60)
+def test_etcd_tls_and_password_come_from_secrets_as_files_elasticpp_accepts():
+    """F3: the chart can turn on the etcd client's TLS, client certificate and password;
+    the secrets are read-only files (never environment variables, which workers inherit)."""
+    docs = _render(*VALUE_SETS["etcd-secured"])
+    container = _agent_container(docs)
+    env = {"POD_NAME": "rel-elasticpp-0", "POD_NAMESPACE": "train", "POD_IP": "10.1.2.3"}
+    argv = [_k8s_expand(a, env) for a in container["command"][1:] + container["args"]]
+    args = _parse_cli(argv)
+    assert args.etcd == "https://etcd-0.etcd:2379,https://etcd-1.etcd:2379"
+    assert args.etcd_user == "elasticpp-demo"
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {
+        v["name"]: v for v in _one(docs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]
+    }
+    for flag, volume in (
+        (args.etcd_ca, "etcd-tls"),
+        (args.etcd_cert, "etcd-tls"),
+        (args.etcd_key, "etcd-tls"),
+        (args.etcd_password_file, "etcd-auth"),
+    ):
+        assert str(flag).startswith(mounts[volume]["mountPath"] + "/"), (flag, volume)
+        assert mounts[volume]["readOnly"] is True
+    assert volumes["etcd-tls"]["secret"]["secretName"] == "etcd-client-tls"
+    assert volumes["etcd-auth"]["secret"]["secretName"] == "etcd-password"
+    assert not any("password" in str(e).lower() for e in container["env"])
 
 
 @pytest.mark.timeout(60)
@@ -371,7 +405,15 @@ def test_one_agent_per_node_is_added_to_the_users_own_anti_affinity(tmp_path: Pa
 IMPOSSIBLE = {
     "no-etcd": ([], False, "etcd.endpoints is required"),
     "bad-endpoint": (["--set", "etcd.endpoints={http://etcd:2379}"], True,
-                     'etcd.endpoints: "http://etcd:2379" is not HOST:PORT'),
+                     'etcd.endpoints: "http://etcd:2379" is not HOST:PORT or https://HOST:PORT'),
+    "https-without-ca": (["--set", "etcd.endpoints={https://etcd:2379}"], True,
+                         "is https but etcd.tls.existingSecret (the CA) is not set"),
+    "plain-endpoint-with-tls": (["--set", "etcd.tls.existingSecret=s"], True,
+                                'etcd.endpoints: "etcd:2379" must be https://HOST:PORT'),
+    "user-without-password": (["--set", "etcd.auth.user=u"], True,
+                              "etcd.auth: give both user and existingSecret"),
+    "password-without-tls": (["--set", "etcd.auth.user=u", "--set", "etcd.auth.existingSecret=p"],
+                             True, "etcd.auth needs etcd.tls"),
     "min-above-max": (["--set", "jobSpec.min_nodes=5"], True,
                       "jobSpec.min_nodes (5) exceeds jobSpec.max_nodes (4)"),
     "too-many-replicas": (["--set", "replicas=5"], True,
@@ -562,6 +604,30 @@ def test_systemd_execstart_gives_elasticpp_a_valid_command_line():
     # ... and every variable the unit reads has a documented default there.
     for name in set(re.findall(r"\$\{?(ELASTICPP_[A-Z_]+)", unit_text)):
         assert f"#{name}=" in defaults_text, name
+
+
+def test_systemd_etcd_security_drop_in_passes_credentials_as_files():
+    """F3: the unit can turn on the etcd client's TLS, client certificate and password, all
+    loaded as systemd credentials (files only this service reads; never argv or env)."""
+    entries = _unit_entries(UNIT.read_text(encoding="utf-8"))
+    drop_in = (UNIT.parent / "elasticpp-agent.service.d" / "etcd-security.conf").read_text()
+    env = _unit_environment(entries, "")
+    credentials = {}
+    for _section, key, value in _unit_entries(drop_in):
+        if key == "Environment":
+            for assignment in shlex.split(value):
+                name, _, text = assignment.partition("=")
+                env[name] = text.replace("%d", "/run/credentials/elasticpp-agent.service")
+        elif key == "LoadCredential":
+            name, _, source = value.partition(":")
+            credentials[name] = source
+    args = _parse_cli(_systemd_exec_argv(_unit_value(entries, "ExecStart"), env)[1:])
+    assert all(e.startswith("https://") for e in args.etcd.split(","))
+    for flag in (args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_password_file):
+        directory, _, name = str(flag).rpartition("/")
+        assert directory == "/run/credentials/elasticpp-agent.service" and name in credentials
+    assert args.etcd_user
+    assert not hasattr(args, "etcd_password")  # the password itself is never a flag
 
 
 # ----------------------------------------------------------------------------- prometheus

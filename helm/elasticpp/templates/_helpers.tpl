@@ -81,10 +81,23 @@ that depends on them, so `helm template` and `helm install` fail before anything
 {{- if not .Values.etcd.endpoints }}
 {{- fail "etcd.endpoints is required: list the etcd cluster's HOST:PORT entries (e.g. --set 'etcd.endpoints={etcd-0.etcd:2379,etcd-1.etcd:2379}')" }}
 {{- end }}
+{{- $tls := .Values.etcd.tls.existingSecret }}
 {{- range .Values.etcd.endpoints }}
-{{- if not (regexMatch "^[^:/,\\s]+:[0-9]{1,5}$" .) }}
-{{- fail (printf "etcd.endpoints: %q is not HOST:PORT" .) }}
+{{- if not (regexMatch "^(https://)?[^:/,\\s]+:[0-9]{1,5}$" .) }}
+{{- fail (printf "etcd.endpoints: %q is not HOST:PORT or https://HOST:PORT" .) }}
 {{- end }}
+{{- if and (hasPrefix "https://" .) (not $tls) }}
+{{- fail (printf "etcd.endpoints: %q is https but etcd.tls.existingSecret (the CA) is not set" .) }}
+{{- end }}
+{{- if and $tls (not (hasPrefix "https://" .)) }}
+{{- fail (printf "etcd.endpoints: %q must be https://HOST:PORT when etcd.tls is set" .) }}
+{{- end }}
+{{- end }}
+{{- if ne (empty .Values.etcd.auth.user) (empty .Values.etcd.auth.existingSecret) }}
+{{- fail "etcd.auth: give both user and existingSecret (the Secret with its password)" }}
+{{- end }}
+{{- if and .Values.etcd.auth.user (not $tls) }}
+{{- fail "etcd.auth needs etcd.tls: a password is sent to etcd only over TLS" }}
 {{- end }}
 {{- range $key := list "name" "model" "global_batch" "micro_batch" "steps" "seed" "min_nodes" "max_nodes" }}
 {{- if not (hasKey $spec $key) }}
