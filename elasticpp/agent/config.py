@@ -7,6 +7,7 @@ from pathlib import Path
 
 from elasticpp.cluster.etcd_security import EtcdSecurity
 from elasticpp.errors import ConfigError
+from elasticpp.transport import TLSFiles, is_loopback
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,17 @@ class AgentConfig:
     metrics_host: str = ""
     # How to reach a secured etcd (TLS, client certificate, user and password), or None.
     etcd_security: EtcdSecurity | None = None
+    # The agent's own doors (docs/deploy.md, "Securing a job"): mutual TLS on `listen` with
+    # this node's certificate (its common name the node id), the bearer token control calls
+    # need, the local control socket (mode 0600: its permissions are its guard), a plaintext
+    # port serving grpc.health.v1 alone (kubelet probes cannot present a certificate), and
+    # the name of a certificate shared by every node (weaker: trusted as any node).
+    tls: TLSFiles | None = None
+    token_file: Path | None = None
+    control_socket: Path | None = None
+    health_listen: str = ""
+    tls_shared_identity: str | None = None
+    insecure: bool = False  # plaintext on a non-loopback --listen, knowingly
 
     def __post_init__(self) -> None:
         if self.on_job_end not in ("exit", "idle"):
@@ -40,6 +52,19 @@ class AgentConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"agent: --listen must be HOST:PORT, got {self.listen!r}")
+        if self.tls is None and not self.insecure and not is_loopback(host.strip("[]")):
+            raise ConfigError(
+                f"agent: --listen {self.listen} is not a loopback address and no TLS is given: "
+                "anyone who reaches it could drain this node or download its state; give "
+                "--tls-cert, --tls-key and --tls-ca (docs/deploy.md, 'Securing a job'), or "
+                "--insecure to serve plaintext on a network you trust"
+            )
+        if self.health_listen:
+            _, h_sep, h_port = self.health_listen.rpartition(":")
+            if not h_sep or not h_port.isdigit():
+                raise ConfigError(
+                    f"agent: --health-listen must be HOST:PORT, got {self.health_listen!r}"
+                )
         if not self.metrics_host:
             object.__setattr__(self, "metrics_host", host.strip("[]") or "0.0.0.0")
         if not self.advertise_host:

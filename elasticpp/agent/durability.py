@@ -292,7 +292,9 @@ class DurabilityPart:
                 progress=progress,
                 stall_s=FETCH_STALL_S,
                 min_bytes_per_s=FETCH_MIN_BYTES_PER_S,
-                client_factory=lambda address: StateClient(address, timeout_s=60),
+                client_factory=lambda address: StateClient(
+                    address, timeout_s=60, dialer=self._dialer
+                ),
                 epoch=self.store.epoch,
             )
             return FetchOutcome(done_at=self._clock.time())
@@ -334,6 +336,7 @@ class DurabilityPart:
                     copies,
                     generation,
                     every=self.spec.replication_every,
+                    client_factory=lambda address: StateClient(address, dialer=self._dialer),
                 )
                 if any(r.copied for r in results) and not self._fenced():
                     self._record_commit(generation)  # the replicas it holds now (a queue)

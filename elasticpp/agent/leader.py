@@ -31,6 +31,7 @@ from elasticpp.agent.pull import PulledHoldings, pull_holdings
 from elasticpp.agent.sick import SickNodes
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ElasticppError
+from elasticpp.store.client import StateClient
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -228,6 +229,7 @@ class LeaderPart:
             parallel=PULL_PARALLEL,
             node_timeout_s=PULL_NODE_TIMEOUT_S,
             deadline_s=pull_deadline_s(len(action.digests)),
+            connect=lambda address: StateClient(address, dialer=self._dialer),
         )
 
     def _pulled(self) -> PulledHoldings | None:

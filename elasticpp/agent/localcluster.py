@@ -130,7 +130,8 @@ class LocalCluster:
         `cgroup_root/<node id>`, and its workers with it, so that a harness can act on one
         node's processes and sockets at once (a firewall rule that partitions it).
         `etcd_tls`: etcd speaks TLS only (the agents reach it at https://, given their
-        `--etcd-*` flags in `agent_args`, which every agent's command line ends with)."""
+        `--etcd-*` flags in `agent_args`, which every agent's command line ends with;
+        `{node}` in one of them is the node's id: its certificate's path, say)."""
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.spec_path = workdir / "job.yaml"
@@ -201,7 +202,7 @@ class LocalCluster:
                     self.device,
                     "--metrics-port",
                     str(n.metrics_port),
-                    *self.agent_args,
+                    *(a.replace("{node}", node_id) for a in self.agent_args),
                     *args,
                 ],
                 stdout=log,

@@ -125,6 +125,7 @@ from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.records import EventType, WatchEvent
 from elasticpp.errors import ElasticppError
 from elasticpp.store.local import LocalStore
+from elasticpp.transport import Dialer
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -212,7 +213,10 @@ class Agent(
         self._cs = ControlState()
         # The executor's own: the lifecycle of this agent's server, registration and loop.
         self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
-        self._probe_channels = ProbeChannels()  # to peers, kept between probes
+        # Every channel to a peer (probes, state transfers): TLS with this node's
+        # certificate when the job has one (elasticpp.transport, the one place).
+        self._dialer = Dialer(cfg.tls)
+        self._probe_channels = ProbeChannels(dialer=self._dialer)  # kept between probes
         # The one writer of this node's commit records (loop and replicate thread feed it).
         self._commit_records: LatestWriter[CommitValue] = LatestWriter(
             self._put_commit_record,
@@ -229,6 +233,7 @@ class Agent(
         self._turn_waits = False  # a turn was deferred: the loop takes it at _next_turn_s
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
         self._server: grpc.Server | None = None
+        self._health_server: grpc.Server | None = None  # --health-listen's, if any
         self.port = 0
         self.cluster: ClusterClient | None = None
         self._registration: Any = None
@@ -385,6 +390,12 @@ class Agent(
         if self._server is not None:
             self._server.stop(grace=0.5)
             self._server = None
+        if self._health_server is not None:
+            self._health_server.stop(grace=0)
+            self._health_server = None
+        if self.cfg.control_socket is not None:
+            with contextlib.suppress(OSError):
+                self.cfg.control_socket.unlink()
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
         self._probe_channels.close()
 

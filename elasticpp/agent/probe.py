@@ -35,6 +35,8 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from elasticpp.transport import Dialer
+
 PROBE_TIMEOUT_S = 0.5  # one attempt
 PROBE_BUDGET_S = 1.0  # all attempts of one probe
 KEPT_CHANNELS = 2048  # peers whose channels an agent keeps (the least recently probed go)
@@ -70,7 +72,8 @@ class ProbeChannels:
     go first). Thread-safe. A channel that goes is only forgotten, not closed: a probe may
     still be on it, and it closes once that probe lets it go."""
 
-    def __init__(self, size: int = KEPT_CHANNELS) -> None:
+    def __init__(self, size: int = KEPT_CHANNELS, *, dialer: Dialer | None = None) -> None:
+        self._dialer = dialer or Dialer()
         self._lock = threading.Lock()
         self._channels: collections.OrderedDict[str, grpc.Channel] = collections.OrderedDict()
         self._size = size
@@ -79,7 +82,7 @@ class ProbeChannels:
         with self._lock:
             channel = self._channels.pop(address, None)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=_KEPT_OPTIONS)
+                channel = self._dialer.channel(address, options=_KEPT_OPTIONS)
             self._channels[address] = channel
             while len(self._channels) > self._size:
                 self._channels.popitem(last=False)

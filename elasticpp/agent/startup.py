@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp.agent.auth import AuthInterceptor, Policy
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.limits import (
     EVENT_STREAMS,
@@ -30,6 +31,7 @@ from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.records import propose_epoch
 from elasticpp.errors import ConfigError
 from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
+from elasticpp.transport import TokenFile, is_loopback
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -96,8 +98,20 @@ class StartupPart:
         # Separate limits: event streams and piece transfers each have their own, and the
         # pool keeps UNARY_THREADS beyond both for health checks, status and drains.
         threads = EVENT_STREAMS + FETCH_STREAMS + UNARY_THREADS
+        cfg = self.cfg
+        self._token = TokenFile(cfg.token_file) if cfg.token_file is not None else None
+        policy = Policy(
+            tls=cfg.tls is not None,
+            token=self._token is not None,
+            shared_identity=cfg.tls_shared_identity,
+        )
+        # One interceptor decides who may call what, for every service served here.
+        auth = AuthInterceptor(policy, self._token, self._is_peer)
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=threads),
+            # No SO_REUSEPORT: a second process must not silently share this port.
+            options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+            interceptors=[auth],
         )
         add_to_server(
             self._server,
@@ -108,10 +122,50 @@ class StartupPart:
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(self.cfg.listen)
+        if cfg.tls is not None:
+            self.port = self._server.add_secure_port(cfg.listen, cfg.tls.server_credentials())
+        else:
+            if not is_loopback(cfg.listen.rpartition(":")[0].strip("[]")):
+                log.warning("--insecure: gRPC on %s is plaintext and unauthenticated", cfg.listen)
+            self.port = self._server.add_insecure_port(cfg.listen)
         if self.port == 0:
-            raise ConfigError(f"agent: cannot listen on {self.cfg.listen}")
+            raise ConfigError(f"agent: cannot listen on {cfg.listen}")
+        if cfg.control_socket is not None:
+            self._listen_control_socket(cfg.control_socket)
         self._server.start()
+        if cfg.health_listen:
+            # grpc.health.v1 alone, plaintext (kubelet's probes present no certificate):
+            # it says SERVING or NOT_SERVING and nothing else.
+            self._health_server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=2),
+                options=[("grpc.so_reuseport", 0)],
+            )
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            if self._health_server.add_insecure_port(cfg.health_listen) == 0:
+                raise ConfigError(f"agent: cannot listen on --health-listen {cfg.health_listen}")
+            self._health_server.start()
+
+    def _listen_control_socket(self, path: Path) -> None:
+        """The local control socket: calls on it are trusted as the node's operator's (its
+        file mode, 0600, lets only this agent's user connect)."""
+        if path.is_socket():
+            path.unlink()  # a previous agent's, left by a crash
+        elif path.exists():
+            raise ConfigError(f"agent: --control-socket {path} exists and is not a socket")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._server.add_insecure_port(f"unix:{path}") == 0:
+            raise ConfigError(f"agent: cannot listen on --control-socket {path}")
+        os.chmod(path, 0o600)
+
+    def _is_peer(self, node_id: str) -> bool:
+        """Whether `node_id` is a node of this job now: a member this node knows, its
+        leader, or a node planned in the newest generation record (called on gRPC threads;
+        reads the view, writes nothing)."""
+        vs = self._vs
+        if node_id in vs.members or node_id == vs.leader:
+            return True
+        record = vs.record
+        return record is not None and node_id in record.planned_set
 
     def _prepare_init(self) -> None:
         """A job that starts from trained weights (`init_from`) starts every worker from a

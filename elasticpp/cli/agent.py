@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from elasticpp.cli.ctl import add_tls_flags
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -33,7 +35,40 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help="workers on this node (default: visible GPUs, else 1 CPU worker)",
     )
-    p.add_argument("--listen", default="0.0.0.0:7430", help="gRPC HOST:PORT (port 0: any)")
+    p.add_argument(
+        "--listen",
+        default="0.0.0.0:7430",
+        help="gRPC HOST:PORT (port 0: any); a non-loopback one needs --tls-* or --insecure",
+    )
+    doors = p.add_argument_group("the agent's doors (docs/deploy.md, 'Securing a job')")
+    add_tls_flags(doors, who="this node's (its common name the node id)")
+    doors.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="bearer token that drain, lift and events need (off the control socket)",
+    )
+    doors.add_argument(
+        "--control-socket",
+        type=Path,
+        default=None,
+        help="a local unix socket (mode 0600) for ctl, preStop and ExecStop, token-free",
+    )
+    doors.add_argument(
+        "--health-listen",
+        default="",
+        help="HOST:PORT of a plaintext port serving grpc.health.v1 alone (kubelet probes)",
+    )
+    doors.add_argument(
+        "--tls-shared-identity",
+        default=None,
+        help="common name of a certificate every node shares (weaker: trusted as any node)",
+    )
+    doors.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext, unauthenticated gRPC on a non-loopback --listen",
+    )
     p.add_argument(
         "--advertise-host",
         default="",
@@ -126,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.agent.node import AgentConfig, run_agent
     from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
     from elasticpp.errors import ConfigError
+    from elasticpp.transport import TLSFiles
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -162,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         on_job_end=args.on_job_end,
         etcd_security=security,
+        tls=TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+        token_file=args.token_file,
+        control_socket=args.control_socket,
+        health_listen=args.health_listen,
+        tls_shared_identity=args.tls_shared_identity,
+        insecure=args.insecure,
     )
     if not 0 <= args.metrics_port < 65536:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")

@@ -6,11 +6,30 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+
+
+def add_tls_flags(p: argparse.ArgumentParser, *, who: str) -> None:
+    """`--tls-cert`, `--tls-key`, `--tls-ca`: mutual TLS (elasticpp.transport)."""
+    p.add_argument("--tls-cert", type=Path, default=None, help=f"{who} certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, default=None, help="its private key (PEM)")
+    p.add_argument("--tls-ca", type=Path, default=None, help="the job's CA certificate (PEM)")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", default="127.0.0.1:7430", help="the agent's gRPC HOST:PORT")
+    p.add_argument(
+        "--agent",
+        default="127.0.0.1:7430",
+        help="the agent's gRPC HOST:PORT, or unix:PATH of its --control-socket",
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+    add_tls_flags(p, who="this client's")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="the agent's control token (drain, lift, events; not needed on its control socket)",
+    )
     sub = p.add_subparsers(dest="action", required=True)
     st = sub.add_parser("status", help="generation, layout, workers and recovery timeline")
     st.add_argument("--json", action="store_true")
@@ -32,10 +51,15 @@ def run(args: argparse.Namespace) -> int:
 
     from elasticpp.errors import ConfigError
     from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+    from elasticpp.transport import Dialer, TLSFiles, TokenFile
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout must be positive, got {args.timeout}")
-    with grpc.insecure_channel(args.agent) as channel:
+    tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    token = TokenFile(args.token_file) if args.token_file is not None else None
+    dialer = Dialer(tls, token)
+    md = dialer.metadata(args.agent)  # the token, where the channel does not carry it
+    with dialer.channel(args.agent) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         try:
             if args.action == "status":
@@ -46,15 +70,19 @@ def run(args: argparse.Namespace) -> int:
                     _print_status(s)
             elif args.action == "lift":
                 r = stub.LiftQuarantine(
-                    agent_pb2.LiftQuarantineRequest(node_id=args.node), timeout=args.timeout
+                    agent_pb2.LiftQuarantineRequest(node_id=args.node),
+                    timeout=args.timeout,
+                    metadata=md,
                 )
                 print(r.message)
             elif args.action == "drain":
-                r = stub.Drain(agent_pb2.DrainRequest(timeout_s=args.wait), timeout=args.timeout)
+                r = stub.Drain(
+                    agent_pb2.DrainRequest(timeout_s=args.wait), timeout=args.timeout, metadata=md
+                )
                 print(r.message)
                 return 0 if r.accepted else 1
             else:
-                for e in stub.WatchEvents(agent_pb2.WatchEventsRequest()):
+                for e in stub.WatchEvents(agent_pb2.WatchEventsRequest(), metadata=md):
                     print(f"{e.time:.3f} gen={e.generation} {e.kind}: {e.message}", flush=True)
         except grpc.RpcError as exc:
             code = exc.code()

@@ -37,6 +37,7 @@ from elasticpp.names import parse_name
 from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
 from elasticpp.store.service import GRPC_OPTIONS, fetch_piece_callable
+from elasticpp.transport import Dialer
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class StateClient:
         busy_budget_s: float = BUSY_BUDGET_S,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        dialer: Dialer | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -130,7 +132,7 @@ class StateClient:
         self.busy_budget_s = busy_budget_s
         self._clock = clock
         self._rng = rng or random.Random()
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (dialer or Dialer()).channel(address, options=GRPC_OPTIONS)
         self._stub = state_pb2_grpc.StateServiceStub(self._channel)
         self._fetch = fetch_piece_callable(self._channel)
 
