@@ -498,3 +498,83 @@ def test_F13_event_streams_are_for_authorised_callers_only(doors: Doors) -> None
     status = subprocess.run([*ctl, "status", "--json"], capture_output=True, text=True)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["node_id"] == "node-0"
+
+
+@pytest.mark.timeout(360)
+def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curve(
+    tmp_path: Path,
+) -> None:
+    """Mutual TLS between the agents (state transfer, probes, the leader's holdings pull),
+    the control token, and an etcd that takes TLS only, client certificates and a user
+    confined to the job: a node is killed and comes back, and the job's loss curve is the
+    uninterrupted run's."""
+    import subprocess
+    import sys
+
+    from elasticpp.cluster.etcd_server import ServerTLS
+    from tests.integration.test_etcd_client_security import make_certs
+
+    steps = 300  # long enough that the killed node's return is planned in before the end
+    spec = {
+        **SPEC, "name": "closed", "global_batch": 8, "steps": steps, "seed": 3,
+        "snapshot_every": 1, "replication_copies": 1,
+    }  # fmt: skip
+    reference = tmp_path / "ref.jsonl"
+    subprocess.run(
+        [
+            sys.executable, "-m", "elasticpp.cli.main", "train", "--model", "tiny",
+            "--global-batch", "8", "--micro-batch", "2", "--steps", str(steps), "--seed", "3",
+            "--metrics", str(reference),
+        ],
+        check=True,
+        timeout=240,
+    )  # fmt: skip
+    expected = {int(r["step"]): float(r["loss"]) for r in map(json.loads, reference.open())}
+    doors = Doors(tmp_path, spec, nodes=2)  # dp=2: both nodes train
+    etcd_certs = make_certs(tmp_path / "etcd-certs")
+    (tmp_path / "etcd-pw").write_text("closed-s3cret\n")
+    doors.lc.etcd.tls = ServerTLS(
+        etcd_certs["ca.pem"], etcd_certs["server.pem"], etcd_certs["server.key"]
+    )
+    doors.lc.agent_args += (
+        "--etcd-ca", str(etcd_certs["ca.pem"]), "--etcd-cert", str(etcd_certs["client.pem"]),
+        "--etcd-key", str(etcd_certs["client.key"]), "--etcd-user", "agent-closed",
+        "--etcd-password-file", str(tmp_path / "etcd-pw"),
+    )  # fmt: skip
+    lc = doors.lc
+    try:
+        lc.etcd.start()
+        lc.etcd.enable_auth("root-pw")
+        root = "root:root-pw"
+        _etcdctl(lc.etcd, "role", "add", "closed", user=root)
+        _etcdctl(
+            lc.etcd, "role", "grant-permission", "closed", "readwrite", "/elasticpp/closed/",
+            "--prefix=true", user=root,
+        )  # fmt: skip
+        _etcdctl(lc.etcd, "user", "add", "agent-closed", "--new-user-password=closed-s3cret",
+                 user=root)  # fmt: skip
+        _etcdctl(lc.etcd, "user", "grant-role", "agent-closed", "closed", user=root)
+        for n in lc.nodes:
+            lc.start_node(n.node_id)
+        lc.wait_for(lambda: lc.max_step() >= 4, 180, "step 4")
+        lc.kill_node("node-1")
+        lost_at = lc.max_step()
+        lc.wait_for(lambda: lc.max_step() >= lost_at + 4, 180, "steps without node-1")
+        victim = lc.node("node-1")
+        (victim.state_dir / "metrics.jsonl").unlink()  # what it trains from now on
+        lc.start_node("node-1")
+
+        def rejoined() -> bool:
+            rows = victim.state_dir / "metrics.jsonl"
+            return rows.is_file() and bool(rows.read_text().strip())
+
+        lc.wait_for(rejoined, 120, "node-1 training again, planned back in over mutual TLS")
+        lc.wait_finished(240)
+        curve = lc.curve()
+        assert sorted(curve) == list(range(steps)), sorted(curve)[:10]
+        for step, (loss, _generation) in curve.items():
+            assert loss == pytest.approx(expected[step], rel=1e-4), step
+        logs = "".join(n.log_path.read_text() for n in lc.nodes if n.log_path)
+        assert "PERMISSION_DENIED" not in logs and "UNAUTHENTICATED" not in logs
+    finally:
+        doors.close()
