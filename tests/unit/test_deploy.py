@@ -187,6 +187,17 @@ VALUE_SETS = {
         "--set", "etcd.auth.user=elasticpp-demo",
         "--set", "etcd.auth.existingSecret=etcd-password",
     ],
+    "shared-certificate": [
+        "--set", "tls.mode=secret",
+        "--set", "tls.existingSecret=job-tls",
+        "--set", "tls.sharedIdentity=elasticpp-job",
+        "--set", "token.existingSecret=job-token",
+    ],
+    "plaintext": [
+        "--set", "tls.mode=none",
+        "--set", "agent.insecure=true",
+        "--set", "agent.advertise=podIP",
+    ],
     "cpu-ephemeral": [
         "--set", "agent.device=cpu",
         "--set", "persistence.enabled=false",
@@ -244,10 +255,42 @@ def test_statefulset_runs_the_agent_with_a_command_line_elasticpp_accepts():
     service = _one(docs, "Service")
     assert service["spec"]["clusterIP"] == "None"
     assert sts["spec"]["serviceName"] == service["metadata"]["name"]
-    # gRPC health probes on the agent's gRPC port.
+    # gRPC health probes on the plaintext health port (the kubelet presents no certificate);
+    # the gRPC port takes mutual TLS with the pod's own certificate (cert-manager's CSI).
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == ports["grpc"] == 7430
+        assert container[probe]["grpc"]["port"] == ports["health"] == 7431
+    assert args.health_listen == "0.0.0.0:7431" and ports["grpc"] == 7430
+    tls_dir = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["tls"]
+    for flag in (args.tls_cert, args.tls_key, args.tls_ca):
+        assert str(flag).startswith(tls_dir + "/")
+    assert not args.insecure and args.tls_shared_identity is None
+    csi = {v["name"]: v for v in pod["volumes"]}["tls"]["csi"]
+    assert csi["driver"] == "csi.cert-manager.io"
+    assert csi["volumeAttributes"]["csi.cert-manager.io/common-name"] == "${POD_NAME}"
+    dns = csi["volumeAttributes"]["csi.cert-manager.io/dns-names"]
+    assert _k8s_expand(dns.replace("${", "$(").replace("}", ")"), env) == args.advertise_host
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_certificate_and_the_token_come_from_secrets_elasticpp_accepts():
+    docs = _render(*VALUE_SETS["shared-certificate"])
+    container = _agent_container(docs)
+    env = {"POD_NAME": "rel-elasticpp-0", "POD_NAMESPACE": "train", "POD_IP": "10.1.2.3"}
+    args = _parse_cli([_k8s_expand(a, env) for a in container["command"][1:] + container["args"]])
+    assert args.tls_shared_identity == "elasticpp-job" and not args.insecure
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert str(args.token_file).startswith(mounts["token"] + "/")
+    assert str(args.tls_cert).startswith(mounts["tls"] + "/")
+    volumes = {
+        v["name"]: v for v in _one(docs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes["tls"]["secret"]["secretName"] == "job-tls"
+    assert volumes["token"]["secret"]["secretName"] == "job-token"
+    plain_container = _agent_container(_render(*VALUE_SETS["plaintext"]))
+    plain_argv = plain_container["command"][1:] + plain_container["args"]
+    plain = _parse_cli([_k8s_expand(a, env) for a in plain_argv])
+    assert plain.insecure and plain.tls_cert is None
 
 
 @pytest.mark.timeout(60)
@@ -291,8 +334,11 @@ def test_prestop_drains_through_elasticpp_ctl_within_the_grace_period():
     calls = [_parse_cli(argv) for argv in _elasticpp_calls(script)]
     assert [(c.command, c.action) for c in calls] == [("ctl", "drain"), ("ctl", "status")]
     drain = calls[0]
-    assert drain.agent == "127.0.0.1:7000" and drain.wait == 600
-    assert calls[1].agent == "127.0.0.1:7000"
+    # Through the control socket: token-free, and only inside the pod.
+    assert drain.agent == "unix:/run/elasticpp/ctl.sock" and drain.wait == 600
+    assert calls[1].agent == "unix:/run/elasticpp/ctl.sock"
+    args = _parse_cli(container["command"][1:] + container["args"])
+    assert str(args.control_socket) == "/run/elasticpp/ctl.sock"
     # Kubernetes must not kill the pod while the drain may still be running.
     assert pod["terminationGracePeriodSeconds"] > drain.wait + drain.timeout
 
@@ -414,6 +460,12 @@ IMPOSSIBLE = {
                               "etcd.auth: give both user and existingSecret"),
     "password-without-tls": (["--set", "etcd.auth.user=u", "--set", "etcd.auth.existingSecret=p"],
                              True, "etcd.auth needs etcd.tls"),
+    "no-issuer": (["--set", "tls.certManager.issuerName="], True,
+                  "tls.certManager.issuerName is required with tls.mode certManager"),
+    "secret-without-name": (["--set", "tls.mode=secret", "--set", "tls.existingSecret=s"],
+                            True, "tls.mode secret needs tls.existingSecret"),
+    "plaintext-unsaid": (["--set", "tls.mode=none"], True, "set agent.insecure to say so"),
+    "tls-by-ip": (["--set", "agent.advertise=podIP"], True, "agent.advertise must be dns"),
     "min-above-max": (["--set", "jobSpec.min_nodes=5"], True,
                       "jobSpec.min_nodes (5) exceeds jobSpec.max_nodes (4)"),
     "too-many-replicas": (["--set", "replicas=5"], True,
@@ -501,8 +553,16 @@ def _unit_environment(entries: list[tuple[str, str, str]], env_file: str) -> dic
     return env
 
 
+CREDENTIALS = "/run/credentials/elasticpp-agent.service"
+
+
 def _systemd_specifiers(value: str) -> str:
-    return value.replace("%S", "/var/lib").replace("%C", "/var/cache").replace("%H", "gpu-07")
+    for spec, text in (
+        ("%S", "/var/lib"), ("%C", "/var/cache"), ("%H", "gpu-07"), ("%d", CREDENTIALS),
+        ("%t", "/run"),
+    ):  # fmt: skip
+        value = value.replace(spec, text)
+    return value
 
 
 def _systemd_exec_argv(value: str, env: dict[str, str]) -> list[str]:
@@ -570,8 +630,16 @@ def test_systemd_unit_is_a_notify_service_that_drains_on_stop():
         calls.append(_parse_cli(expanded))
     assert [(c.command, c.action) for c in calls] == [("ctl", "drain")]
     drain = calls[0]
-    listen_port = env["ELASTICPP_LISTEN"].rsplit(":", 1)[1]
-    assert drain.agent == f"127.0.0.1:{listen_port}"
+    # Through the agent's control socket (ExecStart's --control-socket): no token needed.
+    assert drain.agent == "unix:/run/elasticpp/ctl.sock"
+    start = _parse_cli(_systemd_exec_argv(_unit_value(entries, "ExecStart"), env)[1:])
+    assert str(start.control_socket) == "/run/elasticpp/ctl.sock"
+    assert _unit_value(entries, "RuntimeDirectory") == "elasticpp"
+    # Mutual TLS on the gRPC port, the files handed over as systemd credentials.
+    loaded = {v.partition(":")[0] for _s, k, v in entries if k == "LoadCredential"}
+    for flag in (start.tls_cert, start.tls_key, start.tls_ca):
+        directory, _, name = str(flag).rpartition("/")
+        assert directory == CREDENTIALS and name in loaded, flag
     timeout_stop = int(_unit_value(entries, "TimeoutStopSec"))
     assert timeout_stop > drain.wait + drain.timeout
 
@@ -712,13 +780,19 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
     on the other node) while ExecStop waits for the agent to exit 0 by itself. Then the Helm
     chart's preStop hook stops the last agent and returns once it has exited."""
     import json
+    import shutil
     import socket
+    import tempfile
     import threading
     import uuid
 
     from elasticpp.agent.localcluster import descendants, free_ports, kill_tree
+    from tests.certs import issue, make_ca
 
     elasticpp = str(Path(sys.executable).parent / "elasticpp")
+    certs = tmp_path / "certs"
+    make_ca(certs)
+    run_root = Path(tempfile.mkdtemp(prefix="ep-run-"))  # unix socket paths are short
     entries = _unit_entries(UNIT.read_text(encoding="utf-8").replace(INSTALLED_BIN, elasticpp))
     spec = tmp_path / "job.yaml"
     spec.write_text(json.dumps(STOP_SPEC), encoding="utf-8")  # JSON is YAML
@@ -731,7 +805,6 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
                 f"ELASTICPP_JOB_SPEC={spec}",
                 f"ELASTICPP_NODE_ID={node_id}",
                 f"ELASTICPP_LISTEN=127.0.0.1:{grpc_port}",
-                f"ELASTICPP_CTL_ADDR=127.0.0.1:{grpc_port}",
                 f"ELASTICPP_METRICS_PORT={metrics_port}",
                 "ELASTICPP_DRAIN_WAIT_S=90",
                 "ELASTICPP_AGENT_OPTS=--slots 1 --device cpu",
@@ -744,11 +817,24 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
         }
         (root / "lib" / "elasticpp").mkdir(parents=True)  # systemd's StateDirectory=
         (root / "cache" / "elasticpp").mkdir(parents=True)  # CacheDirectory=
+        (run_root / node_id / "elasticpp").mkdir(parents=True)  # RuntimeDirectory=
+        credentials = root / "credentials"  # what LoadCredential= hands the service
+        credentials.mkdir()
+        cert, key = issue(certs, node_id)
+        for name, source in (("tls.crt", cert), ("tls.key", key), ("ca.crt", certs / "ca.pem")):
+            shutil.copy(source, credentials / name)
         return unit_env, root / "lib" / "elasticpp"
 
-    def exec_start(unit_env: dict[str, str], root: Path) -> list[str]:
+    def systemd_paths(text: str, state: Path) -> str:
+        node = state.parent.parent
+        text = text.replace(CREDENTIALS, str(node / "credentials"))
+        return text.replace("/run/", f"{run_root / node.name}/").replace(
+            "/var/lib", str(node / "lib")
+        )
+
+    def exec_start(unit_env: dict[str, str], state: Path) -> list[str]:
         argv = _systemd_exec_argv(_unit_value(entries, "ExecStart"), unit_env)
-        return [a.replace("/var/lib", str(root.parent)) for a in argv]
+        return [systemd_paths(a, state) for a in argv]
 
     notify_name = f"elasticpp-test-{uuid.uuid4().hex}"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -792,7 +878,9 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
         assert workers_a, "node-a has no worker processes"
 
         # systemctl stop: ExecStop with MAINPID, in the unit's environment.
-        stop_line = _systemd_specifiers(_unit_value(entries, "ExecStop").replace("$$", "$"))
+        stop_line = systemd_paths(
+            _systemd_specifiers(_unit_value(entries, "ExecStop").replace("$$", "$")), state_a
+        )
         stop = subprocess.run(
             shlex.split(stop_line),
             env={**os.environ, **env_a, "MAINPID": str(agent_a.pid)},
@@ -842,7 +930,11 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
         reaper_b = threading.Thread(target=agent_b.wait, daemon=True)
         reaper_b.start()
         port_b = env_b["ELASTICPP_LISTEN"].rsplit(":", 1)[1]
-        docs = _render("--set", f"agent.grpcPort={port_b}", "--set", "drain.waitSeconds=2")
+        socket_b = run_root / "node-b" / "elasticpp" / "ctl.sock"
+        docs = _render(
+            "--set", f"agent.grpcPort={port_b}", "--set", "drain.waitSeconds=2",
+            "--set", f"agent.controlSocket={socket_b}",
+        )  # fmt: skip
         hook = _agent_container(docs)["lifecycle"]["preStop"]["exec"]["command"]
         path = f"{Path(elasticpp).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         pre_stop = subprocess.run(
@@ -861,6 +953,7 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
         assert agent_b.returncode == 0, agent_b.returncode
     finally:
         notify.close()
+        shutil.rmtree(run_root, ignore_errors=True)
         for p in procs:
             if p.poll() is None:
                 kill_tree(p.pid)

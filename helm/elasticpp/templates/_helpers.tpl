@@ -99,6 +99,22 @@ that depends on them, so `helm template` and `helm install` fail before anything
 {{- if and .Values.etcd.auth.user (not $tls) }}
 {{- fail "etcd.auth needs etcd.tls: a password is sent to etcd only over TLS" }}
 {{- end }}
+{{- $mode := .Values.tls.mode }}
+{{- if and (eq $mode "certManager") (not .Values.tls.certManager.issuerName) }}
+{{- fail "tls.certManager.issuerName is required with tls.mode certManager (the issuer of the agents' certificates); or tls.mode secret with tls.existingSecret, or tls.mode none with agent.insecure" }}
+{{- end }}
+{{- if and (eq $mode "secret") (or (not .Values.tls.existingSecret) (not .Values.tls.sharedIdentity)) }}
+{{- fail "tls.mode secret needs tls.existingSecret (tls.crt, tls.key, ca.crt) and tls.sharedIdentity (its common name)" }}
+{{- end }}
+{{- if and (eq $mode "none") (not .Values.agent.insecure) }}
+{{- fail "tls.mode none serves plaintext, unauthenticated gRPC: set agent.insecure to say so" }}
+{{- end }}
+{{- if and (ne $mode "none") (ne .Values.agent.advertise "dns") }}
+{{- fail "agent.advertise must be dns with mutual TLS: peers check the pod's DNS name in its certificate" }}
+{{- end }}
+{{- if eq (int .Values.agent.healthPort) (int .Values.agent.grpcPort) }}
+{{- fail (printf "agent.grpcPort and agent.healthPort are both %d" (int .Values.agent.grpcPort)) }}
+{{- end }}
 {{- range $key := list "name" "model" "global_batch" "micro_batch" "steps" "seed" "min_nodes" "max_nodes" }}
 {{- if not (hasKey $spec $key) }}
 {{- fail (printf "jobSpec.%s is required (the job spec needs name, model, global_batch, micro_batch, steps, seed, min_nodes, max_nodes)" $key) }}
