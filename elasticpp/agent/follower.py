@@ -226,7 +226,7 @@ class FollowerPart:
                     "rank": slot.rank,
                     "store_host": host,
                     "store_port": int(port),
-                    "store_prefix": f"gen{gs.generation}",
+                    "store_prefix": gs.record.rendezvous_prefix,
                     "job": job,
                     "start_step": step,
                     "resume_dir": str(self._resume_dir(gs)) if step > 0 else self._init_path(),

@@ -17,6 +17,8 @@ import contextlib
 import logging
 import random
 import re
+import secrets
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,8 +37,18 @@ from elasticpp.store.client import StateClient
 
 log = logging.getLogger("elasticpp.agent")
 
-# A key of the rendezvous store: workers of generation G use the prefix `gen<G>` (`_assign`).
-_GEN_KEY = re.compile(r"gen([0-9]{1,19})/")
+# A key of the rendezvous store: workers of generation G use the prefix `gen<G>-<token>`
+# (`GenerationRecord.rendezvous_prefix`; `gen<G>` in records of earlier releases).
+_GEN_KEY = re.compile(r"gen([0-9]{1,19})(?:-[0-9a-f]{32})?/")
+
+
+def _listening_socket(host: str) -> socket.socket:
+    """A TCP socket listening on `host` (an address or a name), a free port."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.bind(address)
+    sock.listen(1024)
+    return sock
 
 
 class LeaderPart:
@@ -92,7 +104,8 @@ class LeaderPart:
         sick = SickNodes(self.spec.sick_policy())
         if self._vs.record is not None:
             sick.seed(self._vs.record.extra.get("strikes"))
-        self._ls = LeaderState(sick, leadership=leadership)
+        # A secret of the term's: each generation's rendezvous prefix is derived from it.
+        self._ls = LeaderState(sick, leadership=leadership, rendezvous_secret=secrets.token_hex(16))
         self._reread.raise_()  # the view (the one writer of `leader`) reads the key now
         self._start_rendezvous_store()
         self._event("decision", f"node {self.node_id} is the leader")
@@ -113,13 +126,19 @@ class LeaderPart:
 
         from torch.distributed import TCPStore
 
+        # The store listens on the advertised address alone: given a host, torch's store
+        # still binds every interface, so the socket is made here and handed over.
+        sock = _listening_socket(self.cfg.advertise_host)
+        port = sock.getsockname()[1]
         self._ls.tcpstore = TCPStore(
             self.cfg.advertise_host,
-            0,
+            port,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=60),
+            master_listen_fd=sock.fileno(),
         )
+        self._ls.tcpstore_socket = sock  # kept open for the store's term
         self._ls.store_address = f"{self.cfg.advertise_host}:{self._ls.tcpstore.port}"
 
     def _clean_rendezvous(self, generation: int) -> None:

@@ -22,6 +22,8 @@ class LeaderState:
     sick: SickNodes  # quarantines, strikes, the failure budget (elasticpp.agent.sick)
     leadership: Any = None  # the term (cluster.leases.Leadership) while this node leads
     tcpstore: Any = None  # the workers' rendezvous store this term hosts
+    tcpstore_socket: Any = None  # its listening socket, bound to the advertised address
+    rendezvous_secret: str = ""  # the term's secret behind each generation's store prefix
     store_address: str | None = None
     # re-planning
     replan_failures: int = 0  # generations in a row that failed before they trained

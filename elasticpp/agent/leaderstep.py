@@ -30,6 +30,8 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -232,6 +234,7 @@ def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Repla
             {n: str(members[n].get("incarnation")) for n in decision.nodes},
         ),
         "previous_layout": layout_of(rec),
+        **rendezvous_field(state.rendezvous_secret, generation),
         "detected_at": detection_time(obs, generation),
         "planned_at": obs.wall_s,
     }
@@ -251,6 +254,16 @@ def _plan_generation(state: LeaderState, obs: LeaderObservation, decision: Repla
         f"micro-batches {list(plan.microbatches)} ({decision.reason})"
     )
     return [WriteGeneration(record, obs.record_rev, decision.graceful, obs.now_s, message)]
+
+
+def rendezvous_field(secret: str, generation: int) -> dict[str, str]:
+    """The record's `rendezvous` token: the key prefix the generation's workers meet under
+    in the rendezvous store (`GenerationRecord.rendezvous_prefix`), derived from the term's
+    secret, so that nobody can guess the next generation's and seed its keys."""
+    if not secret:
+        return {}
+    mac = hmac.new(secret.encode(), f"rendezvous/{generation}".encode(), hashlib.sha256)
+    return {"rendezvous": mac.hexdigest()[:32]}
 
 
 def leader_generation_written(

@@ -10,6 +10,7 @@ import base64
 import enum
 import hashlib
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.interned import Interned
 
 FORMAT_VERSION = 1
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 # The largest value a reader parses: etcd's default request limit (1.5 MiB) is the largest a
 # writer could store with it; the job's largest record is ~40 KB at 2,048 nodes.
 MAX_VALUE_BYTES = 1536 * 1024
@@ -195,6 +197,18 @@ class GenerationRecord:
         return tuple(sorted(self.planned_nodes))
 
     @cached_property
+    def rendezvous_prefix(self) -> str:
+        """The key prefix the generation's workers meet under in the rendezvous store:
+        `gen<G>-<token>`, the leader's secret for this generation (`gen<G>` in records of
+        earlier releases). `ClusterDataError` if the token is not 32 hex digits."""
+        token = self.extra.get("rendezvous")
+        if token is None:
+            return f"gen{self.generation}"
+        if not isinstance(token, str) or not _TOKEN_RE.fullmatch(token):
+            raise ClusterDataError(f"generation record: rendezvous {token!r:.40} is not a token")
+        return f"gen{self.generation}-{token}"
+
+    @cached_property
     def incarnation_tags(self) -> dict[str, str]:
         """Planned node -> the tag of its agent's incarnation when planned (`incarnation_tag`);
         empty if the record has none. `ClusterDataError` if unreadable."""
@@ -268,6 +282,7 @@ class GenerationRecord:
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterDataError(f"generation record: bad field ({exc!r})") from None
         record.incarnation_tags  # noqa: B018 -- read once here: refused now, not mid-decision
+        record.rendezvous_prefix  # noqa: B018
         return record
 
 

@@ -1,16 +1,16 @@
 """The security review's findings, each replayed against a live agent (a real etcd, a real
 agent process with its workers, real gRPC on loopback) as the review reproduced it: every
-test here failed before its fix.
+test here failed before its fix (F1, F2 and F13: test_security_mtls.py; F14:
+test_etcd_client_security.py).
 
-One job runs for the whole module (a long one: it is stopped when the module ends); the
-tests act on it one after the other and each leaves it training.
+The etcd test runs first, alone; then one long job serves the others (stopped when the
+module ends): they act on it one after the other and each leaves it training.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.proctree import descendants
+from elasticpp.waiting import wait_until
 from tests.integration.test_agent_recovery import scrape
 
 SPEC: dict[str, Any] = {
@@ -40,6 +41,84 @@ SPEC: dict[str, Any] = {
 }
 
 
+def _etcdctl(server: Any, *args: str, user: str | None = None) -> None:
+    import subprocess
+
+    etcdctl = Path(server._binary).with_name("etcdctl")
+    tls = server.tls
+    base = [str(etcdctl), f"--endpoints=https://{server.endpoint}", f"--cacert={tls.ca_file}"]
+    base += [f"--cert={tls.cert_file}", f"--key={tls.key_file}"]
+    if user is not None:
+        base.append(f"--user={user}")
+    subprocess.run([*base, *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(240)
+def test_F3_agents_train_against_an_etcd_with_tls_client_certificates_and_a_confined_user(
+    tmp_path: Path,
+) -> None:
+    """The review's F3: no flag could turn on the etcd client's TLS, client certificates or
+    password, so every shipped deployment spoke plain, anonymous gRPC to etcd. Here etcd
+    takes TLS only, with client certificates of its CA and authentication on; the agent's
+    user may read and write its job's prefix and nothing else (the role docs/deploy.md
+    gives). A wrong password is a clear error, exit 2."""
+    from elasticpp.cluster.etcd_server import ServerTLS
+    from tests.integration.test_etcd_client_security import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    tls = ServerTLS(certs["ca.pem"], certs["server.pem"], certs["server.key"])
+    (tmp_path / "pw").write_text("agent-s3cret\n")
+    (tmp_path / "wrong").write_text("nope\n")
+    for f in ("pw", "wrong"):
+        (tmp_path / f).chmod(0o600)
+    flags = [
+        "--etcd-ca", str(certs["ca.pem"]), "--etcd-cert", str(certs["client.pem"]),
+        "--etcd-key", str(certs["client.key"]), "--etcd-user", "agent-tls",
+        "--etcd-password-file", str(tmp_path / "pw"),
+    ]  # fmt: skip
+    spec = {**SPEC, "name": "tlsjob", "steps": 8}
+    lc = LocalCluster(tmp_path / "job", spec, nodes=2, slots=1, etcd_tls=tls, agent_args=flags)
+    try:
+        lc.etcd.start()
+        lc.etcd.enable_auth("root-s3cret")
+        root = "root:root-s3cret"
+        _etcdctl(lc.etcd, "role", "add", "elasticpp-tlsjob", user=root)
+        _etcdctl(
+            lc.etcd, "role", "grant-permission", "elasticpp-tlsjob", "readwrite",
+            "/elasticpp/tlsjob/", "--prefix=true", user=root,
+        )  # fmt: skip
+        _etcdctl(lc.etcd, "user", "add", "agent-tls", "--new-user-password=agent-s3cret", user=root)
+        _etcdctl(lc.etcd, "user", "grant-role", "agent-tls", "elasticpp-tlsjob", user=root)
+        lc.start_node("node-0")
+        wrong = lc.start_node("node-1", args=["--etcd-password-file", str(tmp_path / "wrong")])
+        assert wrong.proc is not None
+        assert wrong.proc.wait(timeout=120) == 2
+        assert "authenticate as agent-tls" in wrong.log_path.read_text()
+        lc.start_node("node-1")  # the right password: it joins and trains
+        # F5: a forged `ended` record stopped every agent for good. With etcd's
+        # authentication on, a client of the job's etcd CA that is no user of the job's role
+        # cannot write it (nor anything else of the job).
+        from elasticpp.cluster.errors import ClusterError
+        from elasticpp.cluster.etcd_client import EtcdKV, EtcdSecurity
+
+        stranger = EtcdKV(
+            [f"https://{lc.etcd.endpoint}"],
+            security=EtcdSecurity(certs["ca.pem"], certs["client.pem"], certs["client.key"]),
+            request_timeout_s=2.0,
+        )
+        forged = {"format_version": 1, "status": "failed", "reason": "forged", "by": "node-0"}
+        try:
+            with pytest.raises(ClusterError):
+                stranger.put("/elasticpp/tlsjob/ended", json.dumps({**forged, "at": 0, "step": -1}))
+        finally:
+            stranger.close()
+        lc.wait_finished(180)  # every agent exits 0: the job finished, nothing ended it
+        curve = lc.curve()
+        assert sorted(curve) == list(range(8)), sorted(curve)
+    finally:
+        lc.close()
+
+
 def close_leaving_nothing(lc: LocalCluster) -> None:
     """Stop `lc`, and check that no process of its agents' trees outlived it (the module's
     two jobs run side by side: a check of every descendant would see the other's)."""
@@ -48,6 +127,8 @@ def close_leaving_nothing(lc: LocalCluster) -> None:
         if n.proc is not None:
             ours |= {n.proc.pid, *descendants(n.proc.pid)}
     lc.close()
+    # SIGKILLed processes take a moment to die: wait for it (a deadline, not a sleep).
+    wait_until(lambda: not any(_alive(p) for p in ours), 15)
     left = [p for p in ours if _alive(p)]
     assert not left, f"processes left behind: {left}"
 
@@ -240,67 +321,6 @@ def test_F10_oversized_numbers_and_names_get_invalid_argument_without_a_tracebac
     assert _tracebacks(job) == before
 
 
-def _etcdctl(server: Any, *args: str, user: str | None = None) -> None:
-    import subprocess
-
-    etcdctl = Path(server._binary).with_name("etcdctl")
-    tls = server.tls
-    base = [str(etcdctl), f"--endpoints=https://{server.endpoint}", f"--cacert={tls.ca_file}"]
-    base += [f"--cert={tls.cert_file}", f"--key={tls.key_file}"]
-    if user is not None:
-        base.append(f"--user={user}")
-    subprocess.run([*base, *args], check=True, capture_output=True, timeout=30)
-
-
-@pytest.mark.timeout(240)
-def test_F3_agents_train_against_an_etcd_with_tls_client_certificates_and_a_confined_user(
-    tmp_path: Path,
-) -> None:
-    """The review's F3: no flag could turn on the etcd client's TLS, client certificates or
-    password, so every shipped deployment spoke plain, anonymous gRPC to etcd. Here etcd
-    takes TLS only, with client certificates of its CA and authentication on; the agent's
-    user may read and write its job's prefix and nothing else (the role docs/deploy.md
-    gives). A wrong password is a clear error, exit 2."""
-    from elasticpp.cluster.etcd_server import ServerTLS
-    from tests.integration.test_etcd_client_security import make_certs
-
-    certs = make_certs(tmp_path / "certs")
-    tls = ServerTLS(certs["ca.pem"], certs["server.pem"], certs["server.key"])
-    (tmp_path / "pw").write_text("agent-s3cret\n")
-    (tmp_path / "wrong").write_text("nope\n")
-    for f in ("pw", "wrong"):
-        (tmp_path / f).chmod(0o600)
-    flags = [
-        "--etcd-ca", str(certs["ca.pem"]), "--etcd-cert", str(certs["client.pem"]),
-        "--etcd-key", str(certs["client.key"]), "--etcd-user", "agent-tls",
-        "--etcd-password-file", str(tmp_path / "pw"),
-    ]  # fmt: skip
-    spec = {**SPEC, "name": "tlsjob", "steps": 8}
-    lc = LocalCluster(tmp_path / "job", spec, nodes=2, slots=1, etcd_tls=tls, agent_args=flags)
-    try:
-        lc.etcd.start()
-        lc.etcd.enable_auth("root-s3cret")
-        root = "root:root-s3cret"
-        _etcdctl(lc.etcd, "role", "add", "elasticpp-tlsjob", user=root)
-        _etcdctl(
-            lc.etcd, "role", "grant-permission", "elasticpp-tlsjob", "readwrite",
-            "/elasticpp/tlsjob/", "--prefix=true", user=root,
-        )  # fmt: skip
-        _etcdctl(lc.etcd, "user", "add", "agent-tls", "--new-user-password=agent-s3cret", user=root)
-        _etcdctl(lc.etcd, "user", "grant-role", "agent-tls", "elasticpp-tlsjob", user=root)
-        lc.start_node("node-0")
-        wrong = lc.start_node("node-1", args=["--etcd-password-file", str(tmp_path / "wrong")])
-        assert wrong.proc is not None
-        assert wrong.proc.wait(timeout=120) == 2
-        assert "authenticate as agent-tls" in wrong.log_path.read_text()
-        lc.start_node("node-1")  # the right password: it joins and trains
-        lc.wait_finished(180)
-        curve = lc.curve()
-        assert sorted(curve) == list(range(8)), sorted(curve)
-    finally:
-        lc.close()
-
-
 def _listeners(port: int) -> set[str]:
     """The addresses a TCP socket of this machine listens on at `port` (/proc/net/tcp{,6})."""
     import ipaddress
@@ -329,252 +349,18 @@ def test_F9_metrics_bind_the_listen_host_not_every_interface(job: LocalCluster) 
     assert _listeners(node.metrics_port) == {"127.0.0.1"}
 
 
-# --------------------------------------------------------------------------- mutual TLS
-
-
-class Doors:
-    """A job whose agents take mutual TLS only, with a token for control calls and a
-    control socket each; and the certificates the tests call with."""
-
-    def __init__(self, root: Path, spec: dict[str, Any], nodes: int) -> None:
-        import tempfile
-
-        from tests.certs import issue, make_ca
-
-        self.certs = root / "certs"
-        make_ca(self.certs)
-        make_ca(self.certs, "other-ca")
-        for name in [f"node-{i}" for i in range(nodes)] + ["operator", "intruder"]:
-            issue(self.certs, name)
-        issue(self.certs, "stranger", ca="other-ca")
-        self.token = root / "token"
-        self.token.write_text("t0ken-" + os.urandom(16).hex() + "\n")
-        self.token.chmod(0o600)
-        # Unix socket paths are short (108 bytes): not under pytest's long tmp_path.
-        self.sockets = Path(tempfile.mkdtemp(prefix="ep-"))
-        c = self.certs
-        flags = [
-            "--tls-cert", f"{c}/{{node}}.pem", "--tls-key", f"{c}/{{node}}.key",
-            "--tls-ca", f"{c}/ca.pem", "--token-file", str(self.token),
-            "--control-socket", f"{self.sockets}/{{node}}.sock",
-        ]  # fmt: skip
-        self.lc = LocalCluster(root / "job", spec, nodes=nodes, slots=1, agent_args=flags)
-
-    def dialer(self, name: str | None, *, token: bool = False, ca: str = "ca") -> Any:
-        from elasticpp.transport import Dialer, TLSFiles, TokenFile
-
-        if name is None:
-            return Dialer()
-        c = self.certs
-        tls = TLSFiles(c / f"{name}.pem", c / f"{name}.key", c / f"{ca}.pem")
-        return Dialer(tls, TokenFile(self.token) if token else None)
-
-    def socket(self, node: str) -> str:
-        return f"unix:{self.sockets}/{node}.sock"
-
-    def close(self) -> None:
-        import shutil
-
-        try:
-            close_leaving_nothing(self.lc)
-        finally:
-            shutil.rmtree(self.sockets, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
-    d = Doors(tmp_path_factory.mktemp("mtls"), {**SPEC, "name": "mtlsjob"}, nodes=2)
-    try:
-        d.lc.start()
-        d.lc.wait_for(lambda: d.lc.max_step() >= 2, 120, "step 2 under mutual TLS")
-        yield d
-    finally:
-        d.close()
-
-
-def _agent_call(channel: grpc.Channel, method: str, request: Any, **kw: Any) -> Any:
-    from elasticpp.rpc.agent.v1 import agent_pb2_grpc
-
-    return getattr(agent_pb2_grpc.AgentServiceStub(channel), method)(request, timeout=10, **kw)
-
-
-@pytest.mark.timeout(120)
-def test_F1_control_calls_need_the_token_or_the_control_socket_and_strangers_get_nowhere(
-    doors: Doors,
+@pytest.mark.timeout(60)
+def test_F6_the_rendezvous_store_listens_on_the_advertised_address_under_a_secret_prefix(
+    job: LocalCluster,
 ) -> None:
-    """The review's F1: one anonymous plaintext Drain made a node leave within ~1 s, and
-    LiftQuarantine and GetStatus answered anyone. Now the port takes mutual TLS only: a
-    plaintext client and one with a certificate of another CA do not get a connection; an
-    operator's certificate reads status but needs the token to drain or lift; the control
-    socket needs none."""
-    from elasticpp.rpc.agent.v1 import agent_pb2
+    """The review's F6: the workers' TCPStore listened on every interface whatever host it
+    was given, under the predictable prefix `gen<G>`, so a stranger could pre-seed the next
+    generation's keys. Now it listens on the advertised address alone, and each generation's
+    workers meet under a prefix with the leader's fresh secret, written with the record."""
+    import re
 
-    address = doors.lc.nodes[0].address
-    drain = agent_pb2.DrainRequest(timeout_s=1e-9)
-    for dialer in (doors.dialer(None), doors.dialer("stranger", ca="other-ca")):
-        with dialer.channel(address) as ch:
-            code, _ = _code(lambda ch=ch: [_agent_call(ch, "Drain", drain)])
-            assert code is grpc.StatusCode.UNAVAILABLE, code  # no TLS session at all
-    # The stranger's certificate against our CA: the handshake fails on the server's side.
-    with doors.dialer("stranger").channel(address) as ch:
-        code, _ = _code(lambda: [_agent_call(ch, "GetStatus", agent_pb2.GetStatusRequest())])
-        assert code is grpc.StatusCode.UNAVAILABLE, code
-    with doors.dialer("operator").channel(address) as ch:
-        status = _agent_call(ch, "GetStatus", agent_pb2.GetStatusRequest())
-        assert status.node_id == "node-0"
-        for method, request in (
-            ("Drain", drain),
-            ("LiftQuarantine", agent_pb2.LiftQuarantineRequest(node_id="node-1")),
-        ):
-            code, _ = _code(lambda m=method, r=request: [_agent_call(ch, m, r)])
-            assert code is grpc.StatusCode.UNAUTHENTICATED, (method, code)
-    with doors.dialer("operator", token=True).channel(address) as ch:
-        lift = agent_pb2.LiftQuarantineRequest(node_id="nobody")
-        code, _ = _code(lambda: [_agent_call(ch, "LiftQuarantine", lift)])
-        assert code is grpc.StatusCode.NOT_FOUND  # past the door: nobody is quarantined
-    with doors.dialer(None).channel(doors.socket("node-0")) as ch:
-        lift = agent_pb2.LiftQuarantineRequest(node_id="nobody")
-        code, _ = _code(lambda: [_agent_call(ch, "LiftQuarantine", lift)])
-        assert code is grpc.StatusCode.NOT_FOUND
-    assert (doors.sockets / "node-0.sock").stat().st_mode & 0o777 == 0o600
-    _trains_on(doors.lc, doors.lc.max_step())  # nothing of this moved the job
-    log = doors.lc.nodes[0].log_path.read_text()
-    assert "audit: LiftQuarantine by operator" in log and "audit: Drain" not in log
-    assert doors.token.read_text().strip() not in log
-
-
-@pytest.mark.timeout(120)
-def test_F2_only_the_jobs_nodes_may_list_or_fetch_state(doors: Doors) -> None:
-    """The review's F2: anyone could list and download every weight and Adam moment. Now the
-    state service serves a certificate whose name is a node of the job, and no other: not
-    an operator's, not another name the same CA signed."""
-    from elasticpp.rpc.state.v1 import state_pb2
-
-    address = doors.lc.nodes[0].address
-    generation = 2**64 - 1  # the caller's claim no longer opens anything by itself
-    for name in ("intruder", "operator"):
-        with doors.dialer(name, token=True).channel(address) as ch:
-            request = state_pb2.ListStepsRequest(generation=generation)
-            code, details = _code(lambda ch=ch, r=request: [_state(ch).ListSteps(r, timeout=10)])
-            assert code is grpc.StatusCode.PERMISSION_DENIED, (name, code)
-            assert "is not a node of this job" in details
-            fetch = state_pb2.FetchPieceRequest(
-                generation=generation, step=10, name="embed.tp0-1.safetensors", origin_node="node-0"
-            )
-            code, _ = _code(lambda ch=ch, r=fetch: _state(ch).FetchPiece(r, timeout=10))
-            assert code is grpc.StatusCode.PERMISSION_DENIED, (name, code)
-    with doors.dialer("node-1").channel(address) as ch:
-        reply = _state(ch).ListSteps(state_pb2.ListStepsRequest(generation=generation), timeout=10)
-        assert reply.node_id == "node-0"
-
-
-@pytest.mark.timeout(120)
-def test_F13_event_streams_are_for_authorised_callers_only(doors: Doors) -> None:
-    """The review's F13: four anonymous WatchEvents streams took every slot, and the
-    operator's `ctl events` was refused. Now a stream needs the token: strangers hold none."""
-    import subprocess
-    import sys
-
-    from elasticpp.rpc.agent.v1 import agent_pb2
-
-    address = doors.lc.nodes[0].address
-    with doors.dialer("intruder").channel(address) as ch:
-        for _ in range(6):
-            stream = _agent_call(ch, "WatchEvents", agent_pb2.WatchEventsRequest())
-            code, _ = _code(lambda s=stream: next(s))
-            assert code is grpc.StatusCode.UNAUTHENTICATED, code
-    c = doors.certs
-    ctl = [
-        sys.executable, "-m", "elasticpp.cli.main", "ctl", "--agent", address,
-        "--tls-cert", str(c / "operator.pem"), "--tls-key", str(c / "operator.key"),
-        "--tls-ca", str(c / "ca.pem"), "--token-file", str(doors.token), "--timeout", "10",
-    ]  # fmt: skip
-    with subprocess.Popen([*ctl, "events"], stdout=subprocess.PIPE, text=True) as events:
-        try:
-            assert events.stdout is not None
-            assert "gen=" in events.stdout.readline()  # the agent's decisions, streamed
-        finally:
-            events.kill()
-    status = subprocess.run([*ctl, "status", "--json"], capture_output=True, text=True)
-    assert status.returncode == 0, status.stderr
-    assert json.loads(status.stdout)["node_id"] == "node-0"
-
-
-@pytest.mark.timeout(360)
-def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curve(
-    tmp_path: Path,
-) -> None:
-    """Mutual TLS between the agents (state transfer, probes, the leader's holdings pull),
-    the control token, and an etcd that takes TLS only, client certificates and a user
-    confined to the job: a node is killed and comes back, and the job's loss curve is the
-    uninterrupted run's."""
-    import subprocess
-    import sys
-
-    from elasticpp.cluster.etcd_server import ServerTLS
-    from tests.integration.test_etcd_client_security import make_certs
-
-    steps = 300  # long enough that the killed node's return is planned in before the end
-    spec = {
-        **SPEC, "name": "closed", "global_batch": 8, "steps": steps, "seed": 3,
-        "snapshot_every": 1, "replication_copies": 1,
-    }  # fmt: skip
-    reference = tmp_path / "ref.jsonl"
-    subprocess.run(
-        [
-            sys.executable, "-m", "elasticpp.cli.main", "train", "--model", "tiny",
-            "--global-batch", "8", "--micro-batch", "2", "--steps", str(steps), "--seed", "3",
-            "--metrics", str(reference),
-        ],
-        check=True,
-        timeout=240,
-    )  # fmt: skip
-    expected = {int(r["step"]): float(r["loss"]) for r in map(json.loads, reference.open())}
-    doors = Doors(tmp_path, spec, nodes=2)  # dp=2: both nodes train
-    etcd_certs = make_certs(tmp_path / "etcd-certs")
-    (tmp_path / "etcd-pw").write_text("closed-s3cret\n")
-    doors.lc.etcd.tls = ServerTLS(
-        etcd_certs["ca.pem"], etcd_certs["server.pem"], etcd_certs["server.key"]
-    )
-    doors.lc.agent_args += (
-        "--etcd-ca", str(etcd_certs["ca.pem"]), "--etcd-cert", str(etcd_certs["client.pem"]),
-        "--etcd-key", str(etcd_certs["client.key"]), "--etcd-user", "agent-closed",
-        "--etcd-password-file", str(tmp_path / "etcd-pw"),
-    )  # fmt: skip
-    lc = doors.lc
-    try:
-        lc.etcd.start()
-        lc.etcd.enable_auth("root-pw")
-        root = "root:root-pw"
-        _etcdctl(lc.etcd, "role", "add", "closed", user=root)
-        _etcdctl(
-            lc.etcd, "role", "grant-permission", "closed", "readwrite", "/elasticpp/closed/",
-            "--prefix=true", user=root,
-        )  # fmt: skip
-        _etcdctl(lc.etcd, "user", "add", "agent-closed", "--new-user-password=closed-s3cret",
-                 user=root)  # fmt: skip
-        _etcdctl(lc.etcd, "user", "grant-role", "agent-closed", "closed", user=root)
-        for n in lc.nodes:
-            lc.start_node(n.node_id)
-        lc.wait_for(lambda: lc.max_step() >= 4, 180, "step 4")
-        lc.kill_node("node-1")
-        lost_at = lc.max_step()
-        lc.wait_for(lambda: lc.max_step() >= lost_at + 4, 180, "steps without node-1")
-        victim = lc.node("node-1")
-        (victim.state_dir / "metrics.jsonl").unlink()  # what it trains from now on
-        lc.start_node("node-1")
-
-        def rejoined() -> bool:
-            rows = victim.state_dir / "metrics.jsonl"
-            return rows.is_file() and bool(rows.read_text().strip())
-
-        lc.wait_for(rejoined, 120, "node-1 training again, planned back in over mutual TLS")
-        lc.wait_finished(240)
-        curve = lc.curve()
-        assert sorted(curve) == list(range(steps)), sorted(curve)[:10]
-        for step, (loss, _generation) in curve.items():
-            assert loss == pytest.approx(expected[step], rel=1e-4), step
-        logs = "".join(n.log_path.read_text() for n in lc.nodes if n.log_path)
-        assert "PERMISSION_DENIED" not in logs and "UNAUTHENTICATED" not in logs
-    finally:
-        doors.close()
+    record, _ = _generation(job)
+    assert record.store_address is not None
+    host, _, port = record.store_address.rpartition(":")
+    assert _listeners(int(port)) == {host} == {"127.0.0.1"}
+    assert re.fullmatch(rf"gen{record.generation}-[0-9a-f]{{32}}", record.rendezvous_prefix)

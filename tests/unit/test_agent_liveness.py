@@ -354,9 +354,13 @@ def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_st
     settle(agent)
     agent._lead()
     assert len(steps) == 1  # the first round's verdicts are in: the step is taken
+    # The expired ones are probed anew: held open, so that they are still out when looked
+    # at (an answer that came at once could end the round before the assertion).
+    probes.gate = threading.Event()
     agent._lead()
     assert len(steps) == 2  # later rounds (the expired ones, started now) are not waited for
     assert agent._lvs.probing
+    probes.gate.set()
     settle(agent)
     agent._probe_pool.shutdown()
 

@@ -1,0 +1,274 @@
+"""Mutual TLS on the agents' port, the control token and socket, and the state service's
+node identities, against live agents (the security review's F1, F2 and F13; each test
+failed before its fix, where no agent took a certificate at all). The job with every door
+closed runs first, alone; then one long job serves the tests of the doors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from elasticpp.agent.localcluster import LocalCluster
+from tests.integration.test_security_findings import (
+    SPEC,
+    _code,
+    _etcdctl,
+    _state,
+    _trains_on,
+    close_leaving_nothing,
+)
+
+
+class Doors:
+    """A job whose agents take mutual TLS only, with a token for control calls and a
+    control socket each; and the certificates the tests call with."""
+
+    def __init__(self, root: Path, spec: dict[str, Any], nodes: int) -> None:
+        import tempfile
+
+        from tests.certs import issue, make_ca
+
+        self.certs = root / "certs"
+        make_ca(self.certs)
+        make_ca(self.certs, "other-ca")
+        for name in [f"node-{i}" for i in range(nodes)] + ["operator", "intruder"]:
+            issue(self.certs, name)
+        issue(self.certs, "stranger", ca="other-ca")
+        self.token = root / "token"
+        self.token.write_text("t0ken-" + os.urandom(16).hex() + "\n")
+        self.token.chmod(0o600)
+        # Unix socket paths are short (108 bytes): not under pytest's long tmp_path.
+        self.sockets = Path(tempfile.mkdtemp(prefix="ep-"))
+        c = self.certs
+        flags = [
+            "--tls-cert", f"{c}/{{node}}.pem", "--tls-key", f"{c}/{{node}}.key",
+            "--tls-ca", f"{c}/ca.pem", "--token-file", str(self.token),
+            "--control-socket", f"{self.sockets}/{{node}}.sock",
+        ]  # fmt: skip
+        self.lc = LocalCluster(root / "job", spec, nodes=nodes, slots=1, agent_args=flags)
+
+    def dialer(self, name: str | None, *, token: bool = False, ca: str = "ca") -> Any:
+        from elasticpp.transport import Dialer, TLSFiles, TokenFile
+
+        if name is None:
+            return Dialer()
+        c = self.certs
+        tls = TLSFiles(c / f"{name}.pem", c / f"{name}.key", c / f"{ca}.pem")
+        return Dialer(tls, TokenFile(self.token) if token else None)
+
+    def socket(self, node: str) -> str:
+        return f"unix:{self.sockets}/{node}.sock"
+
+    def close(self) -> None:
+        import shutil
+
+        try:
+            close_leaving_nothing(self.lc)
+        finally:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+@pytest.mark.timeout(360)
+def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curve(
+    tmp_path: Path,
+) -> None:
+    """Mutual TLS between the agents (state transfer, probes, the leader's holdings pull),
+    the control token, and an etcd that takes TLS only, client certificates and a user
+    confined to the job: a node is killed and comes back, and the job's loss curve is the
+    uninterrupted run's."""
+    import subprocess
+    import sys
+
+    from elasticpp.cluster.etcd_server import ServerTLS
+    from tests.integration.test_etcd_client_security import make_certs
+
+    steps = 300  # long enough that the killed node's return is planned in before the end
+    spec = {
+        **SPEC, "name": "closed", "global_batch": 8, "steps": steps, "seed": 3,
+        "snapshot_every": 1, "replication_copies": 1,
+    }  # fmt: skip
+    reference = tmp_path / "ref.jsonl"
+    subprocess.run(
+        [
+            sys.executable, "-m", "elasticpp.cli.main", "train", "--model", "tiny",
+            "--global-batch", "8", "--micro-batch", "2", "--steps", str(steps), "--seed", "3",
+            "--metrics", str(reference),
+        ],
+        check=True,
+        timeout=240,
+    )  # fmt: skip
+    expected = {int(r["step"]): float(r["loss"]) for r in map(json.loads, reference.open())}
+    doors = Doors(tmp_path, spec, nodes=2)  # dp=2: both nodes train
+    etcd_certs = make_certs(tmp_path / "etcd-certs")
+    (tmp_path / "etcd-pw").write_text("closed-s3cret\n")
+    doors.lc.etcd.tls = ServerTLS(
+        etcd_certs["ca.pem"], etcd_certs["server.pem"], etcd_certs["server.key"]
+    )
+    doors.lc.agent_args += (
+        "--etcd-ca", str(etcd_certs["ca.pem"]), "--etcd-cert", str(etcd_certs["client.pem"]),
+        "--etcd-key", str(etcd_certs["client.key"]), "--etcd-user", "agent-closed",
+        "--etcd-password-file", str(tmp_path / "etcd-pw"),
+    )  # fmt: skip
+    lc = doors.lc
+    try:
+        lc.etcd.start()
+        lc.etcd.enable_auth("root-pw")
+        root = "root:root-pw"
+        _etcdctl(lc.etcd, "role", "add", "closed", user=root)
+        _etcdctl(
+            lc.etcd, "role", "grant-permission", "closed", "readwrite", "/elasticpp/closed/",
+            "--prefix=true", user=root,
+        )  # fmt: skip
+        _etcdctl(lc.etcd, "user", "add", "agent-closed", "--new-user-password=closed-s3cret",
+                 user=root)  # fmt: skip
+        _etcdctl(lc.etcd, "user", "grant-role", "agent-closed", "closed", user=root)
+        for n in lc.nodes:
+            lc.start_node(n.node_id)
+        lc.wait_for(lambda: lc.max_step() >= 4, 180, "step 4")
+        lc.kill_node("node-1")
+        lost_at = lc.max_step()
+        lc.wait_for(lambda: lc.max_step() >= lost_at + 4, 180, "steps without node-1")
+        victim = lc.node("node-1")
+        (victim.state_dir / "metrics.jsonl").unlink()  # what it trains from now on
+        lc.start_node("node-1")
+
+        def rejoined() -> bool:
+            rows = victim.state_dir / "metrics.jsonl"
+            return rows.is_file() and bool(rows.read_text().strip())
+
+        lc.wait_for(rejoined, 120, "node-1 training again, planned back in over mutual TLS")
+        lc.wait_finished(240)
+        curve = lc.curve()
+        assert sorted(curve) == list(range(steps)), sorted(curve)[:10]
+        for step, (loss, _generation) in curve.items():
+            assert loss == pytest.approx(expected[step], rel=1e-4), step
+        logs = "".join(n.log_path.read_text() for n in lc.nodes if n.log_path)
+        assert "PERMISSION_DENIED" not in logs and "UNAUTHENTICATED" not in logs
+    finally:
+        doors.close()
+
+
+@pytest.fixture(scope="module")
+def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
+    d = Doors(tmp_path_factory.mktemp("mtls"), {**SPEC, "name": "mtlsjob"}, nodes=2)
+    try:
+        d.lc.start()
+        d.lc.wait_for(lambda: d.lc.max_step() >= 2, 120, "step 2 under mutual TLS")
+        yield d
+    finally:
+        d.close()
+
+
+def _agent_call(channel: grpc.Channel, method: str, request: Any, **kw: Any) -> Any:
+    from elasticpp.rpc.agent.v1 import agent_pb2_grpc
+
+    return getattr(agent_pb2_grpc.AgentServiceStub(channel), method)(request, timeout=10, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_F1_control_calls_need_the_token_or_the_control_socket_and_strangers_get_nowhere(
+    doors: Doors,
+) -> None:
+    """The review's F1: one anonymous plaintext Drain made a node leave within ~1 s, and
+    LiftQuarantine and GetStatus answered anyone. Now the port takes mutual TLS only: a
+    plaintext client and one with a certificate of another CA do not get a connection; an
+    operator's certificate reads status but needs the token to drain or lift; the control
+    socket needs none."""
+    from elasticpp.rpc.agent.v1 import agent_pb2
+
+    address = doors.lc.nodes[0].address
+    drain = agent_pb2.DrainRequest(timeout_s=1e-9)
+    for dialer in (doors.dialer(None), doors.dialer("stranger", ca="other-ca")):
+        with dialer.channel(address) as ch:
+            code, _ = _code(lambda ch=ch: [_agent_call(ch, "Drain", drain)])
+            assert code is grpc.StatusCode.UNAVAILABLE, code  # no TLS session at all
+    # The stranger's certificate against our CA: the handshake fails on the server's side.
+    with doors.dialer("stranger").channel(address) as ch:
+        code, _ = _code(lambda: [_agent_call(ch, "GetStatus", agent_pb2.GetStatusRequest())])
+        assert code is grpc.StatusCode.UNAVAILABLE, code
+    with doors.dialer("operator").channel(address) as ch:
+        status = _agent_call(ch, "GetStatus", agent_pb2.GetStatusRequest())
+        assert status.node_id == "node-0"
+        for method, request in (
+            ("Drain", drain),
+            ("LiftQuarantine", agent_pb2.LiftQuarantineRequest(node_id="node-1")),
+        ):
+            code, _ = _code(lambda m=method, r=request: [_agent_call(ch, m, r)])
+            assert code is grpc.StatusCode.UNAUTHENTICATED, (method, code)
+    with doors.dialer("operator", token=True).channel(address) as ch:
+        lift = agent_pb2.LiftQuarantineRequest(node_id="nobody")
+        code, _ = _code(lambda: [_agent_call(ch, "LiftQuarantine", lift)])
+        assert code is grpc.StatusCode.NOT_FOUND  # past the door: nobody is quarantined
+    with doors.dialer(None).channel(doors.socket("node-0")) as ch:
+        lift = agent_pb2.LiftQuarantineRequest(node_id="nobody")
+        code, _ = _code(lambda: [_agent_call(ch, "LiftQuarantine", lift)])
+        assert code is grpc.StatusCode.NOT_FOUND
+    assert (doors.sockets / "node-0.sock").stat().st_mode & 0o777 == 0o600
+    _trains_on(doors.lc, doors.lc.max_step())  # nothing of this moved the job
+    log = doors.lc.nodes[0].log_path.read_text()
+    assert "audit: LiftQuarantine by operator" in log and "audit: Drain" not in log
+    assert doors.token.read_text().strip() not in log
+
+
+@pytest.mark.timeout(120)
+def test_F2_only_the_jobs_nodes_may_list_or_fetch_state(doors: Doors) -> None:
+    """The review's F2: anyone could list and download every weight and Adam moment. Now the
+    state service serves a certificate whose name is a node of the job, and no other: not
+    an operator's, not another name the same CA signed."""
+    from elasticpp.rpc.state.v1 import state_pb2
+
+    address = doors.lc.nodes[0].address
+    generation = 2**64 - 1  # the caller's claim no longer opens anything by itself
+    for name in ("intruder", "operator"):
+        with doors.dialer(name, token=True).channel(address) as ch:
+            request = state_pb2.ListStepsRequest(generation=generation)
+            code, details = _code(lambda ch=ch, r=request: [_state(ch).ListSteps(r, timeout=10)])
+            assert code is grpc.StatusCode.PERMISSION_DENIED, (name, code)
+            assert "is not a node of this job" in details
+            fetch = state_pb2.FetchPieceRequest(
+                generation=generation, step=10, name="embed.tp0-1.safetensors", origin_node="node-0"
+            )
+            code, _ = _code(lambda ch=ch, r=fetch: _state(ch).FetchPiece(r, timeout=10))
+            assert code is grpc.StatusCode.PERMISSION_DENIED, (name, code)
+    with doors.dialer("node-1").channel(address) as ch:
+        reply = _state(ch).ListSteps(state_pb2.ListStepsRequest(generation=generation), timeout=10)
+        assert reply.node_id == "node-0"
+
+
+@pytest.mark.timeout(120)
+def test_F13_event_streams_are_for_authorised_callers_only(doors: Doors) -> None:
+    """The review's F13: four anonymous WatchEvents streams took every slot, and the
+    operator's `ctl events` was refused. Now a stream needs the token: strangers hold none."""
+    import subprocess
+    import sys
+
+    from elasticpp.rpc.agent.v1 import agent_pb2
+
+    address = doors.lc.nodes[0].address
+    with doors.dialer("intruder").channel(address) as ch:
+        for _ in range(6):
+            stream = _agent_call(ch, "WatchEvents", agent_pb2.WatchEventsRequest())
+            code, _ = _code(lambda s=stream: next(s))
+            assert code is grpc.StatusCode.UNAUTHENTICATED, code
+    c = doors.certs
+    ctl = [
+        sys.executable, "-m", "elasticpp.cli.main", "ctl", "--agent", address,
+        "--tls-cert", str(c / "operator.pem"), "--tls-key", str(c / "operator.key"),
+        "--tls-ca", str(c / "ca.pem"), "--token-file", str(doors.token), "--timeout", "10",
+    ]  # fmt: skip
+    with subprocess.Popen([*ctl, "events"], stdout=subprocess.PIPE, text=True) as events:
+        try:
+            assert events.stdout is not None
+            assert "gen=" in events.stdout.readline()  # the agent's decisions, streamed
+        finally:
+            events.kill()
+    status = subprocess.run([*ctl, "status", "--json"], capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["node_id"] == "node-0"
