@@ -39,7 +39,7 @@ RULES_DIR = ROOT / "deploy" / "prometheus"
 TOOLS_DIR = ROOT / ".venv" / "tools"
 # The chart's kubeVersion floor (gRPC probes are GA from 1.27) and the newest schemas we have.
 KUBE_VERSIONS = ("1.27", "1.37")
-BUILTIN_API_GROUPS = ("v1", "apps/v1", "policy/v1")
+BUILTIN_API_GROUPS = ("v1", "apps/v1", "policy/v1", "networking.k8s.io/v1")
 INSTALLED_BIN = "/usr/local/bin/elasticpp"
 
 HOW_TO_GET = {
@@ -273,6 +273,31 @@ def test_statefulset_runs_the_agent_with_a_command_line_elasticpp_accepts():
 
 
 @pytest.mark.timeout(60)
+def test_the_network_policy_admits_the_jobs_agents_the_probes_and_prometheus_alone():
+    """F7: every pod in the cluster could reach the agents' gRPC and metrics ports."""
+    docs = _render()
+    policy = _one(docs, "NetworkPolicy")
+    container = _agent_container(docs)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    selector = _one(docs, "StatefulSet")["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    agents, probes, metrics = policy["spec"]["ingress"]
+    assert agents == {"from": [{"podSelector": {"matchLabels": selector}}]}  # every port
+    assert probes == {"ports": [{"port": ports["health"], "protocol": "TCP"}]}
+    assert metrics["ports"] == [{"port": ports["metrics"], "protocol": "TCP"}]
+    assert "namespaceSelector" in metrics["from"][0]
+    # Nothing else reaches the gRPC port: it is in no rule but the agents' own.
+    assert all(
+        "ports" not in rule or ports["grpc"] not in [p["port"] for p in rule["ports"]]
+        for rule in (probes, metrics)
+    )
+    assert "NetworkPolicy" not in {
+        d["kind"] for d in _render("--set", "networkPolicy.enabled=false")
+    }
+
+
+@pytest.mark.timeout(60)
 def test_a_shared_certificate_and_the_token_come_from_secrets_elasticpp_accepts():
     docs = _render(*VALUE_SETS["shared-certificate"])
     container = _agent_container(docs)
@@ -370,8 +395,8 @@ def test_jobspec_configmap_is_what_the_agent_loads(tmp_path: Path):
 
 @pytest.mark.timeout(60)
 def test_optional_objects_follow_their_flags():
-    assert {d["kind"] for d in _render()} == {"ConfigMap", "Service", "ServiceAccount",
-                                              "StatefulSet"}  # fmt: skip
+    assert {d["kind"] for d in _render()} == {"ConfigMap", "NetworkPolicy", "Service",
+                                              "ServiceAccount", "StatefulSet"}  # fmt: skip
     docs = _render(*VALUE_SETS["everything-on"])
     pdb = _one(docs, "PodDisruptionBudget")
     # By default an eviction may not take the job below min_nodes.
