@@ -140,8 +140,57 @@ LIST_STEPS_METHOD = f"/{SERVICE_NAME}/ListSteps"
 FETCH_PIECE_METHOD = f"/{SERVICE_NAME}/FetchPiece"
 
 
+# A piece stream the caller reads slower than this (after STREAM_GRACE_S) is cut: the same
+# floor as the client's own stall rule, so a slow or idle reader cannot hold a slot for ever.
+MIN_BYTES_PER_S = 1 << 20
+STREAM_GRACE_S = 30.0
+
+
+class PeerSlots:
+    """At most `total` piece streams at once, and at most `per_peer` of them for one caller
+    (its certificate's name, else its address): one peer cannot take every slot."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total = total
+        self.per_peer = max(1, min(per_peer, total))
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def take(self, peer: str) -> bool:
+        with self._lock:
+            if sum(self._held.values()) >= self.total or self._held.get(peer, 0) >= self.per_peer:
+                return False
+            self._held[peer] = self._held.get(peer, 0) + 1
+            return True
+
+    def give(self, peer: str) -> None:
+        with self._lock:
+            left = self._held.get(peer, 0) - 1
+            if left > 0:
+                self._held[peer] = left
+            else:
+                self._held.pop(peer, None)
+
+    def held(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._held)
+
+
+def caller_of(context: grpc.ServicerContext) -> str:
+    """Who is calling: the common name of its TLS client certificate, else its address."""
+    names = (context.auth_context() or {}).get("x509_common_name") or []
+    if names:
+        return "cn:" + names[0].decode("utf-8", "replace")
+    peer = str(context.peer())
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
 class StateServicer(state_pb2_grpc.StateServiceServicer):
-    """Serves one `LocalStore`. `generation_fn` returns the node's current plan generation."""
+    """Serves one `LocalStore`. `generation_fn` returns the node's current plan generation.
+
+    Piece streams: at most `max_fetch_streams` at once and `max_streams_per_peer` for one
+    caller; a stream read slower than `min_bytes_per_s` (after `grace_s`) is cancelled by the
+    server, so a slow or idle reader frees its slot."""
 
     def __init__(
         self,
@@ -149,6 +198,10 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
         generation_fn: Callable[[], int],
         chunk_bytes: int = CHUNK_BYTES,
         max_fetch_streams: int | None = None,
+        *,
+        max_streams_per_peer: int = 4,
+        min_bytes_per_s: float = MIN_BYTES_PER_S,
+        grace_s: float = STREAM_GRACE_S,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes > MAX_MESSAGE_BYTES - 4096:
             raise ConfigError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
@@ -160,8 +213,10 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
         # Piece streams have a limit of their own, so that a burst of transfers can never
         # take the server threads that health checks and other unary calls need.
         self._fetch_slots = (
-            threading.BoundedSemaphore(max_fetch_streams) if max_fetch_streams else None
+            PeerSlots(max_fetch_streams, max_streams_per_peer) if max_fetch_streams else None
         )
+        self._min_bytes_per_s = min_bytes_per_s
+        self._grace_s = grace_s
 
     def _check_generation(
         self, requested: int, requested_epoch: int, context: grpc.ServicerContext
@@ -216,14 +271,15 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
         except (ConfigError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         slots = self._fetch_slots
-        if slots is not None and not slots.acquire(blocking=False):
+        caller = caller_of(context)
+        if slots is not None and not slots.take(caller):
             # The client asks again after a jittered, growing pause (busy, not broken).
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many piece transfers now")
         try:
             yield from self._serve_piece(origin, key, request, context)
         finally:
             if slots is not None:
-                slots.release()
+                slots.give(caller)
 
     def _serve_piece(
         self,
@@ -244,7 +300,16 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
                 # corrupt here is dropped, not fetched by peer after peer.
                 check = request.verify and request.offset == 0
                 digest = hashlib.sha256() if check else None
-                yield from self._stream(f, info.size, info.sha256, request, context, digest)
+                # A server-side deadline for the stream: a reader below the rate floor is
+                # cut (while it does not read, this generator is parked in a yield).
+                allowed_s = self._grace_s + (info.size - request.offset) / self._min_bytes_per_s
+                cutoff = threading.Timer(allowed_s, context.cancel)
+                cutoff.daemon = True
+                cutoff.start()
+                try:
+                    yield from self._stream(f, info.size, info.sha256, request, context, digest)
+                finally:
+                    cutoff.cancel()
             if digest is not None:
                 try:
                     self._store.served(origin, request.step, key.filename, info, digest.hexdigest())

@@ -382,14 +382,14 @@ class _WatchedSlots:
     def __init__(self, inner, on_refusal) -> None:
         self.inner, self.on_refusal = inner, on_refusal
 
-    def acquire(self, blocking: bool = True) -> bool:
-        ok = self.inner.acquire(blocking)
+    def take(self, peer: str) -> bool:
+        ok = self.inner.take(peer)
         if not ok:
             self.on_refusal()
         return ok
 
-    def release(self) -> None:
-        self.inner.release()
+    def give(self, peer: str) -> None:
+        self.inner.give(peer)
 
 
 def _hold_the_only_slot(a: Node):
@@ -402,6 +402,57 @@ def _hold_the_only_slot(a: Node):
     held = state_pb2_grpc.StateServiceStub(channel).FetchPiece(request, timeout=30)
     next(held)
     return channel, held
+
+
+def test_F8_a_reader_below_the_rate_floor_is_cut_by_the_server_and_its_slot_freed(tmp_path, nodes):
+    """The review's F8: a slow reader held a transfer slot for as long as it liked (no
+    server-side deadline or rate floor), so 16 of them stalled every recovery. Now a stream
+    read slower than the floor is cancelled by the server, and the slot serves others."""
+    import time
+
+    nodes["a"] = a = Node(
+        tmp_path, "a", max_fetch_streams=1, chunk_bytes=64 << 10,
+        min_bytes_per_s=64 << 20, grace_s=0.5,
+    )  # fmt: skip
+    commit_step(a.store, 1, [NAME], size=16 << 20)
+    sha = a.store.piece_info("a", 1, NAME).sha256
+    channel, held = _hold_the_only_slot(a)  # never cancelled by the reader
+    started = time.monotonic()
+    try:
+        with StateClient(a.address, resume_attempts=1) as client:
+            assert client.fetch_piece(1, NAME, "a", tmp_path / "out", sha, 0) == 16 << 20
+        with pytest.raises(grpc.RpcError) as cut:
+            for _ in held:
+                pass
+        assert cut.value.code() is grpc.StatusCode.CANCELLED
+    finally:
+        channel.close()
+    assert time.monotonic() - started < 20  # the slot came free at ~0.75 s, not at 30 s
+    assert a.servicer._fetch_slots.held() == {}
+
+
+def test_F8_one_peer_cannot_take_every_transfer_slot(tmp_path, nodes):
+    from elasticpp.store.service import PeerSlots
+
+    slots = PeerSlots(total=4, per_peer=2)
+    assert slots.take("cn:n1") and slots.take("cn:n1") and not slots.take("cn:n1")
+    assert slots.take("cn:n2") and slots.take("cn:n2") and not slots.take("cn:n3")  # full
+    slots.give("cn:n1")
+    assert slots.take("cn:n3") and slots.held() == {"cn:n1": 1, "cn:n2": 2, "cn:n3": 1}
+    # Live: a second idle stream of the same caller is turned away while slots are left.
+    nodes["a"] = a = Node(tmp_path, "a", max_fetch_streams=4, max_streams_per_peer=1,
+                          chunk_bytes=64 << 10)  # fmt: skip
+    commit_step(a.store, 1, [NAME], size=16 << 20)
+    channel, held = _hold_the_only_slot(a)
+    try:
+        request = state_pb2.FetchPieceRequest(generation=0, step=1, name=NAME, origin_node="a")
+        second = state_pb2_grpc.StateServiceStub(channel).FetchPiece(request, timeout=10)
+        with pytest.raises(grpc.RpcError) as busy:
+            next(second)
+        assert busy.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        held.cancel()
+        channel.close()
 
 
 def test_a_busy_source_is_asked_again_after_a_pause_until_its_slot_is_free(tmp_path, nodes):
