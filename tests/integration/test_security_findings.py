@@ -364,3 +364,118 @@ def test_F6_the_rendezvous_store_listens_on_the_advertised_address_under_a_secre
     host, _, port = record.store_address.rpartition(":")
     assert _listeners(int(port)) == {host} == {"127.0.0.1"}
     assert re.fullmatch(rf"gen{record.generation}-[0-9a-f]{{32}}", record.rendezvous_prefix)
+
+
+@pytest.mark.timeout(240)
+def test_fuzzed_requests_of_every_rpc_get_a_status_and_the_agent_trains_on(
+    job: LocalCluster,
+) -> None:
+    """Every field of every RPC, fuzzed against the live agent (fixed examples, the same on
+    every run): each call is answered within its deadline with a status of its own (never
+    UNKNOWN or INTERNAL: a crash in a handler), no traceback is logged, and the agent is
+    still serving and training, its commits kept. (Drain is sent only refusable values: a
+    valid one would drain the node.)"""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import strategies as st
+
+    from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
+    from elasticpp.rpc.state.v1 import state_pb2
+
+    # Half of the generations pass the fence (a newer one than the node's), so the other
+    # fields are reached.
+    u64 = st.integers(min_value=0, max_value=2**64 - 1) | st.just(2**64 - 1)
+    digits = "9" * 5000
+    text = st.sampled_from(
+        [
+            "embed.tp0-1.safetensors", "node-0", "../x", "n0\n", digits, "",
+            f"{digits}/node-0/embed.tp0-1.safetensors", f"embed.tp0-{digits}.safetensors",
+            "embed.tp0-1.safetensors\n", "embed.tp\u0660-\u0661.safetensors", "x" * 70_000,
+        ]
+    ) | st.text(max_size=300)  # fmt: skip
+    requests = st.one_of(
+        st.builds(lambda g, e: ("ListSteps", state_pb2.ListStepsRequest(generation=g, epoch=e)),
+                  u64, u64),
+        st.builds(
+            lambda g, e, s, t, p: (
+                "ListHoldings",
+                state_pb2.ListHoldingsRequest(
+                    generation=g, epoch=e, steps=s, page_token=t, page_pieces=p
+                ),
+            ),
+            u64, u64, st.lists(u64, max_size=1100), text,
+            st.integers(min_value=0, max_value=2**32 - 1),
+        ),
+        st.builds(
+            lambda g, s, n, o, off, e, v: (
+                "FetchPiece",
+                state_pb2.FetchPieceRequest(
+                    generation=g, step=s, name=n, origin_node=o, offset=off, epoch=e, verify=v
+                ),
+            ),
+            u64, u64, text, text, u64, u64, st.booleans(),
+        ),
+        st.builds(lambda n: ("LiftQuarantine", agent_pb2.LiftQuarantineRequest(node_id=n)), text),
+        st.builds(
+            lambda t: ("Drain", agent_pb2.DrainRequest(timeout_s=t)),
+            st.sampled_from([float("nan"), float("inf"), -1.0, -1e300]),
+        ),
+        st.just(("GetStatus", agent_pb2.GetStatusRequest())),
+    )  # fmt: skip
+    before = _tracebacks(job)
+    seen: dict[str, set[str]] = {}
+    options = [("grpc.max_receive_message_length", 32 << 20)]
+    with grpc.insecure_channel(job.nodes[0].address, options=options) as ch:
+        agent, state = agent_pb2_grpc.AgentServiceStub(ch), _state(ch)
+
+        @settings(max_examples=120, deadline=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @given(requests)
+        @example(
+            (
+                "FetchPiece",
+                state_pb2.FetchPieceRequest(
+                    name=f"embed.tp0-{digits}.safetensors", origin_node="node-0"
+                ),
+            )
+        )
+        @example(
+            (
+                "FetchPiece",
+                state_pb2.FetchPieceRequest(
+                    name="embed.tp0-1.safetensors\n", origin_node="node-0\n"
+                ),
+            )
+        )
+        @example(
+            (
+                "ListHoldings",
+                state_pb2.ListHoldingsRequest(
+                    steps=[1], page_token=f"{digits}/node-0/embed.tp0-1.safetensors"
+                ),
+            )
+        )
+        @example(("FetchPiece", state_pb2.FetchPieceRequest(name="x" * (1 << 20))))
+        def call(item: tuple[str, Any]) -> None:
+            method, request = item
+            stub = agent if hasattr(agent, method) else state
+            try:
+                reply = getattr(stub, method)(request, timeout=10)
+                if method == "FetchPiece":
+                    list(reply)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+            assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), (method, code)
+            assert code is not grpc.StatusCode.DEADLINE_EXCEEDED, method  # no hang
+            seen.setdefault(method, set()).add(code.name)
+
+        call()
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert set(seen) == {"ListSteps", "ListHoldings", "FetchPiece", "LiftQuarantine", "Drain",
+                         "GetStatus"}, seen  # fmt: skip
+    assert seen["Drain"] == {"INVALID_ARGUMENT"}
+    _trains_on(job, job.max_step())
+    assert _tracebacks(job) == before
+    assert "commit is dropped" not in job.nodes[0].log_path.read_text()
