@@ -13,7 +13,9 @@ A leaf module (grpc and the standard library only): the store, the agent and the
 from __future__ import annotations
 
 import hmac
+import math
 import os
+import ssl
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,6 +102,15 @@ class TLSFiles:
         return grpc.dynamic_ssl_server_credentials(
             self._config(), fetch, require_client_authentication=True
         )
+
+    def not_after(self) -> float:
+        """When the certificate in `cert_file` expires (Unix time); NaN if it cannot be read
+        now (a metric shows the gap; the server keeps the configuration it has)."""
+        try:
+            decoded = ssl._ssl._test_decode_cert(str(self.cert_file))  # type: ignore[attr-defined]
+            return float(ssl.cert_time_to_seconds(decoded["notAfter"]))
+        except (OSError, ValueError, KeyError, AttributeError, ssl.SSLError):
+            return math.nan
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

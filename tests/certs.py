@@ -21,8 +21,9 @@ def make_ca(root: Path, name: str = "ca") -> Path:
     return root / f"{name}.pem"
 
 
-def issue(root: Path, common_name: str, ca: str = "ca") -> tuple[Path, Path]:
-    """A certificate of `ca` for `common_name` (its identity), and its key."""
+def issue(root: Path, common_name: str, ca: str = "ca", days: int = 2) -> tuple[Path, Path]:
+    """A certificate of `ca` for `common_name` (its identity), valid `days`, and its key
+    (written over any earlier pair of that name: a renewal)."""
     ext = root / "node.cnf"
     ext.write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
@@ -33,7 +34,8 @@ def issue(root: Path, common_name: str, ca: str = "ca") -> tuple[Path, Path]:
     )  # fmt: skip
     _openssl(
         "x509", "-req", "-in", f"{common_name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-        "-CAcreateserial", "-days", "2", "-extfile", ext.name, "-out", f"{common_name}.pem",
+        "-CAcreateserial", "-days", str(days), "-extfile", ext.name,
+        "-out", f"{common_name}.pem",
         cwd=root,
     )  # fmt: skip
     return root / f"{common_name}.pem", root / f"{common_name}.key"

@@ -40,6 +40,7 @@ class AgentMetrics:
     quarantined: Gauge
     quarantines_total: Counter
     job_ended: Gauge
+    certificate_expiry: Gauge
     labels: dict[str, str]
     # (metric, extra labels) -> its child with this agent's labels: `labels(**kw)` costs
     # microseconds a call, and the loop sets a dozen gauges a second on every node.
@@ -148,6 +149,11 @@ class AgentMetrics:
                 "elasticpp_quarantines",
                 "Quarantines this agent published as leader (a node failed generation after "
                 "generation, missed a deadline, or cannot hold its state)",
+            ),
+            certificate_expiry=g(
+                "elasticpp_tls_certificate_expiry_timestamp_seconds",
+                "When the agent's TLS certificate (--tls-cert) expires, Unix time; read from "
+                "the file at each scrape (a renewed certificate shows at once)",
             ),
             job_ended=g(
                 "elasticpp_job_ended",

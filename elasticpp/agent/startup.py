@@ -124,6 +124,7 @@ class StartupPart:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if cfg.tls is not None:
             self.port = self._server.add_secure_port(cfg.listen, cfg.tls.server_credentials())
+            self.metrics.of(self.metrics.certificate_expiry).set_function(cfg.tls.not_after)
         else:
             if not is_loopback(cfg.listen.rpartition(":")[0].strip("[]")):
                 log.warning("--insecure: gRPC on %s is plaintext and unauthenticated", cfg.listen)

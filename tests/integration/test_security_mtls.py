@@ -272,3 +272,54 @@ def test_F13_event_streams_are_for_authorised_callers_only(doors: Doors) -> None
     status = subprocess.run([*ctl, "status", "--json"], capture_output=True, text=True)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["node_id"] == "node-0"
+
+
+def _not_after(cert: Path) -> float:
+    import ssl
+    import subprocess
+
+    out = subprocess.run(
+        ["openssl", "x509", "-enddate", "-noout", "-in", str(cert)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return float(ssl.cert_time_to_seconds(out.strip().removeprefix("notAfter=")))
+
+
+def _served_not_after(doors: Doors, port: int) -> float:
+    """The expiry of the certificate the agent presents to a new TLS session."""
+    import socket
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(doors.certs / "ca.pem"))
+    context.load_cert_chain(doors.certs / "operator.pem", doors.certs / "operator.key")
+    context.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        return float(ssl.cert_time_to_seconds(tls.getpeercert()["notAfter"]))
+
+
+@pytest.mark.timeout(120)
+def test_a_renewed_certificate_is_used_without_a_restart_and_its_expiry_is_exported(
+    doors: Doors,
+) -> None:
+    """The agent's certificate is read again when its files change: a renewal (here from 2
+    to 30 days) shows in `elasticpp_tls_certificate_expiry_timestamp_seconds` and new
+    connections get the new certificate; the alert watches the metric."""
+    from elasticpp.rpc.agent.v1 import agent_pb2
+    from elasticpp.waiting import wait_until
+    from tests.certs import issue
+    from tests.integration.test_agent_recovery import scrape
+
+    node = doors.lc.nodes[0]
+    metric = "elasticpp_tls_certificate_expiry_timestamp_seconds"
+    cert = doors.certs / "node-0.pem"
+    assert scrape(node.metrics_port)[metric] == pytest.approx(_not_after(cert))
+    issue(doors.certs, "node-0", days=30)  # the same name, a new key and certificate
+    renewed = _not_after(cert)
+    assert wait_until(lambda: scrape(node.metrics_port)[metric] == pytest.approx(renewed), 10)
+    with doors.dialer("operator").channel(node.address) as ch:  # a new TLS session
+        assert _agent_call(ch, "GetStatus", agent_pb2.GetStatusRequest()).node_id == "node-0"
+    assert _served_not_after(doors, node.port) == pytest.approx(renewed)  # the new one
+    _trains_on(doors.lc, doors.lc.max_step())  # peers dial it with the new certificate
