@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,20 @@ def supervisor_step(obs: SupervisorObservation) -> list[Action]:
     return actions
 
 
+# What a worker (where the user's model code runs) does not inherit of the agent's
+# environment: where systemd keeps this service's credentials, and anything named like a
+# secret. The agent takes its secrets from files, never from the environment; this keeps a
+# deployment that put one there anyway from handing it on.
+_SECRET_WORDS = ("PASSWORD", "TOKEN", "SECRET", "CREDENTIAL", "PRIVATE_KEY")
+
+
+def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment, less what names a secret, for its workers."""
+    return {
+        k: v for k, v in environ.items() if not any(word in k.upper() for word in _SECRET_WORDS)
+    }
+
+
 class SupervisorPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
@@ -102,7 +117,7 @@ class SupervisorPart:
         """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work. They
         are forked from this node's worker template once it is ready (it imported torch
         once), and exec'd until then or if it cannot fork (elasticpp.train.forkserver)."""
-        env = dict(os.environ)
+        env = worker_environment(os.environ)
         env["ELASTICPP_NODE_ID"] = self.node_id
         env[WORKER_DEVICE_ENV] = self.cfg.device  # a CUDA worker initialises CUDA while warm
         if self.cfg.worker_threads is not None:

@@ -53,6 +53,38 @@ def _etcdctl(server: Any, *args: str, user: str | None = None) -> None:
     subprocess.run([*base, *args], check=True, capture_output=True, timeout=30)
 
 
+def _secured_job(tmp_path: Path, name: str, nodes: int) -> tuple[LocalCluster, dict[str, Path]]:
+    """A job whose etcd takes TLS only, client certificates of its CA and authentication,
+    the agents' user confined to the job's prefix (the role docs/deploy.md gives); etcd
+    started and set up, no agent yet."""
+    from elasticpp.cluster.etcd_server import ServerTLS
+    from tests.integration.test_etcd_client_security import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    tls = ServerTLS(certs["ca.pem"], certs["server.pem"], certs["server.key"])
+    (tmp_path / "pw").write_text("agent-s3cret\n")
+    (tmp_path / "pw").chmod(0o600)
+    flags = [
+        "--etcd-ca", str(certs["ca.pem"]), "--etcd-cert", str(certs["client.pem"]),
+        "--etcd-key", str(certs["client.key"]), "--etcd-user", f"agent-{name}",
+        "--etcd-password-file", str(tmp_path / "pw"),
+    ]  # fmt: skip
+    spec = {**SPEC, "name": name, "steps": 8}
+    lc = LocalCluster(tmp_path / "job", spec, nodes=nodes, slots=1, etcd_tls=tls, agent_args=flags)
+    lc.etcd.start()
+    lc.etcd.enable_auth("root-s3cret")
+    root = "root:root-s3cret"
+    _etcdctl(lc.etcd, "role", "add", f"elasticpp-{name}", user=root)
+    _etcdctl(
+        lc.etcd, "role", "grant-permission", f"elasticpp-{name}", "readwrite",
+        f"/elasticpp/{name}/", "--prefix=true", user=root,
+    )  # fmt: skip
+    _etcdctl(lc.etcd, "user", "add", f"agent-{name}", "--new-user-password=agent-s3cret",
+             user=root)  # fmt: skip
+    _etcdctl(lc.etcd, "user", "grant-role", f"agent-{name}", f"elasticpp-{name}", user=root)
+    return lc, certs
+
+
 @pytest.mark.timeout(240)
 def test_F3_agents_train_against_an_etcd_with_tls_client_certificates_and_a_confined_user(
     tmp_path: Path,
@@ -62,45 +94,37 @@ def test_F3_agents_train_against_an_etcd_with_tls_client_certificates_and_a_conf
     takes TLS only, with client certificates of its CA and authentication on; the agent's
     user may read and write its job's prefix and nothing else (the role docs/deploy.md
     gives). A wrong password is a clear error, exit 2."""
-    from elasticpp.cluster.etcd_server import ServerTLS
-    from tests.integration.test_etcd_client_security import make_certs
-
-    certs = make_certs(tmp_path / "certs")
-    tls = ServerTLS(certs["ca.pem"], certs["server.pem"], certs["server.key"])
-    (tmp_path / "pw").write_text("agent-s3cret\n")
+    lc, _ = _secured_job(tmp_path, "tlsjob", nodes=2)
     (tmp_path / "wrong").write_text("nope\n")
-    for f in ("pw", "wrong"):
-        (tmp_path / f).chmod(0o600)
-    flags = [
-        "--etcd-ca", str(certs["ca.pem"]), "--etcd-cert", str(certs["client.pem"]),
-        "--etcd-key", str(certs["client.key"]), "--etcd-user", "agent-tls",
-        "--etcd-password-file", str(tmp_path / "pw"),
-    ]  # fmt: skip
-    spec = {**SPEC, "name": "tlsjob", "steps": 8}
-    lc = LocalCluster(tmp_path / "job", spec, nodes=2, slots=1, etcd_tls=tls, agent_args=flags)
     try:
-        lc.etcd.start()
-        lc.etcd.enable_auth("root-s3cret")
-        root = "root:root-s3cret"
-        _etcdctl(lc.etcd, "role", "add", "elasticpp-tlsjob", user=root)
-        _etcdctl(
-            lc.etcd, "role", "grant-permission", "elasticpp-tlsjob", "readwrite",
-            "/elasticpp/tlsjob/", "--prefix=true", user=root,
-        )  # fmt: skip
-        _etcdctl(lc.etcd, "user", "add", "agent-tls", "--new-user-password=agent-s3cret", user=root)
-        _etcdctl(lc.etcd, "user", "grant-role", "agent-tls", "elasticpp-tlsjob", user=root)
         lc.start_node("node-0")
         wrong = lc.start_node("node-1", args=["--etcd-password-file", str(tmp_path / "wrong")])
         assert wrong.proc is not None
         assert wrong.proc.wait(timeout=120) == 2
-        assert "authenticate as agent-tls" in wrong.log_path.read_text()
+        assert "authenticate as agent-tlsjob" in wrong.log_path.read_text()
         lc.start_node("node-1")  # the right password: it joins and trains
-        # F5: a forged `ended` record stopped every agent for good. With etcd's
-        # authentication on, a client of the job's etcd CA that is no user of the job's role
-        # cannot write it (nor anything else of the job).
-        from elasticpp.cluster.errors import ClusterError
-        from elasticpp.cluster.etcd_client import EtcdKV, EtcdSecurity
+        lc.wait_finished(180)
+        curve = lc.curve()
+        assert sorted(curve) == list(range(8)), sorted(curve)
+    finally:
+        lc.close()
 
+
+@pytest.mark.timeout(240)
+def test_F5_a_forged_end_of_the_job_cannot_be_written_to_an_authenticated_etcd(
+    tmp_path: Path,
+) -> None:
+    """The review's F5: an anonymous `etcdctl put` of an `ended` record made every agent
+    exit 3 for good. With etcd's authentication on (F3), a client of the job's etcd CA that
+    is no user of the job's role cannot write it, nor anything else of the job: the job
+    trains on and finishes."""
+    from elasticpp.cluster.errors import ClusterError
+    from elasticpp.cluster.etcd_client import EtcdKV, EtcdSecurity
+
+    lc, certs = _secured_job(tmp_path, "endjob", nodes=1)
+    try:
+        lc.start_node("node-0")
+        lc.wait_for(lambda: lc.max_step() >= 2, 120, "step 2")
         stranger = EtcdKV(
             [f"https://{lc.etcd.endpoint}"],
             security=EtcdSecurity(certs["ca.pem"], certs["client.pem"], certs["client.key"]),
@@ -108,13 +132,13 @@ def test_F3_agents_train_against_an_etcd_with_tls_client_certificates_and_a_conf
         )
         forged = {"format_version": 1, "status": "failed", "reason": "forged", "by": "node-0"}
         try:
-            with pytest.raises(ClusterError):
-                stranger.put("/elasticpp/tlsjob/ended", json.dumps({**forged, "at": 0, "step": -1}))
+            for key in ("/elasticpp/endjob/ended", "/elasticpp/endjob/generation"):
+                with pytest.raises(ClusterError):
+                    stranger.put(key, json.dumps({**forged, "at": 0, "step": -1}))
         finally:
             stranger.close()
-        lc.wait_finished(180)  # every agent exits 0: the job finished, nothing ended it
-        curve = lc.curve()
-        assert sorted(curve) == list(range(8)), sorted(curve)
+        lc.wait_finished(180)  # exit 0: the job finished, nothing ended it
+        assert sorted(lc.curve()) == list(range(8))
     finally:
         lc.close()
 

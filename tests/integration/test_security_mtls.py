@@ -129,9 +129,17 @@ def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curv
         _etcdctl(lc.etcd, "user", "add", "agent-closed", "--new-user-password=closed-s3cret",
                  user=root)  # fmt: skip
         _etcdctl(lc.etcd, "user", "grant-role", "agent-closed", "closed", user=root)
+        # A deployment that put a secret in the agents' environment: the workers (user code)
+        # must not inherit it, nor where systemd keeps the service's credentials.
+        leaky = {"CREDENTIALS_DIRECTORY": str(tmp_path), "HF_TOKEN": "leaked-token"}
         for n in lc.nodes:
-            lc.start_node(n.node_id)
+            lc.start_node(n.node_id, env=leaky)
         lc.wait_for(lambda: lc.max_step() >= 4, 180, "step 4")
+        workers = lc.worker_pids("node-0")
+        assert workers
+        for pid in workers:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert b"leaked-token" not in environ and b"CREDENTIALS_DIRECTORY" not in environ
         lc.kill_node("node-1")
         lost_at = lc.max_step()
         lc.wait_for(lambda: lc.max_step() >= lost_at + 4, 180, "steps without node-1")

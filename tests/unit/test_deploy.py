@@ -273,7 +273,7 @@ def test_statefulset_runs_the_agent_with_a_command_line_elasticpp_accepts():
 
 
 @pytest.mark.timeout(60)
-def test_the_network_policy_admits_the_jobs_agents_the_probes_and_prometheus_alone():
+def test_F7_the_network_policy_admits_the_jobs_agents_the_probes_and_prometheus_alone():
     """F7: every pod in the cluster could reach the agents' gRPC and metrics ports."""
     docs = _render()
     policy = _one(docs, "NetworkPolicy")
@@ -613,6 +613,19 @@ def test_systemd_unit_verifies_without_any_warning(tmp_path: Path):
     unit = tmp_path / UNIT.name
     unit.write_text(text.replace(INSTALLED_BIN, str(elasticpp)), encoding="utf-8")
     proc = _run([analyze, "verify", unit.name], cwd=tmp_path)
+    assert proc.returncode == 0 and not proc.stdout and not proc.stderr, proc.stdout + proc.stderr
+
+    # With the shipped drop-ins (etcd's credentials, the IP allow list) beside it.
+    drop_ins = tmp_path / f"{UNIT.name}.d"
+    drop_ins.mkdir()
+    for conf in (UNIT.parent / f"{UNIT.name}.d").glob("*.conf"):
+        (drop_ins / conf.name).write_text(conf.read_text(encoding="utf-8"), encoding="utf-8")
+    env = {**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"}
+    proc = subprocess.run(
+        [analyze, "verify", unit.name], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert sorted(p.name for p in drop_ins.iterdir()) == ["etcd-security.conf", "ip-allow.conf"]
     assert proc.returncode == 0 and not proc.stdout and not proc.stderr, proc.stdout + proc.stderr
 
     # The check can fail: systemd only warns about an unknown key, and that counts.

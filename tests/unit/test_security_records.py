@@ -92,7 +92,7 @@ def test_shared_plans_are_kept_apart_by_the_readers_fingerprint() -> None:
         other.plan_of(data)  # the same dict, read against another spec: not the first's plan
 
 
-def test_a_value_nested_to_exhaust_the_parser_is_skipped_not_raised() -> None:
+def test_F12_a_value_nested_to_exhaust_the_parser_is_skipped_not_raised() -> None:
     """The review's F12: `_values_once([good, bad_json, deep])` raised RecursionError and
     lost the good record with it."""
     deep = '{"format_version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
@@ -123,7 +123,7 @@ def test_a_generation_record_nested_too_deeply_is_unreadable() -> None:
         GenerationRecord.from_json(text)
 
 
-def test_a_resume_run_longer_than_the_pieces_needed_is_refused_before_it_is_built() -> None:
+def test_F12_a_resume_run_longer_than_the_pieces_needed_is_refused_before_it_is_built() -> None:
     plan = _plan()
     value = _from_etcd(encode(None, plan, step=0))
     value["pieces"] = {PieceKey(u, 0, 1).filename: ["0" * 64, 1] for u in SPEC.model.units}
