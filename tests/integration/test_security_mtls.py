@@ -331,3 +331,81 @@ def test_a_renewed_certificate_is_used_without_a_restart_and_its_expiry_is_expor
         assert _agent_call(ch, "GetStatus", agent_pb2.GetStatusRequest()).node_id == "node-0"
     assert _served_not_after(doors, node.port) == pytest.approx(renewed)  # the new one
     _trains_on(doors.lc, doors.lc.max_step())  # peers dial it with the new certificate
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    import contextlib
+
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    return found
+
+
+def _tcp_listeners() -> dict[int, tuple[str, int]]:
+    """inode -> (address, port) of every listening TCP socket (/proc/net/tcp{,6})."""
+    import ipaddress
+
+    out = {}
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":
+                continue
+            addr, _, port = fields[1].partition(":")
+            raw = bytes.fromhex(addr)
+            ip = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4)))
+            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+            out[int(fields[9])] = (str(mapped or ip), int(port, 16))
+    return out
+
+
+def _unix_listeners() -> dict[int, str]:
+    out = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON: listening
+            out[int(fields[6])] = fields[7]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_every_listening_socket_of_a_node_is_one_docs_deploy_lists(doors: Doors) -> None:
+    """docs/deploy.md's table of a node's listening sockets, against the live agents' (from
+    /proc/net): the agent listens on its gRPC port, its metrics port, its control socket
+    and, on the leader, the rendezvous store, each on the listen (advertised) address; its
+    workers' gloo sockets listen there too; nothing listens on every interface."""
+    from elasticpp.proctree import descendants
+
+    table = (Path(__file__).parents[2] / "docs" / "deploy.md").read_text()
+    rows = table.split("**Every listening socket of a node:**", 1)[1].split("\n\n", 2)[1]
+    for kind in ("agent gRPC", "health", "control socket", "metrics", "rendezvous store",
+                 "gloo / NCCL"):  # fmt: skip
+        assert f"\n| {kind}" in rows, kind
+    record, _ = _generation_of(doors)
+    store_port = int(str(record.store_address).rpartition(":")[2])
+    tcp, unix = _tcp_listeners(), _unix_listeners()
+    for n in doors.lc.nodes:
+        assert n.proc is not None
+        agent = _socket_inodes(n.proc.pid)
+        ports = {tcp[i][1] for i in agent if i in tcp}
+        expected = {n.port, n.metrics_port} | (
+            {store_port} if n.node_id == record.leader else set()
+        )
+        assert ports == expected, (n.node_id, ports, expected)
+        assert {unix[i] for i in agent if i in unix} == {f"{doors.sockets}/{n.node_id}.sock"}
+        for pid in [n.proc.pid, *descendants(n.proc.pid)]:
+            for inode in _socket_inodes(pid):
+                if inode in tcp:
+                    assert tcp[inode][0] == "127.0.0.1", (n.node_id, pid, tcp[inode])
+
+
+def _generation_of(doors: Doors) -> Any:
+    """The generation record, read as the job's etcd user (plaintext etcd here)."""
+    from elasticpp.cluster import ClusterClient
+
+    with ClusterClient([doors.lc.etcd.endpoint], str(doors.lc.spec["name"])) as c:
+        return c.read_generation()
