@@ -3,7 +3,6 @@ username/password authentication with token renewal, explicit message limits, co
 
 from __future__ import annotations
 
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,37 +28,17 @@ from elasticpp.cluster.records import WatchEvent
 from elasticpp.cluster.watch import Watch
 from elasticpp.errors import ConfigError
 from elasticpp.waiting import wait_until
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+from tests.certs import issue, make_ca
 
 
 def make_certs(root: Path) -> dict[str, Path]:
     """A CA, a server certificate for 127.0.0.1, a client certificate of that CA, and a
     client certificate of another CA (which the server must refuse)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    (root / "client.cnf").write_text("extendedKeyUsage=clientAuth\n")
-    for ca in ("ca", "other-ca"):
-        _openssl(
-            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-            "-subj", f"/CN=elasticpp test {ca}",
-            "-keyout", f"{ca}.key", "-out", f"{ca}.pem", cwd=root,
-        )  # fmt: skip
-    for name, ca, ext in (
-        ("server", "ca", "san.cnf"),
-        ("client", "ca", "client.cnf"),
-        ("stranger", "other-ca", "client.cnf"),
-    ):
-        _openssl(
-            "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=root,
-        )  # fmt: skip
-        _openssl(
-            "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", f"{name}.pem", cwd=root,
-        )  # fmt: skip
+    make_ca(root)
+    make_ca(root, "other-ca")
+    for name in ("server", "client"):
+        issue(root, name)
+    issue(root, "stranger", ca="other-ca")
     return {p.name: p for p in root.iterdir()}
 
 
