@@ -216,7 +216,7 @@ class FollowerPart:
                 f"({gs.record.store_address!r})"
             )
         job = self.spec.worker_settings
-        plan = gs.plan.to_dict()  # the model of this node's spec (`JobSpec.plan_of`)
+        plan = gs.plan.shared_dict  # the model of this node's spec (`JobSpec.plan_of`)
         assignments = []
         for slot in mine:
             assignments.append(

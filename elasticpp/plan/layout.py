@@ -244,6 +244,13 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    @cached_property
+    def shared_dict(self) -> dict[str, Any]:
+        """`to_dict()`, made once per plan object: the agents of a process share a
+        generation's plan (`shared`), and each hands it to its workers; its placement is
+        serialised once, not once per agent. Callers must not change it."""
+        return self.to_dict()
+
     def to_record(self, model_fingerprint: str) -> dict[str, Any]:
         """The plan as a generation record holds it: `to_dict()` without the model,
         which every reader takes from its own job spec, and with the fingerprint of that
