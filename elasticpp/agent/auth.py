@@ -6,7 +6,7 @@ Doors, after Patroni's split of safe and unsafe endpoints:
 - read (GetStatus): the same;
 - control (Drain, LiftQuarantine, WatchEvents, and any later call that changes state or
   holds a slot): the bearer token (`--token-file`), or the local control socket, whose file
-  permissions are its guard;
+  permissions are its guard (under TLS without a token file: the socket alone);
 - peer (the state service: every weight and optimizer moment): over TLS, a certificate whose
   common name is a member node of the job (or the job's shared name, `--tls-shared-identity`:
   weaker, every holder passes as any node).
@@ -77,7 +77,9 @@ def decide(
         return grpc.StatusCode.PERMISSION_DENIED, f"{method[:120]}: not a call this agent serves"
     if caller.local:
         return None
-    if door is Door.CONTROL and policy.token and not caller.token_ok:
+    # Under TLS a certificate alone never drains a node: without a token file, state-changing
+    # calls come through the control socket only.
+    if door is Door.CONTROL and (policy.token or policy.tls) and not caller.token_ok:
         return (
             grpc.StatusCode.UNAUTHENTICATED,
             "a state-changing call needs the agent's token (ctl --token-file) or its control "

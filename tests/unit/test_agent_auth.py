@@ -56,6 +56,15 @@ def test_status_and_health_need_only_a_certificate_and_unknown_methods_are_close
         assert _decide(method, Caller(True, None, True)) is grpc.StatusCode.PERMISSION_DENIED
 
 
+def test_under_tls_without_a_token_file_control_comes_through_the_socket_alone() -> None:
+    tls_only = Policy(tls=True, token=False)
+    for method in [m for m, d in METHODS.items() if d is Door.CONTROL]:
+        node = Caller(local=False, identity="n1", token_ok=False)  # any certificate of the CA
+        assert _decide(method, node, tls_only) is grpc.StatusCode.UNAUTHENTICATED
+        assert _decide(method, Caller(True, None, False), tls_only) is None
+    assert _decide(STATUS, Caller(False, "n1", False), tls_only) is None
+
+
 def test_a_loopback_agent_without_tls_or_token_is_open_as_before() -> None:
     anyone = Caller(False, None, False)
     for method in METHODS:
