@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticpp.cluster.etcd_security import EtcdSecurity
+from elasticpp.cluster.keys import check_prefix
 from elasticpp.errors import ConfigError
 from elasticpp.transport import TLSFiles, is_loopback
 
@@ -30,6 +31,7 @@ class AgentConfig:
     metrics_host: str = ""
     # How to reach a secured etcd (TLS, client certificate, user and password), or None.
     etcd_security: EtcdSecurity | None = None
+    etcd_prefix: str = "/elasticpp"  # the job's keys: <etcd_prefix>/<job>/ (cluster.keys)
     # The agent's own doors (docs/deploy.md, "Securing a job"): mutual TLS on `listen` with
     # this node's certificate (its common name the node id), the bearer token control calls
     # need, the local control socket (mode 0600: its permissions are its guard), a plaintext
@@ -49,6 +51,7 @@ class AgentConfig:
             raise ConfigError(f"agent: slots must be >= 1, got {self.slots}")
         if not self.etcd:
             raise ConfigError("agent: --etcd needs at least one HOST:PORT")
+        check_prefix(self.etcd_prefix)
         host, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"agent: --listen must be HOST:PORT, got {self.listen!r}")

@@ -65,6 +65,7 @@ class StartupPart:
             meter=self._meter,
             kv=self._shared_kv,
             security=self.cfg.etcd_security,
+            prefix=self.cfg.etcd_prefix,
         )
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:

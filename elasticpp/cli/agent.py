@@ -16,6 +16,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         required=True,
         help="etcd endpoints, HOST:PORT[,HOST:PORT...] (https://HOST:PORT with --etcd-ca)",
     )
+    p.add_argument(
+        "--etcd-prefix",
+        default="/elasticpp",
+        help="where the job's etcd keys live: PREFIX/<job name>/ (an etcd role grants that)",
+    )
     etcd = p.add_argument_group("etcd security (docs/deploy.md, 'Securing a job')")
     etcd.add_argument("--etcd-ca", type=Path, default=None, help="CA file: speak TLS to etcd")
     etcd.add_argument("--etcd-cert", type=Path, default=None, help="client certificate file")
@@ -198,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         on_job_end=args.on_job_end,
         etcd_security=security,
+        etcd_prefix=args.etcd_prefix,
         tls=TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
         token_file=args.token_file,
         control_socket=args.control_socket,

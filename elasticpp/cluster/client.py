@@ -85,13 +85,15 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         meter: EtcdMeter | None = None,
         kv: EtcdKV | None = None,
         security: EtcdSecurity | None = None,
+        prefix: str = keymod.ROOT,
     ) -> None:
         """`kv`: an etcd connection shared with other clients in this process (simulated
         nodes, bench/scale.py); this client then neither makes nor closes one, and
         `etcd_requests()` counts every sharer's requests. `security`: TLS and
-        authentication for the connection this client makes."""
+        authentication for the connection this client makes; `prefix`: where the job's keys
+        live (`<prefix>/<job>/`)."""
         self.job = job
-        self.keys = keymod.JobKeys(job)
+        self.keys = keymod.JobKeys(job, prefix)
         self._shared_kv = kv is not None
         self._kv = kv or EtcdKV(
             list(endpoints), request_timeout_s=request_timeout_s, meter=meter, security=security

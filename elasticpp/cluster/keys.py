@@ -1,6 +1,9 @@
 """The etcd key layout of a job — written down here and nowhere else.
 
-Every key of job `<job>` lives under `/elasticpp/<job>/`. Values are UTF-8 JSON objects with a
+Every key of job `<job>` lives under `<prefix>/<job>/`, the prefix `/elasticpp` by default
+(`--etcd-prefix`: the chart makes it `/elasticpp/<namespace>`, so that jobs of one name in two
+namespaces sharing an etcd never meet; an etcd role grants `<prefix>/<job>/` and nothing
+else). Values are UTF-8 JSON objects with a
 `format_version` (never pickle), except `leader`, whose value is the bare node id so that a
 transaction can compare it.
 
@@ -53,6 +56,18 @@ from elasticpp.errors import ConfigError
 
 ROOT = "/elasticpp"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+_PREFIX = re.compile(r"(/[a-z0-9][a-z0-9._-]{0,62}){1,4}")
+
+
+def check_prefix(prefix: str) -> str:
+    """A key prefix: one to four `/`-led path segments of lowercase letters, digits and ._-
+    (no trailing slash, no `..`)."""
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix) or "/." in prefix:
+        raise ConfigError(
+            f"etcd prefix {prefix!r:.80}: must be like /elasticpp or /elasticpp/team-a (1-4 "
+            "segments of lowercase letters, digits and ._-, each starting with a letter or digit)"
+        )
+    return prefix
 
 
 def check_name(field: str, value: str) -> str:
@@ -76,13 +91,15 @@ class JobKeys:
     """Key names of one job; see the module docstring for what each holds."""
 
     job: str
+    prefix: str = ROOT
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
+        check_prefix(self.prefix)
 
     @property
     def root(self) -> str:
-        return f"{ROOT}/{self.job}/"
+        return f"{self.prefix}/{self.job}/"
 
     @property
     def spec(self) -> str:

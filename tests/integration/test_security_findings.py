@@ -53,10 +53,13 @@ def _etcdctl(server: Any, *args: str, user: str | None = None) -> None:
     subprocess.run([*base, *args], check=True, capture_output=True, timeout=30)
 
 
+PREFIX = "/elasticpp/team-a"  # the job's keys: PREFIX/<job>/ (--etcd-prefix)
+
+
 def _secured_job(tmp_path: Path, name: str, nodes: int) -> tuple[LocalCluster, dict[str, Path]]:
     """A job whose etcd takes TLS only, client certificates of its CA and authentication,
-    the agents' user confined to the job's prefix (the role docs/deploy.md gives); etcd
-    started and set up, no agent yet."""
+    the agents' user confined to the job's keys under PREFIX (the role docs/deploy.md
+    gives); etcd started and set up, no agent yet."""
     from elasticpp.cluster.etcd_server import ServerTLS
     from tests.integration.test_etcd_client_security import make_certs
 
@@ -67,7 +70,7 @@ def _secured_job(tmp_path: Path, name: str, nodes: int) -> tuple[LocalCluster, d
     flags = [
         "--etcd-ca", str(certs["ca.pem"]), "--etcd-cert", str(certs["client.pem"]),
         "--etcd-key", str(certs["client.key"]), "--etcd-user", f"agent-{name}",
-        "--etcd-password-file", str(tmp_path / "pw"),
+        "--etcd-password-file", str(tmp_path / "pw"), "--etcd-prefix", PREFIX,
     ]  # fmt: skip
     spec = {**SPEC, "name": name, "steps": 8}
     lc = LocalCluster(tmp_path / "job", spec, nodes=nodes, slots=1, etcd_tls=tls, agent_args=flags)
@@ -77,7 +80,7 @@ def _secured_job(tmp_path: Path, name: str, nodes: int) -> tuple[LocalCluster, d
     _etcdctl(lc.etcd, "role", "add", f"elasticpp-{name}", user=root)
     _etcdctl(
         lc.etcd, "role", "grant-permission", f"elasticpp-{name}", "readwrite",
-        f"/elasticpp/{name}/", "--prefix=true", user=root,
+        f"{PREFIX}/{name}/", "--prefix=true", user=root,
     )  # fmt: skip
     _etcdctl(lc.etcd, "user", "add", f"agent-{name}", "--new-user-password=agent-s3cret",
              user=root)  # fmt: skip
@@ -132,7 +135,7 @@ def test_F5_a_forged_end_of_the_job_cannot_be_written_to_an_authenticated_etcd(
         )
         forged = {"format_version": 1, "status": "failed", "reason": "forged", "by": "node-0"}
         try:
-            for key in ("/elasticpp/endjob/ended", "/elasticpp/endjob/generation"):
+            for key in (f"{PREFIX}/endjob/ended", f"{PREFIX}/endjob/generation"):
                 with pytest.raises(ClusterError):
                     stranger.put(key, json.dumps({**forged, "at": 0, "step": -1}))
         finally:

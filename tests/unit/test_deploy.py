@@ -329,6 +329,10 @@ def test_etcd_tls_and_password_come_from_secrets_as_files_elasticpp_accepts():
     args = _parse_cli(argv)
     assert args.etcd == "https://etcd-0.etcd:2379,https://etcd-1.etcd:2379"
     assert args.etcd_user == "elasticpp-demo"
+    # The job's keys under its namespace: two releases of one job name never share them.
+    assert args.etcd_prefix == "/elasticpp/train"
+    other = _agent_container(_render(*VALUE_SETS["etcd-secured"], "--set", "etcd.prefix=/x/y"))
+    assert "--etcd-prefix=/x/y" in other["args"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     volumes = {
         v["name"]: v for v in _one(docs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]

@@ -148,3 +148,14 @@ def test_an_entry_point_into_the_standard_library_is_no_model(entry: str) -> Non
 def test_a_job_spec_in_etcd_that_cannot_be_read_is_a_config_error(stored: str) -> None:
     with pytest.raises(ConfigError, match="job spec in etcd"):
         JobSpec.from_json(stored)
+
+
+def test_the_job_keys_live_under_the_configured_prefix_and_a_bad_prefix_is_refused() -> None:
+    from elasticpp.cluster.keys import JobKeys
+
+    assert JobKeys("j").generation == "/elasticpp/j/generation"
+    keys = JobKeys("j", "/elasticpp/team-a")
+    assert keys.root == "/elasticpp/team-a/j/" and keys.node("n0").startswith(keys.root)
+    for bad in ("", "/", "elasticpp", "/Elasticpp", "/a/../b", "/a/", "/a/b/c/d/e", "/a\n"):
+        with pytest.raises(ConfigError, match="etcd prefix"):
+            JobKeys("j", bad)
