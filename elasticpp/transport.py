@@ -203,6 +203,13 @@ class _TokenPlugin(grpc.AuthMetadataPlugin):  # type: ignore[misc]
             callback((), exc)
 
 
+def peer_identity(context: Any) -> str | None:
+    """The common name of a call's TLS client certificate (a `grpc.ServicerContext`), or
+    None on a plaintext connection: the one reading of who is calling."""
+    names = (context.auth_context() or {}).get("x509_common_name") or []
+    return names[0].decode("utf-8", "replace") if names else None
+
+
 PLAINTEXT_HOSTS = ("127.0.0.1", "::1", "localhost", "[::1]")
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped]
 
-from elasticpp.transport import AUTHORIZATION, BEARER, TokenFile
+from elasticpp.transport import AUTHORIZATION, BEARER, TokenFile, peer_identity
 
 log = logging.getLogger("elasticpp.agent.audit")
 
@@ -97,11 +97,6 @@ def decide(
     return None
 
 
-def _identity(context: grpc.ServicerContext) -> str | None:
-    names = context.auth_context().get("x509_common_name") or []
-    return names[0].decode("utf-8", "replace") if names else None
-
-
 def _token(context: grpc.ServicerContext) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == AUTHORIZATION and isinstance(value, str) and value.startswith(BEARER):
@@ -124,7 +119,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     def _caller(self, context: grpc.ServicerContext) -> Caller:
         local = str(context.peer()).startswith("unix:")
         token_ok = self._token is not None and self._token.matches(_token(context))
-        identity = _identity(context) if self.policy.tls and not local else None
+        identity = peer_identity(context) if self.policy.tls and not local else None
         return Caller(local=local, identity=identity, token_ok=token_ok)
 
     def _check(self, method: str, context: grpc.ServicerContext) -> None:

@@ -97,17 +97,15 @@ def supervisor_step(obs: SupervisorObservation) -> list[Action]:
 
 
 # What a worker (where the user's model code runs) does not inherit of the agent's
-# environment: where systemd keeps this service's credentials, and anything named like a
-# secret. The agent takes its secrets from files, never from the environment; this keeps a
-# deployment that put one there anyway from handing it on.
-_SECRET_WORDS = ("PASSWORD", "TOKEN", "SECRET", "CREDENTIAL", "PRIVATE_KEY")
+# environment: where systemd keeps this service's credentials (its TLS key, the etcd
+# password). The agent takes every secret of its own from files, never from the environment;
+# the user's own variables (a hub token their code needs, say) are theirs and pass.
+_AGENT_ONLY = ("CREDENTIALS_DIRECTORY",)
 
 
 def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The agent's environment, less what names a secret, for its workers."""
-    return {
-        k: v for k, v in environ.items() if not any(word in k.upper() for word in _SECRET_WORDS)
-    }
+    """The agent's environment, less what points at the agent's own secrets."""
+    return {k: v for k, v in environ.items() if k not in _AGENT_ONLY}
 
 
 class SupervisorPart:

@@ -37,6 +37,7 @@ from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.holdings import NodeHoldings, check_node_id
 from elasticpp.store.local import LocalStore, PieceNotFoundError
 from elasticpp.store.wire import Chunk, decode_chunk, encode_chunk
+from elasticpp.transport import peer_identity
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +179,9 @@ class PeerSlots:
 
 def caller_of(context: grpc.ServicerContext) -> str:
     """Who is calling: the common name of its TLS client certificate, else its address."""
-    names = (context.auth_context() or {}).get("x509_common_name") or []
-    if names:
-        return "cn:" + names[0].decode("utf-8", "replace")
+    name = peer_identity(context)
+    if name is not None:
+        return "cn:" + name
     peer = str(context.peer())
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 

@@ -348,24 +348,29 @@ def test_F10_oversized_numbers_and_names_get_invalid_argument_without_a_tracebac
     assert _tracebacks(job) == before
 
 
-def _listeners(port: int) -> set[str]:
-    """The addresses a TCP socket of this machine listens on at `port` (/proc/net/tcp{,6})."""
+def tcp_listeners() -> dict[int, tuple[str, int]]:
+    """Socket inode -> (address, port) of every listening TCP socket of this machine
+    (/proc/net/tcp{,6}; an IPv4-mapped address is given as IPv4)."""
     import ipaddress
 
-    found = set()
+    out = {}
     for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
         for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            addr, _, hexport = local.partition(":")
-            if state != "0A" or int(hexport, 16) != port:
+            fields = line.split()
+            if fields[3] != "0A":
                 continue
+            addr, _, port = fields[1].partition(":")
             raw = bytes.fromhex(addr)
             # The kernel prints each 32-bit word in host (little-endian) order.
-            words = [raw[i : i + 4][::-1] for i in range(0, width, 4)]
-            ip = ipaddress.ip_address(b"".join(words))
+            ip = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4)))
             mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-            found.add(str(mapped or ip))
-    return found
+            out[int(fields[9])] = (str(mapped or ip), int(port, 16))
+    return out
+
+
+def _listeners(port: int) -> set[str]:
+    """The addresses a TCP socket of this machine listens on at `port`."""
+    return {addr for addr, p in tcp_listeners().values() if p == port}
 
 
 @pytest.mark.timeout(60)

@@ -23,6 +23,7 @@ from tests.integration.test_security_findings import (
     _state,
     _trains_on,
     close_leaving_nothing,
+    tcp_listeners,
 )
 
 
@@ -129,9 +130,9 @@ def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curv
         _etcdctl(lc.etcd, "user", "add", "agent-closed", "--new-user-password=closed-s3cret",
                  user=root)  # fmt: skip
         _etcdctl(lc.etcd, "user", "grant-role", "agent-closed", "closed", user=root)
-        # A deployment that put a secret in the agents' environment: the workers (user code)
-        # must not inherit it, nor where systemd keeps the service's credentials.
-        leaky = {"CREDENTIALS_DIRECTORY": str(tmp_path), "HF_TOKEN": "leaked-token"}
+        # The workers (user code) must not learn where systemd keeps the agent's own
+        # credentials; the user's own variables are theirs and pass.
+        leaky = {"CREDENTIALS_DIRECTORY": str(tmp_path), "HF_TOKEN": "users-own-token"}
         for n in lc.nodes:
             lc.start_node(n.node_id, env=leaky)
         lc.wait_for(lambda: lc.max_step() >= 4, 180, "step 4")
@@ -139,7 +140,8 @@ def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curv
         assert workers
         for pid in workers:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
-            assert b"leaked-token" not in environ and b"CREDENTIALS_DIRECTORY" not in environ
+            assert b"CREDENTIALS_DIRECTORY" not in environ
+            assert b"HF_TOKEN=users-own-token" in environ
         lc.kill_node("node-1")
         lost_at = lc.max_step()
         lc.wait_for(lambda: lc.max_step() >= lost_at + 4, 180, "steps without node-1")
@@ -345,24 +347,6 @@ def _socket_inodes(pid: int) -> set[int]:
     return found
 
 
-def _tcp_listeners() -> dict[int, tuple[str, int]]:
-    """inode -> (address, port) of every listening TCP socket (/proc/net/tcp{,6})."""
-    import ipaddress
-
-    out = {}
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A":
-                continue
-            addr, _, port = fields[1].partition(":")
-            raw = bytes.fromhex(addr)
-            ip = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4)))
-            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-            out[int(fields[9])] = (str(mapped or ip), int(port, 16))
-    return out
-
-
 def _unix_listeners() -> dict[int, str]:
     out = {}
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
@@ -387,7 +371,7 @@ def test_every_listening_socket_of_a_node_is_one_docs_deploy_lists(doors: Doors)
         assert f"\n| {kind}" in rows, kind
     record, _ = _generation_of(doors)
     store_port = int(str(record.store_address).rpartition(":")[2])
-    tcp, unix = _tcp_listeners(), _unix_listeners()
+    tcp, unix = tcp_listeners(), _unix_listeners()
     for n in doors.lc.nodes:
         assert n.proc is not None
         agent = _socket_inodes(n.proc.pid)
