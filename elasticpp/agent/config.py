@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from elasticpp.cluster.etcd_security import EtcdSecurity
+from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.keys import check_prefix
 from elasticpp.errors import ConfigError
 from elasticpp.transport import TLSFiles, is_loopback
@@ -42,7 +42,9 @@ class AgentConfig:
     control_socket: Path | None = None
     health_listen: str = ""
     tls_shared_identity: str | None = None
-    insecure: bool = False  # plaintext on a non-loopback --listen, knowingly
+    # Knowingly on a network one trusts: plaintext on a non-loopback --listen, and an etcd
+    # elsewhere than loopback reached without a client certificate or a user.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.on_job_end not in ("exit", "idle"):
@@ -62,6 +64,16 @@ class AgentConfig:
                 "--tls-cert, --tls-key and --tls-ca (docs/deploy.md, 'Securing a job'), or "
                 "--insecure to serve plaintext on a network you trust"
             )
+        anonymous = self.anonymous_etcd()
+        if anonymous and not self.insecure:
+            raise ConfigError(
+                f"agent: etcd at {anonymous[0]} is not on loopback and this agent would reach it "
+                "anonymously: whoever can write to that etcd can stop or misdirect the job (a "
+                "forged end record, forged addresses); give --etcd-cert and --etcd-key or "
+                "--etcd-user and --etcd-password-file (with an etcd that requires them: "
+                "docs/deploy.md, 'Securing a job'), or --insecure for an etcd on a network you "
+                "trust"
+            )
         if self.health_listen:
             _, h_sep, h_port = self.health_listen.rpartition(":")
             if not h_sep or not h_port.isdigit():
@@ -74,3 +86,12 @@ class AgentConfig:
             object.__setattr__(
                 self, "advertise_host", "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
             )
+
+    def anonymous_etcd(self) -> list[str]:
+        """The etcd endpoints off loopback that this agent reaches without authenticating
+        (neither a client certificate nor a user): empty when there are none."""
+        sec = self.etcd_security
+        if sec is not None and (sec.cert_file is not None or sec.user is not None):
+            return []
+        tls = sec is not None and sec.tls
+        return [e for e in self.etcd if not is_loopback(parse_endpoint(e, tls=tls)[0])]

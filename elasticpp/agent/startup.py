@@ -30,7 +30,8 @@ from elasticpp.cluster import ClusterClient, ProgressGate
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.records import propose_epoch
 from elasticpp.errors import ConfigError
-from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server
+from elasticpp.store.grants import fetch_refusal
+from elasticpp.store.service import GRPC_OPTIONS, PieceAsk, StateServicer, add_to_server
 from elasticpp.transport import TokenFile, is_loopback
 
 log = logging.getLogger("elasticpp.agent")
@@ -116,7 +117,12 @@ class StartupPart:
         )
         add_to_server(
             self._server,
-            StateServicer(self.store, lambda: self.generation, max_fetch_streams=FETCH_STREAMS),
+            StateServicer(
+                self.store,
+                lambda: self.generation,
+                max_fetch_streams=FETCH_STREAMS,
+                authorize=self._may_fetch,
+            ),
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentServicer(self, max_event_streams=EVENT_STREAMS), self._server
@@ -130,6 +136,13 @@ class StartupPart:
             if not is_loopback(cfg.listen.rpartition(":")[0].strip("[]")):
                 log.warning("--insecure: gRPC on %s is plaintext and unauthenticated", cfg.listen)
             self.port = self._server.add_insecure_port(cfg.listen)
+        anonymous = cfg.anonymous_etcd()
+        if anonymous:
+            log.warning(
+                "--insecure: etcd at %s is reached anonymously (whoever can write to it can "
+                "stop or misdirect this job)",
+                ",".join(anonymous),
+            )
         if self.port == 0:
             raise ConfigError(f"agent: cannot listen on {cfg.listen}")
         if cfg.control_socket is not None:
@@ -168,6 +181,36 @@ class StartupPart:
             return True
         record = vs.record
         return record is not None and node_id in record.planned_set
+
+    def _may_fetch(self, who: str | None, ask: PieceAsk) -> tuple[grpc.StatusCode, str] | None:
+        """Whether the node named `who` (its certificate's name) may fetch `ask` now: what
+        the plan of this node's generation assigns it (`store.grants`). Without TLS there
+        is no name to go by (every door is open: loopback or --insecure); the job's shared
+        certificate name passes as any node (documented as weaker). Called on gRPC
+        threads; reads the follower's generation, writes nothing."""
+        if who is None or who == self.cfg.tls_shared_identity:
+            return None
+        gs = self._fs.gen
+        if gs is None or gs.generation != ask.generation:
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request of generation {ask.generation}; this node is at "
+                f"{gs.generation if gs else 0}",
+            )
+        why = fetch_refusal(
+            gs.plan,
+            who,
+            self.node_id,
+            ask.origin,
+            ask.step,
+            ask.key,
+            copies=self.spec.replication_copies,
+            every=self.spec.replication_every,
+        )
+        if why is None:
+            return None
+        log.warning("refused a state transfer to %s: %s", who[:64], why)
+        return grpc.StatusCode.PERMISSION_DENIED, why
 
     def _prepare_init(self) -> None:
         """A job that starts from trained weights (`init_from`) starts every worker from a

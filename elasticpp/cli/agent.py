@@ -72,7 +72,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     doors.add_argument(
         "--insecure",
         action="store_true",
-        help="serve plaintext, unauthenticated gRPC on a non-loopback --listen",
+        help="on a network you trust: plaintext, unauthenticated gRPC on a non-loopback "
+        "--listen, an etcd off loopback reached without a client certificate or user",
     )
     p.add_argument(
         "--advertise-host",

@@ -8,7 +8,12 @@ Requests become `LocalStore` calls; errors become status codes:
 - a bad piece name (anything `PieceKey.parse` refuses, e.g. with `..` or `/`), a bad origin
   node id or a negative value: INVALID_ARGUMENT (so no name can address a path outside the
   store);
-- a step or piece the node does not hold committed: NOT_FOUND.
+- a step or piece the node does not hold committed: NOT_FOUND;
+- with an `authorize` hook (the agent's): a piece the caller's plan does not assign it
+  (`store.grants`): PERMISSION_DENIED; a request of a newer generation (or epoch) than this
+  node's is held until this node reaches it (its watch lags the caller's by milliseconds),
+  for at most `catch_up_s`, then UNAVAILABLE (the client asks again): a caller's own number
+  never opens anything by itself.
 `ListHoldings` pages what the node holds of the steps asked for: at most `page_pieces` pieces
 per reply (capped at `MAX_PAGE_PIECES`), so a reply stays far below the message limit however
 much a node holds; its page token is the last piece listed, (step, origin, name), so a page
@@ -25,8 +30,10 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import IO, Any
 
 import grpc
@@ -186,12 +193,31 @@ def caller_of(context: grpc.ServicerContext) -> str:
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
+@dataclass(frozen=True)
+class PieceAsk:
+    """One FetchPiece request, its names checked: what `authorize` decides on."""
+
+    generation: int
+    epoch: int
+    origin: str
+    step: int
+    key: PieceKey
+
+
+# The hook: (the caller's certificate name or None, the request) -> None, or a refusal.
+Authorize = Callable[[str | None, PieceAsk], tuple[grpc.StatusCode, str] | None]
+
+# A newer generation's request waits this long for this node to reach it.
+CATCH_UP_S = 5.0
+
+
 class StateServicer(state_pb2_grpc.StateServiceServicer):
     """Serves one `LocalStore`. `generation_fn` returns the node's current plan generation.
 
     Piece streams: at most `max_fetch_streams` at once and `max_streams_per_peer` for one
     caller; a stream read slower than `min_bytes_per_s` (after `grace_s`) is cancelled by the
-    server, so a slow or idle reader frees its slot."""
+    server, so a slow or idle reader frees its slot. `authorize`, when given, decides every
+    piece request at this node's own generation (see the module docstring)."""
 
     def __init__(
         self,
@@ -203,6 +229,8 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
         max_streams_per_peer: int = 4,
         min_bytes_per_s: float = MIN_BYTES_PER_S,
         grace_s: float = STREAM_GRACE_S,
+        authorize: Authorize | None = None,
+        catch_up_s: float = CATCH_UP_S,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes > MAX_MESSAGE_BYTES - 4096:
             raise ConfigError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
@@ -218,6 +246,8 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
         )
         self._min_bytes_per_s = min_bytes_per_s
         self._grace_s = grace_s
+        self._authorize = authorize
+        self._catch_up_s = catch_up_s
 
     def _check_generation(
         self, requested: int, requested_epoch: int, context: grpc.ServicerContext
@@ -237,6 +267,28 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"request of generation {requested} is older than this node's generation {current}",
             )
+
+    def _behind(self, requested: int, requested_epoch: int) -> bool:
+        epoch = self._store.epoch
+        if requested_epoch and epoch and requested_epoch != epoch:
+            return requested_epoch > epoch
+        return requested > self._generation_fn()
+
+    def _catch_up(
+        self, requested: int, requested_epoch: int, context: grpc.ServicerContext
+    ) -> None:
+        """Hold a request of a newer generation until this node reaches it, at most
+        `catch_up_s`; then UNAVAILABLE."""
+        deadline = time.monotonic() + self._catch_up_s
+        while self._behind(requested, requested_epoch):
+            if time.monotonic() >= deadline or not context.is_active():
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"this node is at generation {self._generation_fn()} (epoch "
+                    f"{self._store.epoch}); it has not reached generation {requested} "
+                    f"(epoch {requested_epoch}) yet",
+                )
+            time.sleep(0.01)
 
     def ListSteps(
         self, request: state_pb2.ListStepsRequest, context: grpc.ServicerContext
@@ -271,6 +323,12 @@ class StateServicer(state_pb2_grpc.StateServiceServicer):
             origin = check_node_id(request.origin_node, field_name="origin_node")
         except (ConfigError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._authorize is not None:
+            self._catch_up(request.generation, request.epoch, context)
+            ask = PieceAsk(request.generation, request.epoch, origin, request.step, key)
+            refused = self._authorize(peer_identity(context), ask)
+            if refused is not None:
+                context.abort(*refused)
         slots = self._fetch_slots
         caller = caller_of(context)
         if slots is not None and not slots.take(caller):

@@ -231,7 +231,9 @@ def test_F1_control_calls_need_the_token_or_the_control_socket_and_strangers_get
 def test_F2_only_the_jobs_nodes_may_list_or_fetch_state(doors: Doors) -> None:
     """The review's F2: anyone could list and download every weight and Adam moment. Now the
     state service serves a certificate whose name is a node of the job, and no other: not
-    an operator's, not another name the same CA signed."""
+    an operator's, not another name the same CA signed; and a node only the pieces the plan
+    of the source's generation assigns it (elasticpp.store.grants; the stage rule itself is
+    unit-tested on a pp=2 plan: this job's two nodes are data-parallel twins)."""
     from elasticpp.rpc.state.v1 import state_pb2
 
     address = doors.lc.nodes[0].address
@@ -250,6 +252,43 @@ def test_F2_only_the_jobs_nodes_may_list_or_fetch_state(doors: Doors) -> None:
     with doors.dialer("node-1").channel(address) as ch:
         reply = _state(ch).ListSteps(state_pb2.ListStepsRequest(generation=generation), timeout=10)
         assert reply.node_id == "node-0"
+
+        # A node of the job fetches what the plan of the node's generation assigns it, and
+        # nothing else; a generation of its own making opens nothing.
+        record, _ = _generation_of(doors)
+
+        def own_steps() -> list[Any]:
+            asked = state_pb2.ListStepsRequest(generation=record.generation)
+            listed = _state(ch).ListSteps(asked, timeout=10)
+            return [s for s in listed.steps if s.origin_node == "node-0"]
+
+        doors.lc.wait_for(lambda: bool(own_steps()), 120, "a step node-0 committed")
+        held = own_steps()[0]
+        piece = next(p for p in held.pieces if p.name.startswith("embed."))
+
+        def fetch(name: str, gen: int) -> tuple[Any, str]:
+            request = state_pb2.FetchPieceRequest(
+                generation=gen, step=held.step, name=name, origin_node="node-0"
+            )
+            return _code(lambda: list(_state(ch).FetchPiece(request, timeout=20)))
+
+        served = list(
+            _state(ch).FetchPiece(
+                state_pb2.FetchPieceRequest(
+                    generation=record.generation, step=held.step, name=piece.name,
+                    origin_node="node-0",
+                ),
+                timeout=20,
+            )
+        )  # fmt: skip
+        assert sum(len(c.data) for c in served) == piece.size
+        code, details = fetch("ghost.tp0-1.safetensors", record.generation)
+        assert code is grpc.StatusCode.PERMISSION_DENIED, details
+        assert f"generation {record.generation} assigns node node-1 no rank" in details
+        code, details = fetch(piece.name, generation)
+        assert code is grpc.StatusCode.UNAVAILABLE, details
+        assert f"it has not reached generation {generation}" in details
+    assert "refused a state transfer to node-1" in doors.lc.nodes[0].log_path.read_text()
 
 
 @pytest.mark.timeout(120)

@@ -610,3 +610,61 @@ def test_a_request_of_an_older_epoch_is_refused_and_one_of_a_newer_epoch_served(
             client.list_steps(4, epoch=7)
     with StateClient(a.address) as client, pytest.raises(StaleGenerationError):
         client.list_steps(4)  # an older sender (no epoch): generations alone, as before
+
+
+def test_with_an_authorize_hook_a_refused_piece_is_permission_denied_and_nothing_sent(
+    tmp_path: Path, nodes
+):
+    asks = []
+
+    def authorize(who, ask):
+        asks.append((who, ask))
+        if ask.key.unit == "head":
+            return grpc.StatusCode.PERMISSION_DENIED, "not assigned: head"
+        return None
+
+    nodes["a"] = a = Node(tmp_path, "a", authorize=authorize)
+    head = PieceKey("head", 0, 2).filename
+    commit_step(a.store, 4, [NAME, head])
+    held = StateClient(a.address).list_steps(0).steps[("a", 4)].pieces
+    with StateClient(a.address) as client:
+        dest = tmp_path / "ok.safetensors"
+        assert client.fetch_piece(4, NAME, "a", dest, held[NAME].sha256, 0) == 5000
+        with pytest.raises(PieceFetchError, match="PERMISSION_DENIED: not assigned: head"):
+            client.fetch_piece(4, head, "a", tmp_path / "no", held[head].sha256, 0)
+    assert not (tmp_path / "no").exists()
+    # Plaintext: no certificate name; the hook sees the checked names.
+    assert [(w, k.origin, k.step, k.key.filename) for w, k in asks] == [
+        (None, "a", 4, NAME),
+        (None, "a", 4, head),
+    ]
+
+
+def test_a_newer_generations_piece_waits_for_the_source_to_reach_it_then_is_unavailable(
+    tmp_path: Path, nodes
+):
+    """The fence with an authorize hook: a caller's own generation opens nothing by itself.
+    A request of a newer generation is held until this node reaches it (the source's watch
+    lags by milliseconds), and refused UNAVAILABLE once the catch-up time is out."""
+    nodes["a"] = a = Node(tmp_path, "a", authorize=lambda who, ask: None, catch_up_s=0.5, threads=8)
+    commit_step(a.store, 1, [NAME])
+    a.generation = 5
+    stub = state_pb2_grpc.StateServiceStub(grpc.insecure_channel(a.address))
+    request = state_pb2.FetchPieceRequest(generation=2**64 - 1, step=1, name=NAME, origin_node="a")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.FetchPiece(request, timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "at generation 5" in info.value.details()
+    # One generation ahead, and the source gets there while the request waits: served.
+    nodes["b"] = b = Node(tmp_path, "b", authorize=lambda who, ask: None, catch_up_s=30.0)
+    commit_step(b.store, 1, [NAME])
+    b.generation = 5
+    stub = state_pb2_grpc.StateServiceStub(grpc.insecure_channel(b.address))
+    request = state_pb2.FetchPieceRequest(generation=6, step=1, name=NAME, origin_node="b")
+    replies = stub.FetchPiece(request, timeout=20)
+    timer = threading.Timer(0.3, lambda: setattr(b, "generation", 6))
+    timer.start()
+    try:
+        assert b"".join(bytes(c.data) for c in replies) == piece_bytes(NAME, 1, "b", 5000)
+    finally:
+        timer.cancel()

@@ -81,6 +81,39 @@ def test_a_plaintext_agent_on_a_non_loopback_address_is_refused(tmp_path: Path) 
         AgentConfig(listen=listen, **common)  # type: ignore[arg-type]
 
 
+def test_an_etcd_off_loopback_reached_anonymously_is_refused_unless_insecure(
+    tmp_path: Path,
+) -> None:
+    """Whoever can write to an etcd the agents reach anonymously can stop or misdirect the
+    job (the review's F5: a forged end record): such an etcd needs the agent to log in (a
+    client certificate or a user) or --insecure, said knowingly."""
+    from elasticpp.cluster.etcd_security import EtcdSecurity
+
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    common = {"node_id": "n0", "listen": "127.0.0.1:0", "slots": 1, "state_dir": tmp_path}
+    ca_only = EtcdSecurity(ca_file=pem)  # TLS alone proves the server, not this agent
+    for etcd, security in [
+        (("10.0.0.9:2379",), None),
+        (("127.0.0.1:2379", "etcd-1:2379"), None),
+        (("https://etcd-0:2379",), ca_only),
+    ]:
+        with pytest.raises(ConfigError, match=r"reach it anonymously.*--insecure") as info:
+            AgentConfig(etcd=etcd, etcd_security=security, **common)  # type: ignore[arg-type]
+        assert "is not on loopback" in str(info.value)
+        cfg = AgentConfig(etcd=etcd, etcd_security=security, insecure=True, **common)  # type: ignore[arg-type]
+        assert cfg.anonymous_etcd()
+    logged_in = [
+        EtcdSecurity(ca_file=pem, cert_file=pem, key_file=pem),
+        EtcdSecurity(ca_file=pem, user="agent", password="pw"),
+    ]
+    for security in logged_in:
+        cfg = AgentConfig(etcd=("https://etcd-0:2379",), etcd_security=security, **common)  # type: ignore[arg-type]
+        assert cfg.anonymous_etcd() == []
+    for etcd in (("127.0.0.1:2379",), ("localhost:2379", "[::1]:2379")):
+        AgentConfig(etcd=etcd, **common)  # type: ignore[arg-type]
+
+
 def test_the_cli_refuses_a_plain_start_on_every_interface_with_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -95,6 +128,9 @@ def test_the_cli_refuses_a_plain_start_on_every_interface_with_exit_2(
     assert "--insecure" in capsys.readouterr().err
     assert cli_main([*argv, "--tls-cert", str(spec)]) == 2
     assert "--tls-cert given without --tls-ca, --tls-key" in capsys.readouterr().err
+    remote = ["--etcd", "10.1.2.3:2379", "--listen", "127.0.0.1:0"]
+    assert cli_main([*argv, *remote]) == 2
+    assert "etcd at 10.1.2.3:2379 is not on loopback" in capsys.readouterr().err
 
 
 def test_a_token_file_is_compared_whole_and_never_printed(tmp_path: Path) -> None:

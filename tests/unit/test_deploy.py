@@ -237,7 +237,7 @@ def test_statefulset_runs_the_agent_with_a_command_line_elasticpp_accepts():
     args = _parse_cli(argv)
     assert args.command == "agent"
     assert args.node_id == "rel-elasticpp-3"  # node id = pod name
-    assert args.etcd == "etcd:2379"
+    assert args.etcd == "https://etcd:2379"
     assert args.slots == 8 and args.device == "cuda"
     assert args.listen == "0.0.0.0:7430" and args.metrics_port == 9430
     assert args.advertise_host == "rel-elasticpp-3.rel-elasticpp.train.svc.cluster.local"
@@ -477,18 +477,22 @@ def test_one_agent_per_node_is_added_to_the_users_own_anti_affinity(tmp_path: Pa
     assert "nodeAffinity" in affinity
 
 
+PLAIN_ETCD = ["--set", "etcd.tls.existingSecret=", "--set", "etcd.endpoints={etcd:2379}"]
 IMPOSSIBLE = {
     "no-etcd": ([], False, "etcd.endpoints is required"),
     "bad-endpoint": (["--set", "etcd.endpoints={http://etcd:2379}"], True,
                      'etcd.endpoints: "http://etcd:2379" is not HOST:PORT or https://HOST:PORT'),
-    "https-without-ca": (["--set", "etcd.endpoints={https://etcd:2379}"], True,
+    "https-without-ca": (["--set", "etcd.tls.existingSecret="], True,
                          "is https but etcd.tls.existingSecret (the CA) is not set"),
-    "plain-endpoint-with-tls": (["--set", "etcd.tls.existingSecret=s"], True,
+    "plain-endpoint-with-tls": (["--set", "etcd.endpoints={etcd:2379}"], True,
                                 'etcd.endpoints: "etcd:2379" must be https://HOST:PORT'),
     "user-without-password": (["--set", "etcd.auth.user=u"], True,
                               "etcd.auth: give both user and existingSecret"),
-    "password-without-tls": (["--set", "etcd.auth.user=u", "--set", "etcd.auth.existingSecret=p"],
-                             True, "etcd.auth needs etcd.tls"),
+    "password-without-tls": (["--set", "etcd.auth.user=u", "--set", "etcd.auth.existingSecret=p",
+                              *PLAIN_ETCD], True, "etcd.auth needs etcd.tls"),
+    "anonymous-etcd": (PLAIN_ETCD, True, "the agents would reach etcd anonymously"),
+    "ca-only-etcd": (["--set", "etcd.tls.clientCertificate=false"], True,
+                     "set agent.insecure for an etcd on a network you trust"),
     "no-issuer": (["--set", "tls.certManager.issuerName="], True,
                   "tls.certManager.issuerName is required with tls.mode certManager"),
     "secret-without-name": (["--set", "tls.mode=secret", "--set", "tls.existingSecret=s"],

@@ -99,6 +99,10 @@ that depends on them, so `helm template` and `helm install` fail before anything
 {{- if and .Values.etcd.auth.user (not $tls) }}
 {{- fail "etcd.auth needs etcd.tls: a password is sent to etcd only over TLS" }}
 {{- end }}
+{{- $loggedIn := or .Values.etcd.auth.user (and $tls .Values.etcd.tls.clientCertificate) }}
+{{- if and (not $loggedIn) (not .Values.agent.insecure) }}
+{{- fail "etcd: the agents would reach etcd anonymously, and whoever can write to it can stop or misdirect the job: give etcd.tls with a client certificate or etcd.auth (docs/deploy.md, Securing a job), or set agent.insecure for an etcd on a network you trust" }}
+{{- end }}
 {{- $mode := .Values.tls.mode }}
 {{- if and (eq $mode "certManager") (not .Values.tls.certManager.issuerName) }}
 {{- fail "tls.certManager.issuerName is required with tls.mode certManager (the issuer of the agents' certificates); or tls.mode secret with tls.existingSecret, or tls.mode none with agent.insecure" }}
