@@ -1004,3 +1004,21 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
             if p.poll() is None:
                 kill_tree(p.pid)
             p.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_the_readmes_secured_values_render_an_agent_with_every_door_closed(tmp_path: Path):
+    """The README's Helm values for a secured job are values the chart takes: mutual TLS,
+    the token, etcd over TLS with a client certificate and a user."""
+    readme = (CHART.parents[1] / "README.md").read_text()
+    block = readme.split("# secure-values.yaml", 1)[1].split("\n", 1)[1].split("```", 1)[0]
+    values = tmp_path / "secure-values.yaml"
+    values.write_text(block)
+    proc = _template("-f", str(values), minimal=False)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    args = _agent_container(docs)["args"]
+    for flag in ("--tls-cert=", "--token-file=", "--etcd-cert=", "--etcd-user=elasticpp-llm"):
+        assert any(a.startswith(flag) for a in args), flag
+    assert "--insecure" not in args
+    assert _one(docs, "NetworkPolicy")
