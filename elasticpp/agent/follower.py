@@ -246,6 +246,9 @@ class FollowerPart:
             for slot, proc, assignment in zip(mine, workers, assignments, strict=True):
                 sent.append(proc)
                 proc.assign(assignment)
+                log_path = getattr(proc, "log_path", None)  # a simulated worker has none
+                if log_path is not None:
+                    self.worker_logs.follow(log_path, gs.generation, slot.rank)
                 self.pool.add_worker(
                     _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
                 )

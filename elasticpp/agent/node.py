@@ -115,6 +115,7 @@ from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
 from elasticpp.agent.supervisor import SupervisorPart, SupervisorState
 from elasticpp.agent.view import MemberDirectory, ViewPart, ViewState
+from elasticpp.agent.worklogs import WorkerLogs
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
@@ -189,6 +190,8 @@ class Agent(
         )
         self.metrics_path = cfg.state_dir / "metrics.jsonl"
         self.log_dir = cfg.state_dir / "logs"
+        # Worker output per assignment, teed to stdout (elasticpp.agent.worklogs).
+        self.worker_logs = WorkerLogs(self.log_dir)
         self.python = python
         # Inboxes: what watches, gRPC threads and other parts may hand over (elasticpp.agent.inbox)
         self._wake = wake if wake is not None else threading.Event()  # the loop ticks now
@@ -374,6 +377,7 @@ class Agent(
         self.pool.kill_all()
         if self._ss.template is not None:
             self._ss.template.close()
+        self.worker_logs.close()  # what the killed workers wrote last, copied
         if self._ds.persister is not None:
             self._ds.persister.close(timeout_s=10.0)
         if self.cluster is not None:

@@ -300,10 +300,40 @@ class SupervisorPart:
             if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
                 w.move(WorkerState.FAILED)
                 if not w.killed_by_us:
+                    self._worker_failed_log(proc, w.generation, w.rank, rc)
                     self._report_failure(
                         w.generation, f"worker rank {w.rank} exited with code {rc}"
                     )
             self.pool.forget(proc.pid)
+            log_path = getattr(proc, "log_path", None)
+            if log_path is not None:
+                self.worker_logs.forget(log_path)
+
+    def _worker_failed_log(self, proc: WorkerProcess, generation: int, rank: int, rc: Any) -> None:
+        """A worker that failed on its own: the tail of its log (its traceback) in the agent's
+        log and in a failure event (`ctl events`), and its log kept beside the job's first
+        failures (the root cause of a crash loop outlives the rotation)."""
+        log_path = getattr(proc, "log_path", None)
+        if log_path is None:
+            return
+        tail = self.worker_logs.failure_tail(log_path)
+        kept = self.worker_logs.keep(log_path)
+        where = f" (log: {kept})" if kept is not None else ""
+        log.error(
+            "worker rank %d of generation %d exited with code %s%s; its last lines:\n%s",
+            rank,
+            generation,
+            rc,
+            where,
+            tail or "(nothing)",
+        )
+        self._events.append(
+            "worker",
+            f"rank {rank} of generation {generation} exited with code {rc}{where}: "
+            + (tail or "(no output)"),
+            generation,
+            at=self._clock.time(),
+        )
 
     def _check_gpus(self) -> None:
         """Drop GPUs that NVML reports unhealthy from this node's slots, and have the leader
