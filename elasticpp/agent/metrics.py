@@ -58,7 +58,7 @@ class AgentMetrics:
     @classmethod
     def create(cls, node_id: str, job: str) -> AgentMetrics:
         r = CollectorRegistry(auto_describe=True)
-        labels = {"node": node_id, "job_name": job}
+        labels = {"node_id": node_id, "job_name": job}
 
         def g(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
             return Gauge(name, doc, [*labels, *extra], registry=r)

@@ -17,9 +17,9 @@ def test_a_child_is_the_labelled_one_looked_up_once() -> None:
     m = AgentMetrics.create("n0", "job-a")
     child = m.of(m.generation)
     assert child is m.of(m.generation)
-    assert child is m.generation.labels(node="n0", job_name="job-a")
+    assert child is m.generation.labels(node_id="n0", job_name="job-a")
     running = m.of(m.workers, state="running")
-    assert running is m.workers.labels(node="n0", job_name="job-a", state="running")
+    assert running is m.workers.labels(node_id="n0", job_name="job-a", state="running")
     assert running is not m.of(m.workers, state="warm")
 
 
@@ -29,9 +29,9 @@ def test_what_is_set_on_a_child_is_exported() -> None:
     m.of(m.workers, state="running").set(2)
     m.of(m.steps_total).inc()
     text = generate_latest(m.registry).decode()
-    assert 'elasticpp_generation{job_name="job-a",node="n0"} 7.0' in text
-    assert 'elasticpp_workers{job_name="job-a",node="n0",state="running"} 2.0' in text
-    assert 'elasticpp_steps_total{job_name="job-a",node="n0"} 1.0' in text
+    assert 'elasticpp_generation{job_name="job-a",node_id="n0"} 7.0' in text
+    assert 'elasticpp_workers{job_name="job-a",node_id="n0",state="running"} 2.0' in text
+    assert 'elasticpp_steps_total{job_name="job-a",node_id="n0"} 1.0' in text
 
 
 def test_the_gauges_are_set_again_only_when_their_values_change(tmp_path: Path) -> None:
@@ -53,7 +53,7 @@ def test_the_gauges_are_set_again_only_when_their_values_change(tmp_path: Path) 
     assert "etcd_up" in sets
     up = int(agent._vs.etcd_ok)
     text = generate_latest(agent.metrics.registry).decode()
-    assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node="n0"}} {up}.0' in text
+    assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} {up}.0' in text
 
 
 def test_only_the_gauges_whose_values_changed_are_set(tmp_path: Path) -> None:
@@ -84,8 +84,8 @@ def test_etcd_up_is_set_again_after_an_outage_with_nothing_else_changed(tmp_path
     agent._update_gauges()
     agent._etcd_down(RuntimeError("connection refused"))
     text = generate_latest(agent.metrics.registry).decode()
-    assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node="n0"}} 0.0' in text
+    assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} 0.0' in text
     agent._vs.etcd_ok = True  # the next refresh reached etcd
     agent._update_gauges()
     text = generate_latest(agent.metrics.registry).decode()
-    assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node="n0"}} 1.0' in text
+    assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} 1.0' in text
