@@ -144,6 +144,10 @@ class StepMetrics:
     step: int
     loss: float
     step_seconds: float | None
+    lr: float | None = None
+    grad_norm: float | None = None
+    samples: int = 0  # the step's global batch
+    tokens: int = 0  # its samples x seq_len
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,8 @@ class DurabilityPart:
                     layout=str(plan.layout),
                     node_id=self.node_id,
                     wall_s=self._clock.time(),
+                    samples=plan.global_batch,
+                    tokens=plan.global_batch * plan.model.seq_len,
                 ),
             )
         )

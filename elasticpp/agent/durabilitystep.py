@@ -72,6 +72,15 @@ class StepObservation:
     layout: str  # of the current generation's plan ("" before any)
     node_id: str
     wall_s: float
+    samples: int = 0  # the plan's global batch
+    tokens: int = 0  # samples x seq_len
+
+
+def _number(value: object) -> float | None:
+    """A reported lr or gradient norm as a float, or None (absent or not a number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -128,7 +137,16 @@ def durability_on_step(state: DurabilityState, obs: StepObservation) -> list[Act
         "grad_norm": obs.grad_norm,
         "step_seconds": obs.step_seconds,
     }
-    return [StepMetrics(obs.step, obs.loss, obs.step_seconds), WriteMetricsLine(json.dumps(line))]
+    metrics = StepMetrics(
+        obs.step,
+        obs.loss,
+        obs.step_seconds,
+        lr=_number(obs.lr),
+        grad_norm=_number(obs.grad_norm),
+        samples=obs.samples,
+        tokens=obs.tokens,
+    )
+    return [metrics, WriteMetricsLine(json.dumps(line))]
 
 
 def durability_on_snapshot(state: DurabilityState, obs: SnapshotObservation) -> list[Action]:

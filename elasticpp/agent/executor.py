@@ -164,6 +164,12 @@ class ExecutorPart:
                 m.of(m.steps_total).inc()
                 if action.step_seconds is not None:
                     m.of(m.step_seconds).observe(action.step_seconds)
+                if action.lr is not None:
+                    m.of(m.learning_rate).set(action.lr)
+                if action.grad_norm is not None:
+                    m.of(m.grad_norm).set(action.grad_norm)
+                m.of(m.samples_total).inc(action.samples)
+                m.of(m.tokens_total).inc(action.tokens)
             elif isinstance(action, WriteMetricsLine):
                 self._write_metrics_line(action.line)
             elif isinstance(action, CountSnapshotFailure):

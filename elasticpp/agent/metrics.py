@@ -5,10 +5,13 @@ Names follow Prometheus's rules: `elasticpp_` prefix, base units, counters end i
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from elasticpp import __version__
 
 WORKER_STATES = ("warm", "starting", "running", "stopping", "stopped", "done", "failed")
 
@@ -41,6 +44,12 @@ class AgentMetrics:
     quarantines_total: Counter
     job_ended: Gauge
     certificate_expiry: Gauge
+    learning_rate: Gauge
+    grad_norm: Gauge
+    samples_total: Counter
+    tokens_total: Counter
+    target_steps: Gauge
+    build_info: Gauge
     labels: dict[str, str]
     # (metric, extra labels) -> its child with this agent's labels: `labels(**kw)` costs
     # microseconds a call, and the loop sets a dozen gauges a second on every node.
@@ -66,7 +75,7 @@ class AgentMetrics:
         def c(name: str, doc: str) -> Counter:
             return Counter(name, doc, list(labels), registry=r)
 
-        return cls(
+        made = cls(
             registry=r,
             step=g("elasticpp_step", "Newest step this node's workers completed"),
             loss=g("elasticpp_loss", "Loss of the newest completed step (global-batch mean)"),
@@ -99,7 +108,8 @@ class AgentMetrics:
                 "elasticpp_step_seconds",
                 "Wall time of one training step",
                 list(labels),
-                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+                # Up to an hour: a step of a large model on few nodes can take minutes.
+                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
                 registry=r,
             ),
             state_fetched_bytes_total=c(
@@ -160,8 +170,29 @@ class AgentMetrics:
                 "1 if the job ended without finishing (failure budget spent, or halted)",
                 ("status",),
             ),
+            learning_rate=g("elasticpp_learning_rate", "Learning rate of the newest step"),
+            grad_norm=g(
+                "elasticpp_grad_norm", "Global gradient norm of the newest step (before clipping)"
+            ),
+            samples_total=c(
+                "elasticpp_samples",
+                "Samples trained in the steps this node took part in (the global batch a step)",
+            ),
+            tokens_total=c(
+                "elasticpp_tokens",
+                "Tokens trained in the steps this node took part in (global batch x seq_len)",
+            ),
+            target_steps=g("elasticpp_target_steps", "Steps the job trains in all (its spec)"),
+            build_info=Gauge(
+                "elasticpp_build_info",
+                "Always 1; the labels say which elasticpp, Python and torch the agent runs",
+                [*labels, "version", "python"],
+                registry=r,
+            ),
             labels=labels,
         )
+        made.of(made.build_info, version=__version__, python=platform.python_version()).set(1)
+        return made
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -242,6 +242,7 @@ class Agent(
         self._registration: Any = None
         self._torch_ready = threading.Event()
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
+        self.metrics.of(self.metrics.target_steps).set(spec.steps)
 
     # ------------------------------------------------------------------ lifecycle
     @property

@@ -1,7 +1,8 @@
 """Worker output where operators look, against live agents: a worker's traceback reaches the
 agent's stdout (what `kubectl logs` and journald show) prefixed `[gen G rank R]`, the
 agent's log and the failure event (`ctl events`) carry its tail, the assignment's own log
-file is named by generation and rank, and the failure's log is kept outside the rotation."""
+file is named by generation and rank, and the failure's log is kept outside the rotation;
+the same live agent's metrics count the job's samples and tokens."""
 
 from __future__ import annotations
 
@@ -106,5 +107,21 @@ def test_a_failed_workers_traceback_reaches_the_agents_stdout_log_events_and_kep
             channel.close()
         assert "injected failure in a forward pass" in seen[-1], seen[-5:]
         assert f"rank {rank} of generation {generation} exited with code 1" in seen[-1]
+        # What operators chart beside it, scraped from the live agent: tokens and samples
+        # (a step is the global batch of 4 samples x seq_len 32), the target, the build.
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read()
+        values = {
+            (s.name, s.labels.get("version", "")): s.value
+            for family in text_string_to_metric_families(text.decode())
+            for s in family.samples
+        }
+        samples = values[("elasticpp_samples_total", "")]
+        assert samples >= 4 * 3 and values[("elasticpp_tokens_total", "")] == samples * 32
+        assert values[("elasticpp_target_steps", "")] == 100_000
+        assert values[("elasticpp_build_info", __import__("elasticpp").__version__)] == 1
     finally:
         lc.close()

@@ -72,6 +72,8 @@ STEP = StepObservation(
     layout="pp1-tp1-dp2",
     node_id="n0",
     wall_s=1.7e9,
+    samples=8,
+    tokens=8 * 64,
 )
 
 
@@ -230,7 +232,10 @@ def test_failed_snapshots_are_counted_each_time_and_announced_once_per_run() -> 
 def test_each_step_is_written_once_per_generation_with_the_wall_time_observed() -> None:
     state = DurabilityState()
     metrics, line = durability_on_step(state, STEP)
-    assert metrics == StepMetrics(3, 2.5, 0.4)
+    # The gauges and counters of the step: lr, gradient norm, the global batch and its tokens.
+    assert metrics == StepMetrics(3, 2.5, 0.4, lr=0.001, grad_norm=1.25, samples=8, tokens=512)
+    odd = replace(STEP, lr="0.1", grad_norm=True)
+    assert durability_on_step(DurabilityState(), odd)[0].lr is None  # a non-number: not shown
     assert isinstance(line, WriteMetricsLine)
     assert json.loads(line.line) == {
         "step": 3,
