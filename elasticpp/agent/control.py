@@ -17,7 +17,14 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from elasticpp.agent import probe
-from elasticpp.agent.actions import Action, Event, PublishMemberInfo, ReleaseSpares, StepDown
+from elasticpp.agent.actions import (
+    Action,
+    Event,
+    JobEndedGauge,
+    PublishMemberInfo,
+    ReleaseSpares,
+    StepDown,
+)
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.limits import LOOP_STALL_S, LOOP_WATCH_S
 from elasticpp.agent.metrics import WORKER_STATES
@@ -68,8 +75,9 @@ def control_step(state: ControlState, obs: ControlObservation) -> list[Action]:
     drain announces itself, hands the leadership on, and exits 0 once a later plan without
     this node has started everywhere, the job is over, or the drain's time is up."""
     actions: list[Action] = []
-    if obs.done_reported or obs.finished_here:
+    if (obs.done_reported or obs.finished_here) and not state.job_done:
         state.job_done = True
+        actions.append(JobEndedGauge("finished"))  # the alerts stay quiet from here on
     if state.job_done and not obs.workers_alive:
         if obs.exit_on_end:
             state.exit_code = 0

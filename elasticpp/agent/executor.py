@@ -156,6 +156,8 @@ class ExecutorPart:
                 self._update_gauges()
             elif isinstance(action, JobEndedGauge):
                 self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
+                if action.status == "finished":
+                    self.metrics.of(self.metrics.job_finished).set(1)
             # --- the durability part's actions
             elif isinstance(action, StepMetrics):
                 m = self.metrics

@@ -43,6 +43,7 @@ class AgentMetrics:
     quarantined: Gauge
     quarantines_total: Counter
     job_ended: Gauge
+    job_finished: Gauge
     certificate_expiry: Gauge
     learning_rate: Gauge
     grad_norm: Gauge
@@ -167,8 +168,12 @@ class AgentMetrics:
             ),
             job_ended=g(
                 "elasticpp_job_ended",
-                "1 if the job ended without finishing (failure budget spent, or halted)",
+                "1 once the job ended, by status: finished, failed (failure budget spent) or "
+                "halted",
                 ("status",),
+            ),
+            job_finished=g(
+                "elasticpp_job_finished", "1 once the job trained all its steps (0 until then)"
             ),
             learning_rate=g("elasticpp_learning_rate", "Learning rate of the newest step"),
             grad_norm=g(

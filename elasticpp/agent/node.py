@@ -243,6 +243,7 @@ class Agent(
         self._torch_ready = threading.Event()
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
         self.metrics.of(self.metrics.target_steps).set(spec.steps)
+        self.metrics.of(self.metrics.job_finished).set(0)
 
     # ------------------------------------------------------------------ lifecycle
     @property

@@ -104,15 +104,18 @@ def test_a_drain_of_a_job_that_is_over_ends_at_once() -> None:
 
 def test_a_finished_job_exits_once_its_workers_are_gone_or_idles_without_spares() -> None:
     state = ControlState()
-    assert control_step(state, replace(OBS, finished_here=True)) == []
+    # Shown once in the metrics (elasticpp_job_finished: the alerts stay quiet after it).
+    assert control_step(state, replace(OBS, finished_here=True)) == [JobEndedGauge("finished")]
     assert state.job_done and state.exit_code is None  # its workers still exit
+    assert control_step(state, replace(OBS, finished_here=True)) == []
     control_step(state, replace(OBS, workers_alive=False))
     assert state.exit_code == 0
     idle = ControlState()
     actions = control_step(
         idle, replace(OBS, done_reported=True, workers_alive=False, exit_on_end=False)
     )
-    assert actions[0] == ReleaseSpares() and idle.exit_code is None
+    assert actions[:2] == [JobEndedGauge("finished"), ReleaseSpares()]
+    assert idle.exit_code is None
     quiet = replace(OBS, workers_alive=False, has_spares=False, exit_on_end=False)
     assert control_step(idle, quiet) == []  # released: nothing more to do, no exit
 
