@@ -252,6 +252,9 @@ def test_statefulset_runs_the_agent_with_a_command_line_elasticpp_accepts():
     assert container["resources"]["requests"] == {"cpu": 8}
     # A stable state dir per pod, and the pod's own DNS name through the headless Service.
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "state"
+    # ... which goes with the release, and stays for a scaled-down pod's return.
+    retention = sts["spec"]["persistentVolumeClaimRetentionPolicy"]
+    assert retention == {"whenDeleted": "Delete", "whenScaled": "Retain"}
     service = _one(docs, "Service")
     assert service["spec"]["clusterIP"] == "None"
     assert sts["spec"]["serviceName"] == service["metadata"]["name"]
