@@ -1025,3 +1025,57 @@ def test_the_readmes_secured_values_render_an_agent_with_every_door_closed(tmp_p
         assert any(a.startswith(flag) for a in args), flag
     assert "--insecure" not in args
     assert _one(docs, "NetworkPolicy")
+
+
+@pytest.mark.timeout(60)
+def test_a_real_jobs_pod_values_render_valid_objects(tmp_path: Path):
+    """What a real job needs of its pods: the model, the data and a shared persist_dir
+    mounted, an init container, the host's network for NCCL/RDMA, a RuntimeClass, a gang
+    scheduler, spread over zones; the objects stay valid for every Kubernetes version."""
+    values = tmp_path / "pod-values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "extraVolumes": [
+                    {"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}},
+                    {"name": "ckpt", "nfs": {"server": "nfs.example", "path": "/ckpt"}},
+                ],
+                "extraVolumeMounts": [
+                    {"name": "data", "mountPath": "/data", "readOnly": True},
+                    {"name": "ckpt", "mountPath": "/ckpt"},
+                ],
+                "initContainers": [{"name": "fetch", "image": "busybox:1.37", "args": ["true"]}],
+                "hostNetwork": True,
+                "runtimeClassName": "nvidia",
+                "schedulerName": "volcano",
+                "podAnnotations": {"scheduling.k8s.io/group-name": "llm"},
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                        "labelSelector": {
+                            "matchLabels": {"app.kubernetes.io/instance": "{{ .Release.Name }}"}
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    docs = _render("-f", str(values))
+    _validate_builtin(docs)
+    pod = _one(docs, "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["runtimeClassName"] == "nvidia" and pod["schedulerName"] == "volcano"
+    assert [c["name"] for c in pod["initContainers"]] == ["fetch"]
+    volumes = {v["name"] for v in pod["volumes"]}
+    assert {"data", "ckpt", "jobspec"} <= volumes
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["data"] == "/data" and mounts["ckpt"] == "/ckpt" and "state" in mounts
+    spread = pod["topologySpreadConstraints"][0]
+    assert spread["labelSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "rel"}
+    # Off by default: the defaults render none of it.
+    default = _one(_render(), "StatefulSet")["spec"]["template"]["spec"]
+    for key in ("hostNetwork", "dnsPolicy", "runtimeClassName", "schedulerName",
+                "initContainers", "topologySpreadConstraints"):  # fmt: skip
+        assert key not in default, key
