@@ -423,6 +423,12 @@ def test_optional_objects_follow_their_flags():
 
     pdb = _one(_render(*VALUE_SETS["cpu-ephemeral"]), "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    # A job as small as it may be: one pod may still go, so `kubectl drain` never blocks.
+    small = ["--set", "podDisruptionBudget.enabled=true", "--set", "jobSpec.min_nodes=2",
+             "--set", "replicas=2"]  # fmt: skip
+    pdb = _one(_render(*small), "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 @pytest.mark.timeout(60)
