@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train": "train with a fixed layout on local worker processes",
     "agent": "run the node agent (one per node)",
     "ctl": "talk to a running agent over gRPC",
+    "job": "a job as etcd holds it: status, reset, delete (also once its agents are gone)",
     "demo": "local elastic demo: 4 agents, a node killed and brought back",
     "export": "write a saved step as a Hugging Face model directory",
     "data": "prepare training data: tokenise text files into a token file",

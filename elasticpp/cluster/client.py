@@ -161,6 +161,10 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
             raise ClusterDataError(f"job {self.job}: spec vanished")
         return stored.value
 
+    def delete_job(self) -> int:
+        """Delete every key of the job (`elasticpp job delete`); the number deleted."""
+        return int(self._kv.delete_prefix(self.keys.root))
+
     def spec(self) -> str | None:
         kv = self._kv.get(self.keys.spec)
         return kv.value if kv else None

@@ -176,6 +176,11 @@ class HealthPart:
             self.skip_value(kv.key, exc)
             return None
 
+    def reset_end(self) -> bool:
+        """Delete the job's end record (`elasticpp job reset`: a failed or halted job may run
+        again); False if there was none."""
+        return self._kv.delete(self.keys.ended)
+
     def end_job(self, status: str, reason: str, by: str, step: int = -1) -> JobEnd:
         """End the job once: the first end written stays. Returns the end on record."""
         if status not in END_STATUSES:

@@ -1,6 +1,7 @@
 """A finished job, as Prometheus sees a live agent that idles after it (the chart's
 `onJobEnd: idle`): it says finished, so the alerts of deploy/prometheus stay quiet (their
-promtool tests replay these series across every rule's `for:` window)."""
+promtool tests replay these series across every rule's `for:` window); `elasticpp job` reads
+the same from etcd."""
 
 from __future__ import annotations
 
@@ -48,5 +49,25 @@ def test_an_idle_agent_after_a_finished_job_exports_finished_and_no_failure(
         assert values[("elasticpp_target_steps", "")] == 6
         assert values[("elasticpp_step", "")] == 5
         assert values[("elasticpp_workers", "running")] == 0
+        # And as etcd tells it, to `elasticpp job`: finished, every step trained; neither reset
+        # (it trained every step) nor deleted while its agent is registered.
+        import json
+        import subprocess
+        import sys
+
+        job = [sys.executable, "-m", "elasticpp.cli.main", "job"]
+        where = ["--etcd", lc.etcd.endpoint, "--name", "endjob"]
+
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*job, *args, *where], capture_output=True, text=True,
+                                  timeout=60, check=False)  # fmt: skip
+
+        status = json.loads(run("status", "-o", "json").stdout)
+        assert status["state"] == "finished" and status["trained_steps"] == 6
+        assert status["members"] == ["node-0"] and status["generation"] == 1
+        reset = run("reset")
+        assert reset.returncode == 2 and "job endjob is finished" in reset.stderr
+        delete = run("delete")
+        assert delete.returncode == 2 and "agents are registered (node-0)" in delete.stderr
     finally:
         lc.close()

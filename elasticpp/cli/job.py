@@ -1,0 +1,170 @@
+"""`elasticpp job`: a job as etcd holds it, also once every agent is gone.
+
+    elasticpp job status --etcd HOST:PORT --name JOB [-o table|json]
+    elasticpp job reset  --etcd HOST:PORT --name JOB     a failed or halted job may run again
+    elasticpp job delete --etcd HOST:PORT --name JOB     every key of the job (not while agents run)
+
+`status` says how the job stands (`running`, `waiting`, `finished`, `failed`, `halted`, or
+`absent`) from its records: its spec, epoch, generation record, leader, members, quarantines,
+safe step, end record and done barrier. `reset` deletes the end record of a job that failed or
+halted (and the quarantines that led there), so that agents started again train it on from
+its newest committed step; a finished or running job is refused. `delete` removes the job's
+keys, refused while an agent is registered unless `--force`. The etcd flags are the agent's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
+from elasticpp.cluster.keys import ROOT, check_name, check_prefix
+from elasticpp.errors import ConfigError
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="job_command", required=True)
+    for name, help_text in (
+        ("status", "how the job stands, from etcd"),
+        ("reset", "let a failed or halted job run again"),
+        ("delete", "delete every key of the job"),
+    ):
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.add_argument("--etcd", required=True, help="etcd endpoints HOST:PORT[,...]")
+        sp.add_argument("--name", required=True, help="the job spec's name")
+        sp.add_argument("--etcd-prefix", default=ROOT, help="where jobs' keys live")
+        sp.add_argument("--etcd-ca", type=Path, help="etcd's CA (TLS)")
+        sp.add_argument("--etcd-cert", type=Path, help="a client certificate for etcd")
+        sp.add_argument("--etcd-key", type=Path, help="its key")
+        sp.add_argument("--etcd-user", help="the etcd user")
+        sp.add_argument("--etcd-password-file", type=Path, help="its password, from a file")
+        if name == "status":
+            sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
+        if name == "delete":
+            sp.add_argument("--force", action="store_true", help="also while agents are registered")
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from elasticpp.cluster import ClusterClient
+
+    check_name("--name", args.name)
+    check_prefix(args.etcd_prefix)
+    security = EtcdSecurity.from_files(
+        ca_file=args.etcd_ca,
+        cert_file=args.etcd_cert,
+        key_file=args.etcd_key,
+        user=args.etcd_user,
+        password_file=args.etcd_password_file,
+    )
+    endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
+    if not endpoints:
+        raise ConfigError("--etcd needs at least one HOST:PORT")
+    for e in endpoints:
+        parse_endpoint(e, tls=security is not None and security.tls)
+    return ClusterClient(endpoints, args.name, security=security, prefix=args.etcd_prefix)
+
+
+def job_status(client: Any) -> dict[str, Any]:
+    """How the job stands, from its records in etcd."""
+    spec = client.spec()
+    if spec is None:
+        return {"name": client.job, "state": "absent"}
+    epoch = client.epoch()
+    record, _ = client.read_generation()
+    members = client.members().nodes
+    end = client.job_end()
+    done, _ = client.barrier_state("done")
+    safe, _ = client.read_safe()
+    quarantined = client.quarantined()
+    if end is not None:
+        state = end.status
+    elif done:
+        state = "finished"
+    elif record is not None and members:
+        state = "running"
+    else:
+        state = "waiting"  # for agents (none registered), or for min_nodes of them
+    out: dict[str, Any] = {
+        "name": client.job,
+        "state": state,
+        "epoch": None if epoch is None else epoch.epoch,
+        "generation": None if record is None else record.generation,
+        "layout": None,
+        "planned_nodes": [] if record is None else sorted(record.planned_set),
+        "leader": client.leader(),
+        "members": sorted(members),
+        "quarantined": {n: q.reason for n, q in sorted(quarantined.items())},
+        "safe_step": None if safe is None else safe.step,
+        "trained_steps": max((int(v.get("step", -1)) for v in done.values()), default=None),
+        "end": None if end is None else end.to_dict(),
+    }
+    if record is not None:
+        plan = record.plan if isinstance(record.plan, dict) else {}
+        out["layout"] = {k: plan.get(k) for k in ("pp", "tp", "dp")}
+    return out
+
+
+def _table(status: dict[str, Any]) -> str:
+    rows = [("job", status["name"]), ("state", status["state"])]
+    if status["state"] != "absent":
+        layout = status["layout"]
+        rows += [
+            ("epoch", str(status["epoch"])),
+            ("generation", str(status["generation"])),
+            (
+                "layout",
+                "-" if not layout else "pp={pp},tp={tp},dp={dp}".format(**layout),
+            ),
+            ("planned nodes", ", ".join(status["planned_nodes"]) or "-"),
+            ("leader", status["leader"] or "-"),
+            ("members", ", ".join(status["members"]) or "-"),
+            ("safe step", "-" if status["safe_step"] is None else str(status["safe_step"])),
+        ]
+        for node, reason in status["quarantined"].items():
+            rows.append(("quarantined", f"{node}: {reason}"))
+        if status["trained_steps"] is not None:
+            rows.append(("trained steps", str(status["trained_steps"])))
+        end = status["end"]
+        if end is not None:
+            rows.append(("ended", f"{end['status']} by {end['by']}: {end['reason']}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.job_command == "status":
+            status = job_status(client)
+            if args.output == "json":
+                print(json.dumps(status, indent=1, sort_keys=True))
+            else:
+                print(_table(status))
+            return 0
+        status = job_status(client)
+        if status["state"] == "absent":
+            raise ConfigError(f"job {args.name}: no such job in etcd (prefix {args.etcd_prefix})")
+        if args.job_command == "reset":
+            if status["state"] not in ("failed", "halted"):
+                raise ConfigError(
+                    f"job {args.name} is {status['state']}: only a failed or halted job is "
+                    "reset (a finished one trained every step; a running one is not over)"
+                )
+            client.reset_end()
+            for node in status["quarantined"]:
+                client.lift_quarantine(node)
+            print(
+                f"job {args.name}: reset ({status['state']} before); agents started again "
+                f"train it on from its newest committed step"
+            )
+            return 0
+        if status["members"] and not args.force:
+            raise ConfigError(
+                f"job {args.name}: agents are registered ({', '.join(status['members'])}): "
+                "stop them first, or --force"
+            )
+        deleted = client.delete_job()
+        print(f"job {args.name}: {deleted} key(s) deleted", file=sys.stdout)
+        return 0

@@ -1,0 +1,53 @@
+"""`elasticpp job` against a real etcd: a job's state once its agents are gone; a failed job
+reset so that it may run again; a job's keys deleted. (A finished job, with its agents
+idling: tests/integration/test_job_end_metrics.py.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.etcd_server import EtcdServer
+
+
+def _job(etcd: EtcdServer, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "elasticpp.cli.main", "job", *args, "--etcd", etcd.endpoint,
+         "--name", "llm"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_a_failed_job_is_told_reset_to_run_again_and_deleted(etcd: EtcdServer) -> None:
+    absent = _job(etcd, "status", "-o", "json")
+    assert absent.returncode == 0 and json.loads(absent.stdout)["state"] == "absent"
+    refused = _job(etcd, "reset")
+    assert refused.returncode == 2 and "no such job in etcd" in refused.stderr
+    with ClusterClient([etcd.endpoint], "llm") as c:
+        c.put_spec_if_absent('{"name": "llm"}')
+        c.epoch_if_absent(7, "n0")
+        c.end_job("failed", "failure budget spent: 51 failed generations in 3600 s", "n0")
+    status = json.loads(_job(etcd, "status", "-o", "json").stdout)
+    assert status["state"] == "failed" and status["epoch"] == 7
+    assert status["end"]["reason"].startswith("failure budget spent")
+    table = _job(etcd, "status").stdout
+    assert "state  " in table and "failed by n0: failure budget spent" in table
+    reset = _job(etcd, "reset")
+    assert reset.returncode == 0, reset.stderr
+    assert json.loads(_job(etcd, "status", "-o", "json").stdout)["state"] == "waiting"
+    again = _job(etcd, "reset")  # nothing to reset: refused, naming the state
+    assert again.returncode == 2 and "job llm is waiting" in again.stderr
+    deleted = _job(etcd, "delete")
+    assert deleted.returncode == 0 and "key(s) deleted" in deleted.stdout
+    assert json.loads(_job(etcd, "status", "-o", "json").stdout)["state"] == "absent"
+
+
+def test_bad_flags_are_refused_with_exit_2(etcd: EtcdServer) -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "elasticpp.cli.main", "job", "status", "--etcd", etcd.endpoint,
+         "--name", "Bad Name"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--name" in bad.stderr
