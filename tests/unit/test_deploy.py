@@ -14,6 +14,7 @@ Debian's `systemd` package.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -1085,3 +1086,26 @@ def test_a_real_jobs_pod_values_render_valid_objects(tmp_path: Path):
     for key in ("hostNetwork", "dnsPolicy", "runtimeClassName", "schedulerName",
                 "initContainers", "topologySpreadConstraints"):  # fmt: skip
         assert key not in default, key
+
+
+@pytest.mark.timeout(60)
+def test_the_chart_installs_the_rules_and_the_dashboard_as_shipped():
+    """PrometheusRule and the dashboard's ConfigMap carry deploy/prometheus's rules and
+    deploy/grafana's dashboard unchanged (one file each: deploy/ links to the chart's)."""
+    deploy = CHART.parents[1] / "deploy"
+    docs = _render(
+        "--set", "monitoring.prometheusRule.enabled=true",
+        "--set", "monitoring.prometheusRule.labels.release=prom",
+        "--set", "monitoring.dashboard.enabled=true",
+    )  # fmt: skip
+    _validate_builtin(docs)
+    rule = _one(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    rules = yaml.safe_load((deploy / "prometheus" / "elasticpp-rules.yml").read_text())
+    assert rule["spec"] == rules
+    [board] = [d for d in docs if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((deploy / "grafana" / "elasticpp-job.json").read_text())
+    assert json.loads(board["data"]["elasticpp-job.json"]) == shipped
+    assert {d["kind"] for d in _render()} >= {"StatefulSet"}
+    assert "PrometheusRule" not in {d["kind"] for d in _render()}  # off by default
