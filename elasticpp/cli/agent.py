@@ -111,6 +111,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "idle, healthy, until removed (for a Kubernetes StatefulSet)",
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="the agent's log lines: text, or one JSON object a line (a log pipeline's)",
+    )
 
 
 def _visible_gpus() -> int:
@@ -163,15 +169,15 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from elasticpp import logfmt
     from elasticpp.agent.jobspec import load_job_spec
     from elasticpp.agent.node import AgentConfig, run_agent
     from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
     from elasticpp.errors import ConfigError
     from elasticpp.transport import TLSFiles
 
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s [{args.node_id}] %(name)s: %(message)s",
+    logfmt.configure(
+        getattr(logging, str(args.log_level).upper(), logging.INFO), args.log_format, args.node_id
     )
     spec = load_job_spec(args.job_spec)
     gpus = _visible_gpus() if args.slots is None or args.device is None else 0
