@@ -81,6 +81,10 @@ _REQUIRED = (
 )
 
 
+# A compiling first step (torch.compile of every block, Inductor) may take minutes.
+FIRST_STEP_COMPILE_S = 600.0
+
+
 @dataclass(frozen=True)
 class JobSpec:
     name: str
@@ -112,6 +116,10 @@ class JobSpec:
     lease_ttl_s: float = 5.0  # a lost node is detected after at most this long (whole s, >= 3)
     join_settle_s: float = 2.0  # wait this long after the last join before switching layouts
     hang_timeout_s: float = 30.0  # a worker without step progress this long is hung
+    # A worker's first step of a generation (compiling with `compile: true`, cold caches,
+    # the first collectives) may take this long before it counts as hung; 0 (the default):
+    # FIRST_STEP_COMPILE_S with `compile: true`, else hang_timeout_s.
+    first_step_timeout_s: float = 0.0
     # Deadlines of waits on a node (docs/cluster.md, "Deadlines"): old workers gone and the
     # node arrived at `stopped-G` this long after a new generation, else it is set aside;
     # a warm worker not ready this long after its start is replaced.
@@ -174,7 +182,7 @@ class JobSpec:
             raise ConfigError(
                 f"job spec: lease_ttl_s must be a whole number of seconds >= 3, got {ttl!r}"
             )
-        for key in ("join_settle_s", "hang_timeout_s"):
+        for key in ("join_settle_s", "hang_timeout_s", "first_step_timeout_s"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"job spec: {key} must be a number >= 0, got {v!r}")
@@ -195,6 +203,14 @@ class JobSpec:
             )
         if self.persist_every and not self.persist_dir:
             raise ConfigError("job spec: persist_every is set but persist_dir is not")
+
+    @property
+    def first_step_deadline_s(self) -> float:
+        """How long a worker's first step of a generation may take before the hang rule
+        applies (`first_step_timeout_s`, resolved)."""
+        if self.first_step_timeout_s:
+            return float(self.first_step_timeout_s)
+        return FIRST_STEP_COMPILE_S if self.train.compile else float(self.hang_timeout_s)
 
     def _resolve_snapshot_cadence(self) -> None:
         every, every_s = self.snapshot_every, self.snapshot_every_s

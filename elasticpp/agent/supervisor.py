@@ -55,13 +55,24 @@ class SupervisorObservation:
     """What the supervisor's step sees. Times are monotonic seconds."""
 
     now_s: float
-    running: tuple[tuple[int, int, int, float], ...]  # (pid, rank, generation, last progress)
+    # (pid, rank, generation, last progress, whether it completed a step of its generation)
+    running: tuple[tuple[int, int, int, float, bool], ...]
     overdue_spares: tuple[tuple[int, float], ...]  # (pid, seconds waited) not ready in time
     spares: int
     slots: int
     may_refill: bool  # spares are wanted now (`SupervisorPart._may_refill`)
     hang_timeout_s: float
     ready_timeout_s: float
+    first_step_timeout_s: float = 0.0
+
+
+def hang_timeout_for(stepped: bool, hang_timeout_s: float, first_step_timeout_s: float) -> float:
+    """The hang rule's timeout for a running worker: `hang_timeout_s`, or, until it completed
+    its generation's first step (compiling with `compile: true`, cold caches, the first
+    collectives), the longer `first_step_timeout_s`. 0 turns the rule off."""
+    if hang_timeout_s <= 0:
+        return 0.0
+    return hang_timeout_s if stepped else max(hang_timeout_s, first_step_timeout_s)
 
 
 def supervisor_step(obs: SupervisorObservation) -> list[Action]:
@@ -71,13 +82,13 @@ def supervisor_step(obs: SupervisorObservation) -> list[Action]:
     GPU) is replaced, and a generation waiting for it fails in the follower, blaming this
     node; the warm pool is refilled one spare per step, when spares are wanted."""
     actions: list[Action] = []
-    for pid, rank, generation, last_progress_s in obs.running:
-        if is_hung(last_progress_s, obs.now_s, obs.hang_timeout_s):
+    for pid, rank, generation, last_progress_s, stepped in obs.running:
+        timeout_s = hang_timeout_for(stepped, obs.hang_timeout_s, obs.first_step_timeout_s)
+        if is_hung(last_progress_s, obs.now_s, timeout_s):
+            what = "no progress" if stepped else "no first step"
             actions += [
                 Event(
-                    "worker",
-                    f"worker rank {rank} made no progress for {obs.hang_timeout_s:.0f} s: "
-                    "killing it",
+                    "worker", f"worker rank {rank} made {what} for {timeout_s:.0f} s: killing it"
                 ),
                 KillWorker(pid),
                 ReportFailure(generation, f"worker rank {rank} hung"),
@@ -175,7 +186,7 @@ class SupervisorPart:
                 SupervisorObservation(
                     now_s=now,
                     running=tuple(
-                        (w.proc.pid, w.rank, w.generation, w.last_progress_s)
+                        (w.proc.pid, w.rank, w.generation, w.last_progress_s, w.last_step >= 0)
                         for w in self.pool.workers()
                         if w.state is WorkerState.RUNNING
                     ),
@@ -188,6 +199,7 @@ class SupervisorPart:
                     may_refill=self._may_refill(),
                     hang_timeout_s=self.spec.hang_timeout_s,
                     ready_timeout_s=self.spec.ready_timeout_s,
+                    first_step_timeout_s=self.spec.first_step_deadline_s,
                 )
             )
         )
@@ -204,7 +216,11 @@ class SupervisorPart:
         rest_s = float("inf")
         for w in self.pool.workers():
             if w.state is WorkerState.RUNNING:
-                rest_s = min(rest_s, w.last_progress_s + self.spec.hang_timeout_s - now_s)
+                timeout_s = hang_timeout_for(
+                    w.last_step >= 0, self.spec.hang_timeout_s, self.spec.first_step_deadline_s
+                )
+                if timeout_s > 0:
+                    rest_s = min(rest_s, w.last_progress_s + timeout_s - now_s)
         if self.cfg.device == "cuda":
             rest_s = min(rest_s, self._ss.gpu_checked_s + GPU_CHECK_INTERVAL_S - now_s)
         return rest_s

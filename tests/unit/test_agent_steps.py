@@ -138,7 +138,7 @@ def test_an_ended_job_is_told_once_stops_its_workers_every_step_and_exits_with_i
 
 SUPERVISED = SupervisorObservation(
     now_s=100.0,
-    running=((11, 0, 4, 99.0), (12, 1, 4, 80.0)),  # rank 1 last made progress 20 s ago
+    running=((11, 0, 4, 99.0, True), (12, 1, 4, 80.0, True)),  # rank 1's last progress: 20 s ago
     overdue_spares=(),
     spares=2,
     slots=2,
@@ -153,6 +153,29 @@ def test_a_hung_worker_is_killed_and_its_generation_reported_failed() -> None:
     assert actions[1:] == [KillWorker(12), ReportFailure(4, "worker rank 1 hung")]
     assert isinstance(actions[0], Event) and "no progress for 15 s" in actions[0].message
     assert supervisor_step(replace(SUPERVISED, now_s=94.0)) == []  # 14 s: not yet
+
+
+def test_a_first_step_has_its_own_deadline_a_compiling_worker_is_not_hung() -> None:
+    """`compile: true` can take minutes over the first step: until a worker completed its
+    generation's first step, the hang rule waits `first_step_timeout_s`."""
+    compiling = replace(SUPERVISED, running=((12, 1, 4, 80.0, False),), first_step_timeout_s=120.0)
+    assert supervisor_step(compiling) == []  # 20 s into its first step
+    assert supervisor_step(replace(compiling, now_s=199.0)) == []  # 119 s
+    actions = supervisor_step(replace(compiling, now_s=201.0))
+    assert actions[1:] == [KillWorker(12), ReportFailure(4, "worker rank 1 hung")]
+    assert "no first step for 120 s" in actions[0].message  # type: ignore[union-attr]
+    # Never shorter than the hang rule, and off with it.
+    short = replace(compiling, first_step_timeout_s=5.0, now_s=94.0)
+    assert supervisor_step(short) == []
+    assert supervisor_step(replace(compiling, hang_timeout_s=0.0, now_s=1e6)) == []
+    # The spec's deadline: a compiling job's first step gets minutes, any other the hang rule.
+    from elasticpp.agent.jobspec import FIRST_STEP_COMPILE_S, parse_job_spec
+
+    base = {"name": "j", "model": "tiny", "global_batch": 4, "micro_batch": 2, "steps": 2,
+            "seed": 0, "min_nodes": 1, "max_nodes": 1}  # fmt: skip
+    assert parse_job_spec(base).first_step_deadline_s == 30.0
+    assert parse_job_spec({**base, "compile": True}).first_step_deadline_s == FIRST_STEP_COMPILE_S
+    assert parse_job_spec({**base, "first_step_timeout_s": 90}).first_step_deadline_s == 90.0
 
 
 def test_a_spare_not_ready_in_time_is_replaced_and_the_pool_refilled_when_spares_are_wanted() -> (
