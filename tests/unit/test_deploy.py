@@ -1109,3 +1109,30 @@ def test_the_chart_installs_the_rules_and_the_dashboard_as_shipped():
     assert json.loads(board["data"]["elasticpp-job.json"]) == shipped
     assert {d["kind"] for d in _render()} >= {"StatefulSet"}
     assert "PrometheusRule" not in {d["kind"] for d in _render()}  # off by default
+
+
+def test_every_alert_has_a_runbook_that_docs_runbooks_has():
+    rules = yaml.safe_load((CHART / "files" / "elasticpp-rules.yml").read_text())
+    headings = {
+        line[3:].strip().lower()
+        for line in (CHART.parents[1] / "docs" / "runbooks.md").read_text().splitlines()
+        if line.startswith("## ")
+    }
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    assert len(alerts) >= 13
+    for rule in alerts:
+        url = rule["annotations"].get("runbook_url", "")
+        assert url == f"docs/runbooks.md#{rule['alert'].lower()}", rule["alert"]
+        assert rule["alert"].lower() in headings, rule["alert"]
+
+
+def test_docs_deploy_lists_every_alert_with_its_severity():
+    rules = yaml.safe_load((CHART / "files" / "elasticpp-rules.yml").read_text())
+    alerts = {r["alert"]: r["labels"]["severity"] for g in rules["groups"] for r in g["rules"]
+              if "alert" in r}  # fmt: skip
+    rows = re.findall(
+        r"^\| `(Elasticpp\w+)` \|.*\| (\w+) \|$",
+        (CHART.parents[1] / "docs" / "deploy.md").read_text(),
+        re.M,
+    )
+    assert dict(rows) == alerts
