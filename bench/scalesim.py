@@ -124,7 +124,7 @@ class SimWorker:
             self._deliver(last)
         self._deliver({"event": EXITED, "returncode": returncode})
 
-    def kill(self, *, wait: bool = True) -> None:
+    def kill(self, *, wait: bool = True, timeout_s: float = 10.0) -> None:
         self._exit(None, -9)
 
     def fail(self) -> None:

@@ -80,6 +80,23 @@ class ReplaceSpare:
 
 
 @dataclass(frozen=True)
+class PingTemplate:
+    """Ask the node's worker template (by pid) to answer; it does between forks."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class ReplaceTemplate:
+    """Kill the node's worker template (by pid: stopped, hung, or gone after it served)
+    with the workers it forked, report the generation of those that held ranks failed
+    (this node is not the cause), and start another template."""
+
+    pid: int
+    why: str
+
+
+@dataclass(frozen=True)
 class SpawnWarm:
     """Start warm workers until the pool holds one per slot."""
 
@@ -491,6 +508,8 @@ Action = (
     | JobEndedGauge
     | KillWorker
     | ReplaceSpare
+    | PingTemplate
+    | ReplaceTemplate
     | SpawnWarm
     | ReportFailure
     | ProbeLeader

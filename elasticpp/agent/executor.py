@@ -37,6 +37,7 @@ from elasticpp.agent.actions import (
     KillOld,
     KillWorker,
     Persist,
+    PingTemplate,
     ProbeLeader,
     PublishMemberInfo,
     PublishResumeWait,
@@ -50,6 +51,7 @@ from elasticpp.agent.actions import (
     ReleaseSpares,
     RemoveResumeDir,
     ReplaceSpare,
+    ReplaceTemplate,
     Replicate,
     ReportFailure,
     Reread,
@@ -130,6 +132,10 @@ class ExecutorPart:
                 if spare is not None:
                     self.pool.replace_overdue(spare, self._clock.monotonic())
                     self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
+            elif isinstance(action, PingTemplate):
+                self._ping_template(action.pid)
+            elif isinstance(action, ReplaceTemplate):
+                self._replace_template(action.pid, action.why)
             elif isinstance(action, SpawnWarm):
                 self._spawn_warm()
             elif isinstance(action, ReportFailure):

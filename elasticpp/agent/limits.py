@@ -15,6 +15,19 @@ STOPPED_WAIT_MARGIN_S = 5.0
 MAX_REPLAN_BACKOFF_S = 10.0  # ceiling of the wait between failed generations
 JOIN_TIMEOUT_S = 60.0  # how long a starting agent waits for etcd before giving up
 GPU_CHECK_INTERVAL_S = 10.0  # NVML health poll, only with --device cuda
+# The node's worker template is pinged this often between forks; one that does not answer
+# within its answer timeout (WorkerTemplate.answer_timeout_s) is killed and replaced. A
+# template that served and died is replaced no sooner than TEMPLATE_RESTART_MIN_S after its
+# start (each start imports torch: one that dies at once is not restarted at every tick).
+TEMPLATE_PING_EVERY_S = 2.0
+TEMPLATE_RESTART_MIN_S = 30.0
+# The agent process adopts the orphans of its tree (a child subreaper) and looks for the ones
+# that exited this often. At its stop, what is left of its tree after its own shutdown has
+# AGENT_STOP_GRACE_S after SIGTERM (and SIGCONT), then SIGKILL and AGENT_STOP_KILL_WAIT_S to
+# go; a shutdown that is not over stop_timeout_s after the stop signal is cut short that way.
+ORPHAN_SCAN_EVERY_S = 1.0
+AGENT_STOP_GRACE_S = 2.0
+AGENT_STOP_KILL_WAIT_S = 3.0
 LOOP_STALL_S = 10.0  # health turns NOT_SERVING when the loop has been in one tick this long
 LOOP_WATCH_S = 2.0  # how often the watchdog looks at the loop's heartbeat (a wake-up each)
 # The node's membership and leader leases are not renewed while the decision loop has been in

@@ -221,13 +221,15 @@ class WorkerPool:
             out[w.state.value] = out.get(w.state.value, 0) + 1
         return out
 
-    def kill_all(self) -> None:
-        """No process outlives the agent: signal all at once, then reap each (bounded)."""
+    def kill_all(self, timeout_s: float = 10.0) -> None:
+        """No process outlives the agent: signal all at once, then reap them, all within
+        `timeout_s` (a worker in uninterruptible sleep is left to the agent's last stop)."""
         procs = [w.proc for w in self._workers.values()] + list(self._spares)
         for p in procs:
             p.kill(wait=False)
+        deadline = time.monotonic() + timeout_s
         for p in procs:
-            p.kill()
+            p.kill(timeout_s=max(0.0, deadline - time.monotonic()))
         self._spares.clear()
         self._ready.clear()
         self._since.clear()

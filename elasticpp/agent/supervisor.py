@@ -5,6 +5,11 @@ a spare that dies at once, turns worker events (read on each worker's own pipe b
 thread, queued, drained only by the decision loop) into worker state transitions
 (`decide.WorkerState`), and acts on hangs and unhealthy GPUs. A malformed event or a disk
 error while handling one is counted and the next event still counts.
+
+The worker template (elasticpp.train.forkserver) is pinged between forks: one that does not
+answer in time (stopped, hung) is killed with the workers it forked and another is started,
+and so is one that served and then died. Either is the template's fault, not the node's: the
+generation of the ranks it took with it is reported failed with this node as no culprit.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from elasticpp.agent.actions import (
     Action,
     Event,
     KillWorker,
+    PingTemplate,
     ReplaceSpare,
+    ReplaceTemplate,
     ReportFailure,
     SpawnWarm,
 )
@@ -32,7 +39,11 @@ from elasticpp.agent.decide import (
     is_hung,
 )
 from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
-from elasticpp.agent.limits import GPU_CHECK_INTERVAL_S
+from elasticpp.agent.limits import (
+    GPU_CHECK_INTERVAL_S,
+    TEMPLATE_PING_EVERY_S,
+    TEMPLATE_RESTART_MIN_S,
+)
 from elasticpp.errors import ElasticppError
 from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerProcess, WorkerTemplate
 
@@ -51,6 +62,21 @@ class SupervisorState:
 
 
 @dataclass(frozen=True)
+class TemplateObservation:
+    """The node's worker template, as the supervisor's step sees it. Seconds, monotonic."""
+
+    pid: int
+    usable: bool  # ready, forks
+    lost: bool  # it served forks, then died or was given up (`WorkerTemplate.lost`)
+    why_not: str  # why it is not used, once it is not
+    # On the template's own clock (elasticpp.train.procs.WorkerTemplate times its pings):
+    unanswered_s: float | None  # its ping waits for an answer this long (None: none waits)
+    since_ping_s: float | None  # since its last ping was sent (None: never pinged)
+    age_s: float  # since it was started
+    answer_timeout_s: float  # an answer later than this: it is hung
+
+
+@dataclass(frozen=True)
 class SupervisorObservation:
     """What the supervisor's step sees. Times are monotonic seconds."""
 
@@ -64,6 +90,7 @@ class SupervisorObservation:
     hang_timeout_s: float
     ready_timeout_s: float
     first_step_timeout_s: float = 0.0
+    template: TemplateObservation | None = None
 
 
 def hang_timeout_for(stepped: bool, hang_timeout_s: float, first_step_timeout_s: float) -> float:
@@ -73,6 +100,33 @@ def hang_timeout_for(stepped: bool, hang_timeout_s: float, first_step_timeout_s:
     if hang_timeout_s <= 0:
         return 0.0
     return hang_timeout_s if stepped else max(hang_timeout_s, first_step_timeout_s)
+
+
+def template_step(t: TemplateObservation) -> list[Action]:
+    """The worker template's deadlines: a ping unanswered for `answer_timeout_s` replaces
+    it (it is stopped or hung, and reaps nothing: the workers it forked and that exited stay
+    zombies), as does a template that served and is gone, once TEMPLATE_RESTART_MIN_S after
+    its start (one that dies at every start is not started again at every tick); a usable
+    template is pinged every TEMPLATE_PING_EVERY_S."""
+    if t.usable and t.unanswered_s is not None and t.unanswered_s > t.answer_timeout_s:
+        why = f"no answer to a ping in {t.unanswered_s:.0f} s (stopped or hung)"
+        return [
+            Event(
+                "worker",
+                f"worker template {t.pid}: {why}: killing it with the workers it forked, "
+                "and starting another",
+            ),
+            ReplaceTemplate(t.pid, why),
+        ]
+    if t.lost and t.age_s >= TEMPLATE_RESTART_MIN_S:
+        return [
+            Event("worker", f"worker template {t.pid} is gone ({t.why_not}): starting another"),
+            ReplaceTemplate(t.pid, t.why_not),
+        ]
+    due = t.since_ping_s is None or t.since_ping_s >= TEMPLATE_PING_EVERY_S
+    if t.usable and t.unanswered_s is None and due:
+        return [PingTemplate(t.pid)]
+    return []
 
 
 def supervisor_step(obs: SupervisorObservation) -> list[Action]:
@@ -102,6 +156,8 @@ def supervisor_step(obs: SupervisorObservation) -> list[Action]:
             ),
             ReplaceSpare(pid),
         ]
+    if obs.template is not None:
+        actions += template_step(obs.template)
     if obs.may_refill and obs.spares - len(obs.overdue_spares) < obs.slots:
         actions.append(SpawnWarm())
     return actions
@@ -122,16 +178,20 @@ def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
 class SupervisorPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
-    def _spawn_warm(self) -> None:
-        """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work. They
-        are forked from this node's worker template once it is ready (it imported torch
-        once), and exec'd until then or if it cannot fork (elasticpp.train.forkserver)."""
+    def _warm_environment(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The environment of this node's workers and template, and the python to run."""
         env = worker_environment(os.environ)
         env["ELASTICPP_NODE_ID"] = self.node_id
         env[WORKER_DEVICE_ENV] = self.cfg.device  # a CUDA worker initialises CUDA while warm
         if self.cfg.worker_threads is not None:
             env.setdefault("OMP_NUM_THREADS", str(self.cfg.worker_threads))
-        python = {"python": self.python} if self.python else {}
+        return env, ({"python": self.python} if self.python else {})
+
+    def _spawn_warm(self) -> None:
+        """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work. They
+        are forked from this node's worker template once it is ready (it imported torch
+        once), and exec'd until then or if it cannot fork (elasticpp.train.forkserver)."""
+        env, python = self._warm_environment()
         if self._worker_factory is None and not self._template_waited(env, python):
             return  # the template imports torch: the spares are forked from it in a moment
         while len(self.pool.spares()) < self.cfg.slots:
@@ -156,13 +216,8 @@ class SupervisorPart:
         follower reports this node sick for it), and spares are exec'd."""
         now = self._clock.monotonic()
         if self._ss.template is None:
-            self._ss.template = WorkerTemplate(
-                self.log_dir / f"{self.node_id}-template.log",
-                env=env,
-                on_ready=self._wake.set,
-                **python,
-            )
-            self._ss.template_since_s = now
+            self._start_template(env, python)
+        assert self._ss.template is not None
         if not self._ss.template.loading():
             return True
         waited_s = now - self._ss.template_since_s
@@ -176,6 +231,66 @@ class SupervisorPart:
             f"(ready_timeout_s is {self.spec.ready_timeout_s:.0f}): spares start with exec",
         )
         return True
+
+    def _start_template(self, env: dict[str, str], python: dict[str, str]) -> None:
+        self._ss.template = WorkerTemplate(
+            self.log_dir / f"{self.node_id}-template.log",
+            env=env,
+            on_ready=self._wake.set,
+            **python,
+        )
+        self._ss.template_since_s = self._clock.monotonic()
+
+    def _ping_template(self, pid: int) -> None:
+        template = self._ss.template
+        if template is not None and template.pid == pid:
+            template.ping()
+
+    def _replace_template(self, pid: int, why: str) -> None:
+        """Kill the template `pid` with the workers it forked (they die with it, by their
+        parent-death signal: killed here first, so that their exits are ours and not
+        failures of theirs), report the generations of those that held ranks failed, this
+        node being no culprit (a new template serves it again), and start another template
+        if spares are wanted now (else the next spare starts it)."""
+        old = self._ss.template
+        if old is None or old.pid != pid:
+            return  # already replaced
+        forked = old.forked_pids()
+        lost: dict[int, list[int]] = {}
+        for w in self.pool.workers():
+            if w.proc.pid not in forked:
+                continue
+            if w.state in (WorkerState.STARTING, WorkerState.RUNNING):
+                lost.setdefault(w.generation, []).append(w.rank)
+            if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):
+                self.pool.kill_worker(w)
+        for spare in self.pool.spares():
+            if spare.pid in forked:
+                self.pool.drop_spare(spare, kill=True)
+        old.give_up(why, quiet=True)  # SIGKILL of its process group; reaped
+        self._ss.template = None
+        for generation, ranks in sorted(lost.items()):
+            self._report_failure(
+                generation,
+                f"rank(s) {sorted(ranks)} killed with their worker template {pid} ({why})",
+            )
+        if self._worker_factory is None and self._may_refill():
+            self._start_template(*self._warm_environment())
+
+    def _template_observation(self, now_s: float) -> TemplateObservation | None:
+        t = self._ss.template
+        if t is None:
+            return None
+        return TemplateObservation(
+            pid=t.pid,
+            usable=t.usable(),
+            lost=t.lost(),
+            why_not=t.why_not or "",
+            unanswered_s=t.unanswered_s(),
+            since_ping_s=t.since_ping_s(),
+            age_s=now_s - self._ss.template_since_s,
+            answer_timeout_s=t.answer_timeout_s,
+        )
 
     def _supervise(self) -> None:
         """The supervisor's step on the clock: observe, decide (`supervisor_step`, pure),
@@ -200,6 +315,7 @@ class SupervisorPart:
                     hang_timeout_s=self.spec.hang_timeout_s,
                     ready_timeout_s=self.spec.ready_timeout_s,
                     first_step_timeout_s=self.spec.first_step_deadline_s,
+                    template=self._template_observation(now),
                 )
             )
         )
@@ -223,6 +339,16 @@ class SupervisorPart:
                     rest_s = min(rest_s, w.last_progress_s + timeout_s - now_s)
         if self.cfg.device == "cuda":
             rest_s = min(rest_s, self._ss.gpu_checked_s + GPU_CHECK_INTERVAL_S - now_s)
+        t = self._template_observation(now_s)
+        if t is not None:  # its next ping, the deadline of the one sent, its replacement
+            if t.usable and t.unanswered_s is not None:
+                rest_s = min(rest_s, t.answer_timeout_s - t.unanswered_s)
+            elif t.usable and t.since_ping_s is not None:
+                rest_s = min(rest_s, TEMPLATE_PING_EVERY_S - t.since_ping_s)
+            elif t.usable:
+                rest_s = 0.0
+            elif t.lost:
+                rest_s = min(rest_s, TEMPLATE_RESTART_MIN_S - t.age_s)
         return rest_s
 
     def _may_refill(self) -> bool:

@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
     from elasticpp import logfmt
     from elasticpp.agent.jobspec import load_job_spec
+    from elasticpp.agent.lifetime import AgentProcess
     from elasticpp.agent.node import AgentConfig, run_agent
     from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
     from elasticpp.errors import ConfigError
@@ -221,10 +222,13 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.metrics_port < 65536:
         raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     stop = threading.Event()
+    process = AgentProcess(spec.stop_timeout_s)  # this process's tree: adopted, and stopped
+    process.adopt_orphans()
 
     def on_signal(signum: int, _frame: object) -> None:
         logging.getLogger("elasticpp.agent").info("signal %d: stopping", signum)
         stop.set()
+        process.stop_requested()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -240,7 +244,10 @@ def run(args: argparse.Namespace) -> int:
                 s.connect(addr)
                 s.sendall(b"READY=1")
 
-    code = run_agent(cfg, spec, stop_event=stop, on_started=notify)
+    try:
+        code = run_agent(cfg, spec, stop_event=stop, on_started=notify)
+    finally:
+        process.finish()  # what is left of this process's tree, stopped and reaped
     # `run_agent` has released everything this agent held: its workers and spares are
     # killed, its lease revoked, its leadership resigned, its gRPC server stopped. What is
     # left is the interpreter's teardown, which collects and frees every object of torch,

@@ -23,8 +23,10 @@ Protocol (SOCK_SEQPACKET, one JSON object per message): the template sends
 `{"event": "ready", "forkable": bool, "why": str}` once; then for each request
 `{"op": "fork", "id": n, "env": {...}}` with three descriptors (stdin, event pipe, log) it
 answers `{"op": "forked", "id": n, "pid": p}` or `{"op": "refused", "id": n, "why": s}`;
-and for each child that exits, `{"op": "exited", "pid": p, "returncode": rc}` (negative:
-killed by that signal, as subprocess reports it).
+for each `{"op": "ping", "id": n}` (no descriptors) `{"op": "pong", "id": n}`, so that a
+template that is stopped or hung is found out between forks; and for each child that exits,
+`{"op": "exited", "pid": p, "returncode": rc}` (negative: killed by that signal, as
+subprocess reports it).
 """
 
 from __future__ import annotations
@@ -134,6 +136,11 @@ def serve(sock: socket.socket, parent: int) -> int:
             return 0  # the client closed its end
         try:
             request = json.loads(msg)
+            if isinstance(request, dict) and request.get("op") == "ping":
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"op": "pong", "id": request.get("id")})
+                continue
             rid = request["id"]
             env = {str(k): str(v) for k, v in request["env"].items()}
             if request.get("op") != "fork" or len(fds) != 3:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from elasticpp.errors import ElasticppError
+from elasticpp.proctree import counts_as_gone, read_stat
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,13 @@ EVENT_FD_ENV = "ELASTICPP_EVENT_FD"  # the worker's descriptor of the event pipe
 WORKER_DEVICE_ENV = "ELASTICPP_WORKER_DEVICE"
 TEMPLATE_FD_ENV = "ELASTICPP_TEMPLATE_FD"  # as elasticpp.train.forkserver's
 MAX_TEMPLATE_MESSAGE = 1 << 16
+# How often a wait for a forked worker's exit looks whether it is a zombie its template
+# cannot reap (a template that is stopped or hung reports no exit).
+ZOMBIE_CHECK_S = 0.5
+# A fork is asked of a template only once it answered a ping sent just before, within
+# PING_LATE_S: one that is stopped or hung would keep a fork request waiting for its
+# answer_timeout_s, and the caller (the agent's decision loop) with it.
+PING_LATE_S = 1.0
 
 
 class WorkerError(ElasticppError):
@@ -226,15 +234,16 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def kill(self, *, wait: bool = True) -> None:
-        """SIGKILL the worker's whole process group; with `wait`, reap it (up to 10 s).
+    def kill(self, *, wait: bool = True, timeout_s: float = 10.0) -> None:
+        """SIGKILL the worker's whole process group; with `wait`, reap it (up to
+        `timeout_s`).
 
         A supervisor's loop passes `wait=False`: a process in uninterruptible sleep (a
         driver or NFS hang) outlives SIGKILL for as long as it likes, and the loop must not
         wait with it. The reader thread reaps it when it goes and reports `exited`."""
         self._signal_group(signal.SIGKILL)
         if wait:
-            self._reap(10.0)
+            self._reap(timeout_s)
 
     def terminate(self, grace_s: float = 5.0) -> None:
         """SIGTERM the group, then SIGKILL what is left after `grace_s`."""
@@ -273,7 +282,13 @@ class WorkerTemplate:
     not an import. Usable once it reported ready and forkable; until then, and for good once
     it failed (it died, refused, or did not answer a request in time), `WorkerProcess`
     spawns with exec as before. `close()` kills it and, by their parent-death signal, the
-    workers it forked."""
+    workers it forked.
+
+    Between requests its supervisor pings it (`ping`): a template that does not answer
+    within its deadline (`unanswered_s`; stopped, or hung) is hung, and its supervisor
+    kills it and starts another. A template that served forks and then failed is `lost`:
+    another one may serve again, where one that never could (it never became ready, or has
+    a second thread) would fail the same way."""
 
     def __init__(
         self,
@@ -294,6 +309,12 @@ class WorkerTemplate:
         self._next_id = 0
         self._answers: dict[int, queue.Queue[dict[str, Any]]] = {}
         self._children: dict[int, _ForkedChild] = {}
+        self._served = False  # it reported ready and forkable
+        # Pings, on this process's monotonic clock: the one unanswered (id, when sent) and
+        # when the last was sent; `_answered` is set by an answer.
+        self._ping: tuple[int, float] | None = None
+        self._pinged_s: float | None = None
+        self._answered = threading.Event()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         child_env = dict(env) if env is not None else dict(os.environ)
@@ -333,10 +354,51 @@ class WorkerTemplate:
         """Still importing: neither ready nor failed."""
         return not self._ready and self.why_not is None
 
-    def give_up(self, why: str) -> None:
-        """Not used from now on (it did not become ready in time): it is killed."""
-        self._fail(why)
+    def lost(self) -> bool:
+        """It served forks, and no longer does: it died, or was given up as hung."""
+        return self._served and self.why_not is not None
+
+    def give_up(self, why: str, *, quiet: bool = False) -> None:
+        """Not used from now on (it did not become ready in time, or does not answer): it
+        is killed, and the workers it forked with it."""
+        self._fail(why, quiet=quiet)
         self.close()
+
+    def forked_pids(self) -> frozenset[int]:
+        """The workers it forked whose exit it has not reported."""
+        with self._lock:
+            return frozenset(self._children)
+
+    def ping(self) -> None:
+        """Ask it to answer, unless a ping already waits for its answer (`unanswered_s`)."""
+        if not self.usable():
+            return
+        with self._lock:
+            if self._ping is not None:
+                return
+            self._next_id += 1
+            self._ping = (self._next_id, time.monotonic())
+            self._pinged_s = self._ping[1]
+            self._answered.clear()
+            request = json.dumps({"op": "ping", "id": self._next_id}).encode()
+        try:
+            self._sock.send(request)
+        except OSError as exc:
+            self._fail(f"cannot send it a ping: {exc}")
+
+    def unanswered_s(self) -> float | None:
+        """How long its ping has waited for an answer; None when none waits."""
+        ping = self._ping
+        return None if ping is None else time.monotonic() - ping[1]
+
+    def since_ping_s(self) -> float | None:
+        """How long ago the last ping was sent; None before the first."""
+        return None if self._pinged_s is None else time.monotonic() - self._pinged_s
+
+    def _answers_ping(self) -> bool:
+        """Whether it answers a ping (a new one, or the one waiting) within PING_LATE_S."""
+        self.ping()
+        return self.usable() and self._answered.wait(PING_LATE_S)
 
     def _read(self) -> None:
         try:
@@ -357,13 +419,20 @@ class WorkerTemplate:
         if obj.get("event") == "ready":
             if not obj.get("forkable"):
                 self._fail(f"the template cannot fork: {obj.get('why')}")
+            else:
+                self._served = True
             self._ready = True
             self._settled.set()
             if self._on_ready is not None:
                 self._on_ready()
             return
         op = obj.get("op")
-        if op == "exited":
+        if op == "pong":
+            with self._lock:
+                if self._ping is not None and self._ping[0] == obj.get("id"):
+                    self._ping = None
+                    self._answered.set()
+        elif op == "exited":
             with self._lock:
                 child = self._children.pop(int(obj["pid"]), None)
             if child is not None:
@@ -373,7 +442,7 @@ class WorkerTemplate:
                 answer = self._answers.get(obj.get("id"))  # type: ignore[arg-type]
                 if op == "forked":
                     # Registered here, before the next message is read: its "exited" may be it.
-                    child = _ForkedChild(int(obj["pid"]))
+                    child = _ForkedChild(int(obj["pid"]), self.pid)
                     self._children[child.pid] = child
                     obj = {**obj, "child": child}
             if answer is not None:
@@ -398,6 +467,7 @@ class WorkerTemplate:
         for answer in answers:
             answer.put({"op": "refused", "why": why})
         for child in children:
+            child._check_zombie()  # one that exited before has its own status
             child._exited(-signal.SIGKILL)
 
     def fork(
@@ -408,6 +478,10 @@ class WorkerTemplate:
         spawns with exec); a template that does not answer in time is not used again."""
         if not self.usable():
             raise WorkerError(f"worker template {self.pid}: {self.why_not or 'not ready'}")
+        if not self._answers_ping():
+            # Stopped or hung, it would never answer the fork either: the caller must not
+            # wait for it (a spare started with exec costs an import, not a stalled loop).
+            raise WorkerError(f"worker template {self.pid}: no answer to a ping")
         answer: queue.Queue[dict[str, Any]] = queue.Queue()
         with self._lock:
             self._next_id += 1
@@ -448,24 +522,51 @@ class WorkerTemplate:
 
 class _ForkedChild:
     """The part of `subprocess.Popen` that `WorkerProcess` uses, for a worker forked by
-    the template: its exit status comes from the template, its parent."""
+    the template: its exit status comes from the template, its parent, or from /proc while
+    the template cannot reap it (it is stopped or hung): a worker that exited is then a
+    zombie, and a zombie is gone (it holds no memory, no GPU; elasticpp.proctree)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, template_pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self.stdin: IO[str] | None = None
         self._done = threading.Event()
+        # Its start time names it (a pid is reused once it is reaped); None: it was gone
+        # before it could be read, and only the template's report tells its exit.
+        stat = read_stat(pid)
+        self._start_ticks = stat.start_ticks if stat and stat.ppid == template_pid else None
 
     def _exited(self, returncode: int) -> None:
         if self.returncode is None:
             self.returncode = returncode
         self._done.set()
 
+    def _check_zombie(self) -> None:
+        if self._start_ticks is None or self.returncode is not None:
+            return
+        stat = read_stat(self.pid)
+        if stat is None or stat.start_ticks != self._start_ticks or not counts_as_gone(stat):
+            return  # running, stopped, in D state, or reaped (the template reports it)
+        try:
+            code = os.waitstatus_to_exitcode(stat.wait_status or 0)
+        except ValueError:
+            code = -signal.SIGKILL
+        self._exited(code)
+
     def poll(self) -> int | None:
+        self._check_zombie()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired(["worker", str(self.pid)], timeout or 0.0)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = ZOMBIE_CHECK_S if deadline is None else deadline - time.monotonic()
+            if self._done.wait(max(0.0, min(left, ZOMBIE_CHECK_S))):
+                break
+            self._check_zombie()
+            if self._done.is_set():
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(["worker", str(self.pid)], timeout or 0.0)
         assert self.returncode is not None
         return self.returncode

@@ -15,13 +15,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from elasticpp.proctree import blocked_reading_stdin, descendants, worker_processes
 from elasticpp.train.launch import kill_all, spawn_workers, start_template
-from elasticpp.train.procs import EXITED, WorkerTemplate
+from elasticpp.train.procs import EXITED, WorkerError, WorkerTemplate
 from elasticpp.waiting import wait_until
 from tests.integration.test_worker_lifeline import _alive
 
@@ -205,3 +206,32 @@ def test_a_template_forks_whatever_the_thread_settings(tmp_path: Path, no_orphan
             assert template.usable(), (threads, template.why_not)
         finally:
             template.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_template_answers_no_ping_and_is_asked_for_no_fork_it_would_not_answer(
+    tmp_path: Path, no_orphans: None
+) -> None:
+    template = start_template(tmp_path, env=ENV)
+    fds = [fd for pair in (os.pipe(), os.pipe()) for fd in pair]
+    try:
+        assert template.usable(), template.why_not
+        template.ping()
+        assert wait_until(lambda: template.unanswered_s() is None, 10), "no answer"
+        os.kill(template.pid, signal.SIGSTOP)
+        template.ping()
+        assert wait_until(lambda: (template.unanswered_s() or 0.0) > 2.0, 10)
+        # A fork request would wait answer_timeout_s for an answer that never comes: the
+        # caller (the agent's loop) is told at once, and starts its worker with exec.
+        began = time.monotonic()
+        with pytest.raises(WorkerError, match="no answer to a ping"):
+            template.fork(ENV, fds[0], fds[3], fds[3])
+        assert time.monotonic() - began < 3.0
+        assert template.usable()  # its supervisor decides (it replaces a hung template)
+        os.kill(template.pid, signal.SIGCONT)
+        assert wait_until(lambda: template.unanswered_s() is None, 10), "no answer once running"
+    finally:
+        for fd in fds:
+            os.close(fd)
+        template.close()
+    assert template.proc.poll() is not None

@@ -15,10 +15,12 @@ from elasticpp.agent.actions import (
     Event,
     JobEndedGauge,
     KillWorker,
+    PingTemplate,
     ProbeLeader,
     PublishMemberInfo,
     ReleaseSpares,
     ReplaceSpare,
+    ReplaceTemplate,
     ReportFailure,
     Reread,
     SetFloor,
@@ -28,7 +30,7 @@ from elasticpp.agent.actions import (
     UpdateGauges,
 )
 from elasticpp.agent.control import ControlObservation, ControlState, control_step
-from elasticpp.agent.limits import LEADER_SUSPECT_S
+from elasticpp.agent.limits import LEADER_SUSPECT_S, TEMPLATE_PING_EVERY_S, TEMPLATE_RESTART_MIN_S
 from elasticpp.agent.liveness import (
     LeaderWatch,
     LivenessState,
@@ -38,7 +40,12 @@ from elasticpp.agent.liveness import (
 )
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.agent.quarantine import EXIT_FAILED, HealthState, job_end_step
-from elasticpp.agent.supervisor import SupervisorObservation, supervisor_step
+from elasticpp.agent.supervisor import (
+    SupervisorObservation,
+    TemplateObservation,
+    supervisor_step,
+    template_step,
+)
 from elasticpp.agent.view import EtcdRead, ViewState, view_step
 from elasticpp.cluster.health import JobEnd
 from elasticpp.cluster.records import GenerationRecord, SafeStep
@@ -187,6 +194,43 @@ def test_a_spare_not_ready_in_time_is_replaced_and_the_pool_refilled_when_spares
     assert "not ready 31 s after its start" in actions[0].message  # type: ignore[union-attr]
     assert supervisor_step(replace(late, may_refill=False))[1:] == [ReplaceSpare(21)]
     assert supervisor_step(replace(SUPERVISED, running=(), spares=1)) == [SpawnWarm()]
+
+
+TEMPLATE = TemplateObservation(
+    pid=7,
+    usable=True,
+    lost=False,
+    why_not="",
+    unanswered_s=None,
+    since_ping_s=TEMPLATE_PING_EVERY_S,
+    age_s=100.0,
+    answer_timeout_s=10.0,
+)
+
+
+def test_a_worker_template_is_pinged_between_forks_and_replaced_when_it_does_not_answer() -> None:
+    assert template_step(TEMPLATE) == [PingTemplate(7)]
+    assert template_step(replace(TEMPLATE, since_ping_s=None)) == [PingTemplate(7)]
+    assert template_step(replace(TEMPLATE, since_ping_s=0.5)) == []  # not due yet
+    assert template_step(replace(TEMPLATE, unanswered_s=9.0)) == []  # one waits, in time
+    late = template_step(replace(TEMPLATE, unanswered_s=10.5))
+    assert late[1:] == [ReplaceTemplate(7, "no answer to a ping in 10 s (stopped or hung)")]
+    assert "killing it with the workers it forked" in late[0].message  # type: ignore[union-attr]
+    # Part of the supervisor's step, besides the workers' deadlines and the refill.
+    assert supervisor_step(replace(SUPERVISED, running=(), template=TEMPLATE)) == [PingTemplate(7)]
+
+
+def test_a_template_that_served_and_died_is_replaced_but_one_that_never_could_is_not() -> None:
+    gone = replace(TEMPLATE, usable=False, lost=True, why_not="its process exited")
+    assert template_step(gone)[1:] == [ReplaceTemplate(7, "its process exited")]
+    # Not again at every tick for a template that dies as soon as it starts, even with a
+    # ping of it left unanswered.
+    assert template_step(replace(gone, age_s=TEMPLATE_RESTART_MIN_S - 1)) == []
+    assert template_step(replace(gone, age_s=1.0, unanswered_s=60.0)) == []
+    # Still importing torch, or never able to fork (a second thread): nothing to ask.
+    assert template_step(replace(TEMPLATE, usable=False)) == []
+    refused = replace(TEMPLATE, usable=False, why_not="the template cannot fork: 2 threads")
+    assert template_step(refused) == []
 
 
 WATCH = LeaderWatch(
