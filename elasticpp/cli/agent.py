@@ -8,30 +8,11 @@ import sys
 from pathlib import Path
 
 from elasticpp.cli.ctl import add_tls_flags
+from elasticpp.cli.etcdflags import add_etcd_flags, etcd_from_args
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--etcd",
-        required=True,
-        help="etcd endpoints, HOST:PORT[,HOST:PORT...] (https://HOST:PORT with --etcd-ca)",
-    )
-    p.add_argument(
-        "--etcd-prefix",
-        default="/elasticpp",
-        help="where the job's etcd keys live: PREFIX/<job name>/ (an etcd role grants that)",
-    )
-    etcd = p.add_argument_group("etcd security (docs/deploy.md, 'Securing a job')")
-    etcd.add_argument("--etcd-ca", type=Path, default=None, help="CA file: speak TLS to etcd")
-    etcd.add_argument("--etcd-cert", type=Path, default=None, help="client certificate file")
-    etcd.add_argument("--etcd-key", type=Path, default=None, help="its private key file")
-    etcd.add_argument("--etcd-user", default=None, help="etcd user (needs TLS)")
-    etcd.add_argument(
-        "--etcd-password-file",
-        type=Path,
-        default=None,
-        help="file holding the etcd user's password (a systemd credential, a Secret)",
-    )
+    add_etcd_flags(p)
     p.add_argument("--job-spec", required=True, type=Path, help="the job's YAML spec")
     p.add_argument("--node-id", required=True, help="this node's unique id ([a-z0-9._-])")
     p.add_argument(
@@ -173,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.agent.jobspec import load_job_spec
     from elasticpp.agent.lifetime import AgentProcess
     from elasticpp.agent.node import AgentConfig, run_agent
-    from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
     from elasticpp.errors import ConfigError
     from elasticpp.transport import TLSFiles
 
@@ -188,16 +168,7 @@ def run(args: argparse.Namespace) -> int:
     slots = args.slots if args.slots is not None else (gpus or 1)
     if slots < 1:
         raise ConfigError(f"--slots must be >= 1, got {slots}")
-    endpoints = tuple(e.strip() for e in args.etcd.split(",") if e.strip())
-    security = EtcdSecurity.from_files(
-        ca_file=args.etcd_ca,
-        cert_file=args.etcd_cert,
-        key_file=args.etcd_key,
-        user=args.etcd_user,
-        password_file=args.etcd_password_file,
-    )
-    for endpoint in endpoints:
-        parse_endpoint(endpoint, tls=security is not None and security.tls)  # names a bad one
+    endpoints, security = etcd_from_args(args)
     cfg = AgentConfig(
         node_id=args.node_id,
         etcd=endpoints,

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
-from elasticpp.cluster.keys import ROOT, check_name, check_prefix
+from elasticpp.cli.etcdflags import add_etcd_flags, etcd_from_args
+from elasticpp.cluster.keys import check_name
 from elasticpp.errors import ConfigError
 
 
@@ -33,14 +32,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         ("delete", "delete every key of the job"),
     ):
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        sp.add_argument("--etcd", required=True, help="etcd endpoints HOST:PORT[,...]")
         sp.add_argument("--name", required=True, help="the job spec's name")
-        sp.add_argument("--etcd-prefix", default=ROOT, help="where jobs' keys live")
-        sp.add_argument("--etcd-ca", type=Path, help="etcd's CA (TLS)")
-        sp.add_argument("--etcd-cert", type=Path, help="a client certificate for etcd")
-        sp.add_argument("--etcd-key", type=Path, help="its key")
-        sp.add_argument("--etcd-user", help="the etcd user")
-        sp.add_argument("--etcd-password-file", type=Path, help="its password, from a file")
+        add_etcd_flags(sp)
         if name == "status":
             sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
         if name == "delete":
@@ -51,20 +44,8 @@ def _client(args: argparse.Namespace) -> Any:
     from elasticpp.cluster import ClusterClient
 
     check_name("--name", args.name)
-    check_prefix(args.etcd_prefix)
-    security = EtcdSecurity.from_files(
-        ca_file=args.etcd_ca,
-        cert_file=args.etcd_cert,
-        key_file=args.etcd_key,
-        user=args.etcd_user,
-        password_file=args.etcd_password_file,
-    )
-    endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
-    if not endpoints:
-        raise ConfigError("--etcd needs at least one HOST:PORT")
-    for e in endpoints:
-        parse_endpoint(e, tls=security is not None and security.tls)
-    return ClusterClient(endpoints, args.name, security=security, prefix=args.etcd_prefix)
+    endpoints, security = etcd_from_args(args)
+    return ClusterClient(list(endpoints), args.name, security=security, prefix=args.etcd_prefix)
 
 
 def job_status(client: Any) -> dict[str, Any]:
