@@ -1136,3 +1136,22 @@ def test_docs_deploy_lists_every_alert_with_its_severity():
         re.M,
     )
     assert dict(rows) == alerts
+
+
+def test_the_slurm_example_runs_one_secured_agent_a_node_with_a_command_line_it_accepts():
+    script = (CHART.parents[1] / "deploy" / "slurm" / "elasticpp.sbatch").read_text()
+    assert _run(["bash", "-n", "-c", script]).returncode == 0
+    assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --signal=TERM@300" in script
+    inner = script.split("bash -c '", 1)[1].split("'", 1)[0]
+    agent = inner.split("exec ", 1)[1].replace("\\\n", " ")
+    values = {"$0": "https://etcd-0:2379", "$1": "/shared/job.yaml", "$2": "/secrets",
+              "$3": "/var/tmp/ep", "$node": "gpu-017",
+              "$(hostname -f)": "gpu-017.cluster"}  # fmt: skip
+    for name, value in values.items():
+        agent = agent.replace(f'"{name}', f'"{value}').replace(name, value)
+    argv = shlex.split(agent)
+    assert argv[0] == "elasticpp"
+    args = _parse_cli(argv[1:])
+    assert args.node_id == "gpu-017" and args.tls_cert == Path("/secrets/gpu-017.crt")
+    assert args.etcd_cert is not None and args.token_file == Path("/secrets/token")
+    assert args.on_job_end == "exit" and not args.insecure
