@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticpp import __version__
 from elasticpp.agent.auth import AuthInterceptor, Policy
 from elasticpp.agent.jobspec import JobSpec, diff
 from elasticpp.agent.limits import (
@@ -258,6 +259,7 @@ class StartupPart:
             "draining": self._cs.draining,
             "incarnation": self.incarnation,
             "pid": os.getpid(),
+            "version": __version__,
         }
 
     def _lease_gate(self) -> ProgressGate:

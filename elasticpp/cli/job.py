@@ -1,6 +1,7 @@
 """`elasticpp job`: a job as etcd holds it, also once every agent is gone.
 
     elasticpp job status --etcd HOST:PORT --name JOB [-o table|json]
+    elasticpp job nodes  --etcd HOST:PORT --name JOB [-o table|json]
     elasticpp job reset  --etcd HOST:PORT --name JOB     a failed or halted job may run again
     elasticpp job delete --etcd HOST:PORT --name JOB     every key of the job (not while agents run)
 
@@ -28,13 +29,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="job_command", required=True)
     for name, help_text in (
         ("status", "how the job stands, from etcd"),
+        ("nodes", "the job's nodes: address, slots, ranks, draining, quarantine, version"),
         ("reset", "let a failed or halted job run again"),
         ("delete", "delete every key of the job"),
     ):
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.add_argument("--name", required=True, help="the job spec's name")
         add_etcd_flags(sp)
-        if name == "status":
+        if name in ("status", "nodes"):
             sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
         if name == "delete":
             sp.add_argument("--force", action="store_true", help="also while agents are registered")
@@ -88,6 +90,63 @@ def job_status(client: Any) -> dict[str, Any]:
     return out
 
 
+def job_nodes(client: Any) -> list[dict[str, Any]]:
+    """Every node the job knows: its registered agents, and the nodes its plan or its
+    quarantines name (an agent that is gone shows without an address)."""
+    members = client.members().nodes
+    record, _ = client.read_generation()
+    quarantined = client.quarantined()
+    ranks: dict[str, int] = {}
+    if record is not None and isinstance(record.plan, dict):
+        placement = record.plan.get("placement")
+        runs = placement.get("node_runs") if isinstance(placement, dict) else None
+        for run in runs if isinstance(runs, list) else []:
+            if isinstance(run, list) and len(run) == 2 and isinstance(run[0], str):
+                ranks[run[0]] = ranks.get(run[0], 0) + int(run[1])
+    planned = set() if record is None else set(record.planned_set)
+    out = []
+    for node in sorted(set(members) | planned | set(quarantined)):
+        info = members.get(node, {})
+        q = quarantined.get(node)
+        out.append(
+            {
+                "node_id": node,
+                "registered": node in members,
+                "address": info.get("address"),
+                "slots": info.get("slots"),
+                "ranks": ranks.get(node, 0),
+                "planned": node in planned,
+                "draining": bool(info.get("draining")),
+                "quarantined": None if q is None else q.reason,
+                "version": info.get("version"),
+            }
+        )
+    return out
+
+
+def _nodes_table(nodes: list[dict[str, Any]]) -> str:
+    head = ("NODE", "ADDRESS", "SLOTS", "RANKS", "STATE", "VERSION")
+    rows = [head]
+    for n in nodes:
+        state = (
+            "quarantined" if n["quarantined"] else "draining" if n["draining"]
+            else "planned" if n["planned"] else "gone" if not n["registered"] else "spare"
+        )  # fmt: skip
+        rows.append(
+            (
+                n["node_id"],
+                n["address"] or "-",
+                str(n["slots"] if n["slots"] is not None else "-"),
+                str(n["ranks"]),
+                state,
+                n["version"] or "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)  # fmt: skip
+
+
 def _table(status: dict[str, Any]) -> str:
     rows = [("job", status["name"]), ("state", status["state"])]
     if status["state"] != "absent":
@@ -117,6 +176,13 @@ def _table(status: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     with _client(args) as client:
+        if args.job_command == "nodes":
+            nodes = job_nodes(client)
+            if args.output == "json":
+                print(json.dumps(nodes, indent=1, sort_keys=True))
+            else:
+                print(_nodes_table(nodes))
+            return 0
         if args.job_command == "status":
             status = job_status(client)
             if args.output == "json":

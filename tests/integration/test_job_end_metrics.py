@@ -42,6 +42,12 @@ def test_an_idle_agent_after_a_finished_job_exports_finished_and_no_failure(
             150,
             "the finished job's agent idling",
         )
+        # The worker gauges follow at the agent's next view refresh.
+        lc.wait_for(
+            lambda: _scrape(node.metrics_port)[("elasticpp_workers", "running")] == 0,
+            30,
+            "no running worker in the metrics",
+        )
         values = _scrape(node.metrics_port)
         assert values[("elasticpp_job_finished", "")] == 1
         assert values[("elasticpp_job_ended", "finished")] == 1
@@ -69,5 +75,12 @@ def test_an_idle_agent_after_a_finished_job_exports_finished_and_no_failure(
         assert reset.returncode == 2 and "job endjob is finished" in reset.stderr
         delete = run("delete")
         assert delete.returncode == 2 and "agents are registered (node-0)" in delete.stderr
+        [node] = json.loads(run("nodes", "-o", "json").stdout)
+        assert node["node_id"] == "node-0" and node["address"] == lc.nodes[0].address
+        assert node["slots"] == 1 and node["ranks"] == 1 and node["planned"]
+        assert node["version"] == __import__("elasticpp").__version__
+        table = run("nodes").stdout.splitlines()
+        assert table[0].split() == ["NODE", "ADDRESS", "SLOTS", "RANKS", "STATE", "VERSION"]
+        assert table[1].split()[0] == "node-0" and "planned" in table[1]
     finally:
         lc.close()
