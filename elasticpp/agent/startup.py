@@ -236,6 +236,7 @@ class StartupPart:
                 f"job spec differs from the one job {self.spec.name!r} runs with, in: "
                 f"{', '.join(fields) or 'format'}"
             )
+        self._check_version()
         # Larger than every epoch this node's store knows, even with its clock behind.
         job_epoch = self.cluster.epoch_if_absent(
             propose_epoch(self.store.newest_epoch()), self.node_id
@@ -251,6 +252,23 @@ class StartupPart:
         # the quarantines', the job end's and the epoch's tell their parts (`_on_watch`).
         # The other member keys are cached on the leader alone.
         self.cluster.follow(self._on_watch, own_node=self.node_id)
+
+    def _check_version(self) -> None:
+        """One job's agents run one elasticpp: a job whose leader runs another version is
+        refused, naming both (records may change between versions; docs/deploy.md says how
+        to upgrade a job). One read: the leader's member key, not every node's."""
+        assert self.cluster is not None
+        leader = self.cluster.leader()
+        if leader is None or leader == self.node_id:
+            return
+        theirs = self.cluster.member_records([leader]).get(leader, {}).get("version")
+        if isinstance(theirs, str) and theirs != __version__:
+            raise ConfigError(
+                f"job {self.spec.name!r} runs elasticpp {theirs[:40]} (its leader {leader}); "
+                f"this agent is elasticpp {__version__}: a job's agents run one version. To "
+                "upgrade, stop every agent of the job, then start the new version "
+                "(docs/deploy.md, 'Upgrading a job')"
+            )
 
     def _member_info(self) -> dict[str, Any]:
         return {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.etcd_server import EtcdServer
@@ -51,3 +52,29 @@ def test_bad_flags_are_refused_with_exit_2(etcd: EtcdServer) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert bad.returncode == 2 and "--name" in bad.stderr
+
+
+def test_an_agent_of_another_version_than_the_jobs_leader_is_refused_naming_both(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    import elasticpp
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: llm\nmodel: tiny\nglobal_batch: 4\nmicro_batch: 2\nsteps: 2\nseed: 0\n"
+        "min_nodes: 2\nmax_nodes: 2\n"
+    )
+    with ClusterClient([etcd.endpoint], "llm") as c:
+        info = {"address": "127.0.0.1:1", "slots": 1, "incarnation": "x", "version": "0.0.9"}
+        c.register("old-0", info, ttl_s=30)
+        assert c.campaign("old-0", ttl_s=30) is not None
+        agent = subprocess.run(
+            [sys.executable, "-m", "elasticpp.cli.main", "agent", "--etcd", etcd.endpoint,
+             "--job-spec", str(spec), "--node-id", "new-1", "--state-dir", str(tmp_path / "s"),
+             "--device", "cpu", "--slots", "1", "--listen", "127.0.0.1:0"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert agent.returncode == 2, agent.stderr[-2000:]
+        assert "runs elasticpp 0.0.9 (its leader old-0)" in agent.stderr
+        assert f"this agent is elasticpp {elasticpp.__version__}" in agent.stderr
+        assert "new-1" not in c.members().nodes  # refused before it registered
