@@ -10,6 +10,9 @@ from pathlib import Path
 from elasticpp.cli.ctl import add_tls_flags
 from elasticpp.cli.etcdflags import add_etcd_flags, etcd_from_args
 
+# The logging levels --log-level takes (the Helm chart's `agent.logLevel` enum is the same).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_etcd_flags(p)
@@ -91,7 +94,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="when the job ends: exit (0 finished, 3 failed, 4 halted; for systemd) or "
         "idle, healthy, until removed (for a Kubernetes StatefulSet)",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        help=f"the agent's log level: {', '.join(LOG_LEVELS)} (any case)",
+    )
     p.add_argument(
         "--log-format",
         choices=("text", "json"),
@@ -157,9 +166,7 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.errors import ConfigError
     from elasticpp.transport import TLSFiles
 
-    logfmt.configure(
-        getattr(logging, str(args.log_level).upper(), logging.INFO), args.log_format, args.node_id
-    )
+    logfmt.configure(getattr(logging, args.log_level), args.log_format, args.node_id)
     spec = load_job_spec(args.job_spec)
     gpus = _visible_gpus() if args.slots is None or args.device is None else 0
     device = args.device or ("cuda" if gpus else "cpu")

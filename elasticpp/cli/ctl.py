@@ -32,7 +32,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     sub = p.add_subparsers(dest="action", required=True)
     st = sub.add_parser("status", help="generation, layout, workers and recovery timeline")
-    st.add_argument("--json", action="store_true")
+    st.add_argument(
+        "--json",
+        action="store_true",
+        help="the status as JSON: numbers as numbers, and every field, zeros and empty ones too",
+    )
     dr = sub.add_parser("drain", help="move the job off this node, then the agent exits 0")
     dr.add_argument(
         "--wait",
@@ -47,7 +51,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from elasticpp.errors import ConfigError
     from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             if args.action == "status":
                 s = stub.GetStatus(agent_pb2.GetStatusRequest(), timeout=args.timeout)
                 if args.json:
-                    print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=1))
+                    print(json.dumps(status_dict(s), indent=1))
                 else:
                     _print_status(s)
             elif args.action == "lift":
@@ -92,6 +95,25 @@ def run(args: argparse.Namespace) -> int:
             )
             return 1
     return 0
+
+
+def status_dict(s: object) -> dict[str, object]:
+    """A status as `--json` prints it. Not the bare proto3 JSON mapping: that writes int64
+    values as strings (`"generation": "1"`) and leaves out every field at its zero value (a
+    rank 0 worker without `rank`, `pp` or `local_rank`, a recovery at step 0 without
+    `resume_step`), which a script reading it must then guess. Whole numbers a double holds
+    exactly are numbers here (larger ones stay strings, as the mapping says), and every
+    field is there."""
+    from google.protobuf.json_format import MessageToDict
+    from google.protobuf.message import Message
+
+    assert isinstance(s, Message)
+    return MessageToDict(
+        s,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
 
 
 def _print_status(s: object) -> None:

@@ -5,18 +5,32 @@ Each subcommand lives in its own module `elasticpp.cli.<name>` with
 that `elasticpp plan` never imports torch. Any `ElasticppError` becomes one line on stderr
 and exit code 2. `kill -USR1 <pid>` prints every thread's Python stack to stderr (a process
 that seems stuck says where it is; it goes on running).
+
+A command whose stdout reader goes away (`elasticpp plan ... | head -1`) ends quietly with
+exit code 141, what a shell reports for a writer that SIGPIPE ended (128 + 13, as `yes |
+head -1` gives under `set -o pipefail`): the output was cut short, which a script should be
+able to tell, but it is no error of ours and deserves no traceback. SIGPIPE itself keeps
+Python's handling (ignored, so a write raises): restoring its default would also end the
+agent, silently, on a write to any pipe or socket whose peer left.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib
+import importlib.metadata
+import os
+import select
 import signal
 import sys
 from collections.abc import Sequence
 
+import elasticpp
 from elasticpp.errors import ElasticppError
+
+EXIT_READER_GONE = 128 + signal.SIGPIPE  # 141: the shell's status of a writer SIGPIPE ended
 
 # name -> one-line help; the module elasticpp.cli.<name> implements it.
 SUBCOMMANDS: dict[str, str] = {
@@ -37,8 +51,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"elasticpp: error: {message}\n")
 
 
+def version() -> str:
+    """The installed distribution's version (what pip and a wheel say), else the source
+    tree's (`elasticpp.__version__`, run from a checkout that is not installed)."""
+    try:
+        return importlib.metadata.version("elasticpp")
+    except importlib.metadata.PackageNotFoundError:
+        return elasticpp.__version__
+
+
+class _Version(argparse.Action):
+    """`--version`: argparse's own action swallows a failed write (an unbuffered stdout
+    whose reader left would exit 0, a buffered one 141); this one lets `main` tell."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+            help="print the version and exit",
+        )  # fmt: skip
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"elasticpp {version()}")
+        parser.exit()
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     parser = _Parser(prog="elasticpp", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-V", "--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     modules: dict[str, object] = {}
     for name, help_text in SUBCOMMANDS.items():
@@ -64,7 +103,18 @@ def _dump_stacks_on_usr1() -> None:
     faulthandler.register(signal.SIGUSR1, file=fd, all_threads=True, chain=False)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports POLLERR for it), so
+    that a broken pipe elsewhere (a socket, a worker's pipe) keeps its traceback."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser, modules = build_parser()
     args = parser.parse_args(argv)
     _dump_stacks_on_usr1()
@@ -77,6 +127,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"elasticpp {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # Here, not at exit (also after --version's SystemExit): a reader that left
+            # is told apart below.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        # What is still buffered can go nowhere: stdout points at /dev/null from here, so
+        # the interpreter's last flush does not fail again.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_READER_GONE
 
 
 if __name__ == "__main__":

@@ -4,10 +4,14 @@ threads that health checks need."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -126,3 +130,47 @@ def _refused(stub: agent_pb2_grpc.AgentServiceStub) -> bool:
     finally:
         probe.cancel()
     return False
+
+
+class _RankZero(_Agent):
+    """A status whose interesting numbers are zeros: rank 0 at pp=tp=dp=0, and a first
+    recovery that resumed at step 0 from no layout."""
+
+    def status_snapshot(self) -> dict[str, Any]:
+        coord = SimpleNamespace(pp=0, tp=0, dp=0)
+        worker = {"rank": 0, "pid": 4242, "state": "running", "last_step": 0, "coord": coord}
+        recovery = {
+            "generation": 1, "reason": "initial plan", "layout_before": "",
+            "layout_after": "pp=1,tp=1,dp=1", "resume_step": 0, "steps_recomputed": 0,
+            "planned_s": 0.25, "stopped_s": 0.5, "moved_s": 0.75, "resumed_s": 1.0,
+        }  # fmt: skip
+        return {**super().status_snapshot(), "workers": [worker], "recoveries": [recovery]}
+
+
+@pytest.mark.timeout(60)
+def test_status_json_prints_numbers_as_numbers_and_every_field(
+    server: tuple[grpc.Server, str],
+) -> None:
+    srv, address = server
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(
+        AgentServicer(_RankZero()),  # type: ignore[arg-type]
+        srv,
+    )
+    srv.start()
+    run = subprocess.run(
+        [sys.executable, "-m", "elasticpp.cli.main", "ctl", "--agent", address, "status",
+         "--json"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert (status["generation"], status["last_step"]) == (1, 3)  # int64: numbers, not "1"
+    assert status["ended"] == "" and status["quarantined"] == []  # empty fields are there
+    [worker] = status["workers"]
+    assert worker == {
+        "rank": 0, "local_rank": 0, "pp": 0, "tp": 0, "dp": 0, "pid": 4242,
+        "state": "running", "last_step": 0,
+    }  # fmt: skip
+    [recovery] = status["recoveries"]
+    assert (recovery["resume_step"], recovery["steps_recomputed"]) == (0, 0)
+    assert recovery["layout_before"] == "" and recovery["generation"] == 1

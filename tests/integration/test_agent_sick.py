@@ -270,3 +270,71 @@ def test_a_node_whose_old_worker_outlives_sigkill_is_quarantined_and_the_job_goe
     finally:
         holder.kill()  # lets the held worker go
         holder.wait()
+
+
+def _first_step_death_hook(tmp_path: Path, node_id: str) -> dict[str, str]:
+    """The environment under which `node_id`'s workers report `started` and then die in
+    their first step, every generation (an out-of-memory error in the first forward, a bad
+    GPU): Python imports sitecustomize at start-up, in the worker and in the warm template
+    it is forked from, before the worker's own code runs."""
+    hook = tmp_path / "first-step-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        f"if os.environ.get('ELASTICPP_NODE_ID') == {node_id!r} and any(\n"
+        "    m in sys.orig_argv for m in ('elasticpp.train.worker', 'elasticpp.train.forkserver')\n"
+        "):\n"
+        "    from elasticpp.train.engine import Trainer\n"
+        "    def _dies(self, *args, **kwargs):\n"
+        "        os._exit(1)\n"
+        "    Trainer.train_step = _dies\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(hook), *sys.path])}
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_worker_dies_in_its_first_step_is_quarantined_after_quarantine_after(
+    tmp_path: Path, no_orphans: None
+) -> None:
+    # The strikes of a node clear only once it commits a step of a generation: a worker that
+    # reaches `started` and then dies in its first step strikes its node every generation,
+    # so the node is set aside after `quarantine_after` generations, not after many more (or
+    # never), and the job trains on without it instead of spending its failure budget.
+    sick = "node-1"
+    spec = {
+        **SPEC,  # its job name: the helpers above read that job's keys
+        "steps": 100_000,  # the test ends it; the fault must come before the job's end
+        "max_nodes": 2,
+        "quarantine_after": 2,
+        "snapshot_every": 1,  # the healthy node commits every step
+    }
+    with LocalCluster(tmp_path / "job", spec, nodes=2, slots=1) as cluster:
+        cluster.etcd.start()
+        cluster.start_node("node-0")
+        cluster.start_node(sick, env=_first_step_death_hook(tmp_path, sick))
+
+        def generation() -> int:
+            with _client(cluster) as c:
+                record, _ = c.read_generation()
+            return record.generation if record is not None else 0
+
+        # Each failed generation plans both nodes again; before, the strikes were cleared
+        # each time the sick node's worker reported `started`, and the job went on failing.
+        cluster.wait_for(
+            lambda: sick in _quarantined(cluster) or generation() >= 8,
+            90,
+            f"{sick} quarantined",
+        )
+        quarantined = _quarantined(cluster)
+        assert sick in quarantined, f"not quarantined by generation {generation()}"
+        assert "node-0" not in quarantined
+        assert "2 failed generations in a row" in quarantined[sick].reason
+        cluster.wait_for(
+            lambda: sick not in _last_plan_nodes(cluster), 30, f"a plan without {sick}"
+        )
+        gen, since = generation(), cluster.max_step()
+        cluster.wait_for(
+            lambda: any(g >= gen and st > since for st, (_, g) in cluster.curve().items()),
+            60,
+            f"a step without {sick}",
+        )
