@@ -4,10 +4,13 @@ without a registry, so the lint is what CI checks of them)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
+from email.parser import Parser
 from pathlib import Path
 
 import pytest
@@ -23,14 +26,29 @@ def _run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False, **kw)  # type: ignore[call-overload]
 
 
-@pytest.mark.timeout(300)
-def test_the_wheel_builds_installs_apart_from_the_checkout_and_runs(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel as CI builds it, from a copy of the sources (a build writes build/ and
+    *.egg-info beside them)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(
+        ROOT / "elasticpp", src / "elasticpp", ignore=shutil.ignore_patterns("__pycache__")
+    )
     built = _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "dist"), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "-q", "-w", str(tmp / "dist"), str(src)],
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
-    [wheel] = list((tmp_path / "dist").glob("elasticpp-*.whl"))
+    [made] = list((tmp / "dist").glob("elasticpp-*.whl"))
+    return made
+
+
+@pytest.mark.timeout(300)
+def test_the_wheel_installs_apart_from_the_checkout_and_runs(wheel: Path, tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     # The generated gRPC code, the built-in model families, the CLI's entry point.
     for path in ("elasticpp/rpc/agent/v1/agent_pb2.py", "elasticpp/rpc/state/v1/state_pb2_grpc.py",
@@ -54,6 +72,18 @@ def test_the_wheel_builds_installs_apart_from_the_checkout_and_runs(tmp_path: Pa
         cwd=tmp_path, env=env,
     )  # fmt: skip
     assert plan.returncode == 0, plan.stderr
+
+
+def test_the_wheel_ships_the_licence_and_says_so_in_its_metadata(wheel: Path) -> None:
+    from tests.unit.test_license import APACHE_2_SHA256
+
+    with zipfile.ZipFile(wheel) as z:
+        [info] = {n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA")}
+        shipped = z.read(f"{info}/licenses/LICENSE")
+        metadata = Parser().parsestr(z.read(f"{info}/METADATA").decode())
+    assert hashlib.sha256(shipped).hexdigest() == APACHE_2_SHA256
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata.get_all("License-File") == ["LICENSE"]
 
 
 def test_the_dockerfiles_pass_hadolint() -> None:
