@@ -374,16 +374,6 @@ class ReadCommitRecords:
 
 
 @dataclass(frozen=True)
-class ReadCommitted:
-    """Read the commit records of `generation`; those of `nodes` (struck nodes it plans) go
-    to `leaderstep.leader_committed_read`, which clears the strikes of each that committed
-    a step in it."""
-
-    generation: int
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class ReadSafe:
     """Read the published safe step; it goes to `leaderstep.leader_safe_read`, which writes
     `safe` only if it is higher."""
@@ -550,7 +540,6 @@ Action = (
     | CompactHistory
     | CountRecovery
     | ReadCommitRecords
-    | ReadCommitted
     | ReadSafe
     | WriteSafe
     | SkipRecord

@@ -196,28 +196,21 @@ class DurabilityPart:
             f.write(line + "\n")
 
     def _record_commit(self, generation: int) -> None:
-        """This node's commit record of `generation`: its newest step committed in that
-        generation and the anchors of that generation it holds, own and replicas (what the
-        leader's safe step is computed from, and its strikes cleared by). Called after a
-        commit (the loop) and after a replication round (the replicate thread). Made now,
-        put by the record's one writer off the loop, at most every COMMIT_RECORD_EVERY_S: a
-        slow etcd never holds the loop, and a record made earlier never lands after a newer
-        one (elasticpp.agent.latest)."""
+        """This node's commit record of `generation`: its newest committed step and the
+        anchors of that generation it holds, own and replicas (what the leader's safe step
+        is computed from). Called after a commit (the loop) and after a replication round
+        (the replicate thread). Made now, put by the record's one writer off the loop, at
+        most every COMMIT_RECORD_EVERY_S: a slow etcd never holds the loop, and a record made
+        earlier never lands after a newer one (elasticpp.agent.latest)."""
         if self.cluster is None:
             return
         self._commit_records.offer(generation, lambda: self._commit_record(generation))
 
     def _commit_record(self, generation: int) -> CommitValue:
-        held = self.store.holdings().steps
-        origins = {o for o, _ in held}
+        origins = {o for o, _ in self.store.holdings().steps}
         replicas = {o: self.store.anchors(o, generation) for o in origins if o != self.node_id}
-        # The newest own step committed in `generation` (-1: none yet), never an older
-        # generation's: a replication round early in a generation puts its record too, and
-        # the leader reads a step here as "this node trained in it" (its strikes clear).
-        commit = (self.store.epoch, generation)
-        own = [h.step for (o, _), h in held.items() if o == self.node_id and h.commit == commit]
         return (
-            max(own, default=-1),
+            self._ds.last_commit_step,
             tuple(self.store.anchors(self.node_id, generation)),
             {o: tuple(steps) for o, steps in replicas.items() if steps},
         )

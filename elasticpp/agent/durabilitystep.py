@@ -48,7 +48,7 @@ class DurabilityState:
     start a replication round or the persister (which hand results back through futures)."""
 
     replication: Future[Any] | None = None  # the replication round in flight
-    last_commit_step: int = -1  # this node's newest own commit, of any generation
+    last_commit_step: int = -1  # this node's newest own commit (its commit records say it)
     snap_reports: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     snap_failures: int = 0  # snapshot writes failed since the last commit
     fence_logged: bool = False

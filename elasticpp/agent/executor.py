@@ -43,7 +43,6 @@ from elasticpp.agent.actions import (
     PublishResumeWait,
     PullHoldings,
     ReadCommitRecords,
-    ReadCommitted,
     ReadSafe,
     RecordCommit,
     RecordHalt,
@@ -78,7 +77,6 @@ from elasticpp.agent.durabilitystep import (
 )
 from elasticpp.agent.follower import run_in_thread
 from elasticpp.agent.leaderstep import (
-    leader_committed_read,
     leader_fresh_checked,
     leader_generation_written,
     leader_pull_started,
@@ -280,11 +278,6 @@ class ExecutorPart:
                 self.cluster.cache_for_leader(True)
                 records = self.cluster.commit_records(action.generation, cached=True)
                 self._execute(leader_safe_step(action, records))
-            elif isinstance(action, ReadCommitted):
-                assert self.cluster is not None
-                self.cluster.cache_for_leader(True)
-                records = self.cluster.commit_records(action.generation, cached=True)
-                self._execute(leader_committed_read(self._ls, action, records))
             elif isinstance(action, ReadSafe):
                 assert self.cluster is not None
                 # A cached value may be a delivery old: the write compares its revision.

@@ -59,7 +59,6 @@ class LeaderState:
     wait_look_s: float = 0.0  # monotonic: while waiting, when the holdings are looked at again
     resolved: Any = None  # the pull result (or arrivals) last resolved: a wait does not
     # resolve the same again
-    strikes_checked_s: float = 0.0  # monotonic: the struck nodes' commits last looked at
     # monotonic: when this node campaigns, once it has seen no leader (`campaign_delay_s`)
     campaign_at_s: float | None = None
 
@@ -79,7 +78,6 @@ class LeaderState:
             self.wait_published = ""
             self.wait_look_s = 0.0
             self.resolved = None
-            self.strikes_checked_s = 0.0
         return self
 
 

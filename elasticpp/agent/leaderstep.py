@@ -7,8 +7,7 @@ step's actions to the executor. The step and the functions the executor feeds re
 to write only the leader's `LeaderState`; none does I/O. The actions (elasticpp.agent.actions,
 "the leader's actions"): WriteGeneration, ConfirmDead, SetAside, PullHoldings,
 ResolveResume, CheckNeverCommitted, WriteResume, PublishResumeWait, RecordTimeline,
-Housekeep, CleanRendezvous, CountRecovery, ReadCommitRecords, ReadCommitted, ReadSafe,
-WriteSafe.
+Housekeep, CleanRendezvous, CountRecovery, ReadCommitRecords, ReadSafe, WriteSafe.
 
 Invariants:
 - a generation is a compare-and-swap against the record's revision read; the failure count
@@ -24,10 +23,6 @@ Invariants:
 - the recovery timeline is written once every planned node started, never over one an
   earlier leader wrote; housekeeping follows only a written timeline;
 - the safe step is computed at most every SAFE_EVERY_S and written only when it rises;
-- a node's strikes start again only once it committed a step of a generation (its commit
-  record of that generation says so), not when its workers started: a worker that dies in
-  its first step strikes its node every generation (a planned node without ranks has
-  nothing to commit: starting is its part);
 - etcd's history is compacted every COMPACT_EVERY_S while a generation runs, to the revision
   read one period before (so history is bounded and a lagging watch still has a period);
 - a result fed back for a generation the state has left is ignored (an empty list).
@@ -38,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +45,6 @@ from elasticpp.agent.actions import (
     Event,
     Housekeep,
     ReadCommitRecords,
-    ReadCommitted,
     ReadSafe,
     RecordTimeline,
     Reread,
@@ -91,7 +85,6 @@ if TYPE_CHECKING:
 __all__ = [
     "MISSING_PROBE_EVERY_S",
     "LeaderObservation",
-    "leader_committed_read",
     "leader_fresh_checked",
     "leader_generation_written",
     "leader_pull_started",
@@ -104,7 +97,6 @@ __all__ = [
     "leader_safe_step",
     "leader_safe_written",
     "leader_step",
-    "leader_strikes_check",
     "leader_timeline_recorded",
     "leader_timeline_step",
 ]
@@ -184,7 +176,6 @@ def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
         return actions
     actions += leader_resume_step(state, obs)
     actions += leader_timeline_step(state, obs)
-    actions += leader_strikes_check(state, obs)
     actions += leader_safe_check(state, obs)
     actions += leader_compaction_check(state, obs)
     return actions
@@ -306,8 +297,8 @@ def detection_time(obs: LeaderObservation, generation: int) -> float:
 
 def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
     """Once every planned node of the followed generation started, its recovery timeline
-    (an earlier leader's stays); the re-plan backoff starts again, and so do the strikes of
-    planned nodes without ranks (those with ranks wait for a commit: `leader_strikes_check`)."""
+    (an earlier leader's stays); the generation trained, so strikes and the failure count
+    start again."""
     gen, plan = obs.followed, obs.followed_plan
     if gen is None or plan is None:
         return []
@@ -316,17 +307,17 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         return []
     if f"gen-{gen.generation}" in obs.barriers.get("timelines", {}):
         # Written by the leader that ran this generation; a leader elected later (at the
-        # job's end, say) must not overwrite it with what it did not see. Its nodes without
-        # ranks started: their strikes (this term started from the record's) start again.
+        # job's end, say) must not overwrite it with what it did not see. It trained: the
+        # strikes this term started from (the record's) start again.
         ls.timeline_written = True
-        state.sick.trained(_without_ranks(gen.planned_set, plan))
+        state.sick.trained(gen.planned_nodes)
         return []
     started = obs.barriers.get(f"started-{gen.generation}", {})
     nodes = gen.planned_set
     if not nodes <= set(started):
         return []
     state.replan_failures = 0
-    state.sick.trained(_without_ranks(nodes, plan))
+    state.sick.trained(nodes)
     resume = obs.barriers.get(f"resume-{gen.generation}", {}).get(RESUME_MEMBER) or {}
     stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
     detected = float(gen.extra.get("detected_at", gen.created_at))
@@ -347,46 +338,6 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         "resumed_s": resumed_at - detected,
     }
     return [RecordTimeline(gen.generation, timeline, bool(gen.extra.get("previous_layout")))]
-
-
-def _without_ranks(nodes: Iterable[str], plan: Plan) -> list[str]:
-    """The nodes of `nodes` that hold no rank of `plan`."""
-    ranked = {s.node_id for s in plan.placement}
-    return sorted(n for n in nodes if n not in ranked)
-
-
-def leader_strikes_check(state: LeaderState, obs: LeaderObservation) -> list[Action]:
-    """Every SAFE_EVERY_S once the followed generation resumed, while nodes with ranks in it
-    have strikes: read its commit records (`leader_committed_read`). Workers that started
-    are not a generation that trained: a worker that dies in its first forward (the usual
-    out-of-memory or bad GPU) would clear its node's strikes every time, and the node would
-    spend the failure budget instead of being set aside. Nothing is read while no node it
-    plans has a strike (every generation of a healthy job)."""
-    gen, plan = obs.followed, obs.followed_plan
-    if gen is None or plan is None or not state.sick.strikes:
-        return []
-    ls = state.at(gen.generation, obs.now_s)
-    if not ls.resume_written or obs.now_s - ls.strikes_checked_s < SAFE_EVERY_S:
-        return []
-    ranked = {s.node_id for s in plan.placement}
-    struck = tuple(sorted(n for n in ranked if n in state.sick.strikes))
-    if not struck:
-        return []
-    ls.strikes_checked_s = obs.now_s
-    return [ReadCommitted(gen.generation, struck)]
-
-
-def leader_committed_read(
-    state: LeaderState, read: ReadCommitted, records: Mapping[str, CommitRecord]
-) -> list[Action]:
-    """The struck nodes whose commit record of the generation names a step committed in it
-    (elasticpp.agent.durability) trained: their strikes start again. A read of a generation
-    the state has left changes nothing."""
-    if state.generation != read.generation:
-        return []
-    committed = [n for n in read.nodes if n in records and records[n].step >= 0]
-    state.sick.trained(committed)
-    return []
 
 
 def leader_timeline_recorded(state: LeaderState, action: RecordTimeline, ok: bool) -> list[Action]:

@@ -14,10 +14,8 @@ The rules, in the order the leader applies them:
   at `stopped-G` within the stop deadline are blamed too (a wedged agent).
 - **Strikes.** A blamed node gets a strike. `strikes_to_quarantine` consecutive strikes, or
   one `severe` one (a disk that cannot hold the state, a worker that survives SIGKILL, a
-  node that never arrived), quarantine it. A node that commits a step in a generation (not
-  merely one whose workers started: a worker that dies in its first step must strike its
-  node every time) has its strikes cleared (`trained`, by the leader's step): the strikes
-  are consecutive failed generations, not a lifetime count.
+  node that never arrived), quarantine it. A generation that trains clears the strikes of
+  its nodes: the strikes are consecutive failed generations, not a lifetime count.
 - **Quarantine with exponential backoff.** The n-th quarantine of a node lasts
   `base_s · 2^(n−1)`, at most `max_s`; then the node is re-admitted (planned again, as a
   join). A new incarnation of its agent (restarted, say after an operator fixed the disk) is
@@ -31,9 +29,9 @@ The leader publishes quarantines in etcd (`quarantine/<node>`, see
 `elasticpp.cluster.health`); a new leader loads them. Strikes go on from term to term: each
 generation record carries the strikes of the nodes it plans (`carried`, at most
 CARRIED_STRIKES nodes, the most struck first), and a new leader starts from the newest
-record's (`seed`); a commit in a generation, seen by any term, clears its node's. (A leader
-lost to an overloaded machine once reset them every few generations, and a sick node at
-1,024 simulated nodes was never quarantined.) The failure budget's window starts afresh with each
+record's (`seed`); a generation that trained, seen by any term, clears them. (A leader lost
+to an overloaded machine once reset them every few generations, and a sick node at 1,024
+simulated nodes was never quarantined.) The failure budget's window starts afresh with each
 term (documented in docs/cluster.md).
 """
 
@@ -222,8 +220,7 @@ class SickNodes:
         return self.exclude(node, why, incarnation, now)
 
     def trained(self, nodes: Iterable[str]) -> None:
-        """`nodes` trained in a generation (committed a step in it): their strikes start
-        again at zero."""
+        """A generation of `nodes` started training: their strikes start again at zero."""
         for node in nodes:
             self.strikes.pop(node, None)
 

@@ -375,8 +375,7 @@ def _steps(value: Any, what: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class CommitRecord:
     """What one node reports after a commit or a replication round in one generation: its
-    newest step committed in that generation (-1: none yet; the leader reads a step as the
-    node having trained in it) and the anchor steps of that generation it holds, its own
+    newest committed step (-1: none) and the anchor steps of that generation it holds, its own
     and the replicas per origin, newest first (at most `ANCHORS_REPORTED` each)."""
 
     node_id: str

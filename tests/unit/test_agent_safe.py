@@ -109,27 +109,6 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
     assert cluster.records["n0"] == CommitRecord("n0", 3, 5, (5, 4), {"n1": (5, 4)})
 
 
-def test_a_commit_record_names_no_step_before_one_is_committed_in_its_generation(
-    tmp_path: Path,
-) -> None:
-    # Early in generation 3 a replication round copied a peer's replica and puts the record
-    # of generation 3: this node's newest commit is of generation 2. A step there would tell
-    # the leader this node trained in generation 3 (its strikes would clear) when its
-    # worker may yet die in its first step.
-    agent, cluster, _ = _agent(tmp_path)
-    commit_step(agent.store, 7, generation=2)
-    agent._ds.last_commit_step = 7
-    commit_replica_step(agent.store, "n1", 7, generation=3)
-    agent._record_commit(3)
-    assert agent._commit_records.flush(timeout_s=10)
-    assert cluster.records["n0"] == CommitRecord("n0", 3, -1, (), {"n1": (7,)})
-    commit_step(agent.store, 8, generation=3)  # its first commit of generation 3
-    agent._ds.last_commit_step = 8
-    agent._record_commit(3)
-    assert agent._commit_records.flush(timeout_s=10)
-    assert cluster.records["n0"] == CommitRecord("n0", 3, 8, (8,), {"n1": (7,)})
-
-
 def _lead_safe_step(agent: Agent, gs: _GenState, now_s: float) -> None:
     """The leader's safe-step check at `now_s` (monotonic), its actions applied."""
     obs = replace(agent._leader_observation(agent._view(), gs), now_s=now_s)

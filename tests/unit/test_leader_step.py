@@ -17,7 +17,6 @@ from elasticpp.agent.actions import (
     Housekeep,
     PublishResumeWait,
     ReadCommitRecords,
-    ReadCommitted,
     ReadSafe,
     RecordTimeline,
     Reread,
@@ -32,7 +31,6 @@ from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.leaderstep import (
     LeaderObservation,
-    leader_committed_read,
     leader_fresh_checked,
     leader_generation_written,
     leader_resume_resolved,
@@ -42,12 +40,11 @@ from elasticpp.agent.leaderstep import (
     leader_safe_read,
     leader_safe_step,
     leader_step,
-    leader_strikes_check,
     leader_timeline_recorded,
 )
 from elasticpp.agent.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.resumestep import WAIT_REPULL_EVERY_S
-from elasticpp.agent.sick import Quarantine, Report, SickNodes, SickPolicy
+from elasticpp.agent.sick import Quarantine, SickNodes
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.records import (
@@ -370,7 +367,7 @@ def test_the_timeline_is_written_once_every_planned_node_started() -> None:
     t = record_it.timeline
     assert (t["resume_step"], t["steps_recomputed"], t["stopped_s"]) == (8, 2, 1.0)
     assert (t["moved_s"], t["resumed_s"]) == (2.5, 4.0)
-    assert state.sick.strikes == {"n1": 2}  # started is not trained: a commit clears them
+    assert state.sick.strikes == {}  # the nodes trained
     assert leader_timeline_recorded(state, record_it, False) == []  # the term is over
     assert not state.timeline_written
     housekeep, clean, count, told = leader_timeline_recorded(state, record_it, True)
@@ -391,63 +388,7 @@ def test_a_timeline_an_earlier_leader_wrote_is_not_written_again() -> None:
     }
     assert leader_timeline_step_of(state, _obs(100.0, record=record, barriers=barriers)) == []
     assert state.timeline_written
-    assert state.sick.strikes == {"n1": 2}  # they start again once n1 commits a step in it
-    later = _obs(100.0 + SAFE_EVERY_S, record=record, barriers=barriers)
-    [read] = leader_strikes_check(state, later)
-    assert leader_committed_read(state, read, {"n1": CommitRecord("n1", 2, 5)}) == []
-    assert state.sick.strikes == {}
-
-
-def _started(generation: int) -> dict[str, dict[str, Any]]:
-    """The barriers of `generation` once its resume is written and every planned node
-    started (n0 and n1)."""
-    return {
-        f"resume-{generation}": {RESUME_MEMBER: {"step": 0, "recomputed": 0}},
-        f"stopped-{generation}": {n: {"at": WALL} for n in ("n0", "n1")},
-        f"started-{generation}": {n: {"at": WALL, "moved_at": WALL} for n in ("n0", "n1")},
-    }
-
-
-def test_a_node_whose_workers_started_keeps_its_strikes_until_it_commits_a_step() -> None:
-    state = _state()
-    state.sick.strikes = {"n1": 2, "n9": 1}  # n9 is not in the plan: not read for
-    record = _record(2)
-    obs = _obs(100.0, record=record, barriers=_started(2))
-    assert leader_strikes_check(state, obs) == []  # not resumed yet
-    state.at(2, 100.0).resume_written = True
-    actions = leader_step(state, obs)
-    assert [a for a in actions if isinstance(a, RecordTimeline)]  # every node started
-    [read] = [a for a in actions if isinstance(a, ReadCommitted)]
-    assert read == ReadCommitted(2, ("n1",))
-    assert state.sick.strikes == {"n1": 2, "n9": 1}
-    # Read at most every SAFE_EVERY_S while strikes wait for a commit.
-    assert leader_strikes_check(state, replace(obs, now_s=100.0 + 0.9 * SAFE_EVERY_S)) == []
-    assert leader_strikes_check(state, replace(obs, now_s=100.0 + SAFE_EVERY_S)) == [read]
-    assert leader_committed_read(state, read, {}) == []  # no record yet
-    assert leader_committed_read(state, read, {"n1": CommitRecord("n1", 2, -1)}) == []
-    assert state.sick.strikes == {"n1": 2, "n9": 1}  # a record without a commit in it
-    stale = ReadCommitted(1, ("n1",))  # a generation the state has left
-    assert leader_committed_read(state, stale, {"n1": CommitRecord("n1", 1, 7)}) == []
-    assert state.sick.strikes == {"n1": 2, "n9": 1}
-    assert leader_committed_read(state, read, {"n1": CommitRecord("n1", 2, 1)}) == []
-    assert state.sick.strikes == {"n9": 1}  # n1 trained
-    assert leader_strikes_check(state, replace(obs, now_s=200.0)) == []  # nothing to read
-
-
-def test_a_node_whose_worker_dies_in_its_first_step_is_quarantined_after_quarantine_after() -> None:
-    # Every generation, n1's worker reports `started`, then dies in its first forward, before
-    # any step of the generation is committed: each failed generation is one in a row.
-    state = LeaderState(SickNodes(SickPolicy(strikes_to_quarantine=2)))
-    crash = [Report("n1", "worker rank 1 exited with code 1", WALL)]
-    actions: list[Any] = []
-    for generation in (1, 2):
-        record = _record(generation)
-        state.at(generation, 100.0 * generation).resume_written = True
-        leader_step(state, _obs(100.0 * generation, record=record, barriers=_started(generation)))
-        actions = state.sick.judge(generation, crash, {"n1": "i-n1"}, WALL + 100.0 * generation)
-    [quarantine] = actions
-    assert isinstance(quarantine, Quarantine) and quarantine.entry.node == "n1"
-    assert "2 failed generations in a row" in quarantine.entry.reason
+    assert state.sick.strikes == {}  # the generation trained: its nodes' strikes start again
 
 
 def test_a_generation_record_carries_the_strikes_into_the_next_term() -> None:
