@@ -176,19 +176,15 @@ def _table(status: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        if args.job_command == "nodes":
-            nodes = job_nodes(client)
-            if args.output == "json":
-                print(json.dumps(nodes, indent=1, sort_keys=True))
-            else:
-                print(_nodes_table(nodes))
-            return 0
-        if args.job_command == "status":
-            status = job_status(client)
-            if args.output == "json":
-                print(json.dumps(status, indent=1, sort_keys=True))
-            else:
-                print(_table(status))
+        views = {"nodes": (job_nodes, _nodes_table), "status": (job_status, _table)}
+        if args.job_command in views:
+            read, table = views[args.job_command]
+            found = read(client)
+            print(
+                json.dumps(found, indent=1, sort_keys=True)
+                if args.output == "json"
+                else table(found)
+            )
             return 0
         status = job_status(client)
         if status["state"] == "absent":
