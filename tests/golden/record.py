@@ -1,0 +1,160 @@
+"""Record the golden traces of the agent's pure steps on the failure walks.
+
+    python -m tests.golden.record [--out tests/data/golden]
+
+Each walk runs real agents (bench/scalesim.py: the real `Agent`, its parts and executor, real
+etcd, real gRPC probes; simulated workers that answer at once) through one fault, and writes the
+distinct calls of every pure step it made (tests/golden/trace.py) to `<walk>.json.gz`:
+
+- loss: a follower is lost (its lease lapses);
+- join: a node joins a running job;
+- drain: a follower is drained (`Drain`) and leaves;
+- sick: a node's workers fail as they start, until it is quarantined;
+- leader: the leader is lost; another campaigns and re-plans.
+
+Recorded once, from the tree before a part moves; replayed by tests/unit/test_golden_steps.py
+after. A walk's timing varies from run to run (and so do the cases it records); what a replay
+checks is that every recorded call decides the same today.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.scalesim import SimAgent, SimCluster, sim_spec
+from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.errors import ElasticppError
+from elasticpp.waiting import wait_until
+from tests.golden.steps import STEPS
+from tests.golden.trace import Recorder, has_opaque, instrument
+
+NODES = 4
+WALKS = ("loss", "join", "drain", "sick", "leader")
+TIMEOUT_S = 90.0
+
+
+def _snap(agent: SimAgent) -> dict[str, object]:
+    return agent.status_snapshot()
+
+
+def _settled(cluster: SimCluster, after_gen: int, expect: int) -> Callable[[], bool]:
+    """Every live, healthy agent follows one generation newer than `after_gen`, with
+    `expect` nodes planned, and its ranks (if any) run."""
+
+    def check() -> bool:
+        snaps = [_snap(a) for a in cluster.live(healthy=True)]
+        gens = {int(s["generation"]) for s in snaps}  # type: ignore[call-overload]
+        if len(gens) != 1 or gens.pop() <= after_gen:
+            return False
+        if any(s["phase"] not in ("running", "idle") for s in snaps):
+            return False
+        leader = next((a for a in cluster.live() if a._is_leader()), None)
+        return leader is not None and len(leader._fs.gen.record.planned_set) == expect
+
+    return check
+
+
+def _generation(cluster: SimCluster) -> int:
+    return max(int(_snap(a)["generation"]) for a in cluster.live())  # type: ignore[call-overload]
+
+
+def _leader(cluster: SimCluster) -> SimAgent:
+    for a in cluster.live():
+        if a._is_leader():
+            return a
+    raise ElasticppError("no leader")
+
+
+def _wait(cond: Callable[[], bool], what: str) -> None:
+    if not wait_until(cond, TIMEOUT_S, interval_s=0.1):
+        raise ElasticppError(f"walk: {what} not within {TIMEOUT_S:.0f} s")
+
+
+@contextmanager
+def _cluster(workdir: Path, name: str) -> Iterator[SimCluster]:
+    etcd = EtcdServer(workdir / f"etcd-{name}")
+    etcd.start()
+    cluster = None
+    try:
+        spec = sim_spec(f"golden-{name}", NODES + 1, 1, lease_ttl_s=3)
+        ids = [f"node-{i}" for i in range(NODES)]
+        cluster = SimCluster(etcd.endpoint, ids, 1, workdir / f"nodes-{name}", spec)
+        _wait(_settled(cluster, 0, NODES), "the first generation running")
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.close()
+        etcd.close()
+
+
+def walk(name: str, workdir: Path, recorder: Recorder) -> None:
+    with _cluster(workdir, name) as cluster:
+        gen = _generation(cluster)
+        leader = _leader(cluster)
+        follower = next(a for a in cluster.live() if a is not leader)
+        with _recording(recorder):
+            if name == "loss":
+                cluster.crash(follower.node_id)
+                _wait(_settled(cluster, gen, NODES - 1), "the re-plan without the lost node")
+            elif name == "join":
+                cluster.add(f"node-{NODES}")
+                _wait(_settled(cluster, gen, NODES + 1), "the re-plan with the joiner")
+            elif name == "drain":
+                follower.drain(30.0)
+                _wait(lambda: follower._exit_requested() == 0, "the drained node's exit")
+                cluster.crashed.add(follower.node_id)  # gone: left out of `live()`
+                _wait(_settled(cluster, gen, NODES - 1), "the re-plan without the drained node")
+            elif name == "sick":
+                cluster.make_sick(follower.node_id)
+                _wait(
+                    lambda: follower.node_id in _snap(leader)["quarantined"],  # type: ignore[operator]
+                    "the sick node's quarantine",
+                )
+                _wait(_settled(cluster, gen, NODES - 1), "the re-plan without the sick node")
+            elif name == "leader":
+                cluster.crash(leader.node_id)
+                _wait(_settled(cluster, gen, NODES - 1), "a new leader's re-plan")
+            time.sleep(1.0)  # a few quiet turns after the fault settled
+
+
+@contextmanager
+def _recording(recorder: Recorder) -> Iterator[None]:
+    yield from instrument(recorder, STEPS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("tests/data/golden"))
+    p.add_argument("--walk", choices=WALKS, action="append")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.walk or WALKS:
+            recorder = Recorder()
+            walk(name, Path(tmp), recorder)
+            if recorder.errors:
+                raise ElasticppError(f"walk {name}: not recorded: {recorder.errors[:3]}")
+            recorder.write(args.out / f"{name}.json.gz")
+            counts = {k: len(v) for k, v in sorted(recorder.cases.items())}
+            print(f"{name}: {sum(counts.values())} cases {counts}", file=sys.stderr)
+            opaque = sorted(
+                {
+                    f"{step}: {o}"
+                    for step, cases in recorder.cases.items()
+                    for c in cases
+                    if (o := has_opaque(c)) is not None
+                }
+            )
+            print(f"{name}: opaque values in {opaque}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

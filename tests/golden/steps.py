@@ -1,0 +1,78 @@
+"""The agent's pure steps by name: what the golden traces record and replay. A step that moves
+keeps its name here; its import follows it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from elasticpp.agent.control import control_step
+from elasticpp.agent.durabilitystep import (
+    durability_committed,
+    durability_dropped,
+    durability_on_snapshot,
+    durability_on_snapshot_failed,
+    durability_on_step,
+    durability_recorded,
+)
+from elasticpp.agent.leaderstep import (
+    leader_generation_written,
+    leader_safe_read,
+    leader_safe_step,
+    leader_safe_written,
+    leader_step,
+    leader_timeline_recorded,
+)
+from elasticpp.agent.liveness import leader_deposed, leader_probed, leader_watch_step
+from elasticpp.agent.phases import (
+    follower_arrived,
+    follower_assigned,
+    follower_fetch_started,
+    follower_step,
+)
+from elasticpp.agent.quarantine import job_end_step, stop_wait_step
+from elasticpp.agent.resumestep import (
+    leader_fresh_checked,
+    leader_pull_started,
+    leader_resume_resolved,
+    leader_resume_wait_published,
+    leader_resume_written,
+)
+from elasticpp.agent.supervisor import supervisor_step, template_step
+from elasticpp.agent.view import view_step
+
+STEPS: dict[str, Callable[..., Any]] = {
+    f.__name__: f
+    for f in (
+        control_step,
+        view_step,
+        supervisor_step,
+        template_step,
+        leader_watch_step,
+        leader_probed,
+        leader_deposed,
+        follower_step,
+        follower_arrived,
+        follower_fetch_started,
+        follower_assigned,
+        durability_on_step,
+        durability_on_snapshot,
+        durability_recorded,
+        durability_dropped,
+        durability_committed,
+        durability_on_snapshot_failed,
+        leader_step,
+        leader_generation_written,
+        leader_timeline_recorded,
+        leader_safe_step,
+        leader_safe_read,
+        leader_safe_written,
+        leader_pull_started,
+        leader_resume_resolved,
+        leader_fresh_checked,
+        leader_resume_wait_published,
+        leader_resume_written,
+        job_end_step,
+        stop_wait_step,
+    )
+}

@@ -1,0 +1,95 @@
+"""The agent's pure steps decide today as they decided when the golden traces were recorded
+(tests/golden: every distinct call of every step on the failure walks loss, join, drain,
+sick node and leader loss, recorded from real agents). A part that moves keeps these
+decisions: a replayed case whose state after the call or whose actions differ fails here.
+
+A case whose arguments held a value with no plain form (a future, the leadership handle, the
+probes' lock) cannot be replayed: its step is listed in `NOT_PLAIN_YET`, the parts whose
+states still hold such handles. Their cases replay once the part's state is plain data (the
+trace then gains a converter from the recorded shape)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.golden.steps import STEPS
+from tests.golden.trace import Classes, has_opaque, read_cases, replay
+
+GOLDEN = Path(__file__).parent.parent / "data" / "golden"
+WALKS = ("loss", "join", "drain", "sick", "leader")
+# Steps whose recorded states hold handles (futures, the leadership, the probes' lock).
+NOT_PLAIN_YET = frozenset(
+    {
+        "follower_step",
+        "follower_arrived",
+        "follower_assigned",
+        "follower_fetch_started",
+        "leader_watch_step",
+        "leader_step",
+        "leader_fresh_checked",
+        "leader_generation_written",
+        "leader_resume_resolved",
+        "leader_resume_written",
+        "leader_timeline_recorded",
+        "stop_wait_step",
+    }
+)
+# Every walk goes through these steps: a walk that recorded none of them recorded nothing.
+EVERY_WALK = ("control_step", "view_step", "supervisor_step", "follower_step", "leader_step")
+
+
+@pytest.fixture(scope="module")
+def classes() -> Classes:
+    return Classes()
+
+
+@pytest.mark.parametrize("walk", WALKS)
+def test_every_recorded_decision_is_made_again(walk: str, classes: Classes) -> None:
+    cases = read_cases(GOLDEN / f"{walk}.json.gz")
+    assert set(EVERY_WALK) <= set(cases), f"{walk}: steps missing from the trace"
+    assert set(cases) <= set(STEPS), f"{walk}: steps no longer known: {set(cases) - set(STEPS)}"
+    replayed = 0
+    opaque_steps = set()
+    for name, step_cases in sorted(cases.items()):
+        for i, case in enumerate(step_cases):
+            if has_opaque(case["before"]) is not None:
+                opaque_steps.add(name)
+                continue
+            after, result = replay(case, STEPS[name], classes)
+            assert result == case["result"], f"{walk}: {name} case {i}: other actions"
+            assert after == case["after"], f"{walk}: {name} case {i}: other state after"
+            replayed += 1
+    assert opaque_steps <= NOT_PLAIN_YET, f"{walk}: not replayable: {opaque_steps - NOT_PLAIN_YET}"
+    assert replayed >= 100, f"{walk}: only {replayed} cases replayed"
+
+
+def test_a_changed_decision_is_caught(classes: Classes) -> None:
+    """The replay fails when a step decides otherwise: the same cases against a step that
+    drops its last action, or writes one field more."""
+    cases = read_cases(GOLDEN / "drain.json.gz")["control_step"]
+    acting = [c for c in cases if c["result"]]
+    assert acting, "the drain walk recorded no control decision"
+
+    def fewer(*args: object) -> object:
+        return STEPS["control_step"](*args)[:-1]
+
+    def more(state: object, obs: object) -> object:
+        actions = STEPS["control_step"](state, obs)
+        state.draining = not state.draining  # type: ignore[attr-defined]
+        return actions
+
+    for wrong in (fewer, more):
+        assert any(replay(c, wrong, classes) != (c["after"], c["result"]) for c in acting)
+
+
+def test_the_trace_round_trips_what_states_hold(classes: Classes) -> None:
+    """Encoding a decoded case gives the recorded text back: nothing is lost in between."""
+    from tests.golden.trace import decode, encode
+
+    for walk in WALKS:
+        for step_cases in read_cases(GOLDEN / f"{walk}.json.gz").values():
+            for case in step_cases[:20]:
+                if has_opaque(case["before"]) is None:
+                    assert encode(decode(case["before"], classes)) == case["before"]
