@@ -283,7 +283,7 @@ class LoopPool:
             self._tell_slow_turns()
             for agent in agents:
                 try:
-                    agent.check_loop()
+                    agent.control.check_loop()
                 except Exception:
                     log.exception("node %s: loop watchdog failed", agent.node_id)
 

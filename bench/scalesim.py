@@ -204,7 +204,6 @@ class SimAgent(Agent):
         if shared is None:
             super()._serve_grpc()
             return
-        self._health = shared.health
         self._server = _Served(shared.health, probe.node_service(self.node_id, self.incarnation))
         self.port = shared.port
 
@@ -328,6 +327,7 @@ class SimCluster:
             etcd_kv=self._kv(),
             wake=wake,
             watchdog=self.loops is None,
+            health=self.server.health if self.server is not None else None,
         )
         agent.shared_server = self.server
         try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.errors import ConfigError
 

@@ -31,9 +31,7 @@ from elasticpp.agent.actions import (
     DeposeLeader,
     DrainWorkerEvents,
     DropUncommitted,
-    Event,
     Housekeep,
-    JobEndedGauge,
     KillOld,
     KillWorker,
     Persist,
@@ -48,7 +46,6 @@ from elasticpp.agent.actions import (
     RecordHalt,
     RecordPieces,
     RecordTimeline,
-    ReleaseSpares,
     RemoveResumeDir,
     ReplaceSpare,
     ReplaceTemplate,
@@ -110,14 +107,12 @@ class ExecutorPart:
     def _execute(self, actions: list[Action]) -> None:
         """Apply what a part's pure step asked for, in order (elasticpp.agent.actions)."""
         for action in actions:
-            if isinstance(action, Event):
-                self._event(action.kind, action.message)
+            if self.executor.handles(action):  # registered by the parts that moved
+                self.executor.run([action])
             elif isinstance(action, PublishMemberInfo):
                 self._registration.update(self._member_info())
             elif isinstance(action, StepDown):
                 self._step_down(action.why)
-            elif isinstance(action, ReleaseSpares):
-                self.pool.release_spares()
             elif isinstance(action, StopWorkers):
                 for w in self.pool.workers():
                     if w.proc.alive():
@@ -160,10 +155,6 @@ class ExecutorPart:
                 self.store.set_floor(action.step, action.generation)  # anchors below may go
             elif isinstance(action, UpdateGauges):
                 self._update_gauges()
-            elif isinstance(action, JobEndedGauge):
-                self.metrics.job_ended.labels(**self.metrics.labels, status=action.status).set(1)
-                if action.status == "finished":
-                    self.metrics.of(self.metrics.job_finished).set(1)
             # --- the durability part's actions
             elif isinstance(action, StepMetrics):
                 m = self.metrics
@@ -328,7 +319,9 @@ class ExecutorPart:
                 own = self.store.committed_steps(self.node_id)
                 with contextlib.suppress(ClusterUnavailableError):
                     self._record_halt(action.message)  # held and retried by the health part
-                self._event("decision", halt_message(action.message, own[-1] if own else None))
+                self.journal.write(
+                    "decision", halt_message(action.message, own[-1] if own else None)
+                )
             else:
                 raise TypeError(f"no executor for action {action!r}")
 

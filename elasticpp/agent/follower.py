@@ -71,7 +71,7 @@ class FollowerPart:
         """Report generation `generation` failed here. `culprit`: this node is the cause (its
         disk, its spares, its workers), not a victim of a peer's failure; `severe`: the
         leader quarantines it at once (elasticpp.agent.sick)."""
-        self._event("worker", f"failure in generation {generation}: {reason}")
+        self.journal.write("worker", f"failure in generation {generation}: {reason}")
         self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
         self._fs.detected.setdefault(generation + 1, self._clock.time())
         # Level-triggered: the report stays pending until etcd has it, so a failure seen
@@ -257,7 +257,7 @@ class FollowerPart:
                 self.pool.abandon(proc)
             self.pool.give_back(p for p in workers if p not in sent)
             raise
-        self._event(
+        self.journal.write(
             "decision",
             f"generation {gs.generation}: started ranks {[s.rank for s in mine]} at step {step}",
         )

@@ -76,7 +76,11 @@ class LeaderPart:
             return
         if self._ls.leadership is not None:
             return  # won; the view reads the leader key on the next refresh
-        if self._vs.leader is not None or self._cs.draining or self._exit_requested() is not None:
+        if (
+            self._vs.leader is not None
+            or self.control.summary().draining
+            or self._exit_requested() is not None
+        ):
             self._ls.campaign_at_s = None  # a leader is known: the next loss draws afresh
             return
         assert self.cluster is not None
@@ -108,14 +112,14 @@ class LeaderPart:
         self._ls = LeaderState(sick, leadership=leadership, rendezvous_secret=secrets.token_hex(16))
         self._reread.raise_()  # the view (the one writer of `leader`) reads the key now
         self._start_rendezvous_store()
-        self._event("decision", f"node {self.node_id} is the leader")
+        self.journal.write("decision", f"node {self.node_id} is the leader")
 
     def _step_down(self, why: str) -> None:
         """End this node's term (resign: its lease is revoked, so a successor can win at
         once). `_leader` is the view's to write: it reads the key again."""
         if self._ls.leadership is None:
             return
-        self._event("decision", f"node {self.node_id} {why}: leadership resigned")
+        self.journal.write("decision", f"node {self.node_id} {why}: leadership resigned")
         with contextlib.suppress(ElasticppError):
             self._ls.leadership.resign()
         self._ls.leadership = None
@@ -186,7 +190,7 @@ class LeaderPart:
             now_s=self._clock.monotonic(),
             # planned again after the settle window: a join, a revived node, a re-admission
             last_join_s=max(self._vs.last_join_s, self._lvs.revived_s, self._hs.readmitted_s),
-            job_done=self._cs.job_done or self._hs.job_end is not None,
+            job_done=self.control.summary().job_done or self._hs.job_end is not None,
             restarted=restarted,
             quarantined=quarantined,
             lists=self._node_lists(members, dead, quarantined),

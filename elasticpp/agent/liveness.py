@@ -300,7 +300,7 @@ class LivenessPart:
             except Exception as exc:  # a probe that raised says nothing of the node
                 self._lvs.round_keep.pop(key, None)
                 self._lvs.silent_once.discard(key)
-                self._survive("probe", exc)
+                self.errors.survive("probe", exc)
                 continue
             if result is ProbeResult.SILENT:
                 if key not in self._lvs.silent_once:
@@ -337,18 +337,18 @@ class LivenessPart:
         if result is ProbeResult.DEAD:
             if lvs.dead.get(n) != inc:
                 lvs.dead[n] = inc
-                self._event("decision", f"node {n} confirmed dead by probe")
+                self.journal.write("decision", f"node {n} confirmed dead by probe")
             return
         if lvs.dead.get(n) == inc:
             del lvs.dead[n]
             lvs.revived_s = self._clock.monotonic()
-            self._event("decision", f"node {n} answers again: no longer dead")
+            self.journal.write("decision", f"node {n} answers again: no longer dead")
         if result is ProbeResult.NOT_SERVING:
             if lvs.unhealthy.get(n) != inc:
                 lvs.unhealthy[n] = inc
-                self._event("decision", f"node {n} answers the probe NOT_SERVING: unhealthy")
+                self.journal.write("decision", f"node {n} answers the probe NOT_SERVING: unhealthy")
         elif lvs.unhealthy.pop(n, None) is not None:
-            self._event("decision", f"node {n} answers the probe SERVING again")
+            self.journal.write("decision", f"node {n} answers the probe SERVING again")
 
     def _recheck_dead(self) -> None:
         """A node confirmed dead that still holds its registration is probed again now and

@@ -31,7 +31,12 @@ hand results back through futures wake it too, probes included) or for a tick (`
 
 This module composes the agent: the parts' state, the decision loop and shutdown (its
 flags are `config.AgentConfig`); start-up and joining the job are in `startup`, the
-executor of the parts' actions in `executor`. The parts live in their own modules, each with its
+executor of the parts' actions in `executor` and `kernel.executor` (the table of handlers
+the parts that are objects register). The parts are becoming objects with ports, one
+sub-package each with its pure `step` and its `shell` (`control` is one: built with the
+pool, the health service, the clock and the metrics, it reads the others only through the
+summaries of `kernel.summaries`); what every part uses (the journal of decisions, the error
+policy, the executor) is in `kernel`. The parts live in their own modules, each with its
 invariants in its docstring: `view` (what the agent knows of etcd), `supervisor` (worker
 processes), `durability` (commits, replication, persistence, resume state), `pace` (how
 long the loop sleeps), `follower` (the phases of a generation, with deadlines), `liveness`
@@ -43,7 +48,8 @@ the decision loop: the view's `ViewState` (`_vs`), the supervisor's `WorkerPool`
 `SupervisorState` (`_ss`), the follower's `FollowerState` (`_fs`, with the generation's
 `_GenState`), durability's `DurabilityState` (`_ds`), liveness's `LivenessState` (`_lvs`),
 the leader's `LeaderState` (`_ls`, a new one per term; quarantine.py holds its health
-decisions), the health records' `HealthState` (`_hs`) and control's `ControlState` (`_cs`).
+decisions) and the health records' `HealthState` (`_hs`); control's `ControlState` is
+the `Control` object's own.
 A part reads another's state and asks for changes through the owner's methods; watches,
 gRPC and worker threads only raise signals or queue requests (`inbox`), and the fetch and
 replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
@@ -69,7 +75,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import shutil
 import threading
 import time
@@ -80,10 +85,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1.health import HealthServicer
 
+from elasticpp.agent.actions import Event
 from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
-from elasticpp.agent.control import ControlPart, ControlState
+from elasticpp.agent.control.shell import Control, ControlConfig
 from elasticpp.agent.durability import (
     CommitValue,
     DurabilityPart,
@@ -92,8 +99,17 @@ from elasticpp.agent.durability import (
 )
 from elasticpp.agent.executor import ExecutorPart
 from elasticpp.agent.follower import FollowerPart, FollowerState
-from elasticpp.agent.inbox import EventLog, Signal
+from elasticpp.agent.inbox import Signal
 from elasticpp.agent.jobspec import JobSpec
+from elasticpp.agent.kernel.executor import Executor
+from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
+from elasticpp.agent.kernel.ports import HealthPort
+from elasticpp.agent.kernel.summaries import (
+    FollowerSummary,
+    HealthSummary,
+    ProgressSummary,
+    ViewSummary,
+)
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
 from elasticpp.agent.leaderstate import LeaderState
@@ -146,7 +162,6 @@ class Agent(
     LivenessPart,
     LeaderPart,
     QuarantinePart,
-    ControlPart,
 ):
     def __init__(
         self,
@@ -160,14 +175,16 @@ class Agent(
         etcd_kv: EtcdKV | None = None,
         wake: threading.Event | None = None,
         watchdog: bool = True,
+        health: HealthPort | None = None,
     ) -> None:
         self._clock: Clock = clock or SystemClock()  # every part's decisions read it
         # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
         # process, elasticpp.train.procs), a counter of this agent's etcd requests, an etcd
         # connection shared by the simulated agents of one process (default: its own), the
         # event that wakes the loop (a simulation's also schedules the agent's next `turn`
-        # on its pool of loop threads) and whether the agent starts its own loop watchdog
-        # (a simulation checks its agents' loops from one thread: `check_loop`).
+        # on its pool of loop threads), whether the agent starts its own loop watchdog
+        # (a simulation checks its agents' loops from one thread: `check_loop`) and the
+        # health service it answers on (a simulation's agents share one).
         self._worker_factory = worker_factory
         self._meter = meter
         self._shared_kv = etcd_kv
@@ -199,8 +216,13 @@ class Agent(
         self._reread = Signal(raised=True)  # the view reads etcd again
         self._epoch_changed = Signal()  # the job's epoch key changed
         self._health_changed = Signal(raised=True)  # the quarantine or end keys changed
-        self._drain_requests: queue.SimpleQueue[float] = queue.SimpleQueue()  # from gRPC
-        self._events = EventLog()  # every part logs its decisions here (`ctl events`)
+        # What every part uses: the journal of decisions (`ctl events`), the error policy,
+        # the executor of the actions their steps return (elasticpp.agent.kernel).
+        self.journal = Journal(self._clock, lambda: self.generation)
+        self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
+        self.errors = ErrorPolicy(self.metrics)
+        self.executor = Executor()
+        self._health: HealthPort = health if health is not None else HealthServicer()
         # Each part's state: one object, one writer (that part's module, on the loop).
         self.pool = WorkerPool(
             self._wake, clock=self._clock.monotonic
@@ -213,7 +235,6 @@ class Agent(
         self._lvs = LivenessState()
         self._ls = LeaderState(SickNodes(spec.sick_policy()))  # a new term starts a new one
         self._hs = HealthState()
-        self._cs = ControlState()
         # The executor's own: the lifecycle of this agent's server, registration and loop.
         self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
         # Every channel to a peer (probes, state transfers): TLS with this node's
@@ -229,7 +250,6 @@ class Agent(
         )
         self._joined = False
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
-        self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
         self._status_at_s = 0.0
         self._status_stale = False  # a turn ran since the status was last published
         self._next_turn_s = 0.0  # a leader's next turn, no sooner (`PacePart._pace_turn`)
@@ -241,7 +261,20 @@ class Agent(
         self.cluster: ClusterClient | None = None
         self._registration: Any = None
         self._torch_ready = threading.Event()
-        self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
+        self.control = Control(
+            ControlConfig(
+                cfg.node_id, self.incarnation, spec.name, spec.steps, cfg.on_job_end == "exit"
+            ),
+            clock=self._clock,
+            pool=self.pool,
+            health=self._health,
+            metrics=self.metrics,
+            heartbeat=self._heartbeat,
+            serving=lambda: self._server is not None,
+            wake=self._wake.set,
+        )
+        self.control.register(self.executor)
+        self.executor.register(Event, lambda a: self.journal.write(a.kind, a.message))
         self.metrics.of(self.metrics.target_steps).set(spec.steps)
         self.metrics.of(self.metrics.job_finished).set(0)
 
@@ -305,16 +338,16 @@ class Agent(
             now_s = time.monotonic()
             if now_s - self._status_at_s >= STATUS_EVERY_S:
                 self._status_at_s = now_s
-                self._status = self.status()
+                self.status()
                 self._status_stale = False
             else:
                 self._status_stale = True  # published by a turn when STATUS_EVERY_S is up
         except Exception as exc:  # a daemon survives what comes from outside
-            self._survive("internal", exc)
+            self.errors.survive("internal", exc)
         self._pace_turn(time.thread_time() - cpu_s)
         conflict = self._node_id_conflict()
         if conflict is not None:  # two agents, one node id: this one must go
-            self._event("decision", f"node {self.node_id}: {conflict}")
+            self.journal.write("decision", f"node {self.node_id}: {conflict}")
             raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
         return self._exit_requested()
 
@@ -341,7 +374,7 @@ class Agent(
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is
         gone), the health part (the job ended), control (drained, or finished)."""
-        for code in (self._vs.exit_code, self._hs.exit_code, self._cs.exit_code):
+        for code in (self._vs.exit_code, self._hs.exit_code, self.control.summary().exit_code):
             if code is not None:
                 return code
         return None
@@ -450,6 +483,77 @@ class Agent(
             if not self._part(name, step):
                 return
 
+    def status(self) -> dict[str, Any]:
+        """Publish the status the control RPCs read, from this turn's summaries."""
+        return self.control.publish_status(
+            self._follower_summary(),
+            self._view_summary(),
+            self._health_summary(),
+            self._progress_summary(),
+        )
+
+    def _control(self) -> None:
+        """The control part's step on this turn's summaries."""
+        self._execute(
+            self.control.step(
+                self._follower_summary(), self._view_summary(), self._health_summary()
+            )
+        )
+
+    def _update_gauges(self) -> None:
+        self.control.update_gauges(
+            self._follower_summary(),
+            self._view_summary(),
+            self._progress_summary(),
+            self._is_leader(),
+        )
+
+    # The summaries the parts publish (elasticpp.agent.kernel.summaries), built here from
+    # the states of the parts that are not objects yet; each moves into its part with it.
+    def _follower_summary(self) -> FollowerSummary:
+        gs = self._fs.gen
+        if gs is None:
+            return FollowerSummary()
+        return FollowerSummary(
+            generation=gs.generation,
+            plan=gs.plan,
+            planned=gs.record.planned_set,
+            phase=gs.phase,
+            waiting=gs.waiting_said,
+        )
+
+    def _view_summary(self) -> ViewSummary:
+        vs = self._vs
+        # A leader reads every member; a follower, which reads only its own and the
+        # leader's, says the current generation's nodes.
+        members = (
+            vs.members.keys()
+            if vs.members_complete or vs.record is None
+            else vs.record.planned_nodes
+        )
+        return ViewSummary(
+            etcd_ok=vs.etcd_ok,
+            leader=vs.leader,
+            members=members,
+            done=vs.barriers.get("done", {}),
+            timelines=vs.barriers.get("timelines", {}),
+        )
+
+    def _health_summary(self) -> HealthSummary:
+        end = self._hs.job_end
+        return HealthSummary(
+            ended=(end.status, end.reason) if end is not None else None,
+            quarantined=self.quarantine_status(),
+        )
+
+    def _progress_summary(self) -> ProgressSummary:
+        floor = self.store.floor
+        return ProgressSummary(
+            last_step=self._ds.last_step,
+            last_loss=self._ds.last_loss,
+            safe_step=floor[1] if floor is not None else -1,
+        )
+
     def _lead_if_leader(self) -> None:
         if self._is_leader():
             self._lead()
@@ -463,7 +567,7 @@ class Agent(
             self._etcd_down(exc)
             return False
         except Exception as exc:  # one part's error must not starve the others
-            self._survive(source, exc)
+            self.errors.survive(source, exc)
         return True
 
 

@@ -66,7 +66,7 @@ class PacePart:
             and not self._fs.pending_failures
             and (current == 0 or self._fs.reported != current)
             and not self._lvs.suspect_since
-            and not self._cs.draining
+            and not self.control.summary().draining
         )
         if not settled:
             return BUSY_TICK_S

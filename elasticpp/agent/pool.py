@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.decide import WorkerState, transition
+from elasticpp.agent.kernel.summaries import WorkerSeen
 from elasticpp.errors import ElasticppError
 from elasticpp.plan import Plan
 from elasticpp.train.procs import WorkerProcess
@@ -181,6 +182,16 @@ class WorkerPool:
 
     def of_generation(self, generation: int) -> list[_Worker]:
         return [w for w in self._workers.values() if w.generation == generation]
+
+    def seen(self) -> tuple[WorkerSeen, ...]:
+        """The workers with a rank, as other parts see them (the control part's status)."""
+        return tuple(
+            WorkerSeen(w.rank, w.proc.pid, w.state.value, w.last_step, w.generation)
+            for w in self._workers.values()
+        )
+
+    def has_spares(self) -> bool:
+        return bool(self._spares)
 
     def any_alive(self) -> bool:
         return any(w.proc.alive() for w in self._workers.values())

@@ -115,13 +115,18 @@ def check(
     deadline = clock() + budget_s
     if channels is None:
         with grpc.insecure_channel(address) as channel:
-            return _check(channel, service, timeout_s, deadline, clock)
+            return _answer(_check(channel, service, timeout_s, deadline, clock))
     channel = channels.get(address)
     result = _check(channel, service, timeout_s, deadline, clock, kept=True)
     if result is not None:
         return result
     channels.forget(address, channel)  # UNAVAILABLE: tried again on a new channel
-    return _check(channels.get(address), service, timeout_s, deadline, clock)
+    return _answer(_check(channels.get(address), service, timeout_s, deadline, clock))
+
+
+def _answer(result: ProbeResult | None) -> ProbeResult:
+    """What a check on a new channel found (never None: only a kept channel gives way)."""
+    return ProbeResult.DEAD if result is None else result
 
 
 def _check(

@@ -146,13 +146,13 @@ class QuarantinePart:
         mine = records.get(self.node_id)
         was = self._hs.quarantines.get(self.node_id)
         if mine is not None and (was is None or was.since != mine.since):
-            self._event(
+            self.journal.write(
                 "decision",
                 f"node {self.node_id} is quarantined for {mine.until - mine.since:.0f} s "
                 f"(the {mine.count}. time): {mine.reason}",
             )
         elif mine is None and was is not None:
-            self._event("decision", f"node {self.node_id} is no longer quarantined")
+            self.journal.write("decision", f"node {self.node_id} is no longer quarantined")
         self._hs.quarantines = records
         if ended is not None and self._hs.job_end is None:
             self._hs.job_end = ended
@@ -248,7 +248,7 @@ class QuarantinePart:
                     return  # the term is over; the next leader judges again
                 self.metrics.quarantines_total.labels(**self.metrics.labels).inc()
                 self._hs.quarantines = {**self._hs.quarantines, q.node: record}
-                self._event(
+                self.journal.write(
                     "decision",
                     f"leader: node {q.node} quarantined for {q.until - q.since:.0f} s "
                     f"(the {q.count}. time): {q.reason}",
@@ -261,13 +261,15 @@ class QuarantinePart:
                 self._hs.readmitted_s = (
                     self._clock.monotonic()
                 )  # planned again after the settle window
-                self._event("decision", f"leader: node {action.node} re-admitted ({action.reason})")
+                self.journal.write(
+                    "decision", f"leader: node {action.node} re-admitted ({action.reason})"
+                )
             elif isinstance(action, EndJob):
                 end = self.cluster.end_job(
                     "failed", action.reason, by=self.node_id, step=self._ds.last_step
                 )
                 self._hs.job_end = end
-                self._event("decision", f"leader: the job ends: {end.reason}")
+                self.journal.write("decision", f"leader: the job ends: {end.reason}")
             self._reread.raise_()
 
 

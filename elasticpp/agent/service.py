@@ -1,11 +1,13 @@
-"""The agent's control service: translates RPCs into calls on the `Agent`, nothing more."""
+"""The agent's control service: translates RPCs into calls on the agent's parts (their ports:
+the control part's status and drain, the journal's events, the health part's lift), nothing
+more."""
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import grpc
 
@@ -14,13 +16,27 @@ from elasticpp.cluster.keys import check_name
 from elasticpp.errors import ConfigError
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 
-if TYPE_CHECKING:
-    from elasticpp.agent.node import Agent
+
+class StatusPort(Protocol):
+    def status_snapshot(self) -> dict[str, Any]: ...
+    def request_drain(self, timeout_s: float) -> tuple[bool, str]: ...
+
+
+class EventsPort(Protocol):
+    def since(self, index: int, timeout_s: float) -> tuple[list[Any], int]: ...
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, agent: Agent, max_event_streams: int = 4) -> None:
-        self._agent = agent
+    def __init__(
+        self,
+        control: StatusPort,
+        events: EventsPort,
+        lift_quarantine: Callable[[str], tuple[bool, str]],
+        max_event_streams: int = 4,
+    ) -> None:
+        self._control = control
+        self._events = events
+        self._lift = lift_quarantine
         # Event streams live as long as their clients (`ctl events`); a limit of their own
         # keeps them from taking the threads that health checks and drains need.
         self._event_slots = threading.BoundedSemaphore(max_event_streams)
@@ -28,7 +44,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def GetStatus(
         self, request: agent_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> agent_pb2.GetStatusResponse:
-        s = self._agent.status_snapshot()
+        s = self._control.status_snapshot()
         reply = agent_pb2.GetStatusResponse(
             node_id=s["node_id"],
             job=s["job"],
@@ -78,7 +94,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         timeout_s = request.timeout_s or 120.0
         if not math.isfinite(timeout_s) or timeout_s < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0 and finite")
-        accepted, message = self._agent.drain(timeout_s)
+        accepted, message = self._control.request_drain(timeout_s)
         return agent_pb2.DrainResponse(accepted=accepted, message=message)
 
     def LiftQuarantine(
@@ -89,7 +105,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         except ConfigError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            lifted, message = self._agent.lift_quarantine(request.node_id)
+            lifted, message = self._lift(request.node_id)
         except ClusterUnavailableError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
         if not lifted:
@@ -107,7 +123,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             index = 0
             while context.is_active():
-                items, index = self._agent.events_since(index, timeout_s=1.0)
+                items, index = self._events.since(index, timeout_s=1.0)
                 for at, kind, message, generation in items:
                     yield agent_pb2.AgentEvent(
                         time=at, kind=kind, message=message, generation=generation

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticpp import __version__
 from elasticpp.agent.auth import AuthInterceptor, Policy
@@ -47,7 +47,7 @@ class StartupPart:
         # NOT_SERVING until this node has joined the job: a probe (a Kubernetes readiness
         # check, a peer's confirmation) must not take a node that is still waiting for etcd
         # for a working one.
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.control.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.cfg.metrics_port:
             try:
                 self.metrics.serve(self.cfg.metrics_port, addr=self.cfg.metrics_host)
@@ -85,10 +85,15 @@ class StartupPart:
                 time.sleep(0.5)
         self._joined = True
         self._heartbeat.busy()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.control.set_health(health_pb2.HealthCheckResponse.SERVING)
         if self._own_watchdog:
-            threading.Thread(target=self._watch_loop, daemon=True, name="loop-watchdog").start()
-        self._event(
+            threading.Thread(
+                target=self.control.watch_loop,
+                args=(self._stop,),
+                daemon=True,
+                name="loop-watchdog",
+            ).start()
+        self.journal.write(
             "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
         )
 
@@ -126,9 +131,14 @@ class StartupPart:
             ),
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(self, max_event_streams=EVENT_STREAMS), self._server
+            AgentServicer(
+                self.control,
+                self.journal,
+                self.lift_quarantine,
+                max_event_streams=EVENT_STREAMS,
+            ),
+            self._server,
         )
-        self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if cfg.tls is not None:
             self.port = self._server.add_secure_port(cfg.listen, cfg.tls.server_credentials())
@@ -274,7 +284,7 @@ class StartupPart:
         return {
             "address": self.address,
             "slots": len(self._ss.gpus),
-            "draining": self._cs.draining,
+            "draining": self.control.summary().draining,
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             "version": __version__,

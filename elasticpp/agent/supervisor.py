@@ -225,7 +225,7 @@ class SupervisorPart:
             return False
         self._ss.template.give_up(f"not ready within {self.spec.ready_timeout_s:.0f} s")
         self.pool.note_never_ready(now)
-        self._event(
+        self.journal.write(
             "worker",
             f"worker template {self._ss.template.pid} not ready {waited_s:.0f} s after its start "
             f"(ready_timeout_s is {self.spec.ready_timeout_s:.0f}): spares start with exec",
@@ -359,9 +359,9 @@ class SupervisorPart:
         gs = self._fs.gen
         return not (
             self._exit_requested() is not None
-            or self._cs.draining
+            or self.control.summary().draining
             or (gs is not None and gs.phase is Phase.STARTING)
-            or self._cs.job_done
+            or self.control.summary().job_done
             or self._hs.job_end is not None
         )
 
@@ -387,7 +387,7 @@ class SupervisorPart:
             except (OSError, ElasticppError, ValueError, KeyError, TypeError) as exc:
                 # A malformed event, or a disk error (ENOSPC on metrics.jsonl or a manifest):
                 # this event is lost, the loop and the other events are not.
-                self._survive("worker", exc)
+                self.errors.survive("worker", exc)
 
     def _on_worker_event(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -469,12 +469,11 @@ class SupervisorPart:
             where,
             tail or "(nothing)",
         )
-        self._events.append(
+        self.journal.record(
             "worker",
             f"rank {rank} of generation {generation} exited with code {rc}{where}: "
             + (tail or "(no output)"),
             generation,
-            at=self._clock.time(),
         )
 
     def _check_gpus(self) -> None:
@@ -492,7 +491,7 @@ class SupervisorPart:
         if not lost:
             return
         self._ss.gpus = [g for g in self._ss.gpus if g in healthy]
-        self._event("worker", "unhealthy: " + "; ".join(describe_unhealthy(readings)))
+        self.journal.write("worker", "unhealthy: " + "; ".join(describe_unhealthy(readings)))
         if self._registration is not None:
             with contextlib.suppress(ElasticppError):
                 self._registration.update(self._member_info())

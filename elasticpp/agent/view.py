@@ -178,7 +178,9 @@ class ViewPart:
 
     def _etcd_down(self, exc: Exception) -> None:
         if self._vs.etcd_ok:
-            self._event("decision", f"etcd unreachable ({exc}); training continues, changes wait")
+            self.journal.write(
+                "decision", f"etcd unreachable ({exc}); training continues, changes wait"
+            )
         self._vs.etcd_ok = False
         self._update_gauges()  # etcd_up to 0: by the control part, which keeps what it set
 
@@ -286,7 +288,7 @@ class ViewPart:
             return
         if current is not None and current.epoch == self.store.epoch:
             return
-        self._event(
+        self.journal.write(
             "decision",
             f"the job's etcd state started afresh (epoch {self.store.epoch} is gone"
             + ("" if current is None else f", epoch {current.epoch} began")

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.cluster.errors import (
     ClusterError,

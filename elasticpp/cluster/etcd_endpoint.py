@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.cluster.etcd_keepalive import KeepAliveStream
 from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of

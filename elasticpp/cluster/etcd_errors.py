@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.cluster.errors import (
     ClusterAuthError,

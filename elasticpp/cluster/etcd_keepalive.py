@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.etcd_watch_stream import open_stream

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.errors import ConfigError
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.etcd_errors import rpc_details

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.etcd_endpoint import Endpoint, metered

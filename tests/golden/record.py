@@ -41,7 +41,7 @@ TIMEOUT_S = 90.0
 
 
 def _snap(agent: SimAgent) -> dict[str, object]:
-    return agent.status_snapshot()
+    return agent.control.status_snapshot()
 
 
 def _settled(cluster: SimCluster, after_gen: int, expect: int) -> Callable[[], bool]:
@@ -107,7 +107,7 @@ def walk(name: str, workdir: Path, recorder: Recorder) -> None:
                 cluster.add(f"node-{NODES}")
                 _wait(_settled(cluster, gen, NODES + 1), "the re-plan with the joiner")
             elif name == "drain":
-                follower.drain(30.0)
+                follower.control.request_drain(30.0)
                 _wait(lambda: follower._exit_requested() == 0, "the drained node's exit")
                 cluster.crashed.add(follower.node_id)  # gone: left out of `live()`
                 _wait(_settled(cluster, gen, NODES - 1), "the re-plan without the drained node")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from elasticpp.agent.control import control_step
+from elasticpp.agent.control.step import control_step
 from elasticpp.agent.durabilitystep import (
     durability_committed,
     durability_dropped,

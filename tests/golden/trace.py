@@ -114,9 +114,12 @@ def has_opaque(x: Json) -> str | None:
 
 
 class Classes:
-    """elasticpp's classes by `module:qualname`, and by qualname for a class that moved."""
+    """elasticpp's classes by `module:qualname`, and by qualname for a class that moved.
+    `moved_out`: fields a state recorded that moved out of it since (into a part's shell),
+    by class qualname; decoding leaves them out."""
 
-    def __init__(self) -> None:
+    def __init__(self, moved_out: Mapping[str, frozenset[str]] | None = None) -> None:
+        self.moved_out = dict(moved_out or {})
         self._by_qualname: dict[str, list[type]] = {}
         for info in pkgutil.walk_packages(elasticpp.__path__, "elasticpp."):
             try:
@@ -169,12 +172,14 @@ def decode(x: Json, classes: Classes) -> Any:
         cls = classes.find(x["__dc"])
         obj = cls.__new__(cls)
         names = {f.name for f in dataclasses.fields(cls)}
-        recorded = set(x["f"])
+        gone = classes.moved_out.get(cls.__qualname__, frozenset())
+        fields = {k: v for k, v in x["f"].items() if k not in gone}
+        recorded = set(fields)
         if names != recorded:
             raise LookupError(
                 f"{x['__dc']}: fields {sorted(names ^ recorded)} differ from the trace's"
             )
-        for k, v in x["f"].items():
+        for k, v in fields.items():
             object.__setattr__(obj, k, decode(v, classes))
         return obj
     if "__nt" in x:
@@ -272,7 +277,51 @@ def instrument(recorder: Recorder, steps: Mapping[str, Callable[..., Any]]) -> I
 
 def replay(case: Mapping[str, Json], fn: Callable[..., Any], classes: Classes) -> tuple[Json, Json]:
     """Call `fn` on a case's recorded arguments: (its arguments after, its result), encoded,
-    to compare with the case's own."""
+    to compare with `expected(case)`."""
     before = decode(case["before"], classes)
     result = fn(*before["args"], **before["kwargs"])
     return encode(before), encode(result)
+
+
+def today(x: Json, classes: Classes) -> Json:
+    """A recorded value in today's shape: classes named where they live now, and the fields
+    that moved out of a state (`Classes.moved_out`) left out, as `decode` leaves them out."""
+    if isinstance(x, list):
+        return [today(v, classes) for v in x]
+    if not isinstance(x, dict):
+        return x
+    out = {k: today(v, classes) for k, v in x.items()}
+    for tag in ("__dc", "__enum", "__nt", "__obj"):
+        if tag in x:
+            out[tag] = _cls_name(classes.find(str(x[tag])))
+    if "__dc" in x:
+        gone = classes.moved_out.get(str(x["__dc"]).partition(":")[2], frozenset())
+        out["f"] = {k: v for k, v in out["f"].items() if k not in gone}
+    return out
+
+
+def expected(case: Mapping[str, Json], classes: Classes) -> tuple[Json, Json]:
+    """A case's recorded (arguments after, result) in today's shape (`today`)."""
+    return today(case["after"], classes), today(case["result"], classes)
+
+
+def untouched(case: Mapping[str, Json], classes: Classes) -> list[str]:
+    """The moved-out fields the recorded call changed: a field the step wrote cannot have
+    moved out of its state (it must be empty)."""
+    changed: list[str] = []
+
+    def walk(before: Json, after: Json) -> None:
+        if isinstance(before, dict) and isinstance(after, dict):
+            if "__dc" in before and before.get("__dc") == after.get("__dc"):
+                qualname = str(before["__dc"]).partition(":")[2]
+                for k in classes.moved_out.get(qualname, frozenset()):
+                    if before["f"].get(k) != after["f"].get(k):
+                        changed.append(f"{qualname}.{k}")
+            for k in before.keys() & after.keys():
+                walk(before[k], after[k])
+        elif isinstance(before, list) and isinstance(after, list):
+            for b, a in zip(before, after, strict=False):
+                walk(b, a)
+
+    walk(case["before"], case["after"])
+    return changed

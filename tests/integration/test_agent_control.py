@@ -10,7 +10,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,12 +17,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from elasticpp.agent.clock import LoopHeartbeat
-from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.clock import LoopHeartbeat, SystemClock
+from elasticpp.agent.control.shell import Control, ControlConfig
+from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.service import AgentServicer
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 from elasticpp.waiting import wait_until
-from tests.unit.test_agent_done import SPEC
 
 
 def _health(address: str) -> str:
@@ -40,29 +39,59 @@ def server() -> Iterator[tuple[grpc.Server, str]]:
     srv.stop(grace=None)
 
 
+class _Pool:
+    """The control part's pool port, with no workers."""
+
+    def counts(self) -> dict[str, int]:
+        return {}
+
+    def any_alive(self) -> bool:
+        return False
+
+    def has_spares(self) -> bool:
+        return False
+
+    def release_spares(self) -> None:
+        pass
+
+    def seen(self) -> tuple[()]:
+        return ()
+
+
 @pytest.mark.timeout(60)
 def test_health_is_not_serving_while_the_decision_loop_is_stalled(
-    tmp_path: Path, server: tuple[grpc.Server, str]
+    server: tuple[grpc.Server, str],
 ) -> None:
+    """The control part's loop watchdog, on its ports: a real health service on a real
+    server, and the loop's heartbeat on a clock the test moves."""
     srv, address = server
     now = [1000.0]
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
-    agent._health = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(agent._health, srv)
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, srv)
     srv.start()
-    agent._health.set("", health_pb2.HealthCheckResponse.SERVING)
-    agent._server = srv
-    agent._heartbeat = LoopHeartbeat(lambda: now[0])
-    agent._heartbeat.busy()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    heartbeat = LoopHeartbeat(lambda: now[0])
+    control = Control(
+        ControlConfig("n0", "inc0", "ctl", 10, exit_on_end=False),
+        clock=SystemClock(),
+        pool=_Pool(),
+        health=servicer,
+        metrics=AgentMetrics.create("n0", "ctl"),
+        heartbeat=heartbeat,
+        serving=lambda: True,
+        wake=lambda: None,
+    )
+    heartbeat.busy()
     now[0] += 60.0  # the loop began a tick a minute ago and is still in it
-    watchdog = threading.Thread(target=agent._watch_loop, daemon=True)
+    stop = threading.Event()
+    watchdog = threading.Thread(target=control.watch_loop, args=(stop,), daemon=True)
     watchdog.start()
     try:
         assert wait_until(lambda: _health(address) == "NOT_SERVING", 10)
-        agent._heartbeat.idle()  # the tick ended: the loop waits for work
+        heartbeat.idle()  # the tick ended: the loop waits for work
         assert wait_until(lambda: _health(address) == "SERVING", 10)
     finally:
-        agent._stop.set()
+        stop.set()
         watchdog.join(timeout=5)
 
 
@@ -88,9 +117,17 @@ class _Agent:
             "recoveries": [],
         }
 
-    def events_since(self, index: int, timeout_s: float) -> tuple[list[Any], int]:
+    def request_drain(self, timeout_s: float) -> tuple[bool, str]:
+        return False, "not in this test"
+
+    def since(self, index: int, timeout_s: float) -> tuple[list[Any], int]:
         self.quiet.wait(min(timeout_s, 0.2))
         return [], index
+
+
+def _servicer(agent: _Agent, **kwargs: Any) -> AgentServicer:
+    """The servicer on `agent`'s status and events (no quarantine to lift here)."""
+    return AgentServicer(agent, agent, lambda node: (False, "not in this test"), **kwargs)
 
 
 @pytest.mark.timeout(60)
@@ -101,7 +138,7 @@ def test_event_streams_beyond_their_limit_are_refused_and_health_still_answers(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(
-        AgentServicer(_Agent(), max_event_streams=2),  # type: ignore[arg-type]
+        _servicer(_Agent(), max_event_streams=2),
         srv,
     )
     srv.start()
@@ -153,7 +190,7 @@ def test_status_json_prints_numbers_as_numbers_and_every_field(
 ) -> None:
     srv, address = server
     agent_pb2_grpc.add_AgentServiceServicer_to_server(
-        AgentServicer(_RankZero()),  # type: ignore[arg-type]
+        _servicer(_RankZero()),
         srv,
     )
     srv.start()

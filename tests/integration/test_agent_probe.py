@@ -143,13 +143,12 @@ def test_an_agent_answers_for_itself_by_name_from_its_start(tmp_path: Path) -> N
     """NOT_SERVING by name from the server's start (a probe before it joined must not find
     it dead), SERVING once its loop runs; the whole server's status says the same."""
     agent = Agent(AgentConfig("n3", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
-    agent._health = health.HealthServicer()
     name = probe.node_service("n3", agent.incarnation)
     status = health_pb2.HealthCheckResponse
-    agent._set_health(status.NOT_SERVING)
+    agent.control.set_health(status.NOT_SERVING)
     for address in _serve(agent._health):  # type: ignore[arg-type]
         assert probe.check(address, service=name) is ProbeResult.NOT_SERVING
-        agent._set_health(status.SERVING)
+        agent.control.set_health(status.SERVING)
         assert probe.check(address, service=name) is ProbeResult.SERVING
         assert probe.check(address) is ProbeResult.SERVING
 

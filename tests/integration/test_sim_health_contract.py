@@ -29,7 +29,10 @@ def agents(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[SimA
         for name in ("node-a", "node-b"):
             cfg = AgentConfig(name, ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path / name)
             agent = SimAgent(
-                cfg, sim_spec("j", 2, 1), worker_factory=lambda p, e, n: SimWorker(p, e, n)
+                cfg,
+                sim_spec("j", 2, 1),
+                worker_factory=lambda p, e, n: SimWorker(p, e, n),
+                health=shared.health if shared is not None else None,
             )
             agent.shared_server = shared
             agent._serve_grpc()
@@ -50,17 +53,17 @@ def check(agent: SimAgent, incarnation: str | None = None) -> ProbeResult:
 
 def test_a_probe_sees_each_nodes_own_health(agents: list[SimAgent]) -> None:
     a, b = agents
-    a._set_health(SERVING)
-    b._set_health(NOT_SERVING)
+    a.control.set_health(SERVING)
+    b.control.set_health(NOT_SERVING)
     assert check(a) is ProbeResult.SERVING
     assert check(b) is ProbeResult.NOT_SERVING
-    b._set_health(SERVING)
+    b.control.set_health(SERVING)
     assert check(b) is ProbeResult.SERVING
 
 
 def test_another_incarnation_at_the_address_is_dead(agents: list[SimAgent]) -> None:
     a, _ = agents
-    a._set_health(SERVING)
+    a.control.set_health(SERVING)
     assert check(a, incarnation="0123456789ab") is ProbeResult.DEAD
 
 
@@ -68,8 +71,8 @@ def test_a_node_whose_server_stopped_is_dead_and_the_others_live_on(
     agents: list[SimAgent],
 ) -> None:
     a, b = agents
-    a._set_health(SERVING)
-    b._set_health(SERVING)
+    a.control.set_health(SERVING)
+    b.control.set_health(SERVING)
     assert a._server is not None
     a._server.stop(grace=None)  # as SimAgent.crash() stops it
     a._server = None

@@ -221,7 +221,7 @@ def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path
         agent._check_job_end()
         assert spare.killed and agent.pool.spares() == ()
         assert agent._exit_requested() == code
-        assert any(f"job ended ({status}" in e[2] for e in agent._events)
+        assert any(f"job ended ({status}" in e[2] for e in agent.journal.log)
 
 
 def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None:
@@ -295,10 +295,10 @@ def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
     agent._registration = _Registration()
     agent._hs.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
     agent._check_job_end()
-    accepted, _message = agent.drain(30.0)
-    assert accepted and not agent._cs.draining  # nothing written from the RPC's thread
+    accepted, _message = agent.control.request_drain(30.0)
+    assert accepted and not agent.control.state.draining  # nothing written from the RPC's thread
     agent._control()
-    assert agent._cs.draining and agent._exit_requested() == 0
+    assert agent.control.state.draining and agent._exit_requested() == 0
 
 
 def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path: Path) -> None:

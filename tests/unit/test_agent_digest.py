@@ -118,7 +118,7 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     agent._refresh()
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1", "member n0"]
     # What a follower says of the job's members: its generation's nodes.
-    assert agent._known_members() == sorted(agent._vs.record.planned_nodes)
+    assert sorted(agent._view_summary().members) == sorted(agent._vs.record.planned_nodes)
     # Its fetch sources and replication peers: read by key once a generation.
     cluster.read.clear()
     assert sorted(agent._member_records(["n2", "n3", "n9"])) == ["n2", "n3"]
@@ -130,7 +130,7 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     assert "every member" in cluster.read
     assert not [r for r in cluster.read if r.startswith("member ")]
     assert sorted(agent._vs.members) == list(MEMBERS) and agent._vs.members_complete
-    assert agent._known_members() == list(MEMBERS)
+    assert sorted(agent._view_summary().members) == list(MEMBERS)
     cluster.read.clear()
     assert sorted(agent._member_records(["n2", "n3"])) == ["n2", "n3"]
     assert cluster.read == []  # the leader's view holds them

@@ -220,7 +220,7 @@ def test_the_loop_survives_an_error_from_a_tick_and_goes_on(tmp_path: Path) -> N
         ticks.append(1)
         if len(ticks) < 3:
             raise OSError(28, "No space left on device")
-        agent._cs.exit_code = 0
+        agent.control.state.exit_code = 0
 
     agent._tick = tick  # type: ignore[method-assign]
     assert agent.run() == 0
@@ -386,7 +386,7 @@ def test_a_snapshot_that_failed_is_counted_and_the_next_one_commits(tmp_path: Pa
     assert _sample(agent, "elasticpp_snapshot_failures_total") == 1
     assert not agent._fs.pending_failures  # a lost snapshot is no reason to re-plan
     assert all(w.state is WorkerState.RUNNING for w in agent.pool.workers())
-    assert "could not write the snapshot of step 1" in agent._events[-1][2]
+    assert "could not write the snapshot of step 1" in agent.journal.log[-1][2]
 
 
 def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path: Path) -> None:
@@ -401,7 +401,7 @@ def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path:
     assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.HALTED
     assert not agent._fs.pending_failures
     assert _sample(agent, "elasticpp_halted") == 1
-    halts = [e[2] for e in agent._events if "training halted" in e[2]]
+    halts = [e[2] for e in agent.journal.log if "training halted" in e[2]]
     assert len(halts) == 1 and message in halts[0]
 
 

@@ -79,7 +79,7 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     lead_resume(agent, gs)
     [(generation, why)] = cluster.waits
     assert generation == 1 and "does not start over" in why
-    assert sum("cannot resume" in e[2] for e in agent._events) == 1  # logged once
+    assert sum("cannot resume" in e[2] for e in agent.journal.log) == 1  # logged once
     # Nothing held anywhere, nothing committed in etcd: a fresh job starts at step 0.
     agent._vs.barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
     lead_resume(agent, gs)
@@ -100,4 +100,4 @@ def test_an_agent_whose_job_epoch_is_gone_stops_with_the_epoch_exit_status(
     cluster.stored_epoch = None  # the job's prefix was deleted
     agent._check_epoch()
     assert agent._exit_requested() == EPOCH_ENDED_EXIT
-    assert any("started afresh" in e[2] for e in agent._events)
+    assert any("started afresh" in e[2] for e in agent.journal.log)

@@ -91,13 +91,13 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
         if len(ticks) == 2 and how == "key taken, lease alive":
             agent._vs.members = {"n0": {"incarnation": "f00d"}}  # what the members read found
         if len(ticks) > 5:
-            agent._cs.exit_code = 0  # a bound, so that an agent that ignores it returns
+            agent.control.state.exit_code = 0  # a bound, so that an agent that ignores it returns
 
     agent._tick = tick  # type: ignore[method-assign]
     with pytest.raises(NodeIdConflictError, match="another agent with the same node id"):
         agent.run()
     assert len(ticks) == 2
-    assert any("another agent" in message for _, _, message, _ in agent._events)
+    assert any("another agent" in message for _, _, message, _ in agent.journal.log)
 
 
 def test_a_leader_whose_own_membership_is_lost_or_unseen_does_not_plan(tmp_path: Path) -> None:

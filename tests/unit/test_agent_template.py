@@ -79,7 +79,7 @@ def test_a_template_not_ready_in_time_counts_as_a_never_ready_spare(tmp_path: Pa
         # ... and the node's spares are exec'd from now on.
         spares = agent.pool.spares()
         assert len(spares) == 2 and not any(p.forked for p in spares)  # type: ignore[attr-defined]
-        text = "\n".join(str(e) for e in agent._events.items())
+        text = "\n".join(str(e) for e in agent.journal.log.items())
         assert "worker template 4242 not ready" in text, text
     finally:
         agent.pool.kill_all()

@@ -95,7 +95,7 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
             lambda a: setattr(a._fs, "reported", 3), id="its failure reported, no new plan yet"
         ),
         pytest.param(lambda a: a._lvs.suspect_since.__setitem__(3, 0.0), id="the leader suspected"),
-        pytest.param(lambda a: setattr(a._cs, "draining", True), id="draining"),
+        pytest.param(lambda a: setattr(a.control.state, "draining", True), id="draining"),
         pytest.param(lambda a: setattr(a, "_joined", False), id="not joined"),
         pytest.param(lambda a: setattr(a._fs, "gen", None), id="a generation not followed yet"),
     ],

@@ -297,6 +297,6 @@ def test_a_commit_that_fails_does_not_announce_that_snapshots_are_written_again(
     agent.store.commit = refuse  # type: ignore[method-assign]
     agent._on_snapshot_failed(w, {"step": 4, "message": "No space left on device"})
     agent._on_snapshot(w, {"step": 5, "pieces": []})  # rank 0 writes the node's snapshot
-    messages = [message for _, _, message, _ in agent._events]
+    messages = [message for _, _, message, _ in agent.journal.log]
     assert not any(m.startswith("snapshots are written again") for m in messages), messages
     assert agent._ds.snap_failures == 1 and agent._ds.last_commit_step == -1

@@ -32,6 +32,7 @@ class _FakeAgent:
         self.exit_code: int | None = None
         self.during_turn: Any = None  # called inside the next turn
         self.lock = threading.Lock()
+        self.control = self  # the watchdog looks at `agent.control.check_loop()`
 
     def turn(self) -> int | None:
         with self.lock:

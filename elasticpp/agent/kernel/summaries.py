@@ -1,0 +1,69 @@
+"""What a part publishes for the others to read: a small frozen summary per part, taken once
+a turn (Patroni's one load of the DCS a cycle). A part reads another's summary, never its
+fields; a summary holds values, not handles."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticpp.agent.decide import Phase
+from elasticpp.plan import Plan
+
+
+@dataclass(frozen=True)
+class FollowerSummary:
+    """The generation this node follows (generation 0: none yet)."""
+
+    generation: int = 0
+    plan: Plan | None = None  # with this node's model
+    planned: frozenset[str] | None = None  # the nodes of its plan
+    phase: Phase | None = None
+    waiting: str = ""  # the leader's wait for state (why), while this node waits with it
+
+
+@dataclass(frozen=True)
+class ViewSummary:
+    """What this agent knows of etcd, as of its last read."""
+
+    etcd_ok: bool = True
+    leader: str | None = None
+    members: Collection[str] = ()  # every registered node (a leader), else the plan's
+    done: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # barrier `done`
+    timelines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # by gen-G
+
+
+@dataclass(frozen=True)
+class HealthSummary:
+    """Quarantines and the job's end, as this agent knows them."""
+
+    ended: tuple[str, str] | None = None  # (status, reason) once the job ended unfinished
+    quarantined: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProgressSummary:
+    """The newest step this node's ranks committed, and the store's floor."""
+
+    last_step: int = -1
+    last_loss: float = float("nan")
+    safe_step: int = -1  # the store's floor: the newest step every holder keeps
+
+
+@dataclass(frozen=True)
+class ControlSummary:
+    draining: bool = False
+    job_done: bool = False  # the job trained every step
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerSeen:
+    """One of the supervisor's workers with a rank, as other parts see it."""
+
+    rank: int
+    pid: int
+    state: str
+    last_step: int
+    generation: int
