@@ -216,6 +216,11 @@ class ControlPart:
         if last is None or last[-1] != layout:
             for dimension, size in zip(("pp", "tp", "dp"), layout, strict=True):
                 m.of(m.layout, dimension=dimension).set(size)
+        if counts["running"] == 0:
+            # No rank trains here (between generations, a spare, the job over): this node's
+            # last TFLOP/s and MFU are no longer true, and the job's sums must not count them.
+            m.drop(m.model_tflops)
+            m.drop(m.mfu)
 
     def _control(self) -> None:
         """The control part's step: observe, decide (`control_step`, pure), execute."""
