@@ -12,10 +12,12 @@ in `transformers`, and the agent's tax on one GPU.
   loop with the same policy: fp32 weights under bf16 autocast, torch's fused AdamW, B/b
   micro-batches of gradient accumulation. Step time: the median of the steps after the first
   three; each system its own per-step record (ours: the engine's step time; the reference:
-  CUDA-synchronised wall time). FLOPs per token: 6 x the matmul parameters (blocks and LM
-  head) + 12 x layers x seq x hidden (attention's two matmuls, forward and backward, with no
-  causal discount, as in PaLM's MFU); MFU against `--peak-tflops` (989: the H100's and the
-  H200's dense bf16).
+  CUDA-synchronised wall time). FLOPs per token: `elasticpp.plan.flops`, the count behind
+  the agent's `elasticpp_model_tflops` and `elasticpp_mfu`: 6 x the matmul parameters (blocks
+  and LM head) + 6 x layers x seq x attention width (the scores and values of causal
+  attention, forward and backward, counted as the flash kernel computes them: the masked
+  half skipped); MFU against `--peak-tflops` (default: the visible GPU's dense bf16 peak
+  from `elasticpp.plan.flops`' table, 989 on an H100 or H200).
 - tax: a job under one agent with one CUDA slot (real etcd, no peer to replicate to; the job
   spec's planner device is the visible GPU's preset, so the agent plans the same layout,
   recompute off) against `elasticpp train` at the same layout, on the `llama-tax` spec (~200 M
@@ -77,18 +79,20 @@ RUN_TIMEOUT_S = 400
 
 
 def matmul_params(spec: dict[str, Any]) -> int:
-    h, f, layers = spec["hidden_size"], spec["ffn_hidden_size"], spec["num_layers"]
-    head_dim = h // spec["num_heads"]
-    kv = spec["num_kv_heads"] * head_dim
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * f
-    return layers * per_layer + h * spec["vocab_size"]
+    """Entries of the weight matrices (blocks and LM head): 2 forward FLOPs each a token."""
+    from elasticpp.plan.flops import forward_flops
+    from elasticpp.plan.specs import ModelSpec
+
+    f = forward_flops(ModelSpec.from_dict(spec))
+    return round((f.num_layers * f.block_matmul + f.last) / 2)
 
 
 def flops_per_token(spec: dict[str, Any]) -> float:
-    return (
-        6.0 * matmul_params(spec)
-        + 12.0 * spec["num_layers"] * spec["seq_len"] * (spec["hidden_size"])
-    )
+    """Model FLOPs of one token's forward and backward (`elasticpp.plan.flops`)."""
+    from elasticpp.plan.flops import forward_flops
+    from elasticpp.plan.specs import ModelSpec
+
+    return forward_flops(ModelSpec.from_dict(spec)).train_per_token
 
 
 def steady_step_s(step_seconds: list[float]) -> float:
@@ -500,7 +504,12 @@ def main() -> int:
     p.add_argument("--micro-batches", default="4,8", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--sections", default="mfu,tax")
-    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the GPU's peak for MFU (default: its dense bf16 peak from elasticpp.plan.flops)",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--tax-modes",
@@ -535,12 +544,19 @@ def main() -> int:
         return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="elasticpp-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
+    from elasticpp.plan.flops import device_peak_tflops
+
     device = torch.cuda.get_device_name(0)
-    result: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    peak = args.peak_tflops or device_peak_tflops(device, "bf16")
+    if peak is None and "mfu" in args.sections.split(","):
+        print(f"bench/gpu.py: no peak known for {device!r}: give --peak-tflops", file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {"device": device, "torch": torch.__version__, "peak_tflops": peak}
     text = [f"{device}, torch {torch.__version__}"]
     sections = args.sections.split(",")
     if "mfu" in sections:
-        result["mfu"], t = mfu_section(args, out, args.peak_tflops)
+        assert peak is not None
+        result["mfu"], t = mfu_section(args, out, peak)
         text += ["", t]
     if "tax" in sections:
         result["tax"], t = tax_section(args, out)

@@ -165,6 +165,8 @@ class StepMetrics:
     grad_norm: float | None = None
     samples: int = 0  # the step's global batch
     tokens: int = 0  # its samples x seq_len
+    model_tflops: float | None = None  # this node's, over its newest steps (None: unknown)
+    mfu: float | None = None  # model_tflops over the node's peak (None: no peak known)
 
 
 @dataclass(frozen=True)

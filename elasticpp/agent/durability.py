@@ -53,7 +53,8 @@ from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import StateUnavailableError
-from elasticpp.plan import ModelSpec
+from elasticpp.plan import ModelSpec, Plan
+from elasticpp.plan.flops import node_step_flops, slot_peak
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.store.instruction import node_fetches
@@ -148,9 +149,26 @@ class DurabilityPart:
                     wall_s=self._clock.time(),
                     samples=plan.global_batch,
                     tokens=plan.global_batch * plan.model.seq_len,
+                    model_flops=node_step_flops(plan, self.node_id),
+                    peak_flops=self._peak_flops(plan),
                 ),
             )
         )
+
+    def _peak_flops(self, plan: Plan) -> float | None:
+        """The FLOP/s of this node's ranks of `plan` at their slots' peak, or None."""
+        peak = self._ds.slot_peak_tflops
+        return None if peak is None else peak * 1e12 * len(plan.ranks_on(self.node_id))
+
+    def _on_started(self, event: dict[str, Any]) -> None:
+        """A worker started: the device it reported (`torch.cuda.get_device_name`, or
+        "cpu") decides the peak MFU is measured against; one line when that changes."""
+        name = event.get("device_name")
+        device = name if isinstance(name, str) else ""
+        peak, reason = slot_peak(self.spec.peak_tflops, device, self.spec.train.precision)
+        if reason != self._ds.peak_reason:
+            log.info("MFU: %s", reason if peak is not None else f"not reported: {reason}")
+        self._ds.slot_peak_tflops, self._ds.peak_reason = peak, reason
 
     def _on_snapshot(self, w: _Worker, event: dict[str, Any]) -> None:
         """A snapshot a worker wrote: recorded, then committed once every snapshot writer of

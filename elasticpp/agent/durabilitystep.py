@@ -14,6 +14,11 @@ changes nothing), `durability_committed` (only a successful commit prunes the re
 Invariants: memory is bounded over weeks of steps (`written_steps` keeps the newest
 WRITTEN_GENERATIONS_KEPT generations; reports are pruned at each commit and, while fenced, with
 the snapshots dropped); a fenced node commits nothing; one replication round at a time.
+
+Model TFLOP/s is this node's model FLOPs (`elasticpp.plan.flops.node_step_flops`) over the
+steps' time, summed over the newest THROUGHPUT_STEPS steps of the generation (a new layout
+starts afresh: its FLOPs per node differ); MFU is that over the node's peak, and is absent
+(not 0) where no peak is known (a CPU slot without the job spec's `peak_tflops`).
 """
 
 from __future__ import annotations
@@ -57,6 +62,14 @@ class DurabilityState:
     next_step_committed: int = 0  # steps applied, as last seen from this node's workers
     last_step: int = -1
     last_loss: float = float("nan")
+    # (generation, model FLOPs, seconds) of this node's newest steps, THROUGHPUT_STEPS at most
+    recent_work: list[tuple[int, float, float]] = field(default_factory=list)
+    # The peak TFLOP/s of one of this node's slots (None: MFU not reported), and why
+    slot_peak_tflops: float | None = None
+    peak_reason: str = ""
+
+
+THROUGHPUT_STEPS = 10  # steps model TFLOP/s is averaged over
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,8 @@ class StepObservation:
     wall_s: float
     samples: int = 0  # the plan's global batch
     tokens: int = 0  # samples x seq_len
+    model_flops: float = 0.0  # the model FLOPs of this node's ranks in the step
+    peak_flops: float | None = None  # FLOP/s of this node's ranks at their peak; None: no MFU
 
 
 def _number(value: object) -> float | None:
@@ -137,6 +152,7 @@ def durability_on_step(state: DurabilityState, obs: StepObservation) -> list[Act
         "grad_norm": obs.grad_norm,
         "step_seconds": obs.step_seconds,
     }
+    tflops, mfu = _throughput(state, obs)
     metrics = StepMetrics(
         obs.step,
         obs.loss,
@@ -145,8 +161,24 @@ def durability_on_step(state: DurabilityState, obs: StepObservation) -> list[Act
         grad_norm=_number(obs.grad_norm),
         samples=obs.samples,
         tokens=obs.tokens,
+        model_tflops=tflops,
+        mfu=mfu,
     )
     return [metrics, WriteMetricsLine(json.dumps(line))]
+
+
+def _throughput(state: DurabilityState, obs: StepObservation) -> tuple[float | None, float | None]:
+    """This node's model TFLOP/s over its newest steps, and its MFU where a peak is known."""
+    seconds = obs.step_seconds
+    if seconds is None or not seconds > 0 or not obs.model_flops > 0:
+        return None, None
+    work = [w for w in state.recent_work if w[0] == obs.generation]
+    work.append((obs.generation, obs.model_flops, seconds))
+    state.recent_work = work[-THROUGHPUT_STEPS:]
+    flops_per_s = sum(w[1] for w in state.recent_work) / sum(w[2] for w in state.recent_work)
+    if obs.peak_flops is None or not obs.peak_flops > 0:
+        return flops_per_s / 1e12, None
+    return flops_per_s / 1e12, flops_per_s / obs.peak_flops
 
 
 def durability_on_snapshot(state: DurabilityState, obs: SnapshotObservation) -> list[Action]:

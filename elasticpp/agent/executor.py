@@ -169,6 +169,10 @@ class ExecutorPart:
                     m.of(m.grad_norm).set(action.grad_norm)
                 m.of(m.samples_total).inc(action.samples)
                 m.of(m.tokens_total).inc(action.tokens)
+                if action.model_tflops is not None:
+                    m.of(m.model_tflops).set(action.model_tflops)
+                if action.mfu is not None:
+                    m.of(m.mfu).set(action.mfu)
             elif isinstance(action, WriteMetricsLine):
                 self._write_metrics_line(action.line)
             elif isinstance(action, CountSnapshotFailure):

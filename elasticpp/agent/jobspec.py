@@ -44,6 +44,7 @@ from elasticpp.agent.sick import SickPolicy
 from elasticpp.checkpoint.manifest import JobIdentity
 from elasticpp.errors import ConfigError
 from elasticpp.plan import DeviceSpec, ModelSpec, Plan, load_device_spec
+from elasticpp.plan.flops import check_peak_tflops
 from elasticpp.plan.specs import check_fields
 from elasticpp.train.config import TrainConfig
 
@@ -99,6 +100,10 @@ class JobSpec:
     # The planner's cost model of one slot: a preset name (`cpu` on CPU nodes), or a mapping
     # of `DeviceSpec` fields for hardware without a preset.
     device: str | dict[str, Any] = "cpu"
+    # The peak TFLOP/s of one slot in the job's precision that MFU (elasticpp_mfu) is measured
+    # against; None: the peak table's figure for the GPU's name (elasticpp.plan.flops), and
+    # no MFU where it has none (CPU slots, a GPU it does not know).
+    peak_tflops: float | None = None
     # Periodic snapshots, the state a worker's failure resumes from and replication sends:
     # every `snapshot_every` steps, or (the default) on the first step once every worker's
     # writer has been free `snapshot_every_s` seconds. Give one of the two (the other is
@@ -174,6 +179,7 @@ class JobSpec:
                 f"micro_batch {self.micro_batch}"
             )
         self.device_spec()  # raises naming the presets or the bad field
+        object.__setattr__(self, "peak_tflops", check_peak_tflops(self.peak_tflops, "job spec"))
         ttl = self.lease_ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl != int(ttl) or ttl < 3:
             # etcd grants whole seconds, at least 2; and an agent fences itself

@@ -50,6 +50,8 @@ class AgentMetrics:
     grad_norm: Gauge
     samples_total: Counter
     tokens_total: Counter
+    model_tflops: Gauge
+    mfu: Gauge
     target_steps: Gauge
     build_info: Gauge
     labels: dict[str, str]
@@ -65,6 +67,12 @@ class AgentMetrics:
             child = metric.labels(**self.labels, **extra)
             self._children[key] = child
         return child
+
+    def drop(self, metric: Any, **extra: str) -> None:
+        """Remove `metric`'s series for this agent's labels and `extra` (absent, not 0)."""
+        key = (id(metric), tuple(sorted(extra.items())))
+        if self._children.pop(key, None) is not None:
+            metric.remove(*{**self.labels, **extra}.values())
 
     @classmethod
     def create(cls, node_id: str, job: str) -> AgentMetrics:
@@ -193,6 +201,17 @@ class AgentMetrics:
             tokens_total=c(
                 "elasticpp_tokens",
                 "Tokens trained in the steps this node took part in (global batch x seq_len)",
+            ),
+            model_tflops=g(
+                "elasticpp_model_tflops",
+                "Model TFLOP/s of this node's workers: the model FLOPs of their share of each "
+                "step (elasticpp.plan.flops) over the steps' time, the newest 10 steps",
+            ),
+            mfu=g(
+                "elasticpp_mfu",
+                "Model FLOPs utilisation of this node's workers (0-1): elasticpp_model_tflops "
+                "over their peak; absent where no peak is known (CPU slots without the job "
+                "spec's peak_tflops, a GPU the peak table does not know)",
             ),
             target_steps=g("elasticpp_target_steps", "Steps the job trains in all (its spec)"),
             build_info=Gauge(

@@ -413,6 +413,7 @@ class SupervisorPart:
         if kind == "started":
             if w.state is WorkerState.STARTING:  # a stop may already have been asked for
                 w.move(WorkerState.RUNNING)
+            self._on_started(event)
             log.info(
                 "rank %d of generation %d started in %.2f s %s",
                 w.rank,

@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elasticpp.errors import ConfigError
+from elasticpp.plan.flops import forward_flops
 from elasticpp.plan.layout import Plan
 from elasticpp.plan.specs import GIB, DeviceSpec, ModelSpec
 
@@ -131,6 +132,7 @@ class ModelCosts:
         kv = model.num_kv_heads * model.head_dim  # grouped-query attention: narrower K and V
         mlp_mats = 3 if model.gated_mlp else 2
         matmul_params = 2 * h * q + 2 * h * kv + mlp_mats * h * f
+        flops = forward_flops(model, attention_computed=1.0)
         if model.family == "llama":
             # two RMSNorm weights; rotary positions (no position embedding); the biases and
             # per-head q/k norms that Qwen2 and Qwen3 add (elasticpp.train.families.llama)
@@ -150,8 +152,10 @@ class ModelCosts:
             block_params=block_params,
             embed_params=embed_params,
             head_params=head_params,
-            block_fwd_flops_per_sample=2.0 * matmul_params * s + 4.0 * s * s * q,
-            head_fwd_flops_per_sample=2.0 * h * v * s,
+            # The count MFU uses (elasticpp.plan.flops), with attention's masked half included:
+            # the efficiency curve (docs/plan.md) was calibrated on that count.
+            block_fwd_flops_per_sample=flops.block * s,
+            head_fwd_flops_per_sample=flops.last * s,
             hidden_values_per_sample=s * h,
             seq_len=s,
             hidden_size=h,

@@ -36,6 +36,14 @@ def set_tf32(device: torch.device, precision: str) -> bool:
     return on
 
 
+def device_name(device: torch.device) -> str:
+    """What the agent matches its peak table on: `torch.cuda.get_device_name` of a CUDA
+    device ("NVIDIA H100 80GB HBM3"), "cpu" for the CPU."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return device.type
+
+
 class AdamW:
     """torch's AdamW (its functional form, `torch.optim.adamw.adamw`) over tensors the caller
     owns; `step` takes each step's lr and grads. Not a `torch.optim.Optimizer`: building one

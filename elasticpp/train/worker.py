@@ -7,7 +7,8 @@ description; in short:
 events: one JSON object per line on the pipe whose descriptor `ELASTICPP_EVENT_FD` names
 (stdout when it is not set; with it set, stdout is the log's, like stderr)
     {"event": "ready", "pid": N}                      torch imported, idle, waiting
-    {"event": "started", "generation", "rank", "start_step", "setup_seconds", "setup"}
+    {"event": "started", "generation", "rank", "start_step", "setup_seconds", "setup",
+     "device_name"}                                    the CUDA device's name, or "cpu"
     {"event": "step", "step", "loss", "lr", "grad_norm", "samples", "step_seconds",
      "max_in_flight", "generation", "rank", "busy_seconds", "pipeline_seconds",
      "peak_activation_bytes"}
@@ -114,6 +115,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     from elasticpp.train.data import open_corpus
     from elasticpp.train.engine import NO_STOP, Trainer, tie_stages
     from elasticpp.train.families import build_model
+    from elasticpp.train.kernels import device_name
     from elasticpp.train.parallel import ParallelGroups
 
     t0 = time.monotonic()
@@ -179,6 +181,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
             "start_step": a.start_step,
             "setup_seconds": time.monotonic() - t0,
             "setup": setup,
+            "device_name": device_name(device),
         }
     )
     log.info(

@@ -1,6 +1,11 @@
 """A real Prometheus (Debian's server, fetched into .venv/tools beside promtool) scrapes live
 agents through a recovery, with deploy/prometheus's rules loaded: every query of the Grafana
-dashboard (deploy/grafana) returns data, every rule evaluates cleanly, and no alert fires."""
+dashboard (deploy/grafana) returns data, every rule evaluates cleanly, and no alert fires.
+
+The agents run CPU slots, which have no peak to measure MFU against: the job spec declares
+one (`peak_tflops`, the CPU preset's 0.03 TFLOP/s), as a user may, so the MFU panel has data;
+the test checks that MFU is exactly the declared peak's share (tests/unit/test_flops.py checks
+that a CPU slot without it reports no MFU)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / ".venv" / "tools" / "prometheus"
 RULES = ROOT / "deploy" / "prometheus" / "elasticpp-rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "elasticpp-job.json"
+PEAK_TFLOPS = 0.03  # a slot's, declared in the job spec: CPU slots have no peak of their own
 
 
 def _get(base: str, path: str, **params: str) -> Any:
@@ -59,7 +65,7 @@ def test_the_dashboard_and_rules_work_against_live_agents_through_a_recovery(
     spec = {
         "name": "promjob", "model": "tiny", "global_batch": 4, "micro_batch": 2,
         "steps": 100_000, "seed": 0, "min_nodes": 1, "max_nodes": 2, "lease_ttl_s": 3,
-        "snapshot_every": 2, "replication_copies": 1,
+        "snapshot_every": 2, "replication_copies": 1, "peak_tflops": PEAK_TFLOPS,
     }  # fmt: skip
     lc = LocalCluster(tmp_path / "job", spec, nodes=2, slots=1)
     prometheus: subprocess.Popen[bytes] | None = None
@@ -111,6 +117,11 @@ def test_the_dashboard_and_rules_work_against_live_agents_through_a_recovery(
             (what, expr) for what, expr in _dashboard_queries("promjob") if not _query(base, expr)
         ]
         assert empty == [], "dashboard queries without data"
+        # MFU is TFLOP/s over the declared peak, on each node (one slot a node).
+        peaks = _query(base, "elasticpp_model_tflops / elasticpp_mfu")
+        assert peaks, "no node reports MFU"
+        assert all(abs(float(p["value"][1]) - PEAK_TFLOPS) < 1e-9 for p in peaks), peaks
+        assert all(float(p["value"][1]) > 0 for p in _query(base, "elasticpp_model_tflops"))
         rules = [
             r for g in _get(base, "/api/v1/rules")["data"]["groups"] for r in g["rules"]
         ]  # fmt: skip

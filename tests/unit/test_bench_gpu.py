@@ -11,9 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import TAX_WARMUP, StackSampler, Timing, mean_interval_s
+from bench.gpu import (
+    LLAMA_1B,
+    TAX_WARMUP,
+    StackSampler,
+    Timing,
+    flops_per_token,
+    matmul_params,
+    mean_interval_s,
+)
+from elasticpp.plan.flops import forward_flops
+from elasticpp.plan.specs import ModelSpec
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+
+
+def test_the_bench_counts_flops_with_the_agents_function() -> None:
+    spec = LLAMA_1B
+    assert flops_per_token(spec) == forward_flops(ModelSpec.from_dict(spec)).train_per_token
+    # 6 x the matmul parameters + causal attention's half of 12 x layers x seq x q width
+    attention = 6.0 * spec["num_layers"] * spec["seq_len"] * spec["hidden_size"]
+    assert flops_per_token(spec) == pytest.approx(6.0 * matmul_params(spec) + attention)
 
 
 def test_the_tax_interval_is_the_mean_after_the_warm_up_slow_steps_included() -> None:

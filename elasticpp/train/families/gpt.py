@@ -25,6 +25,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from elasticpp.plan.flops import forward_flops
 from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, block_unit
 from elasticpp.train.contract import (
     ONES,
@@ -140,8 +141,9 @@ def build(spec: ModelSpec) -> ModelDef:
         Param("mlp.fc2.bias", (H,), init=ZEROS),
     ]
     forward = partial(block_forward, head_dim=spec.head_dim, eps=eps, approximate=approximate)
-    # Attention scores and their use: 4·s·h FLOPs per token besides the matmuls.
-    flops = 2.0 * (4 * H * H + 2 * H * F_) + 4.0 * S * H
+    # The planner's forward FLOPs of a block: its matmuls and attention's scores and their
+    # use at full width (elasticpp.plan.flops; MFU counts the causal half the kernel computes).
+    flops = forward_flops(spec, attention_computed=1.0).block
     blocks = tuple(
         Unit(block_unit(i), tuple(block_params), forward, flops) for i in range(spec.num_layers)
     )

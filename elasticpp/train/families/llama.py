@@ -44,6 +44,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from elasticpp.plan.flops import forward_flops
 from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, OptionValue, block_unit
 from elasticpp.train.contract import (
     ONES,
@@ -266,7 +267,7 @@ def build(spec: ModelSpec) -> ModelDef:
     qkv_bias, o_bias = bool(opts.get("qkv_bias", False)), bool(opts.get("o_bias", False))
     qk_norm = bool(opts.get("qk_norm", False))
     vocab = vocab_split(opts)
-    H, F_, V, S = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.seq_len
+    H, F_, V = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
     hd = _positive_int(opts, "head_dim", spec.head_dim)
     if hd % 2:
         raise ContractError(f"llama: option head_dim must be even (rotary pairs), got {hd}")
@@ -300,7 +301,8 @@ def build(spec: ModelSpec) -> ModelDef:
         scaling=scaling,
         qk_norm=qk_norm,
     )
-    flops = 2.0 * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * F_) + 4.0 * S * nh * hd
+    # The planner's forward FLOPs of a block (elasticpp.plan.flops, attention at full width).
+    flops = forward_flops(spec, attention_computed=1.0).block
     blocks = tuple(
         Unit(block_unit(i), block_params, forward, flops) for i in range(spec.num_layers)
     )
