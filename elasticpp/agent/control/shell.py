@@ -239,6 +239,11 @@ class Control:
         if last is None or last[-1] != layout:
             for dimension, size in zip(("pp", "tp", "dp"), layout, strict=True):
                 m.of(m.layout, dimension=dimension).set(size)
+        if counts["running"] == 0:
+            # No rank trains here (between generations, a spare, the job over): this node's
+            # last TFLOP/s and MFU are no longer true, and the job's sums must not count them.
+            m.drop(m.model_tflops)
+            m.drop(m.mfu)
 
     # ------------------------------------------------------------------ health
     def watch_loop(self, stop: threading.Event) -> None:
