@@ -10,7 +10,9 @@ distinct calls of every pure step it made (tests/golden/trace.py) to `<walk>.jso
 - join: a node joins a running job;
 - drain: a follower is drained (`Drain`) and leaves;
 - sick: a node's workers fail as they start, until it is quarantined;
-- leader: the leader is lost; another campaigns and re-plans.
+- leader: the leader is lost; another campaigns and re-plans;
+- trained: as loss, with real worker processes that train and snapshot (the durability
+  part's steps: commits, snapshots, the resume from what the survivors hold).
 
 Recorded once, from the tree before a part moves; replayed by tests/unit/test_golden_steps.py
 after. A walk's timing varies from run to run (and so do the cases it records); what a replay
@@ -20,9 +22,11 @@ checks is that every recorded call decides the same today.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +40,7 @@ from tests.golden.steps import STEPS
 from tests.golden.trace import Recorder, has_opaque, instrument
 
 NODES = 4
-WALKS = ("loss", "join", "drain", "sick", "leader")
+WALKS = ("loss", "join", "drain", "sick", "leader", "trained")
 TIMEOUT_S = 90.0
 
 
@@ -94,7 +98,71 @@ def _cluster(workdir: Path, name: str) -> Iterator[SimCluster]:
         etcd.close()
 
 
+def _trained(workdir: Path, recorder: Recorder) -> None:
+    """Three agents with real workers on the tiny model; one is lost once every node has
+    committed steps, and the others train on from what they hold."""
+    from bench.soak import SLICED_DEVICE
+    from elasticpp.agent.jobspec import parse_job_spec
+    from elasticpp.agent.node import AgentConfig
+
+    etcd = EtcdServer(workdir / "etcd-trained")
+    etcd.start()
+    spec = parse_job_spec(
+        {
+            "name": "golden-trained",
+            "model": "tiny",
+            "global_batch": 12,
+            "micro_batch": 2,
+            "steps": 100_000,
+            "seed": 3,
+            "min_nodes": 1,
+            "max_nodes": 3,
+            "lease_ttl_s": 3,
+            "join_settle_s": 0.5,
+            "snapshot_every": 2,
+            "device": SLICED_DEVICE,
+        }
+    )
+    agents: list[SimAgent] = []
+    threads: list[threading.Thread] = []
+    try:
+        for i in range(3):
+            cfg = AgentConfig(
+                f"node-{i}", (etcd.endpoint,), "127.0.0.1:0", 1, workdir / f"trained-{i}"
+            )
+            agent = SimAgent(cfg, spec)
+            agent.start()
+            agents.append(agent)
+            threads.append(threading.Thread(target=agent.run, daemon=True))
+            threads[-1].start()
+
+        def trained(live: list[SimAgent], beyond: int) -> Callable[[], bool]:
+            return lambda: all(a._ds.last_step > beyond for a in live)
+
+        _wait(trained(agents, 4), "every node's first committed steps")
+        with _recording(recorder):
+            lost = next(a for a in agents if not a._is_leader())
+            live = [a for a in agents if a is not lost]
+            gen = max(a.generation for a in live)
+            lost.crash()
+            _wait(lambda: all(a.generation > gen for a in live), "the re-plan")
+            step = max(a._ds.last_step for a in live)
+            _wait(trained(live, step + 4), "training on after the loss")
+    finally:
+        for a in agents:
+            a.request_stop()
+        for t in threads:
+            t.join(timeout=30)
+        for a in agents:
+            with contextlib.suppress(Exception):
+                a.shutdown()
+        etcd.close()
+
+
 def walk(name: str, workdir: Path, recorder: Recorder) -> None:
+    if name == "trained":
+        _trained(workdir, recorder)
+        return
     with _cluster(workdir, name) as cluster:
         gen = _generation(cluster)
         leader = _leader(cluster)

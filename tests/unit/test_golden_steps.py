@@ -1,6 +1,7 @@
 """The agent's pure steps decide today as they decided when the golden traces were recorded
 (tests/golden: every distinct call of every step on the failure walks loss, join, drain,
-sick node and leader loss, recorded from real agents). A part that moves keeps these
+sick node and leader loss, recorded from real agents, and a loss with real workers that
+train and snapshot). A part that moves keeps these
 decisions: a replayed case whose state after the call or whose actions differ fails here.
 
 A case whose arguments held a value with no plain form (a future, the leadership handle, the
@@ -18,10 +19,16 @@ from tests.golden.steps import STEPS
 from tests.golden.trace import Classes, expected, has_opaque, read_cases, replay, untouched
 
 GOLDEN = Path(__file__).parent.parent / "data" / "golden"
-WALKS = ("loss", "join", "drain", "sick", "leader")
-# Steps whose recorded states hold handles (futures, the leadership, the probes' lock).
+WALKS = ("loss", "join", "drain", "sick", "leader", "trained")
+# Steps whose recorded states hold handles (futures, the leadership, the probes' lock, the
+# persister's thread).
 NOT_PLAIN_YET = frozenset(
     {
+        "durability_committed",
+        "durability_on_snapshot",
+        "durability_on_step",
+        "durability_recorded",
+        "leader_pull_started",
         "follower_step",
         "follower_arrived",
         "follower_assigned",
