@@ -286,7 +286,8 @@ class Agent(
                 code = self.turn()
                 if code is not None:
                     return code
-            return 0
+            # Stopped (a signal): a finished job's agent says so, any other says it left.
+            return 0 if self._cs.job_done else self.cfg.unfinished_exit_code
         finally:
             self.shutdown()
 
