@@ -4,6 +4,7 @@ what differs between them is said where it differs.
 */}}
 {{- define "elasticpp.podTemplate" -}}
 {{- $fullname := include "elasticpp.fullname" . }}
+{{- $job := eq .Values.workload "indexedJob" }}
 {{- $grpcPort := int .Values.agent.grpcPort }}
 {{- $resources := deepCopy .Values.resources }}
 {{- if eq .Values.agent.device "cuda" }}
@@ -33,6 +34,12 @@ metadata:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
+  {{- if $job }}
+  # Every exit is the Job's to judge (its podFailurePolicy): no restart in place. The pod's
+  # hostname is <job>-<index>; the subdomain gives it <job>-<index>.<service>.<namespace>.svc.
+  restartPolicy: Never
+  subdomain: {{ $fullname }}
+  {{- end }}
   serviceAccountName: {{ include "elasticpp.serviceAccountName" . }}
   automountServiceAccountToken: false
   # preStop drains (the job moves off this pod at a step boundary); the agent then exits.
@@ -77,7 +84,12 @@ spec:
         - --etcd={{ include "elasticpp.etcdEndpoints" . }}
         - --etcd-prefix={{ .Values.etcd.prefix | default (printf "/elasticpp/%s" .Release.Namespace) }}
         - --job-spec=/etc/elasticpp/job.yaml
+        {{- if $job }}
+        # The pod name is the node id (<job>-<index>-<suffix>): a replaced pod is a new node
+        # joining, and no replacement waits for its predecessor's lease to lapse.
+        {{- else }}
         # The pod name is the node id: stable across restarts, unique in the job.
+        {{- end }}
         - --node-id=$(POD_NAME)
         - --slots={{ .Values.agent.slots }}
         - --device={{ .Values.agent.device }}
@@ -98,7 +110,9 @@ spec:
         {{- if .Values.token.existingSecret }}
         - --token-file=/etc/elasticpp-token/token
         {{- end }}
-        {{- if eq .Values.agent.advertise "dns" }}
+        {{- if and (eq .Values.agent.advertise "dns") $job }}
+        - --advertise-host={{ $fullname }}-$(POD_INDEX).{{ $fullname }}.$(POD_NAMESPACE).svc.{{ .Values.clusterDomain }}
+        {{- else if eq .Values.agent.advertise "dns" }}
         - --advertise-host=$(POD_NAME).{{ $fullname }}.$(POD_NAMESPACE).svc.{{ .Values.clusterDomain }}
         {{- else }}
         - --advertise-host=$(POD_IP)
@@ -106,7 +120,16 @@ spec:
         - --state-dir=/var/lib/elasticpp
         - --metrics-port={{ .Values.agent.metricsPort }}
         - --log-level={{ .Values.agent.logLevel }}
+        {{- if $job }}
+        # A finished job's agents exit 0 and complete the Job, a failed or halted one's 3 or
+        # 4 (FailJob); one that leaves a job that goes on (drained, stopped) exits as a
+        # process SIGTERM ended would, so that the Job replaces its pod (Ignore) instead of
+        # counting its index complete.
+        - --on-job-end=exit
+        - --unfinished-exit-code={{ include "elasticpp.unfinishedExitCode" . }}
+        {{- else }}
         - --on-job-end={{ .Values.agent.onJobEnd }}
+        {{- end }}
         {{- if .Values.etcd.tls.existingSecret }}
         - --etcd-ca=/etc/elasticpp-etcd/tls/ca.crt
         {{- if .Values.etcd.tls.clientCertificate }}
@@ -130,6 +153,12 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: metadata.namespace
+        {{- if $job }}
+        - name: POD_INDEX
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+        {{- end }}
         - name: POD_IP
           valueFrom:
             fieldRef:
@@ -259,7 +288,14 @@ spec:
           csi.cert-manager.io/issuer-kind: {{ .Values.tls.certManager.issuerKind }}
           csi.cert-manager.io/issuer-group: {{ .Values.tls.certManager.issuerGroup }}
           csi.cert-manager.io/common-name: ${POD_NAME}
+          {{- if $job }}
+          # The name peers dial is the pod's hostname, <job>-<index>, which no variable of
+          # the CSI driver gives (POD_NAME, POD_NAMESPACE, POD_UID, SERVICE_ACCOUNT_NAME):
+          # the certificate covers the job's own subdomain. The node is its common name.
+          csi.cert-manager.io/dns-names: "*.{{ $fullname }}.${POD_NAMESPACE}.svc.{{ .Values.clusterDomain }}"
+          {{- else }}
           csi.cert-manager.io/dns-names: ${POD_NAME}.{{ $fullname }}.${POD_NAMESPACE}.svc.{{ .Values.clusterDomain }}
+          {{- end }}
           csi.cert-manager.io/key-usages: server auth,client auth
           csi.cert-manager.io/fs-group: {{ .Values.podSecurityContext.fsGroup | default 1000 | quote }}
     {{- else if eq .Values.tls.mode "secret" }}
@@ -283,7 +319,25 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ .Values.shmSize }}
-    {{- if not .Values.persistence.enabled }}
+    {{- if and $job .Values.persistence.enabled }}
+    # A Job has no volumeClaimTemplates: a claim per pod that lives and goes with the pod
+    # (a replaced pod is a new node, which fetches its state from its peers).
+    - name: state
+      ephemeral:
+        volumeClaimTemplate:
+          metadata:
+            labels:
+              {{- include "elasticpp.selectorLabels" . | nindent 14 }}
+          spec:
+            accessModes:
+              {{- toYaml .Values.persistence.accessModes | nindent 14 }}
+            {{- with .Values.persistence.storageClassName }}
+            storageClassName: {{ . }}
+            {{- end }}
+            resources:
+              requests:
+                storage: {{ .Values.persistence.size }}
+    {{- else if not .Values.persistence.enabled }}
     - name: state
       emptyDir: {}
     {{- end }}
