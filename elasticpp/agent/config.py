@@ -5,10 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticpp.agent.lifetime import STOP_OVERDUE_EXIT
+from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
+from elasticpp.agent.view import EPOCH_ENDED_EXIT
 from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.keys import check_prefix
 from elasticpp.errors import ConfigError
 from elasticpp.transport import TLSFiles, is_loopback
+
+# Exit statuses of the agent that mean something else than "left a job that goes on".
+TAKEN_EXIT_CODES = {
+    STOP_OVERDUE_EXIT: "an error, or a stop cut short",
+    2: "bad configuration",
+    EXIT_FAILED: "the job failed",
+    EXIT_HALTED: "the job halted",
+    EPOCH_ENDED_EXIT: "the job's epoch ended",
+}
 
 
 @dataclass(frozen=True)
@@ -22,6 +34,10 @@ class AgentConfig:
     # When the job ends (finished, failed, halted): "exit" (code 0, 3 or 4; systemd) or
     # "idle" (stay up, healthy and idle until removed; a Kubernetes StatefulSet).
     on_job_end: str = "exit"
+    # The exit status when this agent stops before the job ended (drained, or a stop signal):
+    # 0 for systemd and a StatefulSet; not 0 under a Kubernetes Job, where a pod that exits 0
+    # counts its index complete (a Job whose every pod was drained would say "Complete").
+    unfinished_exit_code: int = 0
     backend: str = "gloo"
     device: str = "cpu"
     worker_threads: int | None = 1  # torch threads per CPU worker (None: torch's default)
@@ -51,6 +67,13 @@ class AgentConfig:
             raise ConfigError(f"agent: --on-job-end must be exit or idle, got {self.on_job_end!r}")
         if self.slots < 1:
             raise ConfigError(f"agent: slots must be >= 1, got {self.slots}")
+        code = self.unfinished_exit_code
+        if not 0 <= code <= 255 or code in TAKEN_EXIT_CODES:
+            taken = ", ".join(f"{c} ({why})" for c, why in TAKEN_EXIT_CODES.items())
+            raise ConfigError(
+                f"agent: --unfinished-exit-code must be in [0, 255] and not one that says "
+                f"something else: {taken}; got {code}"
+            )
         if not self.etcd:
             raise ConfigError("agent: --etcd needs at least one HOST:PORT")
         check_prefix(self.etcd_prefix)

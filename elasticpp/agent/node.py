@@ -263,7 +263,12 @@ class Agent(
         self._torch_ready = threading.Event()
         self.control = Control(
             ControlConfig(
-                cfg.node_id, self.incarnation, spec.name, spec.steps, cfg.on_job_end == "exit"
+                cfg.node_id,
+                self.incarnation,
+                spec.name,
+                spec.steps,
+                exit_on_end=cfg.on_job_end == "exit",
+                unfinished_exit_code=cfg.unfinished_exit_code,
             ),
             clock=self._clock,
             pool=self.pool,
@@ -319,7 +324,8 @@ class Agent(
                 code = self.turn()
                 if code is not None:
                     return code
-            return 0
+            # Stopped (a signal): a finished job's agent says so, any other says it left.
+            return 0 if self.control.summary().job_done else self.cfg.unfinished_exit_code
         finally:
             self.shutdown()
 

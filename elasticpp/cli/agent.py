@@ -95,6 +95,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "idle, healthy, until removed (for a Kubernetes StatefulSet)",
     )
     p.add_argument(
+        "--unfinished-exit-code",
+        type=int,
+        default=0,
+        help="exit status when this agent stops before the job ended (drained, or SIGTERM): "
+        "0 by default; not 0 under a Kubernetes Job (a pod that exits 0 completes its index)",
+    )
+    p.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -188,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         on_job_end=args.on_job_end,
+        unfinished_exit_code=args.unfinished_exit_code,
         etcd_security=security,
         etcd_prefix=args.etcd_prefix,
         tls=TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca),

@@ -174,6 +174,8 @@ def decode(x: Json, classes: Classes) -> Any:
         names = {f.name for f in dataclasses.fields(cls)}
         gone = classes.moved_out.get(cls.__qualname__, frozenset())
         fields = {k: v for k, v in x["f"].items() if k not in gone}
+        added = {k: encode(v) for k, v in _defaults(cls).items() if k not in fields}
+        fields.update(added)  # added since the recording, with the value it defaults to
         recorded = set(fields)
         if names != recorded:
             raise LookupError(
@@ -295,8 +297,23 @@ def today(x: Json, classes: Classes) -> Json:
         if tag in x:
             out[tag] = _cls_name(classes.find(str(x[tag])))
     if "__dc" in x:
-        gone = classes.moved_out.get(str(x["__dc"]).partition(":")[2], frozenset())
+        cls = classes.find(str(x["__dc"]))
+        gone = classes.moved_out.get(cls.__qualname__, frozenset())
         out["f"] = {k: v for k, v in out["f"].items() if k not in gone}
+        for k, v in _defaults(cls).items():
+            out["f"].setdefault(k, encode(v))
+    return out
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The fields of dataclass `cls` that have a default, with it: a field added after a
+    trace was recorded reads as what it defaults to (what the code of the recording did)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
     return out
 
 

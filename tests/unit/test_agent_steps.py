@@ -98,6 +98,24 @@ def test_a_drain_ends_at_its_deadline_and_a_second_request_does_not_move_it() ->
     assert event.message == "drain timed out" and state.exit_code == 0
 
 
+def test_a_drain_that_leaves_an_unfinished_job_exits_with_the_unfinished_code() -> None:
+    # Under a Kubernetes Job a pod that exits 0 completes its index: only a finished job's
+    # agent may say 0.
+    job = replace(OBS, unfinished_exit_code=143)
+    for ends_with in (
+        replace(job, now_s=102.0, generation=4, plan_nodes=frozenset({"n0"})),  # handed off
+        replace(job, now_s=200.0),  # timed out
+    ):
+        state = ControlState()
+        control_step(state, replace(job, drain_timeout_s=60.0))
+        control_step(state, ends_with)
+        assert state.exit_code == 143, ends_with
+    finished = ControlState()
+    control_step(finished, replace(job, drain_timeout_s=60.0))
+    control_step(finished, replace(job, done_reported=True))
+    assert finished.exit_code == 0
+
+
 def test_a_drain_of_a_job_that_is_over_ends_at_once() -> None:
     for over in (
         replace(OBS, job_ended=True),

@@ -40,7 +40,7 @@ RULES_DIR = ROOT / "deploy" / "prometheus"
 TOOLS_DIR = ROOT / ".venv" / "tools"
 # The chart's kubeVersion floor (gRPC probes are GA from 1.27) and the newest schemas we have.
 KUBE_VERSIONS = ("1.27", "1.37")
-BUILTIN_API_GROUPS = ("v1", "apps/v1", "policy/v1", "networking.k8s.io/v1")
+BUILTIN_API_GROUPS = ("v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1")
 INSTALLED_BIN = "/usr/local/bin/elasticpp"
 
 HOW_TO_GET = {

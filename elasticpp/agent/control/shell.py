@@ -49,6 +49,7 @@ class ControlConfig:
     job: str
     steps: int  # the job's
     exit_on_end: bool  # on_job_end "exit": leave once finished; else idle until removed
+    unfinished_exit_code: int = 0  # a drain's exit status before the job ended
 
 
 class Control:
@@ -112,6 +113,7 @@ class Control:
             has_spares=self._pool.has_spares(),
             drain_timeout_s=drain_timeout_s,
             exit_on_end=cfg.exit_on_end,
+            unfinished_exit_code=cfg.unfinished_exit_code,
         )
         return control_step(self.state, obs)
 
@@ -124,7 +126,8 @@ class Control:
     # ------------------------------------------------------------------ gRPC threads
     def request_drain(self, timeout_s: float) -> tuple[bool, str]:
         """Leave the job: the leader re-plans without this node at a step boundary, the new
-        layout takes this node's state, then the agent exits 0. Called on a gRPC thread: the
+        layout takes this node's state, then the agent exits (0, or the code of a node that
+        leaves an unfinished job: `AgentConfig.unfinished_exit_code`). Called on a gRPC thread: the
         request is queued for the loop, which alone writes the state (a flag read here is
         only a hint for the reply)."""
         if self.state.draining:

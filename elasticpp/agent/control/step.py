@@ -50,13 +50,17 @@ class ControlObservation:
     has_spares: bool
     drain_timeout_s: float | None  # a drain asked for now (over gRPC), with its timeout
     exit_on_end: bool  # on_job_end "exit": leave once finished; else idle until removed
+    # The exit status of a drain that leaves a job that has not finished (0 but under a
+    # Kubernetes Job, where a pod that exits 0 counts its index complete).
+    unfinished_exit_code: int = 0
 
 
 def control_step(state: ControlState, obs: ControlObservation) -> list[Action]:
     """The end of the job and of a drain, decided: writes only `state`, does no I/O.
     A finished job exits 0 (or idles, its spares released) once its workers are gone; a
-    drain announces itself, hands the leadership on, and exits 0 once a later plan without
-    this node has started everywhere, the job is over, or the drain's time is up."""
+    drain announces itself, hands the leadership on, and exits once a later plan without
+    this node has started everywhere, the job is over, or the drain's time is up: with 0
+    once the job finished, else with `unfinished_exit_code`."""
     actions: list[Action] = []
     if (obs.done_reported or obs.finished_here) and not state.job_done:
         state.job_done = True
@@ -93,5 +97,5 @@ def control_step(state: ControlState, obs: ControlObservation) -> list[Action]:
     expired = state.drain_deadline_s is not None and obs.now_s > state.drain_deadline_s
     if state.exit_code is None and (handed_off or no_job or expired):
         actions.append(Event("decision", "drained" if handed_off or no_job else "drain timed out"))
-        state.exit_code = 0
+        state.exit_code = 0 if state.job_done else obs.unfinished_exit_code
     return actions

@@ -73,6 +73,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
+Seconds from SIGTERM to the agent's exit at most: its stop's deadline (the job spec's
+stop_timeout_s, 30 unless set: elasticpp.agent.jobspec), then the SIGKILL of its process
+tree and the wait for it (AGENT_STOP_KILL_WAIT_S, 3: elasticpp.agent.limits).
+*/}}
+{{- define "elasticpp.stopSeconds" -}}
+{{- add (int (ceil (get .Values.jobSpec "stop_timeout_s" | default 30))) 3 }}
+{{- end }}
+
+{{/*
+The indexed Job's exit codes (podFailurePolicy), the agent's own (elasticpp.agent.quarantine,
+elasticpp.agent.view): 3 the job failed and 4 it halted end the Job; 75 (the job's epoch
+ended in etcd: start again) and the code an agent leaving an unfinished job exits with
+(drained, or stopped: 128 + SIGTERM) get a replacement pod without counting a failure.
+*/}}
+{{- define "elasticpp.failJobExitCodes" -}}
+[3, 4]
+{{- end }}
+{{- define "elasticpp.unfinishedExitCode" -}}
+143
+{{- end }}
+{{- define "elasticpp.replaceExitCodes" -}}
+[75, {{ include "elasticpp.unfinishedExitCode" . }}]
+{{- end }}
+
+{{/*
 Refuse values that cannot work, with a message naming the values. Called by every template
 that depends on them, so `helm template` and `helm install` fail before anything is created.
 */}}
@@ -140,6 +165,21 @@ that depends on them, so `helm template` and `helm install` fail before anything
 {{- $device := get $spec "device" | default "cpu" }}
 {{- if and (kindIs "string" $device) (eq (lower $device) "cpu") }}
 {{- fail "jobSpec.device is cpu (the default: the planner's model of a CPU slot) but agent.device is cuda: set jobSpec.device to the GPUs' preset (a100-40g, a100-80g, h100-80g, h200) or to their figures (memory_gib, peak_tflops, intra_node_gbps, inter_node_gbps)" }}
+{{- end }}
+{{- end }}
+{{- $stopS := int (include "elasticpp.stopSeconds" .) }}
+{{- if lt (int .Values.drain.graceMarginSeconds) (add 10 $stopS) }}
+{{- fail (printf "drain.graceMarginSeconds (%d) must be at least %d: the preStop hook's drain request (10 s) and the agent's stop after SIGTERM (%d s: jobSpec.stop_timeout_s, then 3 s for the SIGKILL of its processes) come on top of drain.waitSeconds, or Kubernetes kills the pod while it stops" (int .Values.drain.graceMarginSeconds) (add 10 $stopS) $stopS) }}
+{{- end }}
+{{- if eq .Values.workload "indexedJob" }}
+{{- range .Values.agent.extraArgs }}
+{{- if or (hasPrefix "--on-job-end" .) (hasPrefix "--unfinished-exit-code" .) }}
+{{- fail (printf "agent.extraArgs: %q: with workload indexedJob the chart sets --on-job-end exit and --unfinished-exit-code itself (the Job's podFailurePolicy reads the agent's exit codes)" .) }}
+{{- end }}
+{{- end }}
+{{- $pdb := .Values.podDisruptionBudget }}
+{{- if and $pdb.enabled (or (not (kindIs "invalid" $pdb.maxUnavailable)) (kindIs "string" $pdb.minAvailable)) }}
+{{- fail "podDisruptionBudget: with workload indexedJob give minAvailable as a number (or leave it null), not maxUnavailable or a percentage: a Job has no scale subresource, so Kubernetes cannot count the pods those are of and refuses every eviction" }}
 {{- end }}
 {{- end }}
 {{- if eq (int .Values.agent.grpcPort) (int .Values.agent.metricsPort) }}
