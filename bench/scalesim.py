@@ -220,9 +220,10 @@ class SimAgent(Agent):
             self._server.stop(grace=None)  # probes are refused from now on
             self._server = None
         self.pool.kill_all()
-        if self.cluster is not None:
+        if self._etcd_open:
             self.cluster.close()  # keep-alives stop; the lease lapses by its TTL
-            self.cluster = None
+            self._etcd_open = False
+        self._closed = True
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
         self._probe_channels.close()
 

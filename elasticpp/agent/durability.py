@@ -220,7 +220,7 @@ class DurabilityPart:
         (the replicate thread). Made now, put by the record's one writer off the loop, at
         most every COMMIT_RECORD_EVERY_S: a slow etcd never holds the loop, and a record made
         earlier never lands after a newer one (elasticpp.agent.latest)."""
-        if self.cluster is None:
+        if self._closed:
             return
         self._commit_records.offer(generation, lambda: self._commit_record(generation))
 
@@ -235,11 +235,10 @@ class DurabilityPart:
 
     def _put_commit_record(self, generation: int, value: CommitValue) -> None:
         """The writer thread's put (errors are the writer's: it keeps the value, retries)."""
-        cluster = self.cluster
-        if cluster is None:
+        if self._closed:
             return
         step, anchors, replicas = value
-        cluster.record_commit(
+        self.cluster.record_commit(
             generation, self.node_id, step, anchors, replicas, lease_id=self._member_lease()
         )
 

@@ -146,7 +146,6 @@ class ExecutorPart:
                 )
                 self._execute(leader_probed(self._lvs, action, result))
             elif isinstance(action, DeposeLeader):
-                assert self.cluster is not None
                 done = self.cluster.depose(action.leader)
                 self._execute(leader_deposed(self._lvs, action, done))
             elif isinstance(action, Reread):
@@ -209,7 +208,6 @@ class ExecutorPart:
                 self._persist_async(action.step, action.model)
             # --- the leader's actions
             elif isinstance(action, WriteGeneration):
-                assert self.cluster is not None
                 ok = self.cluster.write_generation(
                     action.record, action.expected_rev, self._ls.leadership
                 )
@@ -228,38 +226,32 @@ class ExecutorPart:
                     disk = checkpoint_holdings(Path(action.persist_dir), self.store.job)
                 self._execute(leader_resume_resolved(self._ls, action, disk))
             elif isinstance(action, CheckNeverCommitted):
-                assert self.cluster is not None
                 ever = self.cluster.ever_committed()
                 self._execute(leader_fresh_checked(self._ls, action, ever))
             elif isinstance(action, WriteResume):
-                assert self.cluster is not None
                 ok = self.cluster.write_resume(
                     action.generation, dict(action.value), self._ls.leadership
                 )
                 self._reread.raise_()
                 self._execute(leader_resume_written(self._ls, action, ok))
             elif isinstance(action, PublishResumeWait):
-                assert self.cluster is not None
                 ok = self.cluster.write_resume_wait(
                     action.generation, action.why, self._ls.leadership
                 )
                 self._reread.raise_()
                 self._execute(leader_resume_wait_published(self._ls, action, ok))
             elif isinstance(action, RecordTimeline):
-                assert self.cluster is not None
                 ok = self.cluster.record_timeline(
                     action.generation, dict(action.timeline), self._ls.leadership
                 )
                 self._execute(leader_timeline_recorded(self._ls, action, ok))
             elif isinstance(action, Housekeep):
-                assert self.cluster is not None
                 removed = self.cluster.housekeep(action.generation, leader=self._ls.leadership)
                 if removed:
                     log.info("leader: removed %d etcd key(s) of older generations", removed)
             elif isinstance(action, CleanRendezvous):
                 self._clean_rendezvous(action.generation)
             elif isinstance(action, CompactHistory):
-                assert self.cluster is not None
                 compacted = self.cluster.compact_history(self._ls.leadership)
                 if compacted is not None:
                     log.info("leader: etcd history compacted to revision %d", compacted)
@@ -267,24 +259,20 @@ class ExecutorPart:
                 self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
                 self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(action.seconds)
             elif isinstance(action, ReadCommitRecords):
-                assert self.cluster is not None
                 # From the cache (no read of every node's record twice a second): a record
                 # a watch delivery old gives a safe step no newer than a fresh one would.
                 self.cluster.cache_for_leader(True)
                 records = self.cluster.commit_records(action.generation, cached=True)
                 self._execute(leader_safe_step(action, records))
             elif isinstance(action, ReadSafe):
-                assert self.cluster is not None
                 # A cached value may be a delivery old: the write compares its revision.
                 current, revision = self.cluster.read_safe(cached=True)
                 self._execute(leader_safe_read(action, current, revision))
             elif isinstance(action, WriteSafe):
-                assert self.cluster is not None
                 ok = self.cluster.write_safe(action.safe, action.expected_rev, self._ls.leadership)
                 self._execute(leader_safe_written(action, ok))
             # --- the follower's actions (elasticpp.agent.phases)
             elif isinstance(action, SkipRecord):
-                assert self.cluster is not None
                 self.cluster.skip_value(self.cluster.keys.generation, ValueError(action.error))
             elif isinstance(action, AskStop | KillOld):
                 for pid in action.pids:
@@ -332,7 +320,6 @@ class ExecutorPart:
     def _arrive(self, action: ArriveStopped | ArriveStarted | ArriveDone) -> None:
         """Write a follower's arrival and feed the result back; a write etcd refuses leaves
         the phase as it was (the error still ends the tick's etcd half, as before)."""
-        assert self.cluster is not None
         if isinstance(action, ArriveStopped):
             # Read now, after the old workers' events were drained: what this node holds,
             # as a digest; the leader pulls the detail it needs from this node's server.

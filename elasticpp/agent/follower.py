@@ -88,7 +88,7 @@ class FollowerPart:
                 del self._fs.pending_failures[generation]  # a newer plan already replaced it
                 self._fs.failures_held.discard(generation)
                 continue
-            if self.cluster is None:
+            if self._closed:
                 return
             try:
                 self.cluster.arrive(

@@ -83,7 +83,6 @@ class LeaderPart:
         ):
             self._ls.campaign_at_s = None  # a leader is known: the next loss draws afresh
             return
-        assert self.cluster is not None
         if not self._torch_ready.is_set():
             return  # the leader hosts the rendezvous store; wait until torch is imported
         now_s = self._clock.monotonic()

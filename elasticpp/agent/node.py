@@ -176,6 +176,7 @@ class Agent(
         wake: threading.Event | None = None,
         watchdog: bool = True,
         health: HealthPort | None = None,
+        cluster: ClusterClient | None = None,
     ) -> None:
         self._clock: Clock = clock or SystemClock()  # every part's decisions read it
         # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
@@ -184,10 +185,9 @@ class Agent(
         # event that wakes the loop (a simulation's also schedules the agent's next `turn`
         # on its pool of loop threads), whether the agent starts its own loop watchdog
         # (a simulation checks its agents' loops from one thread: `check_loop`) and the
-        # health service it answers on (a simulation's agents share one).
+        # health service it answers on (a simulation's agents share one). `cluster`: the
+        # job's etcd client (default: one made here from the flags; tests give another).
         self._worker_factory = worker_factory
-        self._meter = meter
-        self._shared_kv = etcd_kv
         self._own_watchdog = watchdog
         self.cfg = cfg
         self.spec = spec
@@ -258,7 +258,21 @@ class Agent(
         self._server: grpc.Server | None = None
         self._health_server: grpc.Server | None = None  # --health-listen's, if any
         self.port = 0
-        self.cluster: ClusterClient | None = None
+        # The job's etcd client: no request until `start` joins (a channel connects lazily).
+        self.cluster = (
+            cluster
+            if cluster is not None
+            else ClusterClient(
+                list(cfg.etcd),
+                spec.name,
+                meter=meter,
+                kv=etcd_kv,
+                security=cfg.etcd_security,
+                prefix=cfg.etcd_prefix,
+            )
+        )
+        self._closed = False  # `shutdown` closed the etcd client: the parts write no more
+        self._etcd_open = False  # `start` began to join: `shutdown` leaves etcd cleanly
         self._registration: Any = None
         self._torch_ready = threading.Event()
         self.control = Control(
@@ -298,7 +312,7 @@ class Agent(
         epoch key the view's epoch check; a RESYNC (events lost) raises both. (These keys
         had watches of their own, three more streams and threads an agent.) A follower sees
         no other node's member key: when a job starts, N registrations woke N agents."""
-        if isinstance(event, WatchEvent) and self.cluster is not None:
+        if isinstance(event, WatchEvent):
             keys, resync = self.cluster.keys, event.type is EventType.RESYNC
             if resync or event.key.startswith(keys.quarantine_prefix) or event.key == keys.ended:
                 self._health_changed.raise_()
@@ -421,7 +435,7 @@ class Agent(
         self.worker_logs.close()  # what the killed workers wrote last, copied
         if self._ds.persister is not None:
             self._ds.persister.close(timeout_s=10.0)
-        if self.cluster is not None:
+        if self._etcd_open:
             self._commit_records.close(timeout_s=5.0)  # the newest record, while etcd is ours
             with contextlib.suppress(ElasticppError):
                 if self._ls.leadership is not None:
@@ -431,7 +445,8 @@ class Agent(
                     self._registration.close()
             with contextlib.suppress(ElasticppError):
                 self.cluster.close()
-            self.cluster = None
+            self._etcd_open = False
+        self._closed = True
         if self._server is not None:
             self._server.stop(grace=0.5)
             self._server = None

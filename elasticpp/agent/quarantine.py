@@ -134,7 +134,6 @@ class QuarantinePart:
         they changed, and once at the start)."""
         if not self._health_changed.take():
             return
-        assert self.cluster is not None
         try:
             # From the job's cache, which the watch event that raised the signal updated
             # first: a quarantine made every node read etcd twice (2,048 reads at 1,024 nodes).
@@ -179,7 +178,7 @@ class QuarantinePart:
         self._publish_halt()
 
     def _publish_halt(self) -> None:
-        if self._hs.halt_pending is None or self.cluster is None:
+        if self._hs.halt_pending is None or self._closed:
             return
         message, step = self._hs.halt_pending
         end = self.cluster.end_job("halted", message, by=self.node_id, step=step)
@@ -195,7 +194,6 @@ class QuarantinePart:
 
     def lift_quarantine(self, node_id: str) -> tuple[bool, str]:
         """An operator lifts a quarantine (`elasticpp ctl lift NODE`, from any agent)."""
-        assert self.cluster is not None
         if not self.cluster.lift_quarantine(node_id):
             return False, f"node {node_id} is not quarantined"
         # The deletion reaches every agent's loop, this one's too, through its watch.
@@ -237,7 +235,6 @@ class QuarantinePart:
         return self._view()
 
     def _act_sick(self, actions: list[Any]) -> None:
-        assert self.cluster is not None
         for action in actions:
             if isinstance(action, Quarantine):
                 q = action.entry

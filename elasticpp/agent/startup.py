@@ -27,7 +27,7 @@ from elasticpp.agent.limits import (
     LEASE_STALL_S,
     UNARY_THREADS,
 )
-from elasticpp.cluster import ClusterClient, ProgressGate
+from elasticpp.cluster import ProgressGate
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.records import propose_epoch
 from elasticpp.errors import ConfigError
@@ -61,14 +61,7 @@ class StartupPart:
         # seconds, which can starve the lease keep-alive of a freshly registered node.
         self._import_torch()
         self._prepare_init()
-        self.cluster = ClusterClient(
-            list(self.cfg.etcd),
-            self.spec.name,
-            meter=self._meter,
-            kv=self._shared_kv,
-            security=self.cfg.etcd_security,
-            prefix=self.cfg.etcd_prefix,
-        )
+        self._etcd_open = True
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
             self._heartbeat.busy()  # each try at joining is this loop's work
@@ -237,7 +230,6 @@ class StartupPart:
 
     def _join_cluster(self) -> None:
         """Idempotent: check the spec, start warm workers, register, watch."""
-        assert self.cluster is not None
         stored = self.cluster.put_spec_if_absent(self.spec.to_json())
         if stored != self.spec.to_json():
             other = JobSpec.from_json(stored)
@@ -267,7 +259,6 @@ class StartupPart:
         """One job's agents run one elasticpp: a job whose leader runs another version is
         refused, naming both (records may change between versions; docs/deploy.md says how
         to upgrade a job). One read: the leader's member key, not every node's."""
-        assert self.cluster is not None
         leader = self.cluster.leader()
         if leader is None or leader == self.node_id:
             return

@@ -185,7 +185,6 @@ class ViewPart:
         self._update_gauges()  # etcd_up to 0: by the control part, which keeps what it set
 
     def _count_skipped(self) -> None:
-        assert self.cluster is not None
         new = self.cluster.skipped_values - self._vs.skipped_seen
         if new > 0:
             self._vs.skipped_seen += new
@@ -193,7 +192,6 @@ class ViewPart:
 
     def _count_requests(self) -> None:
         """Bring `elasticpp_etcd_requests_total` up to the client's own counts."""
-        assert self.cluster is not None
         for method, count in self.cluster.etcd_requests().items():
             new = count - self._vs.requests_seen.get(method, 0)
             if new > 0:
@@ -201,7 +199,6 @@ class ViewPart:
                 self.metrics.of(self.metrics.etcd_requests_total, method=method).inc(new)
 
     def _refresh(self) -> None:
-        assert self.cluster is not None
         self._reread.take()
         self._vs.last_refresh_s = self._clock.monotonic()
         cluster = self.cluster
@@ -252,7 +249,6 @@ class ViewPart:
         `MemberDirectory`."""
 
         def read(missing: list[str]) -> dict[str, dict[str, Any]]:
-            assert self.cluster is not None
             return self.cluster.member_records(missing)
 
         return self._directory.records(nodes, self._vs, read)
@@ -262,7 +258,6 @@ class ViewPart:
         leader's, read by key when the leader's term changes (a restarted leader elected
         again is a new term), or while it is missing. The same object while neither
         changed."""
-        assert self.cluster is not None
         own = self.cluster.member_records([self.node_id])
         held_leader, held_term, held = self._vs.leader_member
         if leader is None or leader == self.node_id:
@@ -279,7 +274,6 @@ class ViewPart:
         """The job's epoch key changed, or the generation record vanished: if the epoch this
         agent joined is gone (etcd wiped, the job's prefix deleted), its generation numbering
         is gone with it; stop, so that a restart joins the new epoch."""
-        assert self.cluster is not None
         self._epoch_changed.take()
         try:
             current = self.cluster.epoch()

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.leaderstate import CAMPAIGN_SPREAD_MAX_S
+from elasticpp.agent.clock import ManualClock
+from elasticpp.agent.leaderstate import CAMPAIGN_SPREAD_MAX_S, campaign_spread_s
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import ClusterClient, LeaseNotFoundError
@@ -24,10 +25,20 @@ from tests.unit.test_agent_done import SPEC, SPEC_FIELDS
 
 
 @pytest.fixture
-def agent(tmp_path: Path, etcd: EtcdServer) -> Iterator[Agent]:
-    """Node n0's agent, joined to etcd only for the calls the campaign step makes."""
-    made = Agent(AgentConfig("n0", (etcd.endpoint,), "127.0.0.1:0", 2, tmp_path), SPEC)
-    made.cluster = ClusterClient([etcd.endpoint], SPEC.name, request_timeout_s=1.0)
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def agent(tmp_path: Path, etcd: EtcdServer, request: pytest.FixtureRequest) -> Iterator[Agent]:
+    """Node n0's agent, joined to etcd only for the calls the campaign step makes; on the
+    test's `clock` if it asks for one."""
+    made = Agent(
+        AgentConfig("n0", (etcd.endpoint,), "127.0.0.1:0", 2, tmp_path),
+        SPEC,
+        cluster=ClusterClient([etcd.endpoint], SPEC.name, request_timeout_s=1.0),
+        clock=request.getfixturevalue("clock") if "clock" in request.fixturenames else None,
+    )
     made._torch_ready.set()
     made._start_rendezvous_store = lambda: None  # type: ignore[method-assign]  # no torch
     yield made
@@ -53,11 +64,13 @@ def _campaigns_until_won(agent: Agent) -> bool:
 
 @pytest.mark.timeout(30)
 def test_a_node_that_lost_a_campaign_waits_a_spread_before_the_next(
-    agent: Agent, etcd: EtcdServer
+    agent: Agent, etcd: EtcdServer, clock: ManualClock
 ) -> None:
     """Another node won; until this node's view reads the new leader's key, its busy ticks
     must not campaign again (each try grants a lease, tries the key and revokes the lease:
-    every node of a 2,048-node job doing so 20 times a second was a storm of requests)."""
+    every node of a 2,048-node job doing so 20 times a second was a storm of requests).
+    On a clock the test moves: a spread of one node is 4 ms, less than a loaded machine
+    takes for the ticks below."""
     assert agent.cluster is not None
     tries = []
     campaign = agent.cluster.campaign
@@ -72,11 +85,18 @@ def test_a_node_that_lost_a_campaign_waits_a_spread_before_the_next(
         assert held is not None
         try:
             agent._vs.leader = None  # the view has not read n9's key yet
-            assert wait_until(lambda: bool(agent._maybe_campaign() or tries), 5, interval_s=0.005)
-            assert agent._ls.leadership is None  # lost to n9
-            for _ in range(40):  # two seconds of busy ticks
+            spread_s = campaign_spread_s(1)
+            agent._maybe_campaign()  # draws its turn within the spread
+            clock.advance(spread_s)
+            agent._maybe_campaign()
+            assert len(tries) == 1 and agent._ls.leadership is None  # lost to n9
+            for _ in range(40):  # busy ticks within the spread that follows
+                clock.advance(spread_s / 50)
                 agent._maybe_campaign()
             assert len(tries) == 1
+            clock.advance(spread_s)  # a spread later, still no leader seen: it tries again
+            agent._maybe_campaign()
+            assert len(tries) == 2
         finally:
             held.resign()
 
