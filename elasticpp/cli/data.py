@@ -41,6 +41,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from elasticpp.cli import flagtypes
 from elasticpp.errors import ConfigError
 from elasticpp.train.tokenfiles import BIN_DTYPES as DTYPES
 from elasticpp.train.tokenfiles import SIDECAR_FORMAT_VERSION, sidecar_path
@@ -60,19 +61,30 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         description="Tokenise UTF-8 text files (one document each) into a flat little-endian "
         "token file and a JSON sidecar describing it.",
     )
-    prep.add_argument("files", nargs="+", type=Path, metavar="FILE", help="UTF-8 text files")
     prep.add_argument(
-        "--tokenizer", type=Path, required=True, help="a Hugging Face tokenizers JSON file"
+        "files", nargs="+", type=flagtypes.path, metavar="FILE", help="UTF-8 text files"
     )
-    prep.add_argument("--out", type=Path, required=True, help="the token file to write (.bin)")
+    prep.add_argument(
+        "--tokenizer",
+        type=flagtypes.path,
+        required=True,
+        help="a Hugging Face tokenizers JSON file",
+    )
+    prep.add_argument(
+        "--out", type=flagtypes.path, required=True, help="the token file to write (.bin)"
+    )
     eod = prep.add_mutually_exclusive_group()
     eod.add_argument(
         "--eos-token",
+        type=flagtypes.nonempty,
         default=None,
         help="the token to append after every document (default: the tokenizer's end of text)",
     )
     eod.add_argument(
-        "--eod-id", type=int, default=None, help="the id to append after every document"
+        "--eod-id",
+        type=flagtypes.nonnegative_int,
+        default=None,
+        help="the id to append after every document",
     )
     eod.add_argument(
         "--no-eod", action="store_true", help="write documents back to back, with no separator"

@@ -14,13 +14,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from elasticpp.cli import flagtypes
 from elasticpp.errors import CheckpointError, ConfigError
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", type=Path, help="a step directory, or a root of them")
-    parser.add_argument("--hf", type=Path, required=True, help="the directory to write")
-    parser.add_argument("--model", default=None, help="the model, if the manifest lacks it")
+    parser.add_argument(
+        "checkpoint", type=flagtypes.path, help="a step directory, or a root of them"
+    )
+    parser.add_argument("--hf", type=flagtypes.path, required=True, help="the directory to write")
+    parser.add_argument(
+        "--model", type=flagtypes.nonempty, default=None, help="the model, if the manifest lacks it"
+    )
     parser.add_argument("--force", action="store_true", help="write into a non-empty --hf")
 
 
