@@ -42,6 +42,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from elasticpp.cli import flagtypes
+from elasticpp.cli.output import add_output_flag, emit, message_table
 from elasticpp.errors import ConfigError
 from elasticpp.train.tokenfiles import BIN_DTYPES as DTYPES
 from elasticpp.train.tokenfiles import SIDECAR_FORMAT_VERSION, sidecar_path
@@ -96,6 +97,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="id type (default: uint16 if the vocabulary fits, else uint32)",
     )
     prep.add_argument("--force", action="store_true", help="replace an existing --out")
+    add_output_flag(prep)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -321,9 +323,10 @@ def prepare(args: argparse.Namespace) -> int:
     text = json.dumps(sidecar, indent=2, sort_keys=True) + "\n"
     _atomic_write(sidecar_path(out), lambda f: f.write(text.encode()))
     sep = "no separator" if eod_id is None else f"{eod_token!r} (id {eod_id}) after each"
-    print(
+    message = (
         f"wrote {count} tokens ({len(files)} documents, {sep}, vocabulary {vocab_size}) to "
-        f"{out} as {dtype_name}; train on it with: --data {out} (its sidecar gives the dtype)",
-        flush=True,
+        f"{out} as {dtype_name}; train on it with: --data {out} (its sidecar gives the dtype)"
     )
+    result = {"out": str(out), "sidecar": str(sidecar_path(out)), **sidecar, "message": message}
+    emit(result, args.output, message_table)
     return 0

@@ -60,16 +60,25 @@ class EnvironmentParser(argparse.ArgumentParser):
 
     Errors are one line on stderr with exit code 2 (argparse's own code), no usage dump."""
 
-    environ: Mapping[str, str] = {}
-    variables: dict[argparse.Action, str]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.environ: Mapping[str, str] = {}
+        self.variables: dict[argparse.Action, str] = {}  # `install` names them
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        missing = "the following arguments are required: "
+        if message.startswith(missing):  # say that a variable gives a flag as well
+            by_flag = {"/".join(a.option_strings): v for a, v in self.variables.items()}
+            message = missing + ", ".join(
+                f"{name} (or {by_flag[name]})" if name in by_flag else name
+                for name in message.removeprefix(missing).split(", ")
+            )
         self.exit(2, f"elasticpp: error: {message}\n")
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        variables = getattr(self, "variables", {})
+        variables = self.variables
         saved: dict[argparse.Action, tuple[Any, bool]] = {}
         for action, variable in variables.items():
             text = self.environ.get(variable, "")

@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from elasticpp.cli import flagtypes
+from elasticpp.cli.output import add_output_flag, emit, message_table
 from elasticpp.errors import CheckpointError, ConfigError
 
 
@@ -27,6 +28,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--model", type=flagtypes.nonempty, default=None, help="the model, if the manifest lacks it"
     )
     parser.add_argument("--force", action="store_true", help="write into a non-empty --hf")
+    add_output_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,5 +61,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--hf {out}: exists and is not empty (use --force to write into it)")
     written = export_hf(spec, step_dir, out)
     names = ", ".join(p.name for p in written)
-    print(f"exported step {manifest.step} of {spec.name} to {out} ({names})")
+    result = {
+        "step": manifest.step,
+        "model": spec.name,
+        "out": str(out),
+        "files": [p.name for p in written],
+        "message": f"exported step {manifest.step} of {spec.name} to {out} ({names})",
+    }
+    emit(result, args.output, message_table)
     return 0

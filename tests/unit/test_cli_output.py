@@ -152,7 +152,7 @@ def test_every_command_that_prints_a_result_takes_o() -> None:
     takes = {
         ("ctl", "status"), ("ctl", "drain"), ("ctl", "events"), ("ctl", "lift"),
         ("job", "status"), ("job", "nodes"), ("job", "reset"), ("job", "delete"),
-        ("job", "whatif"), ("plan",),
+        ("job", "whatif"), ("plan",), ("data", "prepare"), ("export",),
     }  # fmt: skip
     for command in takes:
         sub = parser

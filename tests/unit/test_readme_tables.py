@@ -84,10 +84,12 @@ def test_the_commands_table_lists_every_command() -> None:
 def test_the_output_paragraph_names_every_command_that_takes_o() -> None:
     text = README.read_text().split("**Output.**", 1)[1].split("\n\n", 1)[0]
     named = set()
-    for command, subs in re.findall(r"`(plan|ctl|job)((?: [a-z|]+)?)", text.replace("\n", " ")):
+    for command, subs in re.findall(
+        r"`(plan|ctl|job|data|export)((?: [a-z|]+)?)", text.replace("\n", " ")
+    ):
         named |= {(command, s) for s in subs.strip().split("|")} if subs else {(command, "")}
     takes = set()
-    for command in ("plan", "ctl", "job"):
+    for command in cli_main.SUBCOMMANDS:
         parser = _subparser(command)
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         for name, sub in subs[0].choices.items() if subs else [("", parser)]:
