@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from elasticpp.cli import flagtypes
 from elasticpp.cli.ctl import add_tls_flags
 from elasticpp.cli.etcdflags import add_etcd_flags, etcd_from_args
 
@@ -16,16 +17,19 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_etcd_flags(p)
-    p.add_argument("--job-spec", required=True, type=Path, help="the job's YAML spec")
-    p.add_argument("--node-id", required=True, help="this node's unique id ([a-z0-9._-])")
+    p.add_argument("--job-spec", required=True, type=flagtypes.path, help="the job's YAML spec")
+    p.add_argument(
+        "--node-id", required=True, type=flagtypes.name, help="this node's unique id ([a-z0-9._-])"
+    )
     p.add_argument(
         "--slots",
-        type=int,
+        type=flagtypes.positive_int,
         default=None,
         help="workers on this node (default: visible GPUs, else 1 CPU worker)",
     )
     p.add_argument(
         "--listen",
+        type=flagtypes.host_port,
         default="0.0.0.0:7430",
         help="gRPC HOST:PORT (port 0: any); a non-loopback one needs --tls-* or --insecure",
     )
@@ -33,23 +37,25 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_tls_flags(doors, who="this node's (its common name the node id)")
     doors.add_argument(
         "--token-file",
-        type=Path,
+        type=flagtypes.path,
         default=None,
         help="bearer token that drain, lift and events need (off the control socket)",
     )
     doors.add_argument(
         "--control-socket",
-        type=Path,
+        type=flagtypes.path,
         default=None,
         help="a local unix socket (mode 0600) for ctl, preStop and ExecStop, token-free",
     )
     doors.add_argument(
         "--health-listen",
+        type=flagtypes.host_port_or_empty,
         default="",
         help="HOST:PORT of a plaintext port serving grpc.health.v1 alone (kubelet probes)",
     )
     doors.add_argument(
         "--tls-shared-identity",
+        type=flagtypes.nonempty,
         default=None,
         help="common name of a certificate every node shares (weaker: trusted as any node)",
     )
@@ -67,7 +73,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--state-dir",
         required=True,
-        type=Path,
+        type=flagtypes.path,
         help="the node's state dir: store, metrics.jsonl, worker logs",
     )
     p.add_argument(
@@ -78,7 +84,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=flagtypes.port,
         default=9430,
         help="serve Prometheus metrics on this port (0: off)",
     )
@@ -205,8 +211,6 @@ def run(args: argparse.Namespace) -> int:
         tls_shared_identity=args.tls_shared_identity,
         insecure=args.insecure,
     )
-    if not 0 <= args.metrics_port < 65536:
-        raise ConfigError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     stop = threading.Event()
     process = AgentProcess(spec.stop_timeout_s)  # this process's tree: adopted, and stopped
     process.adopt_orphans()

@@ -1,63 +1,67 @@
-"""`elasticpp ctl`: status, drain and events of a running agent over gRPC."""
+"""`elasticpp ctl`: status, drain, events and lift of a running agent over gRPC; each
+prints its result as a table, JSON or YAML (`-o`, elasticpp.cli.output)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
+from typing import Any
+
+from elasticpp.cli import flagtypes
+from elasticpp.cli.output import add_output_flag, emit, emit_item, message_table, proto_dict
 
 
 def add_tls_flags(p: argparse.ArgumentParser, *, who: str) -> None:
     """`--tls-cert`, `--tls-key`, `--tls-ca`: mutual TLS (elasticpp.transport)."""
-    p.add_argument("--tls-cert", type=Path, default=None, help=f"{who} certificate (PEM)")
-    p.add_argument("--tls-key", type=Path, default=None, help="its private key (PEM)")
-    p.add_argument("--tls-ca", type=Path, default=None, help="the job's CA certificate (PEM)")
+    p.add_argument("--tls-cert", type=flagtypes.path, default=None, help=f"{who} certificate (PEM)")
+    p.add_argument("--tls-key", type=flagtypes.path, default=None, help="its private key (PEM)")
+    p.add_argument(
+        "--tls-ca", type=flagtypes.path, default=None, help="the job's CA certificate (PEM)"
+    )
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--agent",
+        type=flagtypes.agent_address,
         default="127.0.0.1:7430",
         help="the agent's gRPC HOST:PORT, or unix:PATH of its --control-socket",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+    p.add_argument(
+        "--timeout", type=flagtypes.positive_float, default=10.0, help="RPC deadline in seconds"
+    )
     add_tls_flags(p, who="this client's")
     p.add_argument(
         "--token-file",
-        type=Path,
+        type=flagtypes.path,
         default=None,
         help="the agent's control token (drain, lift, events; not needed on its control socket)",
     )
     sub = p.add_subparsers(dest="action", required=True)
     st = sub.add_parser("status", help="generation, layout, workers and recovery timeline")
-    st.add_argument(
-        "--json",
-        action="store_true",
-        help="the status as JSON: numbers as numbers, and every field, zeros and empty ones too",
-    )
+    add_output_flag(st, json_alias=True)
     dr = sub.add_parser("drain", help="move the job off this node, then the agent exits 0")
     dr.add_argument(
         "--wait",
-        type=float,
+        type=flagtypes.nonnegative_float,
         default=120.0,
         help="seconds the agent waits for the hand-off before exiting anyway",
     )
-    sub.add_parser("events", help="stream the agent's decisions")
+    add_output_flag(dr)
+    ev = sub.add_parser("events", help="stream the agent's decisions")
+    add_output_flag(ev)
     lf = sub.add_parser("lift", help="re-admit a quarantined node now (any agent of the job)")
-    lf.add_argument("node", help="the quarantined node's id")
+    lf.add_argument("node", type=flagtypes.name, help="the quarantined node's id")
+    add_output_flag(lf)
 
 
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from elasticpp.errors import ConfigError
     from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
     from elasticpp.transport import Dialer, TLSFiles, TokenFile
 
-    if args.timeout <= 0:
-        raise ConfigError(f"--timeout must be positive, got {args.timeout}")
     tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     token = TokenFile(args.token_file) if args.token_file is not None else None
     dialer = Dialer(tls, token)
@@ -67,26 +71,26 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.action == "status":
                 s = stub.GetStatus(agent_pb2.GetStatusRequest(), timeout=args.timeout)
-                if args.json:
-                    print(json.dumps(status_dict(s), indent=1))
-                else:
+                if args.output == "table":
                     _print_status(s)
+                else:
+                    emit(proto_dict(s), args.output, str)
             elif args.action == "lift":
                 r = stub.LiftQuarantine(
                     agent_pb2.LiftQuarantineRequest(node_id=args.node),
                     timeout=args.timeout,
                     metadata=md,
                 )
-                print(r.message)
+                emit(proto_dict(r), args.output, message_table)
             elif args.action == "drain":
                 r = stub.Drain(
                     agent_pb2.DrainRequest(timeout_s=args.wait), timeout=args.timeout, metadata=md
                 )
-                print(r.message)
+                emit(proto_dict(r), args.output, message_table)
                 return 0 if r.accepted else 1
             else:
                 for e in stub.WatchEvents(agent_pb2.WatchEventsRequest(), metadata=md):
-                    print(f"{e.time:.3f} gen={e.generation} {e.kind}: {e.message}", flush=True)
+                    emit_item(proto_dict(e), args.output, _event_line)
         except grpc.RpcError as exc:
             code = exc.code()
             print(
@@ -97,23 +101,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def status_dict(s: object) -> dict[str, object]:
-    """A status as `--json` prints it. Not the bare proto3 JSON mapping: that writes int64
-    values as strings (`"generation": "1"`) and leaves out every field at its zero value (a
-    rank 0 worker without `rank`, `pp` or `local_rank`, a recovery at step 0 without
-    `resume_step`), which a script reading it must then guess. Whole numbers a double holds
-    exactly are numbers here (larger ones stay strings, as the mapping says), and every
-    field is there."""
-    from google.protobuf.json_format import MessageToDict
-    from google.protobuf.message import Message
-
-    assert isinstance(s, Message)
-    return MessageToDict(
-        s,
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-        unquote_int64_if_possible=True,
-    )
+def _event_line(e: dict[str, Any]) -> str:
+    return f"{e['time']:.3f} gen={e['generation']} {e['kind']}: {e['message']}"
 
 
 def _print_status(s: object) -> None:

@@ -41,6 +41,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from elasticpp.cli import flagtypes
+from elasticpp.cli.output import add_output_flag, emit, message_table
 from elasticpp.errors import ConfigError
 from elasticpp.train.tokenfiles import BIN_DTYPES as DTYPES
 from elasticpp.train.tokenfiles import SIDECAR_FORMAT_VERSION, sidecar_path
@@ -60,19 +62,30 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         description="Tokenise UTF-8 text files (one document each) into a flat little-endian "
         "token file and a JSON sidecar describing it.",
     )
-    prep.add_argument("files", nargs="+", type=Path, metavar="FILE", help="UTF-8 text files")
     prep.add_argument(
-        "--tokenizer", type=Path, required=True, help="a Hugging Face tokenizers JSON file"
+        "files", nargs="+", type=flagtypes.path, metavar="FILE", help="UTF-8 text files"
     )
-    prep.add_argument("--out", type=Path, required=True, help="the token file to write (.bin)")
+    prep.add_argument(
+        "--tokenizer",
+        type=flagtypes.path,
+        required=True,
+        help="a Hugging Face tokenizers JSON file",
+    )
+    prep.add_argument(
+        "--out", type=flagtypes.path, required=True, help="the token file to write (.bin)"
+    )
     eod = prep.add_mutually_exclusive_group()
     eod.add_argument(
         "--eos-token",
+        type=flagtypes.nonempty,
         default=None,
         help="the token to append after every document (default: the tokenizer's end of text)",
     )
     eod.add_argument(
-        "--eod-id", type=int, default=None, help="the id to append after every document"
+        "--eod-id",
+        type=flagtypes.nonnegative_int,
+        default=None,
+        help="the id to append after every document",
     )
     eod.add_argument(
         "--no-eod", action="store_true", help="write documents back to back, with no separator"
@@ -84,6 +97,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="id type (default: uint16 if the vocabulary fits, else uint32)",
     )
     prep.add_argument("--force", action="store_true", help="replace an existing --out")
+    add_output_flag(prep)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -309,9 +323,10 @@ def prepare(args: argparse.Namespace) -> int:
     text = json.dumps(sidecar, indent=2, sort_keys=True) + "\n"
     _atomic_write(sidecar_path(out), lambda f: f.write(text.encode()))
     sep = "no separator" if eod_id is None else f"{eod_token!r} (id {eod_id}) after each"
-    print(
+    message = (
         f"wrote {count} tokens ({len(files)} documents, {sep}, vocabulary {vocab_size}) to "
-        f"{out} as {dtype_name}; train on it with: --data {out} (its sidecar gives the dtype)",
-        flush=True,
+        f"{out} as {dtype_name}; train on it with: --data {out} (its sidecar gives the dtype)"
     )
+    result = {"out": str(out), "sidecar": str(sidecar_path(out)), **sidecar, "message": message}
+    emit(result, args.output, message_table)
     return 0

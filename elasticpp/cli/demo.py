@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from elasticpp.cli import flagtypes
+
 # The job's batch, the same for the elastic run and the reference. Its size sets how long a
 # step takes: with 16 samples the tiny model ran ~12 steps a second on 2 cores, and the job
 # ended before the restarted node's cold start (its agent and warm workers import torch)
@@ -19,13 +21,21 @@ MICRO_BATCH = 2
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory")
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--slots", type=int, default=2, help="worker slots per node")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--kill-at", type=int, default=10, help="kill a node after this step")
-    p.add_argument("--rejoin-at", type=int, default=16, help="bring it back after this step")
-    p.add_argument("--timeout", type=float, default=600.0, help="give up after this long (s)")
+    positive, nonnegative = flagtypes.positive_int, flagtypes.nonnegative_int
+    p.add_argument("--out", type=flagtypes.path, default=Path("demo-out"), help="output directory")
+    p.add_argument("--nodes", type=positive, default=4, help="agents (at least 2)")
+    p.add_argument("--slots", type=positive, default=2, help="worker slots per node")
+    p.add_argument("--steps", type=positive, default=60, help="steps of the job")
+    p.add_argument("--kill-at", type=nonnegative, default=10, help="kill a node after this step")
+    p.add_argument(
+        "--rejoin-at", type=nonnegative, default=16, help="bring it back after this step"
+    )
+    p.add_argument(
+        "--timeout",
+        type=flagtypes.positive_float,
+        default=600.0,
+        help="give up after this long (s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

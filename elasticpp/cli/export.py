@@ -14,14 +14,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from elasticpp.cli import flagtypes
+from elasticpp.cli.output import add_output_flag, emit, message_table
 from elasticpp.errors import CheckpointError, ConfigError
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", type=Path, help="a step directory, or a root of them")
-    parser.add_argument("--hf", type=Path, required=True, help="the directory to write")
-    parser.add_argument("--model", default=None, help="the model, if the manifest lacks it")
+    parser.add_argument(
+        "checkpoint", type=flagtypes.path, help="a step directory, or a root of them"
+    )
+    parser.add_argument("--hf", type=flagtypes.path, required=True, help="the directory to write")
+    parser.add_argument(
+        "--model", type=flagtypes.nonempty, default=None, help="the model, if the manifest lacks it"
+    )
     parser.add_argument("--force", action="store_true", help="write into a non-empty --hf")
+    add_output_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,5 +61,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--hf {out}: exists and is not empty (use --force to write into it)")
     written = export_hf(spec, step_dir, out)
     names = ", ".join(p.name for p in written)
-    print(f"exported step {manifest.step} of {spec.name} to {out} ({names})")
+    result = {
+        "step": manifest.step,
+        "model": spec.name,
+        "out": str(out),
+        "files": [p.name for p in written],
+        "message": f"exported step {manifest.step} of {spec.name} to {out} ({names})",
+    }
+    emit(result, args.output, message_table)
     return 0

@@ -1,26 +1,32 @@
 """`elasticpp job`: a job as etcd holds it, also once every agent is gone.
 
-    elasticpp job status --etcd HOST:PORT --name JOB [-o table|json]
-    elasticpp job nodes  --etcd HOST:PORT --name JOB [-o table|json]
+    elasticpp job status --etcd HOST:PORT --name JOB
+    elasticpp job nodes  --etcd HOST:PORT --name JOB
     elasticpp job reset  --etcd HOST:PORT --name JOB     a failed or halted job may run again
     elasticpp job delete --etcd HOST:PORT --name JOB     every key of the job (not while agents run)
+    elasticpp job whatif --nodes N (--etcd HOST:PORT --name JOB | --spec FILE --slots S)
+
+Each prints a table, or `-o json|yaml` (elasticpp.cli.output).
 
 `status` says how the job stands (`running`, `waiting`, `finished`, `failed`, `halted`, or
 `absent`) from its records: its spec, epoch, generation record, leader, members, quarantines,
 safe step, end record and done barrier. `reset` deletes the end record of a job that failed or
 halted (and the quarantines that led there), so that agents started again train it on from
 its newest committed step; a finished or running job is refused. `delete` removes the job's
-keys, refused while an agent is registered unless `--force`. The etcd flags are the agent's.
+keys, refused while an agent is registered unless `--force`. `whatif` says what the leader
+would plan for N nodes (layout, micro-batch, gradient accumulation, estimated step time),
+from the job's spec in etcd or a spec file, with the planner call the leader makes. The etcd
+flags are the agent's.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
+from elasticpp.cli import flagtypes
 from elasticpp.cli.etcdflags import add_etcd_flags, etcd_from_args
+from elasticpp.cli.output import add_output_flag, emit, message_table
 from elasticpp.cluster.keys import check_name
 from elasticpp.errors import ConfigError
 
@@ -32,14 +38,37 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         ("nodes", "the job's nodes: address, slots, ranks, draining, quarantine, version"),
         ("reset", "let a failed or halted job run again"),
         ("delete", "delete every key of the job"),
+        ("whatif", "the layout, micro-batches and step time the leader would plan for N nodes"),
     ):
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        sp.add_argument("--name", required=True, help="the job spec's name")
-        add_etcd_flags(sp)
-        if name in ("status", "nodes"):
-            sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
+        whatif = name == "whatif"
+        sp.add_argument(
+            "--name",
+            type=flagtypes.name,
+            required=not whatif,
+            default=None,
+            help="the job spec's name" + (" (the spec stored in etcd)" if whatif else ""),
+        )
+        add_etcd_flags(sp, required=not whatif)
+        add_output_flag(sp)
         if name == "delete":
             sp.add_argument("--force", action="store_true", help="also while agents are registered")
+        if whatif:
+            sp.add_argument(
+                "--nodes", type=flagtypes.positive_int, required=True, help="the node count N"
+            )
+            sp.add_argument(
+                "--slots",
+                type=flagtypes.positive_int,
+                default=None,
+                help="workers (GPUs) per node (default: the registered agents' slots)",
+            )
+            sp.add_argument(
+                "--spec",
+                type=flagtypes.path,
+                default=None,
+                help="a job spec file, instead of the spec in etcd (etcd is then not read)",
+            )
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -174,17 +203,105 @@ def _table(status: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def whatif(spec: Any, nodes: int, slots: int) -> dict[str, Any]:
+    """What the leader would plan for `nodes` agents of `slots` workers each: the same
+    planner call (elasticpp.agent.leaderstep), with the job's model, device and batch; at
+    most `max_nodes` of them in the plan, the others spares."""
+    from elasticpp.plan import ClusterSpec, NodeSpec
+    from elasticpp.plan.search import plan as plan_layout
+
+    if nodes < spec.min_nodes:
+        raise ConfigError(
+            f"--nodes {nodes}: below the job's min_nodes {spec.min_nodes}, the job waits "
+            "for more agents instead of training"
+        )
+    planned = min(nodes, spec.max_nodes)
+    device = spec.device_spec()
+    width = len(str(planned - 1))
+    cluster = ClusterSpec(
+        tuple(NodeSpec(f"node-{i:0{width}d}", slots) for i in range(planned)), device
+    )
+    result = plan_layout(
+        spec.model, cluster, spec.global_batch, micro_batch=spec.micro_batch, top_k=0
+    )
+    best = result.candidates[0]
+    return {
+        "job": spec.name,
+        "model": spec.model.name,
+        "device": device.name,
+        "global_batch": spec.global_batch,
+        "nodes": nodes,
+        "planned_nodes": planned,
+        "spare_nodes": nodes - planned,
+        "slots_per_node": slots,
+        "gpus": cluster.total_gpus,
+        **best.to_dict(),
+        # Each replica's micro-batches are its gradient accumulation steps.
+        "grad_accumulation": list(best.microbatches),
+    }
+
+
+def _whatif_table(w: dict[str, Any]) -> str:
+    spares = f", {w['spare_nodes']} spare (max_nodes)" if w["spare_nodes"] else ""
+    layout = f"pp={w['pp']} tp={w['tp']} dp={w['dp']}"
+    rows = [
+        ("job", f"{w['job']} ({w['model']} on {w['device']}, global batch {w['global_batch']})"),
+        ("nodes", f"{w['planned_nodes']} planned x {w['slots_per_node']} slots{spares}"),
+        ("layout", f"{layout} ({w['gpus_used']} of {w['gpus']} GPUs)"),
+        ("micro-batch", f"{w['micro_batch']}, recompute {'on' if w['recompute'] else 'off'}"),
+        ("grad accumulation", f"{_runs(w['grad_accumulation'])} micro-batches per replica"),
+        ("est. step time", f"{w['est_step_seconds']:.3f} s"),
+        ("bubble", f"{100 * w['bubble_fraction']:.1f} %"),
+        ("memory per GPU", f"{w['memory_gib']:.1f} GiB"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _runs(values: list[int]) -> str:
+    from elasticpp.cli.plan import runs
+
+    return runs(values)
+
+
+def _whatif(args: argparse.Namespace) -> int:
+    from elasticpp.agent.jobspec import JobSpec, load_job_spec
+
+    slots = args.slots
+    if args.spec is not None:
+        spec = load_job_spec(args.spec)
+        if slots is None:
+            raise ConfigError("--slots is needed with --spec: the workers of each node")
+    else:
+        if args.name is None or args.etcd is None:
+            raise ConfigError("whatif needs --spec FILE, or --etcd and --name of a job in etcd")
+        with _client(args) as client:
+            text = client.spec()
+            if text is None:
+                raise ConfigError(
+                    f"job {args.name}: no such job in etcd (prefix {args.etcd_prefix})"
+                )
+            spec = JobSpec.from_json(text)
+            if slots is None:
+                counts = {info.get("slots") for info in client.members().nodes.values()}
+                if len(counts) != 1 or not isinstance(next(iter(counts)), int):
+                    raise ConfigError(
+                        f"job {args.name}: --slots is needed (the registered agents' slots "
+                        f"are {sorted(map(str, counts)) or 'none'})"
+                    )
+                slots = int(next(iter(counts)))  # type: ignore[arg-type]
+    emit(whatif(spec, args.nodes, slots), args.output, _whatif_table)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.job_command == "whatif":
+        return _whatif(args)
     with _client(args) as client:
         views = {"nodes": (job_nodes, _nodes_table), "status": (job_status, _table)}
         if args.job_command in views:
             read, table = views[args.job_command]
-            found = read(client)
-            print(
-                json.dumps(found, indent=1, sort_keys=True)
-                if args.output == "json"
-                else table(found)
-            )
+            emit(read(client), args.output, table)
             return 0
         status = job_status(client)
         if status["state"] == "absent":
@@ -198,10 +315,12 @@ def run(args: argparse.Namespace) -> int:
             client.reset_end()
             for node in status["quarantined"]:
                 client.lift_quarantine(node)
-            print(
+            message = (
                 f"job {args.name}: reset ({status['state']} before); agents started again "
                 f"train it on from its newest committed step"
             )
+            emit({"job": args.name, "state_before": status["state"], "message": message},
+                 args.output, message_table)  # fmt: skip
             return 0
         if status["members"] and not args.force:
             raise ConfigError(
@@ -209,5 +328,7 @@ def run(args: argparse.Namespace) -> int:
                 "stop them first, or --force"
             )
         deleted = client.delete_job()
-        print(f"job {args.name}: {deleted} key(s) deleted", file=sys.stdout)
+        message = f"job {args.name}: {deleted} key(s) deleted"
+        emit({"job": args.name, "deleted_keys": deleted, "message": message},
+             args.output, message_table)  # fmt: skip
         return 0

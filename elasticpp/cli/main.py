@@ -2,9 +2,11 @@
 
 Each subcommand lives in its own module `elasticpp.cli.<name>` with
 `add_parser(subparsers) -> None` and `run(args) -> int`; modules are imported lazily so
-that `elasticpp plan` never imports torch. Any `ElasticppError` becomes one line on stderr
-and exit code 2. `kill -USR1 <pid>` prints every thread's Python stack to stderr (a process
-that seems stuck says where it is; it goes on running).
+that `elasticpp plan` never imports torch. Every flag falls back to its `ELASTICPP_*`
+variable (elasticpp.cli.envflags); a bad value, of a flag or of a variable, and any
+`ElasticppError` become one line on stderr and exit code 2. `kill -USR1 <pid>` prints every
+thread's Python stack to stderr (a process that seems stuck says where it is; it goes on
+running).
 
 A command whose stdout reader goes away (`elasticpp plan ... | head -1`) ends quietly with
 exit code 141, what a shell reports for a writer that SIGPIPE ended (128 + 13, as `yes |
@@ -25,9 +27,11 @@ import os
 import select
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import elasticpp
+from elasticpp.cli import envflags
+from elasticpp.cli.envflags import EnvironmentParser
 from elasticpp.errors import ElasticppError
 
 EXIT_READER_GONE = 128 + signal.SIGPIPE  # 141: the shell's status of a writer SIGPIPE ended
@@ -43,12 +47,6 @@ SUBCOMMANDS: dict[str, str] = {
     "export": "write a saved step as a Hugging Face model directory",
     "data": "prepare training data: tokenise text files into a token file",
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # argparse's own exit code is 2 too; keep it to one line on stderr.
-        self.exit(2, f"elasticpp: error: {message}\n")
 
 
 def version() -> str:
@@ -75,10 +73,16 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    parser = _Parser(prog="elasticpp", description=__doc__.splitlines()[0] if __doc__ else None)
+def build_parser(
+    environ: Mapping[str, str] | None = None,
+) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The parser of every command, its flags falling back to `environ`'s `ELASTICPP_*`
+    variables (elasticpp.cli.envflags; the process's environment by default)."""
+    parser = EnvironmentParser(
+        prog="elasticpp", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("-V", "--version", action=_Version)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=EnvironmentParser)
     modules: dict[str, object] = {}
     for name, help_text in SUBCOMMANDS.items():
         try:
@@ -90,6 +94,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         module.add_parser(sp)
         modules[name] = module
+    envflags.install(parser, os.environ if environ is None else environ)
     return parser, modules
 
 

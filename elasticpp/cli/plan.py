@@ -1,17 +1,18 @@
 """`elasticpp plan`: the fastest layout for a cluster, with the runner-ups.
 
 Pure planning (no torch, etcd or grpc), so it answers in well under a second even for
-thousands of nodes. Output is a readable table, or one JSON object with `--json`.
+thousands of nodes. Output is a readable table, or one object with `-o json|yaml` (`--json`
+is `-o json`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
-from elasticpp.errors import ConfigError
+from elasticpp.cli import flagtypes
+from elasticpp.cli.output import add_output_flag, emit
 
 JSON_FORMAT_VERSION = 1
 
@@ -19,29 +20,49 @@ JSON_FORMAT_VERSION = 1
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
+        type=flagtypes.nonempty,
         required=True,
         help="a preset, a YAML/JSON spec file, a Hugging Face model directory, or "
         "package.module:function",
     )
     parser.add_argument(
-        "--global-batch", type=int, required=True, help="samples per optimizer step (B)"
+        "--global-batch",
+        type=flagtypes.positive_int,
+        required=True,
+        help="samples per optimizer step (B)",
     )
-    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    positive = flagtypes.positive_int
+    parser.add_argument("--nodes", type=positive, default=1, help="number of nodes (default 1)")
+    parser.add_argument(
+        "--gpus-per-node", type=positive, default=8, help="GPUs per node (default 8)"
+    )
     parser.add_argument(
         "--node-gpus",
+        type=flagtypes.node_gpus,
         metavar="N,N,...",
         help="healthy GPUs of each node, for uneven clusters (replaces --nodes/--gpus-per-node)",
     )
-    parser.add_argument("--device", default="a100-80g", help="device preset (default a100-80g)")
-    parser.add_argument("--seq-len", type=int, help="override the model's sequence length")
-    parser.add_argument("--micro-batch", type=int, help="fix the micro-batch size b")
     parser.add_argument(
-        "--top", type=int, default=5, metavar="K", help="runner-ups to show (default 5)"
+        "--device",
+        type=flagtypes.device_preset,
+        default="a100-80g",
+        help="device preset (default a100-80g)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seq-len", type=positive, help="override the model's sequence length")
+    parser.add_argument("--micro-batch", type=positive, help="fix the micro-batch size b")
     parser.add_argument(
-        "--plan-out", metavar="FILE", help="also write the full plan (with placement) as JSON"
+        "--top",
+        type=flagtypes.nonnegative_int,
+        default=5,
+        metavar="K",
+        help="runner-ups to show (default 5)",
+    )
+    add_output_flag(parser, json_alias=True)
+    parser.add_argument(
+        "--plan-out",
+        type=flagtypes.path,
+        metavar="FILE",
+        help="also write the full plan (with placement) as JSON",
     )
 
 
@@ -49,21 +70,10 @@ def _cluster(args: argparse.Namespace, device: Any) -> Any:
     from elasticpp.plan import ClusterSpec, NodeSpec
 
     if args.node_gpus:
-        try:
-            counts = [int(x) for x in args.node_gpus.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(
-                f"--node-gpus: expected comma-separated integers, got {args.node_gpus!r}"
-            ) from None
-        if not counts or any(c < 0 for c in counts):
-            raise ConfigError("--node-gpus: needs at least one node and counts >= 0")
+        counts = [int(x) for x in args.node_gpus.split(",") if x.strip()]  # flagtypes.node_gpus
         width = len(str(len(counts) - 1))
         nodes = tuple(NodeSpec(f"node-{i:0{width}d}", c) for i, c in enumerate(counts))
         return ClusterSpec(nodes, device)
-    if args.nodes < 1:
-        raise ConfigError(f"--nodes must be a positive integer, got {args.nodes}")
-    if args.gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
     return ClusterSpec.uniform(args.nodes, args.gpus_per_node, device)
 
 
@@ -71,40 +81,33 @@ def run(args: argparse.Namespace) -> int:
     from elasticpp.plan import Planner, load_device_spec
     from elasticpp.train.modelref import resolve_model  # torch only for a user's function
 
-    if args.seq_len is not None and args.seq_len < 1:
-        raise ConfigError(f"--seq-len must be a positive integer, got {args.seq_len}")
     model = resolve_model(args.model, seq_len=args.seq_len).spec
     device = load_device_spec(args.device)
     cluster = _cluster(args, device)
-    if args.global_batch < 1:
-        raise ConfigError(f"--global-batch must be a positive integer, got {args.global_batch}")
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise ConfigError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
-    if args.top < 0:
-        raise ConfigError(f"--top must be >= 0, got {args.top}")
     planner = Planner(model, device, args.global_batch, micro_batch=args.micro_batch)
     result = planner.plan(cluster, top_k=args.top)
     if args.plan_out:
         Path(args.plan_out).write_text(result.best.to_json() + "\n", encoding="utf-8")
     best, *others = result.candidates
-    if args.json:
-        out = {
-            "format_version": JSON_FORMAT_VERSION,
-            "model": model.name,
-            "device": device.name,
-            "nodes": len(cluster.nodes),
-            "gpus": cluster.total_gpus,
-            "global_batch": args.global_batch,
-            **best.to_dict(),
-            "alternatives": [c.to_dict() for c in others],
-        }
-        print(json.dumps(out, sort_keys=True))
-        return 0
-    print(_render(model, device, cluster, args.global_batch, result.candidates))
+    out = {
+        "format_version": JSON_FORMAT_VERSION,
+        "model": model.name,
+        "device": device.name,
+        "nodes": len(cluster.nodes),
+        "gpus": cluster.total_gpus,
+        "global_batch": args.global_batch,
+        **best.to_dict(),
+        "alternatives": [c.to_dict() for c in others],
+    }
+    emit(
+        out,
+        args.output,
+        lambda _: _render(model, device, cluster, args.global_batch, result.candidates),
+    )
     return 0
 
 
-def _runs(values: list[int]) -> str:
+def runs(values: list[int]) -> str:
     """`[96, 96, 95]` -> `96 (x2), 95`: run-length, so thousands of replicas stay one line."""
     parts: list[str] = []
     i = 0
@@ -134,9 +137,9 @@ def _render(model: Any, device: Any, cluster: Any, global_batch: int, candidates
         "",
         f"  layout            pp={L.pp} tp={L.tp} dp={L.dp}   ({best.gpus_used} of {gpus} GPUs)",
         f"  micro-batch       {best.micro_batch}    recompute {'on' if best.recompute else 'off'}",
-        f"  micro-batches     {_runs(list(best.microbatches))} per replica   "
+        f"  micro-batches     {runs(list(best.microbatches))} per replica   "
         f"({sum(best.microbatches)} x b={best.micro_batch} = {global_batch} samples)",
-        f"  blocks per stage  {_runs(blocks)}   (embedding on stage 0, head on stage {L.pp - 1})",
+        f"  blocks per stage  {runs(blocks)}   (embedding on stage 0, head on stage {L.pp - 1})",
         f"  est. step time    {best.est_step_seconds:.3f} s   "
         f"bubble {100 * best.bubble_fraction:.1f} %",
         f"  memory per GPU    {best.memory_gib:.1f} GiB of {device.memory_gib:g} GiB",

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from elasticpp.checkpoint.manifest import find_step_dir
+from elasticpp.cli import flagtypes
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import DATA_DTYPES, PRECISIONS, SCHEDULES, TrainConfig
@@ -29,38 +30,46 @@ _DEFAULTS = TrainConfig()
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    positive, nonnegative = flagtypes.positive_int, flagtypes.nonnegative_float
     parser.add_argument(
         "--model",
+        type=flagtypes.nonempty,
         default="tiny",
         help="preset, spec file, Hugging Face model directory, or package.module:function (tiny)",
     )
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (the model's)")
+    parser.add_argument(
+        "--seq-len", type=flagtypes.positive_int, default=None, help="sequence length (the model's)"
+    )
     parser.add_argument(
         "--model-option",
         action="append",
+        type=flagtypes.key_value,
         default=[],
         metavar="KEY=VALUE",
         help="a model family or user-function option (VALUE as JSON, else a string); repeatable",
     )
     parser.add_argument(
         "--init-from",
-        type=Path,
+        type=flagtypes.path,
         default=None,
         help="start from the weights of an elasticpp step dir or a Hugging Face directory",
     )
-    parser.add_argument("--layout", default="pp=1,tp=1,dp=1", help="pp=P,tp=T,dp=D")
+    parser.add_argument(
+        "--layout", type=flagtypes.layout, default="pp=1,tp=1,dp=1", help="pp=P,tp=T,dp=D"
+    )
     parser.add_argument(
         "--recompute",
         action="store_true",
         help="full activation recomputation: keep block inputs only, re-run blocks in backward",
     )
-    parser.add_argument("--global-batch", type=int, default=16, help="samples per step B (16)")
-    parser.add_argument("--micro-batch", type=int, default=2, help="micro-batch size b (2)")
-    parser.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="total steps")
-    parser.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    parser.add_argument("--global-batch", type=positive, default=16, help="samples per step B (16)")
+    parser.add_argument("--micro-batch", type=positive, default=2, help="micro-batch size b (2)")
+    parser.add_argument("--steps", type=positive, default=_DEFAULTS.steps, help="total steps")
+    parser.add_argument("--seed", type=flagtypes.nonnegative_int, default=_DEFAULTS.seed)
     parser.add_argument("--schedule", choices=SCHEDULES, default=_DEFAULTS.schedule)
     parser.add_argument(
         "--precision",
+        choices=PRECISIONS,
         default=_DEFAULTS.precision,
         help=f"compute precision, one of {', '.join(PRECISIONS)}; bf16 keeps fp32 weights, "
         "optimizer state and checkpoints (fp32)",
@@ -70,15 +79,22 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile every block with torch.compile (a worker's first step compiles)",
     )
-    parser.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate")
-    parser.add_argument("--min-lr", type=float, default=_DEFAULTS.min_lr)
-    parser.add_argument("--warmup-steps", type=int, default=_DEFAULTS.warmup_steps)
-    parser.add_argument("--weight-decay", type=float, default=_DEFAULTS.weight_decay)
-    parser.add_argument("--clip-grad", type=float, default=_DEFAULTS.clip_grad, help="0 = off")
-    parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
+    parser.add_argument(
+        "--lr", type=flagtypes.positive_float, default=_DEFAULTS.lr, help="peak learning rate"
+    )
+    parser.add_argument("--min-lr", type=nonnegative, default=_DEFAULTS.min_lr)
+    parser.add_argument(
+        "--warmup-steps", type=flagtypes.nonnegative_int, default=_DEFAULTS.warmup_steps
+    )
+    parser.add_argument("--weight-decay", type=nonnegative, default=_DEFAULTS.weight_decay)
+    parser.add_argument(
+        "--clip-grad", type=nonnegative, default=_DEFAULTS.clip_grad, help="0 = off"
+    )
+    parser.add_argument("--dropout", type=flagtypes.fraction, default=_DEFAULTS.dropout)
     parser.add_argument(
         "--data",
         nargs="+",
+        type=flagtypes.nonempty,
         default=None,
         metavar="PATH",
         help="token file (.npy, or .bin with its sidecar or --data-dtype), token shards (several "
@@ -97,22 +113,38 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--corpus-max-bytes",
-        type=int,
+        type=positive,
         default=_DEFAULTS.corpus_max_bytes,
         help="refuse a raw-byte --data larger than this (4 MiB)",
     )
-    parser.add_argument("--metrics", type=Path, default=None, help="JSON lines, one per step")
-    parser.add_argument("--save", type=Path, default=None, help="write the final state here")
     parser.add_argument(
-        "--save-every", type=int, default=0, help="with --save: also every N steps (0 = off)"
+        "--metrics", type=flagtypes.path, default=None, help="JSON lines, one per step"
     )
-    parser.add_argument("--resume", type=Path, default=None, help="a saved step dir or root")
-    parser.add_argument("--stop-at", type=int, default=None, help="stop after this many steps")
-    parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (a temp dir)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     parser.add_argument(
-        "--pg-timeout", type=float, default=_DEFAULTS.pg_timeout_s, help="seconds (60)"
+        "--save", type=flagtypes.path, default=None, help="write the final state here"
+    )
+    parser.add_argument(
+        "--save-every",
+        type=flagtypes.nonnegative_int,
+        default=0,
+        help="with --save: also every N steps (0 = off)",
+    )
+    parser.add_argument(
+        "--resume", type=flagtypes.path, default=None, help="a saved step dir or root"
+    )
+    parser.add_argument(
+        "--stop-at", type=flagtypes.nonnegative_int, default=None, help="stop after this many steps"
+    )
+    parser.add_argument(
+        "--log-dir", type=flagtypes.path, default=None, help="worker logs (a temp dir)"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=positive, default=None, help="torch threads per worker")
+    parser.add_argument(
+        "--pg-timeout",
+        type=flagtypes.positive_float,
+        default=_DEFAULTS.pg_timeout_s,
+        help="seconds (60)",
     )
 
 

@@ -78,3 +78,46 @@ def test_an_agent_of_another_version_than_the_jobs_leader_is_refused_naming_both
         assert "runs elasticpp 0.0.9 (its leader old-0)" in agent.stderr
         assert f"this agent is elasticpp {elasticpp.__version__}" in agent.stderr
         assert "new-1" not in c.members().nodes  # refused before it registered
+
+
+def test_whatif_plans_the_spec_in_etcd_for_the_registered_agents_slots(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    from elasticpp.agent.jobspec import load_job_spec
+    from elasticpp.plan import ClusterSpec
+    from elasticpp.plan.search import plan as plan_layout
+
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "name: llm\nmodel: gpt-1.3b\nglobal_batch: 64\nmicro_batch: 2\nsteps: 10\nseed: 0\n"
+        "min_nodes: 1\nmax_nodes: 8\ndevice: a100-80g\n"
+    )
+    spec = load_job_spec(path)
+    absent = _job(etcd, "whatif", "--nodes", "3")
+    assert absent.returncode == 2 and "no such job in etcd" in absent.stderr
+    with ClusterClient([etcd.endpoint], "llm") as c:
+        c.put_spec_if_absent(spec.to_json())
+        for node in ("n0", "n1"):
+            c.register(node, {"address": "127.0.0.1:1", "slots": 4, "incarnation": node}, ttl_s=30)
+        run = _job(etcd, "whatif", "--nodes", "3", "-o", "json")
+        assert run.returncode == 0, run.stderr
+        got = json.loads(run.stdout)
+        best = plan_layout(
+            spec.model, ClusterSpec.uniform(3, 4, spec.device_spec()), 64, micro_batch=2, top_k=0
+        ).candidates[0]
+        assert got["slots_per_node"] == 4 and got["gpus"] == 12
+        assert {k: got[k] for k in best.to_dict()} == best.to_dict()
+        c.register("n2", {"address": "127.0.0.1:2", "slots": 8, "incarnation": "n2"}, ttl_s=30)
+        mixed = _job(etcd, "whatif", "--nodes", "3")
+        assert mixed.returncode == 2 and "--slots is needed" in mixed.stderr
+        assert _job(etcd, "whatif", "--nodes", "3", "--slots", "8").returncode == 0
+
+
+def test_status_as_yaml_is_the_json_status(etcd: EtcdServer) -> None:
+    import yaml
+
+    with ClusterClient([etcd.endpoint], "llm") as c:
+        c.put_spec_if_absent('{"name": "llm"}')
+    as_json = json.loads(_job(etcd, "status", "-o", "json").stdout)
+    assert yaml.safe_load(_job(etcd, "status", "-o", "yaml").stdout) == as_json
+    assert as_json["state"] == "waiting" and as_json["generation"] is None

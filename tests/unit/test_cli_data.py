@@ -249,3 +249,16 @@ def test_without_tokenizers_installed_the_message_names_the_extra(
     err = capsys.readouterr().err
     assert "elasticpp[data]" in err and "tokenizers" in err
     assert not (tmp_path / "x.bin").exists()
+
+
+def test_prepare_prints_what_it_wrote_as_json_the_sidecar_and_the_paths(
+    tmp_path: Path, corpus: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    tok_path, files = corpus
+    out = tmp_path / "corpus.bin"
+    assert prepare("--tokenizer", tok_path, "--out", out, "-o", "json", *files) == 0
+    printed = json.loads(capsys.readouterr().out)
+    sidecar = json.loads((tmp_path / "corpus.bin.json").read_text())
+    assert printed.pop("out") == str(out) and printed.pop("sidecar") == f"{out}.json"
+    assert printed.pop("message").startswith(f"wrote {sidecar['tokens']} tokens")
+    assert printed == sidecar

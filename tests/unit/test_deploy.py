@@ -108,6 +108,10 @@ def _agent_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return container
 
 
+# The downward-API values a pod's $(VAR) args are expanded with, where a test needs no others.
+POD_ENV = {"POD_NAME": "rel-elasticpp-0", "POD_NAMESPACE": "train", "POD_IP": "10.1.2.3"}
+
+
 def _k8s_expand(arg: str, env: dict[str, str]) -> str:
     # Kubernetes expands $(VAR) in args from the container's env.
     return re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], arg)
@@ -370,7 +374,8 @@ def test_prestop_drains_through_elasticpp_ctl_within_the_grace_period():
     # Through the control socket: token-free, and only inside the pod.
     assert drain.agent == "unix:/run/elasticpp/ctl.sock" and drain.wait == 600
     assert calls[1].agent == "unix:/run/elasticpp/ctl.sock"
-    args = _parse_cli(container["command"][1:] + container["args"])
+    env = {"POD_NAME": "rel-elasticpp-0", "POD_NAMESPACE": "train", "POD_IP": "10.1.2.3"}
+    args = _parse_cli([_k8s_expand(a, env) for a in container["command"][1:] + container["args"]])
     assert str(args.control_socket) == "/run/elasticpp/ctl.sock"
     # Kubernetes must not kill the pod while the drain may still be running.
     assert pod["terminationGracePeriodSeconds"] > drain.wait + drain.timeout
@@ -389,7 +394,7 @@ def test_jobspec_configmap_is_what_the_agent_loads(tmp_path: Path):
     docs = _render("-f", str(values))
     cm = _one(docs, "ConfigMap")
     container = _agent_container(docs)
-    args = _parse_cli(container["args"])
+    args = _parse_cli([_k8s_expand(a, POD_ENV) for a in container["args"]])
     (filename,) = cm["data"]
     assert filename == args.job_spec.name
     path = tmp_path / filename
@@ -437,7 +442,7 @@ def test_cpu_agents_request_no_gpus_and_keep_state_in_an_emptydir():
     docs = _render(*VALUE_SETS["cpu-ephemeral"])
     container = _agent_container(docs)
     assert "resources" not in container
-    assert _parse_cli(container["args"]).device == "cpu"
+    assert _parse_cli([_k8s_expand(a, POD_ENV) for a in container["args"]]).device == "cpu"
     pod = _one(docs, "StatefulSet")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["state"] == {"name": "state", "emptyDir": {}}

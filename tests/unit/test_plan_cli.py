@@ -101,7 +101,7 @@ def test_spec_file_seq_len_override_and_uneven_nodes(tmp_path: Path):
         (["--top", "-1"], "--top"),
         (["--node-gpus", "8,x"], "--node-gpus"),
         (["--node-gpus", "0,0"], "no healthy GPU"),
-        (["--nodes", "many"], "invalid int"),
+        (["--nodes", "many"], "argument --nodes: expected a whole number"),
     ],
 )
 @pytest.mark.timeout(60)

@@ -1,14 +1,18 @@
 """The README's tables against the code: every metric an agent exports is in the metrics
-table, and the table names no metric the agent does not export."""
+table, and the table names no metric the agent does not export; the agent's flags table
+lists its flags exactly, the commands table every command, and the output paragraph every
+command that takes `-o`."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 from prometheus_client import generate_latest
 
 from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.cli import main as cli_main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -33,3 +37,62 @@ def test_the_metrics_table_lists_exactly_the_metrics_an_agent_exports() -> None:
     listed = set(re.findall(r"^\| `(elasticpp_[a-z_]+)", _table_after("\n## Metrics\n"), re.M))
     assert exported - listed == set(), "exported, not in the README's table"
     assert listed - exported == set(), "in the README's table, not exported"
+
+
+def _first_table(heading: str) -> str:
+    """The first table of the section under `heading`."""
+    lines = README.read_text().split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {
+        max(a.option_strings, key=len): a
+        for a in parser._actions
+        if a.option_strings and "--help" not in a.option_strings
+    }
+
+
+def _subparser(*words: str) -> argparse.ArgumentParser:
+    parser, _ = cli_main.build_parser({})
+    for word in words:
+        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[word]
+    return parser
+
+
+def test_the_agent_flags_table_lists_exactly_the_agents_flags_and_which_are_required() -> None:
+    table = _first_table("\n### Run an elastic job\n")
+    assert table.startswith("| flag | default | meaning |")
+    rows = [r.split(" | ") for r in table.splitlines()[2:]]
+    listed = {flag: row[1] for row in rows for flag in re.findall(r"`(--[a-z-]+)`", row[0])}
+    flags = _flags(_subparser("agent"))
+    assert set(flags) - set(listed) == set(), "agent flags the README's table lacks"
+    assert set(listed) - set(flags) == set(), "in the README's table, not agent flags"
+    for flag, action in flags.items():
+        assert (listed[flag] == "required") == action.required, flag
+
+
+def test_the_commands_table_lists_every_command() -> None:
+    table = _first_table("\n## Using it\n")
+    listed = set(re.findall(r"^\| `elasticpp ([a-z]+)", table, re.M))
+    assert listed == set(cli_main.SUBCOMMANDS)
+
+
+def test_the_output_paragraph_names_every_command_that_takes_o() -> None:
+    text = README.read_text().split("**Output.**", 1)[1].split("\n\n", 1)[0]
+    named = set()
+    for command, subs in re.findall(
+        r"`(plan|ctl|job|data|export)((?: [a-z|]+)?)", text.replace("\n", " ")
+    ):
+        named |= {(command, s) for s in subs.strip().split("|")} if subs else {(command, "")}
+    takes = set()
+    for command in cli_main.SUBCOMMANDS:
+        parser = _subparser(command)
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        for name, sub in subs[0].choices.items() if subs else [("", parser)]:
+            if "--output" in _flags(sub):
+                takes.add((command, name))
+    assert takes == named
