@@ -253,7 +253,7 @@ class DurabilityPart:
         return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
 
     def _fetch_addresses(self, gs: _GenState, sources: Iterable[str]) -> dict[str, str]:
-        return fetch_addresses(gs.record, self._member_records(sources))
+        return fetch_addresses(gs.record, self.view.member_records(sources))
 
     def _fetch(
         self,
@@ -346,7 +346,7 @@ class DurabilityPart:
                 # The nodes this one backs up, by key on a follower (once a generation).
                 origins = backup_origins(ring, self.node_id, copies)
                 addresses = {
-                    n: str(i.get("address")) for n, i in self._member_records(origins).items()
+                    n: str(i.get("address")) for n, i in self.view.member_records(origins).items()
                 }
                 results = replicate_once(
                     self.store,

@@ -149,7 +149,7 @@ class ExecutorPart:
                 done = self.cluster.depose(action.leader)
                 self._execute(leader_deposed(self._lvs, action, done))
             elif isinstance(action, Reread):
-                self._reread.raise_()
+                self.view.reread.raise_()
             elif isinstance(action, SetFloor):
                 self.store.set_floor(action.step, action.generation)  # anchors below may go
             elif isinstance(action, UpdateGauges):
@@ -232,13 +232,13 @@ class ExecutorPart:
                 ok = self.cluster.write_resume(
                     action.generation, dict(action.value), self._ls.leadership
                 )
-                self._reread.raise_()
+                self.view.reread.raise_()
                 self._execute(leader_resume_written(self._ls, action, ok))
             elif isinstance(action, PublishResumeWait):
                 ok = self.cluster.write_resume_wait(
                     action.generation, action.why, self._ls.leadership
                 )
-                self._reread.raise_()
+                self.view.reread.raise_()
                 self._execute(leader_resume_wait_published(self._ls, action, ok))
             elif isinstance(action, RecordTimeline):
                 ok = self.cluster.record_timeline(

@@ -105,7 +105,7 @@ class FollowerPart:
                         generation,
                         exc,
                     )
-                self._etcd_down(exc)
+                self._execute(self.view.etcd_down(exc))
                 return
             del self._fs.pending_failures[generation]
             self._fs.failures_held.discard(generation)
@@ -128,7 +128,7 @@ class FollowerPart:
         pool (and whether its old processes are alive) and the fetch's future. Writes, and
         reads that belong to one (the holdings for `stopped-G`), are the executor's."""
         now_s, wall_s = self._clock.monotonic(), self._clock.time()
-        rec = self._vs.record
+        rec = self.view.snapshot.record
         record = rec if rec is not None and rec.generation > self.generation else None
         plan, plan_error = None, None
         if record is not None:
@@ -152,7 +152,7 @@ class FollowerPart:
         g = gs.generation
         mine = self.pool.of_generation(g)
         active = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
-        resume = self._vs.barriers.get(f"resume-{g}", {})
+        resume = self.view.snapshot.barriers.get(f"resume-{g}", {})
         # One construction (a copy with `dataclasses.replace` cost ~30 us a step).
         return FollowerObservation(
             **seen,

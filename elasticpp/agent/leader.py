@@ -62,22 +62,22 @@ class LeaderPart:
         return (
             self._ls.leadership is not None
             and self._ls.leadership.is_held()
-            and self._vs.leader == self.node_id
-            and self.node_id in self._vs.members
+            and self.view.snapshot.leader == self.node_id
+            and self.node_id in self.view.snapshot.members
             and not self._fenced()
         )
 
     def _maybe_campaign(self) -> None:
         # Deposed (the key deleted or taken) or lapsed: the old term is resigned before any
         # new campaign, so no keep-alive thread or lease outlives its term.
-        deposed = self._vs.leader != self.node_id
+        deposed = self.view.snapshot.leader != self.node_id
         if self._ls.leadership is not None and (deposed or not self._ls.leadership.is_held()):
             self._step_down("lost the leadership")
             return
         if self._ls.leadership is not None:
             return  # won; the view reads the leader key on the next refresh
         if (
-            self._vs.leader is not None
+            self.view.snapshot.leader is not None
             or self.control.summary().draining
             or self._exit_requested() is not None
         ):
@@ -86,7 +86,7 @@ class LeaderPart:
         if not self._torch_ready.is_set():
             return  # the leader hosts the rendezvous store; wait until torch is imported
         now_s = self._clock.monotonic()
-        record = self._vs.record
+        record = self.view.snapshot.record
         nodes = len(record.planned_nodes) if record is not None else 1
         if self._ls.campaign_at_s is None:  # spread over the nodes that see no leader
             self._ls.campaign_at_s = now_s + campaign_delay_s(nodes, random.random())
@@ -105,11 +105,11 @@ class LeaderPart:
         # from the newest record, quarantines and what each generation's transition has
         # written are read from etcd.
         sick = SickNodes(self.spec.sick_policy())
-        if self._vs.record is not None:
-            sick.seed(self._vs.record.extra.get("strikes"))
+        if self.view.snapshot.record is not None:
+            sick.seed(self.view.snapshot.record.extra.get("strikes"))
         # A secret of the term's: each generation's rendezvous prefix is derived from it.
         self._ls = LeaderState(sick, leadership=leadership, rendezvous_secret=secrets.token_hex(16))
-        self._reread.raise_()  # the view (the one writer of `leader`) reads the key now
+        self.view.reread.raise_()  # the view (the one writer of `leader`) reads the key now
         self._start_rendezvous_store()
         self.journal.write("decision", f"node {self.node_id} is the leader")
 
@@ -122,7 +122,7 @@ class LeaderPart:
         with contextlib.suppress(ElasticppError):
             self._ls.leadership.resign()
         self._ls.leadership = None
-        self._reread.raise_()
+        self.view.reread.raise_()
 
     def _start_rendezvous_store(self) -> None:
         from datetime import timedelta
@@ -174,21 +174,25 @@ class LeaderPart:
         return restarted
 
     def _view(self) -> ClusterView:
-        rec = self._vs.record
+        rec = self.view.snapshot.record
         current = rec.planned_sorted if rec else None
-        failed = set(self._vs.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
-        members = self._vs.members
+        failed = (
+            set(self.view.snapshot.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
+        )
+        members = self.view.snapshot.members
         dead = frozenset(n for n in self._lvs.dead_now(members) if n in members)
         restarted = self._restarted(rec, members)
         quarantined = frozenset(self._hs.quarantines)
         return ClusterView(
-            members=self._vs.members,
+            members=self.view.snapshot.members,
             dead=dead,
             current_nodes=current,
             failed=failed,
             now_s=self._clock.monotonic(),
             # planned again after the settle window: a join, a revived node, a re-admission
-            last_join_s=max(self._vs.last_join_s, self._lvs.revived_s, self._hs.readmitted_s),
+            last_join_s=max(
+                self.view.snapshot.last_join_s, self._lvs.revived_s, self._hs.readmitted_s
+            ),
             job_done=self.control.summary().job_done or self._hs.job_end is not None,
             restarted=restarted,
             quarantined=quarantined,
@@ -214,7 +218,7 @@ class LeaderPart:
         the executor applies, feeding the outcomes of writes and reads back to it."""
         self._probes_done()  # the verdicts of the probes finished since the last cycle
         self._recheck_dead()
-        rec = self._vs.record
+        rec = self.view.snapshot.record
         view = self._view()
         if rec is not None and view.failed and not (view.dead & set(view.current_nodes or ())):
             # Suspicion (a worker failure) is confirmed by probing before the TTL lapses;
@@ -275,11 +279,11 @@ class LeaderPart:
             wall_s=self._clock.time(),
             node_id=self.node_id,
             view=view,
-            record=self._vs.record,
-            record_rev=self._vs.record_rev,
-            members=self._vs.members,
-            barriers=self._vs.barriers,
-            detected=(self._vs.detected, self._fs.detected),
+            record=self.view.snapshot.record,
+            record_rev=self.view.snapshot.record_rev,
+            members=self.view.snapshot.members,
+            barriers=self.view.snapshot.barriers,
+            detected=(self.view.snapshot.detected, self._fs.detected),
             followed=followed.record if followed is not None else None,
             followed_plan=followed.plan if followed is not None else None,
             spec=self.spec,
@@ -291,7 +295,7 @@ class LeaderPart:
     def _refused(self, followed: _GenState | None) -> str | None:
         """Why the newest record's plan cannot be followed here (made for another model, or
         unreadable), if this node's follower did not enter it; None when it is followed."""
-        rec = self._vs.record
+        rec = self.view.snapshot.record
         if rec is None or (followed is not None and followed.generation >= rec.generation):
             return None
         try:
@@ -301,5 +305,5 @@ class LeaderPart:
         return None
 
     def timelines(self) -> list[dict[str, Any]]:
-        values = self._vs.barriers.get("timelines", {})
+        values = self.view.snapshot.barriers.get("timelines", {})
         return sorted(values.values(), key=lambda t: int(t.get("generation", 0)))

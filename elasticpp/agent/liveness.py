@@ -204,8 +204,8 @@ class LivenessPart:
     def _check_leader(self) -> None:
         """The liveness part's watch on the leader (`leader_watch_step`, pure); the probe's
         and the deposition's results come back to it as the executor applies them."""
-        rec, leader = self._vs.record, self._vs.leader
-        info = self._vs.members.get(leader, {}) if leader else {}
+        rec, leader = self.view.snapshot.record, self.view.snapshot.leader
+        info = self.view.snapshot.members.get(leader, {}) if leader else {}
         self._execute(
             leader_watch_step(
                 self._lvs,
@@ -247,7 +247,7 @@ class LivenessPart:
         start = not self._probing(wanted)
         due: list[tuple[tuple[str, str], str]] = []
         for n in wanted:
-            info = self._vs.members.get(n, {})
+            info = self.view.snapshot.members.get(n, {})
             address, inc = info.get("address"), str(info.get("incarnation", ""))
             if not address:
                 continue
@@ -304,7 +304,7 @@ class LivenessPart:
                 continue
             if result is ProbeResult.SILENT:
                 if key not in self._lvs.silent_once:
-                    address = self._vs.members.get(key[0], {}).get("address")
+                    address = self.view.snapshot.members.get(key[0], {}).get("address")
                     if address and self._still_registered(key):
                         self._lvs.silent_once.add(key)  # a second look before any verdict
                         self._start_probe(key, str(address))
@@ -322,7 +322,7 @@ class LivenessPart:
     def _still_registered(self, key: tuple[str, str]) -> bool:
         """True while node `key[0]`'s member key holds incarnation `key[1]` (an incarnation
         of "" stands for any agent without one, registered or not)."""
-        return str(self._vs.members.get(key[0], {}).get("incarnation", "")) == key[1]
+        return str(self.view.snapshot.members.get(key[0], {}).get("incarnation", "")) == key[1]
 
     def _probing(self, nodes: Iterable[str]) -> bool:
         """True while a probe of one of `nodes` is out (no verdict on it yet)."""
@@ -361,19 +361,21 @@ class LivenessPart:
         registered = [
             n
             for n, inc in self._lvs.dead.items()
-            if self._vs.members.get(n, {}).get("incarnation") == inc
+            if self.view.snapshot.members.get(n, {}).get("incarnation") == inc
         ]
         for n, result in self._probe(registered).items():
-            self._verdict(n, str(self._vs.members[n].get("incarnation", "")), result)
+            self._verdict(n, str(self.view.snapshot.members[n].get("incarnation", "")), result)
 
     def _confirm_dead(self, nodes: Iterable[str]) -> None:
         """Probe the suspects `nodes`: the verdicts (`_verdict`) of results known now are
         given now, the others' when their probes finish."""
         for n, result in self._probe(nodes).items():
-            self._verdict(n, str(self._vs.members.get(n, {}).get("incarnation", "")), result)
+            self._verdict(
+                n, str(self.view.snapshot.members.get(n, {}).get("incarnation", "")), result
+            )
 
     def _suspects(self, generation: int, nodes: Iterable[str]) -> list[str]:
         """The nodes of failed `generation` worth probing: those that did not report the
         failure themselves (a report is proof of life: a dead agent writes none)."""
-        reports = self._vs.barriers.get(f"failed-{generation}", {})
+        reports = self.view.snapshot.barriers.get(f"failed-{generation}", {})
         return sorted(set(nodes) - set(reports) - {self.node_id})

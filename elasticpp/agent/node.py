@@ -33,31 +33,33 @@ This module composes the agent: the parts' state, the decision loop and shutdown
 flags are `config.AgentConfig`); start-up and joining the job are in `startup`, the
 executor of the parts' actions in `executor` and `kernel.executor` (the table of handlers
 the parts that are objects register). The parts are becoming objects with ports, one
-sub-package each with its pure `step` and its `shell` (`control` is one: built with the
-pool, the health service, the clock and the metrics, it reads the others only through the
-summaries of `kernel.summaries`); what every part uses (the journal of decisions, the error
-policy, the executor) is in `kernel`. The parts live in their own modules, each with its
-invariants in its docstring: `view` (what the agent knows of etcd), `supervisor` (worker
+sub-package each with its pure `step` and its `shell`: `control` (built with the pool,
+the health service, the clock and the metrics, it reads the others only through the
+summaries of `kernel.summaries`) and `view` (built with the etcd client's reads: the
+others read what it knows through its frozen `View.snapshot`); what every part uses (the
+journal of decisions, the error policy, the executor) is in `kernel`. The other parts live
+in their own modules, each with its invariants in its docstring: `supervisor` (worker
 processes), `durability` (commits, replication, persistence, resume state), `pace` (how
 long the loop sleeps), `follower` (the phases of a generation, with deadlines), `liveness`
-(probes), `leader` (plans, resume instructions, the safe step) and `control` (status,
-events, drain, health, the error policy). Timeouts and limits are in `limits`.
+(probes) and `leader` (plans, resume instructions, the safe step). Timeouts and limits are
+in `limits`.
 
 Who writes what: each part's state is one object with one writer, that part's module on
-the decision loop: the view's `ViewState` (`_vs`), the supervisor's `WorkerPool` and
-`SupervisorState` (`_ss`), the follower's `FollowerState` (`_fs`, with the generation's
-`_GenState`), durability's `DurabilityState` (`_ds`), liveness's `LivenessState` (`_lvs`),
-the leader's `LeaderState` (`_ls`, a new one per term; quarantine.py holds its health
-decisions) and the health records' `HealthState` (`_hs`); control's `ControlState` is
-the `Control` object's own.
+the decision loop: the supervisor's `WorkerPool` and `SupervisorState` (`_ss`), the
+follower's `FollowerState` (`_fs`, with the generation's `_GenState`), durability's
+`DurabilityState` (`_ds`), liveness's `LivenessState` (`_lvs`), the leader's
+`LeaderState` (`_ls`, a new one per term; quarantine.py holds its health decisions) and
+the health records' `HealthState` (`_hs`); control's `ControlState` and the view's
+`ViewState` are their objects' own.
 A part reads another's state and asks for changes through the owner's methods; watches,
 gRPC and worker threads only raise signals or queue requests (`inbox`), and the fetch and
 replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
 reads the source and fails on a write by anyone else. Values a part derives from several
 sources stay with their sources and are combined by the reader: the newest join
-(`_vs.last_join_s`, `_lvs.revived_s`, `_hs.readmitted_s`), the detection time of a change
-(`_vs.detected`, `_fs.detected`), the exit status (`_exit_requested`). Each part's step runs
-in its own error boundary (`_part`). Parts read time from an injected clock (`clock`).
+(the view's `last_join_s`, `_lvs.revived_s`, `_hs.readmitted_s`), the detection time of a
+change (the view's `detected`, `_fs.detected`), the exit status (`_exit_requested`). Each
+part's step runs in its own error boundary (`_part`). Parts read time from an injected
+clock (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
 (`control.control_step`), the job's end (`quarantine.job_end_step`), the supervisor's
 deadlines (`supervisor.supervisor_step`), a follower's watch on the leader
@@ -108,7 +110,6 @@ from elasticpp.agent.kernel.summaries import (
     FollowerSummary,
     HealthSummary,
     ProgressSummary,
-    ViewSummary,
 )
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
@@ -130,7 +131,7 @@ from elasticpp.agent.quarantine import HealthState, QuarantinePart
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
 from elasticpp.agent.supervisor import SupervisorPart, SupervisorState
-from elasticpp.agent.view import MemberDirectory, ViewPart, ViewState
+from elasticpp.agent.view.shell import View
 from elasticpp.agent.worklogs import WorkerLogs
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.errors import (
@@ -154,7 +155,6 @@ WorkerFactory = Callable[[Path, dict[str, str], str], Any]
 class Agent(
     StartupPart,
     ExecutorPart,
-    ViewPart,
     SupervisorPart,
     PacePart,
     DurabilityPart,
@@ -213,8 +213,6 @@ class Agent(
         # Inboxes: what watches, gRPC threads and other parts may hand over (elasticpp.agent.inbox)
         self._wake = wake if wake is not None else threading.Event()  # the loop ticks now
         self._stop = threading.Event()
-        self._reread = Signal(raised=True)  # the view reads etcd again
-        self._epoch_changed = Signal()  # the job's epoch key changed
         self._health_changed = Signal(raised=True)  # the quarantine or end keys changed
         # What every part uses: the journal of decisions (`ctl events`), the error policy,
         # the executor of the actions their steps return (elasticpp.agent.kernel).
@@ -228,8 +226,6 @@ class Agent(
             self._wake, clock=self._clock.monotonic
         )  # the supervisor's workers (elasticpp.agent.pool)
         self._ss = SupervisorState(gpus=list(range(cfg.slots)))
-        self._vs = ViewState(last_join_s=self._clock.monotonic())
-        self._directory = MemberDirectory()  # the members a follower reads by key
         self._fs = FollowerState()
         self._ds = DurabilityState()
         self._lvs = LivenessState()
@@ -270,6 +266,14 @@ class Agent(
                 security=cfg.etcd_security,
                 prefix=cfg.etcd_prefix,
             )
+        )
+        self.view = View(
+            cfg.node_id,
+            cluster=self.cluster,
+            clock=self._clock,
+            journal=self.journal,
+            metrics=self.metrics,
+            epoch=lambda: self.store.epoch,
         )
         self._closed = False  # `shutdown` closed the etcd client: the parts write no more
         self._etcd_open = False  # `start` began to join: `shutdown` leaves etcd cleanly
@@ -317,8 +321,8 @@ class Agent(
             if resync or event.key.startswith(keys.quarantine_prefix) or event.key == keys.ended:
                 self._health_changed.raise_()
             if resync or event.key == keys.epoch:
-                self._epoch_changed.raise_()
-        self._reread.raise_()
+                self.view.epoch_changed.raise_()
+        self.view.reread.raise_()
         self._wake.set()
 
     @property
@@ -394,7 +398,11 @@ class Agent(
     def _exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is
         gone), the health part (the job ended), control (drained, or finished)."""
-        for code in (self._vs.exit_code, self._hs.exit_code, self.control.summary().exit_code):
+        for code in (
+            self.view.snapshot.exit_code,
+            self._hs.exit_code,
+            self.control.summary().exit_code,
+        ):
             if code is not None:
                 return code
         return None
@@ -414,7 +422,8 @@ class Agent(
             return None
         if reg.conflict is not None:
             return str(reg.conflict)
-        other = self._vs.members.get(self.node_id, {}).get("incarnation", self.incarnation)
+        members = self.view.snapshot.members
+        other = members.get(self.node_id, {}).get("incarnation", self.incarnation)
         if other == self.incarnation:
             return None
         return (
@@ -475,15 +484,17 @@ class Agent(
         ):
             self._part(name, step)
         now = self._clock.monotonic()
-        if self._reread.is_raised() or now - self._vs.last_refresh_s >= VIEW_REFRESH_S:
+        view = self.view.snapshot
+        if self.view.reread.is_raised() or now - view.last_refresh_s >= VIEW_REFRESH_S:
             self._part("view", self._refresh)
-        if not self._vs.etcd_ok:
+        view = self.view.snapshot
+        if not view.etcd_ok:
             return  # training goes on; membership changes wait for etcd
-        epoch_changed = self._epoch_changed.is_raised() or (
-            self._vs.record is None and self.generation > 0
+        epoch_changed = self.view.epoch_changed.is_raised() or (
+            view.record is None and self.generation > 0
         )
         if epoch_changed and (
-            not self._part("view", self._check_epoch) or self._exit_requested() is not None
+            not self._part("view", self.view.check_epoch) or self._exit_requested() is not None
         ):
             return
         for name, step in (("health", self._read_health), ("health", self._publish_halt)):
@@ -508,7 +519,7 @@ class Agent(
         """Publish the status the control RPCs read, from this turn's summaries."""
         return self.control.publish_status(
             self._follower_summary(),
-            self._view_summary(),
+            self.view.summary(),
             self._health_summary(),
             self._progress_summary(),
         )
@@ -516,15 +527,13 @@ class Agent(
     def _control(self) -> None:
         """The control part's step on this turn's summaries."""
         self._execute(
-            self.control.step(
-                self._follower_summary(), self._view_summary(), self._health_summary()
-            )
+            self.control.step(self._follower_summary(), self.view.summary(), self._health_summary())
         )
 
     def _update_gauges(self) -> None:
         self.control.update_gauges(
             self._follower_summary(),
-            self._view_summary(),
+            self.view.summary(),
             self._progress_summary(),
             self._is_leader(),
         )
@@ -543,22 +552,13 @@ class Agent(
             waiting=gs.waiting_said,
         )
 
-    def _view_summary(self) -> ViewSummary:
-        vs = self._vs
-        # A leader reads every member; a follower, which reads only its own and the
-        # leader's, says the current generation's nodes.
-        members = (
-            vs.members.keys()
-            if vs.members_complete or vs.record is None
-            else vs.record.planned_nodes
-        )
-        return ViewSummary(
-            etcd_ok=vs.etcd_ok,
-            leader=vs.leader,
-            members=members,
-            done=vs.barriers.get("done", {}),
-            timelines=vs.barriers.get("timelines", {}),
-        )
+    def _refresh(self) -> None:
+        """The view's read of etcd, as the leader (every member, the arrivals) or not, with
+        the nodes the liveness part found dead."""
+        self._execute(self.view.refresh(self._ls.leadership is not None, self._lvs.dead_now))
+
+    def _etcd_down(self, exc: Exception) -> None:
+        self._execute(self.view.etcd_down(exc))
 
     def _health_summary(self) -> HealthSummary:
         end = self._hs.job_end

@@ -52,7 +52,7 @@ class PacePart:
         etcd and joining. Training (workers that
         reported a step within a quiet tick), the steady state of a job, ticks at
         TRAINING_TICK_S, leader or not, and so does a leader whose transition is over."""
-        gs, rec = self._fs.gen, self._vs.record
+        gs, rec = self._fs.gen, self.view.snapshot.record
         followed = gs.generation if gs is not None else 0
         current = rec.generation if rec is not None else 0
         # A step reported within a quiet tick keeps the training tick: that every part of its
@@ -61,7 +61,7 @@ class PacePart:
         training = time.monotonic() - self.pool.trained_at_s < QUIET_TICK_S
         settled = (
             self._joined
-            and self._vs.etcd_ok
+            and self.view.snapshot.etcd_ok
             and current == followed  # a record not yet followed is taken at the next tick
             and not self._fs.pending_failures
             and (current == 0 or self._fs.reported != current)
@@ -82,7 +82,7 @@ class PacePart:
         else:
             tick_s = BUSY_TICK_S
         campaign_at_s = self._ls.campaign_at_s  # leaderless: this node's campaign is due then
-        if campaign_at_s is not None and self._vs.leader is None:
+        if campaign_at_s is not None and self.view.snapshot.leader is None:
             due_s = campaign_at_s - self._clock.monotonic()
             tick_s = min(tick_s, max(BUSY_TICK_S, due_s))  # overdue: polls, never spins
         return tick_s

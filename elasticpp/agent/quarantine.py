@@ -209,7 +209,7 @@ class QuarantinePart:
             for n in set(sick.quarantined) - set(published):
                 sick.lifted(n)  # an operator lifted it, or a new term reads etcd
             sick.load(published)
-        members = self._vs.members
+        members = self.view.snapshot.members
         memo = self._ls.incarnations_memo
         if memo is not None and memo[0] is members:
             incarnations = memo[1]
@@ -218,11 +218,11 @@ class QuarantinePart:
             self._ls.incarnations_memo = (members, incarnations)
         now = self._clock.time()
         actions = sick.expire(incarnations, now)
-        rec = self._vs.record
+        rec = self.view.snapshot.record
         if rec is not None and view.current_nodes is not None:
             current = set(view.current_nodes)
             lost = lost_nodes(view)
-            failed = self._vs.barriers.get(f"failed-{rec.generation}", {})
+            failed = self.view.snapshot.barriers.get(f"failed-{rec.generation}", {})
             reports = [_report(n, v) for n, v in failed.items() if n in current]
             if lost or reports:
                 actions += sick.judge(rec.generation, reports, incarnations, now, lost=lost)
@@ -267,7 +267,7 @@ class QuarantinePart:
                 )
                 self._hs.job_end = end
                 self.journal.write("decision", f"leader: the job ends: {end.reason}")
-            self._reread.raise_()
+            self.view.reread.raise_()
 
 
 def _as_quarantined(r: QuarantineRecord) -> Quarantined:

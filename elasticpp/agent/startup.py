@@ -180,7 +180,7 @@ class StartupPart:
         """Whether `node_id` is a node of this job now: a member this node knows, its
         leader, or a node planned in the newest generation record (called on gRPC threads;
         reads the view, writes nothing)."""
-        vs = self._vs
+        vs = self.view.snapshot
         if node_id in vs.members or node_id == vs.leader:
             return True
         record = vs.record

@@ -39,7 +39,7 @@ from elasticpp.agent.resumestep import (
     leader_resume_written,
 )
 from elasticpp.agent.supervisor import supervisor_step, template_step
-from elasticpp.agent.view import view_step
+from elasticpp.agent.view.step import view_step
 
 STEPS: dict[str, Callable[..., Any]] = {
     f.__name__: f

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.agent.view import EPOCH_ENDED_EXIT
+from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from elasticpp.cluster import ClusterClient
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.waiting import wait_until

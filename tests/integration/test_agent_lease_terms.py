@@ -84,7 +84,7 @@ def test_a_node_that_lost_a_campaign_waits_a_spread_before_the_next(
         held = other.campaign("n9", ttl_s=SPEC.lease_ttl_s)
         assert held is not None
         try:
-            agent._vs.leader = None  # the view has not read n9's key yet
+            agent.view.state.leader = None  # the view has not read n9's key yet
             spread_s = campaign_spread_s(1)
             agent._maybe_campaign()  # draws its turn within the spread
             clock.advance(spread_s)
@@ -106,14 +106,14 @@ def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
     agent: Agent, etcd: EtcdServer
 ) -> None:
     assert agent.cluster is not None
-    agent._vs.leader = None
+    agent.view.state.leader = None
     assert _campaigns_until_won(agent)
     first = agent._ls.leadership
     assert first is not None and _leader_keepers(agent) == 1
     with ClusterClient([etcd.endpoint], SPEC.name) as other:
         assert other.depose("n0")  # confirmed dead by a peer's probe, wrongly
-    agent._vs.leader = agent.cluster.leader()  # what the next refresh reads: no leader
-    assert agent._vs.leader is None
+    agent.view.state.leader = agent.cluster.leader()  # what the next refresh reads: no leader
+    assert agent.view.state.leader is None
     agent._maybe_campaign()  # lost the term
     assert agent._ls.leadership is None
     assert _campaigns_until_won(agent)  # then campaigns (after its draw) and wins again
@@ -165,7 +165,9 @@ def test_an_agent_back_from_a_lapse_finds_its_node_id_taken_and_exits_2(
 
 @pytest.mark.timeout(30)
 def test_a_new_term_starts_from_the_strikes_the_newest_record_carried(agent: Agent) -> None:
-    agent._vs.record = GenerationRecord(4, {}, "n9", time.time(), extra={"strikes": {"n5": 2}})
-    agent._vs.leader = None
+    agent.view.state.record = GenerationRecord(
+        4, {}, "n9", time.time(), extra={"strikes": {"n5": 2}}
+    )
+    agent.view.state.leader = None
     assert _campaigns_until_won(agent)
     assert agent._ls.sick.strikes == {"n5": 2}

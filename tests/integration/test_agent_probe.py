@@ -164,14 +164,17 @@ def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
             deposed.append(node_id)
             return True
 
-    agent = Agent(AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    agent = Agent(
+        AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
+        SPEC,
+        cluster=_Cluster(),  # type: ignore[arg-type]
+    )
     for address in _serve(servicer):  # type: ignore[arg-type]
-        agent._vs.members = {"n0": {"address": address, "incarnation": "a"}}
-        agent._vs.record = GenerationRecord(2, {}, "n0", time.time())
-        agent._vs.leader = "n0"
+        agent.view.state.members = {"n0": {"address": address, "incarnation": "a"}}
+        agent.view.state.record = GenerationRecord(2, {}, "n0", time.time())
+        agent.view.state.leader = "n0"
         agent._fs.reported = 2  # this node reported generation 2 failed
         agent._lvs.suspect_since = {2: time.monotonic() - 10}
-        agent.cluster = _Cluster()  # type: ignore[assignment]
         agent._check_leader()
     assert deposed == ["n0"]
     assert agent._lvs.dead == {}  # alive: deposed, not declared dead
@@ -183,7 +186,7 @@ def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
 ) -> None:
     address, _ = slow_once
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
-    agent._vs.members = {
+    agent.view.state.members = {
         "n1": {"address": address, "incarnation": "a"},
         "n2": {"address": _closed_port(), "incarnation": "b"},
     }

@@ -69,7 +69,9 @@ def test_the_agent_fetches_a_sources_pieces_in_parallel_within_the_per_source_bo
     cluster = ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu"))
     plan = build_plan(MODEL, cluster, Layout(1, 1, 2), global_batch=4, micro_batch=2)
     record = GenerationRecord(2, plan.with_generation(2).to_dict(), "n9", time.time())
-    agent._vs.members = {"a": {"address": a.address, "incarnation": "i-a"}}  # a source outside
+    agent.view.state.members = {
+        "a": {"address": a.address, "incarnation": "i-a"}
+    }  # a source outside
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     pieces = {n: a.store.piece_info("a", 3, n) for n in ALL_TP2}
     assert len(pieces) > FETCH_PER_SOURCE

@@ -56,9 +56,15 @@ class _RefusesOnce(_Cluster):
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
+    return _agent_on(tmp_path, _Cluster())
+
+
+def _agent_on(tmp_path: Path, cluster: _Cluster) -> tuple[Agent, _Cluster]:
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        SPEC,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     # A tick refills the warm pool: no real worker processes in a unit test (they outlived
     # it before, and a later test that counts the runner's children failed for them).
     agent._spawn_warm = lambda: None  # type: ignore[method-assign]
@@ -79,8 +85,8 @@ def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path)
     ran: list[str] = []
     agent._refresh = lambda: None  # type: ignore[method-assign]
     agent._read_health = lambda: None  # type: ignore[method-assign]
-    agent._reread.take()
-    agent._vs.last_refresh_s = time.monotonic()
+    agent.view.reread.take()
+    agent.view.state.last_refresh_s = time.monotonic()
 
     def broken() -> None:
         raise AttributeError("'NoneType' object has no attribute 'get'")
@@ -128,7 +134,7 @@ def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path
         record=current, plan=Plan.from_dict(current.plan), phase=Phase.RUNNING
     )
     newer = GenerationRecord(3, {**_plan(3).to_dict(), "format_version": 99}, "n9", time.time())
-    agent._vs.record = newer
+    agent.view.state.record = newer
     agent._follow_generation()
     assert agent.generation == 2 and agent._fs.gen.phase is Phase.RUNNING
     assert cluster.skipped == [_Cluster.keys.generation]
@@ -198,13 +204,12 @@ def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path
     """Before, a spare entered IDLE before it wrote `started-G`: a write refused by etcd
     was never made again, and the leader waited for the spare's arrival for good (no
     timeline, no reset of the re-plan budget)."""
-    agent, cluster = _agent(tmp_path)
-    agent.cluster = cluster = _RefusesOnce("started-2")  # type: ignore[assignment]
+    agent, cluster = _agent_on(tmp_path, _RefusesOnce("started-2"))
     record = GenerationRecord(2, _plan_on(2, ("n1",)).to_dict(), "n1", time.time())
     agent._fs.gen = gs = _GenState(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
     )
-    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
+    agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
     _follow_through_a_refused_write(agent)
     assert gs.phase is Phase.IDLE
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("started-2", "n0")]
@@ -213,8 +218,7 @@ def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path
 def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) -> None:
     """Before, the node entered DONE before it wrote `done`: a write refused by etcd was
     never made again, and the job's end waited on it."""
-    agent, cluster = _agent(tmp_path)
-    agent.cluster = cluster = _RefusesOnce("done")  # type: ignore[assignment]
+    agent, cluster = _agent_on(tmp_path, _RefusesOnce("done"))
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
     agent._fs.gen = gs = _GenState(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
@@ -227,8 +231,7 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
 
 
 def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Path) -> None:
-    agent, cluster = _agent(tmp_path)
-    agent.cluster = cluster = _RefusesOnce("stopped-2")  # type: ignore[assignment]
+    agent, cluster = _agent_on(tmp_path, _RefusesOnce("stopped-2"))
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     agent._fs.gen = gs = _GenState(record=record, plan=Plan.from_dict(record.plan))
     with contextlib.suppress(ClusterUnavailableError):

@@ -56,12 +56,13 @@ class _SlowCluster:
 
 
 def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[Agent, _Proc]:
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
+    )
     plan = _plan(generation)
     record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
     agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._ds.replication = Future()  # a round in flight for good: no rounds here, one node
-    agent.cluster = cluster
     writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
     agent.pool.add_worker(
         _Worker(
@@ -255,7 +256,7 @@ def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
     gs = agent._fs.gen = _GenState(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
     )
-    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
+    agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
     _fetched(agent, gs)
     gs.fetch = Future()
     gs.fetch.set_result(FetchOutcome(error="StateUnavailableError: a peer went away"))
@@ -281,7 +282,7 @@ def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_pa
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     for generation in range(2, 202):
         agent._report_failure(generation - 1, "worker rank 0 exited with code 1")
-        agent._vs.record = _record(generation)
+        agent.view.state.record = _record(generation)
         agent._follow_generation()
     assert len(agent._fs.detected) <= 1  # only the leader deleted them before
 
@@ -326,7 +327,7 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
             ranks.set(f"rank{rank}", "127.0.0.1:29500")
             ranks.add("arrived", 1)
         now = time.time()
-        agent._vs.barriers = {
+        agent.view.state.barriers = {
             f"started-{generation}": {"n0": {"at": now, "moved_at": now}},
             f"resume-{generation}": {RESUME_MEMBER: {"step": 0}},
         }

@@ -29,18 +29,20 @@ class _Registration:
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, ManualClock]:
     clock = ManualClock()
-    agent = Agent(
-        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC, clock=clock
-    )
     cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
+        SPEC,
+        clock=clock,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     agent._spawn_warm = lambda: None  # type: ignore[method-assign]
     return agent, cluster, clock
 
 
 def _new_generation(agent: Agent, generation: int, nodes: tuple[str, ...] = ("n0",)) -> None:
     """What the view's refresh publishes when the leader wrote `generation`."""
-    agent._vs.record = GenerationRecord(
+    agent.view.state.record = GenerationRecord(
         generation,
         _plan(generation, nodes).to_dict(),
         "n0",
@@ -102,7 +104,7 @@ def test_a_leader_that_cannot_resume_holds_the_moving_deadline_while_it_says_so(
     agent._follow_generation()
     assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.MOVING
     why = "no committed state on any live node"
-    agent._vs.barriers = {"resume-2": {"wait": {"why": why, "at": clock.time()}}}
+    agent.view.state.barriers = {"resume-2": {"wait": {"why": why, "at": clock.time()}}}
     deadline_s = max(MOVING_DEADLINE_FLOOR_S, SPEC.hang_timeout_s)
     for _ in range(5):
         clock.advance(deadline_s)
@@ -113,7 +115,7 @@ def test_a_leader_that_cannot_resume_holds_the_moving_deadline_while_it_says_so(
     assert agent.status()["waiting"] == why  # `elasticpp ctl status` shows it
     # The wait is withdrawn (a new leader, say, whose resolve is still under way): the
     # deadline runs again from the last step that saw the wait.
-    agent._vs.barriers = {}
+    agent.view.state.barriers = {}
     clock.advance(deadline_s - 1.0)
     agent._follow_generation()
     assert agent._fs.gen.phase is Phase.MOVING and agent.status()["waiting"] == ""

@@ -79,11 +79,13 @@ class _Cluster:
 
 
 def _agent(tmp_path: Path, clock: Clock | None = None, **cfg: Any) -> tuple[Agent, _Cluster]:
-    agent = Agent(
-        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path, **cfg), SPEC, clock=clock
-    )
     cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path, **cfg),
+        SPEC,
+        clock=clock,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     return agent, cluster
 
 
@@ -143,7 +145,7 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     gs.fetch = Future()
     gs.fetch.set_result(FetchOutcome(done_at=time.time()))
     agent._fs.gen = gs
-    agent._vs.barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
+    agent.view.state.barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
     agent._supervise()
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
     agent._follow_generation()
@@ -175,20 +177,20 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     clock = ManualClock()
     agent, cluster = _agent(tmp_path, clock=clock)
     agent._ls.leadership = _Leadership()
-    agent._vs.leader = "n0"
-    agent._vs.members = {
+    agent.view.state.leader = "n0"
+    agent.view.state.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
         for n in ("n0", "n1", "n2")
     }
     plan = _plan(2, ("n0", "n1", "n2"))
     nodes = {n: "127.0.0.1:1" for n in ("n0", "n1", "n2")}
     record = GenerationRecord(2, plan.to_dict(), "n0", time.time(), extra={"nodes": nodes})
-    agent._vs.record = record
+    agent.view.state.record = record
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
     agent._confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
     holdings = {"digest": {"format": 1, "address": "127.0.0.1:1", "held": []}}
-    agent._vs.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
+    agent.view.state.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
     lead_resume(agent, gs)
     lead_resume(agent, gs)
     assert cluster.quarantines == [] and not agent._ls.resume_written  # within the deadline
@@ -306,8 +308,8 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     plan (the review's N2b)."""
     agent, cluster = _agent(tmp_path)
     agent._ls.leadership = _Leadership()
-    agent._vs.leader = "n0"
-    agent._vs.members = {
+    agent.view.state.leader = "n0"
+    agent.view.state.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
         for n in ("n0", "n1", "n2")
     }
@@ -315,7 +317,7 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     record = GenerationRecord(
         2, _plan(2, ("n0", "n1", "n2")).to_dict(), "n0", time.time(), extra={"nodes": nodes}
     )
-    agent._vs.record = record
+    agent.view.state.record = record
     agent._lvs.unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
     view = agent._lead_health(agent._view())
     [q] = cluster.quarantines

@@ -77,9 +77,12 @@ class _Leadership:
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
-    agent = Agent(AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
+    agent = Agent(
+        AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
+        SPEC,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     return agent, cluster
 
 
@@ -107,32 +110,34 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     agent._refresh()
     assert "every member" not in cluster.read
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1", "member n0"]
-    assert sorted(agent._vs.members) == ["n0", "n1"] and not agent._vs.members_complete
-    first = agent._vs.members
+    assert (
+        sorted(agent.view.state.members) == ["n0", "n1"] and not agent.view.state.members_complete
+    )
+    first = agent.view.state.members
     cluster.read.clear()
     agent._refresh()
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1"]  # own: cached
-    assert agent._vs.members is first  # unchanged: the same object
+    assert agent.view.state.members is first  # unchanged: the same object
     cluster.term = ("n0", 9)  # n0 elected again (restarted): its record is read again
     cluster.read.clear()
     agent._refresh()
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1", "member n0"]
     # What a follower says of the job's members: its generation's nodes.
-    assert sorted(agent._view_summary().members) == sorted(agent._vs.record.planned_nodes)
+    assert sorted(agent.view.summary().members) == sorted(agent.view.state.record.planned_nodes)
     # Its fetch sources and replication peers: read by key once a generation.
     cluster.read.clear()
-    assert sorted(agent._member_records(["n2", "n3", "n9"])) == ["n2", "n3"]
-    assert sorted(agent._member_records(["n2", "n3"])) == ["n2", "n3"]
+    assert sorted(agent.view.member_records(["n2", "n3", "n9"])) == ["n2", "n3"]
+    assert sorted(agent.view.member_records(["n2", "n3"])) == ["n2", "n3"]
     assert cluster.read == ["member n2", "member n3", "member n9"]
     agent._ls.leadership = _Leadership()  # this node leads: every member, cached
     cluster.read.clear()
     agent._refresh()
     assert "every member" in cluster.read
     assert not [r for r in cluster.read if r.startswith("member ")]
-    assert sorted(agent._vs.members) == list(MEMBERS) and agent._vs.members_complete
-    assert sorted(agent._view_summary().members) == list(MEMBERS)
+    assert sorted(agent.view.state.members) == list(MEMBERS) and agent.view.state.members_complete
+    assert sorted(agent.view.summary().members) == list(MEMBERS)
     cluster.read.clear()
-    assert sorted(agent._member_records(["n2", "n3"])) == ["n2", "n3"]
+    assert sorted(agent.view.member_records(["n2", "n3"])) == ["n2", "n3"]
     assert cluster.read == []  # the leader's view holds them
 
 

@@ -87,12 +87,11 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
 ) -> None:
     spec = SPEC
     cfg = AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path)
-    agent = Agent(cfg, spec)
+    cluster = _Cluster()
+    agent = Agent(cfg, spec, cluster=cluster)  # type: ignore[arg-type]
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
     agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
-    cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
     for rank in range(2):
         proc = _Proc(100 + rank)
         agent.pool.add_worker(
@@ -118,21 +117,24 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     tmp_path: Path,
 ) -> None:
     spec = SPEC
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), spec)
+    cluster = _Cluster()
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        spec,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._ls.at(2, time.monotonic()).resume_written = True
-    cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
-    agent._vs.barriers = {
+    agent.view.state.barriers = {
         "timelines": {"gen-2": {"generation": 2, "resume_step": 10}},
         "started-2": {"n0": {"at": time.time(), "moved_at": time.time()}},
         "resume-2": {RESUME_MEMBER: {"step": 10, "recomputed": 1}},
     }
     lead_timeline(agent, gs)
     assert cluster.arrivals == []  # n9's timeline of generation 2 stays
-    del agent._vs.barriers["timelines"]["gen-2"]
+    del agent.view.state.barriers["timelines"]["gen-2"]
     agent._ls.timeline_written = False  # as a leader elected later knows it
     lead_timeline(
         agent, _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
@@ -151,18 +153,21 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
-    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: _resume_v2(step=0)}}
+    agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: _resume_v2(step=0)}}
     agent._follow_generation()
     assert gs.resume == _resume_v2(step=0) and gs.fetch is not None
     assert gs.fetch.result(timeout=10).error is None
 
 
 def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Path) -> None:
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        SPEC,
+        cluster=_Cluster(),  # type: ignore[arg-type]  # any write would fail here
+    )
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
-    agent.cluster = _Cluster()  # type: ignore[assignment]  # any write would fail here
-    agent._vs.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
+    agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
     lead_resume(agent, gs)
     assert agent._ls.at(2, time.monotonic()).resume_written
 
@@ -232,10 +237,13 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
 ) -> None:
     """The wedge: a node waiting for its ranks to start (or for a resume instruction) waited
     for good. Past the phase's deadline it now reports a failure, so the leader re-plans."""
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        SPEC,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
+    record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     for phase in (Phase.MOVING, Phase.STARTING):
         gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=phase)
         agent._fs.gen = gs

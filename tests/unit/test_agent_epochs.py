@@ -13,7 +13,7 @@ import pytest
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.view import EPOCH_ENDED_EXIT
+from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord, JobEpoch
 from elasticpp.plan import Plan
@@ -47,26 +47,27 @@ class _FreshCluster:
         return self.stored_epoch
 
 
-def _agent(tmp_path: Path) -> Agent:
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    agent._vs.members = {"n0": {"address": "127.0.0.1:1", "incarnation": agent.incarnation}}
+def _agent(tmp_path: Path, cluster: Any = None) -> Agent:
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
+    )
+    agent.view.state.members = {"n0": {"address": "127.0.0.1:1", "incarnation": agent.incarnation}}
     return agent
 
 
 def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_epochs(
     tmp_path: Path,
 ) -> None:
-    agent = _agent(tmp_path)
+    cluster = _FreshCluster(JobEpoch(2, "n0", time.time()))
+    agent = _agent(tmp_path, cluster)
     agent.store.set_epoch(1)
     # The node holds step 40 of epoch 1, but not every unit of the model: no step resolves.
     commit_step(agent.store, 40, generation=7)
     agent.store.set_epoch(2)
-    cluster = _FreshCluster(JobEpoch(2, "n0", time.time()))
-    agent.cluster = cluster  # type: ignore[assignment]
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     holdings = agent.store.holdings().to_dict()
-    agent._vs.barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
+    agent.view.state.barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
     cluster.down = True
     with pytest.raises(ClusterUnavailableError):
         lead_resume(agent, gs)
@@ -81,7 +82,7 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     assert generation == 1 and "does not start over" in why
     assert sum("cannot resume" in e[2] for e in agent.journal.log) == 1  # logged once
     # Nothing held anywhere, nothing committed in etcd: a fresh job starts at step 0.
-    agent._vs.barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
+    agent.view.state.barriers = {"stopped-1": {"n0": {"holdings": {**holdings, "steps": []}}}}
     lead_resume(agent, gs)
     assert [r["step"] for r in cluster.resumes] == [0]
 
@@ -89,15 +90,14 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
 def test_an_agent_whose_job_epoch_is_gone_stops_with_the_epoch_exit_status(
     tmp_path: Path,
 ) -> None:
-    agent = _agent(tmp_path)
-    agent.store.set_epoch(5)
     cluster = _FreshCluster(JobEpoch(5, "n1", time.time()))
-    agent.cluster = cluster  # type: ignore[assignment]
-    agent._epoch_changed.raise_()
-    agent._check_epoch()
+    agent = _agent(tmp_path, cluster)
+    agent.store.set_epoch(5)
+    agent.view.epoch_changed.raise_()
+    agent.view.check_epoch()
     assert agent._exit_requested() is None  # the same epoch: nothing to do
-    assert not agent._epoch_changed.is_raised()
+    assert not agent.view.epoch_changed.is_raised()
     cluster.stored_epoch = None  # the job's prefix was deleted
-    agent._check_epoch()
+    agent.view.check_epoch()
     assert agent._exit_requested() == EPOCH_ENDED_EXIT
     assert any("started afresh" in e[2] for e in agent.journal.log)

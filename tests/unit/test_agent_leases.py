@@ -81,7 +81,7 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
 ) -> None:
     agent = _agent(tmp_path)
     agent._registration = _Registration()
-    agent._vs.members = {"n0": {"incarnation": agent.incarnation}}
+    agent.view.state.members = {"n0": {"incarnation": agent.incarnation}}
     ticks: list[int] = []
 
     def tick() -> None:
@@ -89,7 +89,9 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
         if len(ticks) == 2 and how == "lease lost, key taken":
             agent._registration.conflict = "another agent with the same node id is registered"
         if len(ticks) == 2 and how == "key taken, lease alive":
-            agent._vs.members = {"n0": {"incarnation": "f00d"}}  # what the members read found
+            agent.view.state.members = {
+                "n0": {"incarnation": "f00d"}
+            }  # what the members read found
         if len(ticks) > 5:
             agent.control.state.exit_code = 0  # a bound, so that an agent that ignores it returns
 
@@ -103,12 +105,14 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
 def test_a_leader_whose_own_membership_is_lost_or_unseen_does_not_plan(tmp_path: Path) -> None:
     agent = _agent(tmp_path)
     agent._ls.leadership = _Leadership()
-    agent._vs.leader = "n0"
+    agent.view.state.leader = "n0"
     agent._registration = _Registration()
-    agent._vs.members = {"n0": {"address": "a"}, "n1": {"address": "b"}}
+    agent.view.state.members = {"n0": {"address": "a"}, "n1": {"address": "b"}}
     assert agent._is_leader()
     agent._registration.lapsed = True  # its lease is known lost, the key not re-put yet
     assert not agent._is_leader()
     agent._registration.lapsed = False
-    agent._vs.members = {"n1": {"address": "b"}}  # re-put, but not yet seen in a members read
+    agent.view.state.members = {
+        "n1": {"address": "b"}
+    }  # re-put, but not yet seen in a members read
     assert not agent._is_leader()

@@ -73,17 +73,22 @@ def settle(agent: Agent) -> None:
 
 
 def _agent(tmp_path: Path, node_id: str = "n00") -> Agent:
-    agent = Agent(AgentConfig(node_id, ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
-    agent._vs.members = {n: {"address": f"{n}:1", "incarnation": f"i-{n}"} for n in NODES}
-    agent._vs.record = GenerationRecord(
+    agent = Agent(
+        AgentConfig(node_id, ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
+        SPEC,
+        cluster=_Cluster(),  # type: ignore[arg-type]
+    )
+    agent.view.state.members = {n: {"address": f"{n}:1", "incarnation": f"i-{n}"} for n in NODES}
+    agent.view.state.record = GenerationRecord(
         5,
         _plan(5).to_dict(),
         "n00",
         time.time(),
         extra={"nodes": {n: f"{n}:1" for n in NODES}},
     )
-    agent._vs.barriers = {"failed-5": {"n03": {"reason": "worker exited 1", "at": time.time()}}}
-    agent.cluster = _Cluster()  # type: ignore[assignment]
+    agent.view.state.barriers = {
+        "failed-5": {"n03": {"reason": "worker exited 1", "at": time.time()}}
+    }
     return agent
 
 
@@ -178,10 +183,12 @@ def test_a_newly_failed_generation_probes_its_suspects_afresh(
     settle(agent)
     assert probes.calls == []
     # Generation 6 is planned and fails too: the answers about generation 5 are not reused.
-    agent._vs.record = GenerationRecord(
+    agent.view.state.record = GenerationRecord(
         6, _plan(6).to_dict(), "n00", time.time(), extra={"nodes": {n: f"{n}:1" for n in NODES}}
     )
-    agent._vs.barriers = {"failed-6": {"n03": {"reason": "worker exited 1", "at": time.time()}}}
+    agent.view.state.barriers = {
+        "failed-6": {"n03": {"reason": "worker exited 1", "at": time.time()}}
+    }
     agent._lead()
     settle(agent)
     assert len(probes.calls) == 14
@@ -195,7 +202,7 @@ def test_a_new_incarnation_is_probed_without_waiting_for_the_old_ones_result_to_
     assert agent._probe(["n05"]) == {}  # started; its result comes with a later cycle
     settle(agent)
     assert agent._probe(["n05"]) == {"n05": ProbeResult.SERVING}
-    agent._vs.members["n05"]["incarnation"] = "restarted"
+    agent.view.state.members["n05"]["incarnation"] = "restarted"
     assert agent._probe(["n05"]) == {}
     settle(agent)
     assert probes.calls == ["n05:1", "n05:1"]
@@ -367,7 +374,7 @@ def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_st
 
 def _follower(tmp_path: Path) -> Agent:
     agent = _agent(tmp_path, "n05")
-    agent._vs.leader = "n00"
+    agent.view.state.leader = "n00"
     agent._fs.reported = 5  # this node reported generation 5 failed (etcd has it)
     agent._lvs.suspect_since = {5: time.monotonic() - 10}  # the failure waits for a new plan
     return agent
@@ -395,7 +402,7 @@ def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
     tmp_path: Path, probes: _Probes
 ) -> None:
     agent = _follower(tmp_path)
-    del agent._vs.members["n00"]  # re-registering after a lost lease: no address known
+    del agent.view.state.members["n00"]  # re-registering after a lost lease: no address known
     agent._check_leader()
     assert agent.cluster.deposed == []  # type: ignore[union-attr]
     assert "n00" not in agent._lvs.dead

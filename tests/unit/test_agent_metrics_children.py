@@ -48,10 +48,10 @@ def test_the_gauges_are_set_again_only_when_their_values_change(tmp_path: Path) 
     sets.clear()
     agent._update_gauges()
     assert sets == []  # nothing changed: nothing set
-    agent._vs.etcd_ok = not agent._vs.etcd_ok
+    agent.view.state.etcd_ok = not agent.view.state.etcd_ok
     agent._update_gauges()
     assert "etcd_up" in sets
-    up = int(agent._vs.etcd_ok)
+    up = int(agent.view.state.etcd_ok)
     text = generate_latest(agent.metrics.registry).decode()
     assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} {up}.0' in text
 
@@ -71,7 +71,7 @@ def test_only_the_gauges_whose_values_changed_are_set(tmp_path: Path) -> None:
         child = m.of(m.workers, state=state)
         real = child.set
         child.set = lambda v, state=state, real=real: (sets.append(state), real(v))  # type: ignore[method-assign]
-    agent._vs.etcd_ok = not agent._vs.etcd_ok
+    agent.view.state.etcd_ok = not agent.view.state.etcd_ok
     agent._update_gauges()
     assert sets == ["etcd_up"]
 
@@ -80,12 +80,12 @@ def test_etcd_up_is_set_again_after_an_outage_with_nothing_else_changed(tmp_path
     # The outage sets the gauge to 0 apart from `_update_gauges`: the next update, whose
     # values equal those it last set, must still set it back to 1.
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    agent._vs.etcd_ok = True
+    agent.view.state.etcd_ok = True
     agent._update_gauges()
     agent._etcd_down(RuntimeError("connection refused"))
     text = generate_latest(agent.metrics.registry).decode()
     assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} 0.0' in text
-    agent._vs.etcd_ok = True  # the next refresh reached etcd
+    agent.view.state.etcd_ok = True  # the next refresh reached etcd
     agent._update_gauges()
     text = generate_latest(agent.metrics.registry).decode()
     assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} 1.0' in text

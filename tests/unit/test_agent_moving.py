@@ -23,9 +23,12 @@ from tests.unit.test_agent_done import SPEC, _Cluster, _plan
 def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
     tmp_path: Path,
 ) -> None:
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        SPEC,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     record = GenerationRecord(3, _plan(3).to_dict(), "n9", time.time(), resume_step=5)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
@@ -84,7 +87,7 @@ def test_a_fetch_from_a_source_without_an_address_fails_naming_it(tmp_path: Path
         "by_node": {"n0": [[len(units), 0]]},
         "infos_by_node": {},
     }
-    agent._vs.members = {"a": {"address": "ha:1", "incarnation": "i-a-restarted"}}
+    agent.view.state.members = {"a": {"address": "ha:1", "incarnation": "i-a-restarted"}}
     try:
         outcome = agent._fetch(gs, resume)
     finally:

@@ -18,7 +18,6 @@ AGENT_DIR = Path(elasticpp.agent.__file__).parent
 
 # state object on the agent -> the modules whose code may write it
 OWNERS: dict[str, frozenset[str]] = {
-    "_vs": frozenset({"view"}),
     "_ss": frozenset({"supervisor"}),
     "pool": frozenset({"supervisor", "pool"}),  # the supervisor's workers
     "_fs": frozenset({"follower"}),
@@ -49,8 +48,7 @@ HANDLES = frozenset(
         "errors",
         "executor",
         "control",
-        "_reread",
-        "_epoch_changed",
+        "view",
         "_health_changed",
         "_wake",
         "_stop",

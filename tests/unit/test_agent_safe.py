@@ -86,13 +86,16 @@ class _Cluster:
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
+    cluster = _Cluster()
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
+        SPEC,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._fs.gen = gs
     agent._ls.at(3, 0.0).resume_written = True  # the leader's: generation 3 resumed
-    cluster = _Cluster()
-    agent.cluster = cluster  # type: ignore[assignment]
     return agent, cluster, gs
 
 
@@ -147,6 +150,6 @@ def test_every_agent_takes_the_published_safe_step_as_its_floor(tmp_path: Path) 
     gauge = agent.metrics.registry.get_sample_value("elasticpp_safe_step", agent.metrics.labels)
     assert gauge == 4
     cluster.safe = SafeStep(3, 2)  # an older value (a stale read): the floor stays
-    agent._vs.safe_read_s = 0.0
+    agent.view.state.safe_read_s = 0.0
     agent._refresh()
     assert agent.store.floor == (3, 4)

@@ -46,7 +46,7 @@ from elasticpp.agent.supervisor import (
     supervisor_step,
     template_step,
 )
-from elasticpp.agent.view import EtcdRead, ViewState, view_step
+from elasticpp.agent.view.step import EtcdRead, ViewState, view_step
 from elasticpp.cluster.health import JobEnd
 from elasticpp.cluster.records import GenerationRecord, SafeStep
 

@@ -50,9 +50,9 @@ def _quiet_agent(tmp_path: Path) -> Agent:
     """A follower training in the generation etcd holds, nothing pending."""
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     record = GenerationRecord(3, _plan(3).to_dict(), "n1", time.time(), resume_step=0)
-    agent._vs.record = record
-    agent._vs.etcd_ok = True
-    agent._vs.leader = "n1"
+    agent.view.state.record = record
+    agent.view.state.etcd_ok = True
+    agent.view.state.leader = "n1"
     agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent._joined = True
     return agent
@@ -69,8 +69,8 @@ def test_a_follower_ticks_quietly_in_every_phase(tmp_path: Path, phase: Phase) -
 
 
 def _newer_record(a: Agent) -> None:
-    assert a._vs.record is not None
-    a._vs.record = replace(a._vs.record, generation=4)
+    assert a.view.state.record is not None
+    a.view.state.record = replace(a.view.state.record, generation=4)
 
 
 def _set_phase(phase: Phase) -> Callable[[Agent], None]:
@@ -85,7 +85,7 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
     "change",
     [
         pytest.param(_newer_record, id="a newer generation in etcd"),
-        pytest.param(lambda a: setattr(a._vs, "etcd_ok", False), id="etcd unreachable"),
+        pytest.param(lambda a: setattr(a.view.state, "etcd_ok", False), id="etcd unreachable"),
         pytest.param(lambda a: setattr(a._ls, "leadership", _Leadership()), id="leading"),
         pytest.param(
             lambda a: a._fs.pending_failures.__setitem__(3, {"reason": "x"}),
@@ -169,13 +169,13 @@ def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: P
     made more leases lapse. A node wakes for its own campaign's turn (`campaign_delay_s`),
     and the new leader's key (a watch event) wakes it before that."""
     agent = _quiet_agent(tmp_path)
-    agent._vs.leader = None
+    agent.view.state.leader = None
     assert agent._tick_s() == QUIET_TICK_S  # no campaign drawn yet: the tick draws it
     agent._ls.campaign_at_s = agent._clock.monotonic() + 0.7
     assert 0.6 < agent._tick_s() <= 0.7
     agent._ls.campaign_at_s = agent._clock.monotonic() - 1.0  # overdue (not yet taken)
     assert agent._tick_s() == BUSY_TICK_S  # polls for it; never a wait of 0 (a spin)
-    agent._vs.leader = "n1"  # a leader is known: its draw no longer counts
+    agent.view.state.leader = "n1"  # a leader is known: its draw no longer counts
     assert agent._tick_s() == QUIET_TICK_S
     agent._probe_pool.shutdown()
 
@@ -203,7 +203,7 @@ def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None
     """Before the leader's first generation every node waits for a watch event; 2,048 nodes
     ticking 20 times a second while they join filled the machine."""
     agent = _quiet_agent(tmp_path)
-    agent._vs.record, agent._fs.gen = None, None
+    agent.view.state.record, agent._fs.gen = None, None
     assert agent._tick_s() == QUIET_TICK_S
     agent._probe_pool.shutdown()
 
@@ -226,8 +226,8 @@ def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     def taken() -> tuple[bool, bool, bool]:
         woke = agent._wake.is_set()
         agent._wake.clear()
-        return (agent._reread.take() and woke, agent._health_changed.take(),
-                agent._epoch_changed.take())  # fmt: skip
+        return (agent.view.reread.take() and woke, agent._health_changed.take(),
+                agent.view.epoch_changed.take())  # fmt: skip
 
     taken()
     agent._on_watch(WatchEvent(EventType.PUT, keys.generation, "{}", 12, 12, 0))
@@ -311,8 +311,8 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
 def _leading_agent(tmp_path: Path) -> Agent:
     agent = _quiet_agent(tmp_path)
     agent._ls.leadership = _Leadership()  # type: ignore[assignment]
-    agent._vs.leader = "n0"
-    agent._vs.members = {"n0": {"incarnation": agent.incarnation}}
+    agent.view.state.leader = "n0"
+    agent.view.state.members = {"n0": {"incarnation": agent.incarnation}}
     assert agent._is_leader()
     return agent
 

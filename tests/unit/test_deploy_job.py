@@ -17,7 +17,7 @@ from elasticpp.agent.config import TAKEN_EXIT_CODES
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.limits import AGENT_STOP_KILL_WAIT_S
 from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
-from elasticpp.agent.view import EPOCH_ENDED_EXIT
+from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from tests.unit.test_deploy import (
     CHART,
     MINIMAL_VALUES,

@@ -24,9 +24,9 @@ def _leader(tmp_path: Path) -> Agent:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     plan = _plan(3).to_dict()
     fields = node_fields(plan, ["n0", "n1"], {n: f"inc-{n}" for n in ("n0", "n1")})
-    agent._vs.record = GenerationRecord(3, plan, "n0", time.time(), extra=fields)
-    agent._vs.members = {n: {"incarnation": f"inc-{n}"} for n in ("n0", "n1")}
-    agent._vs.etcd_ok = True
+    agent.view.state.record = GenerationRecord(3, plan, "n0", time.time(), extra=fields)
+    agent.view.state.members = {n: {"incarnation": f"inc-{n}"} for n in ("n0", "n1")}
+    agent.view.state.etcd_ok = True
     agent._ls.leadership = _Leadership()
     return agent
 
@@ -62,13 +62,13 @@ def test_new_members_or_a_new_record_are_checked_again(tmp_path: Path, counted: 
     try:
         agent._view()
         # A new read of the members: n1's agent restarted (a new incarnation).
-        agent._vs.members = {"n0": {"incarnation": "inc-n0"}, "n1": {"incarnation": "inc-x"}}
+        agent.view.state.members = {"n0": {"incarnation": "inc-n0"}, "n1": {"incarnation": "inc-x"}}
         assert agent._view().restarted == {"n1"}
         assert counted[0] == 2
         # A new generation record that planned n1's new incarnation.
         plan = _plan(4).to_dict()
         fields = node_fields(plan, ["n0", "n1"], {"n0": "inc-n0", "n1": "inc-x"})
-        agent._vs.record = GenerationRecord(4, plan, "n0", time.time(), extra=fields)
+        agent.view.state.record = GenerationRecord(4, plan, "n0", time.time(), extra=fields)
         assert agent._view().restarted == frozenset()
         assert counted[0] == 3
     finally:
@@ -87,7 +87,7 @@ def test_the_quarantine_check_reuses_the_members_incarnations_while_they_are_unc
         assert memo is not None and memo[1] == {"n0": "inc-n0", "n1": "inc-n1"}
         agent._lead_health(view)
         assert agent._ls.incarnations_memo is memo  # not rebuilt
-        agent._vs.members = {"n0": {"incarnation": "inc-n0"}}
+        agent.view.state.members = {"n0": {"incarnation": "inc-n0"}}
         agent._lead_health(agent._view())
         assert agent._ls.incarnations_memo is not None
         assert agent._ls.incarnations_memo[1] == {"n0": "inc-n0"}
@@ -136,7 +136,7 @@ def test_the_live_nodes_and_candidates_are_listed_again_only_when_their_inputs_c
         agent._hs.quarantines["n0"] = object()  # type: ignore[assignment]
         assert agent._view().lists.usable == ()  # type: ignore[union-attr]
         assert calls[0] == 3
-        agent._vs.members = {**agent._vs.members, "n2": {"incarnation": "inc-n2"}}
+        agent.view.state.members = {**agent.view.state.members, "n2": {"incarnation": "inc-n2"}}
         assert agent._view().lists.live == ("n0", "n2")  # type: ignore[union-attr]
         assert calls[0] == 4
     finally:
