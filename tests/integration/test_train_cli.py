@@ -83,7 +83,7 @@ def children_of(pid: int) -> list[int]:
         (["--model", "no-such-model"], "unknown model"),
         (["--layout", "pp=two"], "must be an integer"),
         (["--dropout", "1.5"], "dropout"),
-        (["--precision", "fp16"], "precision must be one of fp32, bf16, got 'fp16'"),
+        (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
         (["--resume", "/nonexistent-dir-of-elasticpp"], "--resume"),
     ],
 )
