@@ -27,7 +27,6 @@ import logging
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -189,7 +188,20 @@ def walk(name: str, workdir: Path, recorder: Recorder) -> None:
             elif name == "leader":
                 cluster.crash(leader.node_id)
                 _wait(_settled(cluster, gen, NODES - 1), "a new leader's re-plan")
-            time.sleep(1.0)  # a few quiet turns after the fault settled
+            _quiet_turns(cluster)
+
+
+def _quiet_turns(cluster: SimCluster, turns: int = 3) -> None:
+    """Wait until every live agent has read its view `turns` more times after the fault
+    settled: the quiet turns a walk records too."""
+    for _ in range(turns):
+        seen = {a.node_id: a.view.snapshot.last_refresh_s for a in cluster.live()}
+        _wait(
+            lambda seen=seen: all(  # type: ignore[misc]
+                a.view.snapshot.last_refresh_s > seen.get(a.node_id, 0.0) for a in cluster.live()
+            ),
+            "the quiet turns after the fault",
+        )
 
 
 @contextmanager

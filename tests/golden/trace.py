@@ -138,6 +138,9 @@ class Classes:
 
     def find(self, name: str) -> type:
         module_name, _, qualname = name.partition(":")
+        if module_name != "elasticpp" and not module_name.startswith("elasticpp."):
+            # A trace names classes; it never names what to import beyond elasticpp's own.
+            raise LookupError(f"class {name}: not one of elasticpp's")
         module = sys.modules.get(module_name)
         if module is None:
             try:

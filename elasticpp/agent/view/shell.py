@@ -27,6 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from elasticpp.agent.actions import Action, UpdateGauges
@@ -159,7 +160,7 @@ class View:
             etcd_ok=s.etcd_ok,
             last_refresh_s=s.last_refresh_s,
             last_join_s=s.last_join_s,
-            detected=dict(s.detected),
+            detected=MappingProxyType(s.detected),  # read-only, not a copy: taken often
             exit_code=s.exit_code,
         )
 
