@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from elasticpp.agent import probe
@@ -33,9 +34,7 @@ from elasticpp.agent.actions import (
     DropUncommitted,
     Housekeep,
     KillOld,
-    KillWorker,
     Persist,
-    PingTemplate,
     ProbeLeader,
     PublishMemberInfo,
     PublishResumeWait,
@@ -47,8 +46,6 @@ from elasticpp.agent.actions import (
     RecordPieces,
     RecordTimeline,
     RemoveResumeDir,
-    ReplaceSpare,
-    ReplaceTemplate,
     Replicate,
     ReportFailure,
     Reread,
@@ -56,7 +53,6 @@ from elasticpp.agent.actions import (
     SetAside,
     SetFloor,
     SkipRecord,
-    SpawnWarm,
     StartFetch,
     StepDown,
     StepMetrics,
@@ -93,7 +89,7 @@ from elasticpp.agent.phases import (
     halt_message,
 )
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.errors import CheckpointError
+from elasticpp.errors import CheckpointError, ElasticppError
 from elasticpp.store.checkpoints import checkpoint_holdings
 from elasticpp.store.digest import digest_of
 from elasticpp.store.resume import TransferProgress
@@ -104,218 +100,204 @@ log = logging.getLogger("elasticpp.agent")
 class ExecutorPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
-    def _execute(self, actions: list[Action]) -> None:
+    def _execute(self, actions: Sequence[Action]) -> None:
         """Apply what a part's pure step asked for, in order (elasticpp.agent.actions)."""
-        for action in actions:
-            if self.executor.handles(action):  # registered by the parts that moved
-                self.executor.run([action])
-            elif isinstance(action, PublishMemberInfo):
-                self._registration.update(self._member_info())
-            elif isinstance(action, StepDown):
-                self._step_down(action.why)
-            elif isinstance(action, StopWorkers):
-                for w in self.pool.workers():
-                    if w.proc.alive():
-                        self.pool.kill_worker(w)  # never waits on a process that will not go
-                self.pool.release_spares()
-            elif isinstance(action, KillWorker):
-                w = self.pool.worker(action.pid)
-                if w is not None:
-                    self.pool.kill_worker(w)  # reaped by its reader thread; the loop goes on
-            elif isinstance(action, ReplaceSpare):
-                spare = next((p for p in self.pool.spares() if p.pid == action.pid), None)
-                if spare is not None:
-                    self.pool.replace_overdue(spare, self._clock.monotonic())
-                    self.metrics.worker_failures_total.labels(**self.metrics.labels).inc()
-            elif isinstance(action, PingTemplate):
-                self._ping_template(action.pid)
-            elif isinstance(action, ReplaceTemplate):
-                self._replace_template(action.pid, action.why)
-            elif isinstance(action, SpawnWarm):
-                self._spawn_warm()
-            elif isinstance(action, ReportFailure):
-                self._report_failure(
-                    action.generation, action.reason, culprit=action.culprit, severe=action.severe
+        self.executor.run(actions)
+
+    def _apply(self, action: Action) -> None:
+        """The executor's handler of the actions whose parts register none yet."""
+        if isinstance(action, PublishMemberInfo):
+            # The registration keeps the new info: its keeper writes it when it re-puts
+            # the key, if this write does not land (elasticpp.cluster.leases).
+            if self._registration is not None:
+                with contextlib.suppress(ElasticppError):
+                    self._registration.update(self._member_info())
+        elif isinstance(action, StepDown):
+            self._step_down(action.why)
+        elif isinstance(action, StopWorkers):
+            for w in self.pool.workers():
+                if w.proc.alive():
+                    self.pool.kill_worker(w)  # never waits on a process that will not go
+            self.pool.release_spares()
+        elif isinstance(action, ReportFailure):
+            self._report_failure(
+                action.generation, action.reason, culprit=action.culprit, severe=action.severe
+            )
+        elif isinstance(action, ProbeLeader):
+            service = probe.node_service(action.leader, action.incarnation)
+            result = probe.check(
+                action.address,
+                service=service if action.incarnation else "",
+                channels=self._probe_channels,
+            )
+            self._execute(leader_probed(self._lvs, action, result))
+        elif isinstance(action, DeposeLeader):
+            done = self.cluster.depose(action.leader)
+            self._execute(leader_deposed(self._lvs, action, done))
+        elif isinstance(action, Reread):
+            self.view.reread.raise_()
+        elif isinstance(action, SetFloor):
+            self.store.set_floor(action.step, action.generation)  # anchors below may go
+        elif isinstance(action, UpdateGauges):
+            self._update_gauges()
+        # --- the durability part's actions
+        elif isinstance(action, StepMetrics):
+            m = self.metrics
+            m.of(m.step).set(action.step)
+            m.of(m.loss).set(action.loss)
+            m.of(m.steps_total).inc()
+            if action.step_seconds is not None:
+                m.of(m.step_seconds).observe(action.step_seconds)
+            if action.lr is not None:
+                m.of(m.learning_rate).set(action.lr)
+            if action.grad_norm is not None:
+                m.of(m.grad_norm).set(action.grad_norm)
+            m.of(m.samples_total).inc(action.samples)
+            m.of(m.tokens_total).inc(action.tokens)
+            if action.model_tflops is not None:
+                m.of(m.model_tflops).set(action.model_tflops)
+            if action.mfu is not None:
+                m.of(m.mfu).set(action.mfu)
+        elif isinstance(action, WriteMetricsLine):
+            self._write_metrics_line(action.line)
+        elif isinstance(action, CountSnapshotFailure):
+            self.metrics.snapshot_failures_total.labels(**self.metrics.labels).inc()
+        elif isinstance(action, RecordPieces):
+            error = None
+            try:
+                self.store.record_pieces(action.step, action.pieces, action.generation)
+            except CheckpointError as exc:
+                error = str(exc)
+                log.info(
+                    "snapshot of step %d from rank %d not recorded: %s",
+                    action.step,
+                    action.rank,
+                    exc,
                 )
-            elif isinstance(action, ProbeLeader):
-                service = probe.node_service(action.leader, action.incarnation)
-                result = probe.check(
-                    action.address,
-                    service=service if action.incarnation else "",
-                    channels=self._probe_channels,
-                )
-                self._execute(leader_probed(self._lvs, action, result))
-            elif isinstance(action, DeposeLeader):
-                done = self.cluster.depose(action.leader)
-                self._execute(leader_deposed(self._lvs, action, done))
-            elif isinstance(action, Reread):
-                self.view.reread.raise_()
-            elif isinstance(action, SetFloor):
-                self.store.set_floor(action.step, action.generation)  # anchors below may go
-            elif isinstance(action, UpdateGauges):
-                self._update_gauges()
-            # --- the durability part's actions
-            elif isinstance(action, StepMetrics):
-                m = self.metrics
-                m.of(m.step).set(action.step)
-                m.of(m.loss).set(action.loss)
-                m.of(m.steps_total).inc()
-                if action.step_seconds is not None:
-                    m.of(m.step_seconds).observe(action.step_seconds)
-                if action.lr is not None:
-                    m.of(m.learning_rate).set(action.lr)
-                if action.grad_norm is not None:
-                    m.of(m.grad_norm).set(action.grad_norm)
-                m.of(m.samples_total).inc(action.samples)
-                m.of(m.tokens_total).inc(action.tokens)
-                if action.model_tflops is not None:
-                    m.of(m.model_tflops).set(action.model_tflops)
-                if action.mfu is not None:
-                    m.of(m.mfu).set(action.mfu)
-            elif isinstance(action, WriteMetricsLine):
-                self._write_metrics_line(action.line)
-            elif isinstance(action, CountSnapshotFailure):
-                self.metrics.snapshot_failures_total.labels(**self.metrics.labels).inc()
-            elif isinstance(action, RecordPieces):
-                error = None
-                try:
-                    self.store.record_pieces(action.step, action.pieces, action.generation)
-                except CheckpointError as exc:
-                    error = str(exc)
-                    log.info(
-                        "snapshot of step %d from rank %d not recorded: %s",
-                        action.step,
-                        action.rank,
-                        exc,
-                    )
-                self._execute(durability_recorded(self._ds, action, error))
-            elif isinstance(action, Commit):
-                ok = True
-                try:
-                    self.store.commit(action.step, action.model.units, action.generation)
-                except CheckpointError as exc:
-                    ok = False
-                    log.warning("step %d not committed: %s", action.step, exc)
-                self._execute(durability_committed(self._ds, action, ok))
-            elif isinstance(action, DropUncommitted):
-                dropped = self.store.drop_uncommitted(action.keep)
-                self._execute(durability_dropped(self._ds, dropped, self.store.epoch))
-            elif isinstance(action, RecordCommit):
-                self._record_commit(action.generation)
-            elif isinstance(action, Replicate):
-                self._replicate_async()
-            elif isinstance(action, Persist):
-                self._persist_async(action.step, action.model)
-            # --- the leader's actions
-            elif isinstance(action, WriteGeneration):
-                ok = self.cluster.write_generation(
-                    action.record, action.expected_rev, self._ls.leadership
-                )
-                self._execute(leader_generation_written(self._ls, action, ok))
-            elif isinstance(action, ConfirmDead):
-                self._confirm_dead(action.nodes)
-            elif isinstance(action, SetAside):
-                self._act_sick(list(action.decisions))
-            elif isinstance(action, PullHoldings):
-                future = run_in_thread("pull-holdings", self._pull_holdings, action)
+            self._execute(durability_recorded(self._ds, action, error))
+        elif isinstance(action, Commit):
+            ok = True
+            try:
+                self.store.commit(action.step, action.model.units, action.generation)
+            except CheckpointError as exc:
+                ok = False
+                log.warning("step %d not committed: %s", action.step, exc)
+            self._execute(durability_committed(self._ds, action, ok))
+        elif isinstance(action, DropUncommitted):
+            dropped = self.store.drop_uncommitted(action.keep)
+            self._execute(durability_dropped(self._ds, dropped, self.store.epoch))
+        elif isinstance(action, RecordCommit):
+            self._record_commit(action.generation)
+        elif isinstance(action, Replicate):
+            self._replicate_async()
+        elif isinstance(action, Persist):
+            self._persist_async(action.step, action.model)
+        # --- the leader's actions
+        elif isinstance(action, WriteGeneration):
+            ok = self.cluster.write_generation(
+                action.record, action.expected_rev, self._ls.leadership
+            )
+            self._execute(leader_generation_written(self._ls, action, ok))
+        elif isinstance(action, ConfirmDead):
+            self._confirm_dead(action.nodes)
+        elif isinstance(action, SetAside):
+            self._act_sick(list(action.decisions))
+        elif isinstance(action, PullHoldings):
+            future = run_in_thread("pull-holdings", self._pull_holdings, action)
+            future.add_done_callback(lambda _: self._wake.set())
+            self._execute(leader_pull_started(self._ls, action, future))
+        elif isinstance(action, ResolveResume):
+            disk = action.disk
+            if action.persist_dir and Path(action.persist_dir).is_dir():
+                disk = checkpoint_holdings(Path(action.persist_dir), self.store.job)
+            self._execute(leader_resume_resolved(self._ls, action, disk))
+        elif isinstance(action, CheckNeverCommitted):
+            ever = self.cluster.ever_committed()
+            self._execute(leader_fresh_checked(self._ls, action, ever))
+        elif isinstance(action, WriteResume):
+            ok = self.cluster.write_resume(
+                action.generation, dict(action.value), self._ls.leadership
+            )
+            self.view.reread.raise_()
+            self._execute(leader_resume_written(self._ls, action, ok))
+        elif isinstance(action, PublishResumeWait):
+            ok = self.cluster.write_resume_wait(action.generation, action.why, self._ls.leadership)
+            self.view.reread.raise_()
+            self._execute(leader_resume_wait_published(self._ls, action, ok))
+        elif isinstance(action, RecordTimeline):
+            ok = self.cluster.record_timeline(
+                action.generation, dict(action.timeline), self._ls.leadership
+            )
+            self._execute(leader_timeline_recorded(self._ls, action, ok))
+        elif isinstance(action, Housekeep):
+            removed = self.cluster.housekeep(action.generation, leader=self._ls.leadership)
+            if removed:
+                log.info("leader: removed %d etcd key(s) of older generations", removed)
+        elif isinstance(action, CleanRendezvous):
+            self._clean_rendezvous(action.generation)
+        elif isinstance(action, CompactHistory):
+            compacted = self.cluster.compact_history(self._ls.leadership)
+            if compacted is not None:
+                log.info("leader: etcd history compacted to revision %d", compacted)
+        elif isinstance(action, CountRecovery):
+            self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
+            self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(action.seconds)
+        elif isinstance(action, ReadCommitRecords):
+            # From the cache (no read of every node's record twice a second): a record
+            # a watch delivery old gives a safe step no newer than a fresh one would.
+            self.cluster.cache_for_leader(True)
+            records = self.cluster.commit_records(action.generation, cached=True)
+            self._execute(leader_safe_step(action, records))
+        elif isinstance(action, ReadSafe):
+            # A cached value may be a delivery old: the write compares its revision.
+            current, revision = self.cluster.read_safe(cached=True)
+            self._execute(leader_safe_read(action, current, revision))
+        elif isinstance(action, WriteSafe):
+            ok = self.cluster.write_safe(action.safe, action.expected_rev, self._ls.leadership)
+            self._execute(leader_safe_written(action, ok))
+        # --- the follower's actions (elasticpp.agent.phases)
+        elif isinstance(action, SkipRecord):
+            self.cluster.skip_value(self.cluster.keys.generation, ValueError(action.error))
+        elif isinstance(action, AskStop | KillOld):
+            for pid in action.pids:
+                w = self.pool.worker(pid)
+                if w is None:
+                    continue
+                if isinstance(action, AskStop):
+                    self.pool.ask_stop(w)
+                else:
+                    self.pool.kill_worker(w)  # never blocks on a process that will not go
+        elif isinstance(action, DrainWorkerEvents):
+            self.supervisor.drain_events()
+        elif isinstance(action, CleanResume):
+            self._clean_resume(action.generation)
+        elif isinstance(action, CleanLocal):
+            self._clean_local(action.generation)
+        elif isinstance(action, RemoveResumeDir):
+            gs = self._fs.gen
+            if gs is not None and gs.generation == action.generation:
+                shutil.rmtree(self._resume_dir(gs), ignore_errors=True)
+        elif isinstance(action, ArriveStopped | ArriveStarted | ArriveDone):
+            self._arrive(action)
+        elif isinstance(action, StartFetch):
+            gs = self._fs.gen
+            if gs is not None and gs.generation == action.generation:
+                progress = TransferProgress()
+                args = (gs, action.resume, progress)  # addresses: read on its thread
+                future = run_in_thread("fetch-state", self._fetch, *args)
                 future.add_done_callback(lambda _: self._wake.set())
-                self._execute(leader_pull_started(self._ls, action, future))
-            elif isinstance(action, ResolveResume):
-                disk = action.disk
-                if action.persist_dir and Path(action.persist_dir).is_dir():
-                    disk = checkpoint_holdings(Path(action.persist_dir), self.store.job)
-                self._execute(leader_resume_resolved(self._ls, action, disk))
-            elif isinstance(action, CheckNeverCommitted):
-                ever = self.cluster.ever_committed()
-                self._execute(leader_fresh_checked(self._ls, action, ever))
-            elif isinstance(action, WriteResume):
-                ok = self.cluster.write_resume(
-                    action.generation, dict(action.value), self._ls.leadership
-                )
-                self.view.reread.raise_()
-                self._execute(leader_resume_written(self._ls, action, ok))
-            elif isinstance(action, PublishResumeWait):
-                ok = self.cluster.write_resume_wait(
-                    action.generation, action.why, self._ls.leadership
-                )
-                self.view.reread.raise_()
-                self._execute(leader_resume_wait_published(self._ls, action, ok))
-            elif isinstance(action, RecordTimeline):
-                ok = self.cluster.record_timeline(
-                    action.generation, dict(action.timeline), self._ls.leadership
-                )
-                self._execute(leader_timeline_recorded(self._ls, action, ok))
-            elif isinstance(action, Housekeep):
-                removed = self.cluster.housekeep(action.generation, leader=self._ls.leadership)
-                if removed:
-                    log.info("leader: removed %d etcd key(s) of older generations", removed)
-            elif isinstance(action, CleanRendezvous):
-                self._clean_rendezvous(action.generation)
-            elif isinstance(action, CompactHistory):
-                compacted = self.cluster.compact_history(self._ls.leadership)
-                if compacted is not None:
-                    log.info("leader: etcd history compacted to revision %d", compacted)
-            elif isinstance(action, CountRecovery):
-                self.metrics.recoveries_total.labels(**self.metrics.labels).inc()
-                self.metrics.recovery_seconds.labels(**self.metrics.labels).observe(action.seconds)
-            elif isinstance(action, ReadCommitRecords):
-                # From the cache (no read of every node's record twice a second): a record
-                # a watch delivery old gives a safe step no newer than a fresh one would.
-                self.cluster.cache_for_leader(True)
-                records = self.cluster.commit_records(action.generation, cached=True)
-                self._execute(leader_safe_step(action, records))
-            elif isinstance(action, ReadSafe):
-                # A cached value may be a delivery old: the write compares its revision.
-                current, revision = self.cluster.read_safe(cached=True)
-                self._execute(leader_safe_read(action, current, revision))
-            elif isinstance(action, WriteSafe):
-                ok = self.cluster.write_safe(action.safe, action.expected_rev, self._ls.leadership)
-                self._execute(leader_safe_written(action, ok))
-            # --- the follower's actions (elasticpp.agent.phases)
-            elif isinstance(action, SkipRecord):
-                self.cluster.skip_value(self.cluster.keys.generation, ValueError(action.error))
-            elif isinstance(action, AskStop | KillOld):
-                for pid in action.pids:
-                    w = self.pool.worker(pid)
-                    if w is None:
-                        continue
-                    if isinstance(action, AskStop):
-                        self.pool.ask_stop(w)
-                    else:
-                        self.pool.kill_worker(w)  # never blocks on a process that will not go
-            elif isinstance(action, DrainWorkerEvents):
-                self._drain_worker_events()
-            elif isinstance(action, CleanResume):
-                self._clean_resume(action.generation)
-            elif isinstance(action, CleanLocal):
-                self._clean_local(action.generation)
-            elif isinstance(action, RemoveResumeDir):
-                gs = self._fs.gen
-                if gs is not None and gs.generation == action.generation:
-                    shutil.rmtree(self._resume_dir(gs), ignore_errors=True)
-            elif isinstance(action, ArriveStopped | ArriveStarted | ArriveDone):
-                self._arrive(action)
-            elif isinstance(action, StartFetch):
-                gs = self._fs.gen
-                if gs is not None and gs.generation == action.generation:
-                    progress = TransferProgress()
-                    args = (gs, action.resume, progress)  # addresses: read on its thread
-                    future = run_in_thread("fetch-state", self._fetch, *args)
-                    future.add_done_callback(lambda _: self._wake.set())
-                    self._execute(follower_fetch_started(self._fs, action, future, progress))
-            elif isinstance(action, AssignRanks):
-                outcome = self._assign_ranks(action)
-                self._execute(follower_assigned(self._fs, action, outcome, self._clock.monotonic()))
-            elif isinstance(action, RecordHalt):
-                self.metrics.halted.labels(**self.metrics.labels).set(1)
-                own = self.store.committed_steps(self.node_id)
-                with contextlib.suppress(ClusterUnavailableError):
-                    self._record_halt(action.message)  # held and retried by the health part
-                self.journal.write(
-                    "decision", halt_message(action.message, own[-1] if own else None)
-                )
-            else:
-                raise TypeError(f"no executor for action {action!r}")
+                self._execute(follower_fetch_started(self._fs, action, future, progress))
+        elif isinstance(action, AssignRanks):
+            outcome = self._assign_ranks(action)
+            self._execute(follower_assigned(self._fs, action, outcome, self._clock.monotonic()))
+        elif isinstance(action, RecordHalt):
+            self.metrics.halted.labels(**self.metrics.labels).set(1)
+            own = self.store.committed_steps(self.node_id)
+            with contextlib.suppress(ClusterUnavailableError):
+                self._record_halt(action.message)  # held and retried by the health part
+            self.journal.write("decision", halt_message(action.message, own[-1] if own else None))
+        else:
+            raise TypeError(f"no executor for action {action!r}")
 
     def _arrive(self, action: ArriveStopped | ArriveStarted | ArriveDone) -> None:
         """Write a follower's arrival and feed the result back; a write etcd refuses leaves

@@ -190,7 +190,7 @@ class FollowerPart:
         if gs is None or gs.generation != action.generation:
             return AssignOutcome(assigned=False)
         mine = gs.plan.ranks_on(self.node_id)
-        workers = self._take_warm(len(mine))
+        workers = self.supervisor.take_warm(len(mine))
         if workers is None:
             return AssignOutcome(assigned=False)
         try:
@@ -236,7 +236,7 @@ class FollowerPart:
                     "backend": self.cfg.backend,
                     "device": self.cfg.device,
                     "num_threads": self.cfg.worker_threads,
-                    "gpu_index": self._ss.gpus[slot.local_rank]
+                    "gpu_index": self.supervisor.gpus[slot.local_rank]
                     if self.cfg.device == "cuda"
                     else None,
                 }

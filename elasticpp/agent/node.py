@@ -35,22 +35,24 @@ executor of the parts' actions in `executor` and `kernel.executor` (the table of
 the parts that are objects register). The parts are becoming objects with ports, one
 sub-package each with its pure `step` and its `shell`: `control` (built with the pool,
 the health service, the clock and the metrics, it reads the others only through the
-summaries of `kernel.summaries`) and `view` (built with the etcd client's reads: the
-others read what it knows through its frozen `View.snapshot`); what every part uses (the
-journal of decisions, the error policy, the executor) is in `kernel`. The other parts live
-in their own modules, each with its invariants in its docstring: `supervisor` (worker
-processes), `durability` (commits, replication, persistence, resume state), `pace` (how
+summaries of `kernel.summaries`), `view` (built with the etcd client's reads: the
+others read what it knows through its frozen `View.snapshot`) and `supervisor` (the
+worker processes: built with the pool, the worker logs, what the other parts do with a
+worker's events, where failures are reported and whether spares are wanted); what every
+part uses (the journal of decisions, the error policy, the executor) is in `kernel`. The
+other parts live in their own modules, each with its invariants in its docstring:
+`durability` (commits, replication, persistence, resume state), `pace` (how
 long the loop sleeps), `follower` (the phases of a generation, with deadlines), `liveness`
 (probes) and `leader` (plans, resume instructions, the safe step). Timeouts and limits are
 in `limits`.
 
 Who writes what: each part's state is one object with one writer, that part's module on
-the decision loop: the supervisor's `WorkerPool` and `SupervisorState` (`_ss`), the
+the decision loop: the worker pool (`WorkerPool`, written through its methods), the
 follower's `FollowerState` (`_fs`, with the generation's `_GenState`), durability's
 `DurabilityState` (`_ds`), liveness's `LivenessState` (`_lvs`), the leader's
 `LeaderState` (`_ls`, a new one per term; quarantine.py holds its health decisions) and
-the health records' `HealthState` (`_hs`); control's `ControlState` and the view's
-`ViewState` are their objects' own.
+the health records' `HealthState` (`_hs`); control's `ControlState`, the view's
+`ViewState` and the supervisor's `SupervisorState` are their objects' own.
 A part reads another's state and asks for changes through the owner's methods; watches,
 gRPC and worker threads only raise signals or queue requests (`inbox`), and the fetch and
 replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
@@ -62,7 +64,7 @@ part's step runs in its own error boundary (`_part`). Parts read time from an in
 clock (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
 (`control.control_step`), the job's end (`quarantine.job_end_step`), the supervisor's
-deadlines (`supervisor.supervisor_step`), a follower's watch on the leader
+deadlines (`supervisor.step.supervisor_step`), a follower's watch on the leader
 (`liveness.leader_watch_step`), the view's reading of etcd (`view.view_step`), the follower's
 way through a generation (`phases.follower_step`: arrivals, the fetch and the assignment fed
 back), the durability part's worker events (`durabilitystep`: the store's record, commit and
@@ -93,6 +95,7 @@ from elasticpp.agent.actions import Event
 from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control.shell import Control, ControlConfig
+from elasticpp.agent.decide import Phase
 from elasticpp.agent.durability import (
     CommitValue,
     DurabilityPart,
@@ -130,7 +133,12 @@ from elasticpp.agent.probe import ProbeChannels
 from elasticpp.agent.quarantine import HealthState, QuarantinePart
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
-from elasticpp.agent.supervisor import SupervisorPart, SupervisorState
+from elasticpp.agent.supervisor.shell import (
+    Supervisor,
+    SupervisorConfig,
+    WorkerEvents,
+    WorkerFactory,
+)
 from elasticpp.agent.view.shell import View
 from elasticpp.agent.worklogs import WorkerLogs
 from elasticpp.cluster import ClusterClient
@@ -147,15 +155,10 @@ from elasticpp.transport import Dialer
 
 log = logging.getLogger("elasticpp.agent")
 
-# (log path, environment, name) -> a warm worker: a WorkerProcess, or a simulated one with
-# the same methods (bench/scale.py)
-WorkerFactory = Callable[[Path, dict[str, str], str], Any]
-
 
 class Agent(
     StartupPart,
     ExecutorPart,
-    SupervisorPart,
     PacePart,
     DurabilityPart,
     FollowerPart,
@@ -187,7 +190,6 @@ class Agent(
         # (a simulation checks its agents' loops from one thread: `check_loop`) and the
         # health service it answers on (a simulation's agents share one). `cluster`: the
         # job's etcd client (default: one made here from the flags; tests give another).
-        self._worker_factory = worker_factory
         self._own_watchdog = watchdog
         self.cfg = cfg
         self.spec = spec
@@ -219,13 +221,12 @@ class Agent(
         self.journal = Journal(self._clock, lambda: self.generation)
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
         self.errors = ErrorPolicy(self.metrics)
-        self.executor = Executor()
+        self.executor = Executor(fallback=self._apply)
         self._health: HealthPort = health if health is not None else HealthServicer()
         # Each part's state: one object, one writer (that part's module, on the loop).
         self.pool = WorkerPool(
             self._wake, clock=self._clock.monotonic
         )  # the supervisor's workers (elasticpp.agent.pool)
-        self._ss = SupervisorState(gpus=list(range(cfg.slots)))
         self._fs = FollowerState()
         self._ds = DurabilityState()
         self._lvs = LivenessState()
@@ -297,6 +298,36 @@ class Agent(
             wake=self._wake.set,
         )
         self.control.register(self.executor)
+        self.supervisor = Supervisor(
+            SupervisorConfig(
+                cfg.node_id,
+                cfg.slots,
+                cfg.device,
+                self.log_dir,
+                ready_timeout_s=spec.ready_timeout_s,
+                hang_timeout_s=spec.hang_timeout_s,
+                first_step_timeout_s=spec.first_step_deadline_s,
+                worker_threads=cfg.worker_threads,
+                python=python,
+            ),
+            clock=self._clock,
+            pool=self.pool,
+            journal=self.journal,
+            metrics=self.metrics,
+            errors=self.errors,
+            logs=self.worker_logs,
+            events=WorkerEvents(
+                on_started=self._on_started,
+                on_step=self._on_step,
+                on_snapshot=self._on_snapshot,
+                on_snapshot_failed=self._on_snapshot_failed,
+            ),
+            report_failed=self._report_failure,
+            spares_wanted=self._spares_wanted,
+            wake=self._wake.set,
+            worker_factory=worker_factory,
+        )
+        self.supervisor.register(self.executor)
         self.executor.register(Event, lambda a: self.journal.write(a.kind, a.message))
         self.metrics.of(self.metrics.target_steps).set(spec.steps)
         self.metrics.of(self.metrics.job_finished).set(0)
@@ -439,8 +470,7 @@ class Agent(
         """Kill every process this agent started; leave etcd cleanly if it can."""
         self._stop.set()  # ends the loop watchdog too
         self.pool.kill_all()
-        if self._ss.template is not None:
-            self._ss.template.close()
+        self.supervisor.close()
         self.worker_logs.close()  # what the killed workers wrote last, copied
         if self._ds.persister is not None:
             self._ds.persister.close(timeout_s=10.0)
@@ -478,9 +508,14 @@ class Agent(
         in one is logged once and counted, and the parts after it still run; only an
         unreachable etcd ends the etcd half of the tick early (training goes on)."""
         for name, step in (
-            ("worker", self._drain_worker_events),
-            ("supervisor", self._supervise),
-            ("supervisor", self._check_gpus),
+            ("worker", self.supervisor.drain_events),
+            ("supervisor", lambda: self._execute(self.supervisor.step())),
+            (
+                "supervisor",
+                lambda: self._execute(
+                    self.supervisor.check_gpus(self._follower_summary().generation)
+                ),
+            ),
         ):
             self._part(name, step)
         now = self._clock.monotonic()
@@ -573,6 +608,20 @@ class Agent(
             last_step=self._ds.last_step,
             last_loss=self._ds.last_loss,
             safe_step=floor[1] if floor is not None else -1,
+        )
+
+    def _spares_wanted(self) -> bool:
+        """Spares are wanted, except while this node's ranks of the current generation are
+        starting (spares import torch, and on a loaded node that would compete for the CPU
+        with the ranks the recovery waits for; the pool is full again a moment after they
+        run), while the agent leaves, and once the job is over."""
+        control = self.control.summary()
+        return not (
+            self._exit_requested() is not None
+            or control.draining
+            or self._follower_summary().phase is Phase.STARTING
+            or control.job_done
+            or self._hs.job_end is not None
         )
 
     def _lead_if_leader(self) -> None:

@@ -93,7 +93,7 @@ class PacePart:
         the supervisor's next deadline."""
         if gs is None or gs.phase not in (Phase.RUNNING, Phase.IDLE):
             return QUIET_TICK_S
-        rest_s = self._rest_for_s(self._clock.monotonic())
+        rest_s = self.supervisor.rest_for_s(self._clock.monotonic())
         if rest_s is None:
             return QUIET_TICK_S
         return max(BUSY_TICK_S, min(RESTING_TICK_S, rest_s))

@@ -244,7 +244,7 @@ class StartupPart:
             propose_epoch(self.store.newest_epoch()), self.node_id
         )
         self.store.set_epoch(job_epoch.epoch)  # refuses one below this node's own commits
-        self._spawn_warm()
+        self.supervisor.spawn_warm()
         if self._registration is None:
             self._registration = self.cluster.register(
                 self.node_id, self._member_info(), self.spec.lease_ttl_s, self._lease_gate()
@@ -274,7 +274,7 @@ class StartupPart:
     def _member_info(self) -> dict[str, Any]:
         return {
             "address": self.address,
-            "slots": len(self._ss.gpus),
+            "slots": len(self.supervisor.gpus),
             "draining": self.control.summary().draining,
             "incarnation": self.incarnation,
             "pid": os.getpid(),

@@ -38,7 +38,7 @@ from elasticpp.agent.resumestep import (
     leader_resume_wait_published,
     leader_resume_written,
 )
-from elasticpp.agent.supervisor import supervisor_step, template_step
+from elasticpp.agent.supervisor.step import supervisor_step, template_step
 from elasticpp.agent.view.step import view_step
 
 STEPS: dict[str, Callable[..., Any]] = {

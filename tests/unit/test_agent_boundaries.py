@@ -67,7 +67,7 @@ def _agent_on(tmp_path: Path, cluster: _Cluster) -> tuple[Agent, _Cluster]:
     )
     # A tick refills the warm pool: no real worker processes in a unit test (they outlived
     # it before, and a later test that counts the runner's children failed for them).
-    agent._spawn_warm = lambda: None  # type: ignore[method-assign]
+    agent.supervisor.spawn_warm = lambda: None  # type: ignore[method-assign]
     return agent, cluster
 
 

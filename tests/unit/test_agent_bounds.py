@@ -96,11 +96,11 @@ def test_a_slow_etcd_does_not_hold_the_loop_and_the_newest_commit_record_lands_l
     drains: list[float] = []
     while not fed.is_set() and time.monotonic() - started < 30:
         t0 = time.monotonic()
-        agent._drain_worker_events()
+        agent.supervisor.drain_events()
         drains.append(time.monotonic() - t0)
         fed.wait(0.02)  # the loop's cadence
     feeder.join(5)
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     assert max(drains) < 0.5, f"a drain took {max(drains):.2f} s: the loop waits on etcd"
     assert agent.store.committed_steps()[-1] == steps
     assert agent._commit_records.flush(timeout_s=10)

@@ -36,7 +36,7 @@ def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, ManualClock]:
         clock=clock,
         cluster=cluster,  # type: ignore[arg-type]
     )
-    agent._spawn_warm = lambda: None  # type: ignore[method-assign]
+    agent.supervisor.spawn_warm = lambda: None  # type: ignore[method-assign]
     return agent, cluster, clock
 
 
@@ -129,10 +129,10 @@ def test_a_spare_that_never_reports_ready_is_replaced_at_ready_timeout_s(tmp_pat
     spare = _SlowSpare(200)
     agent.pool.add_spare(spare)  # type: ignore[arg-type]  # spawned now, on the agent's clock
     clock.advance(SPEC.ready_timeout_s - 0.5)
-    agent._supervise()
+    agent.executor.run(agent.supervisor.step())
     assert not spare.killed and agent.pool.spares() == (spare,)
     clock.advance(1.0)
-    agent._supervise()
+    agent.executor.run(agent.supervisor.step())
     assert spare.killed and agent.pool.spares() == ()
     assert agent.pool.replaced_since(clock.monotonic() - 1.0) == 1
 

@@ -139,20 +139,20 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     spare = _SlowSpare(200)
     start = time.monotonic()
     agent.pool.add_spare(spare, start)  # type: ignore[arg-type]
-    agent._spawn_warm = lambda: None  # type: ignore[method-assign]
+    agent.supervisor.spawn_warm = lambda: None  # type: ignore[method-assign]
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     gs.fetch = Future()
     gs.fetch.set_result(FetchOutcome(done_at=time.time()))
     agent._fs.gen = gs
     agent.view.state.barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
-    agent._supervise()
+    agent.executor.run(agent.supervisor.step())
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
     agent._follow_generation()
     assert gs.phase is Phase.MOVING and cluster.arrivals == []  # waits for it
     agent.pool.drop_spare(spare)  # type: ignore[arg-type]
     agent.pool.add_spare(spare, start - SPEC.ready_timeout_s - 1)  # type: ignore[arg-type]
-    agent._supervise()
+    agent.executor.run(agent.supervisor.step())
     assert spare.killed and agent.pool.spares() == ()
     agent._follow_generation()
     assert gs.phase is Phase.FAILED
@@ -231,7 +231,7 @@ def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None
     agent._hs.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
     agent._check_job_end()
     assert agent._exit_requested() is None
-    agent._refill_warm()
+    agent.supervisor.refill()
     assert agent.pool.spares() == ()  # no spares for a job that is over
     assert agent.status()["phase"] == "ended"
     assert agent.status()["ended"] == "failed: failure budget spent"
@@ -252,7 +252,7 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
     w = _Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
     agent.pool.add_worker(w)
     agent.pool.deliver(w.proc, {"event": "halted", "step": 3, "message": "loss nan"})  # type: ignore[arg-type]
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     agent._follow_generation()
     assert cluster.ends == [("halted", "loss nan")]
 

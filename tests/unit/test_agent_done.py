@@ -106,7 +106,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
         # Both events of each worker arrive before the loop looks at the job's state.
         agent.pool.deliver(proc, {"event": "done", "step": 5})  # type: ignore[arg-type]
         agent.pool.deliver(proc, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     agent._follow_generation()
     agent._control()
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
@@ -211,7 +211,7 @@ def test_a_disk_error_on_a_worker_event_is_counted_and_the_next_events_still_cou
     agent.pool.deliver(proc, {"event": "step", "step": 0, "loss": 2.5})  # type: ignore[arg-type]
     agent.pool.deliver(proc, {"event": "step", "step": 1})  # type: ignore[arg-type]  # malformed
     agent.pool.deliver(proc, {"event": "stopped", "step": 2})  # type: ignore[arg-type]
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     assert _errors(agent, "worker") == 2
     w = agent.pool.worker(100)
     assert w is not None and w.state is WorkerState.STOPPED  # the event after them counted
@@ -292,11 +292,11 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
         return {"event": "snapshot", "step": step, "pieces": pieces}
 
     agent.pool.deliver(proc, snapshot(1))  # type: ignore[arg-type]
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     assert agent.store.committed_steps() == []  # fenced
     reg.lapsed = False
     agent.pool.deliver(proc, snapshot(2))  # type: ignore[arg-type]
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     assert agent.store.committed_steps() == [2]
 
 
@@ -390,7 +390,7 @@ def test_a_snapshot_that_failed_is_counted_and_the_next_one_commits(tmp_path: Pa
     agent.pool.deliver(
         writer, {"event": "snapshot_failed", "step": 1, "message": "OSError: ENOSPC"}
     )  # type: ignore[arg-type]
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     assert _sample(agent, "elasticpp_snapshot_failures_total") == 1
     assert not agent._fs.pending_failures  # a lost snapshot is no reason to re-plan
     assert all(w.state is WorkerState.RUNNING for w in agent.pool.workers())
@@ -404,7 +404,7 @@ def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path:
     for p in procs:
         agent.pool.deliver(p, {"event": "halted", "step": 3, "message": message})  # type: ignore[arg-type]
         agent.pool.deliver(p, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
-    agent._drain_worker_events()
+    agent.supervisor.drain_events()
     agent._follow_generation()  # the follower acts on the halt the supervisor saw
     assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.HALTED
     assert not agent._fs.pending_failures

@@ -18,8 +18,7 @@ AGENT_DIR = Path(elasticpp.agent.__file__).parent
 
 # state object on the agent -> the modules whose code may write it
 OWNERS: dict[str, frozenset[str]] = {
-    "_ss": frozenset({"supervisor"}),
-    "pool": frozenset({"supervisor", "pool"}),  # the supervisor's workers
+    "pool": frozenset({"pool"}),  # the supervisor's workers: written through its methods
     "_fs": frozenset({"follower"}),
     "_ds": frozenset({"durability"}),
     "_lvs": frozenset({"liveness"}),
@@ -49,6 +48,7 @@ HANDLES = frozenset(
         "executor",
         "control",
         "view",
+        "supervisor",
         "_health_changed",
         "_wake",
         "_stop",

@@ -40,7 +40,7 @@ from elasticpp.agent.liveness import (
 )
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.agent.quarantine import EXIT_FAILED, HealthState, job_end_step
-from elasticpp.agent.supervisor import (
+from elasticpp.agent.supervisor.step import (
     SupervisorObservation,
     TemplateObservation,
     supervisor_step,
@@ -402,6 +402,6 @@ def test_every_action_has_a_handler(tmp_path: Path) -> None:
     members = typing.get_args(actions.Action)
     assert len(members) > 20
     registered = {m.__name__ for m in members if agent.executor.handles(m.__new__(m))}
-    assert {"Event", "JobEndedGauge", "ReleaseSpares"} <= registered
+    assert {"Event", "JobEndedGauge", "ReleaseSpares", "KillWorker", "SpawnWarm"} <= registered
     assert [m.__name__ for m in members if m.__name__ not in cased | registered] == []
     assert registered & cased == set(), "a registered action still has a case in the chain"
