@@ -13,6 +13,7 @@ from elasticpp.agent.clock import ManualClock
 from elasticpp.agent.decide import MOVING_DEADLINE_FLOOR_S, Phase, WorkerState
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
+from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from tests.unit.test_agent_deadlines import SPEC, _Cluster, _plan, _SlowSpare, _StuckProc
 
@@ -152,6 +153,30 @@ def test_a_drain_that_is_never_handed_off_ends_at_its_deadline(tmp_path: Path) -
     agent._control()
     assert agent._exit_requested() == 0
     assert any("drain timed out" in e[2] for e in agent.journal.log)
+
+
+class _Unreachable(_Registration):
+    """A registration whose write etcd does not take now (the keeper re-puts the info)."""
+
+    def update(self, info: dict[str, Any]) -> None:
+        super().update(info)
+        raise ClusterUnavailableError("etcd timed out")
+
+
+def test_a_drain_announces_itself_when_etcd_does_not_take_the_member_info_now(
+    tmp_path: Path,
+) -> None:
+    """The member info is the registration's to re-put; the drain's step-down and its
+    event do not wait on the write (once an unanswered write cut them off for good: the
+    drain was marked announced)."""
+    agent, _, _ = _agent(tmp_path)
+    agent._registration = _Unreachable()
+    _new_generation(agent, 2)
+    agent._follow_generation()
+    assert agent.control.request_drain(5.0)[0]
+    agent._control()
+    assert agent._registration.updates[-1]["draining"]
+    assert any("draining: announced" in e[2] for e in agent.journal.log)
 
 
 # On purpose on the real clock: the loop watchdog (the executor's own liveness, see
