@@ -3,13 +3,13 @@
 Every part's decisions are pure steps: `control.control_step`, `quarantine.job_end_step`,
 `supervisor.supervisor_step`, `liveness.leader_watch_step`, `view.view_step`,
 `phases.follower_step` (the follower), the durability part's worker events
-(`durabilitystep.durability_on_step`, `durability_on_snapshot`,
+(`durability.step.durability_on_step`, `durability_on_snapshot`,
 `durability_on_snapshot_failed`) and `leaderstep.leader_step` (the leader). Each reads an
 immutable observation and its own state and returns a list of these; it does no I/O. The
 agent's executor (`executor.ExecutorPart._execute`) applies them in order, in the error
 boundary of the part that asked. An action whose outcome matters (an etcd write that may be
 refused, a commit, a fetch, a probe) has it fed back to a pure function of the part that
-asked (`phases.follower_arrived`, `durabilitystep.durability_committed`,
+asked (`phases.follower_arrived`, `durability.step.durability_committed`,
 `leaderstep.leader_generation_written`, `liveness.leader_probed`, ...), which returns the next
 actions: a state change that depends on a write happens only there, after it succeeded.
 Adding an action means adding its case to the executor (a test checks every member of

@@ -24,29 +24,22 @@ from elasticpp.agent.actions import (
     CleanLocal,
     CleanRendezvous,
     CleanResume,
-    Commit,
     CompactHistory,
     ConfirmDead,
     CountRecovery,
-    CountSnapshotFailure,
     DeposeLeader,
     DrainWorkerEvents,
-    DropUncommitted,
     Housekeep,
     KillOld,
-    Persist,
     ProbeLeader,
     PublishMemberInfo,
     PublishResumeWait,
     PullHoldings,
     ReadCommitRecords,
     ReadSafe,
-    RecordCommit,
     RecordHalt,
-    RecordPieces,
     RecordTimeline,
     RemoveResumeDir,
-    Replicate,
     ReportFailure,
     Reread,
     ResolveResume,
@@ -55,20 +48,13 @@ from elasticpp.agent.actions import (
     SkipRecord,
     StartFetch,
     StepDown,
-    StepMetrics,
     StopWorkers,
     UpdateGauges,
     WriteGeneration,
-    WriteMetricsLine,
     WriteResume,
     WriteSafe,
 )
-from elasticpp.agent.durabilitystep import (
-    durability_committed,
-    durability_dropped,
-    durability_recorded,
-)
-from elasticpp.agent.follower import run_in_thread
+from elasticpp.agent.kernel.threads import run_in_thread
 from elasticpp.agent.leaderstep import (
     leader_fresh_checked,
     leader_generation_written,
@@ -89,7 +75,7 @@ from elasticpp.agent.phases import (
     halt_message,
 )
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.errors import CheckpointError, ElasticppError
+from elasticpp.errors import ElasticppError
 from elasticpp.store.checkpoints import checkpoint_holdings
 from elasticpp.store.digest import digest_of
 from elasticpp.store.resume import TransferProgress
@@ -140,58 +126,6 @@ class ExecutorPart:
             self.store.set_floor(action.step, action.generation)  # anchors below may go
         elif isinstance(action, UpdateGauges):
             self._update_gauges()
-        # --- the durability part's actions
-        elif isinstance(action, StepMetrics):
-            m = self.metrics
-            m.of(m.step).set(action.step)
-            m.of(m.loss).set(action.loss)
-            m.of(m.steps_total).inc()
-            if action.step_seconds is not None:
-                m.of(m.step_seconds).observe(action.step_seconds)
-            if action.lr is not None:
-                m.of(m.learning_rate).set(action.lr)
-            if action.grad_norm is not None:
-                m.of(m.grad_norm).set(action.grad_norm)
-            m.of(m.samples_total).inc(action.samples)
-            m.of(m.tokens_total).inc(action.tokens)
-            if action.model_tflops is not None:
-                m.of(m.model_tflops).set(action.model_tflops)
-            if action.mfu is not None:
-                m.of(m.mfu).set(action.mfu)
-        elif isinstance(action, WriteMetricsLine):
-            self._write_metrics_line(action.line)
-        elif isinstance(action, CountSnapshotFailure):
-            self.metrics.snapshot_failures_total.labels(**self.metrics.labels).inc()
-        elif isinstance(action, RecordPieces):
-            error = None
-            try:
-                self.store.record_pieces(action.step, action.pieces, action.generation)
-            except CheckpointError as exc:
-                error = str(exc)
-                log.info(
-                    "snapshot of step %d from rank %d not recorded: %s",
-                    action.step,
-                    action.rank,
-                    exc,
-                )
-            self._execute(durability_recorded(self._ds, action, error))
-        elif isinstance(action, Commit):
-            ok = True
-            try:
-                self.store.commit(action.step, action.model.units, action.generation)
-            except CheckpointError as exc:
-                ok = False
-                log.warning("step %d not committed: %s", action.step, exc)
-            self._execute(durability_committed(self._ds, action, ok))
-        elif isinstance(action, DropUncommitted):
-            dropped = self.store.drop_uncommitted(action.keep)
-            self._execute(durability_dropped(self._ds, dropped, self.store.epoch))
-        elif isinstance(action, RecordCommit):
-            self._record_commit(action.generation)
-        elif isinstance(action, Replicate):
-            self._replicate_async()
-        elif isinstance(action, Persist):
-            self._persist_async(action.step, action.model)
         # --- the leader's actions
         elif isinstance(action, WriteGeneration):
             ok = self.cluster.write_generation(
@@ -309,7 +243,7 @@ class ExecutorPart:
                 f"stopped-{action.generation}",
                 {
                     "digest": digest_of(self.store.holdings(), self.address).to_dict(),
-                    "next_step": self._ds.next_step_committed,
+                    "next_step": self.durability.state.next_step_committed,
                     "at": action.at_s,
                 },
             )

@@ -16,50 +16,53 @@ assignment back to the step's functions. It also keeps the pending failure repor
 from __future__ import annotations
 
 import logging
-import threading
+import re
+import shutil
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.actions import AssignRanks
 from elasticpp.agent.decide import WorkerState
+from elasticpp.agent.limits import (
+    FETCH_MIN_BYTES_PER_S,
+    FETCH_PARALLEL,
+    FETCH_PER_SOURCE,
+    FETCH_STALL_S,
+    WORKER_LOGS_KEPT,
+)
 from elasticpp.agent.phases import (
     STEPS_PER_TICK,
     AssignOutcome,
+    FetchOutcome,
     FetchStatus,
     FollowerObservation,
     FollowerState,
     OldWorker,
     _GenState,
+    fetch_addresses,
     follower_step,
+    is_disk_error,
 )
 from elasticpp.agent.pool import _Worker
+from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.barriers import RESUME_WAIT_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.errors import ConfigError, ElasticppError
+from elasticpp.errors import ConfigError, ElasticppError, StateUnavailableError
+from elasticpp.store.client import StateClient
+from elasticpp.store.holdings import DISK_SOURCE
+from elasticpp.store.instruction import node_fetches
+from elasticpp.store.persist import copy_verified
+from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.train.procs import WorkerProcess
 
 log = logging.getLogger("elasticpp.agent")
 
-__all__ = ["FollowerPart", "FollowerState", "_GenState", "run_in_thread"]
+_RESUME_DIR = re.compile(r"gen-([0-9]{1,19})")  # resume/gen-<G>, see _resume_dir
 
-
-def run_in_thread(name: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """Run `fn(*args)` on a daemon thread of its own; its result (or error) comes back
-    through the future, which the loop polls: the thread itself writes no agent state."""
-    future: Future[Any] = Future()
-    future.set_running_or_notify_cancel()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # handed to the loop, which decides what it means
-            future.set_exception(exc)
-
-    threading.Thread(target=run, daemon=True, name=name).start()
-    return future
+__all__ = ["FollowerPart", "FollowerState", "_GenState"]
 
 
 class FollowerPart:
@@ -261,3 +264,100 @@ class FollowerPart:
             "decision",
             f"generation {gs.generation}: started ranks {[s.rank for s in mine]} at step {step}",
         )
+
+    def _init_path(self) -> str | None:
+        return None if self._init_dir is None else str(self._init_dir)
+
+    def _resume_dir(self, gs: _GenState) -> Path:
+        return self.cfg.state_dir / "resume" / f"gen-{gs.generation:06d}"
+
+    def _fetch_addresses(self, gs: _GenState, sources: Iterable[str]) -> dict[str, str]:
+        return fetch_addresses(gs.record, self.view.member_records(sources))
+
+    def _fetch(
+        self,
+        gs: _GenState,
+        resume: dict[str, Any],
+        progress: TransferProgress | None = None,
+        addresses: dict[str, str] | None = None,
+    ) -> FetchOutcome:
+        """Fetch this node's state of generation `gs` into its resume directory. Runs on a
+        thread of its own: it writes nothing of the agent's; its outcome is returned (to the
+        loop, through a future) and its bytes are counted in `progress`."""
+        progress = progress if progress is not None else TransferProgress()
+        try:
+            step = int(resume["step"])
+            target = self._resume_dir(gs)
+            target.mkdir(parents=True, exist_ok=True)
+            plan = gs.plan
+            # Piece names are built from the plan, node names checked: nothing from etcd
+            # becomes a path unchecked.
+            wanted = {
+                f.piece_name: (f.origin_node, f.source_node, f.sha256, f.size)
+                for f in node_fetches(resume, plan, self.node_id)
+            }
+            local = [(o, step, n) for n, (o, src, _, _) in wanted.items() if src == self.node_id]
+            self.store.materialize(target, local)
+            for name, (_o, source, sha, size) in sorted(wanted.items()):
+                if source == DISK_SOURCE:  # the persistent checkpoint, for whole-cluster loss
+                    assert self.spec.persist_dir is not None
+                    src = Path(self.spec.persist_dir) / step_dirname(step) / name
+                    copy_verified(src, target / name, sha, size)
+                    progress.add(size)
+            transfers = [
+                PieceTransfer(name, origin, source, sha, size)
+                for name, (origin, source, sha, size) in sorted(wanted.items())
+                if source not in (self.node_id, DISK_SOURCE)
+            ]
+            if addresses is None:  # a follower reads its sources' member keys here
+                addresses = self._fetch_addresses(gs, {t.source for t in transfers})
+            unknown = sorted({t.source for t in transfers} - set(addresses))
+            if unknown:
+                raise StateUnavailableError(
+                    f"generation {gs.generation}: no address of source(s) {', '.join(unknown)} "
+                    "(not registered, or registered again under another incarnation)"
+                )
+            # In parallel with bounds; stalled transfers fail (the follower's MOVING clock
+            # is held only while bytes arrive: gs.fetch_progress).
+            fetch_pieces(
+                transfers,
+                target,
+                addresses,
+                step,
+                gs.generation,
+                per_source=FETCH_PER_SOURCE,
+                parallel=FETCH_PARALLEL,
+                progress=progress,
+                stall_s=FETCH_STALL_S,
+                min_bytes_per_s=FETCH_MIN_BYTES_PER_S,
+                client_factory=lambda address: StateClient(
+                    address, timeout_s=60, dialer=self._dialer
+                ),
+                epoch=self.store.epoch,
+            )
+            return FetchOutcome(done_at=self._clock.time())
+        except Exception as exc:  # reported to the loop, which reports it to the leader
+            return FetchOutcome(error=f"{type(exc).__name__}: {exc}", disk_error=is_disk_error(exc))
+
+    def _clean_resume(self, generation: int) -> None:
+        """Delete the resume directories of generations older than `generation`: called once
+        this node's workers of those generations are gone (no reader is left), so a re-plan
+        storm leaves at most the directory of the generation that runs and of one that
+        failed, not one with fetched bytes per failed generation. Numbers compare as
+        integers: `gen-%06d` names sort wrongly from generation 1,000,000 on."""
+        resume_root = self.cfg.state_dir / "resume"
+        if not resume_root.is_dir():
+            return
+        for d in resume_root.iterdir():
+            m = _RESUME_DIR.fullmatch(d.name)
+            if m is not None and int(m.group(1)) < generation:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _clean_local(self, generation: int) -> None:
+        """Bounded disk use for weeks of uptime: resume directories of older generations
+        (their workers are gone) and all but the newest worker logs."""
+        self._clean_resume(generation)
+        if self.log_dir.is_dir():
+            logs = sorted(self.log_dir.glob("*.log"), key=lambda p: p.stat().st_mtime)
+            for old in logs[:-WORKER_LOGS_KEPT]:
+                old.unlink(missing_ok=True)

@@ -36,23 +36,26 @@ the parts that are objects register). The parts are becoming objects with ports,
 sub-package each with its pure `step` and its `shell`: `control` (built with the pool,
 the health service, the clock and the metrics, it reads the others only through the
 summaries of `kernel.summaries`), `view` (built with the etcd client's reads: the
-others read what it knows through its frozen `View.snapshot`) and `supervisor` (the
+others read what it knows through its frozen `View.snapshot`), `supervisor` (the
 worker processes: built with the pool, the worker logs, what the other parts do with a
-worker's events, where failures are reported and whether spares are wanted); what every
-part uses (the journal of decisions, the error policy, the executor) is in `kernel`. The
-other parts live in their own modules, each with its invariants in its docstring:
-`durability` (commits, replication, persistence, resume state), `pace` (how
-long the loop sleeps), `follower` (the phases of a generation, with deadlines), `liveness`
+worker's events, where failures are reported and whether spares are wanted) and
+`durability` (commits, commit records, replication, persistence: built with the store,
+where commit records go, the peers' member records, whether the node is fenced and the
+plan it follows); what every part uses (the journal of decisions, the error policy, the
+executor, threads with futures) is in `kernel`. The other parts live in their own modules,
+each with its invariants in its docstring: `pace` (how long the loop sleeps), `follower`
+(the phases of a generation, with deadlines, and the fetch of resume state), `liveness`
 (probes) and `leader` (plans, resume instructions, the safe step). Timeouts and limits are
 in `limits`.
 
 Who writes what: each part's state is one object with one writer, that part's module on
 the decision loop: the worker pool (`WorkerPool`, written through its methods), the
-follower's `FollowerState` (`_fs`, with the generation's `_GenState`), durability's
-`DurabilityState` (`_ds`), liveness's `LivenessState` (`_lvs`), the leader's
+follower's `FollowerState` (`_fs`, with the generation's `_GenState`), liveness's
+`LivenessState` (`_lvs`), the leader's
 `LeaderState` (`_ls`, a new one per term; quarantine.py holds its health decisions) and
 the health records' `HealthState` (`_hs`); control's `ControlState`, the view's
-`ViewState` and the supervisor's `SupervisorState` are their objects' own.
+`ViewState`, the supervisor's `SupervisorState` and the durability part's
+`DurabilityState` are their objects' own.
 A part reads another's state and asks for changes through the owner's methods; watches,
 gRPC and worker threads only raise signals or queue requests (`inbox`), and the fetch and
 replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
@@ -67,9 +70,9 @@ Pure steps with actions as data (`actions`, applied by `_execute`): the control 
 deadlines (`supervisor.step.supervisor_step`), a follower's watch on the leader
 (`liveness.leader_watch_step`), the view's reading of etcd (`view.view_step`), the follower's
 way through a generation (`phases.follower_step`: arrivals, the fetch and the assignment fed
-back), the durability part's worker events (`durabilitystep`: the store's record, commit and
-drop fed back) and the leader's decisions (`leaderstep.leader_step`: its writes and reads fed
-back). The shells that build their observations (`follower`, `durability`, `leader`) still
+back), the durability part's worker events (`durability.step`: the store's record, commit
+and drop fed back) and the leader's decisions (`leaderstep.leader_step`: its writes and reads fed
+back). The shells that build their observations (`follower`, `leader`) still
 do the reads a decision needs; the verdicts of probes and the leader's health judgement come
 before its step. Pure rules under the parts: `decide` (re-planning, phases), `sick` (quarantine) and
 the leader's resolve (`elasticpp.store.resolver`).
@@ -96,12 +99,7 @@ from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control.shell import Control, ControlConfig
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.durability import (
-    CommitValue,
-    DurabilityPart,
-    DurabilityState,
-    anchors_ran_ahead,
-)
+from elasticpp.agent.durability.shell import Durability, DurabilityConfig
 from elasticpp.agent.executor import ExecutorPart
 from elasticpp.agent.follower import FollowerPart, FollowerState
 from elasticpp.agent.inbox import Signal
@@ -114,11 +112,9 @@ from elasticpp.agent.kernel.summaries import (
     HealthSummary,
     ProgressSummary,
 )
-from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.leader import LeaderPart
 from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import (
-    COMMIT_RECORD_EVERY_S,
     LEADER_TURN_GAP_MAX_S,
     LEADER_TURN_SHARE,
     PROBE_THREADS,
@@ -150,6 +146,7 @@ from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.records import EventType, WatchEvent
 from elasticpp.errors import ElasticppError
+from elasticpp.plan import Plan
 from elasticpp.store.local import LocalStore
 from elasticpp.transport import Dialer
 
@@ -160,7 +157,6 @@ class Agent(
     StartupPart,
     ExecutorPart,
     PacePart,
-    DurabilityPart,
     FollowerPart,
     LivenessPart,
     LeaderPart,
@@ -228,7 +224,6 @@ class Agent(
             self._wake, clock=self._clock.monotonic
         )  # the supervisor's workers (elasticpp.agent.pool)
         self._fs = FollowerState()
-        self._ds = DurabilityState()
         self._lvs = LivenessState()
         self._ls = LeaderState(SickNodes(spec.sick_policy()))  # a new term starts a new one
         self._hs = HealthState()
@@ -238,13 +233,6 @@ class Agent(
         # certificate when the job has one (elasticpp.transport, the one place).
         self._dialer = Dialer(cfg.tls)
         self._probe_channels = ProbeChannels(dialer=self._dialer)  # kept between probes
-        # The one writer of this node's commit records (loop and replicate thread feed it).
-        self._commit_records: LatestWriter[CommitValue] = LatestWriter(
-            self._put_commit_record,
-            every_s=COMMIT_RECORD_EVERY_S,
-            name="commit record",
-            due_now=anchors_ran_ahead,
-        )
         self._joined = False
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
         self._status_at_s = 0.0
@@ -298,6 +286,31 @@ class Agent(
             wake=self._wake.set,
         )
         self.control.register(self.executor)
+        self.durability = Durability(
+            DurabilityConfig(
+                cfg.node_id,
+                self.metrics_path,
+                spec.steps,
+                spec.train.precision,
+                spec.peak_tflops,
+                replication_copies=spec.replication_copies,
+                replication_every=spec.replication_every,
+                persist_dir=spec.persist_dir,
+                persist_every=spec.persist_every,
+            ),
+            clock=self._clock,
+            store=self.store,
+            metrics=self.metrics,
+            records=self.cluster,
+            member_records=self.view.member_records,
+            dialer=self._dialer,
+            fenced=self._fenced,
+            member_lease=self._member_lease,
+            current_plan=self._current_plan,
+            wake=self._wake.set,
+        )
+        self.durability.register(self.executor)
+        d = self.durability
         self.supervisor = Supervisor(
             SupervisorConfig(
                 cfg.node_id,
@@ -317,10 +330,10 @@ class Agent(
             errors=self.errors,
             logs=self.worker_logs,
             events=WorkerEvents(
-                on_started=self._on_started,
-                on_step=self._on_step,
-                on_snapshot=self._on_snapshot,
-                on_snapshot_failed=self._on_snapshot_failed,
+                on_started=lambda e: self._execute(d.on_started(e)),
+                on_step=lambda w, e: self._execute(d.on_step(w, e)),
+                on_snapshot=lambda w, e: self._execute(d.on_snapshot(w, e)),
+                on_snapshot_failed=lambda w, e: self._execute(d.on_snapshot_failed(w, e)),
             ),
             report_failed=self._report_failure,
             spares_wanted=self._spares_wanted,
@@ -358,11 +371,16 @@ class Agent(
 
     @property
     def last_step(self) -> int:
-        return self._ds.last_step
+        return self.durability.state.last_step
 
     @property
     def last_loss(self) -> float:
-        return self._ds.last_loss
+        return self.durability.state.last_loss
+
+    def _current_plan(self) -> tuple[int, Plan] | None:
+        """The generation this node follows, and its plan (with this node's model)."""
+        gs = self._fs.gen
+        return (gs.generation, gs.plan) if gs is not None else None
 
     def run(self) -> int:
         """The decision loop; returns the exit code."""
@@ -472,10 +490,9 @@ class Agent(
         self.pool.kill_all()
         self.supervisor.close()
         self.worker_logs.close()  # what the killed workers wrote last, copied
-        if self._ds.persister is not None:
-            self._ds.persister.close(timeout_s=10.0)
+        # The persister's copy finished; the newest commit record put while etcd is ours.
+        self.durability.close(flush=self._etcd_open)
         if self._etcd_open:
-            self._commit_records.close(timeout_s=5.0)  # the newest record, while etcd is ours
             with contextlib.suppress(ElasticppError):
                 if self._ls.leadership is not None:
                     self._ls.leadership.resign()
@@ -605,8 +622,8 @@ class Agent(
     def _progress_summary(self) -> ProgressSummary:
         floor = self.store.floor
         return ProgressSummary(
-            last_step=self._ds.last_step,
-            last_loss=self._ds.last_loss,
+            last_step=self.durability.state.last_step,
+            last_loss=self.durability.state.last_loss,
             safe_step=floor[1] if floor is not None else -1,
         )
 

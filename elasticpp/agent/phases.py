@@ -25,11 +25,13 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elasticpp.agent.actions import (
     Action,
@@ -60,10 +62,43 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 
-if TYPE_CHECKING:
-    from elasticpp.agent.durability import FetchOutcome
-
 log = logging.getLogger("elasticpp.agent")
+
+
+@dataclass(frozen=True)
+class FetchOutcome:
+    """What a state fetch came to, handed back to the loop."""
+
+    done_at: float | None = None  # wall time the last piece was in place
+    error: str | None = None
+    disk_error: bool = False  # the error was this node's own disk (full, read-only, failing)
+
+
+def fetch_addresses(
+    record: GenerationRecord, members: Mapping[str, Mapping[str, Any]]
+) -> dict[str, str]:
+    """Where each source of generation `record`'s state is served: the address in its member
+    key (a source may lie outside the plan: a draining node hands its state over). Not a
+    planned node registered again under another incarnation since: the agent there now is not
+    the one whose holdings the resume instruction counted on."""
+    moved = record.reregistered(members)
+    return {n: str(i.get("address")) for n, i in members.items() if n not in moved}
+
+
+# Errors of this node's own disk: full (ENOSPC, EDQUOT), read-only, or failing (EIO).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+def is_disk_error(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it) is an error of the local disk."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
 
 # Steps of the follower in one tick at most: a step whose actions moved the phase (or
 # entered a generation) is followed by another on a fresh observation, as far as the

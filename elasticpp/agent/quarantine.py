@@ -263,7 +263,7 @@ class QuarantinePart:
                 )
             elif isinstance(action, EndJob):
                 end = self.cluster.end_job(
-                    "failed", action.reason, by=self.node_id, step=self._ds.last_step
+                    "failed", action.reason, by=self.node_id, step=self.durability.state.last_step
                 )
                 self._hs.job_end = end
                 self.journal.write("decision", f"leader: the job ends: {end.reason}")

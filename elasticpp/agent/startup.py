@@ -281,6 +281,10 @@ class StartupPart:
             "version": __version__,
         }
 
+    def _fenced(self) -> bool:
+        reg = self._registration
+        return reg is not None and bool(reg.may_have_lapsed())
+
     def _lease_gate(self) -> ProgressGate:
         """Leases are renewed only while the decision loop runs (see limits.LEASE_STALL_S)."""
         return ProgressGate(self._heartbeat.stuck_s, LEASE_STALL_S)

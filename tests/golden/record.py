@@ -136,7 +136,7 @@ def _trained(workdir: Path, recorder: Recorder) -> None:
             threads[-1].start()
 
         def trained(live: list[SimAgent], beyond: int) -> Callable[[], bool]:
-            return lambda: all(a._ds.last_step > beyond for a in live)
+            return lambda: all(a.last_step > beyond for a in live)
 
         _wait(trained(agents, 4), "every node's first committed steps")
         with _recording(recorder):
@@ -145,7 +145,7 @@ def _trained(workdir: Path, recorder: Recorder) -> None:
             gen = max(a.generation for a in live)
             lost.crash()
             _wait(lambda: all(a.generation > gen for a in live), "the re-plan")
-            step = max(a._ds.last_step for a in live)
+            step = max(a.last_step for a in live)
             _wait(trained(live, step + 4), "training on after the loss")
     finally:
         for a in agents:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticpp.agent.control.step import control_step
-from elasticpp.agent.durabilitystep import (
+from elasticpp.agent.durability.step import (
     durability_committed,
     durability_dropped,
     durability_on_snapshot,

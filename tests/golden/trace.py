@@ -96,18 +96,29 @@ def _canonical(x: Json) -> str:
     return json.dumps(x, sort_keys=True, allow_nan=False)
 
 
-def has_opaque(x: Json) -> str | None:
-    """The first opaque value's type in an encoded value, if it holds one."""
+def has_opaque(
+    x: Json, classes: Classes | None = None, read: frozenset[str] = frozenset()
+) -> str | None:
+    """The first opaque value's type in an encoded value, if it holds one. With `classes`,
+    a field that moved out of its state since the recording (`Classes.moved_out`: a handle
+    now held by the part's shell) does not count, unless it is one of `read`: a field the
+    recorded step read, whose value its replacement now takes as an argument."""
     if isinstance(x, dict):
         if "__opaque" in x:
             return str(x["__opaque"])
-        for v in x.values():
-            found = has_opaque(v)
+        if classes is not None and "__dc" in x and isinstance(x.get("f"), dict):
+            qualname = str(x["__dc"]).partition(":")[2]
+            moved = classes.moved_out.get(qualname, frozenset()) - read
+            fields = [v for k, v in x["f"].items() if k not in moved]
+        else:
+            fields = list(x.values())
+        for v in fields:
+            found = has_opaque(v, classes, read)
             if found is not None:
                 return found
     elif isinstance(x, list):
         for v in x:
-            found = has_opaque(v)
+            found = has_opaque(v, classes, read)
             if found is not None:
                 return found
     return None

@@ -13,18 +13,20 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
-from elasticpp.agent.durability import CommitValue, FetchOutcome, anchors_ran_ahead
+from elasticpp.agent.durability.step import CommitValue, anchors_ran_ahead
 from elasticpp.agent.follower import _GenState
+from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.latest import LatestWriter, Pacing
 from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.phases import FetchOutcome
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
-from tests.unit.test_agent_done import SPEC, _plan, _Proc, lead_timeline
+from tests.unit.test_agent_done import SPEC_FIELDS, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
 
 
@@ -55,14 +57,19 @@ class _SlowCluster:
         return 0
 
 
+# One node: no replication rounds (its ring has no peer).
+UNREPLICATED = parse_job_spec({**SPEC_FIELDS, "replication_copies": 0})
+
+
 def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[Agent, _Proc]:
     agent = Agent(
-        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        UNREPLICATED,
+        cluster=cluster,
     )
     plan = _plan(generation)
     record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
     agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
-    agent._ds.replication = Future()  # a round in flight for good: no rounds here, one node
     writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
     agent.pool.add_worker(
         _Worker(
@@ -103,7 +110,7 @@ def test_a_slow_etcd_does_not_hold_the_loop_and_the_newest_commit_record_lands_l
     agent.supervisor.drain_events()
     assert max(drains) < 0.5, f"a drain took {max(drains):.2f} s: the loop waits on etcd"
     assert agent.store.committed_steps()[-1] == steps
-    assert agent._commit_records.flush(timeout_s=10)
+    assert agent.durability.flush_records(timeout_s=10)
     written = [step for _, step, _ in cluster.records]
     assert written == sorted(written), f"a commit record went back: {written}"
     assert written[-1] == steps  # the newest is what stays
@@ -214,10 +221,10 @@ def test_a_fenced_node_keeps_only_the_newest_few_uncommitted_snapshots(tmp_path:
         report = write_step(agent.store, step, generation=1)
         w = agent.pool.worker(writer.pid)
         assert w is not None
-        agent._on_snapshot(w, {"step": step, "pieces": report})
+        agent.executor.run(agent.durability.on_snapshot(w, {"step": step, "pieces": report}))
     steps = sorted(step for _, _, step, _ in agent.store.layout.step_dirs("n0"))
     assert steps == [98, 99, 100]  # FENCED_SNAPSHOTS_KEPT, nothing committed
-    assert sorted(agent._ds.snap_reports) == [(1, 98), (1, 99), (1, 100)]
+    assert sorted(agent.durability.state.snap_reports) == [(1, 98), (1, 99), (1, 100)]
     assert len(list(agent.store._reports.orders())) == FENCED_SNAPSHOTS_KEPT
     assert agent.store.committed_steps() == []
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from elasticpp.agent.clock import Clock, ManualClock
 from elasticpp.agent.decide import Phase, WorkerState
-from elasticpp.agent.durability import FetchOutcome
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.phases import FetchOutcome
 from elasticpp.agent.pool import _Worker
 from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
@@ -268,9 +268,13 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
     for gen in range(1, 7):
         w.generation = gen
         for step in range(300):
-            agent._on_step(w, {"step": step, "loss": 1.0, "generation": gen})
-            agent._on_step(w, {"step": step, "loss": 1.0, "generation": gen})  # a dp twin
-    assert len(agent._ds.written_steps) <= 4
+            agent.executor.run(
+                agent.durability.on_step(w, {"step": step, "loss": 1.0, "generation": gen})
+            )
+            agent.executor.run(
+                agent.durability.on_step(w, {"step": step, "loss": 1.0, "generation": gen})
+            )  # a dp twin
+    assert len(agent.durability.state.written_steps) <= 4
     lines = agent.metrics_path.read_text().splitlines()
     assert len(lines) == 6 * 300  # each step written once
 

@@ -373,7 +373,7 @@ def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path
     plan = _plan(1)
     proc = _Proc(100)
     w = _Worker(proc=proc, rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
-    agent._on_step(w, {"step": 7, "loss": 1.5})
+    agent.executor.run(agent.durability.on_step(w, {"step": 7, "loss": 1.5}))
     rotated = agent.metrics_path.with_name("metrics.jsonl.1")
     assert rotated.stat().st_size == METRICS_ROTATE_BYTES + 1
     assert [json.loads(x)["step"] for x in agent.metrics_path.read_text().splitlines()] == [7]
@@ -428,7 +428,7 @@ def test_a_step_drained_after_the_next_generation_began_keeps_its_workers_layout
     record = GenerationRecord(2, newer.to_dict(), "n0", time.time(), resume_step=0)
     agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.STOPPING)
     assert str(agent._fs.gen.plan.layout) == str(newer.layout)
-    agent._on_step(old, {"step": 7, "loss": 1.5, "generation": 1})
+    agent.executor.run(agent.durability.on_step(old, {"step": 7, "loss": 1.5, "generation": 1}))
     (row,) = [json.loads(x) for x in agent.metrics_path.read_text().splitlines()]
     assert (row["generation"], row["layout"]) == (1, str(plan.layout))
     assert str(plan.layout) != str(newer.layout)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from elasticpp.agent.durabilitystep import (
+from elasticpp.agent.durability.step import (
     THROUGHPUT_STEPS,
     DurabilityState,
     StepObservation,

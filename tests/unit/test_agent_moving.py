@@ -9,10 +9,10 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.durability import fetch_addresses
 from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import FETCH_STALL_S
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.phases import fetch_addresses
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.records import GenerationRecord, node_fields
 from elasticpp.plan import Plan

@@ -20,7 +20,6 @@ AGENT_DIR = Path(elasticpp.agent.__file__).parent
 OWNERS: dict[str, frozenset[str]] = {
     "pool": frozenset({"pool"}),  # the supervisor's workers: written through its methods
     "_fs": frozenset({"follower"}),
-    "_ds": frozenset({"durability"}),
     "_lvs": frozenset({"liveness"}),
     # The leader's state: its plans (leader.py) and its health decisions (quarantine.py).
     "_ls": frozenset({"leader", "quarantine"}),
@@ -40,7 +39,6 @@ HANDLES = frozenset(
         "cfg",
         "spec",
         "_registration",
-        "_commit_records",
         "_probe_pool",
         "_health",
         "journal",
@@ -49,6 +47,7 @@ HANDLES = frozenset(
         "control",
         "view",
         "supervisor",
+        "durability",
         "_health_changed",
         "_wake",
         "_stop",

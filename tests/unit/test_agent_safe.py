@@ -106,9 +106,9 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
         commit_step(agent.store, step, generation=3)
         commit_replica_step(agent.store, "n1", step, generation=3)
     commit_replica_step(agent.store, "n2", 9, generation=2)  # another generation: not listed
-    agent._ds.last_commit_step = 5
-    agent._record_commit(3)
-    assert agent._commit_records.flush(timeout_s=10)  # put off the loop, by one writer
+    agent.durability.state.last_commit_step = 5
+    agent.durability.record_commit(3)
+    assert agent.durability.flush_records(timeout_s=10)  # put off the loop, by one writer
     assert cluster.records["n0"] == CommitRecord("n0", 3, 5, (5, 4), {"n1": (5, 4)})
 
 

@@ -1,4 +1,4 @@
-"""The durability part's pure steps (elasticpp.agent.durabilitystep): a worker's steps,
+"""The durability part's pure steps (elasticpp.agent.durability.step): a worker's steps,
 snapshots and failed snapshots decided from plain observations, with wall time passed in and
 the outcomes of the store's record, commit and drop fed back by hand, as the executor does."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from elasticpp.agent.actions import (
     WriteMetricsLine,
 )
 from elasticpp.agent.decide import Phase, WorkerState
-from elasticpp.agent.durabilitystep import (
+from elasticpp.agent.durability.step import (
     DurabilityState,
     SnapshotFailure,
     SnapshotObservation,
@@ -180,17 +179,15 @@ def test_the_renewed_lease_is_announced_once_with_the_first_commit() -> None:
 def test_replication_follows_commits_of_every_nth_step_and_never_two_rounds_at_once() -> None:
     state = DurabilityState()
 
-    def committed(step: int, **changes: Any) -> list[Action]:
+    def committed(step: int, replicating: bool = False, **changes: Any) -> list[Action]:
         [commit] = _snapshot(state, replace(SNAP, step=step, replication_every=5, **changes))
-        return durability_committed(state, commit, True)
+        return durability_committed(state, commit, True, replicating)
 
     assert Replicate() not in committed(11)  # replicated every 5 steps
     assert Replicate() in committed(15)
     assert Replicate() not in committed(20, replication_copies=0)  # no copies wanted
-    state.replication = Future()  # the round started: in flight
-    assert Replicate() not in committed(25)
-    state.replication.set_result(None)  # it ended: the next commit starts the next round
-    assert Replicate() in committed(30)
+    assert Replicate() not in committed(25, replicating=True)  # a round is in flight
+    assert Replicate() in committed(30)  # it ended: the next commit starts the next round
 
 
 def test_persistent_checkpoints_follow_every_nth_step_and_the_last_step() -> None:
@@ -295,8 +292,14 @@ def test_a_commit_that_fails_does_not_announce_that_snapshots_are_written_again(
         raise CheckpointError(f"step {step}: the store refuses the commit")
 
     agent.store.commit = refuse  # type: ignore[method-assign]
-    agent._on_snapshot_failed(w, {"step": 4, "message": "No space left on device"})
-    agent._on_snapshot(w, {"step": 5, "pieces": []})  # rank 0 writes the node's snapshot
+    durability = agent.durability
+    agent.executor.run(
+        durability.on_snapshot_failed(w, {"step": 4, "message": "No space left on device"})
+    )
+    # rank 0 writes the node's snapshot
+    agent.executor.run(durability.on_snapshot(w, {"step": 5, "pieces": []}))
     messages = [message for _, _, message, _ in agent.journal.log]
     assert not any(m.startswith("snapshots are written again") for m in messages), messages
-    assert agent._ds.snap_failures == 1 and agent._ds.last_commit_step == -1
+    assert (
+        agent.durability.state.snap_failures == 1 and agent.durability.state.last_commit_step == -1
+    )

@@ -26,10 +26,10 @@ from elasticpp.agent.actions import (
     StartFetch,
 )
 from elasticpp.agent.decide import MOVING_DEADLINE_FLOOR_S, STARTING_DEADLINE_FLOOR_S, Phase
-from elasticpp.agent.durability import FetchOutcome
 from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.agent.phases import (
     AssignOutcome,
+    FetchOutcome,
     FetchStatus,
     FollowerObservation,
     FollowerState,

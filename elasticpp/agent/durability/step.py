@@ -3,13 +3,14 @@
 A worker's step (`durability_on_step`), snapshot (`durability_on_snapshot`) and failed snapshot
 (`durability_on_snapshot_failed`) are decided from an immutable observation and the part's own
 state (`DurabilityState`), with no I/O and no clock (wall time comes in the observation); the
-decisions are actions (elasticpp.agent.actions) that `executor` applies: StepMetrics and
+decisions are actions (elasticpp.agent.actions) that the part's shell applies: StepMetrics and
 WriteMetricsLine per step, RecordPieces per report, Commit once every snapshot writer of the
 node reported, DropUncommitted while fenced, then RecordCommit, Replicate and Persist. The
 outcomes that matter come back to the functions here: `durability_recorded` (a refused report
 changes nothing), `durability_committed` (only a successful commit prunes the reports, moves
-`last_commit_step` and starts the commit record, replication and persistence) and
-`durability_dropped` (dropped snapshots forget their reports).
+`last_commit_step` and starts the commit record, replication and persistence, a round only
+when none is in flight) and `durability_dropped` (dropped snapshots forget their reports).
+When a commit record must not wait for its pace is `anchors_ran_ahead`'s to say.
 
 Invariants: memory is bounded over weeks of steps (`written_steps` keeps the newest
 WRITTEN_GENERATIONS_KEPT generations; reports are pruned at each commit and, while fenced, with
@@ -24,7 +25,6 @@ starts afresh: its FLOPs per node differ); MFU is that over the node's peak, and
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,21 +43,18 @@ from elasticpp.agent.actions import (
 )
 from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.plan import ModelSpec
-from elasticpp.store.persist import Persister
+from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 
 
 @dataclass
 class DurabilityState:
-    """The durability part's state: one object, written on the loop by the durability
-    part's code: the steps here, and its executor methods (elasticpp.agent.durability) that
-    start a replication round or the persister (which hand results back through futures)."""
+    """The durability part's state, plain data: written on the loop by the steps here (the
+    `Durability` shell holds the replication round's future and the persister)."""
 
-    replication: Future[Any] | None = None  # the replication round in flight
     last_commit_step: int = -1  # this node's newest own commit (its commit records say it)
     snap_reports: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     snap_failures: int = 0  # snapshot writes failed since the last commit
     fence_logged: bool = False
-    persister: Persister | None = None
     written_steps: dict[int, int] = field(default_factory=dict)  # generation -> newest step
     next_step_committed: int = 0  # steps applied, as last seen from this node's workers
     last_step: int = -1
@@ -243,13 +240,15 @@ def durability_dropped(
     return []
 
 
-def durability_committed(state: DurabilityState, commit: Commit, ok: bool) -> list[Action]:
+def durability_committed(
+    state: DurabilityState, commit: Commit, ok: bool, replicating: bool = False
+) -> list[Action]:
     """A failed commit changes nothing (the next step's commit tries again). A step committed
     prunes the reports up to it and becomes this node's newest commit; then the commit
     record (the job's high-water mark: a job that ever committed a step never silently
     starts over from step 0; it also reports the anchors), a replication round (one at a
-    time: none while a round is in flight; the next commit starts the next) and a
-    persistent checkpoint, as the step decided."""
+    time: none while a round is in flight, `replicating`; the next commit starts the next)
+    and a persistent checkpoint, as the step decided."""
     if not ok:
         return []
     for old in [k for k in state.snap_reports if k[1] <= commit.step]:
@@ -265,7 +264,7 @@ def durability_committed(state: DurabilityState, commit: Commit, ok: bool) -> li
         state.fence_logged = False
         actions.append(Event("decision", "membership lease renewed: committing again"))
     actions.append(RecordCommit(commit.generation))
-    if commit.replicate and (state.replication is None or state.replication.done()):
+    if commit.replicate and not replicating:
         actions.append(Replicate())
     if commit.persist:
         actions.append(Persist(commit.step, commit.model))
@@ -287,3 +286,24 @@ def durability_on_snapshot_failed(state: DurabilityState, obs: SnapshotFailure) 
             )
         )
     return actions
+
+
+# A commit record's value: (newest committed step, own anchors, replica anchors by origin).
+CommitValue = tuple[int, tuple[int, ...], dict[str, tuple[int, ...]]]
+
+
+def anchors_ran_ahead(written: CommitValue | None, newest: CommitValue) -> bool:
+    """Whether a commit record must not wait for COMMIT_RECORD_EVERY_S: half of the anchors
+    the store keeps above the safe step (per origin, ANCHORS_ABOVE_FLOOR) are newer than the
+    record etcd has. The leader's safe step is one of the listed anchors, and a store drops the
+    oldest above the cap: at fast steps, a record that lagged longer could name a safe step
+    its node no longer holds when the step reaches it as the floor."""
+    if written is None:
+        return False  # the first record is put at once anyway
+    half = ANCHORS_ABOVE_FLOOR // 2
+    if len(set(newest[1]) - set(written[1])) >= half:
+        return True
+    return any(
+        len(set(steps) - set(written[2].get(origin, ()))) >= half
+        for origin, steps in newest[2].items()
+    )
