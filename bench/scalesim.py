@@ -224,8 +224,7 @@ class SimAgent(Agent):
             self.cluster.close()  # keep-alives stop; the lease lapses by its TTL
             self._etcd_open = False
         self._closed = True
-        self._probe_pool.shutdown(wait=False, cancel_futures=True)
-        self._probe_channels.close()
+        self.liveness.close()
 
 
 def sim_spec_fields(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> dict[str, Any]:

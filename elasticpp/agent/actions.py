@@ -256,7 +256,7 @@ class WriteGeneration:
 
 @dataclass(frozen=True)
 class ConfirmDead:
-    """Probe the suspects `nodes` (`LivenessPart._confirm_dead`); the verdicts reach the
+    """Probe the suspects `nodes` (`liveness.shell.Liveness.confirm_dead`); the verdicts reach the
     leader through the next view (`ClusterView.dead`)."""
 
     nodes: tuple[str, ...]

@@ -12,7 +12,6 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from elasticpp.agent import probe
 from elasticpp.agent.actions import (
     Action,
     ArriveDone,
@@ -25,13 +24,10 @@ from elasticpp.agent.actions import (
     CleanRendezvous,
     CleanResume,
     CompactHistory,
-    ConfirmDead,
     CountRecovery,
-    DeposeLeader,
     DrainWorkerEvents,
     Housekeep,
     KillOld,
-    ProbeLeader,
     PublishMemberInfo,
     PublishResumeWait,
     PullHoldings,
@@ -67,7 +63,6 @@ from elasticpp.agent.leaderstep import (
     leader_safe_written,
     leader_timeline_recorded,
 )
-from elasticpp.agent.liveness import leader_deposed, leader_probed
 from elasticpp.agent.phases import (
     follower_arrived,
     follower_assigned,
@@ -109,17 +104,6 @@ class ExecutorPart:
             self._report_failure(
                 action.generation, action.reason, culprit=action.culprit, severe=action.severe
             )
-        elif isinstance(action, ProbeLeader):
-            service = probe.node_service(action.leader, action.incarnation)
-            result = probe.check(
-                action.address,
-                service=service if action.incarnation else "",
-                channels=self._probe_channels,
-            )
-            self._execute(leader_probed(self._lvs, action, result))
-        elif isinstance(action, DeposeLeader):
-            done = self.cluster.depose(action.leader)
-            self._execute(leader_deposed(self._lvs, action, done))
         elif isinstance(action, Reread):
             self.view.reread.raise_()
         elif isinstance(action, SetFloor):
@@ -132,8 +116,6 @@ class ExecutorPart:
                 action.record, action.expected_rev, self._ls.leadership
             )
             self._execute(leader_generation_written(self._ls, action, ok))
-        elif isinstance(action, ConfirmDead):
-            self._confirm_dead(action.nodes)
         elif isinstance(action, SetAside):
             self._act_sick(list(action.decisions))
         elif isinstance(action, PullHoldings):

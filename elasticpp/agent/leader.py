@@ -180,7 +180,7 @@ class LeaderPart:
             set(self.view.snapshot.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
         )
         members = self.view.snapshot.members
-        dead = frozenset(n for n in self._lvs.dead_now(members) if n in members)
+        dead = frozenset(n for n in self.liveness.dead_now(members) if n in members)
         restarted = self._restarted(rec, members)
         quarantined = frozenset(self._hs.quarantines)
         return ClusterView(
@@ -191,7 +191,9 @@ class LeaderPart:
             now_s=self._clock.monotonic(),
             # planned again after the settle window: a join, a revived node, a re-admission
             last_join_s=max(
-                self.view.snapshot.last_join_s, self._lvs.revived_s, self._hs.readmitted_s
+                self.view.snapshot.last_join_s,
+                self.liveness.summary().revived_s,
+                self._hs.readmitted_s,
             ),
             job_done=self.control.summary().job_done or self._hs.job_end is not None,
             restarted=restarted,
@@ -216,23 +218,15 @@ class LeaderPart:
         """The leader's cycle: probes and health decisions first (their results are in the
         view the step sees), then the pure step (`leaderstep.leader_step`), whose actions
         the executor applies, feeding the outcomes of writes and reads back to it."""
-        self._probes_done()  # the verdicts of the probes finished since the last cycle
-        self._recheck_dead()
+        self.liveness.probes_done()  # the verdicts of the probes finished since the last cycle
+        self.liveness.recheck_dead()
         rec = self.view.snapshot.record
         view = self._view()
         if rec is not None and view.failed and not (view.dead & set(view.current_nodes or ())):
             # Suspicion (a worker failure) is confirmed by probing before the TTL lapses;
             # results are kept for DEAD_RECHECK_S (live answers of a large round longer,
             # `liveness.paced_keep_s`), so a failure that waits is no probe storm.
-            suspects = self._suspects(rec.generation, view.current_nodes or ())
-            lvs, gen = self._lvs, rec.generation
-            if lvs.suspects_probed_gen != gen:
-                self._unpace_probes()  # a new failure: its suspects are probed afresh
-            if lvs.suspects_probed_gen == gen and not self._probing(suspects):
-                lvs.verdicts_gen = gen  # the first round's verdicts are in
-            self._confirm_dead(suspects)
-            lvs.suspects_probed_gen = gen
-            if lvs.verdicts_gen != gen and self._probing(suspects):
+            if self.liveness.confirm_suspects(rec.generation, view.current_nodes or ()):
                 return  # re-planned once the first round's verdicts are in
             view = self._view()
         view = self._lead_health(view)

@@ -29,46 +29,45 @@ the leader key. One loop thread makes every decision; watches and worker readers
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
 hand results back through futures wake it too, probes included) or for a tick (`pace`).
 
-This module composes the agent: the parts' state, the decision loop and shutdown (its
-flags are `config.AgentConfig`); start-up and joining the job are in `startup`, the
-executor of the parts' actions in `executor` and `kernel.executor` (the table of handlers
-the parts that are objects register). The parts are becoming objects with ports, one
-sub-package each with its pure `step` and its `shell`: `control` (built with the pool,
-the health service, the clock and the metrics, it reads the others only through the
-summaries of `kernel.summaries`), `view` (built with the etcd client's reads: the
-others read what it knows through its frozen `View.snapshot`), `supervisor` (the
-worker processes: built with the pool, the worker logs, what the other parts do with a
-worker's events, where failures are reported and whether spares are wanted) and
-`durability` (commits, commit records, replication, persistence: built with the store,
-where commit records go, the peers' member records, whether the node is fenced and the
-plan it follows); what every part uses (the journal of decisions, the error policy, the
-executor, threads with futures) is in `kernel`. The other parts live in their own modules,
-each with its invariants in its docstring: `pace` (how long the loop sleeps), `follower`
-(the phases of a generation, with deadlines, and the fetch of resume state), `liveness`
-(probes) and `leader` (plans, resume instructions, the safe step). Timeouts and limits are
-in `limits`.
+This module composes the agent: the parts' state, the decision loop and shutdown (its flags
+are `config.AgentConfig`); start-up and joining the job are in `startup`, the executor of
+the parts' actions in `executor` and `kernel.executor` (the table of handlers the parts that
+are objects register). The parts are becoming objects with ports, one sub-package each with
+its pure `step` and its `shell`: `control` (built with the pool, the health service, the
+clock and the metrics, it reads the others only through the summaries of
+`kernel.summaries`), `view` (built with the etcd client's reads: the others read what it
+knows through its frozen `View.snapshot`), `supervisor` (the worker processes: built with
+the pool, the worker logs, what the other parts do with a worker's events, where failures
+are reported and whether spares are wanted), `durability` (commits, commit records,
+replication, persistence: built with the store, where commit records go, the peers' member
+records, whether the node is fenced and the plan it follows) and `liveness` (probes of
+suspects and of the leader: built with the view's snapshot and the etcd call that deposes a
+leader); what every part uses (the journal of decisions, the error policy, the executor,
+threads with futures) is in `kernel`. The other parts live in their own modules, each with
+its invariants in its docstring: `pace` (how long the loop sleeps), `follower` (the phases
+of a generation, with deadlines, and the fetch of resume state) and `leader` (plans, resume
+instructions, the safe step). Timeouts and limits are in `limits`.
 
 Who writes what: each part's state is one object with one writer, that part's module on
 the decision loop: the worker pool (`WorkerPool`, written through its methods), the
-follower's `FollowerState` (`_fs`, with the generation's `_GenState`), liveness's
-`LivenessState` (`_lvs`), the leader's
+follower's `FollowerState` (`_fs`, with the generation's `_GenState`), the leader's
 `LeaderState` (`_ls`, a new one per term; quarantine.py holds its health decisions) and
 the health records' `HealthState` (`_hs`); control's `ControlState`, the view's
-`ViewState`, the supervisor's `SupervisorState` and the durability part's
-`DurabilityState` are their objects' own.
+`ViewState`, the supervisor's `SupervisorState`, the durability part's
+`DurabilityState` and liveness's `LivenessState` are their objects' own.
 A part reads another's state and asks for changes through the owner's methods; watches,
 gRPC and worker threads only raise signals or queue requests (`inbox`), and the fetch and
 replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
 reads the source and fails on a write by anyone else. Values a part derives from several
 sources stay with their sources and are combined by the reader: the newest join
-(the view's `last_join_s`, `_lvs.revived_s`, `_hs.readmitted_s`), the detection time of a
+(the view's `last_join_s`, liveness's `revived_s`, `_hs.readmitted_s`), the detection time of a
 change (the view's `detected`, `_fs.detected`), the exit status (`_exit_requested`). Each
 part's step runs in its own error boundary (`_part`). Parts read time from an injected
 clock (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
 (`control.control_step`), the job's end (`quarantine.job_end_step`), the supervisor's
 deadlines (`supervisor.step.supervisor_step`), a follower's watch on the leader
-(`liveness.leader_watch_step`), the view's reading of etcd (`view.view_step`), the follower's
+(`liveness.step.leader_watch_step`), the view's reading of etcd (`view.view_step`), the follower's
 way through a generation (`phases.follower_step`: arrivals, the fetch and the assignment fed
 back), the durability part's worker events (`durability.step`: the store's record, commit
 and drop fed back) and the leader's decisions (`leaderstep.leader_step`: its writes and reads fed
@@ -87,7 +86,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +115,13 @@ from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import (
     LEADER_TURN_GAP_MAX_S,
     LEADER_TURN_SHARE,
-    PROBE_THREADS,
     STATUS_EVERY_S,
     VIEW_REFRESH_S,
 )
-from elasticpp.agent.liveness import LivenessPart, LivenessState
+from elasticpp.agent.liveness.shell import Liveness
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pace import PacePart
 from elasticpp.agent.pool import WorkerPool
-from elasticpp.agent.probe import ProbeChannels
 from elasticpp.agent.quarantine import HealthState, QuarantinePart
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
@@ -158,7 +154,6 @@ class Agent(
     ExecutorPart,
     PacePart,
     FollowerPart,
-    LivenessPart,
     LeaderPart,
     QuarantinePart,
 ):
@@ -224,15 +219,12 @@ class Agent(
             self._wake, clock=self._clock.monotonic
         )  # the supervisor's workers (elasticpp.agent.pool)
         self._fs = FollowerState()
-        self._lvs = LivenessState()
         self._ls = LeaderState(SickNodes(spec.sick_policy()))  # a new term starts a new one
         self._hs = HealthState()
         # The executor's own: the lifecycle of this agent's server, registration and loop.
-        self._probe_pool = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="probe")
         # Every channel to a peer (probes, state transfers): TLS with this node's
         # certificate when the job has one (elasticpp.transport, the one place).
         self._dialer = Dialer(cfg.tls)
-        self._probe_channels = ProbeChannels(dialer=self._dialer)  # kept between probes
         self._joined = False
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
         self._status_at_s = 0.0
@@ -286,6 +278,17 @@ class Agent(
             wake=self._wake.set,
         )
         self.control.register(self.executor)
+        self.liveness = Liveness(
+            cfg.node_id,
+            clock=self._clock,
+            journal=self.journal,
+            errors=self.errors,
+            view=lambda: self.view.snapshot,
+            depose=lambda leader: self.cluster.depose(leader),
+            dialer=self._dialer,
+            wake=self._wake.set,
+        )
+        self.liveness.register(self.executor)
         self.durability = Durability(
             DurabilityConfig(
                 cfg.node_id,
@@ -512,8 +515,7 @@ class Agent(
         if self.cfg.control_socket is not None:
             with contextlib.suppress(OSError):
                 self.cfg.control_socket.unlink()
-        self._probe_pool.shutdown(wait=False, cancel_futures=True)
-        self._probe_channels.close()
+        self.liveness.close()
 
     # ------------------------------------------------------------------ events log
 
@@ -607,7 +609,7 @@ class Agent(
     def _refresh(self) -> None:
         """The view's read of etcd, as the leader (every member, the arrivals) or not, with
         the nodes the liveness part found dead."""
-        self._execute(self.view.refresh(self._ls.leadership is not None, self._lvs.dead_now))
+        self._execute(self.view.refresh(self._ls.leadership is not None, self.liveness.dead_now))
 
     def _etcd_down(self, exc: Exception) -> None:
         self._execute(self.view.etcd_down(exc))
@@ -626,6 +628,15 @@ class Agent(
             last_loss=self.durability.state.last_loss,
             safe_step=floor[1] if floor is not None else -1,
         )
+
+    def _check_leader(self) -> None:
+        """The liveness part's watch on the leader, told whether this node reported the
+        current generation failed itself."""
+        rec, fs = self.view.snapshot.record, self._fs
+        reported = rec is not None and (
+            fs.reported == rec.generation or rec.generation in fs.pending_failures
+        )
+        self._execute(self.liveness.check_leader(reported))
 
     def _spares_wanted(self) -> bool:
         """Spares are wanted, except while this node's ranks of the current generation are

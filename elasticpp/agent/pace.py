@@ -65,7 +65,7 @@ class PacePart:
             and current == followed  # a record not yet followed is taken at the next tick
             and not self._fs.pending_failures
             and (current == 0 or self._fs.reported != current)
-            and not self._lvs.suspect_since
+            and not self.liveness.summary().suspecting
             and not self.control.summary().draining
         )
         if not settled:

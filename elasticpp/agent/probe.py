@@ -27,7 +27,6 @@ back: the probe tries once more on a new channel before it says DEAD.
 from __future__ import annotations
 
 import collections
-import enum
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +34,10 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from elasticpp.agent.liveness.step import ProbeResult
 from elasticpp.transport import Dialer
+
+__all__ = ["ProbeChannels", "ProbeResult", "answers", "check", "node_service"]
 
 PROBE_TIMEOUT_S = 0.5  # one attempt
 PROBE_BUDGET_S = 1.0  # all attempts of one probe
@@ -52,13 +54,6 @@ _KEPT_OPTIONS = [
 
 # Answers from a process that is there but does not offer a healthy service.
 _ALIVE_CODES = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED}
-
-
-class ProbeResult(enum.Enum):
-    SERVING = "serving"
-    NOT_SERVING = "not_serving"
-    DEAD = "dead"
-    SILENT = "silent"
 
 
 def node_service(node_id: str, incarnation: str) -> str:

@@ -228,8 +228,9 @@ class QuarantinePart:
                 actions += sick.judge(rec.generation, reports, incarnations, now, lost=lost)
             # A node of the generation that answered a probe NOT_SERVING has a stalled
             # decision loop (elasticpp.agent.liveness): it would fail every plan it is in.
-            for node in sorted(current & set(self._lvs.unhealthy)):
-                if self._lvs.unhealthy[node] == incarnations.get(node):
+            unhealthy = self.liveness.summary().unhealthy
+            for node in sorted(current & set(unhealthy)):
+                if unhealthy[node] == incarnations.get(node):
                     actions += sick.not_serving(node, incarnations[node], now)
         self._act_sick(actions)
         return self._view()

@@ -23,7 +23,7 @@ from elasticpp.agent.leaderstep import (
     leader_step,
     leader_timeline_recorded,
 )
-from elasticpp.agent.liveness import leader_deposed, leader_probed, leader_watch_step
+from elasticpp.agent.liveness.step import leader_deposed, leader_probed, leader_watch_step
 from elasticpp.agent.phases import (
     follower_arrived,
     follower_assigned,

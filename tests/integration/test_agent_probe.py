@@ -174,11 +174,11 @@ def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
         agent.view.state.record = GenerationRecord(2, {}, "n0", time.time())
         agent.view.state.leader = "n0"
         agent._fs.reported = 2  # this node reported generation 2 failed
-        agent._lvs.suspect_since = {2: time.monotonic() - 10}
+        agent.liveness.state.suspect_since = {2: time.monotonic() - 10}
         agent._check_leader()
     assert deposed == ["n0"]
-    assert agent._lvs.dead == {}  # alive: deposed, not declared dead
-    agent._probe_pool.shutdown()
+    assert agent.liveness.state.dead == {}  # alive: deposed, not declared dead
+    agent.liveness.close()
 
 
 def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
@@ -190,16 +190,17 @@ def test_a_node_confirmed_dead_that_answers_again_is_no_longer_dead(
         "n1": {"address": address, "incarnation": "a"},
         "n2": {"address": _closed_port(), "incarnation": "b"},
     }
-    agent._lvs.dead = {"n1": "a", "n2": "b"}
-    agent._recheck_dead()  # the probes start; their verdicts come with later cycles
+    agent.liveness.state.dead = {"n1": "a", "n2": "b"}
+    agent.liveness.recheck_dead()  # the probes start; their verdicts come with later cycles
 
     def answered() -> bool:
-        agent._probes_done()
-        return not agent._lvs.probing
+        agent.liveness.probes_done()
+        return not agent.liveness.probes()
 
     assert wait_until(answered, 10, interval_s=0.01)
-    assert agent._lvs.dead == {"n2": "b"}  # n1 answered (after one slow reply); n2 is gone
-    agent._probe_pool.shutdown()
+    # n1 answered (after one slow reply); n2 is gone
+    assert agent.liveness.state.dead == {"n2": "b"}
+    agent.liveness.close()
 
 
 def _health_server(port: int = 0) -> tuple[grpc.Server, int]:

@@ -92,7 +92,7 @@ def test_the_agent_fetches_a_sources_pieces_in_parallel_within_the_per_source_bo
     for name in ALL_TP2:
         assert (agent._resume_dir(gs) / name).stat().st_size == 5000
     assert progress.bytes_done == 5000 * len(ALL_TP2)
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 class _FakeClient:

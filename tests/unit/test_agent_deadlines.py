@@ -188,7 +188,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     agent.view.state.record = record
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent._fs.gen = gs
-    agent._confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
+    agent.liveness.confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
     holdings = {"digest": {"format": 1, "address": "127.0.0.1:1", "held": []}}
     agent.view.state.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
     lead_resume(agent, gs)
@@ -322,7 +322,7 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
         2, _plan(2, ("n0", "n1", "n2")).to_dict(), "n0", time.time(), extra={"nodes": nodes}
     )
     agent.view.state.record = record
-    agent._lvs.unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
+    agent.liveness.state.unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
     view = agent._lead_health(agent._view())
     [q] = cluster.quarantines
     assert q.node_id == "n2" and "NOT_SERVING" in q.reason

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from elasticpp.agent import leader as leader_module
-from elasticpp.agent import liveness, probe
+from elasticpp.agent import probe
 from elasticpp.agent.limits import DEAD_RECHECK_S
+from elasticpp.agent.liveness import shell as liveness
+from elasticpp.agent.liveness.step import paced_keep_s
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.cluster.records import GenerationRecord
@@ -66,8 +68,8 @@ def settle(agent: Agent) -> None:
     """Wait for the probes that are out and give their verdicts, as the next cycles would."""
 
     def done() -> bool:
-        agent._probes_done()
-        return not agent._lvs.probing
+        agent.liveness.probes_done()
+        return not agent.liveness.probes()
 
     assert wait_until(done, 10, interval_s=0.005)
 
@@ -106,26 +108,28 @@ def test_a_failed_generation_probes_each_suspect_once_per_recheck_period_not_eve
     # once each, not 15 per tick.
     assert sorted(probes.calls) == [f"{n}:1" for n in NODES if n not in ("n00", "n03")]
     # Once the results are older than DEAD_RECHECK_S, each suspect is probed once more.
-    agent._lvs.probe_cache = {
-        k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent._lvs.probe_cache.items()
+    agent.liveness.state.probe_cache = {
+        k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent.liveness.state.probe_cache.items()
     }
     probes.calls.clear()
     for _ in range(20):
         agent._lead()
     settle(agent)
     assert len(probes.calls) == 14
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def _aged(agent: Agent, by_s: float) -> None:
     """Every probe result as if it had come `by_s` earlier."""
-    agent._lvs.probe_cache = {k: (at - by_s, r) for k, (at, r) in agent._lvs.probe_cache.items()}
+    agent.liveness.state.probe_cache = {
+        k: (at - by_s, r) for k, (at, r) in agent.liveness.state.probe_cache.items()
+    }
 
 
 def test_paced_keep_is_the_recheck_period_or_the_time_a_round_takes_at_the_pace() -> None:
-    assert liveness.paced_keep_s(14, 100.0) == DEAD_RECHECK_S
-    assert liveness.paced_keep_s(2047, 100.0) == pytest.approx(20.47)
-    assert liveness.paced_keep_s(0, 100.0) == DEAD_RECHECK_S
+    assert paced_keep_s(14, 100.0) == DEAD_RECHECK_S
+    assert paced_keep_s(2047, 100.0) == pytest.approx(20.47)
+    assert paced_keep_s(0, 100.0) == DEAD_RECHECK_S
 
 
 def test_live_suspects_of_a_large_round_are_probed_again_at_the_pace_not_every_period(
@@ -150,7 +154,7 @@ def test_live_suspects_of_a_large_round_are_probed_again_at_the_pace_not_every_p
         agent._lead()
     settle(agent)
     assert len(probes.calls) == 14
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_only_live_answers_are_kept_past_the_recheck_period(
@@ -160,13 +164,13 @@ def test_only_live_answers_are_kept_past_the_recheck_period(
     probes.results["n05:1"] = ProbeResult.DEAD
     probes.results["n06:1"] = ProbeResult.NOT_SERVING
     agent = _agent(tmp_path)
-    agent._probe(NODES)  # 15 probes: a SERVING answer is kept 3.75 s
+    agent.liveness.probe(NODES)  # 15 probes: a SERVING answer is kept 3.75 s
     settle(agent)
-    keep = agent._lvs.probe_keep
+    keep = agent.liveness.state.probe_keep
     assert set(keep) == {(n, f"i-{n}") for n in NODES if n not in ("n00", "n05", "n06")}
     assert all(k == pytest.approx(3.75) for k in keep.values())
-    assert not agent._lvs.round_keep  # nothing left of the round
-    agent._probe_pool.shutdown()
+    assert not agent.liveness.state.round_keep  # nothing left of the round
+    agent.liveness.close()
 
 
 def test_a_newly_failed_generation_probes_its_suspects_afresh(
@@ -192,21 +196,21 @@ def test_a_newly_failed_generation_probes_its_suspects_afresh(
     agent._lead()
     settle(agent)
     assert len(probes.calls) == 14
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_new_incarnation_is_probed_without_waiting_for_the_old_ones_result_to_expire(
     tmp_path: Path, probes: _Probes
 ) -> None:
     agent = _agent(tmp_path)
-    assert agent._probe(["n05"]) == {}  # started; its result comes with a later cycle
+    assert agent.liveness.probe(["n05"]) == {}  # started; its result comes with a later cycle
     settle(agent)
-    assert agent._probe(["n05"]) == {"n05": ProbeResult.SERVING}
+    assert agent.liveness.probe(["n05"]) == {"n05": ProbeResult.SERVING}
     agent.view.state.members["n05"]["incarnation"] = "restarted"
-    assert agent._probe(["n05"]) == {}
+    assert agent.liveness.probe(["n05"]) == {}
     settle(agent)
     assert probes.calls == ["n05:1", "n05:1"]
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_suspect_that_answers_not_serving_is_unhealthy_not_dead(
@@ -214,11 +218,11 @@ def test_a_suspect_that_answers_not_serving_is_unhealthy_not_dead(
 ) -> None:
     probes.results = {"n07:1": ProbeResult.NOT_SERVING, "n08:1": ProbeResult.DEAD}
     agent = _agent(tmp_path)
-    agent._confirm_dead(["n07", "n08", "n09"])
+    agent.liveness.confirm_dead(["n07", "n08", "n09"])
     settle(agent)
-    assert agent._lvs.dead == {"n08": "i-n08"}
-    assert agent._lvs.unhealthy == {"n07": "i-n07"}
-    agent._probe_pool.shutdown()
+    assert agent.liveness.state.dead == {"n08": "i-n08"}
+    assert agent.liveness.state.unhealthy == {"n07": "i-n07"}
+    agent.liveness.close()
 
 
 def test_a_suspect_silent_once_is_probed_again_and_its_answer_is_the_verdict(
@@ -234,16 +238,16 @@ def test_a_suspect_silent_once_is_probed_again_and_its_answer_is_the_verdict(
         "n06:1": [ProbeResult.SILENT, ProbeResult.SILENT],
     }
     agent = _agent(tmp_path)
-    agent._confirm_dead(["n04", "n05", "n06", "n07"])
+    agent.liveness.confirm_dead(["n04", "n05", "n06", "n07"])
     settle(agent)
     assert sorted(probes.calls) == ["n04:1", "n04:1", "n05:1", "n05:1", "n06:1", "n06:1", "n07:1"]
-    assert agent._lvs.dead == {"n06": "i-n06"}
-    assert agent._lvs.unhealthy == {"n05": "i-n05"}
-    assert agent._lvs.silent_once == set()
-    assert {n for (n, _), (_, r) in agent._lvs.probe_cache.items() if r is ProbeResult.DEAD} == {
-        "n06"
-    }
-    agent._probe_pool.shutdown()
+    assert agent.liveness.state.dead == {"n06": "i-n06"}
+    assert agent.liveness.state.unhealthy == {"n05": "i-n05"}
+    assert agent.liveness.state.silent_once == set()
+    assert {
+        n for (n, _), (_, r) in agent.liveness.state.probe_cache.items() if r is ProbeResult.DEAD
+    } == {"n06"}
+    agent.liveness.close()
 
 
 @pytest.mark.timeout(30)
@@ -260,11 +264,11 @@ def test_a_round_of_serving_answers_wakes_the_loop_once_not_per_answer(
     woken = agent._wake
     woken.clear()
     try:
-        agent._confirm_dead(["n04", "n05", "n06", "n07", "n08"])
-        assert wait_until(lambda: agent._lvs.probing[("n08", "i-n08")].done(), 10)
-        assert agent._lvs.probing[("n07", "i-n07")].done() and not woken.is_set()
+        agent.liveness.confirm_dead(["n04", "n05", "n06", "n07", "n08"])
+        assert wait_until(lambda: agent.liveness.probes()[("n08", "i-n08")], 10)
+        assert agent.liveness.probes()[("n07", "i-n07")] and not woken.is_set()
         held["n04:1"].set()
-        assert wait_until(lambda: agent._lvs.probing[("n04", "i-n04")].done(), 10)
+        assert wait_until(lambda: agent.liveness.probes()[("n04", "i-n04")], 10)
         assert not woken.is_set()  # SERVING, and two probes still out
         held["n05:1"].set()
         assert wait_until(woken.is_set, 10)  # NOT_SERVING: a verdict to give now
@@ -275,8 +279,8 @@ def test_a_round_of_serving_answers_wakes_the_loop_once_not_per_answer(
         for gate in held.values():
             gate.set()
     settle(agent)
-    assert agent._lvs.unhealthy == {"n05": "i-n05"} and agent._lvs.dead == {}
-    agent._probe_pool.shutdown()
+    assert agent.liveness.state.unhealthy == {"n05": "i-n05"} and agent.liveness.state.dead == {}
+    agent.liveness.close()
 
 
 @pytest.mark.timeout(30)
@@ -291,24 +295,24 @@ def test_the_leader_waits_for_the_second_look_at_a_silent_suspect(
     probes.results = {"n09:1": ProbeResult.SILENT}
     agent = _agent(tmp_path)
     agent._lead()  # the first round: only this thread starts a second look
-    assert agent._lvs.probing and steps == []
-    assert wait_until(lambda: all(f.done() for f in agent._lvs.probing.values()), 10)
+    assert agent.liveness.probes() and steps == []
+    assert wait_until(lambda: all(agent.liveness.probes().values()), 10)
     gate = probes.gates["n09:1"] = threading.Event()  # the second look is held open
     try:
         agent._lead()  # the first verdicts; the second look at n09 starts
         agent._lead()
-        assert steps == [] and agent._lvs.dead == {}
-        assert ("n09", "i-n09") in agent._lvs.probing
+        assert steps == [] and agent.liveness.state.dead == {}
+        assert ("n09", "i-n09") in agent.liveness.probes()
         assert wait_until(lambda: probes.calls.count("n09:1") == 2, 10, interval_s=0.005)
         agent._lead()
-        assert steps == [] and agent._lvs.dead == {}
+        assert steps == [] and agent.liveness.state.dead == {}
     finally:
         gate.set()
     settle(agent)
     agent._lead()
-    assert agent._lvs.dead == {"n09": "i-n09"}
+    assert agent.liveness.state.dead == {"n09": "i-n09"}
     assert len(steps) == 1 and "n09" in steps[0].view.dead
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 @pytest.mark.timeout(30)
@@ -327,15 +331,15 @@ def test_the_leader_never_waits_on_a_probe_and_replans_with_the_verdicts(
     woken = agent._wake
     woken.clear()
     agent._lead()  # would hang here if the cycle waited on its probes
-    assert steps == [] and agent._lvs.probing and agent._lvs.dead == {}
+    assert steps == [] and agent.liveness.probes() and agent.liveness.state.dead == {}
     assert not woken.is_set()
     probes.gate.set()
     assert wait_until(woken.is_set, 10, interval_s=0.005)  # a result wakes the loop
     settle(agent)
     agent._lead()
-    assert agent._lvs.dead == {"n09": "i-n09"}
+    assert agent.liveness.state.dead == {"n09": "i-n09"}
     assert len(steps) == 1 and "n09" in steps[0].view.dead
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 @pytest.mark.timeout(30)
@@ -350,9 +354,11 @@ def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_st
     probes.gates = {"n15:1": threading.Event()}  # the round's last answer is slow
     agent = _agent(tmp_path)
     agent._lead()
-    assert wait_until(lambda: len(agent._lvs.probe_cache) == 13 or agent._probes_done(), 10)
-    agent._lvs.probe_cache = {  # DEAD_RECHECK_S has passed for the first answers
-        k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent._lvs.probe_cache.items()
+    assert wait_until(
+        lambda: len(agent.liveness.state.probe_cache) == 13 or agent.liveness.probes_done(), 10
+    )
+    agent.liveness.state.probe_cache = {  # DEAD_RECHECK_S has passed for the first answers
+        k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent.liveness.state.probe_cache.items()
     }
     for _ in range(5):
         agent._lead()
@@ -366,17 +372,19 @@ def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_st
     probes.gate = threading.Event()
     agent._lead()
     assert len(steps) == 2  # later rounds (the expired ones, started now) are not waited for
-    assert agent._lvs.probing
+    assert agent.liveness.probes()
     probes.gate.set()
     settle(agent)
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def _follower(tmp_path: Path) -> Agent:
     agent = _agent(tmp_path, "n05")
     agent.view.state.leader = "n00"
     agent._fs.reported = 5  # this node reported generation 5 failed (etcd has it)
-    agent._lvs.suspect_since = {5: time.monotonic() - 10}  # the failure waits for a new plan
+    agent.liveness.state.suspect_since = {
+        5: time.monotonic() - 10
+    }  # the failure waits for a new plan
     return agent
 
 
@@ -391,11 +399,11 @@ def test_a_follower_suspects_the_leader_only_of_a_failure_it_reported_itself(
     agent._check_leader()
     assert probes.calls == [] and agent.cluster.deposed == []  # type: ignore[union-attr]
     agent._fs.pending_failures[5] = {"reason": "worker exited 1"}  # not in etcd yet
-    agent._lvs.suspect_since = {5: time.monotonic() - 10}
+    agent.liveness.state.suspect_since = {5: time.monotonic() - 10}
     agent._check_leader()
     assert probes.calls == ["n00:1"]
     assert agent.cluster.deposed == ["n00"]  # type: ignore[union-attr]
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
@@ -405,8 +413,8 @@ def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
     del agent.view.state.members["n00"]  # re-registering after a lost lease: no address known
     agent._check_leader()
     assert agent.cluster.deposed == []  # type: ignore[union-attr]
-    assert "n00" not in agent._lvs.dead
-    agent._probe_pool.shutdown()
+    assert "n00" not in agent.liveness.state.dead
+    agent.liveness.close()
 
 
 @pytest.mark.parametrize(
@@ -425,8 +433,8 @@ def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
     agent._check_leader()
     assert probes.calls == ["n00:1"]
     assert agent.cluster.deposed == deposed  # type: ignore[union-attr]
-    assert ("n00" in agent._lvs.dead) is dead
-    agent._probe_pool.shutdown()
+    assert ("n00" in agent.liveness.state.dead) is dead
+    agent.liveness.close()
 
 
 @pytest.mark.parametrize("second", [ProbeResult.SILENT, ProbeResult.SERVING])
@@ -442,11 +450,11 @@ def test_a_follower_deposes_a_silent_leader_only_when_the_next_probe_is_silent_t
     assert agent.cluster.deposed == []  # type: ignore[union-attr]
     agent._check_leader()
     assert probes.calls == ["n00:1"]  # not before DEAD_RECHECK_S
-    agent._lvs.leader_probed_s -= DEAD_RECHECK_S
+    agent.liveness.state.leader_probed_s -= DEAD_RECHECK_S
     agent._check_leader()
     assert probes.calls == ["n00:1", "n00:1"]
     silent = second is ProbeResult.SILENT
     assert agent.cluster.deposed == (["n00"] if silent else [])  # type: ignore[union-attr]
-    assert ("n00" in agent._lvs.dead) is silent
-    assert agent._lvs.leader_silent is None
-    agent._probe_pool.shutdown()
+    assert ("n00" in agent.liveness.state.dead) is silent
+    assert agent.liveness.state.leader_silent is None
+    agent.liveness.close()

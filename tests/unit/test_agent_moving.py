@@ -50,7 +50,7 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
         [(barrier, node, _)] = cluster.arrivals
         assert (barrier, node) == ("failed-3", "n0")
     finally:
-        agent._probe_pool.shutdown()
+        agent.liveness.close()
 
 
 def _planned(*nodes: str) -> GenerationRecord:
@@ -91,6 +91,6 @@ def test_a_fetch_from_a_source_without_an_address_fails_naming_it(tmp_path: Path
     try:
         outcome = agent._fetch(gs, resume)
     finally:
-        agent._probe_pool.shutdown()
+        agent.liveness.close()
     assert outcome.error is not None
     assert "StateUnavailableError: generation 3: no address of source(s) a" in outcome.error

@@ -20,7 +20,6 @@ AGENT_DIR = Path(elasticpp.agent.__file__).parent
 OWNERS: dict[str, frozenset[str]] = {
     "pool": frozenset({"pool"}),  # the supervisor's workers: written through its methods
     "_fs": frozenset({"follower"}),
-    "_lvs": frozenset({"liveness"}),
     # The leader's state: its plans (leader.py) and its health decisions (quarantine.py).
     "_ls": frozenset({"leader", "quarantine"}),
     "_hs": frozenset({"quarantine"}),
@@ -39,7 +38,6 @@ HANDLES = frozenset(
         "cfg",
         "spec",
         "_registration",
-        "_probe_pool",
         "_health",
         "journal",
         "errors",
@@ -48,6 +46,7 @@ HANDLES = frozenset(
         "view",
         "supervisor",
         "durability",
+        "liveness",
         "_health_changed",
         "_wake",
         "_stop",

@@ -31,7 +31,7 @@ from elasticpp.agent.actions import (
 )
 from elasticpp.agent.control.step import ControlObservation, ControlState, control_step
 from elasticpp.agent.limits import LEADER_SUSPECT_S, TEMPLATE_PING_EVERY_S, TEMPLATE_RESTART_MIN_S
-from elasticpp.agent.liveness import (
+from elasticpp.agent.liveness.step import (
     LeaderWatch,
     LivenessState,
     leader_deposed,

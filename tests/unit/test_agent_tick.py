@@ -65,7 +65,7 @@ def test_a_follower_ticks_quietly_in_every_phase(tmp_path: Path, phase: Phase) -
     agent = _quiet_agent(tmp_path)
     _set_phase(phase)(agent)
     assert agent._tick_s() == QUIET_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def _newer_record(a: Agent) -> None:
@@ -94,7 +94,9 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
         pytest.param(
             lambda a: setattr(a._fs, "reported", 3), id="its failure reported, no new plan yet"
         ),
-        pytest.param(lambda a: a._lvs.suspect_since.__setitem__(3, 0.0), id="the leader suspected"),
+        pytest.param(
+            lambda a: a.liveness.state.suspect_since.__setitem__(3, 0.0), id="the leader suspected"
+        ),
         pytest.param(lambda a: setattr(a.control.state, "draining", True), id="draining"),
         pytest.param(lambda a: setattr(a, "_joined", False), id="not joined"),
         pytest.param(lambda a: setattr(a._fs, "gen", None), id="a generation not followed yet"),
@@ -109,7 +111,7 @@ def test_anything_in_motion_makes_the_ticks_short(
     if agent._ls.leadership is None:  # a leader whose workers train ticks at their pace
         agent.pool.deliver(_Proc(), {"event": "step", "step": 5})  # nothing else calms
         assert agent._tick_s() == BUSY_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 @pytest.mark.parametrize("kind", ["step", "snapshot"])
@@ -126,7 +128,7 @@ def test_a_node_whose_workers_train_ticks_at_the_training_pace(
     agent.pool.deliver(_Proc(), {"event": kind, "step": 5})
     assert agent._tick_s() == TRAINING_TICK_S
     assert BUSY_TICK_S < TRAINING_TICK_S < QUIET_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_leader_whose_transition_is_over_ticks_at_the_training_pace(tmp_path: Path) -> None:
@@ -147,7 +149,7 @@ def test_a_leader_whose_transition_is_over_ticks_at_the_training_pace(tmp_path: 
     assert agent._tick_s() == TRAINING_TICK_S
     _newer_record(agent)
     assert agent._tick_s() == BUSY_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 @pytest.mark.parametrize("kind", ["ready", "started", "stopped", "exited"])
@@ -160,7 +162,7 @@ def test_a_worker_event_that_is_not_training_wakes_the_loop_once(tmp_path: Path,
     agent.pool.deliver(_Proc(), {"event": kind})
     assert agent._wake.is_set()
     assert agent._tick_s() == QUIET_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: Path) -> None:
@@ -177,7 +179,7 @@ def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: P
     assert agent._tick_s() == BUSY_TICK_S  # polls for it; never a wait of 0 (a spin)
     agent.view.state.leader = "n1"  # a leader is known: its draw no longer counts
     assert agent._tick_s() == QUIET_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_turn_that_did_not_publish_the_status_brings_the_next_turn_forward(
@@ -196,7 +198,7 @@ def test_a_turn_that_did_not_publish_the_status_brings_the_next_turn_forward(
     agent._status_at_s -= STATUS_EVERY_S  # the last publication is STATUS_EVERY_S older
     agent.turn()  # publishes
     assert not agent._status_stale and agent.idle_for() == QUIET_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None:
@@ -205,7 +207,7 @@ def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None
     agent = _quiet_agent(tmp_path)
     agent.view.state.record, agent._fs.gen = None, None
     assert agent._tick_s() == QUIET_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 class _Cluster:
@@ -242,7 +244,7 @@ def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     assert taken() == (True, True, True)
     agent._on_watch(WatchEvent(EventType.PUT, keys.node("n1"), "{}", 17, 17, 0))  # its own
     assert taken() == (True, False, False)
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 class _Spare:
@@ -270,7 +272,7 @@ def test_a_follower_at_rest_sleeps_longer_only_while_its_ranks_run_or_it_has_non
     resting = phase in (Phase.RUNNING, Phase.IDLE)
     assert agent._tick_s() == (RESTING_TICK_S if resting else QUIET_TICK_S)
     assert QUIET_TICK_S < RESTING_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_spare_not_ready_or_missing_keeps_the_quiet_tick(tmp_path: Path) -> None:
@@ -281,7 +283,7 @@ def test_a_spare_not_ready_or_missing_keeps_the_quiet_tick(tmp_path: Path) -> No
     assert agent._tick_s() == QUIET_TICK_S  # started, not ready
     agent.pool.mark_ready(30_000)
     assert agent._tick_s() == RESTING_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
@@ -305,7 +307,7 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
     assert 6.0 < agent._tick_s() <= 7.0
     worker.last_progress_s = now - SPEC.hang_timeout_s - 1.0
     assert agent._tick_s() == BUSY_TICK_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def _leading_agent(tmp_path: Path) -> Agent:
@@ -350,7 +352,7 @@ def test_a_leader_woken_again_within_its_pace_takes_the_next_turn_once_it_allows
     assert wait_until(lambda: time.monotonic() >= agent._next_turn_s, 5, interval_s=0.005)
     agent.turn()
     assert len(ticks) == 2 and ticks[1] - ticks[0] >= gap_s
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_leader_not_woken_waits_its_tick_and_never_less_than_its_pace(
@@ -363,7 +365,7 @@ def test_a_leader_not_woken_waits_its_tick_and_never_less_than_its_pace(
     agent.turn()
     agent._status_stale, agent._status_at_s = True, 0.0  # overdue: 0 without the pace
     assert 0.02 < agent.idle_for() <= LEADER_TURN_GAP_MAX_S
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_leaders_pace_is_capped_and_a_stop_is_never_deferred(tmp_path: Path) -> None:
@@ -374,7 +376,7 @@ def test_a_leaders_pace_is_capped_and_a_stop_is_never_deferred(tmp_path: Path) -
     assert agent._turn_deferred()
     agent.request_stop()
     assert not agent._turn_deferred()
-    agent._probe_pool.shutdown()
+    agent.liveness.close()
 
 
 def test_a_followers_turns_are_not_paced(tmp_path: Path) -> None:
@@ -385,4 +387,4 @@ def test_a_followers_turns_are_not_paced(tmp_path: Path) -> None:
     agent.turn()
     assert len(ticks) == 2
     assert not agent._turn_deferred()
-    agent._probe_pool.shutdown()
+    agent.liveness.close()

@@ -20,20 +20,16 @@ from tests.golden.trace import Classes, expected, has_opaque, read_cases, replay
 
 GOLDEN = Path(__file__).parent.parent / "data" / "golden"
 WALKS = ("loss", "join", "drain", "sick", "leader", "trained")
-# Steps whose recorded states hold handles (futures, the leadership, the probes' lock, the
-# persister's thread).
+# Steps whose recorded states hold handles (futures, the leadership) that have not moved
+# out of them yet.
 NOT_PLAIN_YET = frozenset(
     {
         "durability_committed",
-        "durability_on_snapshot",
-        "durability_on_step",
-        "durability_recorded",
         "leader_pull_started",
         "follower_step",
         "follower_arrived",
         "follower_assigned",
         "follower_fetch_started",
-        "leader_watch_step",
         "leader_step",
         "leader_fresh_checked",
         "leader_generation_written",
@@ -49,6 +45,8 @@ MOVED_OUT = {
     "ControlState": frozenset({"errors_seen"}),  # the kernel's ErrorPolicy keeps them
     # The durability shell holds the replication round's future and the persister.
     "DurabilityState": frozenset({"replication", "persister"}),
+    # The liveness shell holds the probes out and what counts them.
+    "LivenessState": frozenset({"probing", "wakes"}),
 }
 # Moved-out fields a recorded step read: its replacement takes the value as an argument
 # (`durability_committed`'s `replicating`, False by default: what a recorded None means), so

@@ -54,7 +54,7 @@ def test_an_unchanged_view_is_not_checked_for_restarts_again(
             assert agent._view().restarted == frozenset()
         assert counted[0] == 1
     finally:
-        agent._probe_pool.shutdown()
+        agent.liveness.close()
 
 
 def test_new_members_or_a_new_record_are_checked_again(tmp_path: Path, counted: list[int]) -> None:
@@ -72,7 +72,7 @@ def test_new_members_or_a_new_record_are_checked_again(tmp_path: Path, counted: 
         assert agent._view().restarted == frozenset()
         assert counted[0] == 3
     finally:
-        agent._probe_pool.shutdown()
+        agent.liveness.close()
 
 
 def test_the_quarantine_check_reuses_the_members_incarnations_while_they_are_unchanged(
@@ -92,7 +92,7 @@ def test_the_quarantine_check_reuses_the_members_incarnations_while_they_are_unc
         assert agent._ls.incarnations_memo is not None
         assert agent._ls.incarnations_memo[1] == {"n0": "inc-n0"}
     finally:
-        agent._probe_pool.shutdown()
+        agent.liveness.close()
 
 
 def test_an_incarnation_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +130,7 @@ def test_the_live_nodes_and_candidates_are_listed_again_only_when_their_inputs_c
         for _ in range(5):
             assert agent._view().lists.live == ("n0", "n1")  # type: ignore[union-attr]
         assert calls[0] == 1
-        agent._lvs.dead["n1"] = "inc-n1"  # n1 failed its probe, this incarnation
+        agent.liveness.state.dead["n1"] = "inc-n1"  # n1 failed its probe, this incarnation
         view = agent._view()
         assert calls[0] == 2 and view.lists is not None and view.lists.live == ("n0",)
         agent._hs.quarantines["n0"] = object()  # type: ignore[assignment]
@@ -140,4 +140,4 @@ def test_the_live_nodes_and_candidates_are_listed_again_only_when_their_inputs_c
         assert agent._view().lists.live == ("n0", "n2")  # type: ignore[union-attr]
         assert calls[0] == 4
     finally:
-        agent._probe_pool.shutdown()
+        agent.liveness.close()

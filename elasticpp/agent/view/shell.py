@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -37,7 +36,13 @@ from elasticpp.agent.kernel.journal import Journal
 from elasticpp.agent.kernel.summaries import ViewSummary
 from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.metrics import AgentMetrics
-from elasticpp.agent.view.step import EPOCH_ENDED_EXIT, EtcdRead, ViewState, view_step
+from elasticpp.agent.view.step import (
+    EPOCH_ENDED_EXIT,
+    EtcdRead,
+    ViewSnapshot,
+    ViewState,
+    view_step,
+)
 from elasticpp.cluster.errors import ClusterDataError, ClusterUnavailableError
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import GenerationRecord, SafeStep
@@ -64,24 +69,6 @@ class ViewCluster(Protocol):
     def skip_value(self, key: str, exc: Exception) -> None: ...
     def etcd_requests(self) -> dict[str, int]: ...
     def epoch(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class ViewSnapshot:
-    """What the view knows, as other parts read it (frozen; the dicts are the view's, which
-    it replaces whole on each read and never changes in place: read them, never write)."""
-
-    members: Mapping[str, Mapping[str, Any]]
-    members_complete: bool
-    record: GenerationRecord | None
-    record_rev: int
-    leader: str | None
-    barriers: Mapping[str, Mapping[str, Any]]
-    etcd_ok: bool
-    last_refresh_s: float
-    last_join_s: float
-    detected: Mapping[int, float]
-    exit_code: int | None
 
 
 class MemberDirectory:

@@ -5,6 +5,7 @@ the reads are made."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,3 +111,21 @@ def view_step(
         actions.append(SetFloor(read.safe.step, read.safe.generation))
     actions.append(UpdateGauges())
     return actions
+
+
+@dataclass(frozen=True)
+class ViewSnapshot:
+    """What the view knows, as other parts read it (frozen; the dicts are the view's, which
+    it replaces whole on each read and never changes in place: read them, never write)."""
+
+    members: Mapping[str, Mapping[str, Any]]
+    members_complete: bool
+    record: GenerationRecord | None
+    record_rev: int
+    leader: str | None
+    barriers: Mapping[str, Mapping[str, Any]]
+    etcd_ok: bool
+    last_refresh_s: float
+    last_join_s: float
+    detected: Mapping[int, float]
+    exit_code: int | None
