@@ -99,7 +99,7 @@ def _summary(cluster: Any, asked: str | None = None) -> Summary:
         if node_id in cluster.crashed:
             continue
         agent = node.agent
-        gs = agent._fs.gen
+        gs = agent.follower.followed()
         g = gs.generation if gs else 0
         generation = max(generation, g)
         if agent._is_leader():
@@ -122,7 +122,7 @@ def _held_at(cluster: Any, generation: int) -> list[float]:
     clock for every process of the machine); nodes that follow another are left out."""
     out = []
     for node_id, node in list(cluster.nodes.items()):
-        gs = node.agent._fs.gen
+        gs = node.agent.follower.followed()
         if node_id not in cluster.crashed and gs is not None and gs.generation == generation:
             out.append(gs.stop_began_s)
     return out

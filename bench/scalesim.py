@@ -224,6 +224,8 @@ class SimAgent(Agent):
             self.cluster.close()  # keep-alives stop; the lease lapses by its TTL
             self._etcd_open = False
         self._closed = True
+        self.follower.close()
+        self.health.close()
         self.liveness.close()
 
 

@@ -2,14 +2,14 @@
 
 Every part's decisions are pure steps: `control.control_step`, `quarantine.job_end_step`,
 `supervisor.supervisor_step`, `liveness.leader_watch_step`, `view.view_step`,
-`phases.follower_step` (the follower), the durability part's worker events
+`follower.step.follower_step` (the follower), the durability part's worker events
 (`durability.step.durability_on_step`, `durability_on_snapshot`,
 `durability_on_snapshot_failed`) and `leaderstep.leader_step` (the leader). Each reads an
 immutable observation and its own state and returns a list of these; it does no I/O. The
 agent's executor (`executor.ExecutorPart._execute`) applies them in order, in the error
 boundary of the part that asked. An action whose outcome matters (an etcd write that may be
 refused, a commit, a fetch, a probe) has it fed back to a pure function of the part that
-asked (`phases.follower_arrived`, `durability.step.durability_committed`,
+asked (`follower.step.follower_arrived`, `durability.step.durability_committed`,
 `leaderstep.leader_generation_written`, `liveness.leader_probed`, ...), which returns the next
 actions: a state change that depends on a write happens only there, after it succeeded.
 Adding an action means adding its case to the executor (a test checks every member of
@@ -265,7 +265,7 @@ class ConfirmDead:
 @dataclass(frozen=True)
 class SetAside:
     """Carry out the leader's health decisions (quarantines of nodes that did not arrive at
-    `stopped-G` in time: etcd writes fenced by the term, `QuarantinePart._act_sick`)."""
+    `stopped-G` in time: etcd writes fenced by the term, `health.shell.Health.carry_out`)."""
 
     decisions: tuple[Any, ...]  # elasticpp.agent.sick actions
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.lifetime import STOP_OVERDUE_EXIT
-from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.keys import check_prefix

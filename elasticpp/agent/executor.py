@@ -8,41 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from elasticpp.agent.actions import (
     Action,
-    ArriveDone,
-    ArriveStarted,
-    ArriveStopped,
-    AskStop,
-    AssignRanks,
     CheckNeverCommitted,
-    CleanLocal,
     CleanRendezvous,
-    CleanResume,
     CompactHistory,
     CountRecovery,
-    DrainWorkerEvents,
     Housekeep,
-    KillOld,
     PublishMemberInfo,
     PublishResumeWait,
     PullHoldings,
     ReadCommitRecords,
     ReadSafe,
-    RecordHalt,
     RecordTimeline,
-    RemoveResumeDir,
-    ReportFailure,
     Reread,
     ResolveResume,
-    SetAside,
     SetFloor,
-    SkipRecord,
-    StartFetch,
     StepDown,
     StopWorkers,
     UpdateGauges,
@@ -63,17 +47,8 @@ from elasticpp.agent.leaderstep import (
     leader_safe_written,
     leader_timeline_recorded,
 )
-from elasticpp.agent.phases import (
-    follower_arrived,
-    follower_assigned,
-    follower_fetch_started,
-    halt_message,
-)
-from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.errors import ElasticppError
 from elasticpp.store.checkpoints import checkpoint_holdings
-from elasticpp.store.digest import digest_of
-from elasticpp.store.resume import TransferProgress
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -100,10 +75,6 @@ class ExecutorPart:
                 if w.proc.alive():
                     self.pool.kill_worker(w)  # never waits on a process that will not go
             self.pool.release_spares()
-        elif isinstance(action, ReportFailure):
-            self._report_failure(
-                action.generation, action.reason, culprit=action.culprit, severe=action.severe
-            )
         elif isinstance(action, Reread):
             self.view.reread.raise_()
         elif isinstance(action, SetFloor):
@@ -116,8 +87,6 @@ class ExecutorPart:
                 action.record, action.expected_rev, self._ls.leadership
             )
             self._execute(leader_generation_written(self._ls, action, ok))
-        elif isinstance(action, SetAside):
-            self._act_sick(list(action.decisions))
         elif isinstance(action, PullHoldings):
             future = run_in_thread("pull-holdings", self._pull_holdings, action)
             future.add_done_callback(lambda _: self._wake.set())
@@ -171,72 +140,5 @@ class ExecutorPart:
         elif isinstance(action, WriteSafe):
             ok = self.cluster.write_safe(action.safe, action.expected_rev, self._ls.leadership)
             self._execute(leader_safe_written(action, ok))
-        # --- the follower's actions (elasticpp.agent.phases)
-        elif isinstance(action, SkipRecord):
-            self.cluster.skip_value(self.cluster.keys.generation, ValueError(action.error))
-        elif isinstance(action, AskStop | KillOld):
-            for pid in action.pids:
-                w = self.pool.worker(pid)
-                if w is None:
-                    continue
-                if isinstance(action, AskStop):
-                    self.pool.ask_stop(w)
-                else:
-                    self.pool.kill_worker(w)  # never blocks on a process that will not go
-        elif isinstance(action, DrainWorkerEvents):
-            self.supervisor.drain_events()
-        elif isinstance(action, CleanResume):
-            self._clean_resume(action.generation)
-        elif isinstance(action, CleanLocal):
-            self._clean_local(action.generation)
-        elif isinstance(action, RemoveResumeDir):
-            gs = self._fs.gen
-            if gs is not None and gs.generation == action.generation:
-                shutil.rmtree(self._resume_dir(gs), ignore_errors=True)
-        elif isinstance(action, ArriveStopped | ArriveStarted | ArriveDone):
-            self._arrive(action)
-        elif isinstance(action, StartFetch):
-            gs = self._fs.gen
-            if gs is not None and gs.generation == action.generation:
-                progress = TransferProgress()
-                args = (gs, action.resume, progress)  # addresses: read on its thread
-                future = run_in_thread("fetch-state", self._fetch, *args)
-                future.add_done_callback(lambda _: self._wake.set())
-                self._execute(follower_fetch_started(self._fs, action, future, progress))
-        elif isinstance(action, AssignRanks):
-            outcome = self._assign_ranks(action)
-            self._execute(follower_assigned(self._fs, action, outcome, self._clock.monotonic()))
-        elif isinstance(action, RecordHalt):
-            self.metrics.halted.labels(**self.metrics.labels).set(1)
-            own = self.store.committed_steps(self.node_id)
-            with contextlib.suppress(ClusterUnavailableError):
-                self._record_halt(action.message)  # held and retried by the health part
-            self.journal.write("decision", halt_message(action.message, own[-1] if own else None))
         else:
             raise TypeError(f"no executor for action {action!r}")
-
-    def _arrive(self, action: ArriveStopped | ArriveStarted | ArriveDone) -> None:
-        """Write a follower's arrival and feed the result back; a write etcd refuses leaves
-        the phase as it was (the error still ends the tick's etcd half, as before)."""
-        if isinstance(action, ArriveStopped):
-            # Read now, after the old workers' events were drained: what this node holds,
-            # as a digest; the leader pulls the detail it needs from this node's server.
-            barrier, value = (
-                f"stopped-{action.generation}",
-                {
-                    "digest": digest_of(self.store.holdings(), self.address).to_dict(),
-                    "next_step": self.durability.state.next_step_committed,
-                    "at": action.at_s,
-                },
-            )
-        elif isinstance(action, ArriveStarted):
-            barrier = f"started-{action.generation}"
-            value = {"moved_at": action.moved_s, "at": action.at_s}
-        else:
-            barrier, value = "done", {"step": action.step, "at": action.at_s}
-        try:
-            self.cluster.arrive(barrier, self.node_id, value, lease_id=self._member_lease())
-        except ClusterUnavailableError:
-            self._execute(follower_arrived(self._fs, action, False, self._clock.monotonic()))
-            raise
-        self._execute(follower_arrived(self._fs, action, True, self._clock.monotonic()))

@@ -2,8 +2,9 @@
 
 It acts only while its term holds (`Leadership.is_held()` and the leader key still names it).
 This module is the shell: campaigning and stepping down (I/O), the rendezvous store the term
-hosts, and `_lead`, which probes suspects, applies the health decisions (quarantine.py),
-builds a `LeaderObservation` and hands the actions of the pure step
+hosts, and `_lead`, which probes suspects, judges the nodes' health (`_lead_health`: the
+health part carries the decisions out), builds a `LeaderObservation` and hands the actions
+of the pure step
 (`leaderstep.leader_step`) to the executor. The step writes each generation by
 compare-and-swap, resolves where the resume state comes from and publishes it once as a
 fenced record any later leader reads, records the recovery timeline, has what older
@@ -22,10 +23,11 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from elasticpp.agent.actions import PullHoldings
+from elasticpp.agent.actions import PullHoldings, SetAside
 from elasticpp.agent.deadlines import pull_deadline_s
-from elasticpp.agent.decide import ClusterView, NodeLists, node_lists
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.decide import ClusterView, NodeLists, lost_nodes, node_lists
+from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.health.step import as_quarantined, report_of
 from elasticpp.agent.leaderstate import LeaderState, campaign_delay_s, campaign_spread_s
 from elasticpp.agent.leaderstep import LeaderObservation, leader_step
 from elasticpp.agent.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
@@ -182,7 +184,7 @@ class LeaderPart:
         members = self.view.snapshot.members
         dead = frozenset(n for n in self.liveness.dead_now(members) if n in members)
         restarted = self._restarted(rec, members)
-        quarantined = frozenset(self._hs.quarantines)
+        quarantined = frozenset(self.health.quarantines())
         return ClusterView(
             members=self.view.snapshot.members,
             dead=dead,
@@ -193,9 +195,9 @@ class LeaderPart:
             last_join_s=max(
                 self.view.snapshot.last_join_s,
                 self.liveness.summary().revived_s,
-                self._hs.readmitted_s,
+                self.health.summary().readmitted_s,
             ),
-            job_done=self.control.summary().job_done or self._hs.job_end is not None,
+            job_done=self.control.summary().job_done or self.health.summary().ended is not None,
             restarted=restarted,
             quarantined=quarantined,
             lists=self._node_lists(members, dead, quarantined),
@@ -230,9 +232,10 @@ class LeaderPart:
                 return  # re-planned once the first round's verdicts are in
             view = self._view()
         view = self._lead_health(view)
-        if self._hs.job_end is not None:
+        if self.health.summary().ended is not None:
             return
-        self._execute(leader_step(self._ls, self._leader_observation(view, self._fs.gen)))
+        observation = self._leader_observation(view, self.follower.followed())
+        self._execute(leader_step(self._ls, observation))
 
     def _pull_holdings(self, action: PullHoldings) -> PulledHoldings:
         """The holdings pull (elasticpp.agent.pull), on a thread of its own: it writes no
@@ -277,7 +280,7 @@ class LeaderPart:
             record_rev=self.view.snapshot.record_rev,
             members=self.view.snapshot.members,
             barriers=self.view.snapshot.barriers,
-            detected=(self.view.snapshot.detected, self._fs.detected),
+            detected=(self.view.snapshot.detected, self.follower.detected()),
             followed=followed.record if followed is not None else None,
             followed_plan=followed.plan if followed is not None else None,
             spec=self.spec,
@@ -301,3 +304,39 @@ class LeaderPart:
     def timelines(self) -> list[dict[str, Any]]:
         values = self.view.snapshot.barriers.get("timelines", {})
         return sorted(values.values(), key=lambda t: int(t.get("generation", 0)))
+
+    def _lead_health(self, view: ClusterView) -> ClusterView:
+        """Judge the current generation's failure (once), re-admit nodes whose quarantine
+        is over; returns the view with the quarantines applied."""
+        sick = self._ls.sick
+        published = {n: as_quarantined(r) for n, r in self.health.quarantines().items()}
+        if published != sick.quarantined:
+            for n in set(sick.quarantined) - set(published):
+                sick.lifted(n)  # an operator lifted it, or a new term reads etcd
+            sick.load(published)
+        members = self.view.snapshot.members
+        memo = self._ls.incarnations_memo
+        if memo is not None and memo[0] is members:
+            incarnations = memo[1]
+        else:
+            incarnations = {n: str(i.get("incarnation", "")) for n, i in members.items()}
+            self._ls.incarnations_memo = (members, incarnations)
+        now = self._clock.time()
+        actions = sick.expire(incarnations, now)
+        rec = self.view.snapshot.record
+        if rec is not None and view.current_nodes is not None:
+            current = set(view.current_nodes)
+            lost = lost_nodes(view)
+            failed = self.view.snapshot.barriers.get(f"failed-{rec.generation}", {})
+            reports = [report_of(n, v) for n, v in failed.items() if n in current]
+            if lost or reports:
+                actions += sick.judge(rec.generation, reports, incarnations, now, lost=lost)
+            # A node of the generation that answered a probe NOT_SERVING has a stalled
+            # decision loop (elasticpp.agent.liveness): it would fail every plan it is in.
+            unhealthy = self.liveness.summary().unhealthy
+            for node in sorted(current & set(unhealthy)):
+                if unhealthy[node] == incarnations.get(node):
+                    actions += sick.not_serving(node, incarnations[node], now)
+        if actions:
+            self._execute([SetAside(tuple(actions))])
+        return self._view()

@@ -40,41 +40,44 @@ knows through its frozen `View.snapshot`), `supervisor` (the worker processes: b
 the pool, the worker logs, what the other parts do with a worker's events, where failures
 are reported and whether spares are wanted), `durability` (commits, commit records,
 replication, persistence: built with the store, where commit records go, the peers' member
-records, whether the node is fenced and the plan it follows) and `liveness` (probes of
-suspects and of the leader: built with the view's snapshot and the etcd call that deposes a
-leader); what every part uses (the journal of decisions, the error policy, the executor,
-threads with futures) is in `kernel`. The other parts live in their own modules, each with
-its invariants in its docstring: `pace` (how long the loop sleeps), `follower` (the phases
-of a generation, with deadlines, and the fetch of resume state) and `leader` (plans, resume
-instructions, the safe step). Timeouts and limits are in `limits`.
+records, whether the node is fenced and the plan it follows), `liveness` (probes of suspects
+and of the leader: built with the view's snapshot and the etcd call that deposes a leader),
+`health` (quarantines, the job's end, halts: built with its etcd calls, the pool and the
+leader's term; it carries out the leader's health decisions) and `follower` (the phases of a
+generation with their deadlines, arrivals, the fetch of resume state, handing the ranks to
+warm workers: built with the view, the pool, the supervisor's warm workers, the store and
+the executor); what every part uses (the journal of decisions, the error policy, the
+executor, threads with futures) is in `kernel`. The other parts live in their own modules,
+each with its invariants in its docstring: `pace` (how long the loop sleeps) and `leader`
+(plans, resume instructions, the safe step). Timeouts and limits are in `limits`.
 
-Who writes what: each part's state is one object with one writer, that part's module on
-the decision loop: the worker pool (`WorkerPool`, written through its methods), the
-follower's `FollowerState` (`_fs`, with the generation's `_GenState`), the leader's
-`LeaderState` (`_ls`, a new one per term; quarantine.py holds its health decisions) and
-the health records' `HealthState` (`_hs`); control's `ControlState`, the view's
-`ViewState`, the supervisor's `SupervisorState`, the durability part's
-`DurabilityState` and liveness's `LivenessState` are their objects' own.
-A part reads another's state and asks for changes through the owner's methods; watches,
-gRPC and worker threads only raise signals or queue requests (`inbox`), and the fetch and
+Who writes what: each part's state is one object with one writer, that part's module on the
+decision loop: the worker pool (`WorkerPool`, written through its methods) and the leader's
+`LeaderState` (`_ls`, a new one per term, with its health judgement); control's
+`ControlState`, the view's `ViewState`, the supervisor's `SupervisorState`, the durability
+part's `DurabilityState`, liveness's `LivenessState`, the health part's `HealthState` and
+the follower's `FollowerState` (with the generation's `_GenState`) are their objects' own. A
+part reads another's state and asks for changes through the owner's methods; watches, gRPC
+and worker threads only raise signals or queue requests (`inbox`), and the fetch and
 replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
 reads the source and fails on a write by anyone else. Values a part derives from several
-sources stay with their sources and are combined by the reader: the newest join
-(the view's `last_join_s`, liveness's `revived_s`, `_hs.readmitted_s`), the detection time of a
-change (the view's `detected`, `_fs.detected`), the exit status (`_exit_requested`). Each
-part's step runs in its own error boundary (`_part`). Parts read time from an injected
-clock (`clock`).
+sources stay with their sources and are combined by the reader: the newest join (the view's
+`last_join_s`, liveness's `revived_s`, health's `readmitted_s`), the detection time of a
+change (the view's `detected`, the follower's `detected()`), the exit status
+(`_exit_requested`). Each part's step runs in its own error boundary (`_part`). Parts read
+time from an injected clock (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
-(`control.control_step`), the job's end (`quarantine.job_end_step`), the supervisor's
+(`control.control_step`), the job's end (`health.step.job_end_step`), the supervisor's
 deadlines (`supervisor.step.supervisor_step`), a follower's watch on the leader
-(`liveness.step.leader_watch_step`), the view's reading of etcd (`view.view_step`), the follower's
-way through a generation (`phases.follower_step`: arrivals, the fetch and the assignment fed
-back), the durability part's worker events (`durability.step`: the store's record, commit
-and drop fed back) and the leader's decisions (`leaderstep.leader_step`: its writes and reads fed
-back). The shells that build their observations (`follower`, `leader`) still
-do the reads a decision needs; the verdicts of probes and the leader's health judgement come
-before its step. Pure rules under the parts: `decide` (re-planning, phases), `sick` (quarantine) and
-the leader's resolve (`elasticpp.store.resolver`).
+(`liveness.step.leader_watch_step`), the view's reading of etcd (`view.view_step`), the
+follower's way through a generation (`follower.step.follower_step`: arrivals, the fetch and
+the assignment fed back), the durability part's worker events (`durability.step`: the
+store's record, commit and drop fed back) and the leader's decisions
+(`leaderstep.leader_step`: its writes and reads fed back). The leader's shell, which builds
+its observation, still do the reads a decision needs; the verdicts of probes and the
+leader's health judgement come before its step. Pure rules under the parts: `decide` (re-
+planning, phases), `sick` (quarantine) and the leader's resolve
+(`elasticpp.store.resolver`).
 """
 
 from __future__ import annotations
@@ -99,15 +102,13 @@ from elasticpp.agent.control.shell import Control, ControlConfig
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.durability.shell import Durability, DurabilityConfig
 from elasticpp.agent.executor import ExecutorPart
-from elasticpp.agent.follower import FollowerPart, FollowerState
-from elasticpp.agent.inbox import Signal
+from elasticpp.agent.follower.shell import Follower, FollowerConfig, FollowerPorts
+from elasticpp.agent.health.shell import Health, HealthConfig
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
 from elasticpp.agent.kernel.ports import HealthPort
 from elasticpp.agent.kernel.summaries import (
-    FollowerSummary,
-    HealthSummary,
     ProgressSummary,
 )
 from elasticpp.agent.leader import LeaderPart
@@ -122,7 +123,6 @@ from elasticpp.agent.liveness.shell import Liveness
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pace import PacePart
 from elasticpp.agent.pool import WorkerPool
-from elasticpp.agent.quarantine import HealthState, QuarantinePart
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
 from elasticpp.agent.supervisor.shell import (
@@ -153,9 +153,7 @@ class Agent(
     StartupPart,
     ExecutorPart,
     PacePart,
-    FollowerPart,
     LeaderPart,
-    QuarantinePart,
 ):
     def __init__(
         self,
@@ -206,10 +204,9 @@ class Agent(
         # Inboxes: what watches, gRPC threads and other parts may hand over (elasticpp.agent.inbox)
         self._wake = wake if wake is not None else threading.Event()  # the loop ticks now
         self._stop = threading.Event()
-        self._health_changed = Signal(raised=True)  # the quarantine or end keys changed
         # What every part uses: the journal of decisions (`ctl events`), the error policy,
         # the executor of the actions their steps return (elasticpp.agent.kernel).
-        self.journal = Journal(self._clock, lambda: self.generation)
+        self.journal = Journal(self._clock, lambda: self.follower.generation)
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
         self.errors = ErrorPolicy(self.metrics)
         self.executor = Executor(fallback=self._apply)
@@ -218,9 +215,7 @@ class Agent(
         self.pool = WorkerPool(
             self._wake, clock=self._clock.monotonic
         )  # the supervisor's workers (elasticpp.agent.pool)
-        self._fs = FollowerState()
         self._ls = LeaderState(SickNodes(spec.sick_policy()))  # a new term starts a new one
-        self._hs = HealthState()
         # The executor's own: the lifecycle of this agent's server, registration and loop.
         # Every channel to a peer (probes, state transfers): TLS with this node's
         # certificate when the job has one (elasticpp.transport, the one place).
@@ -278,6 +273,19 @@ class Agent(
             wake=self._wake.set,
         )
         self.control.register(self.executor)
+        self.health = Health(
+            HealthConfig(cfg.node_id, exit_on_end=cfg.on_job_end == "exit"),
+            clock=self._clock,
+            journal=self.journal,
+            metrics=self.metrics,
+            cluster=self.cluster,
+            pool=self.pool,
+            own_step=self._own_step,
+            last_step=lambda: self.durability.state.last_step,
+            leadership=lambda: self._ls.leadership,
+            reread=self.view.reread.raise_,
+        )
+        self.health.register(self.executor)
         self.liveness = Liveness(
             cfg.node_id,
             clock=self._clock,
@@ -289,6 +297,40 @@ class Agent(
             wake=self._wake.set,
         )
         self.liveness.register(self.executor)
+        self.follower = Follower(
+            FollowerConfig(
+                cfg.node_id,
+                cfg.state_dir,
+                self.log_dir,
+                cfg.backend,
+                cfg.device,
+                worker_threads=cfg.worker_threads,
+            ),
+            spec=spec,
+            clock=self._clock,
+            journal=self.journal,
+            metrics=self.metrics,
+            cluster=self.cluster,
+            pool=self.pool,
+            store=self.store,
+            dialer=self._dialer,
+            logs=self.worker_logs,
+            ports=FollowerPorts(
+                view=lambda: self.view.snapshot,
+                member_records=self.view.member_records,
+                etcd_down=self._etcd_down,
+                take_warm=lambda count: self.supervisor.take_warm(count),
+                gpus=lambda: self.supervisor.gpus,
+                drain=lambda: self.supervisor.drain_events(),
+                address=lambda: self.address,
+                next_step=lambda: self.durability.state.next_step_committed,
+                init_dir=lambda: self._init_dir,
+                member_lease=self._member_lease,
+                execute=self._execute,
+            ),
+            wake=self._wake.set,
+        )
+        self.follower.register(self.executor)
         self.durability = Durability(
             DurabilityConfig(
                 cfg.node_id,
@@ -338,7 +380,7 @@ class Agent(
                 on_snapshot=lambda w, e: self._execute(d.on_snapshot(w, e)),
                 on_snapshot_failed=lambda w, e: self._execute(d.on_snapshot_failed(w, e)),
             ),
-            report_failed=self._report_failure,
+            report_failed=lambda g, why: self.follower.report_failure(g, why),
             spares_wanted=self._spares_wanted,
             wake=self._wake.set,
             worker_factory=worker_factory,
@@ -355,7 +397,7 @@ class Agent(
 
     @property
     def generation(self) -> int:
-        return self._fs.gen.generation if self._fs.gen else 0
+        return self.follower.generation
 
     def _on_watch(self, event: Any) -> None:
         """A change under the job's cached keys (on a watch thread): the view reads again
@@ -366,7 +408,7 @@ class Agent(
         if isinstance(event, WatchEvent):
             keys, resync = self.cluster.keys, event.type is EventType.RESYNC
             if resync or event.key.startswith(keys.quarantine_prefix) or event.key == keys.ended:
-                self._health_changed.raise_()
+                self.health.changed.raise_()
             if resync or event.key == keys.epoch:
                 self.view.epoch_changed.raise_()
         self.view.reread.raise_()
@@ -380,10 +422,15 @@ class Agent(
     def last_loss(self) -> float:
         return self.durability.state.last_loss
 
+    def _own_step(self) -> int | None:
+        """This node's newest own committed step, if any."""
+        own = self.store.committed_steps(self.node_id)
+        return own[-1] if own else None
+
     def _current_plan(self) -> tuple[int, Plan] | None:
         """The generation this node follows, and its plan (with this node's model)."""
-        gs = self._fs.gen
-        return (gs.generation, gs.plan) if gs is not None else None
+        followed = self.follower.summary()
+        return (followed.generation, followed.plan) if followed.plan is not None else None
 
     def run(self) -> int:
         """The decision loop; returns the exit code."""
@@ -452,7 +499,7 @@ class Agent(
         gone), the health part (the job ended), control (drained, or finished)."""
         for code in (
             self.view.snapshot.exit_code,
-            self._hs.exit_code,
+            self.health.summary().exit_code,
             self.control.summary().exit_code,
         ):
             if code is not None:
@@ -506,6 +553,8 @@ class Agent(
                 self.cluster.close()
             self._etcd_open = False
         self._closed = True
+        self.follower.close()  # no more failure reports
+        self.health.close()  # no more halts on record
         if self._server is not None:
             self._server.stop(grace=0.5)
             self._server = None
@@ -531,9 +580,7 @@ class Agent(
             ("supervisor", lambda: self._execute(self.supervisor.step())),
             (
                 "supervisor",
-                lambda: self._execute(
-                    self.supervisor.check_gpus(self._follower_summary().generation)
-                ),
+                lambda: self._execute(self.supervisor.check_gpus(self.follower.generation)),
             ),
         ):
             self._part(name, step)
@@ -551,18 +598,18 @@ class Agent(
             not self._part("view", self.view.check_epoch) or self._exit_requested() is not None
         ):
             return
-        for name, step in (("health", self._read_health), ("health", self._publish_halt)):
+        for name, step in (("health", self.health.read), ("health", self.health.publish_halt)):
             if not self._part(name, step):
                 return
-        if self._hs.job_end is not None:
-            self._part("health", self._check_job_end)
+        if self.health.summary().ended is not None:
+            self._part("health", lambda: self._execute(self.health.check_job_end()))
             self._part("control", self._control)  # an idle agent leaves when drained
             return  # an ended job stays ended: nothing is planned or followed again
         for name, step in (
-            ("follower", self._publish_failures),
+            ("follower", self.follower.publish_failures),
             ("liveness", self._check_leader),
             ("leader", self._maybe_campaign),
-            ("follower", self._follow_generation),
+            ("follower", self.follower.step),
             ("leader", self._lead_if_leader),
             ("control", self._control),
         ):
@@ -572,21 +619,21 @@ class Agent(
     def status(self) -> dict[str, Any]:
         """Publish the status the control RPCs read, from this turn's summaries."""
         return self.control.publish_status(
-            self._follower_summary(),
+            self.follower.summary(),
             self.view.summary(),
-            self._health_summary(),
+            self.health.summary(),
             self._progress_summary(),
         )
 
     def _control(self) -> None:
         """The control part's step on this turn's summaries."""
         self._execute(
-            self.control.step(self._follower_summary(), self.view.summary(), self._health_summary())
+            self.control.step(self.follower.summary(), self.view.summary(), self.health.summary())
         )
 
     def _update_gauges(self) -> None:
         self.control.update_gauges(
-            self._follower_summary(),
+            self.follower.summary(),
             self.view.summary(),
             self._progress_summary(),
             self._is_leader(),
@@ -594,18 +641,6 @@ class Agent(
 
     # The summaries the parts publish (elasticpp.agent.kernel.summaries), built here from
     # the states of the parts that are not objects yet; each moves into its part with it.
-    def _follower_summary(self) -> FollowerSummary:
-        gs = self._fs.gen
-        if gs is None:
-            return FollowerSummary()
-        return FollowerSummary(
-            generation=gs.generation,
-            plan=gs.plan,
-            planned=gs.record.planned_set,
-            phase=gs.phase,
-            waiting=gs.waiting_said,
-        )
-
     def _refresh(self) -> None:
         """The view's read of etcd, as the leader (every member, the arrivals) or not, with
         the nodes the liveness part found dead."""
@@ -613,13 +648,6 @@ class Agent(
 
     def _etcd_down(self, exc: Exception) -> None:
         self._execute(self.view.etcd_down(exc))
-
-    def _health_summary(self) -> HealthSummary:
-        end = self._hs.job_end
-        return HealthSummary(
-            ended=(end.status, end.reason) if end is not None else None,
-            quarantined=self.quarantine_status(),
-        )
 
     def _progress_summary(self) -> ProgressSummary:
         floor = self.store.floor
@@ -632,10 +660,8 @@ class Agent(
     def _check_leader(self) -> None:
         """The liveness part's watch on the leader, told whether this node reported the
         current generation failed itself."""
-        rec, fs = self.view.snapshot.record, self._fs
-        reported = rec is not None and (
-            fs.reported == rec.generation or rec.generation in fs.pending_failures
-        )
+        rec = self.view.snapshot.record
+        reported = rec is not None and self.follower.reported_failed(rec.generation)
         self._execute(self.liveness.check_leader(reported))
 
     def _spares_wanted(self) -> bool:
@@ -647,9 +673,9 @@ class Agent(
         return not (
             self._exit_requested() is not None
             or control.draining
-            or self._follower_summary().phase is Phase.STARTING
+            or self.follower.summary().phase is Phase.STARTING
             or control.job_done
-            or self._hs.job_end is not None
+            or self.health.summary().ended is not None
         )
 
     def _lead_if_leader(self) -> None:

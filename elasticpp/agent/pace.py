@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.follower import _GenState
 from elasticpp.agent.limits import (
     BUSY_TICK_S,
     QUIET_TICK_S,
@@ -52,8 +51,8 @@ class PacePart:
         etcd and joining. Training (workers that
         reported a step within a quiet tick), the steady state of a job, ticks at
         TRAINING_TICK_S, leader or not, and so does a leader whose transition is over."""
-        gs, rec = self._fs.gen, self.view.snapshot.record
-        followed = gs.generation if gs is not None else 0
+        follower, rec = self.follower.summary(), self.view.snapshot.record
+        followed = follower.generation
         current = rec.generation if rec is not None else 0
         # A step reported within a quiet tick keeps the training tick: that every part of its
         # durability work (commits, replication, the safe step) wakes the loop is not
@@ -63,8 +62,7 @@ class PacePart:
             self._joined
             and self.view.snapshot.etcd_ok
             and current == followed  # a record not yet followed is taken at the next tick
-            and not self._fs.pending_failures
-            and (current == 0 or self._fs.reported != current)
+            and self.follower.settled(current)
             and not self.liveness.summary().suspecting
             and not self.control.summary().draining
         )
@@ -74,7 +72,7 @@ class PacePart:
         if training:
             tick_s = TRAINING_TICK_S
         elif ls.leadership is None:
-            tick_s = self._quiet_tick_s(gs)
+            tick_s = self._quiet_tick_s(follower.phase)
         elif current and ls.generation == current and ls.timeline_written:
             # Its transition is over: it waits for watch events now, and its deadlines (a
             # join's settling, a quarantine's end) need no more than a training leader's pace.
@@ -87,11 +85,11 @@ class PacePart:
             tick_s = min(tick_s, max(BUSY_TICK_S, due_s))  # overdue: polls, never spins
         return tick_s
 
-    def _quiet_tick_s(self, gs: _GenState | None) -> float:
+    def _quiet_tick_s(self, phase: Phase | None) -> float:
         """A quiet follower's tick: QUIET_TICK_S, or up to RESTING_TICK_S at rest (its ranks
         running or none planned here, the supervisor with no poll of its own), never past
         the supervisor's next deadline."""
-        if gs is None or gs.phase not in (Phase.RUNNING, Phase.IDLE):
+        if phase not in (Phase.RUNNING, Phase.IDLE):
             return QUIET_TICK_S
         rest_s = self.supervisor.rest_for_s(self._clock.monotonic())
         if rest_s is None:

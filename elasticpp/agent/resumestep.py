@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elasticpp.agent.actions import (
@@ -41,9 +41,9 @@ from elasticpp.agent.actions import (
     SetAside,
     WriteResume,
 )
+from elasticpp.agent.deadlines import stop_wait_s
 from elasticpp.agent.decide import live_nodes
 from elasticpp.agent.leaderstate import LeaderState
-from elasticpp.agent.quarantine import stop_wait_step
 from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.digest import HoldingsDigest
@@ -336,3 +336,35 @@ def leader_resume_written(state: LeaderState, action: WriteResume, ok: bool) -> 
     state.resume_written = True
     step = action.value["step"]
     return [Event("decision", f"leader: generation {action.generation} resumes at step {step}")]
+
+
+def stop_wait_step(
+    state: LeaderState,
+    generation: int,
+    missing: Sequence[str],
+    incarnations: Mapping[str, str],
+    *,
+    now_s: float,
+    wall_s: float,
+    stop_timeout_s: float,
+    nodes: int = 0,
+) -> tuple[bool, list[Any]]:
+    """The leader's deadline on `stopped-G`: nodes that did not arrive within
+    `stop_timeout_s` (a wedged agent, workers that will not die) are quarantined, and the
+    job goes on without them. Returns whether the deadline has passed (the missing nodes are
+    set aside) and the sick decisions to carry out (`SetAside`). Writes only `state`."""
+    ls = state.at(generation, now_s)
+    if ls.stop_wait_since_s is None:
+        ls.stop_wait_since_s = now_s
+        return False, []
+    waited_s = stop_wait_s(stop_timeout_s, nodes)  # grows with the nodes waited for
+    if now_s - ls.stop_wait_since_s <= waited_s:
+        return False, []
+    decisions: list[Any] = []
+    for node in missing:
+        why = (
+            f"did not arrive at stopped-{generation} within {waited_s:.0f} s "
+            "(a wedged agent, or workers that will not stop)"
+        )
+        decisions += state.sick.exclude(node, why, incarnations.get(node, ""), wall_s)
+    return True, decisions

@@ -118,7 +118,7 @@ class StartupPart:
             self._server,
             StateServicer(
                 self.store,
-                lambda: self.generation,
+                lambda: self.follower.generation,
                 max_fetch_streams=FETCH_STREAMS,
                 authorize=self._may_fetch,
             ),
@@ -127,7 +127,7 @@ class StartupPart:
             AgentServicer(
                 self.control,
                 self.journal,
-                self.lift_quarantine,
+                self.health.lift,
                 max_event_streams=EVENT_STREAMS,
             ),
             self._server,
@@ -194,15 +194,14 @@ class StartupPart:
         threads; reads the follower's generation, writes nothing."""
         if who is None or who == self.cfg.tls_shared_identity:
             return None
-        gs = self._fs.gen
-        if gs is None or gs.generation != ask.generation:
+        followed = self.follower.summary()
+        if followed.plan is None or followed.generation != ask.generation:
             return (
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"request of generation {ask.generation}; this node is at "
-                f"{gs.generation if gs else 0}",
+                f"request of generation {ask.generation}; this node is at {followed.generation}",
             )
         why = fetch_refusal(
-            gs.plan,
+            followed.plan,
             who,
             self.node_id,
             ask.origin,

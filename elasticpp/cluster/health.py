@@ -16,101 +16,16 @@ Every value is parsed into its typed record here: a value that cannot be read is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
 from elasticpp.cluster.leases import Leadership
-from elasticpp.cluster.records import dumps, loads
+from elasticpp.cluster.records import END_STATUSES, JobEnd, QuarantineRecord, dumps, loads
 
-END_STATUSES = ("failed", "halted")
-
-
-def _text(data: Mapping[str, Any], name: str, what: str) -> str:
-    value = data.get(name)
-    if not isinstance(value, str):
-        raise ClusterDataError(f"{what}: {name} must be a string, got {value!r}")
-    return value
-
-
-def _number(data: Mapping[str, Any], name: str, what: str) -> float:
-    value = data.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ClusterDataError(f"{what}: {name} must be a number, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class QuarantineRecord:
-    node_id: str
-    reason: str
-    since: float  # wall-clock seconds
-    until: float
-    count: int
-    incarnation: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "reason": self.reason,
-            "since": self.since,
-            "until": self.until,
-            "count": self.count,
-            "incarnation": self.incarnation,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> QuarantineRecord:
-        what = "quarantine record"
-        count = data.get("count")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ClusterDataError(f"{what}: count must be an integer >= 1, got {count!r}")
-        return cls(
-            node_id=_text(data, "node_id", what),
-            reason=_text(data, "reason", what),
-            since=_number(data, "since", what),
-            until=_number(data, "until", what),
-            count=count,
-            incarnation=_text(data, "incarnation", what),
-        )
-
-
-@dataclass(frozen=True)
-class JobEnd:
-    status: str  # one of END_STATUSES
-    reason: str
-    by: str  # the node that ended it
-    at: float
-    step: int = -1  # the newest committed step known to the writer; -1 if none
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "reason": self.reason,
-            "by": self.by,
-            "at": self.at,
-            "step": self.step,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> JobEnd:
-        what = "job end record"
-        status = _text(data, "status", what)
-        if status not in END_STATUSES:
-            raise ClusterDataError(f"{what}: status {status!r} is not one of {END_STATUSES}")
-        step = data.get("step", -1)
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ClusterDataError(f"{what}: step must be an integer, got {step!r}")
-        return cls(
-            status=status,
-            reason=_text(data, "reason", what),
-            by=_text(data, "by", what),
-            at=_number(data, "at", what),
-            step=step,
-        )
+__all__ = ["END_STATUSES", "HealthPart", "JobEnd", "QuarantineRecord"]
 
 
 class HealthPart:

@@ -59,7 +59,7 @@ def _settled(cluster: SimCluster, after_gen: int, expect: int) -> Callable[[], b
         if any(s["phase"] not in ("running", "idle") for s in snaps):
             return False
         leader = next((a for a in cluster.live() if a._is_leader()), None)
-        return leader is not None and len(leader._fs.gen.record.planned_set) == expect
+        return leader is not None and len(leader.follower.followed().record.planned_set) == expect
 
     return check
 

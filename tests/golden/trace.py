@@ -336,17 +336,25 @@ def expected(case: Mapping[str, Json], classes: Classes) -> tuple[Json, Json]:
     return today(case["after"], classes), today(case["result"], classes)
 
 
-def untouched(case: Mapping[str, Json], classes: Classes) -> list[str]:
+def untouched(
+    case: Mapping[str, Json], classes: Classes, identity: Mapping[str, str] | None = None
+) -> list[str]:
     """The moved-out fields the recorded call changed: a field the step wrote cannot have
-    moved out of its state (it must be empty)."""
+    moved out of its state (it must be empty). `identity`: by class qualname, the field
+    that tells one object from another (a follower's generation state is another
+    generation's when its record differs): an object the step replaced with a new one
+    must hold its moved-out fields empty (null)."""
     changed: list[str] = []
+    identity = identity or {}
 
     def walk(before: Json, after: Json) -> None:
         if isinstance(before, dict) and isinstance(after, dict):
             if "__dc" in before and before.get("__dc") == after.get("__dc"):
                 qualname = str(before["__dc"]).partition(":")[2]
+                key = identity.get(qualname)
+                replaced = key is not None and before["f"].get(key) != after["f"].get(key)
                 for k in classes.moved_out.get(qualname, frozenset()):
-                    if before["f"].get(k) != after["f"].get(k):
+                    if after["f"].get(k) != (None if replaced else before["f"].get(k)):
                         changed.append(f"{qualname}.{k}")
             for k in before.keys() & after.keys():
                 walk(before[k], after[k])

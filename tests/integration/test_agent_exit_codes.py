@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.limits import AGENT_STOP_KILL_WAIT_S
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.cluster import ClusterClient
 
 UNFINISHED = 143  # what the chart's indexed Job gives --unfinished-exit-code

@@ -173,7 +173,7 @@ def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
         agent.view.state.members = {"n0": {"address": address, "incarnation": "a"}}
         agent.view.state.record = GenerationRecord(2, {}, "n0", time.time())
         agent.view.state.leader = "n0"
-        agent._fs.reported = 2  # this node reported generation 2 failed
+        agent.follower.state.reported = 2  # this node reported generation 2 failed
         agent.liveness.state.suspect_since = {2: time.monotonic() - 10}
         agent._check_leader()
     assert deposed == ["n0"]

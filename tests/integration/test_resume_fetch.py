@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.limits import FETCH_PER_SOURCE
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
@@ -86,11 +86,11 @@ def test_the_agent_fetches_a_sources_pieces_in_parallel_within_the_per_source_bo
         "infos_by_node": {},
     }
     progress = TransferProgress()
-    outcome = agent._fetch(gs, resume, progress)
+    outcome = agent.follower.fetch(gs, resume, progress)
     assert outcome.error is None
     assert 1 < a.servicer.most <= FETCH_PER_SOURCE
     for name in ALL_TP2:
-        assert (agent._resume_dir(gs) / name).stat().st_size == 5000
+        assert (agent.follower.resume_dir(gs) / name).stat().st_size == 5000
     assert progress.bytes_done == 5000 * len(ALL_TP2)
     agent.liveness.close()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
@@ -84,14 +84,14 @@ def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path)
     agent, _ = _agent(tmp_path)
     ran: list[str] = []
     agent._refresh = lambda: None  # type: ignore[method-assign]
-    agent._read_health = lambda: None  # type: ignore[method-assign]
+    agent.health.read = lambda: None  # type: ignore[method-assign]
     agent.view.reread.take()
     agent.view.state.last_refresh_s = time.monotonic()
 
     def broken() -> None:
         raise AttributeError("'NoneType' object has no attribute 'get'")
 
-    agent._follow_generation = broken  # type: ignore[method-assign]
+    agent.follower.step = broken  # type: ignore[method-assign]
     agent._lead_if_leader = lambda: ran.append("leader")  # type: ignore[method-assign]
     agent._control = lambda: ran.append("control")  # type: ignore[method-assign]
     for _ in range(3):
@@ -112,8 +112,8 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
     )  # the STARTING deadline fired
     for rank in (0, 1):
         agent.pool.rank_done(1, rank)  # then both ranks trained every step
-    agent._fs.gen = gs
-    agent._follow_generation()
+    agent.follower.state.gen = gs
+    agent.follower.step()
     assert gs.phase is Phase.DONE
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
 
@@ -130,13 +130,13 @@ def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path
     then raised on it every tick."""
     agent, cluster = _agent(tmp_path)
     current = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    agent._fs.gen = _GenState(
+    agent.follower.state.gen = _GenState(
         record=current, plan=Plan.from_dict(current.plan), phase=Phase.RUNNING
     )
     newer = GenerationRecord(3, {**_plan(3).to_dict(), "format_version": 99}, "n9", time.time())
     agent.view.state.record = newer
-    agent._follow_generation()
-    assert agent.generation == 2 and agent._fs.gen.phase is Phase.RUNNING
+    agent.follower.step()
+    assert agent.generation == 2 and agent.follower.state.gen.phase is Phase.RUNNING
     assert cluster.skipped == [_Cluster.keys.generation]
 
 
@@ -165,11 +165,11 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
     agent, cluster = _agent(tmp_path)
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address="h:1234")
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
-    agent._fs.gen = gs
+    agent.follower.state.gen = gs
     first, dead = _Spare(100), _Spare(101, dies=True)
     mine = gs.plan.ranks_on("n0")
     try:
-        agent._assign(gs, {"step": 0, "fetches": {}}, mine, [first, dead])  # type: ignore[list-item]
+        agent.follower.assign(gs, {"step": 0, "fetches": {}}, mine, [first, dead])  # type: ignore[list-item]
     except WorkerError:
         pass
     else:
@@ -181,7 +181,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address=None)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     try:
-        agent._assign(gs, {"step": 0, "fetches": {}}, mine, [untouched, _Spare(103)])  # type: ignore[list-item]
+        agent.follower.assign(gs, {"step": 0, "fetches": {}}, mine, [untouched, _Spare(103)])  # type: ignore[list-item]
     except ConfigError as exc:
         assert "no rendezvous store address" in str(exc)
     else:
@@ -192,12 +192,12 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
 
 def _follow_through_a_refused_write(agent: Agent) -> None:
     try:
-        agent._follow_generation()
+        agent.follower.step()
     except ClusterUnavailableError:
         pass  # the loop's boundary takes it (etcd down); the next tick follows again
     else:
         raise AssertionError("the write must have been refused")
-    agent._follow_generation()
+    agent.follower.step()
 
 
 def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path) -> None:
@@ -206,7 +206,7 @@ def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path
     timeline, no reset of the re-plan budget)."""
     agent, cluster = _agent_on(tmp_path, _RefusesOnce("started-2"))
     record = GenerationRecord(2, _plan_on(2, ("n1",)).to_dict(), "n1", time.time())
-    agent._fs.gen = gs = _GenState(
+    agent.follower.state.gen = gs = _GenState(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
     )
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
@@ -220,7 +220,7 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
     never made again, and the job's end waited on it."""
     agent, cluster = _agent_on(tmp_path, _RefusesOnce("done"))
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    agent._fs.gen = gs = _GenState(
+    agent.follower.state.gen = gs = _GenState(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
     for rank in (0, 1):
@@ -233,10 +233,10 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
 def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Path) -> None:
     agent, cluster = _agent_on(tmp_path, _RefusesOnce("stopped-2"))
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    agent._fs.gen = gs = _GenState(record=record, plan=Plan.from_dict(record.plan))
+    agent.follower.state.gen = gs = _GenState(record=record, plan=Plan.from_dict(record.plan))
     with contextlib.suppress(ClusterUnavailableError):
-        agent._follow_generation()
+        agent.follower.step()
     assert gs.phase is Phase.STOPPING and cluster.arrivals == []  # not reported: stays
-    agent._follow_generation()
+    agent.follower.step()
     assert gs.phase is Phase.MOVING
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("stopped-2", "n0")]

@@ -14,17 +14,17 @@ from typing import Any
 
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.durability.step import CommitValue, anchors_ran_ahead
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import FetchOutcome, _GenState
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.latest import LatestWriter, Pacing
 from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.phases import FetchOutcome
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.arrivals import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
+from elasticpp.store.resume import TransferProgress
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 from tests.unit.test_agent_done import SPEC_FIELDS, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
@@ -69,7 +69,9 @@ def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[A
     )
     plan = _plan(generation)
     record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
     writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
     agent.pool.add_worker(
         _Worker(
@@ -235,7 +237,7 @@ def _resume_dirs(agent: Agent) -> list[str]:
 
 def _fetched(agent: Agent, gs: _GenState) -> None:
     """What a fetch leaves: the generation's resume directory with a piece in it."""
-    d = agent._resume_dir(gs)
+    d = agent.follower.resume_dir(gs)
     d.mkdir(parents=True, exist_ok=True)
     (d / "embed.tp0-1.safetensors").write_bytes(b"x" * 4096)
 
@@ -247,8 +249,8 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
         record = GenerationRecord(
             generation, _plan(generation).to_dict(), "n0", time.time(), resume_step=3
         )
-        gs = agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan))
-        agent._follow_generation()  # no old workers: holdings reported, MOVING
+        gs = agent.follower.state.gen = _GenState(record=record, plan=Plan.from_dict(record.plan))
+        agent.follower.step()  # no old workers: holdings reported, MOVING
         assert gs.phase is Phase.MOVING
         _fetched(agent, gs)
         gs.enter(
@@ -260,14 +262,15 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
 def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), resume_step=3)
-    gs = agent._fs.gen = _GenState(
+    gs = agent.follower.state.gen = _GenState(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
     )
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
     _fetched(agent, gs)
-    gs.fetch = Future()
-    gs.fetch.set_result(FetchOutcome(error="StateUnavailableError: a peer went away"))
-    agent._follow_generation()
+    failed: Future[FetchOutcome] = Future()
+    failed.set_result(FetchOutcome(error="StateUnavailableError: a peer went away"))
+    agent.follower.track_fetch(gs.generation, failed, TransferProgress())
+    agent.follower.step()
     assert gs.phase is Phase.FAILED
     assert _resume_dirs(agent) == []
 
@@ -277,7 +280,7 @@ def test_resume_directories_compare_generations_as_numbers(tmp_path: Path) -> No
     for generation in (999_999, 1_000_000, 1_000_001):
         record = GenerationRecord(generation, _plan(1).to_dict(), "n0", time.time())
         _fetched(agent, _GenState(record=record, plan=Plan.from_dict(record.plan)))
-    agent._clean_local(1_000_001)
+    agent.follower.clean_local(1_000_001)
     assert _resume_dirs(agent) == ["gen-1000001"]
 
 
@@ -288,10 +291,10 @@ def _record(generation: int) -> GenerationRecord:
 def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     for generation in range(2, 202):
-        agent._report_failure(generation - 1, "worker rank 0 exited with code 1")
+        agent.follower.report_failure(generation - 1, "worker rank 0 exited with code 1")
         agent.view.state.record = _record(generation)
-        agent._follow_generation()
-    assert len(agent._fs.detected) <= 1  # only the leader deleted them before
+        agent.follower.step()
+    assert len(agent.follower.state.detected) <= 1  # only the leader deleted them before
 
 
 class _Unreachable(_SlowCluster):
@@ -304,14 +307,16 @@ class _Unreachable(_SlowCluster):
 def test_failure_reports_replaced_by_a_newer_plan_are_not_remembered(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _Unreachable())
     for generation in range(1, 201):
-        agent._fs.gen = _GenState(
+        agent.follower.state.gen = _GenState(
             record=_record(generation), plan=Plan.from_dict(_record(generation).plan)
         )
-        agent._report_failure(generation, "worker rank 0 exited with code 1")  # held
-    agent._fs.gen = _GenState(record=_record(201), plan=Plan.from_dict(_record(201).plan))
-    agent._publish_failures()
-    assert agent._fs.pending_failures == {}
-    assert agent._fs.failures_held == set()
+        agent.follower.report_failure(generation, "worker rank 0 exited with code 1")  # held
+    agent.follower.state.gen = _GenState(
+        record=_record(201), plan=Plan.from_dict(_record(201).plan)
+    )
+    agent.follower.publish_failures()
+    assert agent.follower.state.pending_failures == {}
+    assert agent.follower.state.failures_held == set()
 
 
 def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(

@@ -63,15 +63,15 @@ def test_old_workers_that_outlive_sigkill_fail_the_node_at_stop_timeout_s(tmp_pa
         _Worker(proc=stuck, rank=0, generation=1, plan=_plan(1), state=WorkerState.RUNNING)  # type: ignore[arg-type]
     )
     _new_generation(agent, 2)
-    agent._follow_generation()
+    agent.follower.step()
     assert stuck.kills == [False]  # killed without waiting
     clock.advance(SPEC.stop_timeout_s - 0.5)
-    agent._follow_generation()
-    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.STOPPING
+    agent.follower.step()
+    assert agent.follower.state.gen is not None and agent.follower.state.gen.phase is Phase.STOPPING
     assert _failures(cluster) == []
     clock.advance(1.0)  # past stop_timeout_s on the agent's clock
-    agent._follow_generation()
-    assert agent._fs.gen.phase is Phase.FAILED
+    agent.follower.step()
+    assert agent.follower.state.gen.phase is Phase.FAILED
     [report] = _failures(cluster)
     assert report["severe"] and report["culprit"] and "still alive" in report["reason"]
     assert report["at"] == clock.time()  # the report's time is the agent's clock too
@@ -82,15 +82,15 @@ def test_a_resume_instruction_that_never_comes_fails_the_generation_at_the_movin
 ) -> None:
     agent, cluster, clock = _agent(tmp_path)
     _new_generation(agent, 2)
-    agent._follow_generation()  # nothing old to stop: holdings reported
-    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.MOVING
+    agent.follower.step()  # nothing old to stop: holdings reported
+    assert agent.follower.state.gen is not None and agent.follower.state.gen.phase is Phase.MOVING
     deadline_s = max(MOVING_DEADLINE_FLOOR_S, SPEC.hang_timeout_s)
     clock.advance(deadline_s - 1.0)
-    agent._follow_generation()
-    assert agent._fs.gen.phase is Phase.MOVING and _failures(cluster) == []
+    agent.follower.step()
+    assert agent.follower.state.gen.phase is Phase.MOVING and _failures(cluster) == []
     clock.advance(2.0)
-    agent._follow_generation()
-    assert agent._fs.gen.phase is Phase.FAILED
+    agent.follower.step()
+    assert agent.follower.state.gen.phase is Phase.FAILED
     [report] = _failures(cluster)
     assert f"waited {deadline_s:.0f} s" in report["reason"]
 
@@ -102,15 +102,15 @@ def test_a_leader_that_cannot_resume_holds_the_moving_deadline_while_it_says_so(
     # the generation at the moving deadline would get this node blamed and quarantined.
     agent, cluster, clock = _agent(tmp_path)
     _new_generation(agent, 2)
-    agent._follow_generation()
-    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.MOVING
+    agent.follower.step()
+    assert agent.follower.state.gen is not None and agent.follower.state.gen.phase is Phase.MOVING
     why = "no committed state on any live node"
     agent.view.state.barriers = {"resume-2": {"wait": {"why": why, "at": clock.time()}}}
     deadline_s = max(MOVING_DEADLINE_FLOOR_S, SPEC.hang_timeout_s)
     for _ in range(5):
         clock.advance(deadline_s)
-        agent._follow_generation()
-    assert agent._fs.gen.phase is Phase.MOVING and _failures(cluster) == []
+        agent.follower.step()
+    assert agent.follower.state.gen.phase is Phase.MOVING and _failures(cluster) == []
     said = [e for e in agent.journal.log if "waiting for state" in e[2]]
     assert len(said) == 1 and why in said[0][2]  # said once, not every step
     assert agent.status()["waiting"] == why  # `elasticpp ctl status` shows it
@@ -118,11 +118,11 @@ def test_a_leader_that_cannot_resume_holds_the_moving_deadline_while_it_says_so(
     # deadline runs again from the last step that saw the wait.
     agent.view.state.barriers = {}
     clock.advance(deadline_s - 1.0)
-    agent._follow_generation()
-    assert agent._fs.gen.phase is Phase.MOVING and agent.status()["waiting"] == ""
+    agent.follower.step()
+    assert agent.follower.state.gen.phase is Phase.MOVING and agent.status()["waiting"] == ""
     clock.advance(2.0)
-    agent._follow_generation()
-    assert agent._fs.gen.phase is Phase.FAILED and len(_failures(cluster)) == 1
+    agent.follower.step()
+    assert agent.follower.state.gen.phase is Phase.FAILED and len(_failures(cluster)) == 1
 
 
 def test_a_spare_that_never_reports_ready_is_replaced_at_ready_timeout_s(tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_a_drain_that_is_never_handed_off_ends_at_its_deadline(tmp_path: Path) -
     agent, _, clock = _agent(tmp_path)
     agent._registration = _Registration()
     _new_generation(agent, 2)
-    agent._follow_generation()  # this node is in the plan: no hand-off yet
+    agent.follower.step()  # this node is in the plan: no hand-off yet
     assert agent.control.request_drain(5.0)[0]
     agent._control()
     assert agent.control.state.draining and agent._registration.updates[-1]["draining"]
@@ -172,7 +172,7 @@ def test_a_drain_announces_itself_when_etcd_does_not_take_the_member_info_now(
     agent, _, _ = _agent(tmp_path)
     agent._registration = _Unreachable()
     _new_generation(agent, 2)
-    agent._follow_generation()
+    agent.follower.step()
     assert agent.control.request_drain(5.0)[0]
     agent._control()
     assert agent._registration.updates[-1]["draining"]
@@ -184,7 +184,7 @@ def test_a_drain_announces_itself_when_etcd_does_not_take_the_member_info_now(
 # pace against what is stamped on the real clock: the status snapshot (by the loop's turn)
 # and the last step reported (by the worker pool's reader threads).
 REAL_CLOCK_ALLOWED = {
-    ("follower", "_fetch_status"),
+    ("shell", "_fetch_status"),  # the follower's
     ("pace", "idle_for"),
     ("pace", "_tick_s"),
 }

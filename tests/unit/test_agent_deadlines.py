@@ -10,16 +10,16 @@ from typing import Any
 
 from elasticpp.agent.clock import Clock, ManualClock
 from elasticpp.agent.decide import Phase, WorkerState
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import FetchOutcome, _GenState
+from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.phases import FetchOutcome
 from elasticpp.agent.pool import _Worker
-from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.cluster.health import JobEnd, QuarantineRecord
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
+from elasticpp.store.resume import TransferProgress
 from tests.unit.test_agent_done import lead_resume
 
 SPEC_FIELDS: dict[str, Any] = {
@@ -106,13 +106,13 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     )
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan))  # a loss: stop at once
-    agent._fs.gen = gs
-    agent._follow_generation()
+    agent.follower.state.gen = gs
+    agent.follower.step()
     assert old.kills == [False]  # signalled, not waited for
     assert gs.phase is Phase.STOPPING and cluster.arrivals == []
     assert gs.killed_at_s is not None
     gs.killed_at_s -= SPEC.stop_timeout_s + 1  # the stop deadline passes
-    agent._follow_generation()
+    agent.follower.step()
     assert gs.phase is Phase.FAILED
     [(barrier, node, report)] = cluster.arrivals
     assert (barrier, node) == ("failed-2", "n0")
@@ -142,19 +142,20 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     agent.supervisor.spawn_warm = lambda: None  # type: ignore[method-assign]
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
-    gs.fetch = Future()
-    gs.fetch.set_result(FetchOutcome(done_at=time.time()))
-    agent._fs.gen = gs
+    fetched: Future[FetchOutcome] = Future()
+    fetched.set_result(FetchOutcome(done_at=time.time()))
+    agent.follower.track_fetch(2, fetched, TransferProgress())
+    agent.follower.state.gen = gs
     agent.view.state.barriers = {"resume-2": {"resume": {"step": 0, "fetches": {}}}}
     agent.executor.run(agent.supervisor.step())
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
-    agent._follow_generation()
+    agent.follower.step()
     assert gs.phase is Phase.MOVING and cluster.arrivals == []  # waits for it
     agent.pool.drop_spare(spare)  # type: ignore[arg-type]
     agent.pool.add_spare(spare, start - SPEC.ready_timeout_s - 1)  # type: ignore[arg-type]
     agent.executor.run(agent.supervisor.step())
     assert spare.killed and agent.pool.spares() == ()
-    agent._follow_generation()
+    agent.follower.step()
     assert gs.phase is Phase.FAILED
     [(barrier, _node, report)] = cluster.arrivals
     assert barrier == "failed-2" and report["culprit"] and report["severe"]
@@ -187,7 +188,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     record = GenerationRecord(2, plan.to_dict(), "n0", time.time(), extra={"nodes": nodes})
     agent.view.state.record = record
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
-    agent._fs.gen = gs
+    agent.follower.state.gen = gs
     agent.liveness.confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
     holdings = {"digest": {"format": 1, "address": "127.0.0.1:1", "held": []}}
     agent.view.state.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
@@ -209,7 +210,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside
     # again; a new incarnation's would.
-    agent._hs.quarantines = {}
+    agent.health.state.quarantines = {}
     agent._lead_health(agent._view())
     assert len(cluster.quarantines) == 1
 
@@ -219,8 +220,8 @@ def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path
         agent, _ = _agent(tmp_path / status)
         spare = _SlowSpare(300)
         agent.pool.add_spare(spare)  # type: ignore[arg-type]
-        agent._hs.job_end = JobEnd(status, "why", "n1", time.time())
-        agent._check_job_end()
+        agent.health.state.job_end = JobEnd(status, "why", "n1", time.time())
+        agent.executor.run(agent.health.check_job_end())
         assert spare.killed and agent.pool.spares() == ()
         assert agent._exit_requested() == code
         assert any(f"job ended ({status}" in e[2] for e in agent.journal.log)
@@ -228,8 +229,8 @@ def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path
 
 def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None:
     agent, _ = _agent(tmp_path, on_job_end="idle")
-    agent._hs.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
-    agent._check_job_end()
+    agent.health.state.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
+    agent.executor.run(agent.health.check_job_end())
     assert agent._exit_requested() is None
     agent.supervisor.refill()
     assert agent.pool.spares() == ()  # no spares for a job that is over
@@ -241,7 +242,9 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
     agent, cluster = _agent(tmp_path)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time())
-    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
 
     class _P:
         pid = 100
@@ -253,7 +256,7 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
     agent.pool.add_worker(w)
     agent.pool.deliver(w.proc, {"event": "halted", "step": 3, "message": "loss nan"})  # type: ignore[arg-type]
     agent.supervisor.drain_events()
-    agent._follow_generation()
+    agent.follower.step()
     assert cluster.ends == [("halted", "loss nan")]
 
 
@@ -299,8 +302,8 @@ def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
     agent's. An idle agent of an ended job leaves when drained (a pod's preStop hook)."""
     agent, _ = _agent(tmp_path, on_job_end="idle")
     agent._registration = _Registration()
-    agent._hs.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
-    agent._check_job_end()
+    agent.health.state.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
+    agent.executor.run(agent.health.check_job_end())
     accepted, _message = agent.control.request_drain(30.0)
     assert accepted and not agent.control.state.draining  # nothing written from the RPC's thread
     agent._control()
@@ -329,6 +332,6 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside
     # again; a new incarnation's would.
-    agent._hs.quarantines = {}
+    agent.health.state.quarantines = {}
     agent._lead_health(agent._view())
     assert len(cluster.quarantines) == 1

@@ -149,7 +149,7 @@ def test_a_node_arrives_at_stopped_with_a_digest_of_what_it_holds(tmp_path: Path
         commit_step(agent.store, step, generation=3)
         commit_replica_step(agent.store, "n0", step)
     agent.durability.state.next_step_committed = 6
-    agent._arrive(ArriveStopped(3, 12.5))
+    agent.executor.run([ArriveStopped(3, 12.5)])
     [(barrier, node, value)] = cluster.arrivals
     assert (barrier, node, value["next_step"], value["at"]) == ("stopped-3", "n1", 6, 12.5)
     assert "holdings" not in value and len(json.dumps(value)) < 400

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from elasticpp.agent.decide import Phase, WorkerState
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.leaderstep import leader_resume_step, leader_timeline_step
 from elasticpp.agent.node import Agent, AgentConfig
@@ -91,7 +91,9 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent = Agent(cfg, spec, cluster=cluster)  # type: ignore[arg-type]
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
     for rank in range(2):
         proc = _Proc(100 + rank)
         agent.pool.add_worker(
@@ -107,7 +109,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
         agent.pool.deliver(proc, {"event": "done", "step": 5})  # type: ignore[arg-type]
         agent.pool.deliver(proc, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent.supervisor.drain_events()
-    agent._follow_generation()
+    agent.follower.step()
     agent._control()
     assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
     assert agent._exit_requested() == 0  # and the agent may exit
@@ -152,11 +154,12 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
-    agent._fs.gen = gs
+    agent.follower.state.gen = gs
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: _resume_v2(step=0)}}
-    agent._follow_generation()
-    assert gs.resume == _resume_v2(step=0) and gs.fetch is not None
-    assert gs.fetch.result(timeout=10).error is None
+    agent.follower.step()
+    fetch = agent.follower.fetch_in_flight()
+    assert gs.resume == _resume_v2(step=0) and fetch is not None and fetch[0] == 2
+    assert fetch[1].result(timeout=10).error is None
 
 
 def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Path) -> None:
@@ -177,7 +180,9 @@ def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
     return agent, plan
 
 
@@ -246,16 +251,16 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     for phase in (Phase.MOVING, Phase.STARTING):
         gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=phase)
-        agent._fs.gen = gs
-        agent._follow_generation()
+        agent.follower.state.gen = gs
+        agent.follower.step()
         assert gs.phase is phase and cluster.arrivals == []  # within the deadline
         gs.phase_since_s -= 1000.0
-        agent._follow_generation()
+        agent.follower.step()
         assert gs.phase is Phase.FAILED
         [(barrier, node, value)] = cluster.arrivals
         assert (barrier, node) == ("failed-3", "n0") and "waited" in value["reason"]
         cluster.arrivals.clear()
-        agent._fs.pending_failures.clear()
+        agent.follower.state.pending_failures.clear()
 
 
 class _LapsedRegistration:
@@ -334,8 +339,8 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     pieces = names if bad["pieces"] == "ALL" else {k: info for k in bad["pieces"]}
     runs = [[len(SPEC.model.units), 0]]
     value = _resume_v2(pieces=pieces, nodes=bad["nodes"], by_node={"n0": runs})
-    outcome = agent._fetch(gs, value)
-    resume_dir = agent._resume_dir(gs)
+    outcome = agent.follower.fetch(gs, value)
+    resume_dir = agent.follower.resume_dir(gs)
     assert resume_dir == tmp_path / "a" / "resume" / "gen-000002"
     new = {p for p in (tmp_path / "a").rglob("*")} - before
     outside = [
@@ -363,7 +368,7 @@ def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path
         log_file = agent.log_dir / f"n0-w{i:04d}.log"
         log_file.write_text("x")
         os.utime(log_file, (1000 + i, 1000 + i))
-    agent._clean_local(3)
+    agent.follower.clean_local(3)
     assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["gen-000003"]
     logs = sorted(p.name for p in agent.log_dir.iterdir())
     assert len(logs) == WORKER_LOGS_KEPT and logs[0] == "n0-w0008.log"  # the newest kept
@@ -392,7 +397,7 @@ def test_a_snapshot_that_failed_is_counted_and_the_next_one_commits(tmp_path: Pa
     )  # type: ignore[arg-type]
     agent.supervisor.drain_events()
     assert _sample(agent, "elasticpp_snapshot_failures_total") == 1
-    assert not agent._fs.pending_failures  # a lost snapshot is no reason to re-plan
+    assert not agent.follower.state.pending_failures  # a lost snapshot is no reason to re-plan
     assert all(w.state is WorkerState.RUNNING for w in agent.pool.workers())
     assert "could not write the snapshot of step 1" in agent.journal.log[-1][2]
 
@@ -405,9 +410,9 @@ def test_a_halted_worker_holds_the_generation_without_a_failure_report(tmp_path:
         agent.pool.deliver(p, {"event": "halted", "step": 3, "message": message})  # type: ignore[arg-type]
         agent.pool.deliver(p, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent.supervisor.drain_events()
-    agent._follow_generation()  # the follower acts on the halt the supervisor saw
-    assert agent._fs.gen is not None and agent._fs.gen.phase is Phase.HALTED
-    assert not agent._fs.pending_failures
+    agent.follower.step()  # the follower acts on the halt the supervisor saw
+    assert agent.follower.state.gen is not None and agent.follower.state.gen.phase is Phase.HALTED
+    assert not agent.follower.state.pending_failures
     assert _sample(agent, "elasticpp_halted") == 1
     halts = [e[2] for e in agent.journal.log if "training halted" in e[2]]
     assert len(halts) == 1 and message in halts[0]
@@ -426,8 +431,10 @@ def test_a_step_drained_after_the_next_generation_began_keeps_its_workers_layout
         SPEC.model, cluster, Layout(1, 1, 1), global_batch=4, micro_batch=2
     ).with_generation(2)
     record = GenerationRecord(2, newer.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.STOPPING)
-    assert str(agent._fs.gen.plan.layout) == str(newer.layout)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.STOPPING
+    )
+    assert str(agent.follower.state.gen.plan.layout) == str(newer.layout)
     agent.executor.run(agent.durability.on_step(old, {"step": 7, "loss": 1.5, "generation": 1}))
     (row,) = [json.loads(x) for x in agent.metrics_path.read_text().splitlines()]
     assert (row["generation"], row["layout"]) == (1, str(plan.layout))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from elasticpp.cluster.errors import ClusterUnavailableError

@@ -381,7 +381,7 @@ def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_st
 def _follower(tmp_path: Path) -> Agent:
     agent = _agent(tmp_path, "n05")
     agent.view.state.leader = "n00"
-    agent._fs.reported = 5  # this node reported generation 5 failed (etcd has it)
+    agent.follower.state.reported = 5  # this node reported generation 5 failed (etcd has it)
     agent.liveness.state.suspect_since = {
         5: time.monotonic() - 10
     }  # the failure waits for a new plan
@@ -395,10 +395,10 @@ def test_a_follower_suspects_the_leader_only_of_a_failure_it_reported_itself(
     transition): it probes the leader over a failure of its own, reported or pending."""
     probes.results = {"n00:1": ProbeResult.DEAD}
     agent = _follower(tmp_path)
-    agent._fs.reported = 4  # another node's report of generation 5 is not seen here
+    agent.follower.state.reported = 4  # another node's report of generation 5 is not seen here
     agent._check_leader()
     assert probes.calls == [] and agent.cluster.deposed == []  # type: ignore[union-attr]
-    agent._fs.pending_failures[5] = {"reason": "worker exited 1"}  # not in etcd yet
+    agent.follower.state.pending_failures[5] = {"reason": "worker exited 1"}  # not in etcd yet
     agent.liveness.state.suspect_since = {5: time.monotonic() - 10}
     agent._check_leader()
     assert probes.calls == ["n00:1"]

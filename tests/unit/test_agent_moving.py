@@ -9,10 +9,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState, fetch_addresses
 from elasticpp.agent.limits import FETCH_STALL_S
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.phases import fetch_addresses
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.records import GenerationRecord, node_fields
 from elasticpp.plan import Plan
@@ -31,21 +30,21 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
     )
     record = GenerationRecord(3, _plan(3).to_dict(), "n9", time.time(), resume_step=5)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
-    agent._fs.gen = gs
-    gs.fetch = Future()  # a fetch in flight
+    agent.follower.state.gen = gs
     now = [time.monotonic()]
-    gs.fetch_progress = TransferProgress(clock=lambda: now[0])
+    progress = TransferProgress(clock=lambda: now[0])
+    agent.follower.track_fetch(3, Future(), progress)  # a fetch in flight
     try:
         # Bytes keep arriving: the deadline is held, however long the phase has run.
         gs.phase_since_s -= 1000.0
-        gs.fetch_progress.add(1 << 20)
-        agent._follow_generation()
+        progress.add(1 << 20)
+        agent.follower.step()
         assert gs.phase is Phase.MOVING and cluster.arrivals == []
         # Nothing for longer than FETCH_STALL_S, then past MOVING's own deadline: failed.
         now[0] -= FETCH_STALL_S + 1
-        gs.fetch_progress.add(0)
+        progress.add(0)
         gs.phase_since_s -= 1000.0
-        agent._follow_generation()
+        agent.follower.step()
         assert gs.phase is Phase.FAILED
         [(barrier, node, _)] = cluster.arrivals
         assert (barrier, node) == ("failed-3", "n0")
@@ -89,7 +88,7 @@ def test_a_fetch_from_a_source_without_an_address_fails_naming_it(tmp_path: Path
     }
     agent.view.state.members = {"a": {"address": "ha:1", "incarnation": "i-a-restarted"}}
     try:
-        outcome = agent._fetch(gs, resume)
+        outcome = agent.follower.fetch(gs, resume)
     finally:
         agent.liveness.close()
     assert outcome.error is not None

@@ -20,9 +20,8 @@ AGENT_DIR = Path(elasticpp.agent.__file__).parent
 OWNERS: dict[str, frozenset[str]] = {
     "pool": frozenset({"pool"}),  # the supervisor's workers: written through its methods
     "_fs": frozenset({"follower"}),
-    # The leader's state: its plans (leader.py) and its health decisions (quarantine.py).
-    "_ls": frozenset({"leader", "quarantine"}),
-    "_hs": frozenset({"quarantine"}),
+    # The leader's state: its plans and its health judgement (leader.py).
+    "_ls": frozenset({"leader"}),
 }
 # Parts that are objects now (elasticpp.agent.control, ...) own their state as fields of
 # their own: no mixin reaches it, and this test has nothing to check for them.
@@ -47,7 +46,7 @@ HANDLES = frozenset(
         "supervisor",
         "durability",
         "liveness",
-        "_health_changed",
+        "health",
         "_wake",
         "_stop",
         "_torch_ready",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.leaderstep import leader_safe_check
 from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.node import Agent, AgentConfig
@@ -94,7 +94,7 @@ def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
     )
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
-    agent._fs.gen = gs
+    agent.follower.state.gen = gs
     agent._ls.at(3, 0.0).resume_written = True  # the leader's: generation 3 resumed
     return agent, cluster, gs
 

@@ -30,6 +30,7 @@ from elasticpp.agent.actions import (
     UpdateGauges,
 )
 from elasticpp.agent.control.step import ControlObservation, ControlState, control_step
+from elasticpp.agent.health.step import EXIT_FAILED, HealthState, job_end_step
 from elasticpp.agent.limits import LEADER_SUSPECT_S, TEMPLATE_PING_EVERY_S, TEMPLATE_RESTART_MIN_S
 from elasticpp.agent.liveness.step import (
     LeaderWatch,
@@ -39,7 +40,6 @@ from elasticpp.agent.liveness.step import (
     leader_watch_step,
 )
 from elasticpp.agent.probe import ProbeResult
-from elasticpp.agent.quarantine import EXIT_FAILED, HealthState, job_end_step
 from elasticpp.agent.supervisor.step import (
     SupervisorObservation,
     TemplateObservation,

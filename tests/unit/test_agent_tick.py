@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from elasticpp.agent.decide import Phase, WorkerState
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.limits import (
     BUSY_TICK_S,
     LEADER_TURN_GAP_MAX_S,
@@ -53,7 +53,9 @@ def _quiet_agent(tmp_path: Path) -> Agent:
     agent.view.state.record = record
     agent.view.state.etcd_ok = True
     agent.view.state.leader = "n1"
-    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
     agent._joined = True
     return agent
 
@@ -75,8 +77,8 @@ def _newer_record(a: Agent) -> None:
 
 def _set_phase(phase: Phase) -> Callable[[Agent], None]:
     def apply(a: Agent) -> None:
-        assert a._fs.gen is not None
-        a._fs.gen = replace(a._fs.gen, phase=phase)
+        assert a.follower.state.gen is not None
+        a.follower.state.gen = replace(a.follower.state.gen, phase=phase)
 
     return apply
 
@@ -88,18 +90,21 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
         pytest.param(lambda a: setattr(a.view.state, "etcd_ok", False), id="etcd unreachable"),
         pytest.param(lambda a: setattr(a._ls, "leadership", _Leadership()), id="leading"),
         pytest.param(
-            lambda a: a._fs.pending_failures.__setitem__(3, {"reason": "x"}),
+            lambda a: a.follower.state.pending_failures.__setitem__(3, {"reason": "x"}),
             id="a failure report pending",
         ),
         pytest.param(
-            lambda a: setattr(a._fs, "reported", 3), id="its failure reported, no new plan yet"
+            lambda a: setattr(a.follower.state, "reported", 3),
+            id="its failure reported, no new plan yet",
         ),
         pytest.param(
             lambda a: a.liveness.state.suspect_since.__setitem__(3, 0.0), id="the leader suspected"
         ),
         pytest.param(lambda a: setattr(a.control.state, "draining", True), id="draining"),
         pytest.param(lambda a: setattr(a, "_joined", False), id="not joined"),
-        pytest.param(lambda a: setattr(a._fs, "gen", None), id="a generation not followed yet"),
+        pytest.param(
+            lambda a: setattr(a.follower.state, "gen", None), id="a generation not followed yet"
+        ),
     ],
 )
 def test_anything_in_motion_makes_the_ticks_short(
@@ -205,7 +210,7 @@ def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None
     """Before the leader's first generation every node waits for a watch event; 2,048 nodes
     ticking 20 times a second while they join filled the machine."""
     agent = _quiet_agent(tmp_path)
-    agent.view.state.record, agent._fs.gen = None, None
+    agent.view.state.record, agent.follower.state.gen = None, None
     assert agent._tick_s() == QUIET_TICK_S
     agent.liveness.close()
 
@@ -228,7 +233,7 @@ def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     def taken() -> tuple[bool, bool, bool]:
         woke = agent._wake.is_set()
         agent._wake.clear()
-        return (agent.view.reread.take() and woke, agent._health_changed.take(),
+        return (agent.view.reread.take() and woke, agent.health.changed.take(),
                 agent.view.epoch_changed.take())  # fmt: skip
 
     taken()
@@ -294,12 +299,12 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
     agent = _quiet_agent(tmp_path)
     _at_rest(agent)
     now = agent._clock.monotonic()
-    assert agent._fs.gen is not None
+    assert agent.follower.state.gen is not None
     worker = _Worker(
         _Proc(),  # type: ignore[arg-type]
         rank=0,
         generation=3,
-        plan=agent._fs.gen.plan,
+        plan=agent.follower.state.gen.plan,
         state=WorkerState.RUNNING,
         last_progress_s=now - SPEC.hang_timeout_s + 7.0,
     )

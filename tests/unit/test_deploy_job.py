@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from elasticpp.agent.config import TAKEN_EXIT_CODES
+from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.limits import AGENT_STOP_KILL_WAIT_S
-from elasticpp.agent.quarantine import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from tests.unit.test_deploy import (
     CHART,

@@ -36,7 +36,7 @@ from elasticpp.agent.durability.step import (
     durability_on_step,
     durability_recorded,
 )
-from elasticpp.agent.follower import _GenState
+from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
@@ -285,7 +285,9 @@ def test_a_commit_that_fails_does_not_announce_that_snapshots_are_written_again(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent._fs.gen = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
     w = _Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
 
     def refuse(step: int, units: Any, generation: int = 0) -> Any:

@@ -1,10 +1,9 @@
-"""The follower's pure step (elasticpp.agent.phases): each phase decided from plain values,
+"""The follower's pure step (elasticpp.agent.follower.step): each phase decided from plain values,
 the clock passed in as floats, the results of its actions fed back by hand. No etcd, no
 processes, no sleeps."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -26,8 +25,7 @@ from elasticpp.agent.actions import (
     StartFetch,
 )
 from elasticpp.agent.decide import MOVING_DEADLINE_FLOOR_S, STARTING_DEADLINE_FLOOR_S, Phase
-from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
-from elasticpp.agent.phases import (
+from elasticpp.agent.follower.step import (
     AssignOutcome,
     FetchOutcome,
     FetchStatus,
@@ -40,9 +38,9 @@ from elasticpp.agent.phases import (
     follower_fetch_started,
     follower_step,
 )
+from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
-from elasticpp.store.resume import TransferProgress
 from tests.unit.test_agent_deadlines import _plan
 
 RESUME: dict[str, Any] = {"step": 4, "fetches": {}}
@@ -153,17 +151,16 @@ def test_a_spare_is_idle_only_once_started_is_written() -> None:
     assert gs.phase is Phase.IDLE and isinstance(event, Event) and "spare" in event.message
 
 
-def test_the_fetch_starts_once_and_its_future_comes_back_to_the_state() -> None:
+def test_the_fetch_starts_once_for_the_generation_followed() -> None:
     state, gs = _following(Phase.MOVING)
     [start] = follower_step(state, _obs(resume=RESUME))
     assert start == StartFetch(2, RESUME)
-    future: Future[Any] = Future()
-    progress = TransferProgress(clock=lambda: 0.0)
-    assert follower_fetch_started(state, start, future, progress) == []
-    assert gs.fetch is future and gs.fetch_progress is progress and gs.resume == RESUME
+    assert follower_fetch_started(state, start) is True
+    assert gs.fetch_started and gs.resume == RESUME
+    assert follower_fetch_started(state, start) is False  # once
     # A late start of an older generation's fetch changes nothing.
-    assert follower_fetch_started(state, StartFetch(1, RESUME), Future(), progress) == []
-    assert gs.fetch is future
+    assert follower_fetch_started(state, StartFetch(1, {"step": 9})) is False
+    assert gs.resume == RESUME
     running = FetchStatus(started=True, idle_s=1.0)
     assert follower_step(state, _obs(resume=RESUME, fetch=running)) == []
 

@@ -133,7 +133,7 @@ def test_the_live_nodes_and_candidates_are_listed_again_only_when_their_inputs_c
         agent.liveness.state.dead["n1"] = "inc-n1"  # n1 failed its probe, this incarnation
         view = agent._view()
         assert calls[0] == 2 and view.lists is not None and view.lists.live == ("n0",)
-        agent._hs.quarantines["n0"] = object()  # type: ignore[assignment]
+        agent.health.state.quarantines["n0"] = object()  # type: ignore[assignment]
         assert agent._view().lists.usable == ()  # type: ignore[union-attr]
         assert calls[0] == 3
         agent.view.state.members = {**agent.view.state.members, "n2": {"incarnation": "inc-n2"}}

@@ -45,7 +45,7 @@ class ControlObservation:
     started_everywhere: bool  # the leader's timeline of this generation is written
     finished_here: bool  # this node's ranks trained every step (the follower's phase)
     done_reported: bool  # a node reported the job's last step trained
-    job_ended: bool  # the job ended without finishing (elasticpp.agent.quarantine)
+    job_ended: bool  # the job ended without finishing (elasticpp.agent.health)
     workers_alive: bool
     has_spares: bool
     drain_timeout_s: float | None  # a drain asked for now (over gRPC), with its timeout

@@ -40,6 +40,8 @@ class HealthSummary:
 
     ended: tuple[str, str] | None = None  # (status, reason) once the job ended unfinished
     quarantined: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    readmitted_s: float = 0.0  # monotonic: a node was last re-admitted (planned again)
+    exit_code: int | None = None  # the job ended and this agent is to exit with it
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,17 @@ the fetch's status, the warm pool, the workers' halts and finishes) and writes o
 `FollowerState`; it does no I/O and reads no clock. Its actions (elasticpp.agent.actions:
 SkipRecord, AskStop, KillOld, DrainWorkerEvents, CleanResume, ArriveStopped, StartFetch,
 AssignRanks, ArriveStarted, ArriveDone, RecordHalt, ReportFailure, RemoveResumeDir,
-CleanLocal, Event) are applied by the agent's executor.
+CleanLocal, Event) are applied by the handlers the `Follower` (`shell`) registers.
 
 Invariants:
 - a phase that depends on an etcd write changes only in the write's feedback
   (`follower_arrived`), after it succeeded: stopping -> moving once `stopped-G` is in etcd,
   moving -> idle and starting -> running once `started-G` is, -> done once `done` is; a
   write that fails (etcd unreachable) leaves the phase, and the next step writes again;
-- the fetch's future and the assignment's outcome come back the same way
-  (`follower_fetch_started`, `follower_assigned`); an assignment is all or nothing, and
-  its error fails the generation;
+- a generation's fetch starts once (`follower_fetch_started` says whether it may), and its
+  outcome comes back in the observation (`FetchStatus`); the assignment's outcome comes back
+  through `follower_assigned`; an assignment is all or nothing, and its error fails the
+  generation;
 - failure reports (ReportFailure) are level-triggered by the follower part, pending until
   etcd has them, so a phase that fails (-> failed) does not wait for that write;
 - a transition not written down (`decide.PHASE_TRANSITIONS`) is ignored and logged
@@ -29,7 +30,6 @@ import errno
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,6 @@ from elasticpp.agent.decide import (
 from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
-from elasticpp.store.resume import TransferProgress
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -119,10 +118,9 @@ class _GenState:
     stop_sent: bool = False
     stop_began_s: float = field(default_factory=time.monotonic)
     killed_at_s: float | None = None  # when the old workers were first sent SIGKILL
-    # The state fetch runs on a thread of its own that writes nothing here: its outcome
-    # comes back through this future, its bytes through `fetch_progress` (thread-safe).
-    fetch: Future[Any] | None = None
-    fetch_progress: TransferProgress | None = None
+    # The state fetch runs on a thread of its own that writes nothing here (the shell
+    # holds its future and byte count): the step sees it through `FetchStatus`.
+    fetch_started: bool = False
     fetch_done_at: float | None = None
     resume: dict[str, Any] | None = None
     waiting_said: str = ""  # the leader's wait for state (why) while this node waits with it
@@ -438,18 +436,14 @@ def follower_arrived(
     return [Event("decision", f"job finished all {action.step} steps")]
 
 
-def follower_fetch_started(
-    state: FollowerState,
-    action: StartFetch,
-    future: Future[Any],
-    progress: TransferProgress,
-) -> list[Action]:
-    """The fetch's thread is running: its outcome comes back through `future`."""
+def follower_fetch_started(state: FollowerState, action: StartFetch) -> bool:
+    """Whether the fetch `action` asks for is to start now: once a generation, for the one
+    followed. Its outcome comes back through `FetchStatus`."""
     gs = state.gen
-    if gs is None or gs.generation != action.generation or gs.fetch is not None:
-        return []
-    gs.resume, gs.fetch, gs.fetch_progress = action.resume, future, progress
-    return []
+    if gs is None or gs.generation != action.generation or gs.fetch_started:
+        return False
+    gs.resume, gs.fetch_started = action.resume, True
+    return True
 
 
 @dataclass(frozen=True)
