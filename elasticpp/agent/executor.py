@@ -1,12 +1,14 @@
-"""The agent's executor: it applies the actions the parts' pure steps return
-(elasticpp.agent.actions), in order, and feeds the results of those whose outcome matters
-back to the part that asked (a probe, a deposition). It is the only place that turns an
-action into I/O; the parts' own state is written by the parts' functions it calls.
+"""The leader's actions, applied: the one part that is not yet an object registers no
+handlers of its own, so the agent's executor (elasticpp.agent.kernel.executor) falls back to
+`ExecutorPart._apply` for them. It writes the leader's records by compare-and-swap under its
+term, starts the holdings pull, resolves and publishes the resume instruction and the safe
+step, and feeds each outcome back to the leader's step functions. Every other action has a
+handler registered by the part that carries it out (or by the agent, for what it owns:
+its registration, the term, the workers as a whole, the gauges).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,18 +20,12 @@ from elasticpp.agent.actions import (
     CompactHistory,
     CountRecovery,
     Housekeep,
-    PublishMemberInfo,
     PublishResumeWait,
     PullHoldings,
     ReadCommitRecords,
     ReadSafe,
     RecordTimeline,
-    Reread,
     ResolveResume,
-    SetFloor,
-    StepDown,
-    StopWorkers,
-    UpdateGauges,
     WriteGeneration,
     WriteResume,
     WriteSafe,
@@ -47,7 +43,6 @@ from elasticpp.agent.leaderstep import (
     leader_safe_written,
     leader_timeline_recorded,
 )
-from elasticpp.errors import ElasticppError
 from elasticpp.store.checkpoints import checkpoint_holdings
 
 log = logging.getLogger("elasticpp.agent")
@@ -61,28 +56,9 @@ class ExecutorPart:
         self.executor.run(actions)
 
     def _apply(self, action: Action) -> None:
-        """The executor's handler of the actions whose parts register none yet."""
-        if isinstance(action, PublishMemberInfo):
-            # The registration keeps the new info: its keeper writes it when it re-puts
-            # the key, if this write does not land (elasticpp.cluster.leases).
-            if self._registration is not None:
-                with contextlib.suppress(ElasticppError):
-                    self._registration.update(self._member_info())
-        elif isinstance(action, StepDown):
-            self._step_down(action.why)
-        elif isinstance(action, StopWorkers):
-            for w in self.pool.workers():
-                if w.proc.alive():
-                    self.pool.kill_worker(w)  # never waits on a process that will not go
-            self.pool.release_spares()
-        elif isinstance(action, Reread):
-            self.view.reread.raise_()
-        elif isinstance(action, SetFloor):
-            self.store.set_floor(action.step, action.generation)  # anchors below may go
-        elif isinstance(action, UpdateGauges):
-            self._update_gauges()
-        # --- the leader's actions
-        elif isinstance(action, WriteGeneration):
+        """The executor's handler of the leader's actions (the one part not yet an object
+        that registers its own)."""
+        if isinstance(action, WriteGeneration):
             ok = self.cluster.write_generation(
                 action.record, action.expected_rev, self._ls.leadership
             )

@@ -95,7 +95,13 @@ from typing import Any
 import grpc
 from grpc_health.v1.health import HealthServicer
 
-from elasticpp.agent.actions import Event
+from elasticpp.agent.actions import (
+    Event,
+    PublishMemberInfo,
+    StepDown,
+    StopWorkers,
+    UpdateGauges,
+)
 from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control.shell import Control, ControlConfig
@@ -250,6 +256,7 @@ class Agent(
             journal=self.journal,
             metrics=self.metrics,
             epoch=lambda: self.store.epoch,
+            set_floor=self.store.set_floor,
         )
         self._closed = False  # `shutdown` closed the etcd client: the parts write no more
         self._etcd_open = False  # `start` began to join: `shutdown` leaves etcd cleanly
@@ -273,6 +280,13 @@ class Agent(
             wake=self._wake.set,
         )
         self.control.register(self.executor)
+        self.view.register(self.executor)
+        # What the parts ask of the agent itself: its registration, the leader's term, the
+        # workers as a whole, the gauges of every part.
+        self.executor.register(PublishMemberInfo, lambda _: self._publish_member_info())
+        self.executor.register(StepDown, lambda a: self._step_down(a.why))
+        self.executor.register(StopWorkers, lambda _: self.pool.stop_workers())
+        self.executor.register(UpdateGauges, lambda _: self._update_gauges())
         self.health = Health(
             HealthConfig(cfg.node_id, exit_on_end=cfg.on_job_end == "exit"),
             clock=self._clock,
@@ -421,6 +435,14 @@ class Agent(
     @property
     def last_loss(self) -> float:
         return self.durability.state.last_loss
+
+    def _publish_member_info(self) -> None:
+        """This node's member record again (slots, draining). The registration keeps the new
+        info: its keeper writes it when it re-puts the key, if this write does not land
+        (elasticpp.cluster.leases)."""
+        if self._registration is not None:
+            with contextlib.suppress(ElasticppError):
+                self._registration.update(self._member_info())
 
     def _own_step(self) -> int | None:
         """This node's newest own committed step, if any."""

@@ -202,6 +202,14 @@ class WorkerPool:
             w.proc.stop_at(0)
         w.move(WorkerState.STOPPING)
 
+    def stop_workers(self) -> None:
+        """Kill every worker still alive (never waiting on one that will not go) and release
+        the spares: the job ended, or this node is set aside."""
+        for w in self.workers():
+            if w.proc.alive():
+                self.kill_worker(w)
+        self.release_spares()
+
     def kill_worker(self, w: _Worker) -> None:
         """SIGKILL `w` without waiting: its reader thread reports the exit."""
         w.killed_by_us = True

@@ -29,9 +29,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from elasticpp.agent.actions import Action, UpdateGauges
+from elasticpp.agent.actions import Action, Reread, SetFloor, UpdateGauges
 from elasticpp.agent.clock import Clock
 from elasticpp.agent.inbox import Signal
+from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import Journal
 from elasticpp.agent.kernel.summaries import ViewSummary
 from elasticpp.agent.limits import SAFE_EVERY_S
@@ -121,8 +122,10 @@ class View:
         journal: Journal,
         metrics: AgentMetrics,
         epoch: Callable[[], int | None],
+        set_floor: Callable[[int, int], object] = lambda step, generation: None,
     ) -> None:
         self.node_id = node_id
+        self._set_floor = set_floor  # the store's: anchors below the safe step may go
         self.state = ViewState(last_join_s=clock.monotonic())
         self.reread = Signal(raised=True)  # read etcd again (watches, other parts raise it)
         self.epoch_changed = Signal()  # the job's epoch key changed
@@ -132,6 +135,16 @@ class View:
         self._metrics = metrics
         self._epoch = epoch  # the epoch this agent's store commits in (set at join)
         self._directory = MemberDirectory()  # the members a follower reads by key
+
+    def register(self, executor: Executor) -> None:
+        """The handlers of the actions the view carries out: a read of etcd again (any part
+        may ask: a deposed leader, a node on a newer generation), and the safe step handed
+        to the store."""
+        executor.register(Reread, lambda _: self.reread.raise_())
+        executor.register(SetFloor, self._floor)
+
+    def _floor(self, action: SetFloor) -> None:
+        self._set_floor(action.step, action.generation)
 
     # ------------------------------------------------------------------ what others read
     @property
