@@ -48,8 +48,9 @@ generation with their deadlines, arrivals, the fetch of resume state, handing th
 warm workers: built with the view, the pool, the supervisor's warm workers, the store and
 the executor); what every part uses (the journal of decisions, the error policy, the
 executor, threads with futures) is in `kernel`. The other parts live in their own modules,
-each with its invariants in its docstring: `pace` (how long the loop sleeps) and `leader`
-(plans, resume instructions, the safe step). Timeouts and limits are in `limits`.
+each with its invariants in its docstring: `leader` (plans, resume instructions, the safe
+step); how long the loop sleeps is `pace.tick_s`'s (pure) on what the parts say. Timeouts
+and limits are in `limits`.
 
 Who writes what: each part's state is one object with one writer, that part's module on the
 decision loop: the worker pool (`WorkerPool`, written through its methods) and the leader's
@@ -122,12 +123,13 @@ from elasticpp.agent.leaderstate import LeaderState
 from elasticpp.agent.limits import (
     LEADER_TURN_GAP_MAX_S,
     LEADER_TURN_SHARE,
+    QUIET_TICK_S,
     STATUS_EVERY_S,
     VIEW_REFRESH_S,
 )
 from elasticpp.agent.liveness.shell import Liveness
 from elasticpp.agent.metrics import AgentMetrics
-from elasticpp.agent.pace import PacePart
+from elasticpp.agent.pace import PaceObservation, tick_s
 from elasticpp.agent.pool import WorkerPool
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
@@ -158,7 +160,6 @@ log = logging.getLogger("elasticpp.agent")
 class Agent(
     StartupPart,
     ExecutorPart,
-    PacePart,
     LeaderPart,
 ):
     def __init__(
@@ -230,7 +231,7 @@ class Agent(
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
         self._status_at_s = 0.0
         self._status_stale = False  # a turn ran since the status was last published
-        self._next_turn_s = 0.0  # a leader's next turn, no sooner (`PacePart._pace_turn`)
+        self._next_turn_s = 0.0  # a leader's next turn, no sooner (`_pace_turn`)
         self._turn_waits = False  # a turn was deferred: the loop takes it at _next_turn_s
         self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
         self._server: grpc.Server | None = None
@@ -495,6 +496,52 @@ class Agent(
             self.journal.write("decision", f"node {self.node_id}: {conflict}")
             raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
         return self._exit_requested()
+
+    # ------------------------------------------------------------------ the loop's pace
+    def idle_for(self) -> float:
+        """The loop is about to wait: the longest it may (`_tick_s`); from now on it counts
+        as idle, not stalled (`clock.LoopHeartbeat`)."""
+        tick = self._tick_s()
+        if self._status_stale:  # a turn changed what the RPCs read: publish it soon
+            due_s = self._status_at_s + STATUS_EVERY_S - time.monotonic()
+            tick = min(tick, max(0.0, due_s))
+        gap_s = self._next_turn_s - time.monotonic()
+        if gap_s > 0:  # no turn before the leader's pace allows; a deferred one right then
+            tick = gap_s if self._turn_waits else max(tick, gap_s)
+        self._heartbeat.idle()
+        return tick
+
+    def _tick_s(self) -> float:
+        """How long the loop may sleep when nothing wakes it (`pace.tick_s`, on what the
+        parts say now)."""
+        follower, view, ls = self.follower.summary(), self.view.snapshot, self._ls
+        current = view.record.generation if view.record is not None else 0
+        now_s = self._clock.monotonic()
+        campaign_at_s = ls.campaign_at_s  # leaderless: this node's campaign is due then
+        return tick_s(
+            PaceObservation(
+                joined=self._joined,
+                etcd_ok=view.etcd_ok,
+                current=current,
+                followed=follower.generation,
+                follower_settled=self.follower.settled(current),
+                suspecting=self.liveness.summary().suspecting,
+                draining=self.control.summary().draining,
+                # A step reported within a quiet tick keeps the training tick: that every
+                # part of its durability work (commits, replication, the safe step) wakes
+                # the loop is not established. Other worker events wake it once. On the
+                # real clock: the pool's reader threads stamp the steps on it.
+                training=time.monotonic() - self.pool.trained_at_s < QUIET_TICK_S,
+                leading=ls.leadership is not None,
+                led_generation=ls.generation,
+                timeline_written=ls.timeline_written,
+                phase=follower.phase,
+                rest_s=self.supervisor.rest_for_s(now_s),
+                campaign_in_s=campaign_at_s - now_s
+                if campaign_at_s is not None and view.leader is None
+                else None,
+            )
+        )
 
     def _pace_turn(self, cpu_s: float) -> None:
         """After a leader's turn of `cpu_s` seconds of CPU: its next turn waits a multiple of
