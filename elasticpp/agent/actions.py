@@ -1,19 +1,21 @@
-"""What a part's pure step asks the executor to do: actions as data.
+"""What a part's pure step asks the executor to do: actions as data, the parts' shared
+vocabulary.
 
-Every part's decisions are pure steps: `control.control_step`, `quarantine.job_end_step`,
-`supervisor.supervisor_step`, `liveness.leader_watch_step`, `view.view_step`,
-`follower.step.follower_step` (the follower), the durability part's worker events
+Every part's decisions are pure steps: `control.step.control_step`, `health.step.job_end_step`,
+`supervisor.step.supervisor_step`, `liveness.step.leader_watch_step`, `view.step.view_step`,
+`follower.step.follower_step`, the durability part's worker events
 (`durability.step.durability_on_step`, `durability_on_snapshot`,
 `durability_on_snapshot_failed`) and `leaderstep.leader_step` (the leader). Each reads an
 immutable observation and its own state and returns a list of these; it does no I/O. The
-agent's executor (`executor.ExecutorPart._execute`) applies them in order, in the error
-boundary of the part that asked. An action whose outcome matters (an etcd write that may be
-refused, a commit, a fetch, a probe) has it fed back to a pure function of the part that
-asked (`follower.step.follower_arrived`, `durability.step.durability_committed`,
-`leaderstep.leader_generation_written`, `liveness.leader_probed`, ...), which returns the next
-actions: a state change that depends on a write happens only there, after it succeeded.
-Adding an action means adding its case to the executor (a test checks every member of
-`Action` has one).
+agent's one executor (elasticpp.agent.kernel.executor) applies them in order, in the error
+boundary of the part that asked, each with the handler the part that carries it out
+registered. An action whose outcome matters (an etcd write that may be refused, a commit, a
+fetch, a probe) has it fed back to a pure function of the part that asked
+(`follower.step.follower_arrived`, `durability.step.durability_committed`,
+`leaderstep.leader_generation_written`, `liveness.step.leader_probed`, ...), which returns the
+next actions: a state change that depends on a write happens only there, after it succeeded.
+Adding an action means registering its handler beside the step that emits it (a test checks
+every member of `Action` has one).
 """
 
 from __future__ import annotations

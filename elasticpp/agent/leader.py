@@ -28,6 +28,7 @@ from elasticpp.agent.deadlines import pull_deadline_s
 from elasticpp.agent.decide import ClusterView, NodeLists, lost_nodes, node_lists
 from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.health.step import as_quarantined, report_of
+from elasticpp.agent.leaderhandlers import LeaderHandlers
 from elasticpp.agent.leaderstate import LeaderState, campaign_delay_s, campaign_spread_s
 from elasticpp.agent.leaderstep import LeaderObservation, leader_step
 from elasticpp.agent.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
@@ -53,7 +54,7 @@ def _listening_socket(host: str) -> socket.socket:
     return sock
 
 
-class LeaderPart:
+class LeaderPart(LeaderHandlers):
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
     def _is_leader(self) -> bool:

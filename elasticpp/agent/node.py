@@ -30,11 +30,11 @@ it, so there is no lock-ordering to get wrong. The loop sleeps until woken (thre
 hand results back through futures wake it too, probes included) or for a tick (`pace`).
 
 This module composes the agent: the parts' state, the decision loop and shutdown (its flags
-are `config.AgentConfig`); start-up and joining the job are in `startup`, the executor of
-the parts' actions in `executor` and `kernel.executor` (the table of handlers the parts that
-are objects register). The parts are becoming objects with ports, one sub-package each with
-its pure `step` and its `shell`: `control` (built with the pool, the health service, the
-clock and the metrics, it reads the others only through the summaries of
+are `config.AgentConfig`); start-up and joining the job are in `startup`; the one executor
+of the parts' actions is `kernel.executor` (the table of handlers each part registers; the
+leader's are in `leaderhandlers`). The parts are becoming objects with ports, one sub-
+package each with its pure `step` and its `shell`: `control` (built with the pool, the
+health service, the clock and the metrics, it reads the others only through the summaries of
 `kernel.summaries`), `view` (built with the etcd client's reads: the others read what it
 knows through its frozen `View.snapshot`), `supervisor` (the worker processes: built with
 the pool, the worker logs, what the other parts do with a worker's events, where failures
@@ -89,7 +89,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,7 @@ import grpc
 from grpc_health.v1.health import HealthServicer
 
 from elasticpp.agent.actions import (
+    Action,
     Event,
     PublishMemberInfo,
     StepDown,
@@ -108,7 +109,6 @@ from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control.shell import Control, ControlConfig
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.durability.shell import Durability, DurabilityConfig
-from elasticpp.agent.executor import ExecutorPart
 from elasticpp.agent.follower.shell import Follower, FollowerConfig, FollowerPorts
 from elasticpp.agent.health.shell import Health, HealthConfig
 from elasticpp.agent.jobspec import JobSpec
@@ -159,7 +159,6 @@ log = logging.getLogger("elasticpp.agent")
 
 class Agent(
     StartupPart,
-    ExecutorPart,
     LeaderPart,
 ):
     def __init__(
@@ -216,7 +215,7 @@ class Agent(
         self.journal = Journal(self._clock, lambda: self.follower.generation)
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
         self.errors = ErrorPolicy(self.metrics)
-        self.executor = Executor(fallback=self._apply)
+        self.executor = Executor()
         self._health: HealthPort = health if health is not None else HealthServicer()
         # Each part's state: one object, one writer (that part's module, on the loop).
         self.pool = WorkerPool(
@@ -282,6 +281,7 @@ class Agent(
         )
         self.control.register(self.executor)
         self.view.register(self.executor)
+        self._register_leader(self.executor)
         # What the parts ask of the agent itself: its registration, the leader's term, the
         # workers as a whole, the gauges of every part.
         self.executor.register(PublishMemberInfo, lambda _: self._publish_member_info())
@@ -436,6 +436,11 @@ class Agent(
     @property
     def last_loss(self) -> float:
         return self.durability.state.last_loss
+
+    def _execute(self, actions: Sequence[Action]) -> None:
+        """Apply what a part's pure step asked for, in order (the handlers the parts
+        registered on `executor`)."""
+        self.executor.run(actions)
 
     def _publish_member_info(self) -> None:
         """This node's member record again (slots, draining). The registration keeps the new

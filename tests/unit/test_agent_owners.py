@@ -27,7 +27,7 @@ OWNERS: dict[str, frozenset[str]] = {
 # their own: no mixin reaches it, and this test has nothing to check for them.
 # The executor: the agent's start-up, loop and lifecycle, and the actions' executor. It keeps
 # its own fields (the server, the registration, the heartbeat) and writes no part's state.
-EXECUTOR_MODULES = frozenset({"node", "startup", "executor"})
+EXECUTOR_MODULES = frozenset({"node", "startup"})
 # Not state: I/O handles and inboxes, which any part may call.
 HANDLES = frozenset(
     {

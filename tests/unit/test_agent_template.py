@@ -186,8 +186,9 @@ def test_a_hung_template_is_replaced_and_the_ranks_it_took_fail_with_no_blame_on
     n.pool.add_spare(spare)  # type: ignore[arg-type]
     n.pool.add_spare(exec_d)  # type: ignore[arg-type]
     reported: list[object] = []
-    executor = Executor(fallback=reported.append)  # what the other parts handle
+    executor = Executor()
     n.supervisor.register(executor)
+    executor.register(ReportFailure, reported.append)  # the follower's, in the agent
     executor.run([ReplaceTemplate(4242, "no answer to a ping in 11 s (stopped or hung)")])
     assert hung.given_up == "no answer to a ping in 11 s (stopped or hung)"
     # What it forked dies with it (killed first, without waiting); the rest stays.

@@ -19,10 +19,8 @@ class UnhandledActionError(ElasticppError):
 
 
 class Executor:
-    def __init__(self, fallback: Handler | None = None) -> None:
+    def __init__(self) -> None:
         self._handlers: dict[type, Handler] = {}
-        # What applies the actions of the parts that register no handlers yet.
-        self._fallback = fallback
 
     def register(self, action: type[A], handler: Callable[[A], Sequence[object] | None]) -> None:
         """`handler` applies every action of type `action`; one handler a type."""
@@ -35,7 +33,7 @@ class Executor:
 
     def run(self, actions: Sequence[object]) -> None:
         for action in actions:
-            handler = self._handlers.get(type(action), self._fallback)
+            handler = self._handlers.get(type(action))
             if handler is None:
                 raise UnhandledActionError(f"no handler for action {type(action).__name__}")
             more = handler(action)
