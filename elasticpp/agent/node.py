@@ -784,7 +784,10 @@ def run_agent(
     if on_started is not None:
         on_started(agent)
     if stop_event is not None:
-        threading.Thread(
-            target=lambda: (stop_event.wait(), agent.request_stop()), daemon=True
-        ).start()
+
+        def stop_when_set() -> None:
+            stop_event.wait()
+            agent.request_stop()
+
+        threading.Thread(target=stop_when_set, daemon=True).start()
     return agent.run()

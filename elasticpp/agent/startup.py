@@ -41,6 +41,8 @@ log = logging.getLogger("elasticpp.agent")
 class StartupPart:
     """Methods of `Agent` (elasticpp.agent.node); the state they use is set up there."""
 
+    _init_dir: Path | None  # step 0 of a job with init_from (`_prepare_init`)
+
     def start(self) -> None:
         """Serve gRPC, join the job in etcd, start warm workers. Raises on a bad spec."""
         self._serve_grpc()
