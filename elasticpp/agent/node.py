@@ -410,10 +410,6 @@ class Agent(
     def address(self) -> str:
         return f"{self.cfg.advertise_host}:{self.port}"
 
-    @property
-    def generation(self) -> int:
-        return self.follower.generation
-
     def _on_watch(self, event: Any) -> None:
         """A change under the job's cached keys (on a watch thread): the view reads again
         now. A quarantine record or the job's end raises the health part's signal, the
@@ -428,14 +424,6 @@ class Agent(
                 self.view.epoch_changed.raise_()
         self.view.reread.raise_()
         self._wake.set()
-
-    @property
-    def last_step(self) -> int:
-        return self.durability.state.last_step
-
-    @property
-    def last_loss(self) -> float:
-        return self.durability.state.last_loss
 
     def _execute(self, actions: Sequence[Action]) -> None:
         """Apply what a part's pure step asked for, in order (the handlers the parts
@@ -666,7 +654,7 @@ class Agent(
         if not view.etcd_ok:
             return  # training goes on; membership changes wait for etcd
         epoch_changed = self.view.epoch_changed.is_raised() or (
-            view.record is None and self.generation > 0
+            view.record is None and self.follower.generation > 0
         )
         if epoch_changed and (
             not self._part("view", self.view.check_epoch) or self._exit_requested() is not None

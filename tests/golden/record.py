@@ -136,16 +136,16 @@ def _trained(workdir: Path, recorder: Recorder) -> None:
             threads[-1].start()
 
         def trained(live: list[SimAgent], beyond: int) -> Callable[[], bool]:
-            return lambda: all(a.last_step > beyond for a in live)
+            return lambda: all(a.durability.state.last_step > beyond for a in live)
 
         _wait(trained(agents, 4), "every node's first committed steps")
         with _recording(recorder):
             lost = next(a for a in agents if not a._is_leader())
             live = [a for a in agents if a is not lost]
-            gen = max(a.generation for a in live)
+            gen = max(a.follower.generation for a in live)
             lost.crash()
-            _wait(lambda: all(a.generation > gen for a in live), "the re-plan")
-            step = max(a.last_step for a in live)
+            _wait(lambda: all(a.follower.generation > gen for a in live), "the re-plan")
+            step = max(a.durability.state.last_step for a in live)
             _wait(trained(live, step + 4), "training on after the loss")
     finally:
         for a in agents:

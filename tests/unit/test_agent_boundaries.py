@@ -136,7 +136,7 @@ def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path
     newer = GenerationRecord(3, {**_plan(3).to_dict(), "format_version": 99}, "n9", time.time())
     agent.view.state.record = newer
     agent.follower.step()
-    assert agent.generation == 2 and agent.follower.state.gen.phase is Phase.RUNNING
+    assert agent.follower.generation == 2 and agent.follower.state.gen.phase is Phase.RUNNING
     assert cluster.skipped == [_Cluster.keys.generation]
 
 
