@@ -223,7 +223,6 @@ class SimAgent(Agent):
         if self._etcd_open:
             self.cluster.close()  # keep-alives stop; the lease lapses by its TTL
             self._etcd_open = False
-        self._closed = True
         self.follower.close()
         self.health.close()
         self.liveness.close()

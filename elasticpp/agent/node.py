@@ -258,7 +258,6 @@ class Agent(
             epoch=lambda: self.store.epoch,
             set_floor=self.store.set_floor,
         )
-        self._closed = False  # `shutdown` closed the etcd client: the parts write no more
         self._etcd_open = False  # `start` began to join: `shutdown` leaves etcd cleanly
         self._registration: Any = None
         self._torch_ready = threading.Event()
@@ -614,7 +613,6 @@ class Agent(
             with contextlib.suppress(ElasticppError):
                 self.cluster.close()
             self._etcd_open = False
-        self._closed = True
         self.follower.close()  # no more failure reports
         self.health.close()  # no more halts on record
         if self._server is not None:
