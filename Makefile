@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 # The agent under mypy --strict: every module and part but the two mixins of `Agent` not yet
 # made objects (start-up and the leader) and what composes them.
-AGENT_MIXINS := elasticpp/agent/node.py elasticpp/agent/startup.py elasticpp/agent/leader.py elasticpp/agent/leaderhandlers.py
+AGENT_MIXINS := elasticpp/agent/node.py elasticpp/agent/startup.py
 AGENT_STRICT := $(filter-out $(AGENT_MIXINS),$(wildcard elasticpp/agent/*.py)) $(filter-out %/__pycache__,$(patsubst %/,%,$(wildcard elasticpp/agent/*/)))
 
 # What the demo needs: Python and the package index (the runtime pins and etcd's wheel).

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticpp.agent.actions import ResolveResume
-from elasticpp.agent.resumestep import _resume_instruction
+from elasticpp.agent.leader.resume import _resume_instruction
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.arrivals import resume_records
 from elasticpp.cluster.commits import HISTORY_KEPT
@@ -205,7 +205,7 @@ def records(model: Model, n: int) -> dict[str, int]:
         extra={
             "reason": "lost gpu-node-01024",
             "graceful": False,
-            # As the leader writes them (elasticpp.agent.leaderstep): every node planned.
+            # As the leader writes them (elasticpp.agent.leader.step): every node planned.
             **node_fields(plan.to_dict(), nodes, dict.fromkeys(nodes, INCARNATION)),
             "previous_layout": str(plan.layout),
             "detected_at": WALL,

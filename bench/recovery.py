@@ -198,7 +198,7 @@ def running_worker_pids(lc: LocalCluster, node_id: str) -> list[int]:
 
 
 def leader_of(lc: LocalCluster) -> str | None:
-    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.client import ClusterClient
 
     with ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c:
         return c.leader()

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from elasticpp.cluster.arrivals import RESUME_MEMBER  # the resume member with the step
+from elasticpp.cluster.barriers import RESUME_MEMBER  # the resume member with the step
 from elasticpp.cluster.keys import JobKeys
 
 # Keys under barriers/ that the leader writes (every other member is a node's arrival).

@@ -102,7 +102,7 @@ def _summary(cluster: Any, asked: str | None = None) -> Summary:
         gs = agent.follower.followed()
         g = gs.generation if gs else 0
         generation = max(generation, g)
-        if agent._is_leader():
+        if agent.leader.acting():
             leaders.append(node_id)
         if node_id in cluster.sick:
             continue

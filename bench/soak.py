@@ -307,7 +307,7 @@ def training_pids(lc: LocalCluster, node_id: str) -> list[int]:
 
 
 def cluster_state(lc: LocalCluster) -> tuple[str | None, int]:
-    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.client import ClusterClient
 
     with ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c:
         record, _ = c.read_generation()
@@ -318,7 +318,7 @@ def committed_step(lc: LocalCluster) -> int | None:
     """The job's committed step: the safe step the leader published (held by every node
     and by the replica holders of each, so any single node loss leaves it resumable), or
     None before the first one."""
-    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.client import ClusterClient
 
     with (
         contextlib.suppress(Exception),
@@ -403,7 +403,7 @@ def is_set_aside(view: JobView, node_id: str, since_step: int, slots: int, steps
 
 def observe(lc: LocalCluster) -> JobView:
     from elasticpp.agent.jobspec import load_job_spec
-    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.client import ClusterClient
 
     none = JobView(0, frozenset(), (), -1)
     try:

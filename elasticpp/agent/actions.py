@@ -5,14 +5,14 @@ Every part's decisions are pure steps: `control.step.control_step`, `health.step
 `supervisor.step.supervisor_step`, `liveness.step.leader_watch_step`, `view.step.view_step`,
 `follower.step.follower_step`, the durability part's worker events
 (`durability.step.durability_on_step`, `durability_on_snapshot`,
-`durability_on_snapshot_failed`) and `leaderstep.leader_step` (the leader). Each reads an
+`durability_on_snapshot_failed`) and `leader.step.leader_step` (the leader). Each reads an
 immutable observation and its own state and returns a list of these; it does no I/O. The
 agent's one executor (elasticpp.agent.kernel.executor) applies them in order, in the error
 boundary of the part that asked, each with the handler the part that carries it out
 registered. An action whose outcome matters (an etcd write that may be refused, a commit, a
 fetch, a probe) has it fed back to a pure function of the part that asked
 (`follower.step.follower_arrived`, `durability.step.durability_committed`,
-`leaderstep.leader_generation_written`, `liveness.step.leader_probed`, ...), which returns the
+`leader.step.leader_generation_written`, `liveness.step.leader_probed`, ...), which returns the
 next actions: a state change that depends on a write happens only there, after it succeeded.
 Adding an action means registering its handler beside the step that emits it (a test checks
 every member of `Action` has one).
@@ -247,7 +247,7 @@ class Persist:
 class WriteGeneration:
     """Compare-and-swap generation `record` against the record's revision read
     (`expected_rev`), fenced by the term; whether it was written goes back to the leader
-    (`leaderstep.leader_generation_written`), which only then counts it for the backoff."""
+    (`leader.step.leader_generation_written`), which only then counts it for the backoff."""
 
     record: GenerationRecord
     expected_rev: int
@@ -275,8 +275,8 @@ class SetAside:
 @dataclass(frozen=True)
 class PullHoldings:
     """Pull, on a thread of its own, the holdings detail the resume of `generation` needs
-    from the nodes whose digests say they may be a source (elasticpp.agent.pull); the future
-    goes back to `leaderstep.leader_pull_started`, its result to the step as an observation."""
+    from the nodes whose digests say they may be a source (elasticpp.agent.leader.pull); the future
+    goes back to `leader.step.leader_pull_started`, its result to the step as an observation."""
 
     generation: int
     units: tuple[str, ...]  # the plan's model's
@@ -290,7 +290,7 @@ class PullHoldings:
 class ResolveResume:
     """Read what the persistent checkpoint in `persist_dir` holds (a filesystem read; none
     when `persist_dir` is None: `disk` is what a pull read), and hand it to
-    `leaderstep.leader_resume_resolved`, which resolves the resume step."""
+    `leader.step.leader_resume_resolved`, which resolves the resume step."""
 
     generation: int
     plan: Plan
@@ -306,7 +306,7 @@ class ResolveResume:
 @dataclass(frozen=True)
 class CheckNeverCommitted:
     """Read whether the job ever committed a step (`cluster.ever_committed`); the answer goes
-    to `leaderstep.leader_fresh_checked`: a job that never did starts at step 0."""
+    to `leader.step.leader_fresh_checked`: a job that never did starts at step 0."""
 
     resolve: ResolveResume
     why: str  # why no step resolved
@@ -315,7 +315,7 @@ class CheckNeverCommitted:
 @dataclass(frozen=True)
 class WriteResume:
     """Publish the resume instruction of `generation` once, fenced by the term; whether it
-    was written goes back to `leaderstep.leader_resume_written`."""
+    was written goes back to `leader.step.leader_resume_written`."""
 
     generation: int
     value: Mapping[str, Any]
@@ -333,7 +333,7 @@ class PublishResumeWait:
 @dataclass(frozen=True)
 class RecordTimeline:
     """Publish the recovery timeline of `generation`, fenced by the term; whether it was
-    written goes back to `leaderstep.leader_timeline_recorded`."""
+    written goes back to `leader.step.leader_timeline_recorded`."""
 
     generation: int
     timeline: Mapping[str, Any]
@@ -369,7 +369,7 @@ class CountRecovery:
 
 @dataclass(frozen=True)
 class ReadCommitRecords:
-    """Read the commit records of `generation`; they go to `leaderstep.leader_safe_step`,
+    """Read the commit records of `generation`; they go to `leader.step.leader_safe_step`,
     which computes the safe step of `ring` with `copies` replicas."""
 
     generation: int
@@ -379,7 +379,7 @@ class ReadCommitRecords:
 
 @dataclass(frozen=True)
 class ReadSafe:
-    """Read the published safe step; it goes to `leaderstep.leader_safe_read`, which writes
+    """Read the published safe step; it goes to `leader.step.leader_safe_read`, which writes
     `safe` only if it is higher."""
 
     safe: SafeStep
@@ -389,7 +389,7 @@ class ReadSafe:
 @dataclass(frozen=True)
 class WriteSafe:
     """Publish `safe`, fenced by the term and the revision read (`expected_rev`); the
-    outcome goes to `leaderstep.leader_safe_written`."""
+    outcome goes to `leader.step.leader_safe_written`."""
 
     safe: SafeStep
     expected_rev: int

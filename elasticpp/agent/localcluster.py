@@ -302,7 +302,7 @@ class LocalCluster:
             )
 
     def timelines(self) -> list[dict[str, Any]]:
-        from elasticpp.cluster import ClusterClient
+        from elasticpp.cluster.client import ClusterClient
 
         with ClusterClient([self.etcd.endpoint], str(self.spec["name"])) as c:
             values, _ = c.barrier_state("timelines")

@@ -29,44 +29,42 @@ the leader key. One loop thread makes every decision; watches and worker readers
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
 hand results back through futures wake it too, probes included) or for a tick (`pace`).
 
-This module composes the agent: the parts' state, the decision loop and shutdown (its flags
-are `config.AgentConfig`); start-up and joining the job are in `startup`; the one executor
-of the parts' actions is `kernel.executor` (the table of handlers each part registers; the
-leader's are in `leaderhandlers`). The parts are becoming objects with ports, one sub-
-package each with its pure `step` and its `shell`: `control` (built with the pool, the
-health service, the clock and the metrics, it reads the others only through the summaries of
-`kernel.summaries`), `view` (built with the etcd client's reads: the others read what it
-knows through its frozen `View.snapshot`), `supervisor` (the worker processes: built with
-the pool, the worker logs, what the other parts do with a worker's events, where failures
-are reported and whether spares are wanted), `durability` (commits, commit records,
-replication, persistence: built with the store, where commit records go, the peers' member
-records, whether the node is fenced and the plan it follows), `liveness` (probes of suspects
-and of the leader: built with the view's snapshot and the etcd call that deposes a leader),
-`health` (quarantines, the job's end, halts: built with its etcd calls, the pool and the
-leader's term; it carries out the leader's health decisions) and `follower` (the phases of a
-generation with their deadlines, arrivals, the fetch of resume state, handing the ranks to
-warm workers: built with the view, the pool, the supervisor's warm workers, the store and
-the executor); what every part uses (the journal of decisions, the error policy, the
-executor, threads with futures) is in `kernel`. The other parts live in their own modules,
-each with its invariants in its docstring: `leader` (plans, resume instructions, the safe
-step); how long the loop sleeps is `pace.tick_s`'s (pure) on what the parts say. Timeouts
-and limits are in `limits`.
+This module composes the agent: the parts, the decision loop and shutdown (its flags are
+`config.AgentConfig`); start-up and joining the job are in `startup` (still a mixin of
+`Agent`); the one executor of the parts' actions is `kernel.executor` (the table of handlers
+each part registers). Each part is an object with ports, one sub-package each with its pure
+`step` and its `shell`: `control` (built with the pool, the health service, the clock and
+the metrics, it reads the others only through the summaries of `kernel.summaries`), `view`
+(built with the etcd client's reads: the others read what it knows through its frozen
+`View.snapshot`), `supervisor` (the worker processes: built with the pool, the worker logs,
+what the other parts do with a worker's events, where failures are reported and whether
+spares are wanted), `durability` (commits, commit records, replication, persistence: built
+with the store, where commit records go, the peers' member records, whether the node is
+fenced and the plan it follows), `liveness` (probes of suspects and of the leader: built
+with the view's snapshot and the etcd call that deposes a leader), `health` (quarantines,
+the job's end, halts: built with its etcd calls, the pool and the leader's term; it carries
+out the leader's health decisions), `follower` (the phases of a generation with their
+deadlines, arrivals, the fetch of resume state, handing the ranks to warm workers: built
+with the view, the pool, the supervisor's warm workers, the store and the executor) and
+`leader` (campaigns, plans, resume instructions, the safe step: built with its etcd calls,
+the view's snapshot, the other parts' summaries and liveness's probes of suspects); what
+every part uses (the journal of decisions, the error policy, the executor, threads with
+futures) is in `kernel`. How long the loop sleeps is `pace.tick_s`'s (pure) on what the
+parts say. Timeouts and limits are in `limits`.
 
-Who writes what: each part's state is one object with one writer, that part's module on the
-decision loop: the worker pool (`WorkerPool`, written through its methods) and the leader's
-`LeaderState` (`_ls`, a new one per term, with its health judgement); control's
-`ControlState`, the view's `ViewState`, the supervisor's `SupervisorState`, the durability
-part's `DurabilityState`, liveness's `LivenessState`, the health part's `HealthState` and
-the follower's `FollowerState` (with the generation's `_GenState`) are their objects' own. A
-part reads another's state and asks for changes through the owner's methods; watches, gRPC
-and worker threads only raise signals or queue requests (`inbox`), and the fetch and
-replication threads hand results back through futures. `tests/unit/test_agent_owners.py`
-reads the source and fails on a write by anyone else. Values a part derives from several
-sources stay with their sources and are combined by the reader: the newest join (the view's
-`last_join_s`, liveness's `revived_s`, health's `readmitted_s`), the detection time of a
-change (the view's `detected`, the follower's `detected()`), the exit status
-(`_exit_requested`). Each part's step runs in its own error boundary (`_part`). Parts read
-time from an injected clock (`clock`).
+Who writes what: each part's state is plain data its object alone writes, on the decision
+loop (`ControlState`, `ViewState`, `SupervisorState`, `DurabilityState`, `LivenessState`,
+`HealthState`, `FollowerState` with the generation's `_GenState`, and `LeaderState`, a new
+one per term); the worker pool (`WorkerPool`) is written through its methods. A part reads
+another through its summary or the view's snapshot and asks for changes through the ports
+it was built with; watches, gRPC and worker threads only raise signals or queue requests
+(`inbox`), and the fetch, pull and replication threads hand results back through futures
+the shells hold. Values a part derives from several sources stay with their sources and
+are combined by the reader: the newest join (the view's `last_join_s`, liveness's
+`revived_s`, health's `readmitted_s`), the detection time of a change (the view's
+`detected`, the follower's `detected()`), the exit status (`_exit_requested`). Each part's
+step runs in its own error boundary (`_part`). Parts read time from an injected clock
+(`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
 (`control.control_step`), the job's end (`health.step.job_end_step`), the supervisor's
 deadlines (`supervisor.step.supervisor_step`), a follower's watch on the leader
@@ -74,8 +72,7 @@ deadlines (`supervisor.step.supervisor_step`), a follower's watch on the leader
 follower's way through a generation (`follower.step.follower_step`: arrivals, the fetch and
 the assignment fed back), the durability part's worker events (`durability.step`: the
 store's record, commit and drop fed back) and the leader's decisions
-(`leaderstep.leader_step`: its writes and reads fed back). The leader's shell, which builds
-its observation, still do the reads a decision needs; the verdicts of probes and the
+(`leader.step.leader_step`: its writes and reads fed back). The verdicts of probes and the
 leader's health judgement come before its step. Pure rules under the parts: `decide` (re-
 planning, phases), `sick` (quarantine) and the leader's resolve
 (`elasticpp.store.resolver`).
@@ -100,7 +97,6 @@ from elasticpp.agent.actions import (
     Action,
     Event,
     PublishMemberInfo,
-    StepDown,
     StopWorkers,
     UpdateGauges,
 )
@@ -118,8 +114,7 @@ from elasticpp.agent.kernel.ports import HealthPort
 from elasticpp.agent.kernel.summaries import (
     ProgressSummary,
 )
-from elasticpp.agent.leader import LeaderPart
-from elasticpp.agent.leaderstate import LeaderState
+from elasticpp.agent.leader.shell import Leader, LeaderConfig, LeaderPorts
 from elasticpp.agent.limits import (
     LEADER_TURN_GAP_MAX_S,
     LEADER_TURN_SHARE,
@@ -131,7 +126,6 @@ from elasticpp.agent.liveness.shell import Liveness
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pace import PaceObservation, tick_s
 from elasticpp.agent.pool import WorkerPool
-from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.startup import StartupPart
 from elasticpp.agent.supervisor.shell import (
     Supervisor,
@@ -141,7 +135,7 @@ from elasticpp.agent.supervisor.shell import (
 )
 from elasticpp.agent.view.shell import View
 from elasticpp.agent.worklogs import WorkerLogs
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     NodeIdConflictError,
@@ -157,10 +151,7 @@ from elasticpp.transport import Dialer
 log = logging.getLogger("elasticpp.agent")
 
 
-class Agent(
-    StartupPart,
-    LeaderPart,
-):
+class Agent(StartupPart):
     def __init__(
         self,
         cfg: AgentConfig,
@@ -221,7 +212,6 @@ class Agent(
         self.pool = WorkerPool(
             self._wake, clock=self._clock.monotonic
         )  # the supervisor's workers (elasticpp.agent.pool)
-        self._ls = LeaderState(SickNodes(spec.sick_policy()))  # a new term starts a new one
         # The executor's own: the lifecycle of this agent's server, registration and loop.
         # Every channel to a peer (probes, state transfers): TLS with this node's
         # certificate when the job has one (elasticpp.transport, the one place).
@@ -280,11 +270,9 @@ class Agent(
         )
         self.control.register(self.executor)
         self.view.register(self.executor)
-        self._register_leader(self.executor)
         # What the parts ask of the agent itself: its registration, the leader's term, the
         # workers as a whole, the gauges of every part.
         self.executor.register(PublishMemberInfo, lambda _: self._publish_member_info())
-        self.executor.register(StepDown, lambda a: self._step_down(a.why))
         self.executor.register(StopWorkers, lambda _: self.pool.stop_workers())
         self.executor.register(UpdateGauges, lambda _: self._update_gauges())
         self.health = Health(
@@ -296,7 +284,7 @@ class Agent(
             pool=self.pool,
             own_step=self._own_step,
             last_step=lambda: self.durability.state.last_step,
-            leadership=lambda: self._ls.leadership,
+            leadership=lambda: self.leader.leadership,
             reread=self.view.reread.raise_,
         )
         self.health.register(self.executor)
@@ -400,6 +388,37 @@ class Agent(
             worker_factory=worker_factory,
         )
         self.supervisor.register(self.executor)
+        live = self.liveness
+        self.leader = Leader(
+            LeaderConfig(cfg.node_id, cfg.advertise_host, self.store.job),
+            spec=spec,
+            clock=self._clock,
+            journal=self.journal,
+            metrics=self.metrics,
+            cluster=self.cluster,
+            dialer=self._dialer,
+            ports=LeaderPorts(
+                view=lambda: self.view.snapshot,
+                reread=self.view.reread.raise_,
+                follower=self.follower.summary,
+                detected=self.follower.detected,
+                control=self.control.summary,
+                health=self.health.summary,
+                quarantines=self.health.quarantines,
+                liveness=live.summary,
+                dead_now=live.dead_now,
+                settle_probes=live.settle,
+                confirm_suspects=live.confirm_suspects,
+                fenced=self._fenced,
+                leaving=lambda: self._exit_requested() is not None,
+                torch_ready=self._torch_ready.is_set,
+                lease_gate=self._lease_gate,
+                epoch=lambda: self.store.epoch,
+                execute=self._execute,
+                wake=self._wake.set,
+            ),
+        )
+        self.leader.register(self.executor)
         self.executor.register(Event, lambda a: self.journal.write(a.kind, a.message))
         self.metrics.of(self.metrics.target_steps).set(spec.steps)
         self.metrics.of(self.metrics.job_finished).set(0)
@@ -506,10 +525,10 @@ class Agent(
     def _tick_s(self) -> float:
         """How long the loop may sleep when nothing wakes it (`pace.tick_s`, on what the
         parts say now)."""
-        follower, view, ls = self.follower.summary(), self.view.snapshot, self._ls
+        follower, view, leader = self.follower.summary(), self.view.snapshot, self.leader.summary()
         current = view.record.generation if view.record is not None else 0
         now_s = self._clock.monotonic()
-        campaign_at_s = ls.campaign_at_s  # leaderless: this node's campaign is due then
+        campaign_at_s = leader.campaign_at_s  # leaderless: this node's campaign is due then
         return tick_s(
             PaceObservation(
                 joined=self._joined,
@@ -524,9 +543,9 @@ class Agent(
                 # the loop is not established. Other worker events wake it once. On the
                 # real clock: the pool's reader threads stamp the steps on it.
                 training=time.monotonic() - self.pool.trained_at_s < QUIET_TICK_S,
-                leading=ls.leadership is not None,
-                led_generation=ls.generation,
-                timeline_written=ls.timeline_written,
+                leading=leader.leading,
+                led_generation=leader.generation,
+                timeline_written=leader.timeline_written,
                 phase=follower.phase,
                 rest_s=self.supervisor.rest_for_s(now_s),
                 campaign_in_s=campaign_at_s - now_s
@@ -541,7 +560,7 @@ class Agent(
         taken a batch a turn, not a turn each (a turn reads all N). A follower's turns are
         not paced: each reads its own records."""
         self._turn_waits = False
-        if self._is_leader():
+        if self.leader.acting():
             gap_s = min(LEADER_TURN_GAP_MAX_S, cpu_s * (1.0 / LEADER_TURN_SHARE - 1.0))
             self._next_turn_s = time.monotonic() + gap_s
         else:
@@ -604,9 +623,7 @@ class Agent(
         # The persister's copy finished; the newest commit record put while etcd is ours.
         self.durability.close(flush=self._etcd_open)
         if self._etcd_open:
-            with contextlib.suppress(ElasticppError):
-                if self._ls.leadership is not None:
-                    self._ls.leadership.resign()
+            self.leader.close()
             with contextlib.suppress(ElasticppError):
                 if self._registration is not None:
                     self._registration.close()
@@ -668,7 +685,7 @@ class Agent(
         for name, step in (
             ("follower", self.follower.publish_failures),
             ("liveness", self._check_leader),
-            ("leader", self._maybe_campaign),
+            ("leader", self.leader.campaign),
             ("follower", self.follower.step),
             ("leader", self._lead_if_leader),
             ("control", self._control),
@@ -696,7 +713,7 @@ class Agent(
             self.follower.summary(),
             self.view.summary(),
             self._progress_summary(),
-            self._is_leader(),
+            self.leader.acting(),
         )
 
     # The summaries the parts publish (elasticpp.agent.kernel.summaries), built here from
@@ -704,7 +721,7 @@ class Agent(
     def _refresh(self) -> None:
         """The view's read of etcd, as the leader (every member, the arrivals) or not, with
         the nodes the liveness part found dead."""
-        self._execute(self.view.refresh(self._ls.leadership is not None, self.liveness.dead_now))
+        self._execute(self.view.refresh(self.leader.summary().leading, self.liveness.dead_now))
 
     def _etcd_down(self, exc: Exception) -> None:
         self._execute(self.view.etcd_down(exc))
@@ -739,8 +756,8 @@ class Agent(
         )
 
     def _lead_if_leader(self) -> None:
-        if self._is_leader():
-            self._lead()
+        if self.leader.acting():
+            self.leader.lead()
 
     def _part(self, source: str, step: Callable[[], object]) -> bool:
         """Run one part's step in its own error boundary. False when etcd is unreachable

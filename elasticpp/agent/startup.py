@@ -27,8 +27,8 @@ from elasticpp.agent.limits import (
     LEASE_STALL_S,
     UNARY_THREADS,
 )
-from elasticpp.cluster import ProgressGate
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
+from elasticpp.cluster.leases import ProgressGate
 from elasticpp.cluster.records import propose_epoch
 from elasticpp.errors import ConfigError
 from elasticpp.store.grants import fetch_refusal

@@ -72,7 +72,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.client import ClusterClient
 
     check_name("--name", args.name)
     endpoints, security = etcd_from_args(args)
@@ -205,7 +205,7 @@ def _table(status: dict[str, Any]) -> str:
 
 def whatif(spec: Any, nodes: int, slots: int) -> dict[str, Any]:
     """What the leader would plan for `nodes` agents of `slots` workers each: the same
-    planner call (elasticpp.agent.leaderstep), with the job's model, device and batch; at
+    planner call (elasticpp.agent.leader.step), with the job's model, device and batch; at
     most `max_nodes` of them in the plan, the others spares."""
     from elasticpp.plan import ClusterSpec, NodeSpec
     from elasticpp.plan.search import plan as plan_layout

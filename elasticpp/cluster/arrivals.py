@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.barriers import (
+    RESUME_MEMBER,
     RESUME_WAIT_MEMBER,
     check_arrival,
     join_resume,
@@ -34,7 +35,6 @@ from elasticpp.cluster.watch import Watch
 log = logging.getLogger("elasticpp.cluster.client")
 
 # The one member of barrier `resume-<G>`: the instruction of whichever leader wrote it.
-RESUME_MEMBER = "resume"
 
 
 def resume_records(value: Any, leader_id: str, at: float) -> list[tuple[str, str]]:

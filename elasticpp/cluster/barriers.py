@@ -110,6 +110,8 @@ def _resume(what: str, v: Any) -> None:
 # barrier in the same transaction, so that no etcd value passes 64 KiB.
 RESUME_PART_BYTES = 48 * 1024
 _RESUME_PART = re.compile(r"^resume-part-(?P<index>[0-9]{4})")
+# The member of barrier `resume-<G>` that holds the leader's resume instruction.
+RESUME_MEMBER = "resume"
 # The member of barrier `resume-<G>` by which a leader that cannot resume the generation says
 # so and why, `{"why": ..., "at": ...}`: its followers wait for state without a deadline
 # instead of failing the generation (which would blame and quarantine healthy nodes).

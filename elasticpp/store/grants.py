@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.plan.layout import Plan
-from elasticpp.store.replicate import replica_holders
+from elasticpp.store.ring import replica_holders
 
 
 def fetch_refusal(

@@ -22,7 +22,15 @@ from elasticpp.agent.follower.step import (
     follower_step,
 )
 from elasticpp.agent.health.step import job_end_step
-from elasticpp.agent.leaderstep import (
+from elasticpp.agent.leader.resume import (
+    leader_fresh_checked,
+    leader_pull_started,
+    leader_resume_resolved,
+    leader_resume_wait_published,
+    leader_resume_written,
+    stop_wait_step,
+)
+from elasticpp.agent.leader.step import (
     leader_generation_written,
     leader_safe_read,
     leader_safe_step,
@@ -31,14 +39,6 @@ from elasticpp.agent.leaderstep import (
     leader_timeline_recorded,
 )
 from elasticpp.agent.liveness.step import leader_deposed, leader_probed, leader_watch_step
-from elasticpp.agent.resumestep import (
-    leader_fresh_checked,
-    leader_pull_started,
-    leader_resume_resolved,
-    leader_resume_wait_published,
-    leader_resume_written,
-    stop_wait_step,
-)
 from elasticpp.agent.supervisor.step import supervisor_step, template_step
 from elasticpp.agent.view.step import view_step
 

@@ -101,14 +101,16 @@ def has_opaque(
 ) -> str | None:
     """The first opaque value's type in an encoded value, if it holds one. With `classes`,
     a field that moved out of its state since the recording (`Classes.moved_out`: a handle
-    now held by the part's shell) does not count, unless it is one of `read`: a field the
-    recorded step read, whose value its replacement now takes as an argument."""
+    now held by the part's shell) or became another (`Classes.converted`) does not count,
+    unless it is one of `read`: a field the recorded step read, whose value its replacement
+    now takes as an argument."""
     if isinstance(x, dict):
         if "__opaque" in x:
             return str(x["__opaque"])
         if classes is not None and "__dc" in x and isinstance(x.get("f"), dict):
             qualname = str(x["__dc"]).partition(":")[2]
             moved = classes.moved_out.get(qualname, frozenset()) - read
+            moved |= set(classes.converted.get(qualname, {})) - read
             fields = [v for k, v in x["f"].items() if k not in moved]
         else:
             fields = list(x.values())
@@ -127,10 +129,17 @@ def has_opaque(
 class Classes:
     """elasticpp's classes by `module:qualname`, and by qualname for a class that moved.
     `moved_out`: fields a state recorded that moved out of it since (into a part's shell),
-    by class qualname; decoding leaves them out."""
+    by class qualname; decoding leaves them out. `converted`: fields a state recorded that
+    became another field since, by class qualname: old name -> (new name, the new value
+    from the recorded one, still encoded: a handle is `{"__opaque": ...}`)."""
 
-    def __init__(self, moved_out: Mapping[str, frozenset[str]] | None = None) -> None:
+    def __init__(
+        self,
+        moved_out: Mapping[str, frozenset[str]] | None = None,
+        converted: Mapping[str, Mapping[str, tuple[str, Callable[[Json], Any]]]] | None = None,
+    ) -> None:
         self.moved_out = dict(moved_out or {})
+        self.converted = {k: dict(v) for k, v in (converted or {}).items()}
         self._by_qualname: dict[str, list[type]] = {}
         for info in pkgutil.walk_packages(elasticpp.__path__, "elasticpp."):
             try:
@@ -172,6 +181,25 @@ class Classes:
         return found[0]
 
 
+def _fields_today(cls: type, recorded: Mapping[str, Json], classes: Classes) -> dict[str, Json]:
+    """A dataclass's recorded fields in today's shape: moved-out ones left out, converted
+    ones under their new name with their new value, added ones with their default."""
+    gone = classes.moved_out.get(cls.__qualname__, frozenset())
+    turned = classes.converted.get(cls.__qualname__, {})
+    fields: dict[str, Json] = {}
+    for k, v in recorded.items():
+        if k in gone:
+            continue
+        if k in turned:
+            new, convert = turned[k]
+            fields[new] = encode(convert(v))
+        else:
+            fields[k] = v
+    for k, v in _defaults(cls).items():
+        fields.setdefault(k, encode(v))  # added since the recording, with its default
+    return fields
+
+
 def decode(x: Json, classes: Classes) -> Any:
     """The value `encode` wrote (see the module)."""
     if isinstance(x, list):
@@ -186,10 +214,7 @@ def decode(x: Json, classes: Classes) -> Any:
         cls = classes.find(x["__dc"])
         obj = cls.__new__(cls)
         names = {f.name for f in dataclasses.fields(cls)}
-        gone = classes.moved_out.get(cls.__qualname__, frozenset())
-        fields = {k: v for k, v in x["f"].items() if k not in gone}
-        added = {k: encode(v) for k, v in _defaults(cls).items() if k not in fields}
-        fields.update(added)  # added since the recording, with the value it defaults to
+        fields = _fields_today(cls, x["f"], classes)
         recorded = set(fields)
         if names != recorded:
             raise LookupError(
@@ -312,10 +337,10 @@ def today(x: Json, classes: Classes) -> Json:
             out[tag] = _cls_name(classes.find(str(x[tag])))
     if "__dc" in x:
         cls = classes.find(str(x["__dc"]))
-        gone = classes.moved_out.get(cls.__qualname__, frozenset())
-        out["f"] = {k: v for k, v in out["f"].items() if k not in gone}
-        for k, v in _defaults(cls).items():
-            out["f"].setdefault(k, encode(v))
+        turned = classes.converted.get(cls.__qualname__, {})
+        # A converted field's recorded value (a handle, maybe) is converted as recorded.
+        recorded = {k: (x["f"][k] if k in turned else v) for k, v in out["f"].items()}
+        out["f"] = _fields_today(cls, recorded, classes)
     return out
 
 

@@ -20,7 +20,7 @@ import pytest
 from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.limits import AGENT_STOP_KILL_WAIT_S
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 
 UNFINISHED = 143  # what the chart's indexed Job gives --unfinished-exit-code
 SPEC: dict[str, Any] = {

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from elasticpp.agent.clock import ManualClock
-from elasticpp.agent.leaderstate import CAMPAIGN_SPREAD_MAX_S, campaign_spread_s
+from elasticpp.agent.leader.shell import RendezvousStore
+from elasticpp.agent.leader.state import CAMPAIGN_SPREAD_MAX_S, campaign_spread_s
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.cluster import ClusterClient, LeaseNotFoundError
+from elasticpp.cluster.client import ClusterClient
+from elasticpp.cluster.errors import LeaseNotFoundError
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.cluster.keepers import kept
 from elasticpp.cluster.records import GenerationRecord
@@ -40,8 +42,9 @@ def agent(tmp_path: Path, etcd: EtcdServer, request: pytest.FixtureRequest) -> I
         clock=request.getfixturevalue("clock") if "clock" in request.fixturenames else None,
     )
     made._torch_ready.set()
-    made._start_rendezvous_store = lambda: None  # type: ignore[method-assign]  # no torch
-    yield made
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RendezvousStore, "start", classmethod(lambda cls, host: None))  # no torch
+        yield made
     made.shutdown()
 
 
@@ -56,8 +59,8 @@ def _campaigns_until_won(agent: Agent) -> bool:
     until this node leads: it campaigns after a draw within the spread for its job's size."""
 
     def won() -> bool:
-        agent._maybe_campaign()
-        return agent._ls.leadership is not None
+        agent.leader.campaign()
+        return agent.leader.leadership is not None
 
     return wait_until(won, CAMPAIGN_SPREAD_MAX_S + 5.0, interval_s=0.005)
 
@@ -86,16 +89,16 @@ def test_a_node_that_lost_a_campaign_waits_a_spread_before_the_next(
         try:
             agent.view.state.leader = None  # the view has not read n9's key yet
             spread_s = campaign_spread_s(1)
-            agent._maybe_campaign()  # draws its turn within the spread
+            agent.leader.campaign()  # draws its turn within the spread
             clock.advance(spread_s)
-            agent._maybe_campaign()
-            assert len(tries) == 1 and agent._ls.leadership is None  # lost to n9
+            agent.leader.campaign()
+            assert len(tries) == 1 and agent.leader.leadership is None  # lost to n9
             for _ in range(40):  # busy ticks within the spread that follows
                 clock.advance(spread_s / 50)
-                agent._maybe_campaign()
+                agent.leader.campaign()
             assert len(tries) == 1
             clock.advance(spread_s)  # a spread later, still no leader seen: it tries again
-            agent._maybe_campaign()
+            agent.leader.campaign()
             assert len(tries) == 2
         finally:
             held.resign()
@@ -108,16 +111,16 @@ def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
     assert agent.cluster is not None
     agent.view.state.leader = None
     assert _campaigns_until_won(agent)
-    first = agent._ls.leadership
+    first = agent.leader.leadership
     assert first is not None and _leader_keepers(agent) == 1
     with ClusterClient([etcd.endpoint], SPEC.name) as other:
         assert other.depose("n0")  # confirmed dead by a peer's probe, wrongly
     agent.view.state.leader = agent.cluster.leader()  # what the next refresh reads: no leader
     assert agent.view.state.leader is None
-    agent._maybe_campaign()  # lost the term
-    assert agent._ls.leadership is None
+    agent.leader.campaign()  # lost the term
+    assert agent.leader.leadership is None
     assert _campaigns_until_won(agent)  # then campaigns (after its draw) and wins again
-    second = agent._ls.leadership
+    second = agent.leader.leadership
     assert second is not None and second is not first and agent.cluster.leader() == "n0"
     assert _leader_keepers(agent) == 1  # the old term's keep-alive ended
     with pytest.raises(LeaseNotFoundError):
@@ -170,4 +173,4 @@ def test_a_new_term_starts_from_the_strikes_the_newest_record_carried(agent: Age
     )
     agent.view.state.leader = None
     assert _campaigns_until_won(agent)
-    assert agent._ls.sick.strikes == {"n5": 2}
+    assert agent.leader.state.sick.strikes == {"n5": 2}

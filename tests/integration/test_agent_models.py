@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cli.main import main as cli_main
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.proctree import descendants
 from tests.integration.test_agent_recovery import SPEC as AGENT_SPEC
 from tests.integration.test_hf_models import tiny_llama_config

@@ -21,7 +21,7 @@ import pytest
 
 from bench.soak import SLICED_DEVICE
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.proctree import descendants
 
 STEPS = 14

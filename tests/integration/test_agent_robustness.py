@@ -145,7 +145,7 @@ def _skipped_values(port: int) -> float:
 def test_unreadable_etcd_values_are_skipped_and_counted_not_fatal(
     cluster: LocalCluster, reference: dict[int, float]
 ) -> None:
-    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.client import ClusterClient
     from elasticpp.cluster.etcd_client import EtcdKV
 
     # The barrier values are there before the agents start: every agent reads them on every

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.test_agent_recovery import SPEC as RECOVERY_SPEC
 from tests.integration.test_agent_recovery import assert_same_curve

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.proctree import TEMPLATE_MODULE, children, descendants
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.etcd_server import EtcdServer
 
 

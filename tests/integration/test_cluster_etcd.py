@@ -12,25 +12,25 @@ from typing import Any
 
 import pytest
 
-from elasticpp.cluster import (
+from elasticpp.cluster.client import ClusterClient
+from elasticpp.cluster.errors import (
     BarrierTimeoutError,
-    ClusterClient,
     ClusterUnavailableError,
-    EventType,
     GenerationConflictError,
-    GenerationRecord,
-    GenerationSummary,
-    JobEpoch,
-    Leadership,
     MembershipLapsedError,
-    ProgressGate,
-    Registration,
-    WatchEvent,
 )
 from elasticpp.cluster.etcd_client import EtcdKV, WatchEnded, WatchItem
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.etcd_server import EtcdServer
-from elasticpp.cluster.records import propose_epoch
+from elasticpp.cluster.leases import Leadership, ProgressGate, Registration
+from elasticpp.cluster.records import (
+    EventType,
+    GenerationRecord,
+    GenerationSummary,
+    JobEpoch,
+    WatchEvent,
+    propose_epoch,
+)
 from elasticpp.waiting import wait_until
 
 JOB = "job-test"
@@ -315,7 +315,7 @@ def _resume(step: int) -> dict[str, Any]:
 def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leader(
     clients: Callable[[], ClusterClient],
 ) -> None:
-    from elasticpp.cluster.arrivals import RESUME_MEMBER
+    from elasticpp.cluster.barriers import RESUME_MEMBER
 
     a, b = clients(), clients()
     old = a.campaign("n1", ttl_s=5)
@@ -337,8 +337,7 @@ def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leade
 def test_a_leader_that_cannot_resume_says_so_fenced_and_never_over_an_instruction(
     clients: Callable[[], ClusterClient],
 ) -> None:
-    from elasticpp.cluster.arrivals import RESUME_MEMBER
-    from elasticpp.cluster.barriers import RESUME_WAIT_MEMBER
+    from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER
 
     a, b = clients(), clients()
     old = a.campaign("n1", ttl_s=5)
@@ -365,7 +364,7 @@ def test_a_leader_that_cannot_resume_says_so_fenced_and_never_over_an_instructio
 def test_a_large_resume_instruction_is_written_in_parts_and_read_whole(
     clients: Callable[[], ClusterClient],
 ) -> None:
-    from elasticpp.cluster.arrivals import RESUME_MEMBER
+    from elasticpp.cluster.barriers import RESUME_MEMBER
 
     a, b = clients(), clients()
     lead = a.campaign("n1", ttl_s=30)

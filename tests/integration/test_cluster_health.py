@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.cluster.health import QuarantineRecord

@@ -1,5 +1,5 @@
 """The holdings detail the leader pulls at a transition, over real gRPC on loopback:
-`StateService.ListHoldings` pages, limits and status codes, and `agent.pull.pull_holdings`
+`StateService.ListHoldings` pages, limits and status codes, and `agent.leader.pull.pull_holdings`
 (bounded concurrency, a deadline, nodes that do not answer or moved on)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from elasticpp.agent.pull import pull_holdings
+from elasticpp.agent.leader.pull import pull_holdings
 from elasticpp.errors import CheckpointError, ConfigError, StaleGenerationError
 from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.client import StateClient

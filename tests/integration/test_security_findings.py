@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
-from elasticpp.cluster import ClusterClient
+from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.proctree import descendants

@@ -428,7 +428,7 @@ def test_every_listening_socket_of_a_node_is_one_docs_deploy_lists(doors: Doors)
 
 def _generation_of(doors: Doors) -> Any:
     """The generation record, read as the job's etcd user (plaintext etcd here)."""
-    from elasticpp.cluster import ClusterClient
+    from elasticpp.cluster.client import ClusterClient
 
     with ClusterClient([doors.lc.etcd.endpoint], str(doors.lc.spec["name"])) as c:
         return c.read_generation()

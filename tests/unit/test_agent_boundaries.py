@@ -12,7 +12,7 @@ from typing import Any
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.cluster.arrivals import RESUME_MEMBER
+from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError

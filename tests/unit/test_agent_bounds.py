@@ -17,15 +17,17 @@ from elasticpp.agent.durability.step import CommitValue, anchors_ran_ahead
 from elasticpp.agent.follower.step import FetchOutcome, _GenState
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.latest import LatestWriter, Pacing
+from elasticpp.agent.leader.shell import RendezvousStore
 from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
-from elasticpp.cluster.arrivals import RESUME_MEMBER
+from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
+from tests.fakes import Term
 from tests.unit.test_agent_done import SPEC_FIELDS, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
 
@@ -327,12 +329,11 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
     import torch.distributed as dist
 
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
-    agent._ls.tcpstore = dist.TCPStore(  # what the leader starts for its term (real, loopback)
+    store = dist.TCPStore(  # what the leader starts for its term (real, loopback)
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
-    client = dist.TCPStore(
-        "127.0.0.1", agent._ls.tcpstore.port, is_master=False, timeout=timedelta(seconds=30)
-    )
+    agent.leader.begin_term(Term(), RendezvousStore(store, f"127.0.0.1:{store.port}"))
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
     for generation in range(1, 51):
         ranks = dist.PrefixStore(f"gen{generation}", client)  # what each worker does
         for rank in range(4):
@@ -348,10 +349,10 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
             plan=Plan.from_dict(_record(generation).plan),
             phase=Phase.RUNNING,
         )
-        agent._ls.at(generation, time.monotonic()).resume_written = True
+        agent.leader.state.at(generation, time.monotonic()).resume_written = True
         lead_timeline(agent, gs)  # the generation runs on every node
-        assert agent._ls.timeline_written
-    assert sorted(agent._ls.tcpstore.list_keys()) == [
+        assert agent.leader.state.timeline_written
+    assert sorted(store.list_keys()) == [
         "gen50/arrived",
         "gen50/rank0",
         "gen50/rank1",

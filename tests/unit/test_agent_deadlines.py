@@ -20,6 +20,7 @@ from elasticpp.cluster.health import JobEnd, QuarantineRecord
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.resume import TransferProgress
+from tests.fakes import Term
 from tests.unit.test_agent_done import lead_resume
 
 SPEC_FIELDS: dict[str, Any] = {
@@ -162,14 +163,6 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     assert "not ready within 7 s" in report["reason"]
 
 
-class _Leadership:
-    node_id = "n0"
-    create_revision = 1
-
-    def is_held(self) -> bool:
-        return True
-
-
 def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     tmp_path: Path,
 ) -> None:
@@ -177,7 +170,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     keeps its lease and answers probes)."""
     clock = ManualClock()
     agent, cluster = _agent(tmp_path, clock=clock)
-    agent._ls.leadership = _Leadership()
+    agent.leader.begin_term(Term(), None)
     agent.view.state.leader = "n0"
     agent.view.state.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
@@ -194,7 +187,9 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     agent.view.state.barriers = {"stopped-2": {"n0": holdings, "n1": holdings}}
     lead_resume(agent, gs)
     lead_resume(agent, gs)
-    assert cluster.quarantines == [] and not agent._ls.resume_written  # within the deadline
+    assert (
+        cluster.quarantines == [] and not agent.leader.state.resume_written
+    )  # within the deadline
     # The node's own report of workers that outlive SIGKILL (stop_timeout_s after its kill)
     # gets a margin to arrive first: it says why.
     clock.advance(SPEC.stop_timeout_s + 1)
@@ -205,13 +200,13 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     [q] = cluster.quarantines
     assert q.node_id == "n2" and q.incarnation == "in2"
     assert "did not arrive at stopped-2 within 10 s" in q.reason
-    assert not agent._ls.resume_written  # n2 is in the plan: the next plan goes without it
-    view = agent._view()
+    assert not agent.leader.state.resume_written  # n2 is in the plan: the next plan goes without it
+    view = agent.leader.cluster_view()
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside
     # again; a new incarnation's would.
     agent.health.state.quarantines = {}
-    agent._lead_health(agent._view())
+    agent.leader.judge_health(agent.leader.cluster_view())
     assert len(cluster.quarantines) == 1
 
 
@@ -314,7 +309,7 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     """Before, a probe counted NOT_SERVING as alive, and a wedged agent stayed in every
     plan (the review's N2b)."""
     agent, cluster = _agent(tmp_path)
-    agent._ls.leadership = _Leadership()
+    agent.leader.begin_term(Term(), None)
     agent.view.state.leader = "n0"
     agent.view.state.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
@@ -326,12 +321,12 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     )
     agent.view.state.record = record
     agent.liveness.state.unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
-    view = agent._lead_health(agent._view())
+    view = agent.leader.judge_health(agent.leader.cluster_view())
     [q] = cluster.quarantines
     assert q.node_id == "n2" and "NOT_SERVING" in q.reason
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside
     # again; a new incarnation's would.
     agent.health.state.quarantines = {}
-    agent._lead_health(agent._view())
+    agent.leader.judge_health(agent.leader.cluster_view())
     assert len(cluster.quarantines) == 1

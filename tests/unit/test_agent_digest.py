@@ -13,6 +13,7 @@ from elasticpp.agent.actions import ArriveStopped
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord, Members
 from elasticpp.store.digest import HoldingsDigest
+from tests.fakes import Term
 from tests.unit.test_agent_done import SPEC, _plan
 from tests.unit.test_store_local import commit_replica_step, commit_step
 
@@ -68,14 +69,6 @@ class _Cluster:
         self.arrivals.append((barrier, node_id, value))
 
 
-class _Leadership:
-    node_id = "n1"
-    create_revision = 1
-
-    def is_held(self) -> bool:
-        return True
-
-
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
     cluster = _Cluster()
     agent = Agent(
@@ -95,7 +88,7 @@ def test_only_the_leader_reads_the_nodes_arrivals(tmp_path: Path) -> None:
     assert not cluster.leader_cached
     assert not {"stopped-3", "started-3", "failed-3"} & set(cluster.read)
     assert "resume-3" in cluster.read
-    agent._ls.leadership = _Leadership()  # this node leads
+    agent.leader.begin_term(Term("n1"), None)  # this node leads
     cluster.read.clear()
     agent._refresh()
     assert {"stopped-3", "started-3", "failed-3", "resume-3"} <= set(cluster.read)
@@ -129,7 +122,7 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     assert sorted(agent.view.member_records(["n2", "n3", "n9"])) == ["n2", "n3"]
     assert sorted(agent.view.member_records(["n2", "n3"])) == ["n2", "n3"]
     assert cluster.read == ["member n2", "member n3", "member n9"]
-    agent._ls.leadership = _Leadership()  # this node leads: every member, cached
+    agent.leader.begin_term(Term("n1"), None)  # this node leads: every member, cached
     cluster.read.clear()
     agent._refresh()
     assert "every member" in cluster.read

@@ -14,15 +14,16 @@ import pytest
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.leaderstep import leader_resume_step, leader_timeline_step
+from elasticpp.agent.leader.step import LeaderObservation, leader_resume_step, leader_timeline_step
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
-from elasticpp.cluster.arrivals import RESUME_MEMBER
+from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.train.procs import EXITED
+from tests.fakes import Term
 
 # One node, one tiny model: the job of every constructed agent here (and in the control
 # tests on real gRPC).
@@ -47,14 +48,20 @@ def _plan(generation: int) -> Plan:
     ).with_generation(generation)
 
 
+def _observed(agent: Agent, gs: _GenState) -> LeaderObservation:
+    """What the leader's step sees while this node's follower is in `gs`."""
+    agent.follower.state.gen = gs
+    return agent.leader.observation(agent.leader.cluster_view())
+
+
 def lead_resume(agent: Agent, gs: _GenState) -> None:
-    """The leader's resume step for `gs` (elasticpp.agent.leaderstep), its actions applied."""
-    agent._execute(leader_resume_step(agent._ls, agent._leader_observation(agent._view(), gs)))
+    """The leader's resume step for `gs` (elasticpp.agent.leader.step), its actions applied."""
+    agent._execute(leader_resume_step(agent.leader.state, _observed(agent, gs)))
 
 
 def lead_timeline(agent: Agent, gs: _GenState) -> None:
     """The leader's timeline step for `gs`, its actions applied."""
-    agent._execute(leader_timeline_step(agent._ls, agent._leader_observation(agent._view(), gs)))
+    agent._execute(leader_timeline_step(agent.leader.state, _observed(agent, gs)))
 
 
 class _Proc:
@@ -125,10 +132,11 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
         spec,
         cluster=cluster,  # type: ignore[arg-type]
     )
+    agent.leader.begin_term(Term(), None)  # elected after n9, which wrote the timeline
     plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
-    agent._ls.at(2, time.monotonic()).resume_written = True
+    agent.leader.state.at(2, time.monotonic()).resume_written = True
     agent.view.state.barriers = {
         "timelines": {"gen-2": {"generation": 2, "resume_step": 10}},
         "started-2": {"n0": {"at": time.time(), "moved_at": time.time()}},
@@ -137,7 +145,7 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     lead_timeline(agent, gs)
     assert cluster.arrivals == []  # n9's timeline of generation 2 stays
     del agent.view.state.barriers["timelines"]["gen-2"]
-    agent._ls.timeline_written = False  # as a leader elected later knows it
+    agent.leader.state.timeline_written = False  # as a leader elected later knows it
     lead_timeline(
         agent, _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     )
@@ -172,7 +180,7 @@ def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Pa
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
     lead_resume(agent, gs)
-    assert agent._ls.at(2, time.monotonic()).resume_written
+    assert agent.leader.state.at(2, time.monotonic()).resume_written
 
 
 def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:

@@ -17,6 +17,7 @@ from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord, JobEpoch
 from elasticpp.plan import Plan
+from tests.fakes import Term
 from tests.unit.test_agent_done import SPEC, _plan, lead_resume
 from tests.unit.test_store_local import commit_step
 
@@ -52,6 +53,7 @@ def _agent(tmp_path: Path, cluster: Any = None) -> Agent:
         AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
     )
     agent.view.state.members = {"n0": {"address": "127.0.0.1:1", "incarnation": agent.incarnation}}
+    agent.leader.begin_term(Term(), None)  # this node leads
     return agent
 
 
@@ -71,8 +73,10 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     cluster.down = True
     with pytest.raises(ClusterUnavailableError):
         lead_resume(agent, gs)
-    assert cluster.resumes == [] and not agent._ls.resume_written  # before: resumed at step 0
-    assert "does not start over" in agent._ls.last_wait
+    assert (
+        cluster.resumes == [] and not agent.leader.state.resume_written
+    )  # before: resumed at step 0
+    assert "does not start over" in agent.leader.state.last_wait
     # The followers learn it from etcd (they wait instead of failing the generation): asked
     # again until etcd has it, then not again.
     cluster.down = False

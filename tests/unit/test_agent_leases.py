@@ -13,6 +13,7 @@ from elasticpp.agent.limits import LEASE_STALL_S, LOOP_STALL_S, QUIET_TICK_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.errors import NodeIdConflictError
 from elasticpp.cluster.leases import ProgressGate
+from tests.fakes import Term
 from tests.unit.test_agent_done import SPEC
 
 
@@ -29,11 +30,6 @@ class _Registration:
 
     def may_have_lapsed(self) -> bool:
         return self.lapsed
-
-
-class _Leadership:
-    def is_held(self) -> bool:
-        return True
 
 
 def test_the_lease_gate_follows_the_decision_loops_heartbeat(tmp_path: Path) -> None:
@@ -104,15 +100,15 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
 
 def test_a_leader_whose_own_membership_is_lost_or_unseen_does_not_plan(tmp_path: Path) -> None:
     agent = _agent(tmp_path)
-    agent._ls.leadership = _Leadership()
+    agent.leader.begin_term(Term(), None)
     agent.view.state.leader = "n0"
     agent._registration = _Registration()
     agent.view.state.members = {"n0": {"address": "a"}, "n1": {"address": "b"}}
-    assert agent._is_leader()
+    assert agent.leader.acting()
     agent._registration.lapsed = True  # its lease is known lost, the key not re-put yet
-    assert not agent._is_leader()
+    assert not agent.leader.acting()
     agent._registration.lapsed = False
     agent.view.state.members = {
         "n1": {"address": "b"}
     }  # re-put, but not yet seen in a members read
-    assert not agent._is_leader()
+    assert not agent.leader.acting()

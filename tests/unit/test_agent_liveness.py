@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from elasticpp.agent import leader as leader_module
 from elasticpp.agent import probe
+from elasticpp.agent.leader import shell as leader_module
 from elasticpp.agent.limits import DEAD_RECHECK_S
 from elasticpp.agent.liveness import shell as liveness
 from elasticpp.agent.liveness.step import paced_keep_s
@@ -98,12 +98,14 @@ def test_a_failed_generation_probes_each_suspect_once_per_recheck_period_not_eve
     tmp_path: Path, probes: _Probes
 ) -> None:
     agent = _agent(tmp_path)
-    agent._ls.replan_not_before_s = time.monotonic() + 60  # in re-plan backoff: the failure waits
+    agent.leader.state.replan_not_before_s = (
+        time.monotonic() + 60
+    )  # in re-plan backoff: the failure waits
     for _ in range(20):
-        agent._lead()
+        agent.leader.lead()
     settle(agent)
     for _ in range(20):
-        agent._lead()
+        agent.leader.lead()
     # Not the leader itself, not n03 (its report is proof of life): the 14 silent nodes,
     # once each, not 15 per tick.
     assert sorted(probes.calls) == [f"{n}:1" for n in NODES if n not in ("n00", "n03")]
@@ -113,7 +115,7 @@ def test_a_failed_generation_probes_each_suspect_once_per_recheck_period_not_eve
     }
     probes.calls.clear()
     for _ in range(20):
-        agent._lead()
+        agent.leader.lead()
     settle(agent)
     assert len(probes.calls) == 14
     agent.liveness.close()
@@ -139,19 +141,21 @@ def test_live_suspects_of_a_large_round_are_probed_again_at_the_pace_not_every_p
     # 2,048-node leader re-probed 2,047 live suspects every ~2 s while a failure waited.)
     monkeypatch.setattr(liveness, "PROBE_RECHECK_PER_S", 4.0)
     agent = _agent(tmp_path)
-    agent._ls.replan_not_before_s = time.monotonic() + 60  # in re-plan backoff: the failure waits
-    agent._lead()
+    agent.leader.state.replan_not_before_s = (
+        time.monotonic() + 60
+    )  # in re-plan backoff: the failure waits
+    agent.leader.lead()
     settle(agent)
     assert len(probes.calls) == 14
     probes.calls.clear()
     _aged(agent, DEAD_RECHECK_S + 0.1)
     for _ in range(5):
-        agent._lead()
+        agent.leader.lead()
     settle(agent)
     assert probes.calls == []
     _aged(agent, 1.5)  # 3.6 s after the round: past 14 / 4
     for _ in range(5):
-        agent._lead()
+        agent.leader.lead()
     settle(agent)
     assert len(probes.calls) == 14
     agent.liveness.close()
@@ -178,12 +182,12 @@ def test_a_newly_failed_generation_probes_its_suspects_afresh(
 ) -> None:
     monkeypatch.setattr(liveness, "PROBE_RECHECK_PER_S", 4.0)
     agent = _agent(tmp_path)
-    agent._ls.replan_not_before_s = time.monotonic() + 60
-    agent._lead()
+    agent.leader.state.replan_not_before_s = time.monotonic() + 60
+    agent.leader.lead()
     settle(agent)
     probes.calls.clear()
     _aged(agent, DEAD_RECHECK_S + 0.1)  # kept (3.5 s) for generation 5's failure, which waits
-    agent._lead()
+    agent.leader.lead()
     settle(agent)
     assert probes.calls == []
     # Generation 6 is planned and fails too: the answers about generation 5 are not reused.
@@ -193,7 +197,7 @@ def test_a_newly_failed_generation_probes_its_suspects_afresh(
     agent.view.state.barriers = {
         "failed-6": {"n03": {"reason": "worker exited 1", "at": time.time()}}
     }
-    agent._lead()
+    agent.leader.lead()
     settle(agent)
     assert len(probes.calls) == 14
     agent.liveness.close()
@@ -294,22 +298,22 @@ def test_the_leader_waits_for_the_second_look_at_a_silent_suspect(
     probes.sequences = {"n09:1": [ProbeResult.SILENT]}
     probes.results = {"n09:1": ProbeResult.SILENT}
     agent = _agent(tmp_path)
-    agent._lead()  # the first round: only this thread starts a second look
+    agent.leader.lead()  # the first round: only this thread starts a second look
     assert agent.liveness.probes() and steps == []
     assert wait_until(lambda: all(agent.liveness.probes().values()), 10)
     gate = probes.gates["n09:1"] = threading.Event()  # the second look is held open
     try:
-        agent._lead()  # the first verdicts; the second look at n09 starts
-        agent._lead()
+        agent.leader.lead()  # the first verdicts; the second look at n09 starts
+        agent.leader.lead()
         assert steps == [] and agent.liveness.state.dead == {}
         assert ("n09", "i-n09") in agent.liveness.probes()
         assert wait_until(lambda: probes.calls.count("n09:1") == 2, 10, interval_s=0.005)
-        agent._lead()
+        agent.leader.lead()
         assert steps == [] and agent.liveness.state.dead == {}
     finally:
         gate.set()
     settle(agent)
-    agent._lead()
+    agent.leader.lead()
     assert agent.liveness.state.dead == {"n09": "i-n09"}
     assert len(steps) == 1 and "n09" in steps[0].view.dead
     agent.liveness.close()
@@ -330,13 +334,13 @@ def test_the_leader_never_waits_on_a_probe_and_replans_with_the_verdicts(
     agent = _agent(tmp_path)
     woken = agent._wake
     woken.clear()
-    agent._lead()  # would hang here if the cycle waited on its probes
+    agent.leader.lead()  # would hang here if the cycle waited on its probes
     assert steps == [] and agent.liveness.probes() and agent.liveness.state.dead == {}
     assert not woken.is_set()
     probes.gate.set()
     assert wait_until(woken.is_set, 10, interval_s=0.005)  # a result wakes the loop
     settle(agent)
-    agent._lead()
+    agent.leader.lead()
     assert agent.liveness.state.dead == {"n09": "i-n09"}
     assert len(steps) == 1 and "n09" in steps[0].view.dead
     agent.liveness.close()
@@ -353,7 +357,7 @@ def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_st
     monkeypatch.setattr(leader_module, "leader_step", lambda ls, obs: steps.append(obs) or [])
     probes.gates = {"n15:1": threading.Event()}  # the round's last answer is slow
     agent = _agent(tmp_path)
-    agent._lead()
+    agent.leader.lead()
     assert wait_until(
         lambda: len(agent.liveness.state.probe_cache) == 13 or agent.liveness.probes_done(), 10
     )
@@ -361,16 +365,16 @@ def test_a_round_of_probes_longer_than_the_recheck_period_ends_and_the_leader_st
         k: (at - DEAD_RECHECK_S, r) for k, (at, r) in agent.liveness.state.probe_cache.items()
     }
     for _ in range(5):
-        agent._lead()
+        agent.leader.lead()
     assert len(probes.calls) == 14 and steps == []  # no new round while this one is out
     probes.gates["n15:1"].set()
     settle(agent)
-    agent._lead()
+    agent.leader.lead()
     assert len(steps) == 1  # the first round's verdicts are in: the step is taken
     # The expired ones are probed anew: held open, so that they are still out when looked
     # at (an answer that came at once could end the round before the assertion).
     probes.gate = threading.Event()
-    agent._lead()
+    agent.leader.lead()
     assert len(steps) == 2  # later rounds (the expired ones, started now) are not waited for
     assert agent.liveness.probes()
     probes.gate.set()

@@ -11,12 +11,13 @@ from typing import Any
 
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState
-from elasticpp.agent.leaderstep import leader_safe_check
+from elasticpp.agent.leader.step import leader_safe_check
 from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, Members, SafeStep
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
-from tests.unit.test_agent_done import SPEC
+from tests.fakes import Term
+from tests.unit.test_agent_done import SPEC, _observed
 from tests.unit.test_store_local import commit_replica_step, commit_step
 
 
@@ -95,7 +96,8 @@ def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent.follower.state.gen = gs
-    agent._ls.at(3, 0.0).resume_written = True  # the leader's: generation 3 resumed
+    agent.leader.begin_term(Term(), None)  # this node leads
+    agent.leader.state.at(3, 0.0).resume_written = True  # the leader's: generation 3 resumed
     return agent, cluster, gs
 
 
@@ -114,8 +116,8 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
 
 def _lead_safe_step(agent: Agent, gs: _GenState, now_s: float) -> None:
     """The leader's safe-step check at `now_s` (monotonic), its actions applied."""
-    obs = replace(agent._leader_observation(agent._view(), gs), now_s=now_s)
-    agent._execute(leader_safe_check(agent._ls, obs))
+    obs = replace(_observed(agent, gs), now_s=now_s)
+    agent._execute(leader_safe_check(agent.leader.state, obs))
 
 
 def test_the_leader_publishes_the_safe_step_only_when_it_rises(tmp_path: Path) -> None:

@@ -31,19 +31,12 @@ from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
 from elasticpp.plan import Plan
 from elasticpp.waiting import wait_until
+from tests.fakes import Term
 from tests.unit.test_agent_safe import SPEC, _plan
 
 
 class _Proc:
     pid = 12345
-
-
-class _Leadership:
-    node_id = "n0"
-    create_revision = 1
-
-    def is_held(self) -> bool:
-        return True
 
 
 def _quiet_agent(tmp_path: Path) -> Agent:
@@ -88,7 +81,7 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
     [
         pytest.param(_newer_record, id="a newer generation in etcd"),
         pytest.param(lambda a: setattr(a.view.state, "etcd_ok", False), id="etcd unreachable"),
-        pytest.param(lambda a: setattr(a._ls, "leadership", _Leadership()), id="leading"),
+        pytest.param(lambda a: a.leader.begin_term(Term(), None), id="leading"),
         pytest.param(
             lambda a: a.follower.state.pending_failures.__setitem__(3, {"reason": "x"}),
             id="a failure report pending",
@@ -113,7 +106,7 @@ def test_anything_in_motion_makes_the_ticks_short(
     agent = _quiet_agent(tmp_path)
     change(agent)
     assert agent._tick_s() == BUSY_TICK_S
-    if agent._ls.leadership is None:  # a leader whose workers train ticks at their pace
+    if agent.leader.leadership is None:  # a leader whose workers train ticks at their pace
         agent.pool.deliver(_Proc(), {"event": "step", "step": 5})  # nothing else calms
         assert agent._tick_s() == BUSY_TICK_S
     agent.liveness.close()
@@ -129,7 +122,7 @@ def test_a_node_whose_workers_train_ticks_at_the_training_pace(
     0.2 s) need no more. A leader in steady training too: its transition waits are over."""
     agent = _quiet_agent(tmp_path)
     if leading:
-        agent._ls.leadership = _Leadership()  # type: ignore[assignment]
+        agent.leader.begin_term(Term(), None)
     agent.pool.deliver(_Proc(), {"event": kind, "step": 5})
     assert agent._tick_s() == TRAINING_TICK_S
     assert BUSY_TICK_S < TRAINING_TICK_S < QUIET_TICK_S
@@ -141,16 +134,16 @@ def test_a_leader_whose_transition_is_over_ticks_at_the_training_pace(tmp_path: 
     leader's pace. While the generation's transition runs (its timeline not yet written),
     or once a newer generation is in etcd, it polls again."""
     agent = _quiet_agent(tmp_path)
-    agent._ls.leadership = _Leadership()  # type: ignore[assignment]
-    ls = agent._ls.at(3, 0.0)
+    agent.leader.begin_term(Term(), None)
+    ls = agent.leader.state.at(3, 0.0)
     assert agent._tick_s() == BUSY_TICK_S  # leading generation 3's transition
     ls.resume_written = ls.timeline_written = True
     assert agent._tick_s() == TRAINING_TICK_S
-    agent._ls.at(2, 0.0).timeline_written = True  # the transition it knows is an older one
+    agent.leader.state.at(2, 0.0).timeline_written = True  # the transition it knows is an older one
     assert agent._tick_s() == BUSY_TICK_S
-    agent._ls.at(3, 0.0)
+    agent.leader.state.at(3, 0.0)
     assert agent._tick_s() == BUSY_TICK_S  # a new term: generation 3's transition unknown
-    agent._ls.timeline_written = True
+    agent.leader.state.timeline_written = True
     assert agent._tick_s() == TRAINING_TICK_S
     _newer_record(agent)
     assert agent._tick_s() == BUSY_TICK_S
@@ -178,9 +171,9 @@ def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: P
     agent = _quiet_agent(tmp_path)
     agent.view.state.leader = None
     assert agent._tick_s() == QUIET_TICK_S  # no campaign drawn yet: the tick draws it
-    agent._ls.campaign_at_s = agent._clock.monotonic() + 0.7
+    agent.leader.state.campaign_at_s = agent._clock.monotonic() + 0.7
     assert 0.6 < agent._tick_s() <= 0.7
-    agent._ls.campaign_at_s = agent._clock.monotonic() - 1.0  # overdue (not yet taken)
+    agent.leader.state.campaign_at_s = agent._clock.monotonic() - 1.0  # overdue (not yet taken)
     assert agent._tick_s() == BUSY_TICK_S  # polls for it; never a wait of 0 (a spin)
     agent.view.state.leader = "n1"  # a leader is known: its draw no longer counts
     assert agent._tick_s() == QUIET_TICK_S
@@ -317,10 +310,10 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
 
 def _leading_agent(tmp_path: Path) -> Agent:
     agent = _quiet_agent(tmp_path)
-    agent._ls.leadership = _Leadership()  # type: ignore[assignment]
+    agent.leader.begin_term(Term(), None)
     agent.view.state.leader = "n0"
     agent.view.state.members = {"n0": {"incarnation": agent.incarnation}}
-    assert agent._is_leader()
+    assert agent.leader.acting()
     return agent
 
 

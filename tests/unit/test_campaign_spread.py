@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpp.agent.leaderstate import (
+from elasticpp.agent.leader.state import (
     CAMPAIGN_SPREAD_MAX_S,
     CAMPAIGN_SPREAD_S_PER_NODE,
     campaign_delay_s,

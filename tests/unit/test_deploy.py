@@ -975,7 +975,7 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
 
         # A drain switches at a step boundary: the generations after it recompute nothing.
         def timelines_after(generation: int) -> list[dict[str, Any]]:
-            from elasticpp.cluster import ClusterClient
+            from elasticpp.cluster.client import ClusterClient
 
             with ClusterClient([etcd.endpoint], STOP_SPEC["name"]) as client:
                 timelines, _rev = client.barrier_state("timelines")

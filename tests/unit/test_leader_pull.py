@@ -1,4 +1,4 @@
-"""The leader's resume from holdings digests (elasticpp.agent.resumestep), as pure steps:
+"""The leader's resume from holdings digests (elasticpp.agent.leader.resume), as pure steps:
 digests arrive at stopped-G, the detail is pulled (an action), the pull's result comes back
 as an observation, and the resume is resolved from it. No etcd, no gRPC, no sleeps."""
 
@@ -16,14 +16,14 @@ from elasticpp.agent.actions import (
     SetAside,
     WriteResume,
 )
-from elasticpp.agent.leaderstep import (
+from elasticpp.agent.leader.resume import WAIT_REPULL_EVERY_S
+from elasticpp.agent.leader.state import PulledHoldings
+from elasticpp.agent.leader.step import (
     leader_pull_started,
     leader_resume_resolved,
     leader_resume_wait_published,
     leader_step,
 )
-from elasticpp.agent.pull import PulledHoldings
-from elasticpp.agent.resumestep import WAIT_REPULL_EVERY_S
 from elasticpp.agent.sick import Quarantine
 from elasticpp.store.digest import digest_of
 from elasticpp.store.holdings import NodeHoldings
@@ -46,19 +46,6 @@ def _arrived(nodes: tuple[str, ...], step: int | None = 8) -> dict[str, Any]:
     }
 
 
-class _Done:
-    """A finished future, as the executor's thread leaves it."""
-
-    def __init__(self, result: PulledHoldings) -> None:
-        self._result = result
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> PulledHoldings:
-        return self._result
-
-
 def test_digests_at_stopped_are_pulled_once_and_the_resume_is_resolved_from_the_detail() -> None:
     state = _state()
     record = _record(2)
@@ -67,7 +54,7 @@ def test_digests_at_stopped_are_pulled_once_and_the_resume_is_resolved_from_the_
     assert isinstance(pull, PullHoldings) and pull.generation == 2
     assert sorted(pull.digests) == ["n0", "n1"] and pull.live_nodes == ("n0", "n1")
     assert pull.known == {} and pull.units == SPEC.model.units
-    assert leader_pull_started(state, pull, object()) == []
+    assert leader_pull_started(state, pull) == []
     assert leader_step(state, replace(obs, now_s=103.0)) == []  # in flight: not asked again
     pulled = PulledHoldings(2, {n: _held(n) for n in ("n0", "n1")}, held=True)
     [resolve] = leader_step(state, replace(obs, now_s=104.0, pulled=pulled))
@@ -84,7 +71,7 @@ def test_a_generation_waiting_for_state_pulls_again_and_resumes_once_a_checkpoin
     record = _record(2)
     obs = _obs(100.0, record=record, barriers={"stopped-2": _arrived(("n0", "n1"))})
     [pull] = leader_step(state, obs)
-    leader_pull_started(state, pull, object())
+    leader_pull_started(state, pull)
     # The nodes hold step 8 of one unit only (its other copies were lost): nothing resolves.
     partial = {n: NodeHoldings.from_dict(_holdings(n, 8, SPEC.model.units[:1])) for n in MEMBERS}
     pulled = PulledHoldings(2, partial, held=True)
@@ -98,12 +85,12 @@ def test_a_generation_waiting_for_state_pulls_again_and_resumes_once_a_checkpoin
     quiet = replace(obs, now_s=102.0, pulled=pulled)
     assert leader_step(state, quiet) == []
     assert leader_step(state, replace(quiet, now_s=101.9 + WAIT_REPULL_EVERY_S)) == []
-    assert state.pull is not None
+    assert state.pull_asked
     assert leader_step(state, replace(quiet, now_s=102.0 + WAIT_REPULL_EVERY_S)) == []
-    assert state.pull is None
+    assert not state.pull_asked
     [repull] = leader_step(state, replace(obs, now_s=102.5 + WAIT_REPULL_EVERY_S))
     assert repull == pull
-    leader_pull_started(state, repull, object())
+    leader_pull_started(state, repull)
     # An operator restored a checkpoint into persist_dir: the pull reads it, and it resumes.
     restored = PulledHoldings(2, partial, disk=_held("disk"), held=True)
     [resolve] = leader_step(state, replace(obs, now_s=103.0 + WAIT_REPULL_EVERY_S, pulled=restored))
@@ -116,7 +103,7 @@ def test_a_planned_node_that_does_not_answer_the_pull_is_set_aside_once_and_not_
     record = _record(2)
     obs = _obs(100.0, record=record, barriers={"stopped-2": _arrived(("n0", "n1"))})
     [pull] = leader_step(state, obs)
-    leader_pull_started(state, pull, object())
+    leader_pull_started(state, pull)
     pulled = PulledHoldings(2, {"n0": _held("n0")}, {"n1": "UNAVAILABLE: refused"}, held=True)
     [aside] = leader_step(state, replace(obs, now_s=101.0, pulled=pulled))
     assert isinstance(aside, SetAside)
@@ -132,7 +119,7 @@ def test_a_spare_that_does_not_answer_is_set_aside_and_the_others_resume() -> No
     stopped = {"stopped-2": _arrived(("n0", "n1", "n2"))}
     obs = _obs(100.0, record=record, members=SPARE, barriers=stopped, spec=SHORT)
     [pull] = leader_step(state, obs)
-    leader_pull_started(state, pull, object())
+    leader_pull_started(state, pull)
     holdings = {n: _held(n) for n in ("n0", "n1")}
     pulled = PulledHoldings(2, holdings, {"n2": "DEADLINE_EXCEEDED"}, held=True)
     aside, resolve = leader_step(state, replace(obs, now_s=101.0, pulled=pulled))
@@ -149,18 +136,18 @@ def test_a_failed_or_cut_short_pull_is_asked_again_and_a_newer_generation_reread
         (PulledHoldings(2, error="OSError: disk"), 100.5),
         (PulledHoldings(2, not_asked=("n1",)), 103.0),
     ):
-        leader_pull_started(state, pull, object())
+        leader_pull_started(state, pull)
         [told] = leader_step(state, replace(obs, now_s=now_s, pulled=result))
         assert isinstance(told, Event) and "holdings pull" in told.message
-        assert state.pull is None
+        assert not state.pull_asked
     assert leader_step(state, replace(obs, now_s=104.0)) == []  # 2 s after the last ask
     [again] = leader_step(state, replace(obs, now_s=105.5))
     assert again == pull
-    leader_pull_started(state, again, object())
+    leader_pull_started(state, again)
     moved = PulledHoldings(2, moved_on={"n1": "generation 2 is older than 3"})
     assert leader_step(state, replace(obs, now_s=106.0, pulled=moved)) == [Reread()]
     # A result of another generation is not this one's.
-    leader_pull_started(state, again, object())
+    leader_pull_started(state, again)
     other = PulledHoldings(1, {n: _held(n) for n in ("n0", "n1")})
     assert leader_step(state, replace(obs, now_s=107.0, pulled=other)) == []
 

@@ -16,8 +16,8 @@ import pytest
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import records
 from elasticpp.cluster.records import GenerationRecord, incarnation_tag, node_fields
+from tests.fakes import Term
 from tests.unit.test_agent_safe import SPEC, _plan
-from tests.unit.test_agent_tick import _Leadership
 
 
 def _leader(tmp_path: Path) -> Agent:
@@ -27,7 +27,7 @@ def _leader(tmp_path: Path) -> Agent:
     agent.view.state.record = GenerationRecord(3, plan, "n0", time.time(), extra=fields)
     agent.view.state.members = {n: {"incarnation": f"inc-{n}"} for n in ("n0", "n1")}
     agent.view.state.etcd_ok = True
-    agent._ls.leadership = _Leadership()
+    agent.leader.begin_term(Term(), None)
     return agent
 
 
@@ -51,7 +51,7 @@ def test_an_unchanged_view_is_not_checked_for_restarts_again(
     agent = _leader(tmp_path)
     try:
         for _ in range(5):
-            assert agent._view().restarted == frozenset()
+            assert agent.leader.cluster_view().restarted == frozenset()
         assert counted[0] == 1
     finally:
         agent.liveness.close()
@@ -60,37 +60,44 @@ def test_an_unchanged_view_is_not_checked_for_restarts_again(
 def test_new_members_or_a_new_record_are_checked_again(tmp_path: Path, counted: list[int]) -> None:
     agent = _leader(tmp_path)
     try:
-        agent._view()
+        agent.leader.cluster_view()
         # A new read of the members: n1's agent restarted (a new incarnation).
         agent.view.state.members = {"n0": {"incarnation": "inc-n0"}, "n1": {"incarnation": "inc-x"}}
-        assert agent._view().restarted == {"n1"}
+        assert agent.leader.cluster_view().restarted == {"n1"}
         assert counted[0] == 2
         # A new generation record that planned n1's new incarnation.
         plan = _plan(4).to_dict()
         fields = node_fields(plan, ["n0", "n1"], {"n0": "inc-n0", "n1": "inc-x"})
         agent.view.state.record = GenerationRecord(4, plan, "n0", time.time(), extra=fields)
-        assert agent._view().restarted == frozenset()
+        assert agent.leader.cluster_view().restarted == frozenset()
         assert counted[0] == 3
     finally:
         agent.liveness.close()
 
 
 def test_the_quarantine_check_reuses_the_members_incarnations_while_they_are_unchanged(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = _leader(tmp_path)
     agent.cluster = object()  # type: ignore[assignment]  # nothing is quarantined: unused
+    sick = agent.leader.state.sick
+    seen: list[dict[str, str]] = []  # the incarnations each health judgement was given
+    expire = sick.expire
+
+    def expire_seen(incarnations: dict[str, str], now: float) -> Any:
+        seen.append(incarnations)
+        return expire(incarnations, now)
+
+    monkeypatch.setattr(sick, "expire", expire_seen)
     try:
-        view = agent._view()
-        agent._lead_health(view)
-        memo = agent._ls.incarnations_memo
-        assert memo is not None and memo[1] == {"n0": "inc-n0", "n1": "inc-n1"}
-        agent._lead_health(view)
-        assert agent._ls.incarnations_memo is memo  # not rebuilt
+        view = agent.leader.cluster_view()
+        agent.leader.judge_health(view)
+        assert seen[0] == {"n0": "inc-n0", "n1": "inc-n1"}
+        agent.leader.judge_health(view)
+        assert seen[1] is seen[0]  # not rebuilt
         agent.view.state.members = {"n0": {"incarnation": "inc-n0"}}
-        agent._lead_health(agent._view())
-        assert agent._ls.incarnations_memo is not None
-        assert agent._ls.incarnations_memo[1] == {"n0": "inc-n0"}
+        agent.leader.judge_health(agent.leader.cluster_view())
+        assert seen[2] == {"n0": "inc-n0"}
     finally:
         agent.liveness.close()
 
@@ -115,7 +122,7 @@ def test_the_live_nodes_and_candidates_are_listed_again_only_when_their_inputs_c
     """Each leader turn sorted every member and looked at each (~4 ms at 2,048 nodes, the
     largest part of a turn): now the lists are kept while the members are the same object
     and the dead and quarantined nodes the same."""
-    from elasticpp.agent import leader as leader_module
+    from elasticpp.agent.leader import shell as leader_module
 
     calls = [0]
     original = leader_module.node_lists
@@ -128,16 +135,16 @@ def test_the_live_nodes_and_candidates_are_listed_again_only_when_their_inputs_c
     agent = _leader(tmp_path)
     try:
         for _ in range(5):
-            assert agent._view().lists.live == ("n0", "n1")  # type: ignore[union-attr]
+            assert agent.leader.cluster_view().lists.live == ("n0", "n1")  # type: ignore[union-attr]
         assert calls[0] == 1
         agent.liveness.state.dead["n1"] = "inc-n1"  # n1 failed its probe, this incarnation
-        view = agent._view()
+        view = agent.leader.cluster_view()
         assert calls[0] == 2 and view.lists is not None and view.lists.live == ("n0",)
         agent.health.state.quarantines["n0"] = object()  # type: ignore[assignment]
-        assert agent._view().lists.usable == ()  # type: ignore[union-attr]
+        assert agent.leader.cluster_view().lists.usable == ()  # type: ignore[union-attr]
         assert calls[0] == 3
         agent.view.state.members = {**agent.view.state.members, "n2": {"incarnation": "inc-n2"}}
-        assert agent._view().lists.live == ("n0", "n2")  # type: ignore[union-attr]
+        assert agent.leader.cluster_view().lists.live == ("n0", "n2")  # type: ignore[union-attr]
         assert calls[0] == 4
     finally:
         agent.liveness.close()

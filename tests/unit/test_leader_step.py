@@ -1,4 +1,4 @@
-"""The leader's pure step (elasticpp.agent.leaderstep): plain observations with the clock in
+"""The leader's pure step (elasticpp.agent.leader.step): plain observations with the clock in
 them, actions as data, and the outcomes of writes and reads fed back by hand, as the
 executor feeds them. No etcd, no files, no sleeps: deadlines pass by moving `now_s`."""
 
@@ -28,8 +28,9 @@ from elasticpp.agent.actions import (
 )
 from elasticpp.agent.decide import ClusterView
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.leaderstate import LeaderState
-from elasticpp.agent.leaderstep import (
+from elasticpp.agent.leader.resume import WAIT_REPULL_EVERY_S
+from elasticpp.agent.leader.state import LeaderState
+from elasticpp.agent.leader.step import (
     LeaderObservation,
     leader_fresh_checked,
     leader_generation_written,
@@ -43,10 +44,9 @@ from elasticpp.agent.leaderstep import (
     leader_timeline_recorded,
 )
 from elasticpp.agent.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
-from elasticpp.agent.resumestep import WAIT_REPULL_EVERY_S
 from elasticpp.agent.sick import Quarantine, SickNodes
 from elasticpp.checkpoint.manifest import PieceKey
-from elasticpp.cluster.arrivals import RESUME_MEMBER
+from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.records import (
     CommitRecord,
     GenerationRecord,

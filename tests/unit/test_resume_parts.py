@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from elasticpp.cluster.arrivals import RESUME_MEMBER, resume_records
+from elasticpp.cluster.arrivals import resume_records
 from elasticpp.cluster.barriers import (
+    RESUME_MEMBER,
     RESUME_PART_BYTES,
     check_arrival,
     join_resume,

@@ -86,8 +86,7 @@ from elasticpp.agent.pool import WorkerPool, _Worker
 from elasticpp.agent.view.step import ViewSnapshot
 from elasticpp.agent.worklogs import WorkerLogs
 from elasticpp.checkpoint.manifest import step_dirname
-from elasticpp.cluster.arrivals import RESUME_MEMBER
-from elasticpp.cluster.barriers import RESUME_WAIT_MEMBER
+from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.errors import ConfigError, ElasticppError, StateUnavailableError
@@ -214,6 +213,7 @@ class Follower:
             return FollowerSummary()
         return FollowerSummary(
             generation=gs.generation,
+            record=gs.record,
             plan=gs.plan,
             planned=gs.record.planned_set,
             phase=gs.phase,

@@ -44,6 +44,7 @@ from elasticpp.agent.kernel.summaries import HealthSummary
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.sick import EndJob, Quarantine, Readmit
 from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.leases import Leadership
 from elasticpp.cluster.records import JobEnd, QuarantineRecord
 
 log = logging.getLogger("elasticpp.agent")
@@ -55,7 +56,7 @@ class HealthCluster(Protocol):
     def quarantined(self, *, cached: bool = ...) -> dict[str, QuarantineRecord]: ...
     def job_end(self, *, cached: bool = ...) -> JobEnd | None: ...
     def end_job(self, status: str, reason: str, by: str, step: int = ...) -> JobEnd: ...
-    def quarantine(self, record: QuarantineRecord, leader: Any) -> bool: ...
+    def quarantine(self, record: QuarantineRecord, leader: Leadership) -> bool: ...
     def lift_quarantine(self, node_id: str) -> bool: ...
 
 
@@ -79,7 +80,7 @@ class Health:
         pool: PoolPort,
         own_step: Callable[[], int | None],
         last_step: Callable[[], int],
-        leadership: Callable[[], Any],
+        leadership: Callable[[], Leadership | None],
         reread: Callable[[], None],
     ) -> None:
         self.config = config
@@ -212,7 +213,8 @@ class Health:
                 record = QuarantineRecord(
                     q.node, q.reason, q.since, q.until, q.count, q.incarnation
                 )
-                if not self._cluster.quarantine(record, self._leadership()):
+                term = self._leadership()
+                if term is None or not self._cluster.quarantine(record, term):
                     return  # the term is over; the next leader judges again
                 m.quarantines_total.labels(**m.labels).inc()
                 state.quarantines = {**state.quarantines, q.node: record}

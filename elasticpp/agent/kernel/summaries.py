@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticpp.agent.decide import Phase
+from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 
 
@@ -17,6 +18,7 @@ class FollowerSummary:
     """The generation this node follows (generation 0: none yet)."""
 
     generation: int = 0
+    record: GenerationRecord | None = None  # the generation's record
     plan: Plan | None = None  # with this node's model
     planned: frozenset[str] | None = None  # the nodes of its plan
     phase: Phase | None = None
@@ -69,3 +71,24 @@ class WorkerSeen:
     state: str
     last_step: int
     generation: int
+
+
+@dataclass(frozen=True)
+class LivenessSummary:
+    """What the liveness part found, as the other parts read it."""
+
+    dead: Mapping[str, str]  # node -> incarnation confirmed dead
+    unhealthy: Mapping[str, str]  # node -> incarnation that answered NOT_SERVING
+    revived_s: float  # monotonic: a node found dead last answered again
+    suspecting: bool  # a follower suspects the leader of a failure it reported
+
+
+@dataclass(frozen=True)
+class LeaderSummary:
+    """The leader part, as the other parts read it."""
+
+    leading: bool = False  # this agent holds the leader's term (it acts only while it
+    # also is the leader the view reads and is not fenced: `Leader.acting`)
+    generation: int = 0  # the generation its term last looked at
+    timeline_written: bool = False  # ... and whether that generation's transition is over
+    campaign_at_s: float | None = None  # monotonic: this node's campaign is due then

@@ -51,7 +51,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from elasticpp.agent import probe
@@ -59,6 +58,7 @@ from elasticpp.agent.actions import Action, ConfirmDead, DeposeLeader, ProbeLead
 from elasticpp.agent.clock import Clock
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
+from elasticpp.agent.kernel.summaries import LivenessSummary
 from elasticpp.agent.limits import DEAD_RECHECK_S, PROBE_RECHECK_PER_S, PROBE_THREADS
 from elasticpp.agent.liveness.step import (
     LeaderWatch,
@@ -112,16 +112,6 @@ class ProbeWakes:
         if future.exception() is not None:
             return True
         return future.result() is not ProbeResult.SERVING
-
-
-@dataclass(frozen=True)
-class LivenessSummary:
-    """What the liveness part found, as the other parts read it."""
-
-    dead: Mapping[str, str]  # node -> incarnation confirmed dead
-    unhealthy: Mapping[str, str]  # node -> incarnation that answered NOT_SERVING
-    revived_s: float  # monotonic: a node found dead last answered again
-    suspecting: bool  # a follower suspects the leader of a failure it reported
 
 
 class Liveness:
@@ -310,6 +300,12 @@ class Liveness:
             raise
         future.add_done_callback(lambda f: wakes.finished(f) and self._wake())
         self._probing[key] = future
+
+    def settle(self) -> None:
+        """Before the leader's cycle: the verdicts of the probes finished since the last one,
+        and a node found dead that still holds its registration probed again when due."""
+        self.probes_done()
+        self.recheck_dead()
 
     def probes_done(self) -> None:
         """The verdicts of the probes that have finished (see the module)."""

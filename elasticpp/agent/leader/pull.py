@@ -1,4 +1,4 @@
-"""The leader's pull of holdings detail: the I/O half of a resume (leaderstep decides).
+"""The leader's pull of holdings detail: the I/O half of a resume (`step` decides).
 
 At `stopped-G` nodes publish digests (elasticpp.store.digest). Once they arrived, the leader's
 step asks for a `PullHoldings`; the executor runs `pull_holdings` on a thread of its own and
@@ -24,10 +24,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from elasticpp.agent.leader.state import PulledHoldings
 from elasticpp.checkpoint.manifest import JobIdentity
 from elasticpp.errors import ElasticppError, StaleGenerationError
 from elasticpp.store.checkpoints import checkpoint_holdings
@@ -36,21 +36,6 @@ from elasticpp.store.digest import HoldingsDigest, digest_of, pull_wants
 from elasticpp.store.holdings import NodeHoldings
 
 log = logging.getLogger("elasticpp.agent")
-
-
-@dataclass(frozen=True)
-class PulledHoldings:
-    """What a pull brought back, for generation `generation`."""
-
-    generation: int
-    holdings: Mapping[str, NodeHoldings] = field(default_factory=dict)
-    unanswered: Mapping[str, str] = field(default_factory=dict)  # node -> why
-    not_asked: tuple[str, ...] = ()  # the deadline passed before their turn: not their fault
-    moved_on: Mapping[str, str] = field(default_factory=dict)  # node -> its refusal
-    disk: NodeHoldings | None = None
-    held: bool = False  # some node's digest says it holds committed steps
-    seconds: float = 0.0
-    error: str = ""
 
 
 class _Lister(Protocol):

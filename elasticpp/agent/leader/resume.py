@@ -1,9 +1,9 @@
-"""The leader's resume of a generation, as pure steps (part of `leaderstep.leader_step`).
+"""The leader's resume of a generation, as pure steps (part of `step.leader_step`).
 
 Once the live nodes arrived at `stopped-G` (nodes missing are probed, and set aside at the
 stop deadline), the leader knows from their digests (elasticpp.store.digest) what each holds,
 without piece detail. It asks for the detail (`PullHoldings`: only of the nodes that may be a
-source of a step the resume can reach, over gRPC, elasticpp.agent.pull); the result comes
+source of a step the resume can reach, over gRPC, elasticpp.agent.leader.pull); the result comes
 back as `LeaderObservation.pulled`, and the resume is resolved from it (`ResolveResume`),
 published once (`WriteResume`).
 
@@ -43,8 +43,9 @@ from elasticpp.agent.actions import (
 )
 from elasticpp.agent.deadlines import stop_wait_s
 from elasticpp.agent.decide import live_nodes
-from elasticpp.agent.leaderstate import LeaderState
-from elasticpp.cluster.arrivals import RESUME_MEMBER
+from elasticpp.agent.leader.state import Arrival, LeaderState
+from elasticpp.agent.sick import Action as SickAction
+from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.digest import HoldingsDigest
 from elasticpp.store.holdings import NodeHoldings
@@ -52,7 +53,7 @@ from elasticpp.store.instruction import encode as encode_instruction
 from elasticpp.store.resolver import ResumePlan, resolve
 
 if TYPE_CHECKING:
-    from elasticpp.agent.leaderstep import LeaderObservation
+    from elasticpp.agent.leader.step import LeaderObservation
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -64,7 +65,7 @@ MISSING_PROBE_EVERY_S = 2.0
 WAIT_REPULL_EVERY_S = 10.0
 
 
-def _parse_arrival(value: Any) -> HoldingsDigest | NodeHoldings | str:
+def _parse_arrival(value: Any) -> Arrival:
     """One `stopped-G` value: its digest, its full holdings (the previous release's form),
     or why it cannot be read."""
     try:
@@ -78,7 +79,7 @@ def _parse_arrival(value: Any) -> HoldingsDigest | NodeHoldings | str:
 def _arrivals(
     stopped: Mapping[str, Any],
     expected: set[str],
-    parsed: dict[str, tuple[Any, HoldingsDigest | NodeHoldings | str]],
+    parsed: dict[str, tuple[object, Arrival]],
 ) -> tuple[dict[str, HoldingsDigest], dict[str, NodeHoldings], dict[str, str]]:
     """The expected nodes' `stopped-G` values: digests, full holdings (the previous
     release's form), and the unreadable ones (node -> why). `parsed` (node -> (value,
@@ -169,7 +170,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
                 obs.wall_s,
             ),
         ]
-    if ls.pull is None:
+    if not ls.pull_asked:
         if obs.now_s >= ls.pull_not_before_s:
             ls.pull_not_before_s = obs.now_s + MISSING_PROBE_EVERY_S
             units = plan.model.units
@@ -180,7 +181,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
     if pulled is None or pulled.generation != gen.generation:
         return actions  # in flight
     if pulled.error or pulled.not_asked or pulled.moved_on:
-        ls.pull = None  # asked again MISSING_PROBE_EVERY_S after this result
+        ls.pull_asked = False  # asked again MISSING_PROBE_EVERY_S after this result
         ls.pull_not_before_s = obs.now_s + MISSING_PROBE_EVERY_S
         if pulled.moved_on:
             return [*actions, Reread()]  # a node is on a newer generation than the view
@@ -202,7 +203,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
         # and the checkpoint hold is pulled again when due (a checkpoint restored into
         # persist_dir ends the wait).
         if _look_again(ls, obs.now_s):
-            ls.pull = None
+            ls.pull_asked = False
         return actions
     ls.resolved = pulled
     live = tuple(sorted(expected - unanswered))
@@ -236,10 +237,10 @@ def _look_again(ls: LeaderState, now_s: float) -> bool:
     return True
 
 
-def leader_pull_started(state: LeaderState, action: PullHoldings, future: Any) -> list[Action]:
+def leader_pull_started(state: LeaderState, action: PullHoldings) -> list[Action]:
     """The pull runs; its result comes back as an observation (`LeaderObservation.pulled`)."""
     if state.generation == action.generation:
-        state.pull = future
+        state.pull_asked = True
     return []
 
 
@@ -348,7 +349,7 @@ def stop_wait_step(
     wall_s: float,
     stop_timeout_s: float,
     nodes: int = 0,
-) -> tuple[bool, list[Any]]:
+) -> tuple[bool, list[SickAction]]:
     """The leader's deadline on `stopped-G`: nodes that did not arrive within
     `stop_timeout_s` (a wedged agent, workers that will not die) are quarantined, and the
     job goes on without them. Returns whether the deadline has passed (the missing nodes are
@@ -360,7 +361,7 @@ def stop_wait_step(
     waited_s = stop_wait_s(stop_timeout_s, nodes)  # grows with the nodes waited for
     if now_s - ls.stop_wait_since_s <= waited_s:
         return False, []
-    decisions: list[Any] = []
+    decisions: list[SickAction] = []
     for node in missing:
         why = (
             f"did not arrive at stopped-{generation} within {waited_s:.0f} s "

@@ -1,6 +1,6 @@
 """The leader's decisions as a pure step: `leader_step(state, obs) -> actions`.
 
-`LeaderPart._lead` (elasticpp.agent.leader) builds a `LeaderObservation` (the clock, the
+`Leader.lead` (elasticpp.agent.leader.shell) builds a `LeaderObservation` (the clock, the
 cluster view with the quarantines applied, the generation record and its revision, the
 barriers, the detection times, the generation this node follows, the job spec) and hands the
 step's actions to the executor. The step and the functions the executor feeds results back
@@ -15,7 +15,7 @@ Invariants:
 - the resume instruction of a generation is resolved once every live node arrived at
   `stopped-G`, or once the `stopped-G` deadline set the missing ones aside (quarantined; if
   one is in the plan, the next plan goes without it), from the holdings detail pulled from
-  the nodes their digests name (elasticpp.agent.resumestep); `resume_written` is set only
+  the nodes their digests name (elasticpp.agent.leader.resume); `resume_written` is set only
   after the write succeeded (`leader_resume_written`) or when etcd shows an earlier leader's;
 - a job that committed steps before (held by a node, in the checkpoint, or on record in
   etcd) never starts over at step 0: it waits and says so, in its log and in etcd
@@ -52,10 +52,7 @@ from elasticpp.agent.actions import (
     WriteSafe,
 )
 from elasticpp.agent.decide import ClusterView, Replan, Wait, candidates, decide_replan
-from elasticpp.agent.jobspec import JobSpec
-from elasticpp.agent.leaderstate import LeaderState
-from elasticpp.agent.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
-from elasticpp.agent.resumestep import (
+from elasticpp.agent.leader.resume import (
     MISSING_PROBE_EVERY_S,
     leader_fresh_checked,
     leader_pull_started,
@@ -64,7 +61,9 @@ from elasticpp.agent.resumestep import (
     leader_resume_wait_published,
     leader_resume_written,
 )
-from elasticpp.cluster.arrivals import RESUME_MEMBER
+from elasticpp.agent.leader.state import LeaderState, PulledHoldings
+from elasticpp.agent.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
+from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.records import (
     CommitRecord,
     GenerationRecord,
@@ -75,12 +74,12 @@ from elasticpp.cluster.records import (
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import ClusterSpec, NodeSpec, Plan
 from elasticpp.plan.search import plan as plan_layout
-from elasticpp.store.replicate import safe_step
+from elasticpp.store.ring import safe_step
 
 if TYPE_CHECKING:
-    from elasticpp.agent.pull import PulledHoldings
+    from elasticpp.agent.jobspec import JobSpec  # read, never built: it imports no torch
 
-# The resume's steps live in elasticpp.agent.resumestep; the executor and tests import them
+# The resume's steps live in elasticpp.agent.leader.resume; the executor and tests import them
 # from here, with the rest of the leader's.
 __all__ = [
     "MISSING_PROBE_EVERY_S",

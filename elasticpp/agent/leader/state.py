@@ -1,15 +1,20 @@
-"""The leader part's own state, as one object with one writer (the leader's steps, on the
+"""The leader part's own state, as plain data with one writer (the leader's steps, on the
 decision loop). A new term starts a new one: what a leader knows of a generation's
 transition (whether its resume instruction and timeline are written) is re-derived from
-etcd by the next leader, never read from this node's follower state.
+etcd by the next leader, never read from this node's follower state. The term's handle, the
+rendezvous store it hosts, the holdings pull in flight and the leader's memos of its view
+are its shell's (elasticpp.agent.leader.shell). `PulledHoldings` is what a pull brings back
+(elasticpp.agent.leader.pull), as the step reads it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.sick import SickNodes
+from elasticpp.store.digest import HoldingsDigest
+from elasticpp.store.holdings import NodeHoldings
 
 # The first of N draws comes after spread/N on average (4 ms), however large the spread: what
 # the spread sets is how many nodes draw a turn before the winner's key reaches them.
@@ -17,14 +22,30 @@ CAMPAIGN_SPREAD_S_PER_NODE = 0.004  # 4 s of spread at 1,000 nodes
 CAMPAIGN_SPREAD_MAX_S = 8.0  # reached at 2,000 nodes
 
 
+# A node's `stopped-G` value as the leader parsed it: a digest, full holdings (a small
+# node's), or why it is unreadable.
+Arrival = HoldingsDigest | NodeHoldings | str
+
+
+@dataclass(frozen=True)
+class PulledHoldings:
+    """What a holdings pull brought back, for generation `generation`."""
+
+    generation: int
+    holdings: Mapping[str, NodeHoldings] = field(default_factory=dict)
+    unanswered: Mapping[str, str] = field(default_factory=dict)  # node -> why
+    not_asked: tuple[str, ...] = ()  # the deadline passed before their turn: not their fault
+    moved_on: Mapping[str, str] = field(default_factory=dict)  # node -> its refusal
+    disk: NodeHoldings | None = None
+    held: bool = False  # some node's digest says it holds committed steps
+    seconds: float = 0.0
+    error: str = ""
+
+
 @dataclass
 class LeaderState:
     sick: SickNodes  # quarantines, strikes, the failure budget (elasticpp.agent.sick)
-    leadership: Any = None  # the term (cluster.leases.Leadership) while this node leads
-    tcpstore: Any = None  # the workers' rendezvous store this term hosts
-    tcpstore_socket: Any = None  # its listening socket, bound to the advertised address
     rendezvous_secret: str = ""  # the term's secret behind each generation's store prefix
-    store_address: str | None = None
     # re-planning
     replan_failures: int = 0  # generations in a row that failed before they trained
     replan_not_before_s: float = 0.0  # monotonic: the backoff between failed generations
@@ -32,14 +53,6 @@ class LeaderState:
     # decided again until the view holds it (its own write reaches it through the watch)
     last_wait: str = ""  # the last "waiting"/"cannot" sentence, logged once
     safe_checked_s: float = 0.0  # monotonic: when the safe step was last computed
-    # The steady leader's view, remembered while its inputs are the same objects (a cached
-    # read that did not change is the same object): (record, members, restarted nodes) and
-    # (members, incarnations). Recomputing them cost every tick O(N) hashes and dicts.
-    restarted_memo: tuple[Any, Any, frozenset[str]] | None = None
-    incarnations_memo: tuple[Any, dict[str, str]] | None = None
-    # (members, dead, quarantined, their `decide.NodeLists`): sorting every member and
-    # looking at each was ~4 ms of every leader turn at 2,048 nodes
-    lists_memo: tuple[Any, frozenset[str], frozenset[str], Any] | None = None
     compacted_s: float | None = None  # monotonic: etcd's history last compacted, or the
     # term's first look (the first compaction comes a period into the term)
     # the transition of `generation` (reset by `at` when the generation changes)
@@ -48,17 +61,17 @@ class LeaderState:
     timeline_written: bool = False
     missing_probed_s: float = 0.0  # monotonic: when nodes missing at stopped-G were probed
     stop_wait_since_s: float | None = None  # monotonic: first look at a stopped-G wait
-    pull: Any = None  # the future of the holdings pull (elasticpp.agent.pull), once asked
+    pull_asked: bool = False  # the holdings pull was started (its result: `obs.pulled`)
     pull_not_before_s: float = 0.0  # monotonic: a pull that failed is asked again after this
     pull_set_aside: bool = False  # the nodes a pull found unanswering were set aside
     unreadable: frozenset[str] = frozenset()  # nodes whose stopped-G value was said unreadable
     # node -> (its stopped-G value, the value's parse), kept while the value is the same
-    # object (`resumestep._arrivals`)
-    arrivals_parsed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    # object (`resume._arrivals`)
+    arrivals_parsed: dict[str, tuple[object, Arrival]] = field(default_factory=dict)
     wait_published: str = ""  # why the generation cannot resume, as etcd holds it
     wait_look_s: float = 0.0  # monotonic: while waiting, when the holdings are looked at again
-    resolved: Any = None  # the pull result (or arrivals) last resolved: a wait does not
-    # resolve the same again
+    # the pull result (or the arrivals) last resolved: a wait does not resolve the same again
+    resolved: PulledHoldings | Mapping[str, object] | None = None
     # monotonic: when this node campaigns, once it has seen no leader (`campaign_delay_s`)
     campaign_at_s: float | None = None
 
@@ -70,7 +83,7 @@ class LeaderState:
             self.timeline_written = False
             self.missing_probed_s = now_s
             self.stop_wait_since_s = None
-            self.pull = None
+            self.pull_asked = False
             self.pull_not_before_s = 0.0
             self.pull_set_aside = False
             self.unreadable = frozenset()
