@@ -1,4 +1,4 @@
-"""Pure parts of the cluster layer: decisions, key layout, records. No etcd."""
+"""Pure parts of the cluster layer: the key layout and the records. No etcd."""
 
 from __future__ import annotations
 
@@ -6,13 +6,6 @@ import json
 
 import pytest
 
-from elasticpp.cluster.decisions import (
-    live_nodes,
-    missing_arrivals,
-    newest_common_step,
-    ring_order,
-    ring_successor,
-)
 from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.cluster.keys import JobKeys, last_segment, prefix_end
 from elasticpp.cluster.records import (
@@ -25,34 +18,6 @@ from elasticpp.cluster.records import (
 from elasticpp.errors import ConfigError
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_model_spec
 from elasticpp.plan.specs import DEVICE_PRESETS
-
-
-def test_ring_order_is_natural_and_deduplicated() -> None:
-    assert ring_order(["node-10", "node-2", "node-1", "node-2"]) == ["node-1", "node-2", "node-10"]
-    assert ring_order(["b", "a10", "a9"]) == ["a9", "a10", "b"]
-
-
-def test_ring_successor_wraps_and_handles_absent_and_lonely_nodes() -> None:
-    nodes = ["n1", "n2", "n3"]
-    assert ring_successor("n1", nodes) == "n2"
-    assert ring_successor("n3", nodes) == "n1"
-    assert ring_successor("n2", ["n1", "n3"]) == "n3"  # n2 left: its successor still exists
-    assert ring_successor("n1", ["n1"]) is None
-    assert ring_successor("n1", []) is None
-
-
-def test_live_nodes_drops_suspects_unless_a_probe_confirmed_them() -> None:
-    members = {"n3": {}, "n1": {}, "n2": {}}
-    assert live_nodes(members) == ["n1", "n2", "n3"]
-    assert live_nodes(members, suspects=["n2", "n9"]) == ["n1", "n3"]
-    assert live_nodes(members, suspects=["n2"], confirmed_alive=["n2"]) == ["n1", "n2", "n3"]
-
-
-def test_barrier_and_commit_helpers() -> None:
-    assert missing_arrivals(["n1", "n2", "n10"], ["n2"]) == ["n1", "n10"]
-    assert newest_common_step({"n1": 7, "n2": 5}, ["n1", "n2"]) == 5
-    assert newest_common_step({"n1": 7}, ["n1", "n2"]) is None
-    assert newest_common_step({"n1": 7}, []) is None
 
 
 def test_key_layout_is_under_one_job_root_and_refuses_slashes() -> None:
