@@ -316,10 +316,6 @@ class Leader:
             and not self._ports.fenced()
         )
 
-    def timelines(self) -> list[dict[str, Any]]:
-        values = self._ports.view().barriers.get("timelines", {})
-        return sorted(values.values(), key=lambda t: int(t.get("generation", 0)))
-
     # ------------------------------------------------------------------ the term
     def campaign(self) -> None:
         """Deposed (the key deleted or taken) or lapsed: the old term is resigned before any
