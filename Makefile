@@ -8,10 +8,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint venv clean
 
-# The agent under mypy --strict: every module and part but the two mixins of `Agent` not yet
-# made objects (start-up and the leader) and what composes them.
-AGENT_MIXINS := elasticpp/agent/node.py elasticpp/agent/startup.py
-AGENT_STRICT := $(filter-out $(AGENT_MIXINS),$(wildcard elasticpp/agent/*.py)) $(filter-out %/__pycache__,$(patsubst %/,%,$(wildcard elasticpp/agent/*/)))
+# The agent under mypy --strict: every module and part.
+AGENT_STRICT := elasticpp/agent
 
 # What the demo needs: Python and the package index (the runtime pins and etcd's wheel).
 $(RUNTIME): requirements.txt pyproject.toml

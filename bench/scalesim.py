@@ -7,9 +7,9 @@ caller's thread, through the same event queue a real worker's reader thread feed
 the real `LocalStore` on disk; simulated workers snapshot nothing, so it holds no steps and
 every generation resumes at step 0 (no transfers, and no holdings for the leader to pull).
 
-A lost node is `SimAgent.crash()`: its loop stops without leaving etcd (no resignation, no
-revoked lease), its gRPC server stops answering and its etcd client closes, so its lease lapses
-after the job's `lease_ttl_s`, as a node that lost power.
+A lost node is `SimAgent.crash()` (`Agent.shutdown(lost=True)`): its loop stops without
+leaving etcd (no resignation, no revoked lease), its gRPC server stops answering and its etcd
+client closes, so its lease lapses after the job's `lease_ttl_s`, as a node that lost power.
 
 By default the agents of one process share one gRPC server (`SharedServer`): each answers the
 health checks of its own name there (`probe.node_service`, what peers' probes ask for), and a
@@ -45,6 +45,7 @@ from bench.scaleloops import LoopPool
 from elasticpp.agent import probe
 from elasticpp.agent.jobspec import JobSpec, parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.agent.server import ServerPorts, serve
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.errors import ElasticppError
@@ -180,52 +181,35 @@ class SharedServer:
     def stop(self) -> None:
         self._server.stop(grace=None)
 
+    def serve(self, cfg: AgentConfig, ports: ServerPorts) -> _Served:
+        """An agent's `ServerFactory`: it answers here under its own name."""
+        return _Served(self, probe.node_service(ports.node_id, ports.incarnation))
+
 
 class _Served:
     """A simulated agent's place on the shared server: stopping it forgets its name."""
 
-    def __init__(self, health: SharedHealth, service: str) -> None:
-        self._health = health
+    def __init__(self, shared: SharedServer, service: str) -> None:
+        self._health = shared.health
         self._service = service
+        self.port = shared.port
 
-    def stop(self, grace: float | None = None) -> None:
+    def stop(self) -> None:
         self._health.forget(self._service)
 
 
 class SimAgent(Agent):
-    """The real agent; `crash()` ends it as a lost node ends, without leaving etcd. With
-    `shared_server` set before `start()`, it answers on that server (see the module)."""
+    """The real agent; `crash()` ends it as a lost node ends, without leaving etcd. Built
+    with `server_factory=shared.serve`, it answers on a `SharedServer` (see the module)."""
 
     _crashed = False
-    shared_server: SharedServer | None = None
-
-    def _serve_grpc(self) -> None:
-        shared = self.shared_server
-        if shared is None:
-            super()._serve_grpc()
-            return
-        self._server = _Served(shared.health, probe.node_service(self.node_id, self.incarnation))
-        self.port = shared.port
 
     def crash(self) -> None:
         self._crashed = True
         self.request_stop()
 
-    def shutdown(self) -> None:
-        if not self._crashed:
-            super().shutdown()
-            return
-        self._stop.set()
-        if self._server is not None:
-            self._server.stop(grace=None)  # probes are refused from now on
-            self._server = None
-        self.pool.kill_all()
-        if self._etcd_open:
-            self.cluster.close()  # keep-alives stop; the lease lapses by its TTL
-            self._etcd_open = False
-        self.follower.close()
-        self.health.close()
-        self.liveness.close()
+    def shutdown(self, *, lost: bool = False) -> None:
+        super().shutdown(lost=lost or self._crashed)
 
 
 def sim_spec_fields(name: str, nodes: int, slots: int, lease_ttl_s: int = 3) -> dict[str, Any]:
@@ -329,8 +313,8 @@ class SimCluster:
             wake=wake,
             watchdog=self.loops is None,
             health=self.server.health if self.server is not None else None,
+            server_factory=self.server.serve if self.server is not None else serve,
         )
-        agent.shared_server = self.server
         try:
             agent.start()
         except BaseException:

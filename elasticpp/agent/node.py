@@ -29,11 +29,14 @@ the leader key. One loop thread makes every decision; watches and worker readers
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
 hand results back through futures wake it too, probes included) or for a tick (`pace`).
 
-This module composes the agent: the parts, the decision loop and shutdown (its flags are
-`config.AgentConfig`); start-up and joining the job are in `startup` (still a mixin of
-`Agent`); the one executor of the parts' actions is `kernel.executor` (the table of handlers
+This module composes the agent: the parts, start-up, the decision loop and shutdown (its
+flags are `config.AgentConfig`); `Agent` inherits from no part. Its gRPC servers are
+`server`'s (built by a factory the agent is given: a simulation's answers on one shared
+server); the one executor of the parts' actions is `kernel.executor` (the table of handlers
 each part registers). Each part is an object with ports, one sub-package each with its pure
-`step` and its `shell`: `control` (built with the pool, the health service, the clock and
+`step` and its `shell`: `membership` (joining the job and the registration: built with its
+etcd calls, the store's epochs, the loop's heartbeat and what the member record says),
+`control` (built with the pool, the health service, the clock and
 the metrics, it reads the others only through the summaries of `kernel.summaries`), `view`
 (built with the etcd client's reads: the others read what it knows through its frozen
 `View.snapshot`), `supervisor` (the worker processes: built with the pool, the worker logs,
@@ -90,13 +93,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import HealthServicer
 
 from elasticpp.agent.actions import (
     Action,
     Event,
-    PublishMemberInfo,
     StopWorkers,
     UpdateGauges,
 )
@@ -123,10 +125,11 @@ from elasticpp.agent.limits import (
     VIEW_REFRESH_S,
 )
 from elasticpp.agent.liveness.shell import Liveness
+from elasticpp.agent.membership.shell import Membership, MembershipPorts
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pace import PaceObservation, tick_s
 from elasticpp.agent.pool import WorkerPool
-from elasticpp.agent.startup import StartupPart
+from elasticpp.agent.server import Doors, Served, ServerFactory, ServerPorts, serve
 from elasticpp.agent.supervisor.shell import (
     Supervisor,
     SupervisorConfig,
@@ -143,7 +146,7 @@ from elasticpp.cluster.errors import (
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.etcd_meter import EtcdMeter
 from elasticpp.cluster.records import EventType, WatchEvent
-from elasticpp.errors import ElasticppError
+from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import Plan
 from elasticpp.store.local import LocalStore
 from elasticpp.transport import Dialer
@@ -151,7 +154,7 @@ from elasticpp.transport import Dialer
 log = logging.getLogger("elasticpp.agent")
 
 
-class Agent(StartupPart):
+class Agent:
     def __init__(
         self,
         cfg: AgentConfig,
@@ -166,6 +169,7 @@ class Agent(StartupPart):
         watchdog: bool = True,
         health: HealthPort | None = None,
         cluster: ClusterClient | None = None,
+        server_factory: ServerFactory = serve,
     ) -> None:
         self._clock: Clock = clock or SystemClock()  # every part's decisions read it
         # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
@@ -216,15 +220,14 @@ class Agent(StartupPart):
         # Every channel to a peer (probes, state transfers): TLS with this node's
         # certificate when the job has one (elasticpp.transport, the one place).
         self._dialer = Dialer(cfg.tls)
-        self._joined = False
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
         self._status_at_s = 0.0
         self._status_stale = False  # a turn ran since the status was last published
         self._next_turn_s = 0.0  # a leader's next turn, no sooner (`_pace_turn`)
         self._turn_waits = False  # a turn was deferred: the loop takes it at _next_turn_s
-        self._init_dir: Path | None = None  # step 0 of a job with init_from (see _prepare_init)
-        self._server: grpc.Server | None = None
-        self._health_server: grpc.Server | None = None  # --health-listen's, if any
+        self._init_dir: Path | None = None  # step 0 of a job with init_from (`start`)
+        self._server_factory = server_factory
+        self.server: Served | None = None  # serving from `start` to `shutdown`
         self.port = 0
         # The job's etcd client: no request until `start` joins (a channel connects lazily).
         self.cluster = (
@@ -249,8 +252,25 @@ class Agent(StartupPart):
             set_floor=self.store.set_floor,
         )
         self._etcd_open = False  # `start` began to join: `shutdown` leaves etcd cleanly
-        self._registration: Any = None
-        self._torch_ready = threading.Event()
+        self.torch_ready = threading.Event()  # torch imported (`start`): it may lead
+        self.membership = Membership(
+            cfg.node_id,
+            self.incarnation,
+            spec,
+            cluster=self.cluster,
+            heartbeat=self._heartbeat,
+            ports=MembershipPorts(
+                newest_epoch=self.store.newest_epoch,
+                set_epoch=self.store.set_epoch,
+                spawn_warm=lambda: self.supervisor.spawn_warm(),
+                address=lambda: self.address,
+                slots=lambda: len(self.supervisor.gpus),
+                draining=lambda: self.control.summary().draining,
+                members=lambda: self.view.snapshot.members,
+                on_watch=self._on_watch,
+            ),
+        )
+        m = self.membership
         self.control = Control(
             ControlConfig(
                 cfg.node_id,
@@ -265,14 +285,14 @@ class Agent(StartupPart):
             health=self._health,
             metrics=self.metrics,
             heartbeat=self._heartbeat,
-            serving=lambda: self._server is not None,
+            serving=lambda: self.server is not None,
             wake=self._wake.set,
         )
         self.control.register(self.executor)
         self.view.register(self.executor)
-        # What the parts ask of the agent itself: its registration, the leader's term, the
-        # workers as a whole, the gauges of every part.
-        self.executor.register(PublishMemberInfo, lambda _: self._publish_member_info())
+        # What the parts ask of the agent itself: the workers as a whole, the gauges of
+        # every part.
+        m.register(self.executor)
         self.executor.register(StopWorkers, lambda _: self.pool.stop_workers())
         self.executor.register(UpdateGauges, lambda _: self._update_gauges())
         self.health = Health(
@@ -327,7 +347,7 @@ class Agent(StartupPart):
                 address=lambda: self.address,
                 next_step=lambda: self.durability.state.next_step_committed,
                 init_dir=lambda: self._init_dir,
-                member_lease=self._member_lease,
+                member_lease=m.member_lease,
                 execute=self._execute,
             ),
             wake=self._wake.set,
@@ -351,8 +371,8 @@ class Agent(StartupPart):
             records=self.cluster,
             member_records=self.view.member_records,
             dialer=self._dialer,
-            fenced=self._fenced,
-            member_lease=self._member_lease,
+            fenced=m.fenced,
+            member_lease=m.member_lease,
             current_plan=self._current_plan,
             wake=self._wake.set,
         )
@@ -409,10 +429,10 @@ class Agent(StartupPart):
                 dead_now=live.dead_now,
                 settle_probes=live.settle,
                 confirm_suspects=live.confirm_suspects,
-                fenced=self._fenced,
+                fenced=m.fenced,
                 leaving=lambda: self._exit_requested() is not None,
-                torch_ready=self._torch_ready.is_set,
-                lease_gate=self._lease_gate,
+                torch_ready=self.torch_ready.is_set,
+                lease_gate=m.lease_gate,
                 epoch=lambda: self.store.epoch,
                 execute=self._execute,
                 wake=self._wake.set,
@@ -427,6 +447,77 @@ class Agent(StartupPart):
     @property
     def address(self) -> str:
         return f"{self.cfg.advertise_host}:{self.port}"
+
+    def start(self) -> None:
+        """Serve gRPC, join the job in etcd, start warm workers. Raises on a bad spec."""
+        self.serve()
+        # NOT_SERVING until this node has joined the job: a probe (a Kubernetes readiness
+        # check, a peer's confirmation) must not take a node that is still waiting for etcd
+        # for a working one.
+        self.control.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        cfg = self.cfg
+        if cfg.metrics_port:
+            try:
+                self.metrics.serve(cfg.metrics_port, addr=cfg.metrics_host)
+            except OSError as exc:
+                raise ConfigError(
+                    f"agent: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc}"
+                ) from exc
+        # torch is imported once, off the recovery path: the leader hosts the rendezvous store.
+        # Before joining etcd, not beside it: a thread importing torch holds the GIL for
+        # seconds, which can starve the lease keep-alive of a freshly registered node.
+        import torch.distributed  # noqa: F401
+
+        self.torch_ready.set()
+        if self.spec.init_from is not None:
+            # A job that starts from trained weights starts every worker from a step-0
+            # directory of this node, converted once here, before joining.
+            from elasticpp.train.hf import write_init_step
+
+            self._init_dir = write_init_step(
+                self.spec.model, Path(self.spec.init_from), cfg.state_dir / "init"
+            )
+            log.info("initial weights from %s in %s", self.spec.init_from, self._init_dir)
+        self._etcd_open = True
+        self.membership.join()
+        self.control.set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self._own_watchdog:
+            threading.Thread(
+                target=self.control.watch_loop,
+                args=(self._stop,),
+                daemon=True,
+                name="loop-watchdog",
+            ).start()
+        self.journal.write(
+            "decision", f"node {self.node_id} joined job {self.spec.name} at {self.address}"
+        )
+
+    def serve(self) -> None:
+        """Serve state transfers, the control service and health (the server factory's)."""
+        doors = Doors(
+            self.node_id,
+            self.cfg.tls_shared_identity,
+            self.spec.replication_copies,
+            self.spec.replication_every,
+            view=lambda: self.view.snapshot,
+            follower=self.follower.summary,
+        )
+        self.server = self._server_factory(
+            self.cfg,
+            ServerPorts(
+                self.node_id,
+                self.incarnation,
+                self.store,
+                lambda: self.follower.generation,
+                self.control,
+                self.journal,
+                self.health.lift,
+                self._health,
+                self.metrics,
+                doors,
+            ),
+        )
+        self.port = self.server.port
 
     def _on_watch(self, event: Any) -> None:
         """A change under the job's cached keys (on a watch thread): the view reads again
@@ -447,14 +538,6 @@ class Agent(StartupPart):
         """Apply what a part's pure step asked for, in order (the handlers the parts
         registered on `executor`)."""
         self.executor.run(actions)
-
-    def _publish_member_info(self) -> None:
-        """This node's member record again (slots, draining). The registration keeps the new
-        info: its keeper writes it when it re-puts the key, if this write does not land
-        (elasticpp.cluster.leases)."""
-        if self._registration is not None:
-            with contextlib.suppress(ElasticppError):
-                self._registration.update(self._member_info())
 
     def _own_step(self) -> int | None:
         """This node's newest own committed step, if any."""
@@ -502,7 +585,7 @@ class Agent(StartupPart):
         except Exception as exc:  # a daemon survives what comes from outside
             self.errors.survive("internal", exc)
         self._pace_turn(time.thread_time() - cpu_s)
-        conflict = self._node_id_conflict()
+        conflict = self.membership.conflict()
         if conflict is not None:  # two agents, one node id: this one must go
             self.journal.write("decision", f"node {self.node_id}: {conflict}")
             raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
@@ -531,7 +614,7 @@ class Agent(StartupPart):
         campaign_at_s = leader.campaign_at_s  # leaderless: this node's campaign is due then
         return tick_s(
             PaceObservation(
-                joined=self._joined,
+                joined=self.membership.joined,
                 etcd_ok=view.etcd_ok,
                 current=current,
                 followed=follower.generation,
@@ -586,66 +669,40 @@ class Agent(StartupPart):
                 return code
         return None
 
-    def _member_lease(self) -> int | None:
-        """The lease this node's member key is meant to be on: its writes as a node (barrier
-        arrivals, commit records) land only while the key is on it (`ClusterClient.arrive`)."""
-        reg = self._registration
-        return int(reg.lease_id) if reg is not None else None
-
-    def _node_id_conflict(self) -> str | None:
-        """Why this agent must stop because another agent registered its node id: its lease
-        lapsed and the key is another incarnation's (the keeper found it), or the key was
-        taken over while its lease still lived (the members read shows it)."""
-        reg = self._registration
-        if reg is None:
-            return None
-        if reg.conflict is not None:
-            return str(reg.conflict)
-        members = self.view.snapshot.members
-        other = members.get(self.node_id, {}).get("incarnation", self.incarnation)
-        if other == self.incarnation:
-            return None
-        return (
-            f"another agent with the same node id is registered: incarnation {other}, "
-            f"this agent is {self.incarnation}; this agent stops"
-        )
-
     def request_stop(self) -> None:
         self._stop.set()
         self._wake.set()
 
-    def shutdown(self) -> None:
-        """Kill every process this agent started; leave etcd cleanly if it can."""
+    def shutdown(self, *, lost: bool = False) -> None:
+        """Kill every process this agent started; leave etcd cleanly if it can. `lost`: end
+        as a lost node ends (a simulation's crash, bench/scalesim.py): the server stops
+        answering first, and etcd is left without a word (no resignation, no revoked lease,
+        no last commit record), so its leases lapse by their TTL."""
         self._stop.set()  # ends the loop watchdog too
+        if lost:
+            self._stop_serving()  # probes find it dead from now on
         self.pool.kill_all()
         self.supervisor.close()
         self.worker_logs.close()  # what the killed workers wrote last, copied
         # The persister's copy finished; the newest commit record put while etcd is ours.
-        self.durability.close(flush=self._etcd_open)
-        if self._etcd_open:
+        leave = self._etcd_open and not lost
+        self.durability.close(flush=leave)
+        if leave:
             self.leader.close()
+        if self._etcd_open:
+            self.membership.close(revoke=not lost)
             with contextlib.suppress(ElasticppError):
-                if self._registration is not None:
-                    self._registration.close()
-            with contextlib.suppress(ElasticppError):
-                self.cluster.close()
+                self.cluster.close()  # keep-alives stop
             self._etcd_open = False
         self.follower.close()  # no more failure reports
         self.health.close()  # no more halts on record
-        if self._server is not None:
-            self._server.stop(grace=0.5)
-            self._server = None
-        if self._health_server is not None:
-            self._health_server.stop(grace=0)
-            self._health_server = None
-        if self.cfg.control_socket is not None:
-            with contextlib.suppress(OSError):
-                self.cfg.control_socket.unlink()
+        self._stop_serving()
         self.liveness.close()
 
-    # ------------------------------------------------------------------ events log
-
-    # ------------------------------------------------------------------ warm pool
+    def _stop_serving(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
 
     # ------------------------------------------------------------------ the loop
     def _tick(self) -> None:

@@ -41,7 +41,7 @@ def agent(tmp_path: Path, etcd: EtcdServer, request: pytest.FixtureRequest) -> I
         cluster=ClusterClient([etcd.endpoint], SPEC.name, request_timeout_s=1.0),
         clock=request.getfixturevalue("clock") if "clock" in request.fixturenames else None,
     )
-    made._torch_ready.set()
+    made.torch_ready.set()  # as `start` sets it once torch is imported
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RendezvousStore, "start", classmethod(lambda cls, host: None))  # no torch
         yield made

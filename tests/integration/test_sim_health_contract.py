@@ -15,6 +15,7 @@ from bench.scalesim import SharedServer, SimAgent, SimWorker, sim_spec
 from elasticpp.agent import probe
 from elasticpp.agent.node import AgentConfig
 from elasticpp.agent.probe import ProbeResult
+from elasticpp.agent.server import serve
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -33,15 +34,14 @@ def agents(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[SimA
                 sim_spec("j", 2, 1),
                 worker_factory=lambda p, e, n: SimWorker(p, e, n),
                 health=shared.health if shared is not None else None,
+                server_factory=shared.serve if shared is not None else serve,
             )
-            agent.shared_server = shared
-            agent._serve_grpc()
+            agent.serve()
             made.append(agent)
         yield made
     finally:
         for agent in made:
-            if agent._server is not None:
-                agent._server.stop(grace=None)
+            agent.shutdown()
         if shared is not None:
             shared.stop()
 
@@ -73,8 +73,7 @@ def test_a_node_whose_server_stopped_is_dead_and_the_others_live_on(
     a, b = agents
     a.control.set_health(SERVING)
     b.control.set_health(SERVING)
-    assert a._server is not None
-    a._server.stop(grace=None)  # as SimAgent.crash() stops it
-    a._server = None
+    assert a.server is not None
+    a.server.stop()  # as SimAgent.crash() stops it
     assert check(a) is ProbeResult.DEAD
     assert check(b) is ProbeResult.SERVING

@@ -27,15 +27,16 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
-from tests.fakes import Term
+from tests.fakes import FakeRegistration, Registrar, Term
 from tests.unit.test_agent_done import SPEC_FIELDS, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
 
 
-class _SlowCluster:
+class _SlowCluster(Registrar):
     """A slow etcd: every commit record put takes 0.2 s."""
 
     def __init__(self, put_s: float = 0.2) -> None:
+        super().__init__()
         self.put_s = put_s
         self.records: list[tuple[int, int, float]] = []  # (generation, step, when)
         self.arrivals: list[tuple[str, str, Any]] = []
@@ -211,16 +212,11 @@ def test_a_commit_record_whose_anchors_ran_ahead_does_not_wait_for_the_pace() ->
     assert not anchors_ran_ahead(None, written)  # the first is put at once anyway
 
 
-class _Lapsed:
-    """A membership registration whose lease may have lapsed: the node is fenced."""
-
-    def may_have_lapsed(self) -> bool:
-        return True
-
-
 def test_a_fenced_node_keeps_only_the_newest_few_uncommitted_snapshots(tmp_path: Path) -> None:
-    agent, writer = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
-    agent._registration = _Lapsed()
+    cluster = _SlowCluster(put_s=0.0)
+    cluster.registration = FakeRegistration(lapsed=True)  # the node is fenced
+    agent, writer = _running_agent(tmp_path, cluster)
+    agent.membership.take_lease()
     for step in range(1, 101):
         report = write_step(agent.store, step, generation=1)
         w = agent.pool.worker(writer.pid)

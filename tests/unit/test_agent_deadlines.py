@@ -20,7 +20,7 @@ from elasticpp.cluster.health import JobEnd, QuarantineRecord
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.resume import TransferProgress
-from tests.fakes import Term
+from tests.fakes import Registrar, Term
 from tests.unit.test_agent_done import lead_resume
 
 SPEC_FIELDS: dict[str, Any] = {
@@ -59,8 +59,9 @@ class _StuckProc:
         self.kills.append(wait)
 
 
-class _Cluster:
+class _Cluster(Registrar):
     def __init__(self) -> None:
+        super().__init__()
         self.arrivals: list[tuple[str, str, Any]] = []
         self.quarantines: list[QuarantineRecord] = []
         self.ends: list[tuple[str, str]] = []
@@ -277,26 +278,13 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
     assert len(lines) == 6 * 300  # each step written once
 
 
-class _Registration:
-    lease_id = 7  # the lease the member key is on
-
-    def __init__(self) -> None:
-        self.updates: list[dict[str, Any]] = []
-
-    def update(self, info: dict[str, Any]) -> None:
-        self.updates.append(info)
-
-    def may_have_lapsed(self) -> bool:
-        return False
-
-
 def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
     tmp_path: Path,
 ) -> None:
     """The drain RPC runs on a gRPC thread: it queues the request and writes nothing of the
     agent's. An idle agent of an ended job leaves when drained (a pod's preStop hook)."""
     agent, _ = _agent(tmp_path, on_job_end="idle")
-    agent._registration = _Registration()
+    agent.membership.take_lease()
     agent.health.state.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
     agent.executor.run(agent.health.check_job_end())
     accepted, _message = agent.control.request_drain(30.0)

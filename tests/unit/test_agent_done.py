@@ -23,7 +23,7 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.train.procs import EXITED
-from tests.fakes import Term
+from tests.fakes import FakeRegistration, Registrar, Term
 
 # One node, one tiny model: the job of every constructed agent here (and in the control
 # tests on real gRPC).
@@ -183,9 +183,13 @@ def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Pa
     assert agent.leader.state.at(2, time.monotonic()).resume_written
 
 
-def _running_agent(tmp_path: Path) -> tuple[Agent, Plan]:
+def _running_agent(tmp_path: Path, cluster: object = None) -> tuple[Agent, Plan]:
     """A constructed agent of node n0, running generation 1 of `_plan(1)`."""
-    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        SPEC,
+        cluster=cluster,  # type: ignore[arg-type]
+    )
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
     agent.follower.state.gen = _GenState(
@@ -271,12 +275,16 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
         agent.follower.state.pending_failures.clear()
 
 
-class _LapsedRegistration:
-    def __init__(self) -> None:
-        self.lapsed = True
+class _Registered(_Cluster, Registrar):
+    """The cluster of a registered node (its commit records are put by a writer thread)."""
 
-    def may_have_lapsed(self) -> bool:
-        return self.lapsed
+    def __init__(self, registration: FakeRegistration) -> None:
+        _Cluster.__init__(self)
+        Registrar.__init__(self, registration)
+        self.commits: list[tuple[int, int]] = []
+
+    def record_commit(self, generation: int, node_id: str, step: int, *_: Any, **__: Any) -> None:
+        self.commits.append((generation, step))
 
 
 def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewed(
@@ -286,9 +294,10 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
 
     from elasticpp.checkpoint.manifest import step_dirname
 
-    agent, plan = _running_agent(tmp_path)
-    reg = _LapsedRegistration()
-    agent._registration = reg
+    reg = FakeRegistration(lapsed=True)
+    cluster = _Registered(reg)
+    agent, plan = _running_agent(tmp_path, cluster)
+    agent.membership.take_lease()
     proc = _worker_on(agent, plan, 100, 0)
 
     def snapshot(step: int) -> dict[str, Any]:

@@ -10,39 +10,56 @@ import pytest
 
 from elasticpp.agent.clock import LoopHeartbeat
 from elasticpp.agent.limits import LEASE_STALL_S, LOOP_STALL_S, QUIET_TICK_S
+from elasticpp.agent.membership.shell import Membership, MembershipPorts
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.errors import NodeIdConflictError
 from elasticpp.cluster.leases import ProgressGate
-from tests.fakes import Term
+from tests.fakes import FakeRegistration, Registrar, Term
 from tests.unit.test_agent_done import SPEC
 
 
-def _agent(tmp_path: Path) -> Agent:
-    return Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+def _agent(tmp_path: Path) -> tuple[Agent, FakeRegistration]:
+    """An agent whose registration is a fake: taken, not yet its lease's answers."""
+    registrar = Registrar()
+    agent = Agent(
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
+        SPEC,
+        cluster=registrar,  # type: ignore[arg-type]  # only `register` is called here
+    )
+    agent.membership.take_lease()
+    return agent, registrar.registration
 
 
-class _Registration:
-    lease_id = 7  # the lease the member key is on
-
-    def __init__(self, conflict: str | None = None, lapsed: bool = False) -> None:
-        self.conflict = conflict
-        self.lapsed = lapsed
-
-    def may_have_lapsed(self) -> bool:
-        return self.lapsed
-
-
-def test_the_lease_gate_follows_the_decision_loops_heartbeat(tmp_path: Path) -> None:
+def test_the_lease_gate_follows_the_decision_loops_heartbeat() -> None:
     now = [1000.0]
-    agent = _agent(tmp_path)
-    agent._heartbeat = LoopHeartbeat(lambda: now[0])
-    gate = agent._lease_gate()
-    agent._heartbeat.busy()
+    heartbeat = LoopHeartbeat(lambda: now[0])
+    registrar = Registrar()
+    membership = Membership(
+        "n0",
+        "inc",
+        SPEC,
+        cluster=registrar,  # type: ignore[arg-type]  # only `register` is called here
+        heartbeat=heartbeat,
+        ports=MembershipPorts(
+            newest_epoch=lambda: 0,
+            set_epoch=lambda _: None,
+            spawn_warm=lambda: None,
+            address=lambda: "127.0.0.1:1",
+            slots=lambda: 1,
+            draining=lambda: False,
+            members=dict,
+            on_watch=lambda _: None,
+        ),
+    )
+    membership.take_lease()
+    assert registrar.registration.updates[0]["incarnation"] == "inc"
+    gate = membership.lease_gate()
+    heartbeat.busy()
     now[0] += 1.0
     assert gate.stalled_s() is None
     now[0] += 59.0  # the loop began a tick a minute ago and is still in it
     assert gate.stalled_s() == 60.0
-    agent._heartbeat.idle()
+    heartbeat.idle()
     assert gate.stalled_s() is None
 
 
@@ -75,15 +92,14 @@ def test_a_starting_loop_counts_as_busy() -> None:
 def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
     tmp_path: Path, how: str
 ) -> None:
-    agent = _agent(tmp_path)
-    agent._registration = _Registration()
+    agent, registration = _agent(tmp_path)
     agent.view.state.members = {"n0": {"incarnation": agent.incarnation}}
     ticks: list[int] = []
 
     def tick() -> None:
         ticks.append(1)
         if len(ticks) == 2 and how == "lease lost, key taken":
-            agent._registration.conflict = "another agent with the same node id is registered"
+            registration.conflict = "another agent with the same node id is registered"
         if len(ticks) == 2 and how == "key taken, lease alive":
             agent.view.state.members = {
                 "n0": {"incarnation": "f00d"}
@@ -99,15 +115,14 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
 
 
 def test_a_leader_whose_own_membership_is_lost_or_unseen_does_not_plan(tmp_path: Path) -> None:
-    agent = _agent(tmp_path)
+    agent, registration = _agent(tmp_path)
     agent.leader.begin_term(Term(), None)
     agent.view.state.leader = "n0"
-    agent._registration = _Registration()
     agent.view.state.members = {"n0": {"address": "a"}, "n1": {"address": "b"}}
     assert agent.leader.acting()
-    agent._registration.lapsed = True  # its lease is known lost, the key not re-put yet
+    registration.lapsed = True  # its lease is known lost, the key not re-put yet
     assert not agent.leader.acting()
-    agent._registration.lapsed = False
+    registration.lapsed = False
     agent.view.state.members = {
         "n1": {"address": "b"}
     }  # re-put, but not yet seen in a members read

@@ -49,7 +49,7 @@ def _quiet_agent(tmp_path: Path) -> Agent:
     agent.follower.state.gen = _GenState(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
-    agent._joined = True
+    agent.membership.joined = True
     return agent
 
 
@@ -94,7 +94,7 @@ def _set_phase(phase: Phase) -> Callable[[Agent], None]:
             lambda a: a.liveness.state.suspect_since.__setitem__(3, 0.0), id="the leader suspected"
         ),
         pytest.param(lambda a: setattr(a.control.state, "draining", True), id="draining"),
-        pytest.param(lambda a: setattr(a, "_joined", False), id="not joined"),
+        pytest.param(lambda a: setattr(a.membership, "joined", False), id="not joined"),
         pytest.param(
             lambda a: setattr(a.follower.state, "gen", None), id="a generation not followed yet"
         ),
