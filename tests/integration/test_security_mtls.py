@@ -131,8 +131,13 @@ def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curv
                  user=root)  # fmt: skip
         _etcdctl(lc.etcd, "user", "grant-role", "agent-closed", "closed", user=root)
         # The workers (user code) must not learn where systemd keeps the agent's own
-        # credentials; the user's own variables are theirs and pass.
-        leaky = {"CREDENTIALS_DIRECTORY": str(tmp_path), "HF_TOKEN": "users-own-token"}
+        # credentials, nor the agent's configuration; the user's own variables are theirs
+        # and pass.
+        leaky = {
+            "CREDENTIALS_DIRECTORY": str(tmp_path),
+            "ELASTICPP_LOG_LEVEL": "info",  # a flag's fallback: the agent's alone
+            "HF_TOKEN": "users-own-token",
+        }
         for n in lc.nodes:
             lc.start_node(n.node_id, env=leaky)
         lc.wait_for(lambda: lc.max_step() >= 4, 180, "step 4")
@@ -141,6 +146,8 @@ def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curv
         for pid in workers:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
             assert b"CREDENTIALS_DIRECTORY" not in environ
+            assert b"ELASTICPP_LOG_LEVEL" not in environ
+            assert b"ELASTICPP_NODE_ID=node-0" in environ  # what the agent tells it
             assert b"HF_TOKEN=users-own-token" in environ
         lc.kill_node("node-1")
         lost_at = lc.max_step()

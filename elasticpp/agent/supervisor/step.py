@@ -138,14 +138,24 @@ def supervisor_step(obs: SupervisorObservation) -> list[Action]:
 
 # What a worker (where the user's model code runs) does not inherit of the agent's
 # environment: where systemd keeps this service's credentials (its TLS key, the etcd
-# password). The agent takes every secret of its own from files, never from the environment;
-# the user's own variables (a hub token their code needs, say) are theirs and pass.
+# password), and the agent's own configuration, every `ELASTICPP_*` variable (its flags'
+# fallbacks name etcd, the token file, the key files), but those a worker reads itself. The
+# agent takes every secret of its own from files, never from the environment; the user's
+# own variables (a hub token their code needs, say) are theirs and pass. What a worker is
+# told (its node id, its device, its descriptors) the agent sets for it.
 _AGENT_ONLY = ("CREDENTIALS_DIRECTORY",)
+AGENT_PREFIX = "ELASTICPP_"
+WORKER_READS = ("ELASTICPP_PROFILE_DIR",)  # elasticpp.train.profile
 
 
 def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The agent's environment, less what points at the agent's own secrets."""
-    return {k: v for k, v in environ.items() if k not in _AGENT_ONLY}
+    """The agent's environment, less what points at the agent's own secrets and its own
+    configuration."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if k not in _AGENT_ONLY and (not k.startswith(AGENT_PREFIX) or k in WORKER_READS)
+    }
 
 
 def supervisor_rest_s(obs: SupervisorObservation) -> float | None:
