@@ -18,28 +18,12 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
 from elasticpp.train.procs import WorkerError
+from tests.fakes import FakeCluster
 from tests.unit.test_agent_deadlines import _plan as _plan_on
 from tests.unit.test_agent_done import SPEC, _plan
 
 
-class _Cluster:
-    def __init__(self) -> None:
-        self.arrivals: list[tuple[str, str, Any]] = []
-        self.skipped: list[str] = []
-
-    class keys:  # the one key name the agent asks for here
-        generation = "/elasticpp/j/generation"
-
-    def arrive(
-        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
-    ) -> None:
-        self.arrivals.append((barrier, node_id, value))
-
-    def skip_value(self, key: str, exc: Exception) -> None:
-        self.skipped.append(key)
-
-
-class _RefusesOnce(_Cluster):
+class _RefusesOnce(FakeCluster):
     """etcd refuses the first write of one barrier (unreachable for a moment)."""
 
     def __init__(self, barrier: str) -> None:
@@ -52,18 +36,16 @@ class _RefusesOnce(_Cluster):
         if barrier == self.refuse:
             self.refuse = ""
             raise ClusterUnavailableError("etcd: connection refused", fast=True)
-        super().arrive(barrier, node_id, value)
+        super().arrive(barrier, node_id, value, lease_id=lease_id)
 
 
-def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
-    return _agent_on(tmp_path, _Cluster())
+def _agent(tmp_path: Path) -> tuple[Agent, FakeCluster]:
+    return _agent_on(tmp_path, FakeCluster())
 
 
-def _agent_on(tmp_path: Path, cluster: _Cluster) -> tuple[Agent, _Cluster]:
+def _agent_on(tmp_path: Path, cluster: FakeCluster) -> tuple[Agent, FakeCluster]:
     agent = Agent(
-        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
-        SPEC,
-        cluster=cluster,  # type: ignore[arg-type]
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
     )
     # A tick refills the warm pool: no real worker processes in a unit test (they outlived
     # it before, and a later test that counts the runner's children failed for them).
@@ -115,7 +97,7 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
     agent.follower.state.gen = gs
     agent.follower.step()
     assert gs.phase is Phase.DONE
-    assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("done", "n0")]
 
 
 def test_an_observation_out_of_order_is_ignored_not_raised(tmp_path: Path) -> None:
@@ -137,7 +119,7 @@ def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path
     agent.view.state.record = newer
     agent.follower.step()
     assert agent.follower.generation == 2 and agent.follower.state.gen.phase is Phase.RUNNING
-    assert cluster.skipped == [_Cluster.keys.generation]
+    assert cluster.skipped == [cluster.keys.generation]
 
 
 class _Spare:
@@ -187,7 +169,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
     else:
         raise AssertionError("a record without a store address cannot be followed")
     assert [p.pid for p in agent.pool.spares()] == [102, 103]  # handed back, never assigned
-    assert not untouched.assigned and cluster.arrivals == []
+    assert not untouched.assigned and cluster.arrivals() == []
 
 
 def _follow_through_a_refused_write(agent: Agent) -> None:
@@ -212,7 +194,7 @@ def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
     _follow_through_a_refused_write(agent)
     assert gs.phase is Phase.IDLE
-    assert [(b, n) for b, n, _ in cluster.arrivals] == [("started-2", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("started-2", "n0")]
 
 
 def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) -> None:
@@ -227,7 +209,7 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
         agent.pool.rank_done(1, rank)
     _follow_through_a_refused_write(agent)
     assert gs.phase is Phase.DONE
-    assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("done", "n0")]
 
 
 def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Path) -> None:
@@ -236,7 +218,7 @@ def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Pat
     agent.follower.state.gen = gs = _GenState(record=record, plan=Plan.from_dict(record.plan))
     with contextlib.suppress(ClusterUnavailableError):
         agent.follower.step()
-    assert gs.phase is Phase.STOPPING and cluster.arrivals == []  # not reported: stays
+    assert gs.phase is Phase.STOPPING and cluster.arrivals() == []  # not reported: stays
     agent.follower.step()
     assert gs.phase is Phase.MOVING
-    assert [(b, n) for b, n, _ in cluster.arrivals] == [("stopped-2", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("stopped-2", "n0")]

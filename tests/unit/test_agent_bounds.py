@@ -27,37 +27,25 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
-from tests.fakes import FakeRegistration, Registrar, Term
+from tests.fakes import FakeCluster, FakeRegistration
 from tests.unit.test_agent_done import SPEC_FIELDS, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
 
 
-class _SlowCluster(Registrar):
-    """A slow etcd: every commit record put takes 0.2 s."""
+class _SlowCluster(FakeCluster):
+    """A slow etcd: every commit record put takes `put_s` (0.2 s)."""
 
     def __init__(self, put_s: float = 0.2) -> None:
-        super().__init__()
+        super().__init__(registration=FakeRegistration())
         self.put_s = put_s
         self.records: list[tuple[int, int, float]] = []  # (generation, step, when)
-        self.arrivals: list[tuple[str, str, Any]] = []
 
     def record_commit(
-        self, generation, node_id, step, anchors=(), replicas=None, *, lease_id=None
+        self, generation: int, node_id: str, step: int, *args: Any, **kw: Any
     ) -> None:
         time.sleep(self.put_s)  # the latency being modelled, not a wait for a condition
+        super().record_commit(generation, node_id, step, *args, **kw)
         self.records.append((generation, step, time.monotonic()))
-
-    def arrive(
-        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
-    ) -> None:
-        self.arrivals.append((barrier, node_id, value))
-
-    def record_timeline(self, generation: int, timeline: Any, leader: Any) -> bool:
-        self.arrivals.append(("timelines", f"gen-{generation}", timeline))
-        return True
-
-    def housekeep(self, generation: int, **_: Any) -> int:
-        return 0
 
 
 # One node: no replication rounds (its ring has no peer).
@@ -324,11 +312,14 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
 
     import torch.distributed as dist
 
-    agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
+    cluster = _SlowCluster(put_s=0.0)
+    agent, _ = _running_agent(tmp_path, cluster)
     store = dist.TCPStore(  # what the leader starts for its term (real, loopback)
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
-    agent.leader.begin_term(Term(), RendezvousStore(store, f"127.0.0.1:{store.port}"))
+    term = cluster.campaign("n0", 30)
+    assert term is not None
+    agent.leader.begin_term(term, RendezvousStore(store, f"127.0.0.1:{store.port}"))
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
     for generation in range(1, 51):
         ranks = dist.PrefixStore(f"gen{generation}", client)  # what each worker does
@@ -355,3 +346,4 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
         "gen50/rank2",
         "gen50/rank3",
     ]
+    cluster.close()

@@ -24,7 +24,7 @@ def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, ManualClock]:
         AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
         SPEC,
         clock=clock,
-        cluster=cluster,  # type: ignore[arg-type]
+        cluster=cluster,
     )
     agent.supervisor.spawn_warm = lambda: None  # type: ignore[method-assign]
     return agent, cluster, clock
@@ -42,7 +42,7 @@ def _new_generation(agent: Agent, generation: int, nodes: tuple[str, ...] = ("n0
 
 
 def _failures(cluster: _Cluster) -> list[dict[str, Any]]:
-    return [value for barrier, _, value in cluster.arrivals if barrier.startswith("failed-")]
+    return [value for barrier, _, value in cluster.arrivals() if barrier.startswith("failed-")]
 
 
 def test_old_workers_that_outlive_sigkill_fail_the_node_at_stop_timeout_s(tmp_path: Path) -> None:

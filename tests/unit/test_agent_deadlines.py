@@ -20,7 +20,7 @@ from elasticpp.cluster.health import JobEnd, QuarantineRecord
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.resume import TransferProgress
-from tests.fakes import Registrar, Term
+from tests.fakes import FakeCluster, FakeRegistration
 from tests.unit.test_agent_done import lead_resume
 
 SPEC_FIELDS: dict[str, Any] = {
@@ -59,25 +59,23 @@ class _StuckProc:
         self.kills.append(wait)
 
 
-class _Cluster(Registrar):
+class _Cluster(FakeCluster):
+    """The job's etcd in memory, this node's registration a fake (its lapse and its
+    refusals are a test's to say)."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.arrivals: list[tuple[str, str, Any]] = []
-        self.quarantines: list[QuarantineRecord] = []
-        self.ends: list[tuple[str, str]] = []
+        super().__init__(registration=FakeRegistration())
 
-    def arrive(
-        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
-    ) -> None:
-        self.arrivals.append((barrier, node_id, value))
+    def quarantines(self) -> list[QuarantineRecord]:
+        """The quarantines written, in order."""
+        return [QuarantineRecord.from_dict(v) for _, v in self.puts(self.keys.quarantine_prefix)]
 
-    def quarantine(self, record: QuarantineRecord, leader: Any) -> bool:
-        self.quarantines.append(record)
-        return True
 
-    def end_job(self, status: str, reason: str, by: str, step: int = -1) -> JobEnd:
-        self.ends.append((status, reason))
-        return JobEnd(status, reason, by, time.time(), step)
+def _term(cluster: FakeCluster) -> Any:
+    """This node's term as leader, won in the job's etcd (close the cluster at the end)."""
+    term = cluster.campaign("n0", 30)
+    assert term is not None
+    return term
 
 
 def _agent(tmp_path: Path, clock: Clock | None = None, **cfg: Any) -> tuple[Agent, _Cluster]:
@@ -86,7 +84,7 @@ def _agent(tmp_path: Path, clock: Clock | None = None, **cfg: Any) -> tuple[Agen
         AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path, **cfg),
         SPEC,
         clock=clock,
-        cluster=cluster,  # type: ignore[arg-type]
+        cluster=cluster,
     )
     return agent, cluster
 
@@ -111,12 +109,12 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     agent.follower.state.gen = gs
     agent.follower.step()
     assert old.kills == [False]  # signalled, not waited for
-    assert gs.phase is Phase.STOPPING and cluster.arrivals == []
+    assert gs.phase is Phase.STOPPING and cluster.arrivals() == []
     assert gs.killed_at_s is not None
     gs.killed_at_s -= SPEC.stop_timeout_s + 1  # the stop deadline passes
     agent.follower.step()
     assert gs.phase is Phase.FAILED
-    [(barrier, node, report)] = cluster.arrivals
+    [(barrier, node, report)] = cluster.arrivals()
     assert (barrier, node) == ("failed-2", "n0")
     assert report["culprit"] and report["severe"]
     assert "still alive" in report["reason"] and "100" in report["reason"]
@@ -152,14 +150,14 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     agent.executor.run(agent.supervisor.step())
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
     agent.follower.step()
-    assert gs.phase is Phase.MOVING and cluster.arrivals == []  # waits for it
+    assert gs.phase is Phase.MOVING and cluster.arrivals() == []  # waits for it
     agent.pool.drop_spare(spare)  # type: ignore[arg-type]
     agent.pool.add_spare(spare, start - SPEC.ready_timeout_s - 1)  # type: ignore[arg-type]
     agent.executor.run(agent.supervisor.step())
     assert spare.killed and agent.pool.spares() == ()
     agent.follower.step()
     assert gs.phase is Phase.FAILED
-    [(barrier, _node, report)] = cluster.arrivals
+    [(barrier, _node, report)] = cluster.arrivals()
     assert barrier == "failed-2" and report["culprit"] and report["severe"]
     assert "not ready within 7 s" in report["reason"]
 
@@ -171,7 +169,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     keeps its lease and answers probes)."""
     clock = ManualClock()
     agent, cluster = _agent(tmp_path, clock=clock)
-    agent.leader.begin_term(Term(), None)
+    agent.leader.begin_term(_term(cluster), None)
     agent.view.state.leader = "n0"
     agent.view.state.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
@@ -189,16 +187,16 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     lead_resume(agent, gs)
     lead_resume(agent, gs)
     assert (
-        cluster.quarantines == [] and not agent.leader.state.resume_written
+        cluster.quarantines() == [] and not agent.leader.state.resume_written
     )  # within the deadline
     # The node's own report of workers that outlive SIGKILL (stop_timeout_s after its kill)
     # gets a margin to arrive first: it says why.
     clock.advance(SPEC.stop_timeout_s + 1)
     lead_resume(agent, gs)
-    assert cluster.quarantines == []
+    assert cluster.quarantines() == []
     clock.advance(STOPPED_WAIT_MARGIN_S)
     lead_resume(agent, gs)
-    [q] = cluster.quarantines
+    [q] = cluster.quarantines()
     assert q.node_id == "n2" and q.incarnation == "in2"
     assert "did not arrive at stopped-2 within 10 s" in q.reason
     assert not agent.leader.state.resume_written  # n2 is in the plan: the next plan goes without it
@@ -208,7 +206,8 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     # again; a new incarnation's would.
     agent.health.state.quarantines = {}
     agent.leader.judge_health(agent.leader.cluster_view())
-    assert len(cluster.quarantines) == 1
+    assert len(cluster.quarantines()) == 1
+    cluster.close()
 
 
 def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path) -> None:
@@ -253,7 +252,8 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
     agent.pool.deliver(w.proc, {"event": "halted", "step": 3, "message": "loss nan"})  # type: ignore[arg-type]
     agent.supervisor.drain_events()
     agent.follower.step()
-    assert cluster.ends == [("halted", "loss nan")]
+    end = cluster.job_end()
+    assert end is not None and (end.status, end.reason) == ("halted", "loss nan")
 
 
 def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> None:
@@ -297,7 +297,7 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     """Before, a probe counted NOT_SERVING as alive, and a wedged agent stayed in every
     plan (the review's N2b)."""
     agent, cluster = _agent(tmp_path)
-    agent.leader.begin_term(Term(), None)
+    agent.leader.begin_term(_term(cluster), None)
     agent.view.state.leader = "n0"
     agent.view.state.members = {
         n: {"address": "127.0.0.1:1", "slots": 1, "incarnation": f"i{n}"}
@@ -310,11 +310,12 @@ def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path
     agent.view.state.record = record
     agent.liveness.state.unhealthy = {"n2": "in2", "n9": "in9"}  # as a probe found them
     view = agent.leader.judge_health(agent.leader.cluster_view())
-    [q] = cluster.quarantines
+    [q] = cluster.quarantines()
     assert q.node_id == "n2" and "NOT_SERVING" in q.reason
     assert view.quarantined == {"n2"}
     # Re-admitted (say by an operator), the same stale observation does not set it aside
     # again; a new incarnation's would.
     agent.health.state.quarantines = {}
     agent.leader.judge_health(agent.leader.cluster_view())
-    assert len(cluster.quarantines) == 1
+    assert len(cluster.quarantines()) == 1
+    cluster.close()

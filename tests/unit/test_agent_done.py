@@ -23,7 +23,7 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.train.procs import EXITED
-from tests.fakes import FakeRegistration, Registrar, Term
+from tests.fakes import FakeCluster, FakeRegistration
 
 # One node, one tiny model: the job of every constructed agent here (and in the control
 # tests on real gRPC).
@@ -72,30 +72,13 @@ class _Proc:
         return False
 
 
-class _Cluster:
-    def __init__(self) -> None:
-        self.arrivals: list[tuple[str, str, Any]] = []
-
-    def arrive(
-        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
-    ) -> None:
-        self.arrivals.append((barrier, node_id, value))
-
-    def record_timeline(self, generation: int, timeline: Any, leader: Any) -> bool:
-        self.arrivals.append(("timelines", f"gen-{generation}", timeline))
-        return True
-
-    def housekeep(self, generation: int, **_: Any) -> int:
-        return 0
-
-
 def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_done(
     tmp_path: Path,
 ) -> None:
     spec = SPEC
     cfg = AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path)
-    cluster = _Cluster()
-    agent = Agent(cfg, spec, cluster=cluster)  # type: ignore[arg-type]
+    cluster = FakeCluster()
+    agent = Agent(cfg, spec, cluster=cluster)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
     agent.follower.state.gen = _GenState(
@@ -118,7 +101,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent.supervisor.drain_events()
     agent.follower.step()
     agent._control()
-    assert [(b, n) for b, n, _ in cluster.arrivals] == [("done", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("done", "n0")]
     assert agent._exit_requested() == 0  # and the agent may exit
 
 
@@ -126,13 +109,13 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     tmp_path: Path,
 ) -> None:
     spec = SPEC
-    cluster = _Cluster()
+    cluster = FakeCluster()
     agent = Agent(
-        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
-        spec,
-        cluster=cluster,  # type: ignore[arg-type]
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), spec, cluster=cluster
     )
-    agent.leader.begin_term(Term(), None)  # elected after n9, which wrote the timeline
+    term = cluster.campaign("n0", 30)
+    assert term is not None
+    agent.leader.begin_term(term, None)  # elected after n9, which wrote the timeline
     plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
@@ -143,15 +126,16 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
         "resume-2": {RESUME_MEMBER: {"step": 10, "recomputed": 1}},
     }
     lead_timeline(agent, gs)
-    assert cluster.arrivals == []  # n9's timeline of generation 2 stays
+    assert cluster.arrivals() == []  # n9's timeline of generation 2 stays
     del agent.view.state.barriers["timelines"]["gen-2"]
     agent.leader.state.timeline_written = False  # as a leader elected later knows it
     lead_timeline(
         agent, _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     )
-    [(barrier, key, timeline)] = cluster.arrivals
+    [(barrier, key, timeline)] = cluster.arrivals()
     assert (barrier, key) == ("timelines", "gen-2")
     assert timeline["resume_step"] == 10 and timeline["steps_recomputed"] == 1  # n9's resume
+    cluster.close()
 
 
 def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
@@ -171,16 +155,18 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
 
 
 def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Path) -> None:
+    cluster = FakeCluster()
     agent = Agent(
         AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
         SPEC,
-        cluster=_Cluster(),  # type: ignore[arg-type]  # any write would fail here
+        cluster=cluster,
     )
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
     lead_resume(agent, gs)
     assert agent.leader.state.at(2, time.monotonic()).resume_written
+    assert cluster.memory.writes == []
 
 
 def _running_agent(tmp_path: Path, cluster: object = None) -> tuple[Agent, Plan]:
@@ -254,37 +240,23 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
 ) -> None:
     """The wedge: a node waiting for its ranks to start (or for a resume instruction) waited
     for good. Past the phase's deadline it now reports a failure, so the leader re-plans."""
-    cluster = _Cluster()
+    cluster = FakeCluster()
     agent = Agent(
-        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
-        SPEC,
-        cluster=cluster,  # type: ignore[arg-type]
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
     )
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     for phase in (Phase.MOVING, Phase.STARTING):
         gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=phase)
         agent.follower.state.gen = gs
         agent.follower.step()
-        assert gs.phase is phase and cluster.arrivals == []  # within the deadline
+        assert gs.phase is phase and cluster.arrivals() == []  # within the deadline
         gs.phase_since_s -= 1000.0
         agent.follower.step()
         assert gs.phase is Phase.FAILED
-        [(barrier, node, value)] = cluster.arrivals
+        [(barrier, node, value)] = cluster.arrivals()
         assert (barrier, node) == ("failed-3", "n0") and "waited" in value["reason"]
-        cluster.arrivals.clear()
+        cluster.memory.writes.clear()
         agent.follower.state.pending_failures.clear()
-
-
-class _Registered(_Cluster, Registrar):
-    """The cluster of a registered node (its commit records are put by a writer thread)."""
-
-    def __init__(self, registration: FakeRegistration) -> None:
-        _Cluster.__init__(self)
-        Registrar.__init__(self, registration)
-        self.commits: list[tuple[int, int]] = []
-
-    def record_commit(self, generation: int, node_id: str, step: int, *_: Any, **__: Any) -> None:
-        self.commits.append((generation, step))
 
 
 def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewed(
@@ -295,7 +267,7 @@ def test_an_agent_whose_lease_may_have_lapsed_commits_nothing_until_it_is_renewe
     from elasticpp.checkpoint.manifest import step_dirname
 
     reg = FakeRegistration(lapsed=True)
-    cluster = _Registered(reg)
+    cluster = FakeCluster(registration=reg)
     agent, plan = _running_agent(tmp_path, cluster)
     agent.membership.take_lease()
     proc = _worker_on(agent, plan, 100, 0)

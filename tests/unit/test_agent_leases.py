@@ -14,31 +14,31 @@ from elasticpp.agent.membership.shell import Membership, MembershipPorts
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.errors import NodeIdConflictError
 from elasticpp.cluster.leases import ProgressGate
-from tests.fakes import FakeRegistration, Registrar, Term
+from tests.fakes import FakeCluster, FakeRegistration, Term
 from tests.unit.test_agent_done import SPEC
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, FakeRegistration]:
     """An agent whose registration is a fake: taken, not yet its lease's answers."""
-    registrar = Registrar()
+    registration = FakeRegistration()
     agent = Agent(
         AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
         SPEC,
-        cluster=registrar,  # type: ignore[arg-type]  # only `register` is called here
+        cluster=FakeCluster(registration=registration),
     )
     agent.membership.take_lease()
-    return agent, registrar.registration
+    return agent, registration
 
 
 def test_the_lease_gate_follows_the_decision_loops_heartbeat() -> None:
     now = [1000.0]
     heartbeat = LoopHeartbeat(lambda: now[0])
-    registrar = Registrar()
+    cluster = FakeCluster()
     membership = Membership(
         "n0",
         "inc",
         SPEC,
-        cluster=registrar,  # type: ignore[arg-type]  # only `register` is called here
+        cluster=cluster,
         heartbeat=heartbeat,
         ports=MembershipPorts(
             newest_epoch=lambda: 0,
@@ -52,7 +52,7 @@ def test_the_lease_gate_follows_the_decision_loops_heartbeat() -> None:
         ),
     )
     membership.take_lease()
-    assert registrar.registration.updates[0]["incarnation"] == "inc"
+    assert cluster.member_records(["n0"])["n0"]["incarnation"] == "inc"
     gate = membership.lease_gate()
     heartbeat.busy()
     now[0] += 1.0
@@ -61,6 +61,9 @@ def test_the_lease_gate_follows_the_decision_loops_heartbeat() -> None:
     assert gate.stalled_s() == 60.0
     heartbeat.idle()
     assert gate.stalled_s() is None
+    membership.close()
+    assert cluster.member_records(["n0"]) == {}  # revoked: the key went with it
+    cluster.close()
 
 
 def test_a_loop_that_waits_for_work_is_not_stalled_however_long_it_waits() -> None:

@@ -19,6 +19,7 @@ from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
+from tests.fakes import FakeCluster
 from tests.unit.test_agent_done import SPEC, _plan
 
 NODES = [f"n{i:02d}" for i in range(16)]
@@ -55,13 +56,16 @@ def probes(monkeypatch: pytest.MonkeyPatch) -> _Probes:
     return fake
 
 
-class _Cluster:
-    def __init__(self) -> None:
-        self.deposed: list[str] = []
+def _cluster() -> FakeCluster:
+    """The job's etcd, n00's term as leader on record (as n00 itself wrote it)."""
+    cluster = FakeCluster()
+    cluster.memory.put(cluster.keys.leader, "n00")
+    return cluster
 
-    def depose(self, node_id: str) -> bool:
-        self.deposed.append(node_id)
-        return True
+
+def _deposed(agent: Agent) -> list[str]:
+    """The leaders whose term this agent deposed (n00's key deleted)."""
+    return [] if agent.cluster.leader() == "n00" else ["n00"]
 
 
 def settle(agent: Agent) -> None:
@@ -78,7 +82,7 @@ def _agent(tmp_path: Path, node_id: str = "n00") -> Agent:
     agent = Agent(
         AgentConfig(node_id, ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
         SPEC,
-        cluster=_Cluster(),  # type: ignore[arg-type]
+        cluster=_cluster(),
     )
     agent.view.state.members = {n: {"address": f"{n}:1", "incarnation": f"i-{n}"} for n in NODES}
     agent.view.state.record = GenerationRecord(
@@ -401,12 +405,12 @@ def test_a_follower_suspects_the_leader_only_of_a_failure_it_reported_itself(
     agent = _follower(tmp_path)
     agent.follower.state.reported = 4  # another node's report of generation 5 is not seen here
     agent._check_leader()
-    assert probes.calls == [] and agent.cluster.deposed == []  # type: ignore[union-attr]
+    assert probes.calls == [] and _deposed(agent) == []
     agent.follower.state.pending_failures[5] = {"reason": "worker exited 1"}  # not in etcd yet
     agent.liveness.state.suspect_since = {5: time.monotonic() - 10}
     agent._check_leader()
     assert probes.calls == ["n00:1"]
-    assert agent.cluster.deposed == ["n00"]  # type: ignore[union-attr]
+    assert _deposed(agent) == ["n00"]
     agent.liveness.close()
 
 
@@ -416,7 +420,7 @@ def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
     agent = _follower(tmp_path)
     del agent.view.state.members["n00"]  # re-registering after a lost lease: no address known
     agent._check_leader()
-    assert agent.cluster.deposed == []  # type: ignore[union-attr]
+    assert _deposed(agent) == []
     assert "n00" not in agent.liveness.state.dead
     agent.liveness.close()
 
@@ -436,7 +440,7 @@ def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
     agent = _follower(tmp_path)
     agent._check_leader()
     assert probes.calls == ["n00:1"]
-    assert agent.cluster.deposed == deposed  # type: ignore[union-attr]
+    assert _deposed(agent) == deposed
     assert ("n00" in agent.liveness.state.dead) is dead
     agent.liveness.close()
 
@@ -451,14 +455,14 @@ def test_a_follower_deposes_a_silent_leader_only_when_the_next_probe_is_silent_t
     agent = _follower(tmp_path)
     agent._check_leader()
     assert probes.calls == ["n00:1"]
-    assert agent.cluster.deposed == []  # type: ignore[union-attr]
+    assert _deposed(agent) == []
     agent._check_leader()
     assert probes.calls == ["n00:1"]  # not before DEAD_RECHECK_S
     agent.liveness.state.leader_probed_s -= DEAD_RECHECK_S
     agent._check_leader()
     assert probes.calls == ["n00:1", "n00:1"]
     silent = second is ProbeResult.SILENT
-    assert agent.cluster.deposed == (["n00"] if silent else [])  # type: ignore[union-attr]
+    assert _deposed(agent) == (["n00"] if silent else [])
     assert ("n00" in agent.liveness.state.dead) is silent
     assert agent.liveness.state.leader_silent is None
     agent.liveness.close()

@@ -16,17 +16,16 @@ from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.records import GenerationRecord, node_fields
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
-from tests.unit.test_agent_done import SPEC, _Cluster, _plan
+from tests.fakes import FakeCluster
+from tests.unit.test_agent_done import SPEC, _plan
 
 
 def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
     tmp_path: Path,
 ) -> None:
-    cluster = _Cluster()
+    cluster = FakeCluster()
     agent = Agent(
-        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path),
-        SPEC,
-        cluster=cluster,  # type: ignore[arg-type]
+        AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
     )
     record = GenerationRecord(3, _plan(3).to_dict(), "n9", time.time(), resume_step=5)
     gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
@@ -39,14 +38,14 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
         gs.phase_since_s -= 1000.0
         progress.add(1 << 20)
         agent.follower.step()
-        assert gs.phase is Phase.MOVING and cluster.arrivals == []
+        assert gs.phase is Phase.MOVING and cluster.arrivals() == []
         # Nothing for longer than FETCH_STALL_S, then past MOVING's own deadline: failed.
         now[0] -= FETCH_STALL_S + 1
         progress.add(0)
         gs.phase_since_s -= 1000.0
         agent.follower.step()
         assert gs.phase is Phase.FAILED
-        [(barrier, node, _)] = cluster.arrivals
+        [(barrier, node, _)] = cluster.arrivals()
         assert (barrier, node) == ("failed-3", "n0")
     finally:
         agent.liveness.close()

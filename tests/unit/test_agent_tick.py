@@ -27,7 +27,6 @@ from elasticpp.agent.limits import (
 )
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
-from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
 from elasticpp.plan import Plan
 from elasticpp.waiting import wait_until
@@ -208,10 +207,6 @@ def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None
     agent.liveness.close()
 
 
-class _Cluster:
-    keys = JobKeys("j")
-
-
 def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     tmp_path: Path,
 ) -> None:
@@ -220,8 +215,7 @@ def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     and raise their parts' signals. A follower sees no other node's member key at all (the
     leader alone caches them): when a job starts, N registrations each woke N agents."""
     agent = _quiet_agent(tmp_path)
-    agent.cluster = _Cluster()  # type: ignore[assignment]
-    keys = _Cluster.keys
+    keys = agent.cluster.keys
 
     def taken() -> tuple[bool, bool, bool]:
         woke = agent._wake.is_set()
