@@ -23,7 +23,7 @@ from elasticpp.cluster.etcd_server import EtcdServer
 from elasticpp.cluster.keepers import kept
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
-from tests.unit.test_agent_done import SPEC, SPEC_FIELDS
+from tests.agents import SPEC, SPEC_FIELDS
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
-from tests.unit.test_agent_done import SPEC
+from tests.agents import SPEC
 
 
 class _SlowFirstHealth(health_pb2_grpc.HealthServicer):

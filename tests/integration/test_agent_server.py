@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.errors import ConfigError
-from tests.unit.test_agent_done import SPEC
+from tests.agents import SPEC
 
 
 def _agent(tmp_path: Path, sock: Path) -> Agent:

@@ -20,8 +20,8 @@ from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load
 from elasticpp.store.client import PieceFetchError
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.store.service import StateServicer
+from tests.agents import SPEC
 from tests.integration.test_store_grpc import ALL_TP2, MODEL, Node, commit_step
-from tests.unit.test_agent_done import SPEC
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,9 +18,10 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
 from elasticpp.train.procs import WorkerError
+from tests.agents import SPEC
+from tests.agents import dp_plan as _plan
+from tests.agents import plan_over as _plan_on
 from tests.fakes import FakeCluster
-from tests.unit.test_agent_deadlines import _plan as _plan_on
-from tests.unit.test_agent_done import SPEC, _plan
 
 
 class _RefusesOnce(FakeCluster):

@@ -27,8 +27,10 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
+from tests.agents import SPEC_FIELDS, lead_timeline
+from tests.agents import DeadProc as _Proc
+from tests.agents import dp_plan as _plan
 from tests.fakes import FakeCluster, FakeRegistration
-from tests.unit.test_agent_done import SPEC_FIELDS, _plan, _Proc, lead_timeline
 from tests.unit.test_store_local import write_step
 
 

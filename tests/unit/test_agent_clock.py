@@ -14,7 +14,11 @@ from elasticpp.agent.decide import MOVING_DEADLINE_FLOOR_S, Phase, WorkerState
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.records import GenerationRecord
-from tests.unit.test_agent_deadlines import SPEC, _Cluster, _plan, _SlowSpare, _StuckProc
+from tests.agents import SPEC3 as SPEC
+from tests.agents import RegisteredCluster as _Cluster
+from tests.agents import SlowSpare as _SlowSpare
+from tests.agents import StuckProc as _StuckProc
+from tests.agents import plan_over as _plan
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, ManualClock]:

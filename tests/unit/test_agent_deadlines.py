@@ -12,63 +12,20 @@ from elasticpp.agent.clock import Clock, ManualClock
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower.step import FetchOutcome, _GenState
 from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
-from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
-from elasticpp.cluster.health import JobEnd, QuarantineRecord
+from elasticpp.cluster.health import JobEnd
 from elasticpp.cluster.records import GenerationRecord
-from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
+from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
-from tests.fakes import FakeCluster, FakeRegistration
-from tests.unit.test_agent_done import lead_resume
-
-SPEC_FIELDS: dict[str, Any] = {
-    "name": "j",
-    "model": "tiny",
-    "global_batch": 12,
-    "micro_batch": 2,
-    "steps": 5,
-    "seed": 0,
-    "min_nodes": 1,
-    "max_nodes": 3,
-    "stop_timeout_s": 5.0,
-    "ready_timeout_s": 7.0,
-}
-SPEC = parse_job_spec(SPEC_FIELDS)
-
-
-def _plan(generation: int, nodes: tuple[str, ...] = ("n0",)) -> Plan:
-    cluster = ClusterSpec(tuple(NodeSpec(n, 1) for n in nodes), load_device_spec("cpu"))
-    return build_plan(
-        SPEC.model, cluster, Layout(1, 1, len(nodes)), global_batch=12, micro_batch=2
-    ).with_generation(generation)
-
-
-class _StuckProc:
-    """A worker handle whose process never goes away (uninterruptible sleep)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.kills: list[bool] = []
-
-    def alive(self) -> bool:
-        return True
-
-    def kill(self, *, wait: bool = True) -> None:
-        self.kills.append(wait)
-
-
-class _Cluster(FakeCluster):
-    """The job's etcd in memory, this node's registration a fake (its lapse and its
-    refusals are a test's to say)."""
-
-    def __init__(self) -> None:
-        super().__init__(registration=FakeRegistration())
-
-    def quarantines(self) -> list[QuarantineRecord]:
-        """The quarantines written, in order."""
-        return [QuarantineRecord.from_dict(v) for _, v in self.puts(self.keys.quarantine_prefix)]
+from tests.agents import SPEC3 as SPEC
+from tests.agents import RegisteredCluster as _Cluster
+from tests.agents import SlowSpare as _SlowSpare
+from tests.agents import StuckProc as _StuckProc
+from tests.agents import lead_resume
+from tests.agents import plan_over as _plan
+from tests.fakes import FakeCluster
 
 
 def _term(cluster: FakeCluster) -> Any:
@@ -118,18 +75,6 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     assert (barrier, node) == ("failed-2", "n0")
     assert report["culprit"] and report["severe"]
     assert "still alive" in report["reason"] and "100" in report["reason"]
-
-
-class _SlowSpare:
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.killed = False
-
-    def alive(self) -> bool:
-        return not self.killed
-
-    def kill(self, *, wait: bool = True) -> None:
-        self.killed = True
 
 
 def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_that_needs_it(

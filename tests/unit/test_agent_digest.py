@@ -13,8 +13,9 @@ from elasticpp.agent.actions import ArriveStopped
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord, Members
 from elasticpp.store.digest import HoldingsDigest
+from tests.agents import SPEC
+from tests.agents import dp_plan as _plan
 from tests.fakes import Term
-from tests.unit.test_agent_done import SPEC, _plan
 from tests.unit.test_store_local import commit_replica_step, commit_step
 
 MEMBERS = ("n0", "n1", "n2", "n3")

@@ -14,7 +14,6 @@ import pytest
 from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.leader.step import LeaderObservation, leader_resume_step, leader_timeline_step
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
@@ -23,53 +22,10 @@ from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import DISK_SOURCE
 from elasticpp.train.procs import EXITED
+from tests.agents import SPEC, SPEC_FIELDS, lead_resume, lead_timeline
+from tests.agents import DeadProc as _Proc
+from tests.agents import dp_plan as _plan
 from tests.fakes import FakeCluster, FakeRegistration
-
-# One node, one tiny model: the job of every constructed agent here (and in the control
-# tests on real gRPC).
-SPEC_FIELDS: dict[str, Any] = {
-    "name": "j",
-    "model": "tiny",
-    "global_batch": 4,
-    "micro_batch": 2,
-    "steps": 5,
-    "seed": 0,
-    "min_nodes": 1,
-    "max_nodes": 1,
-}
-SPEC = parse_job_spec(SPEC_FIELDS)
-
-
-def _plan(generation: int) -> Plan:
-    """Two ranks (data parallel) on node n0."""
-    cluster = ClusterSpec((NodeSpec("n0", 2),), load_device_spec("cpu"))
-    return build_plan(
-        SPEC.model, cluster, Layout(1, 1, 2), global_batch=4, micro_batch=2
-    ).with_generation(generation)
-
-
-def _observed(agent: Agent, gs: _GenState) -> LeaderObservation:
-    """What the leader's step sees while this node's follower is in `gs`."""
-    agent.follower.state.gen = gs
-    return agent.leader.observation(agent.leader.cluster_view())
-
-
-def lead_resume(agent: Agent, gs: _GenState) -> None:
-    """The leader's resume step for `gs` (elasticpp.agent.leader.step), its actions applied."""
-    agent._execute(leader_resume_step(agent.leader.state, _observed(agent, gs)))
-
-
-def lead_timeline(agent: Agent, gs: _GenState) -> None:
-    """The leader's timeline step for `gs`, its actions applied."""
-    agent._execute(leader_timeline_step(agent.leader.state, _observed(agent, gs)))
-
-
-class _Proc:
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-
-    def alive(self) -> bool:
-        return False
 
 
 def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_done(

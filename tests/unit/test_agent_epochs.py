@@ -18,8 +18,9 @@ from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
+from tests.agents import SPEC, lead_resume
+from tests.agents import dp_plan as _plan
 from tests.fakes import FakeCluster
-from tests.unit.test_agent_done import SPEC, _plan, lead_resume
 from tests.unit.test_store_local import commit_step
 
 

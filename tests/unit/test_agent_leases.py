@@ -14,8 +14,8 @@ from elasticpp.agent.membership.shell import Membership, MembershipPorts
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.errors import NodeIdConflictError
 from elasticpp.cluster.leases import ProgressGate
+from tests.agents import SPEC
 from tests.fakes import FakeCluster, FakeRegistration, Term
-from tests.unit.test_agent_done import SPEC
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, FakeRegistration]:

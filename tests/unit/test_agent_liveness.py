@@ -19,8 +19,9 @@ from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.probe import ProbeResult
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
+from tests.agents import SPEC
+from tests.agents import dp_plan as _plan
 from tests.fakes import FakeCluster
-from tests.unit.test_agent_done import SPEC, _plan
 
 NODES = [f"n{i:02d}" for i in range(16)]
 

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.node import Agent, AgentConfig
-from tests.unit.test_agent_done import SPEC
+from tests.agents import SPEC
 
 
 def test_a_child_is_the_labelled_one_looked_up_once() -> None:

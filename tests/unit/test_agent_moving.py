@@ -16,8 +16,9 @@ from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.records import GenerationRecord, node_fields
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
+from tests.agents import SPEC
+from tests.agents import dp_plan as _plan
 from tests.fakes import FakeCluster
-from tests.unit.test_agent_done import SPEC, _plan
 
 
 def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(

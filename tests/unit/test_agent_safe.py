@@ -15,18 +15,12 @@ from elasticpp.agent.leader.step import leader_safe_check
 from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, Members, SafeStep
-from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
+from elasticpp.plan import Plan
+from tests.agents import SPEC
+from tests.agents import observed as _observed
+from tests.agents import pp_plan as _plan
 from tests.fakes import Term
-from tests.unit.test_agent_done import SPEC, _observed
 from tests.unit.test_store_local import commit_replica_step, commit_step
-
-
-def _plan(generation: int) -> Plan:
-    """Two pipeline stages, on n0 and n1."""
-    cluster = ClusterSpec((NodeSpec("n0", 1), NodeSpec("n1", 1)), load_device_spec("cpu"))
-    return build_plan(
-        SPEC.model, cluster, Layout(2, 1, 1), global_batch=4, micro_batch=2
-    ).with_generation(generation)
 
 
 class _Cluster:

@@ -388,7 +388,7 @@ def test_every_action_has_a_handler(tmp_path: Path) -> None:
 
     from elasticpp.agent import actions
     from elasticpp.agent.node import Agent, AgentConfig
-    from tests.unit.test_agent_done import SPEC
+    from tests.agents import SPEC
 
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC)
     members = typing.get_args(actions.Action)

@@ -24,7 +24,7 @@ from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pool import WorkerPool, _Worker
 from elasticpp.agent.supervisor.shell import Supervisor, SupervisorConfig, WorkerEvents
 from elasticpp.agent.worklogs import WorkerLogs
-from tests.unit.test_agent_deadlines import _plan
+from tests.agents import plan_over as _plan
 
 READY_TIMEOUT_S = 60.0
 

@@ -30,8 +30,9 @@ from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
 from elasticpp.plan import Plan
 from elasticpp.waiting import wait_until
+from tests.agents import SPEC
+from tests.agents import pp_plan as _plan
 from tests.fakes import Term
-from tests.unit.test_agent_safe import SPEC, _plan
 
 
 class _Proc:

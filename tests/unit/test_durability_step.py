@@ -43,7 +43,9 @@ from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import Plan
-from tests.unit.test_agent_done import SPEC, _plan, _Proc
+from tests.agents import SPEC
+from tests.agents import DeadProc as _Proc
+from tests.agents import dp_plan as _plan
 
 MODEL = SPEC.model
 

@@ -41,7 +41,7 @@ from elasticpp.agent.follower.step import (
 from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
-from tests.unit.test_agent_deadlines import _plan
+from tests.agents import plan_over as _plan
 
 RESUME: dict[str, Any] = {"step": 4, "fetches": {}}
 

@@ -16,8 +16,9 @@ import pytest
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster import records
 from elasticpp.cluster.records import GenerationRecord, incarnation_tag, node_fields
+from tests.agents import SPEC
+from tests.agents import pp_plan as _plan
 from tests.fakes import Term
-from tests.unit.test_agent_safe import SPEC, _plan
 
 
 def _leader(tmp_path: Path) -> Agent:

@@ -57,7 +57,7 @@ from elasticpp.cluster.records import (
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding
 from elasticpp.store.instruction import node_fetches
-from tests.unit.test_agent_done import SPEC_FIELDS
+from tests.agents import SPEC_FIELDS
 
 SPEC = parse_job_spec({**SPEC_FIELDS, "global_batch": 12, "max_nodes": 3, "stop_timeout_s": 10.0})
 MEMBERS = {n: {"address": f"{n}:1", "slots": 1, "incarnation": f"i-{n}"} for n in ("n0", "n1")}

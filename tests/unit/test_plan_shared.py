@@ -11,7 +11,7 @@ import pytest
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
 from elasticpp.plan.layout import SHARED_PLANS
-from tests.unit.test_agent_safe import _plan
+from tests.agents import pp_plan as _plan
 
 
 def test_equal_plan_data_gives_one_plan_object() -> None:
