@@ -22,8 +22,8 @@ from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cli.main import main as cli_main
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.proctree import descendants
-from tests.integration.test_agent_recovery import SPEC as AGENT_SPEC
-from tests.integration.test_hf_models import tiny_llama_config
+from tests.recovery import RECOVERY_SPEC as AGENT_SPEC
+from tests.workers import tiny_llama_config
 
 STEPS = 12
 SEQ = 16

@@ -14,81 +14,15 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
-from bench.soak import SLICED_DEVICE
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.proctree import descendants
-
-STEPS = 14
-SPEC: dict[str, Any] = {
-    "name": "itest",
-    "model": "tiny",
-    "global_batch": 12,
-    "micro_batch": 2,
-    "steps": STEPS,
-    "seed": 3,
-    "min_nodes": 1,
-    "max_nodes": 3,
-    "lease_ttl_s": 3,
-    "join_settle_s": 0.5,
-    "hang_timeout_s": 6,
-    # A slot modelled without per-message latency, so that the planner picks tensor-parallel
-    # layouts and recoveries move TP-sliced state (the calibrated `cpu` preset would choose
-    # pure data parallelism for this model).
-    "device": SLICED_DEVICE,
-}
-
-
-def _train_reference(out: Path, steps: int) -> dict[int, float]:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elasticpp.cli.main",
-            "train",
-            "--model",
-            "tiny",
-            "--layout",
-            "pp=1,tp=1,dp=1",
-            "--global-batch",
-            str(SPEC["global_batch"]),
-            "--micro-batch",
-            str(SPEC["micro_batch"]),
-            "--steps",
-            str(steps),
-            "--seed",
-            str(SPEC["seed"]),
-            "--metrics",
-            str(out),
-        ],
-        check=True,
-        timeout=240,
-    )
-    return {int(r["step"]): float(r["loss"]) for r in map(json.loads, out.read_text().splitlines())}
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[int, float]]:
-    """The uninterrupted curve of the job with `steps` steps (the LR schedule depends on it)."""
-    cache: dict[int, dict[int, float]] = {}
-
-    def get(steps: int) -> dict[int, float]:
-        if steps not in cache:
-            out = tmp_path_factory.mktemp("ref") / f"ref-{steps}.jsonl"
-            cache[steps] = _train_reference(out, steps)
-        return cache[steps]
-
-    return get
-
-
-@pytest.fixture
-def reference(references: Callable[[int], dict[int, float]]) -> dict[int, float]:
-    return references(STEPS)
+from tests.recovery import RECOVERY_SPEC as SPEC
+from tests.recovery import assert_same_curve, scrape
 
 
 @pytest.fixture
@@ -101,33 +35,6 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalClu
         lc.close()
         left = [p for p in descendants(os.getpid())]
         assert not left, f"processes left behind: {left}"
-
-
-def assert_same_curve(
-    lc: LocalCluster,
-    reference: dict[int, float],
-    earlier: dict[int, tuple[float, int]] | None = None,
-) -> None:
-    curve = {**(earlier or {}), **lc.curve()}
-    assert sorted(curve) == list(range(len(reference))), f"steps trained: {sorted(curve)}"
-    for step, (loss, _gen) in curve.items():
-        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (
-            f"step {step}: elastic loss {loss} vs uninterrupted {reference[step]}"
-        )
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Unlabelled view of an agent's /metrics: metric name -> value of its last sample."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            out[name] = float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def leader_of(lc: LocalCluster) -> str | None:

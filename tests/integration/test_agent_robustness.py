@@ -133,7 +133,7 @@ def test_health_is_not_serving_until_the_agent_has_joined_the_job(cluster: Local
 
 def _skipped_values(port: int) -> float:
     """An agent's count of unreadable etcd values it skipped (0 until it serves metrics)."""
-    from tests.integration.test_agent_recovery import scrape
+    from tests.recovery import scrape
 
     try:
         return scrape(port).get("elasticpp_etcd_values_skipped_total", 0.0)

@@ -21,9 +21,7 @@ import pytest
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
-from tests.integration.test_agent_recovery import SPEC as RECOVERY_SPEC
-from tests.integration.test_agent_recovery import assert_same_curve
-from tests.integration.test_agent_recovery import references as references  # the fixture
+from tests.recovery import RECOVERY_SPEC, assert_same_curve
 
 STEPS = 30
 SPEC: dict[str, Any] = {

@@ -28,23 +28,7 @@ from elasticpp.cluster.records import WatchEvent
 from elasticpp.cluster.watch import Watch
 from elasticpp.errors import ConfigError
 from elasticpp.waiting import wait_until
-from tests.certs import issue, make_ca
-
-
-def make_certs(root: Path) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1, a client certificate of that CA, and a
-    client certificate of another CA (which the server must refuse)."""
-    make_ca(root)
-    make_ca(root, "other-ca")
-    for name in ("server", "client"):
-        issue(root, name)
-    issue(root, "stranger", ca="other-ca")
-    return {p.name: p for p in root.iterdir()}
-
-
-@pytest.fixture
-def certs(tmp_path: Path) -> dict[str, Path]:
-    return make_certs(tmp_path / "certs")
+from tests.etcdtls import client_tls
 
 
 @pytest.fixture
@@ -55,12 +39,6 @@ def tls_etcd(tmp_path: Path, certs: dict[str, Path]) -> Iterator[EtcdServer]:
         yield server.start()
     finally:
         server.close()
-
-
-def client_tls(certs: dict[str, Path], **kw: object) -> EtcdSecurity:
-    return EtcdSecurity(
-        ca_file=certs["ca.pem"], cert_file=certs["client.pem"], key_file=certs["client.key"], **kw
-    )  # type: ignore[arg-type]
 
 
 def test_tls_with_a_client_certificate_reads_writes_watches_and_keeps_leases(

@@ -23,7 +23,7 @@ from elasticpp.cluster.etcd_errors import is_token_error
 from elasticpp.cluster.etcd_server import EtcdServer, ServerTLS
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 from elasticpp.waiting import wait_until
-from tests.integration.test_etcd_client_security import client_tls, make_certs
+from tests.etcdtls import client_tls, make_certs
 
 pytestmark = pytest.mark.timeout(120)
 

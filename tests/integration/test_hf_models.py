@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -33,28 +32,11 @@ from elasticpp.train.families import build_model
 from elasticpp.train.hf import hf_from_units, import_hf, read_hf_state, units_from_hf
 from elasticpp.train.hfconfig import spec_from_hf
 from elasticpp.train.model import Stage
+from tests.workers import tiny_llama_config
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "logits_rank.py"
 SEQ = 16
 MODEL_UNITS_TINY = MODEL_PRESETS["tiny"].units
-
-
-def tiny_llama_config(**changes: Any) -> LlamaConfig:
-    """A small random Llama with grouped-query attention (4 query heads, 2 key/value heads)
-    and the byte vocabulary, as the tests' reference models use."""
-    return LlamaConfig(
-        **{
-            "vocab_size": 256,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 64,
-            "rms_norm_eps": 1e-5,
-            **changes,
-        }
-    )
 
 
 def _perturb_norms(model: torch.nn.Module) -> None:

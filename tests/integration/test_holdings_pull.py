@@ -18,7 +18,9 @@ from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.client import StateClient
 from elasticpp.store.digest import digest_of
 from elasticpp.store.service import MAX_PAGE_PIECES, StateServicer
-from tests.integration.test_store_grpc import ALL_TP2, MODEL, Node, commit_step
+from tests.stores import ALL_TP2, Node
+from tests.stores import GRPC_MODEL as MODEL
+from tests.stores import commit_sized_step as commit_step
 
 pytestmark = pytest.mark.timeout(60)
 

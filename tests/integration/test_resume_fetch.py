@@ -21,7 +21,9 @@ from elasticpp.store.client import PieceFetchError
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
 from elasticpp.store.service import StateServicer
 from tests.agents import SPEC
-from tests.integration.test_store_grpc import ALL_TP2, MODEL, Node, commit_step
+from tests.stores import ALL_TP2, Node
+from tests.stores import GRPC_MODEL as MODEL
+from tests.stores import commit_sized_step as commit_step
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,36 +22,13 @@ from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.etcd_client import EtcdKV
 from elasticpp.cluster.records import GenerationRecord
-from elasticpp.proctree import descendants
-from elasticpp.waiting import wait_until
-from tests.integration.test_agent_recovery import scrape
-
-SPEC: dict[str, Any] = {
-    "name": "secjob",
-    "model": "tiny",
-    "global_batch": 4,
-    "micro_batch": 2,
-    "steps": 100_000,
-    "seed": 0,
-    "min_nodes": 1,
-    "max_nodes": 2,
-    "lease_ttl_s": 3,
-    "snapshot_every": 10,
-    "replication_copies": 0,
-}
-
-
-def _etcdctl(server: Any, *args: str, user: str | None = None) -> None:
-    import subprocess
-
-    etcdctl = Path(server._binary).with_name("etcdctl")
-    tls = server.tls
-    base = [str(etcdctl), f"--endpoints=https://{server.endpoint}", f"--cacert={tls.ca_file}"]
-    base += [f"--cert={tls.cert_file}", f"--key={tls.key_file}"]
-    if user is not None:
-        base.append(f"--user={user}")
-    subprocess.run([*base, *args], check=True, capture_output=True, timeout=30)
-
+from tests.findings import FINDINGS_SPEC as SPEC
+from tests.findings import close_leaving_nothing, tcp_listeners
+from tests.findings import etcdctl as _etcdctl
+from tests.findings import state_keys as _state
+from tests.findings import status_code as _code
+from tests.findings import trains_on as _trains_on
+from tests.recovery import scrape
 
 PREFIX = "/elasticpp/team-a"  # the job's keys: PREFIX/<job>/ (--etcd-prefix)
 
@@ -61,7 +38,7 @@ def _secured_job(tmp_path: Path, name: str, nodes: int) -> tuple[LocalCluster, d
     the agents' user confined to the job's keys under PREFIX (the role docs/deploy.md
     gives); etcd started and set up, no agent yet."""
     from elasticpp.cluster.etcd_server import ServerTLS
-    from tests.integration.test_etcd_client_security import make_certs
+    from tests.etcdtls import make_certs
 
     certs = make_certs(tmp_path / "certs")
     tls = ServerTLS(certs["ca.pem"], certs["server.pem"], certs["server.key"])
@@ -146,28 +123,6 @@ def test_F5_a_forged_end_of_the_job_cannot_be_written_to_an_authenticated_etcd(
         lc.close()
 
 
-def close_leaving_nothing(lc: LocalCluster) -> None:
-    """Stop `lc`, and check that no process of its agents' trees outlived it (the module's
-    two jobs run side by side: a check of every descendant would see the other's)."""
-    ours = set()
-    for n in lc.nodes:
-        if n.proc is not None:
-            ours |= {n.proc.pid, *descendants(n.proc.pid)}
-    lc.close()
-    # SIGKILLed processes take a moment to die: wait for it (a deadline, not a sleep).
-    wait_until(lambda: not any(_alive(p) for p in ours), 15)
-    left = [p for p in ours if _alive(p)]
-    assert not left, f"processes left behind: {left}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     lc = LocalCluster(tmp_path_factory.mktemp("sec") / "job", SPEC, nodes=1, slots=1)
@@ -188,10 +143,6 @@ def _generation(lc: LocalCluster) -> tuple[GenerationRecord, str]:
 
 def _skipped(lc: LocalCluster) -> float:
     return scrape(lc.nodes[0].metrics_port).get("elasticpp_etcd_values_skipped_total", 0.0)
-
-
-def _trains_on(lc: LocalCluster, past_step: int, timeout_s: float = 120) -> None:
-    lc.wait_for(lambda: lc.max_step() > past_step, timeout_s, f"a step after {past_step}")
 
 
 @pytest.mark.timeout(240)
@@ -272,20 +223,6 @@ def _held_piece(job: LocalCluster) -> tuple[int, Any]:
     return found[0], found[1]
 
 
-def _state(ch: grpc.Channel) -> Any:
-    from elasticpp.rpc.state.v1 import state_pb2_grpc
-
-    return state_pb2_grpc.StateServiceStub(ch)
-
-
-def _code(call: Any) -> tuple[grpc.StatusCode, str]:
-    try:
-        list(call()) if callable(call) else call
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
 def _tracebacks(job: LocalCluster) -> int:
     return job.nodes[0].log_path.read_text().count("Traceback")
 
@@ -346,26 +283,6 @@ def test_F10_oversized_numbers_and_names_get_invalid_argument_without_a_tracebac
         code, details = _code(lambda: [_state(ch).ListHoldings(request, timeout=10)])
         assert code is grpc.StatusCode.INVALID_ARGUMENT and len(details) < 200, code
     assert _tracebacks(job) == before
-
-
-def tcp_listeners() -> dict[int, tuple[str, int]]:
-    """Socket inode -> (address, port) of every listening TCP socket of this machine
-    (/proc/net/tcp{,6}; an IPv4-mapped address is given as IPv4)."""
-    import ipaddress
-
-    out = {}
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A":
-                continue
-            addr, _, port = fields[1].partition(":")
-            raw = bytes.fromhex(addr)
-            # The kernel prints each 32-bit word in host (little-endian) order.
-            ip = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4)))
-            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-            out[int(fields[9])] = (str(mapped or ip), int(port, 16))
-    return out
 
 
 def _listeners(port: int) -> set[str]:

@@ -16,15 +16,12 @@ import grpc
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
-from tests.integration.test_security_findings import (
-    SPEC,
-    _code,
-    _etcdctl,
-    _state,
-    _trains_on,
-    close_leaving_nothing,
-    tcp_listeners,
-)
+from tests.findings import FINDINGS_SPEC as SPEC
+from tests.findings import close_leaving_nothing, tcp_listeners
+from tests.findings import etcdctl as _etcdctl
+from tests.findings import state_keys as _state
+from tests.findings import status_code as _code
+from tests.findings import trains_on as _trains_on
 
 
 class Doors:
@@ -88,7 +85,7 @@ def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curv
     import sys
 
     from elasticpp.cluster.etcd_server import ServerTLS
-    from tests.integration.test_etcd_client_security import make_certs
+    from tests.etcdtls import make_certs
 
     steps = 300  # long enough that the killed node's return is planned in before the end
     spec = {
@@ -366,7 +363,7 @@ def test_a_renewed_certificate_is_used_without_a_restart_and_its_expiry_is_expor
     from elasticpp.rpc.agent.v1 import agent_pb2
     from elasticpp.waiting import wait_until
     from tests.certs import issue
-    from tests.integration.test_agent_recovery import scrape
+    from tests.recovery import scrape
 
     node = doors.lc.nodes[0]
     metric = "elasticpp_tls_certificate_expiry_timestamp_seconds"

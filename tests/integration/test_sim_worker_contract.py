@@ -16,7 +16,8 @@ from bench.scalesim import SimWorker
 from elasticpp.errors import ElasticppError
 from elasticpp.train.config import TrainConfig
 from elasticpp.train.procs import EXITED, WorkerProcess
-from tests.integration.test_train_worker import assignment, make_plan, store
+from tests.workers import assignment, make_plan
+from tests.workers import rendezvous_store as store
 
 Events = queue.Queue[dict[str, Any]]
 

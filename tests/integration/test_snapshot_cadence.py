@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elasticpp.plan import ModelSpec
-from tests.integration.test_snapshot_when_busy import run_snapshots
+from tests.workers import run_snapshots
 
 MODEL = ModelSpec("t4", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 STEPS = 40

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 from elasticpp.checkpoint.manifest import PieceKey, step_dirname, verify_step_dir
 from elasticpp.errors import CheckpointError, StaleGenerationError
 from elasticpp.plan.layout import Layout, build_plan
-from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, ModelSpec, NodeSpec
+from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, NodeSpec
 from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
 from elasticpp.store.client import PieceFetchError, StateClient
 from elasticpp.store.holdings import PieceInfo
@@ -23,48 +22,13 @@ from elasticpp.store.local import LocalStore
 from elasticpp.store.replicate import replicate_once
 from elasticpp.store.resolver import FetchKind, resolve
 from elasticpp.store.resume import prepare_resume
-from elasticpp.store.service import GRPC_OPTIONS, StateServicer, add_to_server, serve
+from elasticpp.store.service import StateServicer, serve
 from elasticpp.store.wire import Chunk
+from tests.stores import ALL_TP2, Node, piece_bytes
+from tests.stores import GRPC_MODEL as MODEL
+from tests.stores import commit_sized_step as commit_step
 
 pytestmark = pytest.mark.timeout(60)
-
-MODEL = ModelSpec("t", num_layers=2, hidden_size=16, num_heads=4, vocab_size=32, seq_len=8)
-
-
-def piece_bytes(name: str, step: int, origin: str, size: int) -> bytes:
-    seed = hashlib.sha256(f"{origin}/{step}/{name}".encode()).digest()
-    return (seed * (size // len(seed) + 1))[:size]
-
-
-def commit_step(store: LocalStore, step: int, names: list[str], size: int = 5000) -> None:
-    d = store.own_dir / step_dirname(step)
-    d.mkdir(parents=True, exist_ok=True)
-    report = []
-    for name in names:
-        data = piece_bytes(name, step, store.node_id, size)
-        (d / name).write_bytes(data)
-        report.append({"name": name, "size": size, "sha256": hashlib.sha256(data).hexdigest()})
-    store.record_pieces(step, report)
-    store.commit(step, units=MODEL.units)
-
-
-class Node:
-    """A store and its state service on a free loopback port."""
-
-    def __init__(
-        self, root: Path, node_id: str, servicer_cls=StateServicer, store_kw=None, threads=4, **kw
-    ) -> None:
-        self.store = LocalStore(root / node_id, node_id, **(store_kw or {}))
-        self.generation = 0
-        self.servicer = servicer_cls(self.store, lambda: self.generation, **kw)
-        self.server = grpc.server(ThreadPoolExecutor(threads), options=GRPC_OPTIONS)
-        add_to_server(self.server, self.servicer)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(None)
 
 
 @pytest.fixture
@@ -75,7 +39,6 @@ def nodes(tmp_path: Path) -> Iterator[dict[str, Node]]:
         node.stop()
 
 
-ALL_TP2 = [PieceKey(u, r, 2).filename for u in MODEL.units for r in (0, 1)]
 NAME = ALL_TP2[0]
 
 

@@ -16,7 +16,8 @@ from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import NodeHoldings
 from elasticpp.store.replicate import replicate_once, safe_step
 from elasticpp.store.resolver import resolve
-from tests.integration.test_store_grpc import Node, commit_step
+from tests.stores import Node
+from tests.stores import commit_sized_step as commit_step
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,50 +21,11 @@ from elasticpp.checkpoint.manifest import (
     write_manifest,
 )
 from elasticpp.checkpoint.tensors import encode_piece, load_units, read_piece
-from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
 from elasticpp.train.launch import kill_all, spawn_workers, wait_gone
 from elasticpp.train.procs import EXITED, WorkerProcess
-
-MODEL = ModelSpec("t4", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
-
-
-def make_plan(layout: str, generation: int = 3):  # type: ignore[no-untyped-def]
-    L = Layout.parse(layout)
-    plan = build_plan(
-        MODEL,
-        ClusterSpec.uniform(1, L.world_size, load_device_spec("cpu")),
-        L,
-        global_batch=8,
-        micro_batch=2,
-    )
-    return plan.with_generation(generation)
-
-
-def assignment(plan: Any, rank: int, port: int, job: TrainConfig, **extra: Any) -> dict[str, Any]:
-    return {
-        "format_version": 1,
-        "plan": plan.to_dict(),
-        "rank": rank,
-        "store_host": "127.0.0.1",
-        "store_port": port,
-        "store_prefix": f"gen{plan.generation}",
-        "job": job.to_dict(),
-        "start_step": 0,
-        "resume_dir": None,
-        "snapshot_dir": None,
-        "snapshot_every": 1,
-        "backend": "gloo",
-        "device": "cpu",
-        "num_threads": 1,
-        **extra,
-    }
-
-
-def store() -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+from tests.workers import MODEL, assignment, make_plan
+from tests.workers import rendezvous_store as store
 
 
 def collect(workers: list[WorkerProcess], timeout_s: float) -> queue.Queue[tuple[int, dict]]:

@@ -13,14 +13,7 @@ import pytest
 
 from elasticpp.proctree import descendants
 from elasticpp.waiting import wait_until
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from tests.workers import alive as _alive
 
 
 def _wait(cond: Callable[[], bool], timeout_s: float) -> bool:

@@ -24,7 +24,7 @@ from elasticpp.proctree import blocked_reading_stdin, descendants, worker_proces
 from elasticpp.train.launch import kill_all, spawn_workers, start_template
 from elasticpp.train.procs import EXITED, WorkerError, WorkerTemplate
 from elasticpp.waiting import wait_until
-from tests.integration.test_worker_lifeline import _alive
+from tests.workers import alive as _alive
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

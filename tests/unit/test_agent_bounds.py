@@ -31,7 +31,7 @@ from tests.agents import SPEC_FIELDS, lead_timeline
 from tests.agents import DeadProc as _Proc
 from tests.agents import dp_plan as _plan
 from tests.fakes import FakeCluster, FakeRegistration
-from tests.unit.test_store_local import write_step
+from tests.stores import write_step
 
 
 class _SlowCluster(FakeCluster):

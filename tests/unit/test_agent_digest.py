@@ -16,7 +16,7 @@ from elasticpp.store.digest import HoldingsDigest
 from tests.agents import SPEC
 from tests.agents import dp_plan as _plan
 from tests.fakes import Term
-from tests.unit.test_store_local import commit_replica_step, commit_step
+from tests.stores import commit_replica_step, commit_step
 
 MEMBERS = ("n0", "n1", "n2", "n3")
 

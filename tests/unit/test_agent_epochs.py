@@ -21,7 +21,7 @@ from elasticpp.plan import Plan
 from tests.agents import SPEC, lead_resume
 from tests.agents import dp_plan as _plan
 from tests.fakes import FakeCluster
-from tests.unit.test_store_local import commit_step
+from tests.stores import commit_step
 
 
 def _fresh(epoch: int, by: str) -> FakeCluster:

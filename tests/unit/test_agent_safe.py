@@ -20,7 +20,7 @@ from tests.agents import SPEC
 from tests.agents import observed as _observed
 from tests.agents import pp_plan as _plan
 from tests.fakes import Term
-from tests.unit.test_store_local import commit_replica_step, commit_step
+from tests.stores import commit_replica_step, commit_step
 
 
 class _Cluster:

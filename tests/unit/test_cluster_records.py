@@ -13,11 +13,11 @@ from elasticpp.cluster.records import (
     GenerationSummary,
     incarnation_tag,
     loads,
-    node_fields,
 )
 from elasticpp.errors import ConfigError
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, build_plan, load_model_spec
 from elasticpp.plan.specs import DEVICE_PRESETS
+from tests.records import record_of as _record_of
 
 
 def test_key_layout_is_under_one_job_root_and_refuses_slashes() -> None:
@@ -117,15 +117,6 @@ def test_a_history_summary_with_bad_fields_is_refused() -> None:
     del good["layout"]
     with pytest.raises(ClusterDataError, match=r"bad field.*layout"):
         GenerationSummary.from_json(json.dumps(good))
-
-
-def _record_of(nodes: list[str], gpus: int, **extra: object) -> GenerationRecord:
-    """A record as the leader writes it: `nodes` planned, the first `gpus // 4` with ranks."""
-    cluster = ClusterSpec(tuple(NodeSpec(n, 4) for n in nodes), DEVICE_PRESETS["h100-80g"])
-    layout = Layout(1, 4, gpus // 4)
-    plan = build_plan(load_model_spec("tiny"), cluster, layout, global_batch=8, micro_batch=1)
-    fields = node_fields(plan.to_dict(), nodes, {n: f"inc-{n}" for n in nodes})
-    return GenerationRecord(3, plan.to_dict(), "n0", 1.0, extra={**fields, **extra})
 
 
 def test_a_generation_record_names_its_nodes_through_the_plan_and_tags_their_incarnations() -> None:

@@ -18,20 +18,16 @@ from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.limits import AGENT_STOP_KILL_WAIT_S
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
-from tests.unit.test_deploy import (
-    CHART,
-    MINIMAL_VALUES,
-    VALUE_SETS,
-    _elasticpp_calls,
-    _k8s_expand,
-    _one,
-    _parse_cli,
-    _render,
-    _run,
-    _template,
-    _tool,
-    _validate_builtin,
-)
+from tests.charts import CHART, MINIMAL_VALUES, VALUE_SETS
+from tests.charts import elasticpp_calls as _elasticpp_calls
+from tests.charts import k8s_expand as _k8s_expand
+from tests.charts import one as _one
+from tests.charts import parse_cli as _parse_cli
+from tests.charts import render as _render
+from tests.charts import run as _run
+from tests.charts import template as _template
+from tests.charts import tool as _tool
+from tests.charts import validate_builtin as _validate_builtin
 
 JOB = ["--set", "workload=indexedJob"]
 # An indexed Job's pod: named <job>-<index>-<suffix>, its hostname <job>-<index> (the Job

@@ -24,7 +24,7 @@ from elasticpp.store.digest import (
 )
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding
 from elasticpp.store.resolver import ResumePlan, resolve
-from tests.unit.test_resolver_scale import _case
+from tests.records import resolver_case as _case
 
 UNITS = ("embed", "layer0", "layer1", "head")
 INFO = PieceInfo(10, "ab" * 32)

@@ -27,7 +27,12 @@ from elasticpp.agent.leader.step import (
 from elasticpp.agent.sick import Quarantine
 from elasticpp.store.digest import digest_of
 from elasticpp.store.holdings import NodeHoldings
-from tests.unit.test_leader_step import MEMBERS, SPEC, _holdings, _obs, _record, _state
+from tests.leaders import LEADER_SPEC as SPEC
+from tests.leaders import MEMBERS
+from tests.leaders import holdings_of as _holdings
+from tests.leaders import leader_obs as _obs
+from tests.leaders import leader_record as _record
+from tests.leaders import leader_state as _state
 
 SPARE = {**MEMBERS, "n2": {"address": "n2:1", "slots": 1, "incarnation": "i-n2"}}
 SHORT = replace(SPEC, max_nodes=2)  # n2 is a spare, not a join

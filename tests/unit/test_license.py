@@ -7,10 +7,9 @@ import hashlib
 import tomllib
 from pathlib import Path
 
+from tests.records import APACHE_2_SHA256
+
 ROOT = Path(__file__).parents[2]
-# The SHA-256 of the Apache License 2.0 as the ASF publishes it
-# (https://www.apache.org/licenses/LICENSE-2.0.txt), byte for byte.
-APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
 
 def test_the_repository_carries_the_apache_2_licence_pyproject_declares() -> None:

@@ -75,7 +75,7 @@ def test_the_wheel_installs_apart_from_the_checkout_and_runs(wheel: Path, tmp_pa
 
 
 def test_the_wheel_ships_the_licence_and_says_so_in_its_metadata(wheel: Path) -> None:
-    from tests.unit.test_license import APACHE_2_SHA256
+    from tests.records import APACHE_2_SHA256
 
     with zipfile.ZipFile(wheel) as z:
         [info] = {n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA")}

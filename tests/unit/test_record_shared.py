@@ -13,7 +13,7 @@ from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.cluster.records import SHARED_RECORDS, GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.plan import layout as layout_mod
-from tests.unit.test_cluster_records import _record_of
+from tests.records import record_of as _record_of
 
 
 def test_equal_text_gives_one_record_object() -> None:

@@ -31,7 +31,7 @@ from elasticpp.errors import ConfigError
 from elasticpp.plan.layout import Layout, build_plan
 from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, NodeSpec
 from elasticpp.store.instruction import encode, node_fetches
-from tests.unit.test_security_records import SPEC
+from tests.records import SECURITY_SPEC as SPEC
 
 FUZZ = settings(
     max_examples=150,

@@ -23,18 +23,9 @@ from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, NodeSpec
 from elasticpp.store.instruction import encode, node_fetches
 from elasticpp.train.contract import ContractError
 from elasticpp.train.families import load_entry_point
+from tests.records import SECURITY_SPEC as SPEC
+from tests.records import SPEC_FIELDS
 
-SPEC_FIELDS: dict[str, Any] = {
-    "name": "j",
-    "model": "tiny",
-    "global_batch": 4,
-    "micro_batch": 2,
-    "steps": 5,
-    "seed": 0,
-    "min_nodes": 1,
-    "max_nodes": 1,
-}
-SPEC = parse_job_spec(SPEC_FIELDS)
 FORGED_FAMILY = "subprocess:getoutput"
 
 

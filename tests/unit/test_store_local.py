@@ -17,37 +17,12 @@ from elasticpp.checkpoint.manifest import (
     verify_step_dir,
 )
 from elasticpp.errors import CheckpointError, ConfigError
-from elasticpp.plan.specs import default_units
 from elasticpp.store.holdings import NodeHoldings, StepHolding
 from elasticpp.store.layout import epoch_dirname
 from elasticpp.store.local import LocalStore, PieceNotFoundError
 from elasticpp.store.replicate import _wanted
 from elasticpp.store.retention import Retention
-
-UNITS = default_units(1)  # embed, block.0000, head
-
-NAMES = ["embed.tp0-1.safetensors", "block.0000.tp0-1.safetensors"]
-
-
-def write_step(
-    store: LocalStore, step: int, names=NAMES, size: int = 1000, generation: int = 0
-) -> list[dict]:
-    """What a worker does: write pieces into snapshot_dir(generation)/step-k/, report them."""
-    d = store.snapshot_dir(generation) / step_dirname(step)
-    d.mkdir(parents=True, exist_ok=True)
-    report = []
-    for name in names:
-        seed = f"{name}{step}" + (f"g{generation}" if generation else "")
-        data = hashlib.sha256(seed.encode()).digest() * (size // 32 + 1)
-        data = data[:size]
-        (d / name).write_bytes(data)
-        report.append({"name": name, "size": size, "sha256": hashlib.sha256(data).hexdigest()})
-    return report
-
-
-def commit_step(store: LocalStore, step: int, names=NAMES, generation: int = 0) -> None:
-    store.record_pieces(step, write_step(store, step, names, generation=generation), generation)
-    store.commit(step, units=UNITS, generation=generation)
+from tests.stores import NAMES, UNITS, commit_replica_step, commit_step, write_step
 
 
 def test_commit_writes_a_verifiable_manifest_and_lists_the_step(tmp_path: Path):
@@ -249,12 +224,6 @@ def test_replicas_of_a_recomputed_step_replace_the_older_generation(tmp_path: Pa
     assert store.holdings().steps[("n1", 4)].generation == 2
     assert store.path_of("n1", 4, NAMES[0]).read_bytes() == b"xyz"
     assert not (tmp_path / "replicas" / "n1" / "gen-00000001").exists()
-
-
-def commit_replica_step(store: LocalStore, origin: str, step: int, generation: int = 0) -> None:
-    entry = PieceEntry(PieceKey.parse(NAMES[0]), 3, hashlib.sha256(b"abc").hexdigest())
-    (store.replica_step_dir(origin, step, generation) / NAMES[0]).write_bytes(b"abc")
-    store.commit_replica(origin, step, UNITS, [entry], generation)
 
 
 def test_anchors_at_or_above_the_floor_outlive_the_newest_steps(tmp_path: Path):
