@@ -225,8 +225,8 @@ class LoopPool:
         while (agent := self._next()) is not None:
             self._in_turn.turn = True
             code: int | str | None = None
-            if not agent._stop.is_set():
-                agent._wake.clear()
+            if not agent.stopping():
+                agent.wake.clear()
                 cpu_s = time.thread_time()
                 try:
                     code = agent.turn() if profile is None else profile.runcall(agent.turn)
@@ -235,7 +235,7 @@ class LoopPool:
                     code = str(exc)
                 finally:
                     self._cpu_s[agent.node_id] += time.thread_time() - cpu_s
-            if code is not None or agent._stop.is_set():
+            if code is not None or agent.stopping():
                 self._finish(agent, 0 if code is None else code)
                 continue
             tick_s = agent.idle_for()
@@ -244,7 +244,7 @@ class LoopPool:
                 self._free_slot()
                 slot = self._agents[id(agent)]
                 slot.running, slot.since = False, None
-                if slot.again or agent._wake.is_set():
+                if slot.again or agent.wake.is_set():
                     slot.queued = True
                     self._ready.append(agent)
                     self._cond.notify()

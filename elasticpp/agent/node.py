@@ -65,7 +65,7 @@ it was built with; watches, gRPC and worker threads only raise signals or queue 
 the shells hold. Values a part derives from several sources stay with their sources and
 are combined by the reader: the newest join (the view's `last_join_s`, liveness's
 `revived_s`, health's `readmitted_s`), the detection time of a change (the view's
-`detected`, the follower's `detected()`), the exit status (`_exit_requested`). Each part's
+`detected`, the follower's `detected()`), the exit status (`exit_requested`). Each part's
 step runs in its own error boundary (`_part`). Parts read time from an injected clock
 (`clock`).
 Pure steps with actions as data (`actions`, applied by `_execute`): the control part
@@ -118,16 +118,13 @@ from elasticpp.agent.kernel.summaries import (
 )
 from elasticpp.agent.leader.shell import Leader, LeaderConfig, LeaderPorts
 from elasticpp.agent.limits import (
-    LEADER_TURN_GAP_MAX_S,
-    LEADER_TURN_SHARE,
     QUIET_TICK_S,
-    STATUS_EVERY_S,
     VIEW_REFRESH_S,
 )
 from elasticpp.agent.liveness.shell import Liveness
 from elasticpp.agent.membership.shell import Membership, MembershipPorts
 from elasticpp.agent.metrics import AgentMetrics
-from elasticpp.agent.pace import PaceObservation, tick_s
+from elasticpp.agent.pace import PaceObservation, TurnPace, tick_s
 from elasticpp.agent.pool import WorkerPool
 from elasticpp.agent.server import Doors, Served, ServerFactory, ServerPorts, serve
 from elasticpp.agent.supervisor.shell import (
@@ -171,7 +168,7 @@ class Agent:
         cluster: ClusterClient | None = None,
         server_factory: ServerFactory = serve,
     ) -> None:
-        self._clock: Clock = clock or SystemClock()  # every part's decisions read it
+        self.clock: Clock = clock or SystemClock()  # every part's decisions read it
         # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
         # process, elasticpp.train.procs), a counter of this agent's etcd requests, an etcd
         # connection shared by the simulated agents of one process (default: its own), the
@@ -203,28 +200,25 @@ class Agent:
         self.worker_logs = WorkerLogs(self.log_dir)
         self.python = python
         # Inboxes: what watches, gRPC threads and other parts may hand over (elasticpp.agent.inbox)
-        self._wake = wake if wake is not None else threading.Event()  # the loop ticks now
+        self.wake = wake if wake is not None else threading.Event()  # the loop ticks now
         self._stop = threading.Event()
         # What every part uses: the journal of decisions (`ctl events`), the error policy,
         # the executor of the actions their steps return (elasticpp.agent.kernel).
-        self.journal = Journal(self._clock, lambda: self.follower.generation)
+        self.journal = Journal(self.clock, lambda: self.follower.generation)
         self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
         self.errors = ErrorPolicy(self.metrics)
         self.executor = Executor()
-        self._health: HealthPort = health if health is not None else HealthServicer()
+        self.health_service: HealthPort = health if health is not None else HealthServicer()
         # Each part's state: one object, one writer (that part's module, on the loop).
         self.pool = WorkerPool(
-            self._wake, clock=self._clock.monotonic
+            self.wake, clock=self.clock.monotonic
         )  # the supervisor's workers (elasticpp.agent.pool)
         # The executor's own: the lifecycle of this agent's server, registration and loop.
         # Every channel to a peer (probes, state transfers): TLS with this node's
         # certificate when the job has one (elasticpp.transport, the one place).
         self._dialer = Dialer(cfg.tls)
         self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
-        self._status_at_s = 0.0
-        self._status_stale = False  # a turn ran since the status was last published
-        self._next_turn_s = 0.0  # a leader's next turn, no sooner (`_pace_turn`)
-        self._turn_waits = False  # a turn was deferred: the loop takes it at _next_turn_s
+        self.pace = TurnPace()  # the loop's next turn and status publication
         self._init_dir: Path | None = None  # step 0 of a job with init_from (`start`)
         self._server_factory = server_factory
         self.server: Served | None = None  # serving from `start` to `shutdown`
@@ -245,7 +239,7 @@ class Agent:
         self.view = View(
             cfg.node_id,
             cluster=self.cluster,
-            clock=self._clock,
+            clock=self.clock,
             journal=self.journal,
             metrics=self.metrics,
             epoch=lambda: self.store.epoch,
@@ -267,7 +261,7 @@ class Agent:
                 slots=lambda: len(self.supervisor.gpus),
                 draining=lambda: self.control.summary().draining,
                 members=lambda: self.view.snapshot.members,
-                on_watch=self._on_watch,
+                on_watch=self.on_watch,
             ),
         )
         m = self.membership
@@ -280,13 +274,13 @@ class Agent:
                 exit_on_end=cfg.on_job_end == "exit",
                 unfinished_exit_code=cfg.unfinished_exit_code,
             ),
-            clock=self._clock,
+            clock=self.clock,
             pool=self.pool,
-            health=self._health,
+            health=self.health_service,
             metrics=self.metrics,
             heartbeat=self._heartbeat,
             serving=lambda: self.server is not None,
-            wake=self._wake.set,
+            wake=self.wake.set,
         )
         self.control.register(self.executor)
         self.view.register(self.executor)
@@ -294,10 +288,10 @@ class Agent:
         # every part.
         m.register(self.executor)
         self.executor.register(StopWorkers, lambda _: self.pool.stop_workers())
-        self.executor.register(UpdateGauges, lambda _: self._update_gauges())
+        self.executor.register(UpdateGauges, lambda _: self.update_gauges())
         self.health = Health(
             HealthConfig(cfg.node_id, exit_on_end=cfg.on_job_end == "exit"),
-            clock=self._clock,
+            clock=self.clock,
             journal=self.journal,
             metrics=self.metrics,
             cluster=self.cluster,
@@ -310,13 +304,13 @@ class Agent:
         self.health.register(self.executor)
         self.liveness = Liveness(
             cfg.node_id,
-            clock=self._clock,
+            clock=self.clock,
             journal=self.journal,
             errors=self.errors,
             view=lambda: self.view.snapshot,
             depose=lambda leader: self.cluster.depose(leader),
             dialer=self._dialer,
-            wake=self._wake.set,
+            wake=self.wake.set,
         )
         self.liveness.register(self.executor)
         self.follower = Follower(
@@ -329,7 +323,7 @@ class Agent:
                 worker_threads=cfg.worker_threads,
             ),
             spec=spec,
-            clock=self._clock,
+            clock=self.clock,
             journal=self.journal,
             metrics=self.metrics,
             cluster=self.cluster,
@@ -340,7 +334,7 @@ class Agent:
             ports=FollowerPorts(
                 view=lambda: self.view.snapshot,
                 member_records=self.view.member_records,
-                etcd_down=self._etcd_down,
+                etcd_down=self.etcd_down,
                 take_warm=lambda count: self.supervisor.take_warm(count),
                 gpus=lambda: self.supervisor.gpus,
                 drain=lambda: self.supervisor.drain_events(),
@@ -348,9 +342,9 @@ class Agent:
                 next_step=lambda: self.durability.state.next_step_committed,
                 init_dir=lambda: self._init_dir,
                 member_lease=m.member_lease,
-                execute=self._execute,
+                execute=self.execute,
             ),
-            wake=self._wake.set,
+            wake=self.wake.set,
         )
         self.follower.register(self.executor)
         self.durability = Durability(
@@ -365,7 +359,7 @@ class Agent:
                 persist_dir=spec.persist_dir,
                 persist_every=spec.persist_every,
             ),
-            clock=self._clock,
+            clock=self.clock,
             store=self.store,
             metrics=self.metrics,
             records=self.cluster,
@@ -374,7 +368,7 @@ class Agent:
             fenced=m.fenced,
             member_lease=m.member_lease,
             current_plan=self._current_plan,
-            wake=self._wake.set,
+            wake=self.wake.set,
         )
         self.durability.register(self.executor)
         d = self.durability
@@ -390,21 +384,21 @@ class Agent:
                 worker_threads=cfg.worker_threads,
                 python=python,
             ),
-            clock=self._clock,
+            clock=self.clock,
             pool=self.pool,
             journal=self.journal,
             metrics=self.metrics,
             errors=self.errors,
             logs=self.worker_logs,
             events=WorkerEvents(
-                on_started=lambda e: self._execute(d.on_started(e)),
-                on_step=lambda w, e: self._execute(d.on_step(w, e)),
-                on_snapshot=lambda w, e: self._execute(d.on_snapshot(w, e)),
-                on_snapshot_failed=lambda w, e: self._execute(d.on_snapshot_failed(w, e)),
+                on_started=lambda e: self.execute(d.on_started(e)),
+                on_step=lambda w, e: self.execute(d.on_step(w, e)),
+                on_snapshot=lambda w, e: self.execute(d.on_snapshot(w, e)),
+                on_snapshot_failed=lambda w, e: self.execute(d.on_snapshot_failed(w, e)),
             ),
             report_failed=lambda g, why: self.follower.report_failure(g, why),
             spares_wanted=self._spares_wanted,
-            wake=self._wake.set,
+            wake=self.wake.set,
             worker_factory=worker_factory,
         )
         self.supervisor.register(self.executor)
@@ -412,7 +406,7 @@ class Agent:
         self.leader = Leader(
             LeaderConfig(cfg.node_id, cfg.advertise_host, self.store.job),
             spec=spec,
-            clock=self._clock,
+            clock=self.clock,
             journal=self.journal,
             metrics=self.metrics,
             cluster=self.cluster,
@@ -430,12 +424,12 @@ class Agent:
                 settle_probes=live.settle,
                 confirm_suspects=live.confirm_suspects,
                 fenced=m.fenced,
-                leaving=lambda: self._exit_requested() is not None,
+                leaving=lambda: self.exit_requested() is not None,
                 torch_ready=self.torch_ready.is_set,
                 lease_gate=m.lease_gate,
                 epoch=lambda: self.store.epoch,
-                execute=self._execute,
-                wake=self._wake.set,
+                execute=self.execute,
+                wake=self.wake.set,
             ),
         )
         self.leader.register(self.executor)
@@ -512,14 +506,14 @@ class Agent:
                 self.control,
                 self.journal,
                 self.health.lift,
-                self._health,
+                self.health_service,
                 self.metrics,
                 doors,
             ),
         )
         self.port = self.server.port
 
-    def _on_watch(self, event: Any) -> None:
+    def on_watch(self, event: Any) -> None:
         """A change under the job's cached keys (on a watch thread): the view reads again
         now. A quarantine record or the job's end raises the health part's signal, the
         epoch key the view's epoch check; a RESYNC (events lost) raises both. (These keys
@@ -532,9 +526,9 @@ class Agent:
             if resync or event.key == keys.epoch:
                 self.view.epoch_changed.raise_()
         self.view.reread.raise_()
-        self._wake.set()
+        self.wake.set()
 
-    def _execute(self, actions: Sequence[Action]) -> None:
+    def execute(self, actions: Sequence[Action]) -> None:
         """Apply what a part's pure step asked for, in order (the handlers the parts
         registered on `executor`)."""
         self.executor.run(actions)
@@ -553,8 +547,8 @@ class Agent:
         """The decision loop; returns the exit code."""
         try:
             while not self._stop.is_set():
-                self._wake.wait(self.idle_for())
-                self._wake.clear()
+                self.wake.wait(self.idle_for())
+                self.wake.clear()
                 code = self.turn()
                 if code is not None:
                     return code
@@ -568,49 +562,38 @@ class Agent:
         and the checks that end the agent. Returns the exit code when the agent is to stop;
         raises NodeIdConflictError when another agent holds this node id. `run` calls it on
         the loop thread; a simulation of many agents (bench/scalesim.py) calls it from a
-        pool of threads, one turn of one agent at a time, after `_wake.clear()`."""
+        pool of threads, one turn of one agent at a time, after `wake.clear()`."""
         self._heartbeat.busy()
-        if self._turn_deferred():
+        if self.pace.deferred(self._stop.is_set(), time.monotonic()):
             return None  # what woke it is taken by the turn its pace allows (idle_for)
         cpu_s = time.thread_time()
         try:
-            self._tick()
-            now_s = time.monotonic()
-            if now_s - self._status_at_s >= STATUS_EVERY_S:
-                self._status_at_s = now_s
+            self.tick()
+            if self.pace.status_due(time.monotonic()):
                 self.status()
-                self._status_stale = False
-            else:
-                self._status_stale = True  # published by a turn when STATUS_EVERY_S is up
         except Exception as exc:  # a daemon survives what comes from outside
             self.errors.survive("internal", exc)
-        self._pace_turn(time.thread_time() - cpu_s)
+        self.pace.after_turn(time.thread_time() - cpu_s, self.leader.acting(), time.monotonic())
         conflict = self.membership.conflict()
         if conflict is not None:  # two agents, one node id: this one must go
             self.journal.write("decision", f"node {self.node_id}: {conflict}")
             raise NodeIdConflictError(f"node {self.node_id}: {conflict}")
-        return self._exit_requested()
+        return self.exit_requested()
 
     # ------------------------------------------------------------------ the loop's pace
     def idle_for(self) -> float:
-        """The loop is about to wait: the longest it may (`_tick_s`); from now on it counts
-        as idle, not stalled (`clock.LoopHeartbeat`)."""
-        tick = self._tick_s()
-        if self._status_stale:  # a turn changed what the RPCs read: publish it soon
-            due_s = self._status_at_s + STATUS_EVERY_S - time.monotonic()
-            tick = min(tick, max(0.0, due_s))
-        gap_s = self._next_turn_s - time.monotonic()
-        if gap_s > 0:  # no turn before the leader's pace allows; a deferred one right then
-            tick = gap_s if self._turn_waits else max(tick, gap_s)
+        """The loop is about to wait: the longest it may (`rest_s`, `TurnPace.idle_for`);
+        from now on it counts as idle, not stalled (`clock.LoopHeartbeat`)."""
+        tick = self.pace.idle_for(self.rest_s(), time.monotonic())
         self._heartbeat.idle()
         return tick
 
-    def _tick_s(self) -> float:
+    def rest_s(self) -> float:
         """How long the loop may sleep when nothing wakes it (`pace.tick_s`, on what the
         parts say now)."""
         follower, view, leader = self.follower.summary(), self.view.snapshot, self.leader.summary()
         current = view.record.generation if view.record is not None else 0
-        now_s = self._clock.monotonic()
+        now_s = self.clock.monotonic()
         campaign_at_s = leader.campaign_at_s  # leaderless: this node's campaign is due then
         return tick_s(
             PaceObservation(
@@ -637,27 +620,7 @@ class Agent:
             )
         )
 
-    def _pace_turn(self, cpu_s: float) -> None:
-        """After a leader's turn of `cpu_s` seconds of CPU: its next turn waits a multiple of
-        it (limits.LEADER_TURN_SHARE), so that the wakes of a transition's N arrivals are
-        taken a batch a turn, not a turn each (a turn reads all N). A follower's turns are
-        not paced: each reads its own records."""
-        self._turn_waits = False
-        if self.leader.acting():
-            gap_s = min(LEADER_TURN_GAP_MAX_S, cpu_s * (1.0 / LEADER_TURN_SHARE - 1.0))
-            self._next_turn_s = time.monotonic() + gap_s
-        else:
-            self._next_turn_s = 0.0
-
-    def _turn_deferred(self) -> bool:
-        """A woken turn that comes before its pace allows (`_pace_turn`) is not taken; a stop
-        is never deferred."""
-        if self._stop.is_set() or time.monotonic() >= self._next_turn_s:
-            return False
-        self._turn_waits = True
-        return True
-
-    def _exit_requested(self) -> int | None:
+    def exit_requested(self) -> int | None:
         """The exit status a part asked for, if one did: the view (the job's epoch is
         gone), the health part (the job ended), control (drained, or finished)."""
         for code in (
@@ -669,9 +632,13 @@ class Agent:
                 return code
         return None
 
+    def stopping(self) -> bool:
+        """Whether the agent was asked to stop (`request_stop`, a signal)."""
+        return self._stop.is_set()
+
     def request_stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.wake.set()
 
     def shutdown(self, *, lost: bool = False) -> None:
         """Kill every process this agent started; leave etcd cleanly if it can. `lost`: end
@@ -705,23 +672,23 @@ class Agent:
             server.stop()
 
     # ------------------------------------------------------------------ the loop
-    def _tick(self) -> None:
+    def tick(self) -> None:
         """One cycle. Each part's step runs in its own error boundary (`_part`): an error
         in one is logged once and counted, and the parts after it still run; only an
         unreachable etcd ends the etcd half of the tick early (training goes on)."""
         for name, step in (
             ("worker", self.supervisor.drain_events),
-            ("supervisor", lambda: self._execute(self.supervisor.step())),
+            ("supervisor", lambda: self.execute(self.supervisor.step())),
             (
                 "supervisor",
-                lambda: self._execute(self.supervisor.check_gpus(self.follower.generation)),
+                lambda: self.execute(self.supervisor.check_gpus(self.follower.generation)),
             ),
         ):
             self._part(name, step)
-        now = self._clock.monotonic()
+        now = self.clock.monotonic()
         view = self.view.snapshot
         if self.view.reread.is_raised() or now - view.last_refresh_s >= VIEW_REFRESH_S:
-            self._part("view", self._refresh)
+            self._part("view", self.refresh_view)
         view = self.view.snapshot
         if not view.etcd_ok:
             return  # training goes on; membership changes wait for etcd
@@ -729,23 +696,23 @@ class Agent:
             view.record is None and self.follower.generation > 0
         )
         if epoch_changed and (
-            not self._part("view", self.view.check_epoch) or self._exit_requested() is not None
+            not self._part("view", self.view.check_epoch) or self.exit_requested() is not None
         ):
             return
         for name, step in (("health", self.health.read), ("health", self.health.publish_halt)):
             if not self._part(name, step):
                 return
         if self.health.summary().ended is not None:
-            self._part("health", lambda: self._execute(self.health.check_job_end()))
-            self._part("control", self._control)  # an idle agent leaves when drained
+            self._part("health", lambda: self.execute(self.health.check_job_end()))
+            self._part("control", self.control_turn)  # an idle agent leaves when drained
             return  # an ended job stays ended: nothing is planned or followed again
         for name, step in (
             ("follower", self.follower.publish_failures),
-            ("liveness", self._check_leader),
+            ("liveness", self.watch_leader),
             ("leader", self.leader.campaign),
             ("follower", self.follower.step),
-            ("leader", self._lead_if_leader),
-            ("control", self._control),
+            ("leader", self.lead),
+            ("control", self.control_turn),
         ):
             if not self._part(name, step):
                 return
@@ -759,13 +726,13 @@ class Agent:
             self._progress_summary(),
         )
 
-    def _control(self) -> None:
+    def control_turn(self) -> None:
         """The control part's step on this turn's summaries."""
-        self._execute(
+        self.execute(
             self.control.step(self.follower.summary(), self.view.summary(), self.health.summary())
         )
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
         self.control.update_gauges(
             self.follower.summary(),
             self.view.summary(),
@@ -775,13 +742,13 @@ class Agent:
 
     # The summaries the parts publish (elasticpp.agent.kernel.summaries), built here from
     # the states of the parts that are not objects yet; each moves into its part with it.
-    def _refresh(self) -> None:
+    def refresh_view(self) -> None:
         """The view's read of etcd, as the leader (every member, the arrivals) or not, with
         the nodes the liveness part found dead."""
-        self._execute(self.view.refresh(self.leader.summary().leading, self.liveness.dead_now))
+        self.execute(self.view.refresh(self.leader.summary().leading, self.liveness.dead_now))
 
-    def _etcd_down(self, exc: Exception) -> None:
-        self._execute(self.view.etcd_down(exc))
+    def etcd_down(self, exc: Exception) -> None:
+        self.execute(self.view.etcd_down(exc))
 
     def _progress_summary(self) -> ProgressSummary:
         floor = self.store.floor
@@ -791,12 +758,12 @@ class Agent:
             safe_step=floor[1] if floor is not None else -1,
         )
 
-    def _check_leader(self) -> None:
+    def watch_leader(self) -> None:
         """The liveness part's watch on the leader, told whether this node reported the
         current generation failed itself."""
         rec = self.view.snapshot.record
         reported = rec is not None and self.follower.reported_failed(rec.generation)
-        self._execute(self.liveness.check_leader(reported))
+        self.execute(self.liveness.check_leader(reported))
 
     def _spares_wanted(self) -> bool:
         """Spares are wanted, except while this node's ranks of the current generation are
@@ -805,14 +772,14 @@ class Agent:
         run), while the agent leaves, and once the job is over."""
         control = self.control.summary()
         return not (
-            self._exit_requested() is not None
+            self.exit_requested() is not None
             or control.draining
             or self.follower.summary().phase is Phase.STARTING
             or control.job_done
             or self.health.summary().ended is not None
         )
 
-    def _lead_if_leader(self) -> None:
+    def lead(self) -> None:
         if self.leader.acting():
             self.leader.lead()
 
@@ -822,7 +789,7 @@ class Agent:
         try:
             step()
         except ClusterUnavailableError as exc:
-            self._etcd_down(exc)
+            self.etcd_down(exc)
             return False
         except Exception as exc:  # one part's error must not starve the others
             self.errors.survive(source, exc)

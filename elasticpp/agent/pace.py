@@ -7,7 +7,8 @@ unreachable etcd, joining), TRAINING_TICK_S while workers train or a leader's tr
 is over, QUIET_TICK_S for a quiet follower and up to RESTING_TICK_S for one at rest (never
 past its supervisor's next deadline); a due campaign and a stale status snapshot shorten
 it. `tick_s` decides it, pure, from a `PaceObservation` the agent's loop takes of the parts'
-summaries (elasticpp.agent.node, `Agent._tick_s`); nothing here writes a part's state.
+summaries (elasticpp.agent.node, `Agent.rest_s`); nothing here writes a part's state.
+`TurnPace` is the loop's own state: when it takes its next turn and publishes its status.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from dataclasses import dataclass
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.limits import (
     BUSY_TICK_S,
+    LEADER_TURN_GAP_MAX_S,
+    LEADER_TURN_SHARE,
     QUIET_TICK_S,
     RESTING_TICK_S,
+    STATUS_EVERY_S,
     TRAINING_TICK_S,
 )
 
@@ -85,3 +89,56 @@ def _quiet_tick_s(phase: Phase | None, rest_s: float | None) -> float:
     if phase not in (Phase.RUNNING, Phase.IDLE) or rest_s is None:
         return QUIET_TICK_S
     return max(BUSY_TICK_S, min(RESTING_TICK_S, rest_s))
+
+
+@dataclass
+class TurnPace:
+    """When the loop takes its next turn and publishes the status the RPCs read: the loop's
+    own state (plain data; the agent passes the time in, so nothing here reads a clock).
+
+    A leader's turn of c seconds of CPU makes its next turn wait c * (1 / LEADER_TURN_SHARE
+    - 1), at most LEADER_TURN_GAP_MAX_S (limits): the wakes of a transition's N arrivals are
+    taken a batch a turn, not a turn each. A follower's turns are not paced. The status is
+    published at most every STATUS_EVERY_S, and soon after a turn that changed it."""
+
+    status_at_s: float = 0.0  # when the status was last published
+    status_stale: bool = False  # a turn ran since
+    next_turn_s: float = 0.0  # no turn before (a leader's pace)
+    turn_waits: bool = False  # a turn was deferred: the loop takes it at next_turn_s
+
+    def status_due(self, now_s: float) -> bool:
+        """A turn ran: whether its status is to be published now (then it counts as
+        published), or later, by a turn when STATUS_EVERY_S is up."""
+        if now_s - self.status_at_s >= STATUS_EVERY_S:
+            self.status_at_s = now_s
+            self.status_stale = False
+            return True
+        self.status_stale = True
+        return False
+
+    def after_turn(self, cpu_s: float, leading: bool, now_s: float) -> None:
+        """A turn of `cpu_s` seconds of CPU ended (as the leader, or not)."""
+        self.turn_waits = False
+        if leading:
+            gap_s = min(LEADER_TURN_GAP_MAX_S, cpu_s * (1.0 / LEADER_TURN_SHARE - 1.0))
+            self.next_turn_s = now_s + gap_s
+        else:
+            self.next_turn_s = 0.0
+
+    def deferred(self, stopping: bool, now_s: float) -> bool:
+        """Whether a woken turn comes before the pace allows (then it is taken when it
+        does); a stop is never deferred."""
+        if stopping or now_s >= self.next_turn_s:
+            return False
+        self.turn_waits = True
+        return True
+
+    def idle_for(self, tick: float, now_s: float) -> float:
+        """How long the loop may wait, its tick being `tick`: less when a stale status is
+        due, and no turn before the leader's pace allows (a deferred one right then)."""
+        if self.status_stale:
+            tick = min(tick, max(0.0, self.status_at_s + STATUS_EVERY_S - now_s))
+        gap_s = self.next_turn_s - now_s
+        if gap_s > 0:
+            tick = gap_s if self.turn_waits else max(tick, gap_s)
+        return tick

@@ -58,7 +58,7 @@ def _settled(cluster: SimCluster, after_gen: int, expect: int) -> Callable[[], b
             return False
         if any(s["phase"] not in ("running", "idle") for s in snaps):
             return False
-        leader = next((a for a in cluster.live() if a._is_leader()), None)
+        leader = next((a for a in cluster.live() if a.leader.acting()), None)
         return leader is not None and len(leader.follower.followed().record.planned_set) == expect
 
     return check
@@ -70,7 +70,7 @@ def _generation(cluster: SimCluster) -> int:
 
 def _leader(cluster: SimCluster) -> SimAgent:
     for a in cluster.live():
-        if a._is_leader():
+        if a.leader.acting():
             return a
     raise ElasticppError("no leader")
 
@@ -140,7 +140,7 @@ def _trained(workdir: Path, recorder: Recorder) -> None:
 
         _wait(trained(agents, 4), "every node's first committed steps")
         with _recording(recorder):
-            lost = next(a for a in agents if not a._is_leader())
+            lost = next(a for a in agents if not a.leader.acting())
             live = [a for a in agents if a is not lost]
             gen = max(a.follower.generation for a in live)
             lost.crash()
@@ -175,7 +175,7 @@ def walk(name: str, workdir: Path, recorder: Recorder) -> None:
                 _wait(_settled(cluster, gen, NODES + 1), "the re-plan with the joiner")
             elif name == "drain":
                 follower.control.request_drain(30.0)
-                _wait(lambda: follower._exit_requested() == 0, "the drained node's exit")
+                _wait(lambda: follower.exit_requested() == 0, "the drained node's exit")
                 cluster.crashed.add(follower.node_id)  # gone: left out of `live()`
                 _wait(_settled(cluster, gen, NODES - 1), "the re-plan without the drained node")
             elif name == "sick":

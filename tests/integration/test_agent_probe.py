@@ -146,7 +146,7 @@ def test_an_agent_answers_for_itself_by_name_from_its_start(tmp_path: Path) -> N
     name = probe.node_service("n3", agent.incarnation)
     status = health_pb2.HealthCheckResponse
     agent.control.set_health(status.NOT_SERVING)
-    for address in _serve(agent._health):  # type: ignore[arg-type]
+    for address in _serve(agent.health_service):  # type: ignore[arg-type]
         assert probe.check(address, service=name) is ProbeResult.NOT_SERVING
         agent.control.set_health(status.SERVING)
         assert probe.check(address, service=name) is ProbeResult.SERVING
@@ -175,7 +175,7 @@ def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
         agent.view.state.leader = "n0"
         agent.follower.state.reported = 2  # this node reported generation 2 failed
         agent.liveness.state.suspect_since = {2: time.monotonic() - 10}
-        agent._check_leader()
+        agent.watch_leader()
     assert deposed == ["n0"]
     assert agent.liveness.state.dead == {}  # alive: deposed, not declared dead
     agent.liveness.close()

@@ -66,7 +66,7 @@ def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path)
     stopped the leader, the job's end and every drain, every tick, for good."""
     agent, _ = _agent(tmp_path)
     ran: list[str] = []
-    agent._refresh = lambda: None  # type: ignore[method-assign]
+    agent.refresh_view = lambda: None  # type: ignore[method-assign]
     agent.health.read = lambda: None  # type: ignore[method-assign]
     agent.view.reread.take()
     agent.view.state.last_refresh_s = time.monotonic()
@@ -75,10 +75,10 @@ def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path)
         raise AttributeError("'NoneType' object has no attribute 'get'")
 
     agent.follower.step = broken  # type: ignore[method-assign]
-    agent._lead_if_leader = lambda: ran.append("leader")  # type: ignore[method-assign]
-    agent._control = lambda: ran.append("control")  # type: ignore[method-assign]
+    agent.lead = lambda: ran.append("leader")  # type: ignore[method-assign]
+    agent.control_turn = lambda: ran.append("control")  # type: ignore[method-assign]
     for _ in range(3):
-        agent._tick()
+        agent.tick()
     assert ran == ["leader", "control"] * 3
     assert _errors(agent, "follower") == 3
 

@@ -40,7 +40,7 @@ def _new_generation(agent: Agent, generation: int, nodes: tuple[str, ...] = ("n0
         generation,
         _plan(generation, nodes).to_dict(),
         "n0",
-        agent._clock.time(),
+        agent.clock.time(),
         extra={"nodes": {n: f"{n}:1" for n in nodes}},
     )
 
@@ -137,14 +137,14 @@ def test_a_drain_that_is_never_handed_off_ends_at_its_deadline(tmp_path: Path) -
     _new_generation(agent, 2)
     agent.follower.step()  # this node is in the plan: no hand-off yet
     assert agent.control.request_drain(5.0)[0]
-    agent._control()
+    agent.control_turn()
     assert agent.control.state.draining and cluster.registration.updates[-1]["draining"]
     clock.advance(4.5)
-    agent._control()
-    assert agent._exit_requested() is None
+    agent.control_turn()
+    assert agent.exit_requested() is None
     clock.advance(1.0)
-    agent._control()
-    assert agent._exit_requested() == 0
+    agent.control_turn()
+    assert agent.exit_requested() == 0
     assert any("drain timed out" in e[2] for e in agent.journal.log)
 
 
@@ -161,7 +161,7 @@ def test_a_drain_announces_itself_when_etcd_does_not_take_the_member_info_now(
     _new_generation(agent, 2)
     agent.follower.step()
     assert agent.control.request_drain(5.0)[0]
-    agent._control()
+    agent.control_turn()
     assert cluster.registration.updates[-1]["draining"]
     assert any("draining: announced" in e[2] for e in agent.journal.log)
 

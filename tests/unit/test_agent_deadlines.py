@@ -163,7 +163,7 @@ def test_an_ended_job_stops_its_workers_and_exits_with_its_status(tmp_path: Path
         agent.health.state.job_end = JobEnd(status, "why", "n1", time.time())
         agent.executor.run(agent.health.check_job_end())
         assert spare.killed and agent.pool.spares() == ()
-        assert agent._exit_requested() == code
+        assert agent.exit_requested() == code
         assert any(f"job ended ({status}" in e[2] for e in agent.journal.log)
 
 
@@ -171,7 +171,7 @@ def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None
     agent, _ = _agent(tmp_path, on_job_end="idle")
     agent.health.state.job_end = JobEnd("failed", "failure budget spent", "n1", time.time())
     agent.executor.run(agent.health.check_job_end())
-    assert agent._exit_requested() is None
+    assert agent.exit_requested() is None
     agent.supervisor.refill()
     assert agent.pool.spares() == ()  # no spares for a job that is over
     assert agent.status()["phase"] == "ended"
@@ -234,8 +234,8 @@ def test_a_drain_is_a_request_the_loop_carries_out_also_for_an_idle_ended_job(
     agent.executor.run(agent.health.check_job_end())
     accepted, _message = agent.control.request_drain(30.0)
     assert accepted and not agent.control.state.draining  # nothing written from the RPC's thread
-    agent._control()
-    assert agent.control.state.draining and agent._exit_requested() == 0
+    agent.control_turn()
+    assert agent.control.state.draining and agent.exit_requested() == 0
 
 
 def test_a_node_of_the_generation_that_answers_not_serving_is_set_aside(tmp_path: Path) -> None:

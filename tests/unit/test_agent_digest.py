@@ -85,13 +85,13 @@ def test_only_the_leader_reads_the_nodes_arrivals(tmp_path: Path) -> None:
     barrier event: N x N x ~100 KiB per second at a transition; and every node's started-G
     and failed-G arrival reached every node (N² watch events a transition)."""
     agent, cluster = _agent(tmp_path)
-    agent._refresh()
+    agent.refresh_view()
     assert not cluster.leader_cached
     assert not {"stopped-3", "started-3", "failed-3"} & set(cluster.read)
     assert "resume-3" in cluster.read
     agent.leader.begin_term(Term("n1"), None)  # this node leads
     cluster.read.clear()
-    agent._refresh()
+    agent.refresh_view()
     assert {"stopped-3", "started-3", "failed-3", "resume-3"} <= set(cluster.read)
     assert cluster.leader_cached
 
@@ -101,7 +101,7 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     and each drain reached every node, N² watch events. A follower reads its own record and
     the leader's, the leader's again only when the leader's term changes."""
     agent, cluster = _agent(tmp_path)  # n1, following n0
-    agent._refresh()
+    agent.refresh_view()
     assert "every member" not in cluster.read
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1", "member n0"]
     assert (
@@ -109,12 +109,12 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     )
     first = agent.view.state.members
     cluster.read.clear()
-    agent._refresh()
+    agent.refresh_view()
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1"]  # own: cached
     assert agent.view.state.members is first  # unchanged: the same object
     cluster.term = ("n0", 9)  # n0 elected again (restarted): its record is read again
     cluster.read.clear()
-    agent._refresh()
+    agent.refresh_view()
     assert [r for r in cluster.read if r.startswith("member ")] == ["member n1", "member n0"]
     # What a follower says of the job's members: its generation's nodes.
     assert sorted(agent.view.summary().members) == sorted(agent.view.state.record.planned_nodes)
@@ -125,7 +125,7 @@ def test_only_the_leader_reads_every_member(tmp_path: Path) -> None:
     assert cluster.read == ["member n2", "member n3", "member n9"]
     agent.leader.begin_term(Term("n1"), None)  # this node leads: every member, cached
     cluster.read.clear()
-    agent._refresh()
+    agent.refresh_view()
     assert "every member" in cluster.read
     assert not [r for r in cluster.read if r.startswith("member ")]
     assert sorted(agent.view.state.members) == list(MEMBERS) and agent.view.state.members_complete

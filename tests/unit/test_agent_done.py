@@ -56,9 +56,9 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
         agent.pool.deliver(proc, {"event": EXITED, "returncode": 0})  # type: ignore[arg-type]
     agent.supervisor.drain_events()
     agent.follower.step()
-    agent._control()
+    agent.control_turn()
     assert [(b, n) for b, n, _ in cluster.arrivals()] == [("done", "n0")]
-    assert agent._exit_requested() == 0  # and the agent may exit
+    assert agent.exit_requested() == 0  # and the agent may exit
 
 
 def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
@@ -186,7 +186,7 @@ def test_the_loop_survives_an_error_from_a_tick_and_goes_on(tmp_path: Path) -> N
             raise OSError(28, "No space left on device")
         agent.control.state.exit_code = 0
 
-    agent._tick = tick  # type: ignore[method-assign]
+    agent.tick = tick  # type: ignore[method-assign]
     assert agent.run() == 0
     assert len(ticks) == 3 and _errors(agent, "internal") == 2
 

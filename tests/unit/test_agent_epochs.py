@@ -91,10 +91,10 @@ def test_an_agent_whose_job_epoch_is_gone_stops_with_the_epoch_exit_status(
     agent.store.set_epoch(5)
     agent.view.epoch_changed.raise_()
     agent.view.check_epoch()
-    assert agent._exit_requested() is None  # the same epoch: nothing to do
+    assert agent.exit_requested() is None  # the same epoch: nothing to do
     assert not agent.view.epoch_changed.is_raised()
     cluster.memory.delete_prefix(cluster.keys.root)  # the job's prefix was deleted
     agent.view.check_epoch()
-    assert agent._exit_requested() == EPOCH_ENDED_EXIT
+    assert agent.exit_requested() == EPOCH_ENDED_EXIT
     assert any("started afresh" in e[2] for e in agent.journal.log)
     cluster.close()

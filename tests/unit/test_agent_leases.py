@@ -110,7 +110,7 @@ def test_an_agent_whose_node_id_another_agent_holds_exits_with_an_error(
         if len(ticks) > 5:
             agent.control.state.exit_code = 0  # a bound, so that an agent that ignores it returns
 
-    agent._tick = tick  # type: ignore[method-assign]
+    agent.tick = tick  # type: ignore[method-assign]
     with pytest.raises(NodeIdConflictError, match="another agent with the same node id"):
         agent.run()
     assert len(ticks) == 2

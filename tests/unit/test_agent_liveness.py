@@ -270,7 +270,7 @@ def test_a_round_of_serving_answers_wakes_the_loop_once_not_per_answer(
     held = {f"n{i:02d}:1": threading.Event() for i in (4, 5, 6)}
     probes.gates = dict(held)
     probes.results = {"n05:1": ProbeResult.NOT_SERVING}
-    woken = agent._wake
+    woken = agent.wake
     woken.clear()
     try:
         agent.liveness.confirm_dead(["n04", "n05", "n06", "n07", "n08"])
@@ -337,7 +337,7 @@ def test_the_leader_never_waits_on_a_probe_and_replans_with_the_verdicts(
     probes.gate = threading.Event()
     probes.results = {"n09:1": ProbeResult.DEAD}
     agent = _agent(tmp_path)
-    woken = agent._wake
+    woken = agent.wake
     woken.clear()
     agent.leader.lead()  # would hang here if the cycle waited on its probes
     assert steps == [] and agent.liveness.probes() and agent.liveness.state.dead == {}
@@ -405,11 +405,11 @@ def test_a_follower_suspects_the_leader_only_of_a_failure_it_reported_itself(
     probes.results = {"n00:1": ProbeResult.DEAD}
     agent = _follower(tmp_path)
     agent.follower.state.reported = 4  # another node's report of generation 5 is not seen here
-    agent._check_leader()
+    agent.watch_leader()
     assert probes.calls == [] and _deposed(agent) == []
     agent.follower.state.pending_failures[5] = {"reason": "worker exited 1"}  # not in etcd yet
     agent.liveness.state.suspect_since = {5: time.monotonic() - 10}
-    agent._check_leader()
+    agent.watch_leader()
     assert probes.calls == ["n00:1"]
     assert _deposed(agent) == ["n00"]
     agent.liveness.close()
@@ -420,7 +420,7 @@ def test_a_follower_does_not_depose_a_leader_whose_member_key_is_absent(
 ) -> None:
     agent = _follower(tmp_path)
     del agent.view.state.members["n00"]  # re-registering after a lost lease: no address known
-    agent._check_leader()
+    agent.watch_leader()
     assert _deposed(agent) == []
     assert "n00" not in agent.liveness.state.dead
     agent.liveness.close()
@@ -439,7 +439,7 @@ def test_a_follower_deposes_the_leader_only_after_a_failed_probe(
 ) -> None:
     probes.results = {"n00:1": result}
     agent = _follower(tmp_path)
-    agent._check_leader()
+    agent.watch_leader()
     assert probes.calls == ["n00:1"]
     assert _deposed(agent) == deposed
     assert ("n00" in agent.liveness.state.dead) is dead
@@ -454,13 +454,13 @@ def test_a_follower_deposes_a_silent_leader_only_when_the_next_probe_is_silent_t
     probed again DEAD_RECHECK_S later, and only a second silence deposes its term."""
     probes.sequences = {"n00:1": [ProbeResult.SILENT, second]}
     agent = _follower(tmp_path)
-    agent._check_leader()
+    agent.watch_leader()
     assert probes.calls == ["n00:1"]
     assert _deposed(agent) == []
-    agent._check_leader()
+    agent.watch_leader()
     assert probes.calls == ["n00:1"]  # not before DEAD_RECHECK_S
     agent.liveness.state.leader_probed_s -= DEAD_RECHECK_S
-    agent._check_leader()
+    agent.watch_leader()
     assert probes.calls == ["n00:1", "n00:1"]
     silent = second is ProbeResult.SILENT
     assert _deposed(agent) == (["n00"] if silent else [])

@@ -43,13 +43,13 @@ def test_the_gauges_are_set_again_only_when_their_values_change(tmp_path: Path) 
         child = agent.metrics.of(getattr(agent.metrics, name))
         real = child.set
         child.set = lambda v, name=name, real=real: (sets.append(name), real(v))  # type: ignore[method-assign]
-    agent._update_gauges()
+    agent.update_gauges()
     assert sorted(sets) == ["etcd_up", "generation", "members"]
     sets.clear()
-    agent._update_gauges()
+    agent.update_gauges()
     assert sets == []  # nothing changed: nothing set
     agent.view.state.etcd_ok = not agent.view.state.etcd_ok
-    agent._update_gauges()
+    agent.update_gauges()
     assert "etcd_up" in sets
     up = int(agent.view.state.etcd_ok)
     text = generate_latest(agent.metrics.registry).decode()
@@ -60,7 +60,7 @@ def test_only_the_gauges_whose_values_changed_are_set(tmp_path: Path) -> None:
     # One change (the generation) set all twelve gauges again: on every node at every
     # transition, and at every step where the safe step moves.
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    agent._update_gauges()
+    agent.update_gauges()
     sets: list[str] = []
     m = agent.metrics
     for name in ("etcd_up", "members", "is_leader", "generation", "safe_step"):
@@ -72,20 +72,20 @@ def test_only_the_gauges_whose_values_changed_are_set(tmp_path: Path) -> None:
         real = child.set
         child.set = lambda v, state=state, real=real: (sets.append(state), real(v))  # type: ignore[method-assign]
     agent.view.state.etcd_ok = not agent.view.state.etcd_ok
-    agent._update_gauges()
+    agent.update_gauges()
     assert sets == ["etcd_up"]
 
 
 def test_etcd_up_is_set_again_after_an_outage_with_nothing_else_changed(tmp_path: Path) -> None:
-    # The outage sets the gauge to 0 apart from `_update_gauges`: the next update, whose
+    # The outage sets the gauge to 0 apart from `update_gauges`: the next update, whose
     # values equal those it last set, must still set it back to 1.
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     agent.view.state.etcd_ok = True
-    agent._update_gauges()
-    agent._etcd_down(RuntimeError("connection refused"))
+    agent.update_gauges()
+    agent.etcd_down(RuntimeError("connection refused"))
     text = generate_latest(agent.metrics.registry).decode()
     assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} 0.0' in text
     agent.view.state.etcd_ok = True  # the next refresh reached etcd
-    agent._update_gauges()
+    agent.update_gauges()
     text = generate_latest(agent.metrics.registry).decode()
     assert f'elasticpp_etcd_up{{job_name="{SPEC.name}",node_id="n0"}} 1.0' in text

@@ -111,7 +111,7 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
 def _lead_safe_step(agent: Agent, gs: _GenState, now_s: float) -> None:
     """The leader's safe-step check at `now_s` (monotonic), its actions applied."""
     obs = replace(_observed(agent, gs), now_s=now_s)
-    agent._execute(leader_safe_check(agent.leader.state, obs))
+    agent.execute(leader_safe_check(agent.leader.state, obs))
 
 
 def test_the_leader_publishes_the_safe_step_only_when_it_rises(tmp_path: Path) -> None:
@@ -141,11 +141,11 @@ def test_every_agent_takes_the_published_safe_step_as_its_floor(tmp_path: Path) 
         commit_step(agent.store, step, generation=3)
     assert agent.store.committed_steps() == [1, 2, 3, 4, 5]  # no floor known: anchors stay
     cluster.safe = SafeStep(3, 4)
-    agent._refresh()
+    agent.refresh_view()
     assert agent.store.floor == (3, 4) and agent.store.committed_steps() == [4, 5]
     gauge = agent.metrics.registry.get_sample_value("elasticpp_safe_step", agent.metrics.labels)
     assert gauge == 4
     cluster.safe = SafeStep(3, 2)  # an older value (a stale read): the floor stays
     agent.view.state.safe_read_s = 0.0
-    agent._refresh()
+    agent.refresh_view()
     assert agent.store.floor == (3, 4)

@@ -59,7 +59,7 @@ def test_a_follower_ticks_quietly_in_every_phase(tmp_path: Path, phase: Phase) -
     the loop) and deadlines of seconds; a failed one reported its failure (below)."""
     agent = _quiet_agent(tmp_path)
     _set_phase(phase)(agent)
-    assert agent._tick_s() == QUIET_TICK_S
+    assert agent.rest_s() == QUIET_TICK_S
     agent.liveness.close()
 
 
@@ -105,10 +105,10 @@ def test_anything_in_motion_makes_the_ticks_short(
 ) -> None:
     agent = _quiet_agent(tmp_path)
     change(agent)
-    assert agent._tick_s() == BUSY_TICK_S
+    assert agent.rest_s() == BUSY_TICK_S
     if agent.leader.leadership is None:  # a leader whose workers train ticks at their pace
         agent.pool.deliver(_Proc(), {"event": "step", "step": 5})  # nothing else calms
-        assert agent._tick_s() == BUSY_TICK_S
+        assert agent.rest_s() == BUSY_TICK_S
     agent.liveness.close()
 
 
@@ -124,7 +124,7 @@ def test_a_node_whose_workers_train_ticks_at_the_training_pace(
     if leading:
         agent.leader.begin_term(Term(), None)
     agent.pool.deliver(_Proc(), {"event": kind, "step": 5})
-    assert agent._tick_s() == TRAINING_TICK_S
+    assert agent.rest_s() == TRAINING_TICK_S
     assert BUSY_TICK_S < TRAINING_TICK_S < QUIET_TICK_S
     agent.liveness.close()
 
@@ -136,17 +136,17 @@ def test_a_leader_whose_transition_is_over_ticks_at_the_training_pace(tmp_path: 
     agent = _quiet_agent(tmp_path)
     agent.leader.begin_term(Term(), None)
     ls = agent.leader.state.at(3, 0.0)
-    assert agent._tick_s() == BUSY_TICK_S  # leading generation 3's transition
+    assert agent.rest_s() == BUSY_TICK_S  # leading generation 3's transition
     ls.resume_written = ls.timeline_written = True
-    assert agent._tick_s() == TRAINING_TICK_S
+    assert agent.rest_s() == TRAINING_TICK_S
     agent.leader.state.at(2, 0.0).timeline_written = True  # the transition it knows is an older one
-    assert agent._tick_s() == BUSY_TICK_S
+    assert agent.rest_s() == BUSY_TICK_S
     agent.leader.state.at(3, 0.0)
-    assert agent._tick_s() == BUSY_TICK_S  # a new term: generation 3's transition unknown
+    assert agent.rest_s() == BUSY_TICK_S  # a new term: generation 3's transition unknown
     agent.leader.state.timeline_written = True
-    assert agent._tick_s() == TRAINING_TICK_S
+    assert agent.rest_s() == TRAINING_TICK_S
     _newer_record(agent)
-    assert agent._tick_s() == BUSY_TICK_S
+    assert agent.rest_s() == BUSY_TICK_S
     agent.liveness.close()
 
 
@@ -156,10 +156,10 @@ def test_a_worker_event_that_is_not_training_wakes_the_loop_once(tmp_path: Path,
     node's ticks short for a second: every node of a simulated 256-node cluster ticked 20
     times a second after its workers started."""
     agent = _quiet_agent(tmp_path)
-    agent._wake.clear()
+    agent.wake.clear()
     agent.pool.deliver(_Proc(), {"event": kind})
-    assert agent._wake.is_set()
-    assert agent._tick_s() == QUIET_TICK_S
+    assert agent.wake.is_set()
+    assert agent.rest_s() == QUIET_TICK_S
     agent.liveness.close()
 
 
@@ -170,13 +170,13 @@ def test_a_leaderless_node_ticks_when_its_campaign_is_due_not_before(tmp_path: P
     and the new leader's key (a watch event) wakes it before that."""
     agent = _quiet_agent(tmp_path)
     agent.view.state.leader = None
-    assert agent._tick_s() == QUIET_TICK_S  # no campaign drawn yet: the tick draws it
-    agent.leader.state.campaign_at_s = agent._clock.monotonic() + 0.7
-    assert 0.6 < agent._tick_s() <= 0.7
-    agent.leader.state.campaign_at_s = agent._clock.monotonic() - 1.0  # overdue (not yet taken)
-    assert agent._tick_s() == BUSY_TICK_S  # polls for it; never a wait of 0 (a spin)
+    assert agent.rest_s() == QUIET_TICK_S  # no campaign drawn yet: the tick draws it
+    agent.leader.state.campaign_at_s = agent.clock.monotonic() + 0.7
+    assert 0.6 < agent.rest_s() <= 0.7
+    agent.leader.state.campaign_at_s = agent.clock.monotonic() - 1.0  # overdue (not yet taken)
+    assert agent.rest_s() == BUSY_TICK_S  # polls for it; never a wait of 0 (a spin)
     agent.view.state.leader = "n1"  # a leader is known: its draw no longer counts
-    assert agent._tick_s() == QUIET_TICK_S
+    assert agent.rest_s() == QUIET_TICK_S
     agent.liveness.close()
 
 
@@ -187,15 +187,15 @@ def test_a_turn_that_did_not_publish_the_status_brings_the_next_turn_forward(
     after the last publication leaves it to the next turn, which a quiet follower would
     take QUIET_TICK_S later (`ctl status` up to 5 s behind after a burst of events)."""
     agent = _quiet_agent(tmp_path)
-    agent._tick = lambda: None  # type: ignore[method-assign]
+    agent.tick = lambda: None  # type: ignore[method-assign]
     agent.turn()  # publishes
     assert agent.idle_for() == QUIET_TICK_S
     agent.turn()  # too soon: not published
-    assert agent._status_stale
+    assert agent.pace.status_stale
     assert 0.0 <= agent.idle_for() <= STATUS_EVERY_S
-    agent._status_at_s -= STATUS_EVERY_S  # the last publication is STATUS_EVERY_S older
+    agent.pace.status_at_s -= STATUS_EVERY_S  # the last publication is STATUS_EVERY_S older
     agent.turn()  # publishes
-    assert not agent._status_stale and agent.idle_for() == QUIET_TICK_S
+    assert not agent.pace.status_stale and agent.idle_for() == QUIET_TICK_S
     agent.liveness.close()
 
 
@@ -204,7 +204,7 @@ def test_a_node_waiting_for_the_first_plan_ticks_quietly(tmp_path: Path) -> None
     ticking 20 times a second while they join filled the machine."""
     agent = _quiet_agent(tmp_path)
     agent.view.state.record, agent.follower.state.gen = None, None
-    assert agent._tick_s() == QUIET_TICK_S
+    assert agent.rest_s() == QUIET_TICK_S
     agent.liveness.close()
 
 
@@ -219,23 +219,23 @@ def test_a_watch_event_wakes_the_loop_and_tells_the_part_whose_keys_changed(
     keys = agent.cluster.keys
 
     def taken() -> tuple[bool, bool, bool]:
-        woke = agent._wake.is_set()
-        agent._wake.clear()
+        woke = agent.wake.is_set()
+        agent.wake.clear()
         return (agent.view.reread.take() and woke, agent.health.changed.take(),
                 agent.view.epoch_changed.take())  # fmt: skip
 
     taken()
-    agent._on_watch(WatchEvent(EventType.PUT, keys.generation, "{}", 12, 12, 0))
+    agent.on_watch(WatchEvent(EventType.PUT, keys.generation, "{}", 12, 12, 0))
     assert taken() == (True, False, False)
-    agent._on_watch(WatchEvent(EventType.PUT, keys.quarantine("n3"), "{}", 13, 13, 0))
+    agent.on_watch(WatchEvent(EventType.PUT, keys.quarantine("n3"), "{}", 13, 13, 0))
     assert taken() == (True, True, False)
-    agent._on_watch(WatchEvent(EventType.PUT, keys.ended, "{}", 14, 14, 0))
+    agent.on_watch(WatchEvent(EventType.PUT, keys.ended, "{}", 14, 14, 0))
     assert taken() == (True, True, False)
-    agent._on_watch(WatchEvent(EventType.DELETE, keys.epoch, None, 15))
+    agent.on_watch(WatchEvent(EventType.DELETE, keys.epoch, None, 15))
     assert taken() == (True, False, True)
-    agent._on_watch(WatchEvent(EventType.RESYNC, keys.root, None, 16))  # events lost
+    agent.on_watch(WatchEvent(EventType.RESYNC, keys.root, None, 16))  # events lost
     assert taken() == (True, True, True)
-    agent._on_watch(WatchEvent(EventType.PUT, keys.node("n1"), "{}", 17, 17, 0))  # its own
+    agent.on_watch(WatchEvent(EventType.PUT, keys.node("n1"), "{}", 17, 17, 0))  # its own
     assert taken() == (True, False, False)
     agent.liveness.close()
 
@@ -263,7 +263,7 @@ def test_a_follower_at_rest_sleeps_longer_only_while_its_ranks_run_or_it_has_non
     _set_phase(phase)(agent)
     _at_rest(agent)
     resting = phase in (Phase.RUNNING, Phase.IDLE)
-    assert agent._tick_s() == (RESTING_TICK_S if resting else QUIET_TICK_S)
+    assert agent.rest_s() == (RESTING_TICK_S if resting else QUIET_TICK_S)
     assert QUIET_TICK_S < RESTING_TICK_S
     agent.liveness.close()
 
@@ -271,11 +271,11 @@ def test_a_follower_at_rest_sleeps_longer_only_while_its_ranks_run_or_it_has_non
 def test_a_spare_not_ready_or_missing_keeps_the_quiet_tick(tmp_path: Path) -> None:
     """The supervisor polls a starting spare's readiness deadline and starts missing ones."""
     agent = _quiet_agent(tmp_path)
-    assert agent._tick_s() == QUIET_TICK_S  # no spare yet: one is to be started
+    assert agent.rest_s() == QUIET_TICK_S  # no spare yet: one is to be started
     agent.pool.add_spare(_Spare(30_000))  # type: ignore[arg-type]
-    assert agent._tick_s() == QUIET_TICK_S  # started, not ready
+    assert agent.rest_s() == QUIET_TICK_S  # started, not ready
     agent.pool.mark_ready(30_000)
-    assert agent._tick_s() == RESTING_TICK_S
+    assert agent.rest_s() == RESTING_TICK_S
     agent.liveness.close()
 
 
@@ -286,7 +286,7 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
     resting tick later; past the deadline the loop polls (never a wait of 0)."""
     agent = _quiet_agent(tmp_path)
     _at_rest(agent)
-    now = agent._clock.monotonic()
+    now = agent.clock.monotonic()
     assert agent.follower.state.gen is not None
     worker = _Worker(
         _Proc(),  # type: ignore[arg-type]
@@ -297,9 +297,9 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
         last_progress_s=now - SPEC.hang_timeout_s + 7.0,
     )
     agent.pool.add_worker(worker)
-    assert 6.0 < agent._tick_s() <= 7.0
+    assert 6.0 < agent.rest_s() <= 7.0
     worker.last_progress_s = now - SPEC.hang_timeout_s - 1.0
-    assert agent._tick_s() == BUSY_TICK_S
+    assert agent.rest_s() == BUSY_TICK_S
     agent.liveness.close()
 
 
@@ -322,7 +322,7 @@ def _burning_tick(agent: Agent, cpu_s: float) -> list[float]:
         while time.thread_time() < end:
             pass
 
-    agent._tick = tick  # type: ignore[method-assign]
+    agent.tick = tick  # type: ignore[method-assign]
     return ticks
 
 
@@ -342,7 +342,7 @@ def test_a_leader_woken_again_within_its_pace_takes_the_next_turn_once_it_allows
     assert len(ticks) == 1
     wait_s = agent.idle_for()
     assert 0.0 < wait_s <= gap_s + 0.01  # the deferred turn is taken then, not at the tick
-    assert wait_until(lambda: time.monotonic() >= agent._next_turn_s, 5, interval_s=0.005)
+    assert wait_until(lambda: time.monotonic() >= agent.pace.next_turn_s, 5, interval_s=0.005)
     agent.turn()
     assert len(ticks) == 2 and ticks[1] - ticks[0] >= gap_s
     agent.liveness.close()
@@ -356,19 +356,19 @@ def test_a_leader_not_woken_waits_its_tick_and_never_less_than_its_pace(
     agent = _leading_agent(tmp_path)
     _burning_tick(agent, 0.02)
     agent.turn()
-    agent._status_stale, agent._status_at_s = True, 0.0  # overdue: 0 without the pace
+    agent.pace.status_stale, agent.pace.status_at_s = True, 0.0  # overdue: 0 without the pace
     assert 0.02 < agent.idle_for() <= LEADER_TURN_GAP_MAX_S
     agent.liveness.close()
 
 
 def test_a_leaders_pace_is_capped_and_a_stop_is_never_deferred(tmp_path: Path) -> None:
     agent = _leading_agent(tmp_path)
-    agent._tick = lambda: None  # type: ignore[method-assign]
-    agent._pace_turn(10.0)  # a turn of 10 s of CPU (a plan at a huge scale)
-    assert agent._next_turn_s - time.monotonic() <= LEADER_TURN_GAP_MAX_S
-    assert agent._turn_deferred()
+    agent.tick = lambda: None  # type: ignore[method-assign]
+    agent.pace.after_turn(10.0, True, time.monotonic())  # 10 s of CPU (a plan at a huge scale)
+    assert agent.pace.next_turn_s - time.monotonic() <= LEADER_TURN_GAP_MAX_S
+    assert agent.pace.deferred(agent.stopping(), time.monotonic())
     agent.request_stop()
-    assert not agent._turn_deferred()
+    assert not agent.pace.deferred(agent.stopping(), time.monotonic())
     agent.liveness.close()
 
 
@@ -379,5 +379,5 @@ def test_a_followers_turns_are_not_paced(tmp_path: Path) -> None:
     agent.turn()
     agent.turn()
     assert len(ticks) == 2
-    assert not agent._turn_deferred()
+    assert not agent.pace.deferred(agent.stopping(), time.monotonic())
     agent.liveness.close()

@@ -21,7 +21,7 @@ from elasticpp.waiting import wait_until
 class _FakeAgent:
     def __init__(self, node_id: str, wake: PoolWake, tick_s: float = 60.0) -> None:
         self.node_id = node_id
-        self._wake = wake
+        self.wake = wake
         self._stop = threading.Event()
         self.tick_s = tick_s
         self.turns = 0
@@ -51,9 +51,12 @@ class _FakeAgent:
     def idle_for(self) -> float:
         return self.tick_s
 
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def request_stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.wake.set()
 
     def shutdown(self) -> None:
         self.shutdowns += 1
@@ -85,7 +88,7 @@ def test_each_agent_takes_its_first_turn_and_then_waits_for_its_wake() -> None:
     try:
         agents = _agents(pool, 5)
         assert wait_until(lambda: all(a.turns == 1 for a in agents), 10)
-        agents[2]._wake.set()
+        agents[2].wake.set()
         assert wait_until(lambda: agents[2].turns == 2, 10)
         assert [a.turns for a in agents] == [1, 1, 2, 1, 1]  # no tick was due
     finally:
@@ -97,8 +100,8 @@ def test_a_wake_during_a_turn_gives_one_more_turn_after_it_never_two_at_once() -
     try:
         (agent,) = _agents(pool, 1)
         assert wait_until(lambda: agent.turns == 1, 10)
-        agent.during_turn = lambda: [agent._wake.set() for _ in range(5)]
-        agent._wake.set()
+        agent.during_turn = lambda: [agent.wake.set() for _ in range(5)]
+        agent.wake.set()
         assert wait_until(lambda: agent.turns == 3, 10)  # the woken turn, then one more
         assert wait_until(lambda: not _busy(pool, agent), 10)  # then waits for a wake
         assert agent.turns == 3 and agent.most_inside == 1
@@ -121,14 +124,14 @@ def test_an_agent_that_stops_is_shut_down_once_and_leaves_the_pool() -> None:
         quitter, stopped, other = _agents(pool, 3)
         assert wait_until(lambda: all(a.turns == 1 for a in (quitter, stopped, other)), 10)
         quitter.exit_code = 3
-        quitter._wake.set()
+        quitter.wake.set()
         stopped.request_stop()
         assert wait_until(lambda: not pool.running(quitter) and not pool.running(stopped), 10)
         assert pool.exit_codes == {"n0": 3, "n1": 0}
         assert (quitter.shutdowns, stopped.shutdowns, other.shutdowns) == (1, 1, 0)
         turns = stopped.turns
-        stopped._wake.set()  # woken after it left: nothing runs
-        other._wake.set()
+        stopped.wake.set()  # woken after it left: nothing runs
+        other.wake.set()
         assert wait_until(lambda: other.turns == 2, 10)
         assert stopped.turns == turns
     finally:
@@ -159,11 +162,11 @@ def test_a_long_turn_is_logged_once_with_where_it_is(caplog: pytest.LogCaptureFi
         (agent, quick) = _agents(pool, 2)
         assert wait_until(lambda: agent.turns == 1 and quick.turns == 1, 10)
         agent.during_turn = blocked_in_etcd_call
-        agent._wake.set()
+        agent.wake.set()
         assert wait_until(lambda: "node n0: turn running for" in caplog.text, 10)
         release.set()
         assert wait_until(lambda: agent.turns == 2, 10)
-        quick._wake.set()
+        quick.wake.set()
         assert wait_until(lambda: quick.turns == 2, 10)
     finally:
         release.set()
@@ -187,9 +190,9 @@ def test_a_turn_waiting_on_etcd_gives_its_slot_to_another_agents_turn() -> None:
                 release.wait(30)
 
         waiter.during_turn = round_trip
-        waiter._wake.set()
+        waiter.wake.set()
         assert wait_until(lambda: waiter.inside == 1, 10)
-        other._wake.set()
+        other.wake.set()
         assert wait_until(lambda: other.turns == 2, 10)  # ran while the first waited
         assert waiter.turns == 1
     finally:
@@ -229,7 +232,7 @@ def test_turns_outside_waiting_never_run_more_than_the_slots_at_once() -> None:
         for a in agents:
             a.during_turn = work
         for a in agents:
-            a._wake.set()
+            a.wake.set()
         assert wait_until(lambda: all(a.turns == 2 for a in agents), 10)
         assert most[0] == 1
     finally:
@@ -269,10 +272,10 @@ def test_turns_are_profiled_on_the_threads_cpu_clock_and_merged(tmp_path: Path) 
         agents = _agents(pool, 3)
         assert wait_until(lambda: all(a.turns == 1 for a in agents), 10)
         agents[1].during_turn = block
-        agents[1]._wake.set()
+        agents[1].wake.set()
         assert inside.wait(10)  # it holds one of the two threads, waiting
         agents[0].during_turn = lambda: _spin_cpu(0.05)
-        agents[0]._wake.set()
+        agents[0].wake.set()
         assert wait_until(lambda: agents[0].turns == 2, 10)
         released.set()
         assert wait_until(lambda: agents[1].turns == 2, 10)
