@@ -29,6 +29,7 @@ from elasticpp.agent.control.step import ControlObservation, ControlState, contr
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.ports import HealthPort, PoolPort
+from elasticpp.agent.kernel.records import fields, integer
 from elasticpp.agent.kernel.summaries import (
     ControlSummary,
     FollowerSummary,
@@ -107,7 +108,9 @@ class Control:
             # started-G (which only the leader reads).
             started_everywhere=f"gen-{g}" in view.timelines,
             finished_here=follower.phase is Phase.DONE,
-            done_reported=any(int(v.get("step", -1)) >= cfg.steps for v in view.done.values()),
+            done_reported=any(
+                integer(fields(v), "step", -1) >= cfg.steps for v in view.done.values()
+            ),
             job_ended=health.ended is not None,
             workers_alive=self._pool.any_alive(),
             has_spares=self._pool.has_spares(),
@@ -199,7 +202,7 @@ class Control:
                 for w in self._pool.seen()
             ],
             "recoveries": sorted(
-                view.timelines.values(), key=lambda t: int(t.get("generation", 0))
+                view.timelines.values(), key=lambda t: integer(fields(t), "generation", 0)
             ),
         }
         self._status = status

@@ -72,6 +72,7 @@ from elasticpp.agent.follower.step import (
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import Journal
+from elasticpp.agent.kernel.records import JSONValue, fields
 from elasticpp.agent.kernel.summaries import FollowerSummary
 from elasticpp.agent.kernel.threads import run_in_thread
 from elasticpp.agent.limits import (
@@ -344,8 +345,8 @@ class Follower:
             old_workers=tuple(
                 OldWorker(w.proc.pid, w.proc.alive(), w.state in active) for w in pool.older_than(g)
             ),
-            resume=resume.get(RESUME_MEMBER),
-            resume_wait=str((resume.get(RESUME_WAIT_MEMBER) or {}).get("why", "")) or None,
+            resume=_instruction(resume.get(RESUME_MEMBER)),
+            resume_wait=str(fields(resume.get(RESUME_WAIT_MEMBER)).get("why", "")) or None,
             fetch=self._fetch_status(g),
             ready_spares=pool.ready_spares(),
             spare_replaced=pool.replaced_since(gs.stop_began_s) > 0,
@@ -619,3 +620,9 @@ class Follower:
             logs = sorted(log_dir.glob("*.log"), key=lambda p: p.stat().st_mtime)
             for old in logs[:-WORKER_LOGS_KEPT]:
                 old.unlink(missing_ok=True)
+
+
+def _instruction(value: JSONValue) -> dict[str, JSONValue] | None:
+    """The resume instruction as the barrier holds it: an object (checked at its read,
+    `cluster.barriers.check_arrival`), or none yet."""
+    return value if isinstance(value, dict) else None

@@ -57,6 +57,7 @@ from elasticpp.agent.decide import (
     phase_deadline_s,
     phase_transition,
 )
+from elasticpp.agent.kernel.records import JSONValue, Record
 from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
@@ -73,9 +74,7 @@ class FetchOutcome:
     disk_error: bool = False  # the error was this node's own disk (full, read-only, failing)
 
 
-def fetch_addresses(
-    record: GenerationRecord, members: Mapping[str, Mapping[str, Any]]
-) -> dict[str, str]:
+def fetch_addresses(record: GenerationRecord, members: Mapping[str, Record]) -> dict[str, str]:
     """Where each source of generation `record`'s state is served: the address in its member
     key (a source may lie outside the plan: a draining node hands its state over). Not a
     planned node registered again under another incarnation since: the agent there now is not
@@ -122,7 +121,7 @@ class _GenState:
     # holds its future and byte count): the step sees it through `FetchStatus`.
     fetch_started: bool = False
     fetch_done_at: float | None = None
-    resume: dict[str, Any] | None = None
+    resume: dict[str, JSONValue] | None = None
     waiting_said: str = ""  # the leader's wait for state (why) while this node waits with it
 
     @property
@@ -211,7 +210,7 @@ class FollowerObservation:
     plan: Plan | None  # `record`'s plan, parsed; None when it cannot be read
     plan_error: str | None  # why `record`'s plan cannot be read
     old_workers: tuple[OldWorker, ...] = ()
-    resume: dict[str, Any] | None = None  # the generation's resume instruction, once written
+    resume: dict[str, JSONValue] | None = None  # the generation's resume instruction, once written
     resume_wait: str | None = None  # why the leader cannot resume the generation yet (etcd)
     fetch: FetchStatus = FetchStatus()
     ready_spares: int = 0

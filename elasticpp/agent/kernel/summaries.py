@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.decide import Phase
+from elasticpp.agent.kernel.records import Record
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 
@@ -32,8 +32,8 @@ class ViewSummary:
     etcd_ok: bool = True
     leader: str | None = None
     members: Collection[str] = ()  # every registered node (a leader), else the plan's
-    done: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # barrier `done`
-    timelines: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # by gen-G
+    done: Record = field(default_factory=dict)  # barrier `done`: node -> its arrival
+    timelines: Record = field(default_factory=dict)  # by gen-G
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class HealthSummary:
     """Quarantines and the job's end, as this agent knows them."""
 
     ended: tuple[str, str] | None = None  # (status, reason) once the job ended unfinished
-    quarantined: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    quarantined: Mapping[str, Record] = field(default_factory=dict)
     readmitted_s: float = 0.0  # monotonic: a node was last re-admitted (planned again)
     exit_code: int | None = None  # the job ended and this agent is to exit with it
 

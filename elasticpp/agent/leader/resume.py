@@ -43,6 +43,7 @@ from elasticpp.agent.actions import (
 )
 from elasticpp.agent.deadlines import stop_wait_s
 from elasticpp.agent.decide import live_nodes
+from elasticpp.agent.kernel.records import fields, integer
 from elasticpp.agent.leader.state import Arrival, LeaderState
 from elasticpp.agent.sick import Action as SickAction
 from elasticpp.cluster.barriers import RESUME_MEMBER
@@ -151,7 +152,7 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
         if missing & gen.planned_set:
             return actions  # quarantined now: the next step re-plans without them
         expected -= missing  # set aside, outside the plan: resume from the others
-    next_steps = tuple(int(v.get("next_step", 0)) for v in stopped.values())
+    next_steps = tuple(integer(fields(v), "next_step", 0) for v in stopped.values())
     persist_dir = obs.spec.persist_dir or None
     if not any(d.groups for d in digests.values()):
         # Nothing to pull: what arrived in full (and the checkpoint) is all there is.

@@ -52,6 +52,7 @@ from elasticpp.agent.actions import (
     WriteSafe,
 )
 from elasticpp.agent.decide import ClusterView, Replan, Wait, candidates, decide_replan
+from elasticpp.agent.kernel.records import Record, fields, integer, number
 from elasticpp.agent.leader.resume import (
     MISSING_PROBE_EVERY_S,
     leader_fresh_checked,
@@ -113,8 +114,8 @@ class LeaderObservation:
     view: ClusterView  # quarantines applied; its members are the view's member keys
     record: GenerationRecord | None  # the newest generation record, None before any
     record_rev: int  # its mod revision: the compare of the next generation's write
-    members: Mapping[str, Mapping[str, Any]]  # member keys: address, slots, incarnation
-    barriers: Mapping[str, Mapping[str, Any]]  # stopped-G, resume-G, started-G, ...
+    members: Mapping[str, Record]  # member keys: address, slots, incarnation
+    barriers: Mapping[str, Record]  # stopped-G, resume-G, started-G, ...
     detected: tuple[Mapping[int, float], ...]  # generation -> wall time a change was seen
     followed: GenerationRecord | None  # the generation this node's follower is in
     followed_plan: Plan | None  # its plan
@@ -289,8 +290,9 @@ def detection_time(obs: LeaderObservation, generation: int) -> float:
     rec = obs.record
     if rec is not None:
         for v in obs.barriers.get(f"failed-{rec.generation}", {}).values():
-            if isinstance(v, dict) and isinstance(v.get("at"), (int, float)):
-                seen.append(float(v["at"]))
+            at = v.get("at") if isinstance(v, dict) else None
+            if isinstance(at, (int, float)):
+                seen.append(float(at))
     return min(seen, default=obs.wall_s)
 
 
@@ -317,19 +319,19 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         return []
     state.replan_failures = 0
     state.sick.trained(nodes)
-    resume = obs.barriers.get(f"resume-{gen.generation}", {}).get(RESUME_MEMBER) or {}
+    resume = fields(obs.barriers.get(f"resume-{gen.generation}", {}).get(RESUME_MEMBER))
     stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
     detected = float(gen.extra.get("detected_at", gen.created_at))
-    stopped_at = max(float(v.get("at", 0)) for v in stopped.values()) if stopped else detected
-    moved_at = max(float(v.get("moved_at", 0)) for v in started.values())
-    resumed_at = max(float(v.get("at", 0)) for v in started.values())
+    stopped_at = max(number(fields(v), "at", 0) for v in stopped.values()) if stopped else detected
+    moved_at = max(number(fields(v), "moved_at", 0) for v in started.values())
+    resumed_at = max(number(fields(v), "at", 0) for v in started.values())
     timeline = {
         "generation": gen.generation,
         "reason": gen.extra.get("reason", ""),
         "layout_before": gen.extra.get("previous_layout", ""),
         "layout_after": str(plan.layout),
-        "resume_step": int(resume.get("step", 0)),
-        "steps_recomputed": int(resume.get("recomputed", 0)),
+        "resume_step": integer(resume, "step", 0),
+        "steps_recomputed": integer(resume, "recomputed", 0),
         "detected_at": detected,
         "planned_s": float(gen.extra.get("planned_at", detected)) - detected,
         "stopped_s": stopped_at - detected,

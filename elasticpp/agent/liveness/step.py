@@ -7,9 +7,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.actions import Action, DeposeLeader, Event, ProbeLeader, Reread
+from elasticpp.agent.kernel.records import Record
 from elasticpp.agent.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S
 
 
@@ -48,7 +48,7 @@ class LivenessState:
     leader_silent: tuple[str, str] | None = None  # (leader, incarnation) silent to a probe
     revived_s: float = 0.0  # monotonic: a node found dead last answered again
 
-    def dead_now(self, members: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    def dead_now(self, members: Mapping[str, Record]) -> set[str]:
         """Nodes found dead whose registration is still that incarnation's (or gone): a
         node registered again by a new agent is not dead."""
         return {

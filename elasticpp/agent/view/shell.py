@@ -27,13 +27,14 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Protocol
 
 from elasticpp.agent.actions import Action, Reread, SetFloor, UpdateGauges
 from elasticpp.agent.clock import Clock
 from elasticpp.agent.inbox import Signal
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import Journal
+from elasticpp.agent.kernel.records import Record
 from elasticpp.agent.kernel.summaries import ViewSummary
 from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.metrics import AgentMetrics
@@ -46,7 +47,7 @@ from elasticpp.agent.view.step import (
 )
 from elasticpp.cluster.errors import ClusterDataError, ClusterUnavailableError
 from elasticpp.cluster.keys import JobKeys
-from elasticpp.cluster.records import GenerationRecord, SafeStep
+from elasticpp.cluster.records import GenerationRecord, JobEpoch, Members, SafeStep
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -61,15 +62,13 @@ class ViewCluster(Protocol):
     def sync_cache(self) -> None: ...
     def read_generation(self, *, cached: bool = ...) -> tuple[GenerationRecord | None, int]: ...
     def leader_term(self, *, cached: bool = ...) -> tuple[str | None, int]: ...
-    def agent_members(self, *, cached: bool = ...) -> Any: ...
-    def member_records(self, nodes: list[str]) -> dict[str, dict[str, Any]]: ...
-    def barrier_state(
-        self, name: str, *, cached: bool = ...
-    ) -> tuple[dict[str, dict[str, Any]], int]: ...
+    def agent_members(self, *, cached: bool = ...) -> Members: ...
+    def member_records(self, nodes: list[str]) -> Mapping[str, Record]: ...
+    def barrier_state(self, name: str, *, cached: bool = ...) -> tuple[Record, int]: ...
     def read_safe(self, *, cached: bool = ...) -> tuple[SafeStep | None, int]: ...
     def skip_value(self, key: str, exc: Exception) -> None: ...
     def etcd_requests(self) -> dict[str, int]: ...
-    def epoch(self) -> Any: ...
+    def epoch(self) -> JobEpoch | None: ...
 
 
 class MemberDirectory:
@@ -81,17 +80,17 @@ class MemberDirectory:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._generation = -1
-        self._held: dict[str, dict[str, Any]] = {}
+        self._held: dict[str, Record] = {}
 
     def records(
         self,
         nodes: Iterable[str],
         view: ViewState,
-        read: Callable[[list[str]], dict[str, dict[str, Any]]],
-    ) -> dict[str, dict[str, Any]]:
+        read: Callable[[list[str]], Mapping[str, Record]],
+    ) -> Mapping[str, Record]:
         """The records of `nodes` that are registered; `read` reads missing ones by key."""
         members = view.members  # replaced whole by the view, never changed in place
-        out = {n: members[n] for n in sorted(set(nodes)) if n in members}
+        out: dict[str, Record] = {n: members[n] for n in sorted(set(nodes)) if n in members}
         missing = sorted(set(nodes) - set(out))
         if not missing:
             return out
@@ -179,7 +178,7 @@ class View:
             timelines=s.barriers.get("timelines", {}),
         )
 
-    def member_records(self, nodes: Iterable[str]) -> dict[str, dict[str, Any]]:
+    def member_records(self, nodes: Iterable[str]) -> Mapping[str, Record]:
         """The member records of `nodes` (registered ones), on any thread: see
         `MemberDirectory`."""
         return self._directory.records(nodes, self.state, self._cluster.member_records)
@@ -208,7 +207,7 @@ class View:
                 self._metrics.of(self._metrics.etcd_requests_total, method=method).inc(new)
 
     def refresh(
-        self, leading: bool, dead_now: Callable[[Mapping[str, Mapping[str, Any]]], set[str]]
+        self, leading: bool, dead_now: Callable[[Mapping[str, Record]], set[str]]
     ) -> list[Action]:
         """Read the job's etcd state (from the watch-fed cache) and take it (`view_step`):
         the actions to execute. `leading`: this node leads (it reads every member and the
@@ -224,11 +223,12 @@ class View:
             cluster.sync_cache()  # reads a range again only if its watch lost events
             record, rev = cluster.read_generation(cached=True)
             leader, term = cluster.leader_term(cached=True)
-            if leading:
-                members = cluster.agent_members(cached=True).nodes
-            else:
-                members = self._follower_members(leader, term)
-            barriers: dict[str, dict[str, Any]] = {}
+            members: Mapping[str, Record] = (
+                cluster.agent_members(cached=True).nodes
+                if leading
+                else self._follower_members(leader, term)
+            )
+            barriers: dict[str, Record] = {}
             names = ["done", "timelines"]
             gen = record.generation if record else 0
             if gen:
@@ -256,7 +256,7 @@ class View:
         now_s, wall_s = self._clock.monotonic(), self._clock.time()
         return view_step(self.state, read, dead=dead, now_s=now_s, wall_s=wall_s)
 
-    def _follower_members(self, leader: str | None, term: int) -> dict[str, dict[str, Any]]:
+    def _follower_members(self, leader: str | None, term: int) -> Mapping[str, Record]:
         """A follower's members: its own record (cached: its key is watched) and the
         leader's, read by key when the leader's term changes (a restarted leader elected
         again is a new term), or while it is missing. The same object while neither

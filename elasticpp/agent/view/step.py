@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.actions import Action, Event, SetFloor, UpdateGauges
+from elasticpp.agent.kernel.records import Record
 from elasticpp.cluster.records import GenerationRecord, SafeStep
 
 
@@ -22,15 +22,15 @@ class ViewState:
     # Every registered node while this agent leads (it caches the member keys); a follower
     # holds only its own record and the leader's (`members_complete` False): it reads the
     # others it needs by key (`MemberDirectory`), so a registration reaches one node, not N.
-    members: dict[str, dict[str, Any]] = field(default_factory=dict)
+    members: Mapping[str, Record] = field(default_factory=dict)
     members_complete: bool = True
-    leader_member: tuple[str | None, int, dict[str, dict[str, Any]]] = (None, -1, {})  # a
+    leader_member: tuple[str | None, int, Mapping[str, Record]] = (None, -1, {})  # a
     # follower's read of the leader's record: (leader, its key's create revision, {leader:
     # record})
     record: GenerationRecord | None = None
     record_rev: int = 0
     leader: str | None = None
-    barriers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    barriers: Mapping[str, Record] = field(default_factory=dict)
     etcd_ok: bool = True
     last_refresh_s: float = 0.0  # monotonic
     safe_read_s: float = 0.0  # monotonic: when the published safe step was last read
@@ -52,11 +52,11 @@ EPOCH_ENDED_EXIT = 75
 class EtcdRead:
     """One read of the job's etcd state by the view (typed at the cluster boundary)."""
 
-    members: dict[str, dict[str, Any]]
+    members: Mapping[str, Record]
     record: GenerationRecord | None
     record_rev: int
     leader: str | None
-    barriers: dict[str, dict[str, Any]]
+    barriers: Mapping[str, Record]
     safe: SafeStep | None  # read at most every SAFE_EVERY_S; None when not read this time
     complete: bool = True  # `members` is every registered node (the leader's read)
 
@@ -118,12 +118,12 @@ class ViewSnapshot:
     """What the view knows, as other parts read it (frozen; the dicts are the view's, which
     it replaces whole on each read and never changes in place: read them, never write)."""
 
-    members: Mapping[str, Mapping[str, Any]]
+    members: Mapping[str, Record]
     members_complete: bool
     record: GenerationRecord | None
     record_rev: int
     leader: str | None
-    barriers: Mapping[str, Mapping[str, Any]]
+    barriers: Mapping[str, Record]
     etcd_ok: bool
     last_refresh_s: float
     last_join_s: float
