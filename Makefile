@@ -33,7 +33,7 @@ demo: $(RUNTIME)
 lint: $(STAMP)
 	$(BIN)/ruff check elasticpp tests bench tools
 	$(BIN)/ruff format --check elasticpp tests bench tools
-	$(BIN)/mypy --strict elasticpp/plan elasticpp/checkpoint elasticpp/train elasticpp/cluster/etcd_client.py elasticpp/cluster/etcd_endpoint.py elasticpp/cluster/etcd_ops.py elasticpp/cluster/etcd_errors.py elasticpp/cluster/etcd_security.py elasticpp/cluster/etcd_watch_stream.py elasticpp/cluster/etcd_watches.py elasticpp/cluster/etcd_keepalive.py elasticpp/transport.py elasticpp/logfmt.py elasticpp/proctree.py $(AGENT_STRICT) elasticpp/cli/flagtypes.py elasticpp/cli/envflags.py elasticpp/cli/output.py
+	$(BIN)/mypy --strict elasticpp/plan elasticpp/checkpoint elasticpp/train elasticpp/cluster/etcd elasticpp/transport.py elasticpp/logfmt.py elasticpp/proctree.py $(AGENT_STRICT) elasticpp/cli/flagtypes.py elasticpp/cli/envflags.py elasticpp/cli/output.py
 	$(BIN)/lint-imports --no-cache
 
 test: lint

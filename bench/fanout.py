@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.scale import pid_cpu_s
-from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchItem
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV, WatchBatch, WatchItem
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.errors import ElasticppError
 
 KEY = "/fanout/record"

@@ -6,7 +6,7 @@ During a transition each of the leader's turns sees one or a few new `stopped-G`
 arrivals of N and decides again. Timed per turn (CPU seconds, `time.process_time`, the best
 of `--repeats` batches of 20 calls), in one process, nothing else:
 
-- the arrivals' view after one of N arrivals changed (`ClusterClient._values_once`, as
+- the arrivals' view after one of N arrivals changed (`JobReads.values_once`, as
   `barrier_state` builds it from the watch-fed cache): each key looked up, the new one parsed
   and checked; against the same call deriving all N again (a `what` it has not seen: each
   parsed-once lookup, key split and check, as every rebuild did before);
@@ -67,7 +67,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
         def check(node: str, r: dict[str, Any]) -> Any:
             return check_arrival("stopped-2", node, r.get("value"))
 
-        client._values_once(kvs, "kept", check)
+        client.reads.values_once(kvs, "kept", check)
         changed = [0]
 
         def one_changed() -> None:
@@ -75,11 +75,13 @@ def measure(n: int, repeats: int) -> dict[str, float]:
             i = changed[0] = (changed[0] + 1) % n
             kv = kvs[i]
             kvs[i] = KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, 0)
-            client._values_once(kvs, "kept", check)
+            client.reads.values_once(kvs, "kept", check)
 
         fresh = iter(range(10**9))
         kept_s = _best_per_call(one_changed, repeats)
-        all_s = _best_per_call(lambda: client._values_once(kvs, f"n{next(fresh)}", check), repeats)
+        all_s = _best_per_call(
+            lambda: client.reads.values_once(kvs, f"n{next(fresh)}", check), repeats
+        )
     finally:
         client.close()
     members = {f"node-{i:05d}": {"address": "h:1", "slots": 8} for i in range(n)}

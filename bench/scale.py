@@ -18,7 +18,7 @@ measures the transition it causes:
 For each: the seconds from the fault to the leader's new generation record (seen by an observer
 watch), to every node holding it and to every node reporting started (its ranks running); etcd
 requests, bytes both ways and watch events from the fault until every node started (counted in
-the agents' etcd client, elasticpp.cluster.etcd_meter); the largest value written and the
+the agents' etcd client, elasticpp.cluster.etcd.meter); the largest value written and the
 largest range reply of the run; the CPU seconds of the leader's loop thread, of the
 simulation's processes and of the etcd server (also from the fault until every node holds the
 plan, and from the decision until the last node held it: the hold's window, with how many
@@ -68,8 +68,8 @@ from bench.scaleinvariants import HistoryEvent, check_history
 from bench.scaleloops import merge_turn_profiles
 from bench.scaleproc import ProcCluster, Summary
 from bench.scalesim import sim_spec_fields
-from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchItem
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV, WatchBatch, WatchItem
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.keys import JobKeys, prefix_end
 from elasticpp.cluster.records import EventType
 from elasticpp.errors import ElasticppError

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticpp.agent.decide import Phase
-from elasticpp.cluster.etcd_meter import MeterReading
+from elasticpp.cluster.etcd.meter import MeterReading
 from elasticpp.errors import ElasticppError
 
 log = logging.getLogger("elasticpp.bench.scale")
@@ -221,7 +221,7 @@ def _serve(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C closes us in order
     from bench.scalesim import SimCluster
     from elasticpp.agent.jobspec import parse_job_spec
-    from elasticpp.cluster.etcd_meter import EtcdMeter
+    from elasticpp.cluster.etcd.meter import EtcdMeter
 
     out = sys.stdout
     sys.stdout = sys.stderr  # replies alone go to the harness

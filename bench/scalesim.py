@@ -46,8 +46,8 @@ from elasticpp.agent import probe
 from elasticpp.agent.jobspec import JobSpec, parse_job_spec
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.server import ServerPorts, serve
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.meter import EtcdMeter
 from elasticpp.errors import ElasticppError
 from elasticpp.train.procs import EXITED
 

@@ -324,7 +324,7 @@ def committed_step(lc: LocalCluster) -> int | None:
         contextlib.suppress(Exception),
         ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c,
     ):
-        safe, _ = c.read_safe()
+        safe, _ = c.commits.read_safe()
         return None if safe is None else safe.step
     return None
 
@@ -411,8 +411,8 @@ def observe(lc: LocalCluster) -> JobView:
             record, _ = c.read_generation()
             if record is None:
                 return none
-            failed, _ = c.barrier_state(f"failed-{record.generation}")
-            quarantined = frozenset(c.quarantined())
+            failed, _ = c.arrivals.barrier_state(f"failed-{record.generation}")
+            quarantined = frozenset(c.health.quarantined())
     except Exception:  # etcd down or restarting
         return none
     plan = load_job_spec(lc.spec_path).plan_of(record.plan)  # the record names no model

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.proctree import process_tree
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.cluster.etcd_client import (
+from elasticpp.cluster.etcd.kv import (
     EtcdSecurity,
 )
 from tests.certs import issue, make_ca

@@ -11,7 +11,7 @@ from typing import Any
 
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import ClusterError, ClusterUnavailableError, LeaseNotFoundError
-from elasticpp.cluster.etcd_ops import Compare, Delete, Put
+from elasticpp.cluster.etcd.ops import Compare, Delete, Put
 from elasticpp.cluster.records import KeyValue
 
 
@@ -62,7 +62,7 @@ class FakeRegistration:
 
 
 class MemoryKV:
-    """etcd's KV and lease calls as `EtcdKV` makes them (elasticpp.cluster.etcd_client), in
+    """etcd's KV and lease calls as `EtcdKV` makes them (elasticpp.cluster.etcd.kv), in
     memory, with etcd's revisions: every write that changes something is one revision, a
     transaction's ops share one, keys are read sorted, a key's create revision is kept until
     it is deleted, a revoked lease takes its keys with it. No watches, no TTL expiry (a
@@ -295,7 +295,7 @@ class FakeCluster(ClusterClient):
             if value is not None and key.startswith(prefix)
         ]
 
-    def arrivals(self) -> list[tuple[str, str, Any]]:
+    def arrived(self) -> list[tuple[str, str, Any]]:
         """Every arrival written to the job's barriers, in order: (barrier, member, value)."""
         prefix = self.keys.barriers_prefix
         out = []

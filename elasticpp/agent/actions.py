@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from elasticpp.agent.kernel.records import JSONValue, Record
+from elasticpp.agent.sick import Action as SickAction
 from elasticpp.cluster.records import GenerationRecord, SafeStep
 from elasticpp.plan import ModelSpec, Plan
 from elasticpp.store.digest import HoldingsDigest
@@ -207,7 +208,7 @@ class RecordPieces:
     step: int
     generation: int
     rank: int
-    pieces: Any  # as the worker reported them: the store checks them
+    pieces: JSONValue  # as the worker reported them: the store checks them
     writers: frozenset[int]
     fenced: bool
     commit: Commit  # the commit to make once every writer reported
@@ -269,7 +270,7 @@ class SetAside:
     """Carry out the leader's health decisions (quarantines of nodes that did not arrive at
     `stopped-G` in time: etcd writes fenced by the term, `health.shell.Health.carry_out`)."""
 
-    decisions: tuple[Any, ...]  # elasticpp.agent.sick actions
+    decisions: tuple[SickAction, ...]
 
 
 @dataclass(frozen=True)
@@ -318,7 +319,7 @@ class WriteResume:
     was written goes back to `leader.step.leader_resume_written`."""
 
     generation: int
-    value: Mapping[str, Any]
+    value: Record
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,7 @@ class RecordTimeline:
     written goes back to `leader.step.leader_timeline_recorded`."""
 
     generation: int
-    timeline: Mapping[str, Any]
+    timeline: Record
     recovery: bool  # a generation that replaced a running layout (counted as a recovery)
 
 
@@ -462,7 +463,7 @@ class StartFetch:
     to the follower (`follower.follower_fetch_started`)."""
 
     generation: int
-    resume: dict[str, Any]
+    resume: dict[str, JSONValue]
 
 
 @dataclass(frozen=True)
@@ -471,7 +472,7 @@ class AssignRanks:
     outcome goes back to the follower (`follower.follower_assigned`)."""
 
     generation: int
-    resume: dict[str, Any]
+    resume: dict[str, JSONValue]
 
 
 @dataclass(frozen=True)

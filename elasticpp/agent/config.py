@@ -8,7 +8,7 @@ from pathlib import Path
 from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.lifetime import STOP_OVERDUE_EXIT
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
-from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
+from elasticpp.cluster.etcd.security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.keys import check_prefix
 from elasticpp.errors import ConfigError
 from elasticpp.transport import TLSFiles, is_loopback

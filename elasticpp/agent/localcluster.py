@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticpp.cluster.etcd_server import EtcdServer, ServerTLS
+from elasticpp.cluster.etcd.server import EtcdServer, ServerTLS
 from elasticpp.errors import ElasticppError
 from elasticpp.proctree import descendants, worker_processes
 from elasticpp.waiting import wait_until
@@ -305,7 +305,7 @@ class LocalCluster:
         from elasticpp.cluster.client import ClusterClient
 
         with ClusterClient([self.etcd.endpoint], str(self.spec["name"])) as c:
-            values, _ = c.barrier_state("timelines")
+            values, _ = c.arrivals.barrier_state("timelines")
         return sorted(values.values(), key=lambda t: int(t["generation"]))
 
     def close(self) -> None:

@@ -140,8 +140,8 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     NodeIdConflictError,
 )
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_meter import EtcdMeter
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.meter import EtcdMeter
 from elasticpp.cluster.records import EventType, WatchEvent
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.plan import Plan
@@ -294,7 +294,7 @@ class Agent:
             clock=self.clock,
             journal=self.journal,
             metrics=self.metrics,
-            cluster=self.cluster,
+            records=self.cluster.health,
             pool=self.pool,
             own_step=self._own_step,
             last_step=lambda: self.durability.state.last_step,
@@ -362,7 +362,7 @@ class Agent:
             clock=self.clock,
             store=self.store,
             metrics=self.metrics,
-            records=self.cluster,
+            records=self.cluster.commits,
             member_records=self.view.member_records,
             dialer=self._dialer,
             fenced=m.fenced,
@@ -513,7 +513,7 @@ class Agent:
         )
         self.port = self.server.port
 
-    def on_watch(self, event: Any) -> None:
+    def on_watch(self, event: WatchEvent) -> None:
         """A change under the job's cached keys (on a watch thread): the view reads again
         now. A quarantine record or the job's end raises the health part's signal, the
         epoch key the view's epoch check; a RESYNC (events lost) raises both. (These keys

@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.decide import WorkerState, transition
+from elasticpp.agent.kernel.records import JSONValue
 from elasticpp.agent.kernel.summaries import WorkerSeen
 from elasticpp.errors import ElasticppError
 from elasticpp.plan import Plan
@@ -27,6 +27,10 @@ from elasticpp.train.procs import WorkerProcess
 
 # A worker's events that say it trains: each step, and each snapshot of one.
 TRAINING_EVENTS = frozenset({"step", "snapshot"})
+
+
+# A worker and one event it reported (JSON: checked where it is read).
+WorkerEvent = tuple[WorkerProcess, dict[str, JSONValue]]
 
 
 @dataclass
@@ -54,7 +58,9 @@ class WorkerPool:
         self._clock = clock  # the agent's (elasticpp.agent.clock)
         # SimpleQueue: a get on an empty one is one C call, where queue.Queue's takes its
         # condition's lock in Python; every turn of every agent asks it (bench/scale.py).
-        self._events: queue.SimpleQueue[tuple[WorkerProcess, dict[str, Any]]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[WorkerProcess, dict[str, JSONValue]]] = (
+            queue.SimpleQueue()
+        )
         self._spares: list[WorkerProcess] = []  # spawned, maybe not yet ready
         self._ready: set[int] = set()  # pids of spares that reported "ready"
         self._since: dict[int, float] = {}  # pid of a spare -> when it was spawned
@@ -69,7 +75,7 @@ class WorkerPool:
         self.trained_at_s = float("-inf")
 
     # ------------------------------------------------------------------ events
-    def deliver(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
+    def deliver(self, proc: WorkerProcess, event: dict[str, JSONValue]) -> None:
         """From a worker's reader thread: queue the event and wake the loop."""
         self._events.put((proc, event))
         if event.get("event") in TRAINING_EVENTS:
@@ -77,7 +83,7 @@ class WorkerPool:
         if self._wake is not None:
             self._wake.set()
 
-    def next_event(self) -> tuple[WorkerProcess, dict[str, Any]] | None:
+    def next_event(self) -> WorkerEvent | None:
         try:
             return self._events.get_nowait()
         except queue.Empty:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from elasticpp.agent.inbox import Event
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.keys import check_name
 from elasticpp.errors import ConfigError
@@ -23,7 +24,7 @@ class StatusPort(Protocol):
 
 
 class EventsPort(Protocol):
-    def since(self, index: int, timeout_s: float) -> tuple[list[Any], int]: ...
+    def since(self, index: int, timeout_s: float) -> tuple[list[Event], int]: ...
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):

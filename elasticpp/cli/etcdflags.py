@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from elasticpp.cli import flagtypes
-from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
+from elasticpp.cluster.etcd.security import EtcdSecurity, parse_endpoint
 from elasticpp.cluster.keys import ROOT, check_prefix
 from elasticpp.errors import ConfigError
 

@@ -126,7 +126,7 @@ def etcd_endpoints(text: str) -> str:
 
 
 def _parse_endpoint(text: str) -> tuple[str, int]:
-    from elasticpp.cluster.etcd_security import parse_endpoint
+    from elasticpp.cluster.etcd.security import parse_endpoint
 
     return parse_endpoint(text, tls=text.startswith("https://"))
 

@@ -87,10 +87,10 @@ def job_status(client: Any) -> dict[str, Any]:
     epoch = client.epoch()
     record, _ = client.read_generation()
     members = client.members().nodes
-    end = client.job_end()
-    done, _ = client.barrier_state("done")
-    safe, _ = client.read_safe()
-    quarantined = client.quarantined()
+    end = client.health.job_end()
+    done, _ = client.arrivals.barrier_state("done")
+    safe, _ = client.commits.read_safe()
+    quarantined = client.health.quarantined()
     if end is not None:
         state = end.status
     elif done:
@@ -124,7 +124,7 @@ def job_nodes(client: Any) -> list[dict[str, Any]]:
     quarantines name (an agent that is gone shows without an address)."""
     members = client.members().nodes
     record, _ = client.read_generation()
-    quarantined = client.quarantined()
+    quarantined = client.health.quarantined()
     ranks: dict[str, int] = {}
     if record is not None and isinstance(record.plan, dict):
         placement = record.plan.get("placement")
@@ -312,9 +312,9 @@ def run(args: argparse.Namespace) -> int:
                     f"job {args.name} is {status['state']}: only a failed or halted job is "
                     "reset (a finished one trained every step; a running one is not over)"
                 )
-            client.reset_end()
+            client.health.reset_end()
             for node in status["quarantined"]:
-                client.lift_quarantine(node)
+                client.health.lift_quarantine(node)
             message = (
                 f"job {args.name}: reset ({status['state']} before); agents started again "
                 f"train it on from its newest committed step"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.barriers import (
@@ -25,10 +25,10 @@ from elasticpp.cluster.barriers import (
 from elasticpp.cluster.errors import (
     BarrierTimeoutError,
     ClusterDataError,
-    MembershipLapsedError,
 )
-from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
+from elasticpp.cluster.etcd.kv import Compare, Put
 from elasticpp.cluster.leases import Leadership
+from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import EventType, WatchEvent, dumps, loads
 from elasticpp.cluster.watch import Watch
 
@@ -48,27 +48,14 @@ def resume_records(value: Any, leader_id: str, at: float) -> list[tuple[str, str
     return out
 
 
-class ArrivalsPart:
-    """Methods of `ClusterClient` (elasticpp.cluster.client)."""
+class Arrivals:
+    """The job's barriers, the resume instruction and suspect reports in etcd: one of the objects a
+    `ClusterClient` holds (`client.arrivals`), reading and writing through its `JobReads`."""
 
-    _kv: EtcdKV
-    keys: keymod.JobKeys
-
-    if TYPE_CHECKING:  # defined by ClusterClient and its other parts
-
-        def skip_value(self, key: str, exc: Exception) -> None: ...
-
-        def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
-
-        def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
-
-        def _values_once(
-            self, kvs: list[Any], what: str, derive: Callable[[str, dict[str, Any]], Any]
-        ) -> dict[str, Any]: ...
-
-        def _memo(
-            self, name: str, source: object, cached: bool, build: Callable[[], Any]
-        ) -> Any: ...
+    def __init__(self, reads: JobReads) -> None:
+        self._reads = reads
+        self._kv = reads.kv
+        self.keys = reads.keys
 
     # ------------------------------------------------------------------ barriers
     def arrive(
@@ -78,7 +65,7 @@ class ArrivalsPart:
         lease) etcd writes it only while the node's member key is on that lease, else
         `MembershipLapsedError`: a node whose lease lapsed arrives nowhere, however late its
         write reaches etcd (a check before the put would race with the lapse)."""
-        self._put_as_node(
+        self._reads.put_as_node(
             node_id,
             lease_id,
             Put(
@@ -86,14 +73,6 @@ class ArrivalsPart:
                 dumps({"node_id": node_id, "value": value, "at": time.time()}),
             ),
         )
-
-    def _put_as_node(self, node_id: str, lease_id: int | None, put: Put) -> None:
-        if lease_id is None:
-            self._kv.put(put.key, put.value)
-            return
-        ok, _, _ = self._kv.txn([Compare(self.keys.node(node_id), "lease", lease_id)], [put])
-        if not ok:
-            raise MembershipLapsedError(node_id, lease_id)
 
     def write_resume(self, generation: int, value: Any, leader: Leadership) -> bool:
         """Publish generation `generation`'s resume instruction (barrier `resume-<G>`, member
@@ -138,19 +117,19 @@ class ArrivalsPart:
         its barrier needs (`barriers.check_arrival`) is skipped and counted, like an
         unreadable one: the caller never sees it."""
         prefix = self.keys.barrier_prefix(barrier)
-        kvs, revision = self._get_prefix(prefix, cached)
-        return self._memo(prefix, kvs, cached, lambda: self._arrivals(barrier, kvs)), revision
+        kvs, revision = self._reads.get_prefix(prefix, cached)
+        return self._reads.memo(prefix, kvs, cached, lambda: self._arrivals(barrier, kvs)), revision
 
     def _arrivals(self, barrier: str, kvs: list[Any]) -> dict[str, Any]:
         prefix = self.keys.barrier_prefix(barrier)
-        out = self._values_once(
+        out = self._reads.values_once(
             kvs, f"{barrier} arrival", lambda node, r: check_arrival(barrier, node, r.get("value"))
         )
         if barrier.startswith("resume-"):
             try:
                 out = join_resume(out, RESUME_MEMBER)
             except ClusterDataError as exc:
-                self.skip_value(prefix + RESUME_MEMBER, exc)
+                self._reads.skip(prefix + RESUME_MEMBER, exc)
                 # Without its parts the instruction cannot be used: neither is seen.
                 out = {m: v for m, v in out.items() if m != RESUME_MEMBER and "-part-" not in m}
         return out
@@ -175,7 +154,7 @@ class ArrivalsPart:
                     try:
                         arrived[node_id] = loads(event.value, "barrier arrival").get("value")
                     except ClusterDataError as exc:
-                        self.skip_value(event.key, exc)
+                        self._reads.skip(event.key, exc)
                 elif event.type is EventType.DELETE:
                     arrived.pop(node_id, None)
                 cond.notify_all()
@@ -207,7 +186,7 @@ class ArrivalsPart:
 
     def suspects(self) -> dict[str, dict[str, Any]]:
         kvs, _ = self._kv.get_prefix(self.keys.suspects_prefix)
-        return self._records(kvs, "suspect")
+        return self._reads.records(kvs, "suspect")
 
     def clear_suspect(self, node_id: str) -> bool:
         return self._kv.delete(self.keys.suspect(node_id))

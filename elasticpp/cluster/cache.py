@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.cluster.etcd_client import EtcdKV
+from elasticpp.cluster.etcd.kv import EtcdKV
 from elasticpp.cluster.keys import JobKeys, prefix_end
 from elasticpp.cluster.records import EventType, KeyValue, WatchEvent
 from elasticpp.cluster.watch import Watch

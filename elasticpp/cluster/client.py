@@ -25,28 +25,26 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from elasticpp.cluster import keys as keymod
-from elasticpp.cluster.arrivals import ArrivalsPart
+from elasticpp.cluster.arrivals import Arrivals
 from elasticpp.cluster.barriers import (
     check_member,
 )
-from elasticpp.cluster.cache import JobCache
-from elasticpp.cluster.cachedreads import CachedReadsPart
-from elasticpp.cluster.commits import CommitsPart
+from elasticpp.cluster.commits import Commits
 from elasticpp.cluster.errors import (
     ClusterDataError,
     ClusterUnavailableError,
     GenerationConflictError,
     LeaseNotFoundError,
 )
-from elasticpp.cluster.etcd_client import (
+from elasticpp.cluster.etcd.kv import (
     Compare,
     Delete,
     EtcdKV,
     Put,
 )
-from elasticpp.cluster.etcd_meter import EtcdMeter
-from elasticpp.cluster.etcd_security import EtcdSecurity
-from elasticpp.cluster.health import HealthPart
+from elasticpp.cluster.etcd.meter import EtcdMeter
+from elasticpp.cluster.etcd.security import EtcdSecurity
+from elasticpp.cluster.health import Health
 from elasticpp.cluster.leases import (
     Leadership,
     ProgressGate,
@@ -54,11 +52,11 @@ from elasticpp.cluster.leases import (
     check_ttl,
     fence_after_s,
 )
+from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import (
     GenerationRecord,
     GenerationSummary,
     JobEpoch,
-    KeyValue,
     Members,
     WatchEvent,
 )
@@ -69,8 +67,14 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T", "Registration", "Leadership", "Watch")
 
 
-class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
+class ClusterClient:
     """One job's cluster state in etcd. Thread-safe; one instance per process is enough.
+
+    The client itself keeps the spec, the epoch, membership, the election, generations,
+    watches and the job's cache; the rest of the job's state is in the objects it holds,
+    which share its connection and reads (`reads`): `arrivals` (barriers, the resume
+    instruction, suspects), `commits` (commit records, the safe step, housekeeping) and
+    `health` (quarantines, the end of the job).
 
     `request_timeout_s` bounds every etcd call; past it the call raises
     `ClusterUnavailableError`.
@@ -100,16 +104,10 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         )
         self._lock = threading.Lock()
         self._owned: list[Registration | Leadership | Watch] = []
-        # Values that could not be read (malformed, or written by a newer format) are skipped,
-        # counted here and logged once per key: one bad value must not stop every agent.
-        self.skipped_values = 0
-        self._skipped_keys: set[str] = set()
-        self._cache: JobCache | None = None
-        # What cached reads derived and parsed (cachedreads.CachedReadsPart._memo, _parsed_once)
-        self._derived: dict[str, tuple[object, Any]] = {}
-        self._parsed: dict[str, tuple[int, dict[str, Any]]] = {}
-        self._checked: dict[str, tuple[object, Any]] = {}
-        self._seen: dict[str, dict[str, tuple[KeyValue, str, Any]]] = {}
+        self.reads = JobReads(self._kv, self.keys)
+        self.arrivals = Arrivals(self.reads)
+        self.commits = Commits(self.reads)
+        self.health = Health(self.reads)
 
     def _own(self, obj: _T) -> _T:
         with self._lock:
@@ -123,9 +121,7 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         their `close()`/`resign()` first for a clean leave."""
         with self._lock:
             owned, self._owned = self._owned, []
-            cache, self._cache = self._cache, None
-        if cache is not None:
-            cache.close()
+        self.reads.close()
         for obj in owned:
             if isinstance(obj, Watch):
                 obj.cancel()
@@ -205,34 +201,42 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         key = self.keys.node(node_id)
         return self._own(Registration(self._kv, key, node_id, info, check_ttl(ttl_s), gate=gate))
 
+    @property
+    def skipped_values(self) -> int:
+        """Values of the job that could not be read (malformed, or a newer format): skipped,
+        counted, logged once per key (`JobReads.skip`)."""
+        return self.reads.skipped_values
+
     def skip_value(self, key: str, exc: Exception) -> None:
         """Count an unreadable value (and log it once per key)."""
-        self.skipped_values += 1
-        if len(self._skipped_keys) > 10_000:
-            self._skipped_keys.clear()  # bounded: keys of old generations are logged again
-        if key not in self._skipped_keys:
-            self._skipped_keys.add(key)
-            log.warning("etcd value of %s skipped: %s", key, exc)
+        self.reads.skip(key, exc)
 
-    def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]:
-        """The readable records of `kvs` by last key segment; unreadable ones skipped. A
-        value read before (the same key at the same revision) is not parsed again: after one
-        member's change, the other N - 1 records are the ones parsed before."""
-        out: dict[str, dict[str, Any]] = {}
-        for kv in kvs:
-            name = keymod.last_segment(kv.key)
-            try:
-                out[name] = self._parsed_once(kv, f"{what} {name}")
-            except ClusterDataError as exc:
-                self.skip_value(kv.key, exc)
-        return out
+    def etcd_requests(self) -> dict[str, int]:
+        """Requests this client sent to etcd, by method (`EtcdKV.requests`)."""
+        return self._kv.requests()
+
+    def follow(
+        self, on_event: Callable[[WatchEvent], None] | None = None, own_node: str | None = None
+    ) -> None:
+        """Start the job's watch-fed cache (once; `JobReads.follow`) for reads with
+        `cached=True`."""
+        self.reads.follow(on_event, own_node)
+
+    def cache_for_leader(self, on: bool) -> None:
+        """Cache the `stopped-<G>` arrivals and the commit records too (the leader reads
+        them), or no longer."""
+        self.reads.cache_for_leader(on)
+
+    def sync_cache(self) -> None:
+        """Read again what the cache lost events of (nothing in steady state)."""
+        self.reads.sync_cache()
 
     def members(self, *, cached: bool = False) -> Members:
         """Registered nodes. Cached, an unchanged answer is the object returned before
         (as every cached answer below), and a record parsed once is shared by every answer
-        that holds it (`_records`): callers must not change what they are handed."""
-        kvs, revision = self._get_prefix(self.keys.nodes_prefix, cached)
-        nodes = self._memo("members", kvs, cached, lambda: self._records(kvs, "member"))
+        that holds it (`JobReads.records`): callers must not change what they are handed."""
+        kvs, revision = self.reads.get_prefix(self.keys.nodes_prefix, cached)
+        nodes = self.reads.memo("members", kvs, cached, lambda: self.reads.records(kvs, "member"))
         return Members(nodes, revision)
 
     def agent_members(self, *, cached: bool = False) -> Members:
@@ -245,14 +249,16 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
             for node, record in members.nodes.items():
                 try:
                     key = self.keys.nodes_prefix + node
-                    self._checked_once(key, record, check_member, node, record)
+                    self.reads.checked_once(key, record, check_member, node, record)
                 except ClusterDataError as exc:
-                    self.skip_value(self.keys.nodes_prefix + node, exc)
+                    self.reads.skip(self.keys.nodes_prefix + node, exc)
                     continue
                 nodes[node] = record
             return nodes
 
-        return Members(self._memo("agent members", members.nodes, cached, usable), members.revision)
+        return Members(
+            self.reads.memo("agent members", members.nodes, cached, usable), members.revision
+        )
 
     def member_records(self, nodes: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The usable member records (see `agent_members`) of `nodes`, by node; a node not
@@ -262,14 +268,14 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
         out: dict[str, dict[str, Any]] = {}
         for node in sorted(set(nodes)):
             key = self.keys.node(node)
-            kv = self._get(key, self._covered(key))
+            kv = self.reads.get(key, self.reads.covered(key))
             if kv is None:
                 continue
             try:
-                record = self._parsed_once(kv, f"member {node}")
+                record = self.reads.parsed_once(kv, f"member {node}")
                 check_member(node, record)
             except ClusterDataError as exc:
-                self.skip_value(key, exc)
+                self.reads.skip(key, exc)
                 continue
             out[node] = record
         return out
@@ -352,13 +358,13 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
             self._kv.revoke(lease_id)
 
     def leader(self, *, cached: bool = False) -> str | None:
-        kv = self._get(self.keys.leader, cached)
+        kv = self.reads.get(self.keys.leader, cached)
         return kv.value if kv else None
 
     def leader_term(self, *, cached: bool = False) -> tuple[str | None, int]:
         """The leader and the create revision of its key: a new term (the same node
         elected again, after a restart, say) is a new revision. (None, 0) with no leader."""
-        kv = self._get(self.keys.leader, cached)
+        kv = self.reads.get(self.keys.leader, cached)
         return (kv.value, kv.create_revision) if kv else (None, 0)
 
     def watch_suspects(
@@ -376,12 +382,14 @@ class ClusterClient(CachedReadsPart, ArrivalsPart, CommitsPart, HealthPart):
     # ------------------------------------------------------------------ generations
     def read_generation(self, *, cached: bool = False) -> tuple[GenerationRecord | None, int]:
         """The current generation record and its mod revision (0 if none yet)."""
-        kv = self._get(self.keys.generation, cached)
+        kv = self.reads.get(self.keys.generation, cached)
         if kv is None:
             return None, 0
         # The cache holds one KeyValue per change of the key: parsed once per change (and
         # once per process: the same text is one record for every agent of a process).
-        record = self._memo("generation", kv, cached, lambda: GenerationRecord.shared(kv.value))
+        record = self.reads.memo(
+            "generation", kv, cached, lambda: GenerationRecord.shared(kv.value)
+        )
         return record, kv.mod_revision
 
     def write_generation(

@@ -6,42 +6,34 @@ Invariants: the safe step is written only fenced by the leader's term and the re
 read, and only when it rises (the caller's rule); a record that cannot be read (malformed,
 a newer format, filed under another node) is skipped and logged once, never fatal.
 Housekeeping keeps the newest generation's commit records as the job's "ever committed"
-mark. `ClusterClient` composes this part (its `_kv`, `keys`, `skip_value`, `_records`).
+mark. `ClusterClient` holds one (`client.commits`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.errors import ClusterDataError
-from elasticpp.cluster.etcd_client import Compare, Delete, EtcdKV, Put
+from elasticpp.cluster.etcd.kv import Compare, Delete, Put
 from elasticpp.cluster.leases import Leadership
+from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import CommitRecord, SafeStep, dumps, loads
 
 HISTORY_KEPT = 100  # generations of history and recovery timelines kept in etcd
 HOUSEKEEP_OPS = 100  # operations in one housekeeping transaction (etcd allows 128)
 
 
-class CommitsPart:
-    """Methods of `ClusterClient` (elasticpp.cluster.client)."""
+class Commits:
+    """The job's commit records, the safe step, housekeeping and recovery timelines in
+    etcd: one of the objects a `ClusterClient` holds (`client.commits`), reading and writing
+    through its `JobReads`."""
 
-    _kv: EtcdKV
-    keys: keymod.JobKeys
-
-    if TYPE_CHECKING:  # defined by ClusterClient
-
-        def skip_value(self, key: str, exc: Exception) -> None: ...
-
-        def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
-
-        def _get(self, key: str, cached: bool) -> Any: ...
-
-        def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
-
-        def _put_as_node(self, node_id: str, lease_id: int | None, put: Put) -> None: ...
+    def __init__(self, reads: JobReads) -> None:
+        self._reads = reads
+        self._kv = reads.kv
+        self.keys = reads.keys
 
     # ------------------------------------------------------------------ commits
     def record_commit(
@@ -65,7 +57,7 @@ class CommitsPart:
             tuple(sorted(anchors, reverse=True)),
             {o: tuple(sorted(s, reverse=True)) for o, s in (replicas or {}).items()},
         )
-        self._put_as_node(
+        self._reads.put_as_node(
             node_id,
             lease_id,
             Put(
@@ -77,9 +69,9 @@ class CommitsPart:
     def commit_records(self, generation: int, *, cached: bool = False) -> dict[str, CommitRecord]:
         """The readable commit records of `generation` by node id; unreadable ones (malformed,
         a newer format, or naming another node or generation) are skipped and logged once."""
-        kvs, _ = self._get_prefix(self.keys.commits_of(generation), cached)
+        kvs, _ = self._reads.get_prefix(self.keys.commits_of(generation), cached)
         out: dict[str, CommitRecord] = {}
-        for node, data in self._records(kvs, "commit record").items():
+        for node, data in self._reads.records(kvs, "commit record").items():
             key = self.keys.commit(generation, node)
             try:
                 record = CommitRecord.from_dict(data)
@@ -89,19 +81,19 @@ class CommitsPart:
                         f"{record.node_id}/{record.generation}"
                     )
             except ClusterDataError as exc:
-                self.skip_value(key, exc)
+                self._reads.skip(key, exc)
                 continue
             out[node] = record
         return out
 
-    def commits(self, generation: int) -> dict[str, int]:
+    def committed_steps(self, generation: int) -> dict[str, int]:
         kvs, _ = self._kv.get_prefix(self.keys.commits_of(generation))
         out: dict[str, int] = {}
-        for node, record in self._records(kvs, "commit record").items():
+        for node, record in self._reads.records(kvs, "commit record").items():
             try:
                 out[node] = int(record["step"])
             except (KeyError, TypeError, ValueError) as exc:
-                self.skip_value(self.keys.commit(generation, node), exc)
+                self._reads.skip(self.keys.commit(generation, node), exc)
         return out
 
     # ------------------------------------------------------------------ safe step
@@ -109,13 +101,13 @@ class CommitsPart:
         """The published safe step (None if none, or unreadable: skipped and logged once) and
         the key's mod revision (0 if absent), for `write_safe` (read etcd itself for that:
         the cached one may be a watch delivery old)."""
-        kv = self._get(self.keys.safe, cached)
+        kv = self._reads.get(self.keys.safe, cached)
         if kv is None:
             return None, 0
         try:
             return SafeStep.from_dict(loads(kv.value, "safe step")), kv.mod_revision
         except ClusterDataError as exc:
-            self.skip_value(self.keys.safe, exc)
+            self._reads.skip(self.keys.safe, exc)
             return None, kv.mod_revision
 
     def write_safe(self, safe: SafeStep, expected_mod_revision: int, leader: Leadership) -> bool:
@@ -178,7 +170,7 @@ class CommitsPart:
                 marks = {k: max(1, int(stored.get(k, 1))) for k in marks}
                 stored_marks = dict(marks)
             except (ClusterDataError, TypeError, ValueError) as exc:
-                self.skip_value(self.keys.housekeeping, exc)
+                self._reads.skip(self.keys.housekeeping, exc)
         ops: list[Put | Delete] = []
         barriers_upto = generation - 1  # the current and the previous generation stay
         for g in range(marks["barriers_below"], barriers_upto):
@@ -224,7 +216,7 @@ class CommitsPart:
             try:
                 previous = int(loads(kv.value, "compaction")["next"])
             except (ClusterDataError, KeyError, TypeError, ValueError) as exc:
-                self.skip_value(self.keys.compaction, exc)
+                self._reads.skip(self.keys.compaction, exc)
         compacted = None
         if 0 < previous < revision and self._kv.compact(previous):
             compacted = previous

@@ -10,45 +10,37 @@
   and ends; a new run of the job needs a new job name or the key removed.
 
 Every value is parsed into its typed record here: a value that cannot be read is skipped
-(counted, logged once), never handed to the agent. `ClusterClient` composes this part.
+(counted, logged once), never handed to the agent. `ClusterClient` holds one (`client.health`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.errors import ClusterDataError
-from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
+from elasticpp.cluster.etcd.kv import Compare, Put
 from elasticpp.cluster.leases import Leadership
+from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import END_STATUSES, JobEnd, QuarantineRecord, dumps, loads
 
-__all__ = ["END_STATUSES", "HealthPart", "JobEnd", "QuarantineRecord"]
+__all__ = ["END_STATUSES", "Health", "JobEnd", "QuarantineRecord"]
 
 
-class HealthPart:
-    """Methods of `ClusterClient` (elasticpp.cluster.client)."""
+class Health:
+    """The job's quarantines and the end of the job in etcd: one of the objects a
+    `ClusterClient` holds (`client.health`), reading and writing through its `JobReads`."""
 
-    _kv: EtcdKV
-    keys: keymod.JobKeys
-
-    if TYPE_CHECKING:  # defined by ClusterClient
-
-        def skip_value(self, key: str, exc: Exception) -> None: ...
-
-        def _records(self, kvs: Iterable[Any], what: str) -> dict[str, dict[str, Any]]: ...
-
-        def _get(self, key: str, cached: bool) -> Any: ...
-
-        def _get_prefix(self, prefix: str, cached: bool) -> tuple[list[Any], int]: ...
+    def __init__(self, reads: JobReads) -> None:
+        self._reads = reads
+        self._kv = reads.kv
+        self.keys = reads.keys
 
     # ------------------------------------------------------------------ quarantine
     def quarantined(self, *, cached: bool = False) -> dict[str, QuarantineRecord]:
         """The quarantined nodes; a value that cannot be read is skipped (counted). With
         `cached`, from the job's watch-fed cache (`follow`): no request to etcd."""
-        kvs, _ = self._get_prefix(self.keys.quarantine_prefix, cached)
+        kvs, _ = self._reads.get_prefix(self.keys.quarantine_prefix, cached)
         out: dict[str, QuarantineRecord] = {}
         for kv in kvs:
             node = keymod.last_segment(kv.key)
@@ -59,7 +51,7 @@ class HealthPart:
                         f"quarantine record of {record.node_id!r} filed under {node!r}"
                     )
             except ClusterDataError as exc:
-                self.skip_value(kv.key, exc)
+                self._reads.skip(kv.key, exc)
                 continue
             out[node] = record
         return out
@@ -82,13 +74,13 @@ class HealthPart:
     # ------------------------------------------------------------------ the job's end
     def job_end(self, *, cached: bool = False) -> JobEnd | None:
         """The job's end on record, if any (`cached`: from the job's cache)."""
-        kv = self._get(self.keys.ended, cached)
+        kv = self._reads.get(self.keys.ended, cached)
         if kv is None:
             return None
         try:
             return JobEnd.from_dict(loads(kv.value, "job end record"))
         except ClusterDataError as exc:
-            self.skip_value(kv.key, exc)
+            self._reads.skip(kv.key, exc)
             return None
 
     def reset_end(self) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from elasticpp.cluster.errors import ClusterError, ClusterUnavailableError
-from elasticpp.cluster.etcd_client import EtcdKV
+from elasticpp.cluster.etcd.kv import EtcdKV
 
 if TYPE_CHECKING:
     from elasticpp.cluster.leases import _LeaseKeeper

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticpp.cluster.errors import ClusterError, ClusterUnavailableError, LeaseNotFoundError
-from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put
+from elasticpp.cluster.etcd.kv import Compare, EtcdKV, Put
 from elasticpp.cluster.keepers import KeeperGroup
 from elasticpp.cluster.records import KeyValue, dumps
 from elasticpp.errors import ConfigError

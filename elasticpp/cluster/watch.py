@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.errors import ClusterError, ClusterUnavailableError
-from elasticpp.cluster.etcd_client import EtcdKV, WatchBatch, WatchEnded, WatchItem
+from elasticpp.cluster.etcd.kv import EtcdKV, WatchBatch, WatchEnded, WatchItem
 from elasticpp.cluster.leases import RETRY_MAX_S, RETRY_MIN_S
 from elasticpp.cluster.records import EventType, WatchEvent
 

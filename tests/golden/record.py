@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.scalesim import SimAgent, SimCluster, sim_spec
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.errors import ElasticppError
 from elasticpp.waiting import wait_until
 from tests.golden.steps import STEPS

@@ -17,7 +17,7 @@ import pytest
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from elasticpp.cluster.client import ClusterClient
-from elasticpp.cluster.etcd_client import EtcdKV
+from elasticpp.cluster.etcd.kv import EtcdKV
 from elasticpp.waiting import wait_until
 
 STEPS = 10

@@ -59,7 +59,7 @@ def clusters(tmp_path: Path, no_orphans: None) -> Iterator[dict[str, LocalCluste
 
 def _end(lc: LocalCluster, status: str) -> None:
     with ClusterClient([lc.etcd.endpoint], str(lc.spec["name"])) as c:
-        c.end_job(status, f"ended by the test ({status})", "test")
+        c.health.end_job(status, f"ended by the test ({status})", "test")
 
 
 def _exit_code(lc: LocalCluster, timeout_s: float) -> int:

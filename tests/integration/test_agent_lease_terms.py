@@ -19,7 +19,7 @@ from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import LeaseNotFoundError
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.keepers import kept
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until

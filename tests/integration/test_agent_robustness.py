@@ -146,7 +146,7 @@ def test_unreadable_etcd_values_are_skipped_and_counted_not_fatal(
     cluster: LocalCluster, reference: dict[int, float]
 ) -> None:
     from elasticpp.cluster.client import ClusterClient
-    from elasticpp.cluster.etcd_client import EtcdKV
+    from elasticpp.cluster.etcd.kv import EtcdKV
 
     # The barrier values are there before the agents start: every agent reads them on every
     # refresh from its first on, so its counter is up long before the job can finish (and

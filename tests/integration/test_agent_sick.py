@@ -57,7 +57,7 @@ def _client(lc: LocalCluster) -> ClusterClient:
 
 def _quarantined(lc: LocalCluster) -> dict[str, Any]:
     with _client(lc) as c:
-        return dict(c.quarantined())
+        return dict(c.health.quarantined())
 
 
 def _status(address: str) -> agent_pb2.GetStatusResponse:

@@ -203,7 +203,7 @@ def test_a_frozen_worker_template_does_not_set_its_node_aside_and_dies_with_its_
     # The ranks it took with it run again (forked from the new template, or exec'd).
     lc.wait_for(lambda: trains_after(replaced_at - 1), 60, f"{FROZEN} to train after that")
     with ClusterClient([lc.etcd.endpoint], SPEC["name"]) as c:
-        assert FROZEN not in c.quarantined()
+        assert FROZEN not in c.health.quarantined()
     _sigterm_leaves_nothing(lc, FROZEN, frozen)
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from elasticpp.cluster.client import ClusterClient
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.server import EtcdServer
 
 
 def _job(etcd: EtcdServer, *args: str) -> subprocess.CompletedProcess[str]:
@@ -29,7 +29,7 @@ def test_a_failed_job_is_told_reset_to_run_again_and_deleted(etcd: EtcdServer) -
     with ClusterClient([etcd.endpoint], "llm") as c:
         c.put_spec_if_absent('{"name": "llm"}')
         c.epoch_if_absent(7, "n0")
-        c.end_job("failed", "failure budget spent: 51 failed generations in 3600 s", "n0")
+        c.health.end_job("failed", "failure budget spent: 51 failed generations in 3600 s", "n0")
     status = json.loads(_job(etcd, "status", "-o", "json").stdout)
     assert status["state"] == "failed" and status["epoch"] == 7
     assert status["end"]["reason"].startswith("failure budget spent")

@@ -12,8 +12,8 @@ import pytest
 
 from elasticpp.cluster.cache import JobCache, RangeCache
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.cluster.etcd_client import EtcdKV, Put
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV, Put
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import WatchEvent
 from elasticpp.waiting import wait_until

@@ -16,9 +16,9 @@ import pytest
 from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import LeaseNotFoundError, MembershipLapsedError
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_ops import Compare, Delete, Put
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.ops import Compare, Delete, Put
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.records import QuarantineRecord, SafeStep
 from tests.fakes import MemoryKV, memory_cluster
 
@@ -150,16 +150,16 @@ def test_a_members_arrival_lands_while_it_is_registered_and_never_after(
     reg = client.register("n0", {"address": "h:1", "slots": 2, "incarnation": "aaa"}, 30)
     assert client.member_records(["n0", "n1"])["n0"]["slots"] == 2
     started = {"at": time.time(), "moved_at": time.time()}
-    client.arrive("started-1", "n0", started, lease_id=reg.lease_id)
-    arrived, _ = client.barrier_state("started-1")
+    client.arrivals.arrive("started-1", "n0", started, lease_id=reg.lease_id)
+    arrived, _ = client.arrivals.barrier_state("started-1")
     assert arrived == {"n0": started}
-    client.arrive("started-1", "n1", {"nonsense": True})  # the wrong shape: never seen
-    assert client.barrier_state("started-1")[0] == {"n0": started}
+    client.arrivals.arrive("started-1", "n1", {"nonsense": True})  # the wrong shape: never seen
+    assert client.arrivals.barrier_state("started-1")[0] == {"n0": started}
     lease = reg.lease_id
     reg.close()  # revoked: the member key is gone
     assert client.member_records(["n0"]) == {}
     with pytest.raises(MembershipLapsedError):
-        client.arrive("started-1", "n0", started, lease_id=lease)
+        client.arrivals.arrive("started-1", "n0", started, lease_id=lease)
 
 
 def test_fenced_writes_need_the_term(new_client: Callable[[], ClusterClient]) -> None:
@@ -168,19 +168,19 @@ def test_fenced_writes_need_the_term(new_client: Callable[[], ClusterClient]) ->
     assert term is not None and b.campaign("n1", 30) is None
     assert b.leader() == "n0"
     record = QuarantineRecord("n2", "sick", time.time(), time.time() + 60, 1, "inc")
-    assert a.quarantine(record, term)
-    assert set(b.quarantined()) == {"n2"}
-    safe, revision = b.read_safe()
+    assert a.health.quarantine(record, term)
+    assert set(b.health.quarantined()) == {"n2"}
+    safe, revision = b.commits.read_safe()
     assert safe is None
-    assert a.write_safe(SafeStep(1, 10), revision, term)
-    assert not a.write_safe(SafeStep(1, 12), revision, term)  # read again first
-    safe, revision = b.read_safe()
+    assert a.commits.write_safe(SafeStep(1, 10), revision, term)
+    assert not a.commits.write_safe(SafeStep(1, 12), revision, term)  # read again first
+    safe, revision = b.commits.read_safe()
     assert safe is not None and (safe.generation, safe.step) == (1, 10)
-    assert a.record_timeline(1, {"phases": {}}, term)
+    assert a.commits.record_timeline(1, {"phases": {}}, term)
     assert b.depose("n0")  # confirmed dead, say: the term is over
-    assert not a.quarantine(record, term)
-    assert not a.write_safe(SafeStep(1, 12), revision, term)
-    assert not a.record_timeline(2, {"phases": {}}, term)
+    assert not a.health.quarantine(record, term)
+    assert not a.commits.write_safe(SafeStep(1, 12), revision, term)
+    assert not a.commits.record_timeline(2, {"phases": {}}, term)
     assert b.leader() is None
     term.resign()
 
@@ -191,8 +191,8 @@ def test_the_resume_instruction_is_written_once_and_a_wait_never_over_it(
     client = new_client()
     term = client.campaign("n0", 30)
     assert term is not None
-    assert client.write_resume_wait(2, "state of n3 not held", term)
-    waits, _ = client.barrier_state("resume-2")
+    assert client.arrivals.write_resume_wait(2, "state of n3 not held", term)
+    waits, _ = client.arrivals.barrier_state("resume-2")
     assert waits[RESUME_WAIT_MEMBER]["why"] == "state of n3 not held"
     instruction = {
         "format_version": 2,
@@ -204,34 +204,38 @@ def test_the_resume_instruction_is_written_once_and_a_wait_never_over_it(
         "nodes": [],
         "by_node": {},
     }
-    assert client.write_resume(2, instruction, term)
-    assert not client.write_resume(2, {**instruction, "step": 4}, term)
-    assert not client.write_resume_wait(2, "too late", term)
-    arrived, _ = client.barrier_state("resume-2")
+    assert client.arrivals.write_resume(2, instruction, term)
+    assert not client.arrivals.write_resume(2, {**instruction, "step": 4}, term)
+    assert not client.arrivals.write_resume_wait(2, "too late", term)
+    arrived, _ = client.arrivals.barrier_state("resume-2")
     assert arrived[RESUME_MEMBER]["step"] == 3  # the wait stays beside it, as it was
     term.resign()
 
 
 def test_the_first_end_of_a_job_stays(new_client: Callable[[], ClusterClient]) -> None:
     a, b = new_client(), new_client()
-    assert b.job_end() is None
-    first = a.end_job("failed", "failure budget spent", "n0", 100)
-    later = b.end_job("halted", "halted by an operator", "n1")
-    assert later == first and b.job_end() == first
-    assert a.reset_end() and a.job_end() is None
+    assert b.health.job_end() is None
+    first = a.health.end_job("failed", "failure budget spent", "n0", 100)
+    later = b.health.end_job("halted", "halted by an operator", "n1")
+    assert later == first and b.health.job_end() == first
+    assert a.health.reset_end() and a.health.job_end() is None
 
 
 def test_commit_records_are_read_back_and_housekeeping_keeps_the_newest(
     new_client: Callable[[], ClusterClient],
 ) -> None:
     client = new_client()
-    client.record_commit(1, "n0", 5, anchors=(4, 2), replicas={"n1": (4,)})
-    client.record_commit(2, "n0", 9)
-    record = client.commit_records(1)["n0"]
+    client.commits.record_commit(1, "n0", 5, anchors=(4, 2), replicas={"n1": (4,)})
+    client.commits.record_commit(2, "n0", 9)
+    record = client.commits.commit_records(1)["n0"]
     assert (record.step, record.anchors, record.replicas) == (5, (4, 2), {"n1": (4,)})
-    assert client.commits(2) == {"n0": 9} and client.ever_committed()
-    client.arrive("done-1", "n0", {"step": 5})
-    assert client.housekeep(4, keep_history=1) > 0
-    assert client.commit_records(1) == {} and set(client.commit_records(2)) == {"n0"}
-    assert client.barrier_state("done-1")[0] == {"n0": {"step": 5}}  # not a housekept barrier
-    assert client.housekeep(4, keep_history=1) == 0  # idempotent: nothing more to do
+    assert client.commits.committed_steps(2) == {"n0": 9} and client.commits.ever_committed()
+    client.arrivals.arrive("done-1", "n0", {"step": 5})
+    assert client.commits.housekeep(4, keep_history=1) > 0
+    assert client.commits.commit_records(1) == {} and set(client.commits.commit_records(2)) == {
+        "n0"
+    }
+    assert client.arrivals.barrier_state("done-1")[0] == {
+        "n0": {"step": 5}
+    }  # not a housekept barrier
+    assert client.commits.housekeep(4, keep_history=1) == 0  # idempotent: nothing more to do

@@ -19,9 +19,9 @@ from elasticpp.cluster.errors import (
     GenerationConflictError,
     MembershipLapsedError,
 )
-from elasticpp.cluster.etcd_client import EtcdKV, WatchEnded, WatchItem
-from elasticpp.cluster.etcd_meter import EtcdMeter
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV, WatchEnded, WatchItem
+from elasticpp.cluster.etcd.meter import EtcdMeter
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.leases import Leadership, ProgressGate, Registration
 from elasticpp.cluster.records import (
     EventType,
@@ -285,7 +285,7 @@ def test_a_leader_confirmed_dead_is_deposed_at_once_and_only_its_own_term(
     assert b.leader() is None
     new = b.campaign("n2", ttl_s=30)
     assert new is not None
-    assert not a.write_resume(1, _resume(0), old)  # the deposed term writes nothing
+    assert not a.arrivals.write_resume(1, _resume(0), old)  # the deposed term writes nothing
     assert not a.depose("n1") and b.leader() == "n2"
 
 
@@ -320,18 +320,18 @@ def test_a_resume_instruction_is_written_once_fenced_and_read_by_any_later_leade
     a, b = clients(), clients()
     old = a.campaign("n1", ttl_s=5)
     assert old is not None
-    assert a.write_resume(3, _resume(7), old)
-    assert not a.write_resume(3, _resume(9), old)  # written once
+    assert a.arrivals.write_resume(3, _resume(7), old)
+    assert not a.arrivals.write_resume(3, _resume(9), old)  # written once
     # Leadership moves mid-transition: the new leader finds the instruction, under the one
     # member name followers read, and cannot replace it.
     old.resign()
     new = b.campaign("n2", ttl_s=5)
     assert new is not None
-    assert b.barrier_state("resume-3")[0] == {RESUME_MEMBER: _resume(7)}
-    assert not b.write_resume(3, _resume(0), new)
-    assert not a.write_resume(4, _resume(7), old)  # a deposed term writes nothing
-    assert b.write_resume(4, _resume(8), new)
-    assert a.barrier_state("resume-4")[0] == {RESUME_MEMBER: _resume(8)}
+    assert b.arrivals.barrier_state("resume-3")[0] == {RESUME_MEMBER: _resume(7)}
+    assert not b.arrivals.write_resume(3, _resume(0), new)
+    assert not a.arrivals.write_resume(4, _resume(7), old)  # a deposed term writes nothing
+    assert b.arrivals.write_resume(4, _resume(8), new)
+    assert a.arrivals.barrier_state("resume-4")[0] == {RESUME_MEMBER: _resume(8)}
 
 
 def test_a_leader_that_cannot_resume_says_so_fenced_and_never_over_an_instruction(
@@ -342,23 +342,25 @@ def test_a_leader_that_cannot_resume_says_so_fenced_and_never_over_an_instructio
     a, b = clients(), clients()
     old = a.campaign("n1", ttl_s=5)
     assert old is not None
-    assert a.write_resume_wait(3, "no state", old)
-    assert a.write_resume_wait(3, "no state on n2", old)  # a later wait replaces it
-    [wait] = [v for m, v in b.barrier_state("resume-3")[0].items() if m == RESUME_WAIT_MEMBER]
+    assert a.arrivals.write_resume_wait(3, "no state", old)
+    assert a.arrivals.write_resume_wait(3, "no state on n2", old)  # a later wait replaces it
+    [wait] = [
+        v for m, v in b.arrivals.barrier_state("resume-3")[0].items() if m == RESUME_WAIT_MEMBER
+    ]
     assert wait["why"] == "no state on n2" and isinstance(wait["at"], float)
     old.resign()
     new = b.campaign("n2", ttl_s=5)
     assert new is not None
-    assert not a.write_resume_wait(3, "stale", old)  # a deposed term says nothing
-    assert b.write_resume(3, _resume(7), new)  # the state came back: the instruction
-    assert not b.write_resume_wait(3, "too late", new)  # never said over an instruction
-    state = a.barrier_state("resume-3")[0]
+    assert not a.arrivals.write_resume_wait(3, "stale", old)  # a deposed term says nothing
+    assert b.arrivals.write_resume(3, _resume(7), new)  # the state came back: the instruction
+    assert not b.arrivals.write_resume_wait(3, "too late", new)  # never said over an instruction
+    state = a.arrivals.barrier_state("resume-3")[0]
     assert (
         state[RESUME_MEMBER] == _resume(7) and state[RESUME_WAIT_MEMBER]["why"] == "no state on n2"
     )
     # A wait without its reason is refused by name, as any malformed arrival.
     a._kv.put(a.keys.barrier("resume-4", RESUME_WAIT_MEMBER), '{"node_id": "n2", "value": {}}')
-    assert a.barrier_state("resume-4")[0] == {}
+    assert a.arrivals.barrier_state("resume-4")[0] == {}
 
 
 def test_a_large_resume_instruction_is_written_in_parts_and_read_whole(
@@ -371,13 +373,13 @@ def test_a_large_resume_instruction_is_written_in_parts_and_read_whole(
     assert lead is not None
     # 2,000 pieces with their sha256: ~170 KiB, over the 64 KiB a value may take.
     value = _resume(5) | {"pieces": {f"u{i:05d}.tp0": [f"{i:064x}", i] for i in range(2000)}}
-    assert a.write_resume(6, value, lead)
+    assert a.arrivals.write_resume(6, value, lead)
     raw, _ = a._kv.get_prefix(a.keys.barrier_prefix("resume-6"))
     assert len(raw) > 2 and max(len(kv.value) for kv in raw) <= 64 * 1024
-    assert b.barrier_state("resume-6")[0] == {RESUME_MEMBER: value}
+    assert b.arrivals.barrier_state("resume-6")[0] == {RESUME_MEMBER: value}
     # A part gone (an operator's delete, say): the instruction is not seen, and counted.
     a._kv.delete(a.keys.barrier("resume-6", "resume-part-0001"))
-    assert b.barrier_state("resume-6")[0] == {}
+    assert b.arrivals.barrier_state("resume-6")[0] == {}
     assert b.skipped_values == 1
 
 
@@ -406,13 +408,13 @@ def _six_generations(a: ClusterClient, *, arrivals: bool, commits_upto: int) -> 
         _, rev = a.read_generation()
         assert a.write_generation(record(g, "n1"), rev, lead)
         if arrivals:
-            a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": g, "at": g})
-            a.arrive(f"started-{g}", "n1", {"at": g, "moved_at": g})
-            a.arrive(f"failed-{g}", "n1", {"reason": "a worker exited", "at": g})
-        assert a.write_resume(g, _resume(g), lead)
-        a.arrive("timelines", f"gen-{g}", _timeline(g))
+            a.arrivals.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": g, "at": g})
+            a.arrivals.arrive(f"started-{g}", "n1", {"at": g, "moved_at": g})
+            a.arrivals.arrive(f"failed-{g}", "n1", {"reason": "a worker exited", "at": g})
+        assert a.arrivals.write_resume(g, _resume(g), lead)
+        a.arrivals.arrive("timelines", f"gen-{g}", _timeline(g))
         if g <= commits_upto:
-            a.record_commit(g, "n1", g)
+            a.commits.record_commit(g, "n1", g)
     return lead
 
 
@@ -421,16 +423,20 @@ def test_housekeeping_bounds_what_old_generations_leave_in_etcd(
 ) -> None:
     a = clients()
     _six_generations(a, arrivals=True, commits_upto=4)
-    assert a.housekeep(6, keep_history=2) > 0
+    assert a.commits.housekeep(6, keep_history=2) > 0
     for g in range(1, 7):
         kept = g >= 5  # the running generation and the one before it
         for name in ("stopped", "resume", "started", "failed"):
-            assert bool(a.barrier_state(f"{name}-{g}")[0]) == kept, (name, g)
+            assert bool(a.arrivals.barrier_state(f"{name}-{g}")[0]) == kept, (name, g)
     assert [r.generation for r in a.generation_history()] == [4, 5, 6]
-    assert sorted(a.barrier_state("timelines")[0]) == ["gen-4", "gen-5", "gen-6"]
-    assert a.commits(4) == {"n1": 4} and a.commits(3) == {} and a.ever_committed()
+    assert sorted(a.arrivals.barrier_state("timelines")[0]) == ["gen-4", "gen-5", "gen-6"]
+    assert (
+        a.commits.committed_steps(4) == {"n1": 4}
+        and a.commits.committed_steps(3) == {}
+        and a.commits.ever_committed()
+    )
     assert a.read_generation()[0] is not None
-    assert a.housekeep(6, keep_history=2) == 0  # the watermark: nothing is looked at twice
+    assert a.commits.housekeep(6, keep_history=2) == 0  # the watermark: nothing is looked at twice
 
 
 def test_housekeeping_is_one_revision_that_a_watcher_gets_as_one_message(
@@ -440,7 +446,7 @@ def test_housekeeping_is_one_revision_that_a_watcher_gets_as_one_message(
     # watch message (and a wake of its loop) per key for every node, at every transition.
     a = clients()
     lead = _six_generations(a, arrivals=False, commits_upto=6)
-    _, start = a.barrier_state("timelines")  # the store's revision now
+    _, start = a.arrivals.barrier_state("timelines")  # the store's revision now
     batches: list[list[int]] = []
     seen = threading.Event()
 
@@ -451,13 +457,13 @@ def test_housekeeping_is_one_revision_that_a_watcher_gets_as_one_message(
 
     watch = a.watch(a.keys.root, on_event, prefix=True, start_revision=start + 1)
     try:
-        removed = a.housekeep(6, keep_history=2, leader=lead)
+        removed = a.commits.housekeep(6, keep_history=2, leader=lead)
         assert removed == 4 + 3 + 3 + 5  # resume-1..4, timelines and history 1..3, commits 1..5
         assert seen.wait(10)
         assert len({r for (r,) in batches}) == 1  # every delete and the mark: one revision
         mark = a._kv.get(a.keys.housekeeping)
         assert mark is not None
-        assert a.housekeep(6, keep_history=2, leader=lead) == 0
+        assert a.commits.housekeep(6, keep_history=2, leader=lead) == 0
         again = a._kv.get(a.keys.housekeeping)
         assert again is not None and again.mod_revision == mark.mod_revision  # not rewritten
     finally:
@@ -577,12 +583,12 @@ def test_watch_keeps_delivering_after_etcd_restart_without_loss(
 
     watch = b.watch(a.keys.commits_prefix, on_event, prefix=True)
     for step in range(3):
-        a.record_commit(1, "n1", step)
+        a.commits.record_commit(1, "n1", step)
     # Stop etcd without waiting for delivery: events 0-2 may still be undelivered.
     etcd.kill() if how == "kill" else etcd.stop()
     etcd.start()
     for step in range(3, 6):
-        wait_for(reachable(lambda s=step: a.record_commit(1, "n1", s) or True), what="put")
+        wait_for(reachable(lambda s=step: a.commits.record_commit(1, "n1", s) or True), what="put")
     wait_for(lambda: len(events) >= 6, what="six commit events")
     with lock:
         steps = [json.loads(e.value or "")["step"] for e in events]
@@ -643,9 +649,9 @@ def test_calls_while_etcd_is_down_raise_unavailable_within_bounded_time(
         lambda: a.write_generation(record(1, "n1"), 0, lead),
         lambda: a.campaign("n2", ttl_s=2),
         lambda: a.register("n3", {}, ttl_s=2),
-        lambda: a.arrive("b", "n1"),
-        lambda: a.record_commit(1, "n1", 1),
-        lambda: a.report_suspect("n2", "n1", "probe failed"),
+        lambda: a.arrivals.arrive("b", "n1"),
+        lambda: a.commits.record_commit(1, "n1", 1),
+        lambda: a.arrivals.report_suspect("n2", "n1", "probe failed"),
         lambda: a.watch(a.keys.root, lambda e: None, prefix=True),
     ]
     for call in calls:
@@ -659,14 +665,16 @@ def test_calls_while_etcd_is_down_raise_unavailable_within_bounded_time(
 # ---------------------------------------------------------------------------- barriers etc.
 def test_barrier_completes_when_all_arrive(clients: Callable[[], ClusterClient]) -> None:
     a, b = clients(), clients()
-    a.arrive("gen1-stopped", "n1", {"step": 7})
+    a.arrivals.arrive("gen1-stopped", "n1", {"step": 7})
     result: dict[str, Any] = {}
     waiter = threading.Thread(
-        target=lambda: result.update(a.wait_barrier("gen1-stopped", ["n1", "n2", "n3"], 20))
+        target=lambda: result.update(
+            a.arrivals.wait_barrier("gen1-stopped", ["n1", "n2", "n3"], 20)
+        )
     )
     waiter.start()
-    b.arrive("gen1-stopped", "n2", {"step": 7})
-    b.arrive("gen1-stopped", "n3", None)
+    b.arrivals.arrive("gen1-stopped", "n2", {"step": 7})
+    b.arrivals.arrive("gen1-stopped", "n3", None)
     waiter.join(timeout=30)
     assert not waiter.is_alive()
     assert result == {
@@ -674,41 +682,44 @@ def test_barrier_completes_when_all_arrive(clients: Callable[[], ClusterClient])
         "n2": {"step": 7},
         "n3": None,
     }
-    assert a.clear_barrier("gen1-stopped") == 3
+    assert a.arrivals.clear_barrier("gen1-stopped") == 3
 
 
 def test_barrier_times_out_naming_the_missing_nodes(clients: Callable[[], ClusterClient]) -> None:
     a = clients()
-    a.arrive("gen2-ready", "n1")
+    a.arrivals.arrive("gen2-ready", "n1")
     with pytest.raises(BarrierTimeoutError, match="n2") as info:
-        a.wait_barrier("gen2-ready", ["n1", "n2", "n3"], timeout_s=0.5)
+        a.arrivals.wait_barrier("gen2-ready", ["n1", "n2", "n3"], timeout_s=0.5)
     assert info.value.missing == ["n2", "n3"]
 
 
 def test_commit_records_and_suspects_round_trip(clients: Callable[[], ClusterClient]) -> None:
     a, b = clients(), clients()
-    a.record_commit(3, "n1", 41)
-    a.record_commit(3, "n1", 42)
-    b.record_commit(3, "n2", 40)
-    b.record_commit(2, "n2", 30)
-    assert a.commits(3) == {"n1": 42, "n2": 40}
-    a.housekeep(3)  # commits of all but the newest generation that has any go
-    assert a.commits(2) == {} and a.commits(3) == {"n1": 42, "n2": 40}
+    a.commits.record_commit(3, "n1", 41)
+    a.commits.record_commit(3, "n1", 42)
+    b.commits.record_commit(3, "n2", 40)
+    b.commits.record_commit(2, "n2", 30)
+    assert a.commits.committed_steps(3) == {"n1": 42, "n2": 40}
+    a.commits.housekeep(3)  # commits of all but the newest generation that has any go
+    assert a.commits.committed_steps(2) == {} and a.commits.committed_steps(3) == {
+        "n1": 42,
+        "n2": 40,
+    }
     suspected: list[WatchEvent] = []
     b.watch_suspects(suspected.append)
-    a.report_suspect("n2", "n1", "collective failed")
-    assert b.suspects()["n2"]["by"] == "n1"
+    a.arrivals.report_suspect("n2", "n1", "collective failed")
+    assert b.arrivals.suspects()["n2"]["by"] == "n1"
     wait_for(lambda: len(suspected) == 1, what="suspect event")
-    assert b.clear_suspect("n2")
-    assert b.suspects() == {}
+    assert b.arrivals.clear_suspect("n2")
+    assert b.arrivals.suspects() == {}
 
 
 def test_unreadable_values_are_skipped_counted_and_logged_once(
     clients: Callable[[], ClusterClient], etcd: EtcdServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     c = clients()
-    c.arrive("done", "n1", {"step": 3})
-    c.record_commit(2, "n1", 7)
+    c.arrivals.arrive("done", "n1", {"step": 3})
+    c.commits.record_commit(2, "n1", 7)
     raw = EtcdKV([etcd.endpoint])
     try:
         raw.put(c.keys.barrier("done", "bad"), "{not json")
@@ -718,8 +729,8 @@ def test_unreadable_values_are_skipped_counted_and_logged_once(
     finally:
         raw.close()
     for _ in range(2):
-        assert c.barrier_state("done")[0] == {"n1": {"step": 3}}
-        assert c.commits(2) == {"n1": 7}
+        assert c.arrivals.barrier_state("done")[0] == {"n1": {"step": 3}}
+        assert c.commits.committed_steps(2) == {"n1": 7}
         assert "bad" not in c.members().nodes
     assert c.skipped_values == 8
     warnings = [r for r in caplog.records if "skipped" in r.getMessage()]
@@ -730,8 +741,8 @@ def test_commit_records_carry_anchors_and_skip_what_they_cannot_read(
     clients: Callable[[], ClusterClient], etcd: EtcdServer
 ) -> None:
     a = clients()
-    a.record_commit(5, "n1", 42, anchors=[40, 42], replicas={"n3": [42, 40, 38]})
-    a.record_commit(5, "n2", -1, replicas={"n1": [40]})  # replicas only, no own commit yet
+    a.commits.record_commit(5, "n1", 42, anchors=[40, 42], replicas={"n3": [42, 40, 38]})
+    a.commits.record_commit(5, "n2", -1, replicas={"n1": [40]})  # replicas only, no own commit yet
     raw = EtcdKV([etcd.endpoint])
     try:
         newer = {"format_version": 2, "node_id": "n4", "generation": 5, "step": 3}
@@ -744,15 +755,15 @@ def test_commit_records_carry_anchors_and_skip_what_they_cannot_read(
         raw.put(a.keys.commit(5, "n7"), json.dumps(old))  # an older release's record
     finally:
         raw.close()
-    records = a.commit_records(5)
+    records = a.commits.commit_records(5)
     assert sorted(records) == ["n1", "n2", "n7"]
     assert records["n1"].step == 42 and records["n1"].anchors == (42, 40)
     assert records["n1"].replicas == {"n3": (42, 40, 38)}
     assert records["n2"].step == -1 and records["n2"].replicas == {"n1": (40,)}
     assert records["n7"].anchors == () and records["n7"].replicas == {}
     assert a.skipped_values == 3
-    assert a.commits(5)["n1"] == 42  # the high-water mark reads the same records
-    assert a.commit_records(4) == {}
+    assert a.commits.committed_steps(5)["n1"] == 42  # the high-water mark reads the same records
+    assert a.commits.commit_records(4) == {}
 
 
 def test_the_safe_step_is_written_by_the_leaders_term_against_the_revision_it_read(
@@ -761,20 +772,20 @@ def test_the_safe_step_is_written_by_the_leaders_term_against_the_revision_it_re
     from elasticpp.cluster.records import SafeStep
 
     a, b = clients(), clients()
-    assert a.read_safe() == (None, 0)
+    assert a.commits.read_safe() == (None, 0)
     old = a.campaign("n1", ttl_s=5)
     assert old is not None
-    assert a.write_safe(SafeStep(2, 40), 0, old)
-    safe, rev = b.read_safe()
+    assert a.commits.write_safe(SafeStep(2, 40), 0, old)
+    safe, rev = b.commits.read_safe()
     assert safe == SafeStep(2, 40) and rev > 0
-    assert not a.write_safe(SafeStep(2, 44), 0, old)  # the key changed since revision 0
-    assert a.write_safe(SafeStep(2, 44), rev, old)
+    assert not a.commits.write_safe(SafeStep(2, 44), 0, old)  # the key changed since revision 0
+    assert a.commits.write_safe(SafeStep(2, 44), rev, old)
     assert SafeStep(3, 2) > SafeStep(2, 44)  # commit order: generation, then step
     old.resign()
     new = b.campaign("n2", ttl_s=5)
     assert new is not None
-    _, rev = a.read_safe()
-    assert not a.write_safe(SafeStep(2, 48), rev, old)  # a deposed term writes nothing
+    _, rev = a.commits.read_safe()
+    assert not a.commits.write_safe(SafeStep(2, 48), rev, old)  # a deposed term writes nothing
     # A value this build cannot read is skipped (logged once), never acted on, and the
     # leader may replace it.
     raw = EtcdKV([etcd.endpoint])
@@ -782,10 +793,10 @@ def test_the_safe_step_is_written_by_the_leaders_term_against_the_revision_it_re
         raw.put(b.keys.safe, json.dumps({"format_version": 2, "generation": 9, "step": 1}))
     finally:
         raw.close()
-    safe, rev = b.read_safe()
+    safe, rev = b.commits.read_safe()
     assert safe is None and b.skipped_values == 1
-    assert b.write_safe(SafeStep(3, 2), rev, new)
-    assert a.read_safe()[0] == SafeStep(3, 2)
+    assert b.commits.write_safe(SafeStep(3, 2), rev, new)
+    assert a.commits.read_safe()[0] == SafeStep(3, 2)
 
 
 # ---------------------------------------------------------------------------- job epochs
@@ -841,10 +852,10 @@ def test_the_leader_compacts_history_to_the_revision_of_its_previous_compaction(
     try:
         first = raw.put("/elsewhere/k", "1")
         raw.put("/elsewhere/k", "2")
-        assert a.compact_history(lead) is None  # the first call only notes the revision
+        assert a.commits.compact_history(lead) is None  # the first call only notes the revision
         ended: list[WatchItem] = []
         raw.put("/elsewhere/k", "3")
-        compacted = a.compact_history(lead)
+        compacted = a.commits.compact_history(lead)
         assert compacted is not None and compacted > first
         # History before it is gone: a watch from an older revision is told to resync.
         raw.add_watch("/elsewhere/k", None, first, ended.append)
@@ -856,7 +867,7 @@ def test_the_leader_compacts_history_to_the_revision_of_its_previous_compaction(
         lead.resign()
         other = b.campaign("n2", ttl_s=30)
         assert other is not None
-        assert a.compact_history(lead) is None
+        assert a.commits.compact_history(lead) is None
     finally:
         raw.close()
 
@@ -877,7 +888,7 @@ def test_cached_reads_parse_a_record_again_only_when_it_changed(
     lead = b.campaign("n1", ttl_s=2)
     assert lead is not None
     assert b.write_generation(record(1, "n1"), 0, lead)
-    b.arrive("drill", "n1", {"at": 1})
+    b.arrivals.arrive("drill", "n1", {"at": 1})
 
     def members_seen() -> bool:
         try:
@@ -889,14 +900,14 @@ def test_cached_reads_parse_a_record_again_only_when_it_changed(
     assert wait_until(lambda: a.read_generation(cached=True)[0] is not None, 10.0)
     members = a.agent_members(cached=True).nodes
     rec, _ = a.read_generation(cached=True)
-    drill, _ = a.barrier_state("drill", cached=True)
+    drill, _ = a.arrivals.barrier_state("drill", cached=True)
     assert a.agent_members(cached=True).nodes is members
     assert a.read_generation(cached=True)[0] is rec
-    assert a.barrier_state("drill", cached=True)[0] is drill
+    assert a.arrivals.barrier_state("drill", cached=True)[0] is drill
     assert a.agent_members().nodes is not members  # an uncached read is a fresh answer
     # A change elsewhere leaves the members' answer as it was; a member's change renews it.
-    b.arrive("drill", "n2", {"at": 2})
-    assert wait_until(lambda: "n2" in a.barrier_state("drill", cached=True)[0], 10.0)
+    b.arrivals.arrive("drill", "n2", {"at": 2})
+    assert wait_until(lambda: "n2" in a.arrivals.barrier_state("drill", cached=True)[0], 10.0)
     assert a.agent_members(cached=True).nodes is members
     b.register("n2", {"address": "127.0.0.1:7001", "slots": 1}, ttl_s=2)
     assert wait_until(lambda: "n2" in a.agent_members(cached=True).nodes, 10.0)
@@ -932,22 +943,22 @@ def test_cached_arrivals_and_members_are_checked_again_only_when_they_changed(
     a.follow()
     a.cache_for_leader(True)
     for i in range(4):
-        b.arrive("stopped-3", f"n{i}", {"next_step": 5, "at": 1.0, "holdings": {}})
-    b.arrive("stopped-3", "bad", "not an object")
+        b.arrivals.arrive("stopped-3", f"n{i}", {"next_step": 5, "at": 1.0, "holdings": {}})
+    b.arrivals.arrive("stopped-3", "bad", "not an object")
     for i in range(3):
         b.register(f"n{i}", {"address": f"127.0.0.1:{7000 + i}", "slots": 1}, ttl_s=5)
     b.register("noaddr", {"slots": 1}, ttl_s=5)
 
     def arrived() -> set[str]:
-        return set(a.barrier_state("stopped-3", cached=True)[0])
+        return set(a.arrivals.barrier_state("stopped-3", cached=True)[0])
 
     assert wait_until(lambda: arrived() == {"n0", "n1", "n2", "n3"}, 10.0)
     assert wait_until(lambda: set(a.agent_members(cached=True).nodes) == {"n0", "n1", "n2"}, 10.0)
     skipped = a.skipped_values
     checked.clear()
-    b.arrive("stopped-3", "n1", {"next_step": 6, "at": 2.0, "holdings": {}})  # one changes
+    b.arrivals.arrive("stopped-3", "n1", {"next_step": 6, "at": 2.0, "holdings": {}})  # one changes
     assert wait_until(
-        lambda: a.barrier_state("stopped-3", cached=True)[0]["n1"]["next_step"] == 6, 10.0
+        lambda: a.arrivals.barrier_state("stopped-3", cached=True)[0]["n1"]["next_step"] == 6, 10.0
     )
     # The changed one, once; the bad one again at each rebuild (how many the cache made is
     # its business); none of the unchanged good ones.
@@ -992,20 +1003,20 @@ def test_a_node_whose_member_key_left_its_lease_arrives_and_commits_nowhere(
     started = {"at": 1.0, "moved_at": 1.0}
     reg = a.register("n1", {}, ttl_s=5)
     lease = reg.lease_id
-    a.arrive("started-4", "n1", started, lease_id=lease)
-    a.record_commit(4, "n1", 7, lease_id=lease)
-    assert set(a.barrier_state("started-4")[0]) == {"n1"}
-    assert a.commits(4) == {"n1": 7}
+    a.arrivals.arrive("started-4", "n1", started, lease_id=lease)
+    a.commits.record_commit(4, "n1", 7, lease_id=lease)
+    assert set(a.arrivals.barrier_state("started-4")[0]) == {"n1"}
+    assert a.commits.committed_steps(4) == {"n1": 7}
     reg.close()  # the key leaves with its lease, as at a lapse
     with pytest.raises(MembershipLapsedError, match=r"n1.*lapsed"):
-        a.arrive("started-5", "n1", started, lease_id=lease)
+        a.arrivals.arrive("started-5", "n1", started, lease_id=lease)
     with pytest.raises(MembershipLapsedError):
-        a.record_commit(4, "n1", 8, lease_id=lease)
-    assert a.barrier_state("started-5")[0] == {}
-    assert a.commits(4) == {"n1": 7}  # the committed record is not overwritten
+        a.commits.record_commit(4, "n1", 8, lease_id=lease)
+    assert a.arrivals.barrier_state("started-5")[0] == {}
+    assert a.commits.committed_steps(4) == {"n1": 7}  # the committed record is not overwritten
     # Registered again (a new lease): the old lease's writes stay refused, the new one's land.
     again = a.register("n1", {}, ttl_s=5)
     with pytest.raises(MembershipLapsedError):
-        a.arrive("started-5", "n1", started, lease_id=lease)
-    a.arrive("started-5", "n1", started, lease_id=again.lease_id)
-    assert set(a.barrier_state("started-5")[0]) == {"n1"}
+        a.arrivals.arrive("started-5", "n1", started, lease_id=lease)
+    a.arrivals.arrive("started-5", "n1", started, lease_id=again.lease_id)
+    assert set(a.arrivals.barrier_state("started-5")[0]) == {"n1"}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.server import EtcdServer
 
 
 def test_restart_keeps_ports_and_data(no_orphans: None, tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from elasticpp.cluster.client import ClusterClient
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.health import QuarantineRecord
 from elasticpp.waiting import wait_until
 
@@ -40,27 +40,27 @@ def test_a_quarantine_is_written_only_in_the_leaders_term_and_lifted_by_anyone(
     a, b = clients(), clients()
     lead = a.campaign("n1", ttl_s=30)
     assert lead is not None
-    assert a.quarantine(_record("n3"), lead)
-    assert b.quarantined() == {"n3": _record("n3")}
+    assert a.health.quarantine(_record("n3"), lead)
+    assert b.health.quarantined() == {"n3": _record("n3")}
     assert a.depose("n1")
     new = b.campaign("n2", ttl_s=30)
     assert new is not None
-    assert not a.quarantine(_record("n4"), lead)  # the old term writes nothing
-    assert set(b.quarantined()) == {"n3"}
-    assert b.lift_quarantine("n3")  # an operator, through any agent
-    assert not b.lift_quarantine("n3")
-    assert b.quarantined() == {}
+    assert not a.health.quarantine(_record("n4"), lead)  # the old term writes nothing
+    assert set(b.health.quarantined()) == {"n3"}
+    assert b.health.lift_quarantine("n3")  # an operator, through any agent
+    assert not b.health.lift_quarantine("n3")
+    assert b.health.quarantined() == {}
 
 
 def test_the_job_ends_once_and_the_first_reason_stays(
     clients: Callable[[], ClusterClient],
 ) -> None:
     a, b = clients(), clients()
-    assert a.job_end() is None
-    first = a.end_job("halted", "step 7: loss nan", by="n1", step=6)
-    second = b.end_job("failed", "failure budget spent", by="n2")
+    assert a.health.job_end() is None
+    first = a.health.end_job("halted", "step 7: loss nan", by="n1", step=6)
+    second = b.health.end_job("failed", "failure budget spent", by="n2")
     assert second == first
-    end = b.job_end()
+    end = b.health.job_end()
     assert end is not None and (end.status, end.reason, end.step) == ("halted", first.reason, 6)
 
 
@@ -74,12 +74,12 @@ def test_a_following_node_reads_quarantines_and_the_end_from_its_cache(
     b.follow(lambda e: events.append(e.key), own_node="n2")
     lead = a.campaign("n1", ttl_s=30)
     assert lead is not None
-    assert a.quarantine(_record("n3"), lead)
-    end = a.end_job("halted", "step 7: loss nan", by="n1", step=6)
+    assert a.health.quarantine(_record("n3"), lead)
+    end = a.health.end_job("halted", "step 7: loss nan", by="n1", step=6)
     assert wait_until(lambda: a.keys.ended in events, 10, interval_s=0.01)
     before = b.etcd_requests()
-    assert b.quarantined(cached=True) == {"n3": _record("n3")}
-    assert b.job_end(cached=True) == end
+    assert b.health.quarantined(cached=True) == {"n3": _record("n3")}
+    assert b.health.job_end(cached=True) == end
     assert b.etcd_requests() == before  # no request: both from the cache
 
 
@@ -99,8 +99,8 @@ def test_unreadable_health_values_are_skipped_and_counted(
         kv.put(root + "ended", '{"format_version": 1, "status": "exploded"}')
     finally:
         kv.close()
-    assert a.quarantined() == {}
-    assert a.job_end() is None
+    assert a.health.quarantined() == {}
+    assert a.health.job_end() is None
     assert a.skipped_values == 3
 
 
@@ -138,12 +138,12 @@ def test_barrier_values_without_their_shape_are_skipped_and_counted_not_handed_o
         )
     finally:
         kv.close()
-    assert a.barrier_state("done")[0] == {"y": {"step": 5, "at": 1.0}}
-    assert set(a.barrier_state("started-3")[0]) == {"y"}
-    assert set(a.barrier_state("failed-3")[0]) == {"y"}
-    assert a.barrier_state("stopped-3")[0] == {}
-    assert a.barrier_state("resume-3")[0] == {}
-    assert a.barrier_state("timelines")[0] == {}
+    assert a.arrivals.barrier_state("done")[0] == {"y": {"step": 5, "at": 1.0}}
+    assert set(a.arrivals.barrier_state("started-3")[0]) == {"y"}
+    assert set(a.arrivals.barrier_state("failed-3")[0]) == {"y"}
+    assert a.arrivals.barrier_state("stopped-3")[0] == {}
+    assert a.arrivals.barrier_state("resume-3")[0] == {}
+    assert a.arrivals.barrier_state("timelines")[0] == {}
     assert a.agent_members().nodes == {}
     assert set(a.members().nodes) == {"n8", "n9"}  # the generic read is the cluster's own
     assert a.skipped_values == len(bad) + 2
@@ -157,10 +157,10 @@ def test_a_deposed_leader_writes_no_timeline_and_housekeeps_nothing(
     old = a.campaign("n1", ttl_s=30)
     assert old is not None
     for g in range(1, 8):
-        a.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": 0, "at": 1.0})
+        a.arrivals.arrive(f"stopped-{g}", "n1", {"holdings": {}, "next_step": 0, "at": 1.0})
     assert a.depose("n1")
     assert b.campaign("n2", ttl_s=30) is not None
-    assert not a.record_timeline(7, {"generation": 7}, old)
-    assert a.barrier_state("timelines")[0] == {}
-    assert a.housekeep(7, leader=old) == 0
-    assert set(a.barrier_state("stopped-1")[0]) == {"n1"}  # nothing deleted
+    assert not a.commits.record_timeline(7, {"generation": 7}, old)
+    assert a.arrivals.barrier_state("timelines")[0] == {}
+    assert a.commits.housekeep(7, leader=old) == 0
+    assert set(a.arrivals.barrier_state("stopped-1")[0]) == {"n1"}  # nothing deleted

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_meter import EtcdMeter
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.meter import EtcdMeter
+from elasticpp.cluster.etcd.server import EtcdServer
 
 KEYS = [f"p/{i:04d}" for i in range(1100)]
 VALUE = "v" * 300  # a node's record is a few hundred bytes

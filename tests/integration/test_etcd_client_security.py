@@ -14,7 +14,7 @@ from elasticpp.cluster.errors import (
     ClusterLimitError,
     ClusterUnavailableError,
 )
-from elasticpp.cluster.etcd_client import (
+from elasticpp.cluster.etcd.kv import (
     Compare,
     EtcdKV,
     EtcdSecurity,
@@ -23,7 +23,7 @@ from elasticpp.cluster.etcd_client import (
     WatchEnded,
     WatchItem,
 )
-from elasticpp.cluster.etcd_server import EtcdServer, ServerTLS
+from elasticpp.cluster.etcd.server import EtcdServer, ServerTLS
 from elasticpp.cluster.records import WatchEvent
 from elasticpp.cluster.watch import Watch
 from elasticpp.errors import ConfigError

@@ -13,14 +13,14 @@ import grpc  # type: ignore[import-untyped]
 import pytest
 
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
-from elasticpp.cluster.etcd_client import (
+from elasticpp.cluster.etcd.errors import is_token_error
+from elasticpp.cluster.etcd.kv import (
     EtcdKV,
     WatchBatch,
     WatchEnded,
     WatchItem,
 )
-from elasticpp.cluster.etcd_errors import is_token_error
-from elasticpp.cluster.etcd_server import EtcdServer, ServerTLS
+from elasticpp.cluster.etcd.server import EtcdServer, ServerTLS
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 from elasticpp.waiting import wait_until
 from tests.etcdtls import client_tls, make_certs

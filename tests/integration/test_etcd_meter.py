@@ -1,12 +1,12 @@
-"""The etcd client's meter (elasticpp.cluster.etcd_meter) on a real etcd: every request,
+"""The etcd client's meter (elasticpp.cluster.etcd.meter) on a real etcd: every request,
 its bytes, the largest value written and range read, and watch events are counted; a client
 without a meter counts nothing and behaves the same."""
 
 from __future__ import annotations
 
-from elasticpp.cluster.etcd_client import Compare, EtcdKV, Put, WatchBatch, WatchItem
-from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import Compare, EtcdKV, Put, WatchBatch, WatchItem
+from elasticpp.cluster.etcd.meter import EtcdMeter, kind_of
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.waiting import wait_until
 
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.leases import Registration
 from elasticpp.waiting import wait_until
 

@@ -20,7 +20,7 @@ import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster.client import ClusterClient
-from elasticpp.cluster.etcd_client import EtcdKV
+from elasticpp.cluster.etcd.kv import EtcdKV
 from elasticpp.cluster.records import GenerationRecord
 from tests.findings import FINDINGS_SPEC as SPEC
 from tests.findings import close_leaving_nothing, tcp_listeners
@@ -37,7 +37,7 @@ def _secured_job(tmp_path: Path, name: str, nodes: int) -> tuple[LocalCluster, d
     """A job whose etcd takes TLS only, client certificates of its CA and authentication,
     the agents' user confined to the job's keys under PREFIX (the role docs/deploy.md
     gives); etcd started and set up, no agent yet."""
-    from elasticpp.cluster.etcd_server import ServerTLS
+    from elasticpp.cluster.etcd.server import ServerTLS
     from tests.etcdtls import make_certs
 
     certs = make_certs(tmp_path / "certs")
@@ -99,7 +99,7 @@ def test_F5_a_forged_end_of_the_job_cannot_be_written_to_an_authenticated_etcd(
     is no user of the job's role cannot write it, nor anything else of the job: the job
     trains on and finishes."""
     from elasticpp.cluster.errors import ClusterError
-    from elasticpp.cluster.etcd_client import EtcdKV, EtcdSecurity
+    from elasticpp.cluster.etcd.kv import EtcdKV, EtcdSecurity
 
     lc, certs = _secured_job(tmp_path, "endjob", nodes=1)
     try:
@@ -195,7 +195,7 @@ def test_F4_a_forged_plan_naming_code_is_refused_and_nothing_it_names_runs(
     assert "ContractError" not in log  # no worker was handed the forged model
     assert f"etcd value of {key} skipped" in log
     with ClusterClient([job.etcd.endpoint], SPEC["name"]) as c:
-        assert not c.quarantined(), "a healthy node was blamed for a forged record"
+        assert not c.health.quarantined(), "a healthy node was blamed for a forged record"
 
 
 def _tiny_model() -> dict[str, Any]:

@@ -84,7 +84,7 @@ def test_a_node_loss_and_rejoin_with_every_door_closed_trains_the_reference_curv
     import subprocess
     import sys
 
-    from elasticpp.cluster.etcd_server import ServerTLS
+    from elasticpp.cluster.etcd.server import ServerTLS
     from tests.etcdtls import make_certs
 
     steps = 300  # long enough that the killed node's return is planned in before the end

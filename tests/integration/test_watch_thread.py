@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.cluster.etcd_client import EtcdKV
-from elasticpp.cluster.etcd_server import EtcdServer
+from elasticpp.cluster.etcd.kv import EtcdKV
+from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.records import WatchEvent
 from elasticpp.cluster.watch import Watch
 from elasticpp.waiting import wait_until

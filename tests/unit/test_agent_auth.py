@@ -87,7 +87,7 @@ def test_an_etcd_off_loopback_reached_anonymously_is_refused_unless_insecure(
     """Whoever can write to an etcd the agents reach anonymously can stop or misdirect the
     job (the review's F5: a forged end record): such an etcd needs the agent to log in (a
     client certificate or a user) or --insecure, said knowingly."""
-    from elasticpp.cluster.etcd_security import EtcdSecurity
+    from elasticpp.cluster.etcd.security import EtcdSecurity
 
     pem = tmp_path / "x.pem"
     pem.write_text("x")

@@ -12,8 +12,10 @@ from typing import Any
 from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.node import Agent, AgentConfig
+from elasticpp.cluster.arrivals import Arrivals
 from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
@@ -24,11 +26,11 @@ from tests.agents import plan_over as _plan_on
 from tests.fakes import FakeCluster
 
 
-class _RefusesOnce(FakeCluster):
+class _RefusingArrivals(Arrivals):
     """etcd refuses the first write of one barrier (unreachable for a moment)."""
 
-    def __init__(self, barrier: str) -> None:
-        super().__init__()
+    def __init__(self, reads: JobReads, barrier: str) -> None:
+        super().__init__(reads)
         self.refuse = barrier
 
     def arrive(
@@ -38,6 +40,14 @@ class _RefusesOnce(FakeCluster):
             self.refuse = ""
             raise ClusterUnavailableError("etcd: connection refused", fast=True)
         super().arrive(barrier, node_id, value, lease_id=lease_id)
+
+
+class _RefusesOnce(FakeCluster):
+    """etcd refuses the first write of one barrier (unreachable for a moment)."""
+
+    def __init__(self, barrier: str) -> None:
+        super().__init__()
+        self.arrivals = _RefusingArrivals(self.reads, barrier)
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, FakeCluster]:
@@ -98,7 +108,7 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
     agent.follower.state.gen = gs
     agent.follower.step()
     assert gs.phase is Phase.DONE
-    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("done", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrived()] == [("done", "n0")]
 
 
 def test_an_observation_out_of_order_is_ignored_not_raised(tmp_path: Path) -> None:
@@ -170,7 +180,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
     else:
         raise AssertionError("a record without a store address cannot be followed")
     assert [p.pid for p in agent.pool.spares()] == [102, 103]  # handed back, never assigned
-    assert not untouched.assigned and cluster.arrivals() == []
+    assert not untouched.assigned and cluster.arrived() == []
 
 
 def _follow_through_a_refused_write(agent: Agent) -> None:
@@ -195,7 +205,7 @@ def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
     _follow_through_a_refused_write(agent)
     assert gs.phase is Phase.IDLE
-    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("started-2", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrived()] == [("started-2", "n0")]
 
 
 def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) -> None:
@@ -210,7 +220,7 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
         agent.pool.rank_done(1, rank)
     _follow_through_a_refused_write(agent)
     assert gs.phase is Phase.DONE
-    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("done", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrived()] == [("done", "n0")]
 
 
 def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Path) -> None:
@@ -219,7 +229,7 @@ def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Pat
     agent.follower.state.gen = gs = _GenState(record=record, plan=Plan.from_dict(record.plan))
     with contextlib.suppress(ClusterUnavailableError):
         agent.follower.step()
-    assert gs.phase is Phase.STOPPING and cluster.arrivals() == []  # not reported: stays
+    assert gs.phase is Phase.STOPPING and cluster.arrived() == []  # not reported: stays
     agent.follower.step()
     assert gs.phase is Phase.MOVING
-    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("stopped-2", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrived()] == [("stopped-2", "n0")]

@@ -21,8 +21,11 @@ from elasticpp.agent.leader.shell import RendezvousStore
 from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.pool import _Worker
+from elasticpp.cluster.arrivals import Arrivals
 from elasticpp.cluster.barriers import RESUME_MEMBER
+from elasticpp.cluster.commits import Commits
 from elasticpp.cluster.errors import ClusterUnavailableError
+from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from elasticpp.store.resume import TransferProgress
@@ -34,11 +37,11 @@ from tests.fakes import FakeCluster, FakeRegistration
 from tests.stores import write_step
 
 
-class _SlowCluster(FakeCluster):
-    """A slow etcd: every commit record put takes `put_s` (0.2 s)."""
+class _SlowCommits(Commits):
+    """A slow etcd: every commit record put takes `put_s`."""
 
-    def __init__(self, put_s: float = 0.2) -> None:
-        super().__init__(registration=FakeRegistration())
+    def __init__(self, reads: JobReads, put_s: float) -> None:
+        super().__init__(reads)
         self.put_s = put_s
         self.records: list[tuple[int, int, float]] = []  # (generation, step, when)
 
@@ -48,6 +51,18 @@ class _SlowCluster(FakeCluster):
         time.sleep(self.put_s)  # the latency being modelled, not a wait for a condition
         super().record_commit(generation, node_id, step, *args, **kw)
         self.records.append((generation, step, time.monotonic()))
+
+
+class _SlowCluster(FakeCluster):
+    """A slow etcd: every commit record put takes `put_s` (0.2 s)."""
+
+    def __init__(self, put_s: float = 0.2) -> None:
+        super().__init__(registration=FakeRegistration())
+        self.commits = self.slow = _SlowCommits(self.reads, put_s)
+
+    @property
+    def records(self) -> list[tuple[int, int, float]]:
+        return self.slow.records
 
 
 # One node: no replication rounds (its ring has no peer).
@@ -285,11 +300,19 @@ def test_a_follower_forgets_the_detection_times_of_generations_it_entered(tmp_pa
     assert len(agent.follower.state.detected) <= 1  # only the leader deleted them before
 
 
-class _Unreachable(_SlowCluster):
+class _UnreachableArrivals(Arrivals):
     def arrive(
         self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
     ) -> None:
         raise ClusterUnavailableError("etcd: connection refused", fast=True)
+
+
+class _Unreachable(_SlowCluster):
+    """etcd refuses every arrival."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrivals = _UnreachableArrivals(self.reads)
 
 
 def test_failure_reports_replaced_by_a_newer_plan_are_not_remembered(tmp_path: Path) -> None:

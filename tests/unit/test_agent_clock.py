@@ -46,7 +46,7 @@ def _new_generation(agent: Agent, generation: int, nodes: tuple[str, ...] = ("n0
 
 
 def _failures(cluster: _Cluster) -> list[dict[str, Any]]:
-    return [value for barrier, _, value in cluster.arrivals() if barrier.startswith("failed-")]
+    return [value for barrier, _, value in cluster.arrived() if barrier.startswith("failed-")]
 
 
 def test_old_workers_that_outlive_sigkill_fail_the_node_at_stop_timeout_s(tmp_path: Path) -> None:

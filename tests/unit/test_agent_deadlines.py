@@ -66,12 +66,12 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     agent.follower.state.gen = gs
     agent.follower.step()
     assert old.kills == [False]  # signalled, not waited for
-    assert gs.phase is Phase.STOPPING and cluster.arrivals() == []
+    assert gs.phase is Phase.STOPPING and cluster.arrived() == []
     assert gs.killed_at_s is not None
     gs.killed_at_s -= SPEC.stop_timeout_s + 1  # the stop deadline passes
     agent.follower.step()
     assert gs.phase is Phase.FAILED
-    [(barrier, node, report)] = cluster.arrivals()
+    [(barrier, node, report)] = cluster.arrived()
     assert (barrier, node) == ("failed-2", "n0")
     assert report["culprit"] and report["severe"]
     assert "still alive" in report["reason"] and "100" in report["reason"]
@@ -95,14 +95,14 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     agent.executor.run(agent.supervisor.step())
     assert agent.pool.spares() == (spare,)  # within ready_timeout_s
     agent.follower.step()
-    assert gs.phase is Phase.MOVING and cluster.arrivals() == []  # waits for it
+    assert gs.phase is Phase.MOVING and cluster.arrived() == []  # waits for it
     agent.pool.drop_spare(spare)  # type: ignore[arg-type]
     agent.pool.add_spare(spare, start - SPEC.ready_timeout_s - 1)  # type: ignore[arg-type]
     agent.executor.run(agent.supervisor.step())
     assert spare.killed and agent.pool.spares() == ()
     agent.follower.step()
     assert gs.phase is Phase.FAILED
-    [(barrier, _node, report)] = cluster.arrivals()
+    [(barrier, _node, report)] = cluster.arrived()
     assert barrier == "failed-2" and report["culprit"] and report["severe"]
     assert "not ready within 7 s" in report["reason"]
 
@@ -197,7 +197,7 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
     agent.pool.deliver(w.proc, {"event": "halted", "step": 3, "message": "loss nan"})  # type: ignore[arg-type]
     agent.supervisor.drain_events()
     agent.follower.step()
-    end = cluster.job_end()
+    end = cluster.health.job_end()
     assert end is not None and (end.status, end.reason) == ("halted", "loss nan")
 
 

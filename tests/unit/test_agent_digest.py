@@ -27,7 +27,7 @@ class _Cluster:
 
     def __init__(self) -> None:
         self.read: list[str] = []
-        self.arrivals: list[tuple[str, str, Any]] = []
+        self.arrived: list[tuple[str, str, Any]] = []
         self.leader_cached = False
         self.term: tuple[str | None, int] = ("n0", 1)  # the leader and its key's revision
 
@@ -67,7 +67,20 @@ class _Cluster:
     def arrive(
         self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
     ) -> None:
-        self.arrivals.append((barrier, node_id, value))
+        self.arrived.append((barrier, node_id, value))
+
+    # The client's objects (arrivals, commits, health) are this one fake.
+    @property
+    def arrivals(self) -> _Cluster:
+        return self
+
+    @property
+    def commits(self) -> _Cluster:
+        return self
+
+    @property
+    def health(self) -> _Cluster:
+        return self
 
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster]:
@@ -144,7 +157,7 @@ def test_a_node_arrives_at_stopped_with_a_digest_of_what_it_holds(tmp_path: Path
         commit_replica_step(agent.store, "n0", step)
     agent.durability.state.next_step_committed = 6
     agent.executor.run([ArriveStopped(3, 12.5)])
-    [(barrier, node, value)] = cluster.arrivals
+    [(barrier, node, value)] = cluster.arrived
     assert (barrier, node, value["next_step"], value["at"]) == ("stopped-3", "n1", 6, 12.5)
     assert "holdings" not in value and len(json.dumps(value)) < 400
     digest = HoldingsDigest.from_dict(value["digest"])

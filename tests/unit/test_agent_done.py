@@ -57,7 +57,7 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent.supervisor.drain_events()
     agent.follower.step()
     agent.control_turn()
-    assert [(b, n) for b, n, _ in cluster.arrivals()] == [("done", "n0")]
+    assert [(b, n) for b, n, _ in cluster.arrived()] == [("done", "n0")]
     assert agent.exit_requested() == 0  # and the agent may exit
 
 
@@ -82,13 +82,13 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
         "resume-2": {RESUME_MEMBER: {"step": 10, "recomputed": 1}},
     }
     lead_timeline(agent, gs)
-    assert cluster.arrivals() == []  # n9's timeline of generation 2 stays
+    assert cluster.arrived() == []  # n9's timeline of generation 2 stays
     del agent.view.state.barriers["timelines"]["gen-2"]
     agent.leader.state.timeline_written = False  # as a leader elected later knows it
     lead_timeline(
         agent, _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     )
-    [(barrier, key, timeline)] = cluster.arrivals()
+    [(barrier, key, timeline)] = cluster.arrived()
     assert (barrier, key) == ("timelines", "gen-2")
     assert timeline["resume_step"] == 10 and timeline["steps_recomputed"] == 1  # n9's resume
     cluster.close()
@@ -205,11 +205,11 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
         gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=phase)
         agent.follower.state.gen = gs
         agent.follower.step()
-        assert gs.phase is phase and cluster.arrivals() == []  # within the deadline
+        assert gs.phase is phase and cluster.arrived() == []  # within the deadline
         gs.phase_since_s -= 1000.0
         agent.follower.step()
         assert gs.phase is Phase.FAILED
-        [(barrier, node, value)] = cluster.arrivals()
+        [(barrier, node, value)] = cluster.arrived()
         assert (barrier, node) == ("failed-3", "n0") and "waited" in value["reason"]
         cluster.memory.writes.clear()
         agent.follower.state.pending_failures.clear()

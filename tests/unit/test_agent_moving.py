@@ -39,14 +39,14 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
         gs.phase_since_s -= 1000.0
         progress.add(1 << 20)
         agent.follower.step()
-        assert gs.phase is Phase.MOVING and cluster.arrivals() == []
+        assert gs.phase is Phase.MOVING and cluster.arrived() == []
         # Nothing for longer than FETCH_STALL_S, then past MOVING's own deadline: failed.
         now[0] -= FETCH_STALL_S + 1
         progress.add(0)
         gs.phase_since_s -= 1000.0
         agent.follower.step()
         assert gs.phase is Phase.FAILED
-        [(barrier, node, _)] = cluster.arrivals()
+        [(barrier, node, _)] = cluster.arrived()
         assert (barrier, node) == ("failed-3", "n0")
     finally:
         agent.liveness.close()

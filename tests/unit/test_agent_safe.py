@@ -79,6 +79,19 @@ class _Cluster:
     def barrier_state(self, name: str, *, cached: bool = False) -> tuple[dict[str, Any], int]:
         return {}, 1
 
+    # The client's objects (arrivals, commits, health) are this one fake.
+    @property
+    def arrivals(self) -> _Cluster:
+        return self
+
+    @property
+    def commits(self) -> _Cluster:
+        return self
+
+    @property
+    def health(self) -> _Cluster:
+        return self
+
 
 def _agent(tmp_path: Path) -> tuple[Agent, _Cluster, _GenState]:
     cluster = _Cluster()
@@ -117,11 +130,11 @@ def _lead_safe_step(agent: Agent, gs: _GenState, now_s: float) -> None:
 def test_the_leader_publishes_the_safe_step_only_when_it_rises(tmp_path: Path) -> None:
     agent, cluster, gs = _agent(tmp_path)
     now = 1000.0  # the monotonic clock, given: no call depends on how fast the test runs
-    cluster.record_commit(3, "n0", 8, [8, 7, 6], {"n1": [7, 6]})
-    cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [6]})
+    cluster.commits.record_commit(3, "n0", 8, [8, 7, 6], {"n1": [7, 6]})
+    cluster.commits.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [6]})
     _lead_safe_step(agent, gs, now)
     assert cluster.writes == [SafeStep(3, 6)]
-    cluster.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [8, 7, 6]})
+    cluster.commits.record_commit(3, "n1", 8, [8, 7, 6], {"n0": [8, 7, 6]})
     _lead_safe_step(agent, gs, now + SAFE_EVERY_S * 0.9)
     assert cluster.writes == [SafeStep(3, 6)]  # computed at most every SAFE_EVERY_S
     _lead_safe_step(agent, gs, now + SAFE_EVERY_S)
@@ -129,8 +142,8 @@ def test_the_leader_publishes_the_safe_step_only_when_it_rises(tmp_path: Path) -
     _lead_safe_step(agent, gs, now + 2 * SAFE_EVERY_S)
     assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]  # the same step: no write
     cluster.safe = SafeStep(4, 1)  # a newer generation's, read back: no lower write
-    cluster.record_commit(3, "n0", 9, [9, 8, 7], {"n1": [9, 8, 7]})
-    cluster.record_commit(3, "n1", 9, [9, 8, 7], {"n0": [9, 8, 7]})
+    cluster.commits.record_commit(3, "n0", 9, [9, 8, 7], {"n1": [9, 8, 7]})
+    cluster.commits.record_commit(3, "n1", 9, [9, 8, 7], {"n0": [9, 8, 7]})
     _lead_safe_step(agent, gs, now + 3 * SAFE_EVERY_S)
     assert cluster.writes == [SafeStep(3, 6), SafeStep(3, 7)]
 

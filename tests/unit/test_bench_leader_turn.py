@@ -12,7 +12,7 @@ def test_the_benchmarks_arrivals_are_all_readable() -> None:
     client = ClusterClient(["127.0.0.1:1"], "bench")
     try:
         kvs = _arrivals(client, 16)
-        out = client._values_once(
+        out = client.reads.values_once(
             kvs, "stopped-2 arrival", lambda n, r: check_arrival("stopped-2", n, r.get("value"))
         )
         assert len(out) == 16 and client.skipped_values == 0

@@ -1,4 +1,4 @@
-"""`CachedReadsPart._values_once`: what the leader derives from N cached records (arrivals)
+"""`JobReads.values_once`: what the leader derives from N cached records (arrivals)
 is derived again only for the keys whose KeyValue changed. The cache keeps the KeyValue
 object of an unchanged key, so one arrival of N costs one derivation and N lookups (each
 rebuild parsed-once-looked-up, key-split and checked all N: ~3 ms at 2,048 nodes, at every
@@ -40,36 +40,36 @@ def test_only_changed_keys_are_derived_again(client: ClusterClient) -> None:
         return record["value"]
 
     kvs = [_kv(f"n{i}", {"step": i}, 10 + i) for i in range(4)] + [_kv("bad", "x", 20)]
-    first = client._values_once(kvs, "stopped-2 arrival", derive)
+    first = client.reads.values_once(kvs, "stopped-2 arrival", derive)
     assert first == {f"n{i}": {"step": i} for i in range(4)}
     assert sorted(derived) == ["bad", "n0", "n1", "n2", "n3"]
     skipped = client.skipped_values
     derived.clear()
     # n1 changed (a new KeyValue, as the cache makes for an event); n3 is gone.
     kvs = [kvs[0], _kv("n1", {"step": 7}, 30), kvs[2], kvs[4]]
-    again = client._values_once(kvs, "stopped-2 arrival", derive)
+    again = client.reads.values_once(kvs, "stopped-2 arrival", derive)
     assert again == {"n0": {"step": 0}, "n1": {"step": 7}, "n2": {"step": 2}}
     assert again["n0"] is first["n0"]  # what was derived before, not a copy
     # The changed key once; the bad value again (skipped and counted at every call).
     assert sorted(derived) == ["bad", "n1"] and client.skipped_values == skipped + 1
     # Another derivation of the same records is its own: nothing is taken from the first.
     derived.clear()
-    client._values_once(kvs, "stopped-2 other", derive)
+    client.reads.values_once(kvs, "stopped-2 other", derive)
     assert sorted(derived) == ["bad", "n0", "n1", "n2"]
 
 
 def test_what_is_kept_is_what_the_last_answer_held(client: ClusterClient) -> None:
     kvs = [_kv(f"n{i}", {"step": i}, 10 + i) for i in range(100)]
-    client._values_once(kvs, "stopped-2 arrival", lambda name, r: r["value"])
-    client._values_once(kvs[:3], "stopped-2 arrival", lambda name, r: r["value"])
-    assert sorted(client._seen["stopped-2 arrival"]) == [kv.key for kv in kvs[:3]]
+    client.reads.values_once(kvs, "stopped-2 arrival", lambda name, r: r["value"])
+    client.reads.values_once(kvs[:3], "stopped-2 arrival", lambda name, r: r["value"])
+    assert sorted(client.reads._seen["stopped-2 arrival"]) == [kv.key for kv in kvs[:3]]
 
 
 def test_a_bounded_number_of_derivations_is_kept(client: ClusterClient) -> None:
-    from elasticpp.cluster.cachedreads import MAX_SEEN
+    from elasticpp.cluster.reads import MAX_SEEN
 
     kvs = [_kv(f"n{i}", {"step": i}, 10 + i) for i in range(8)]
     for g in range(3 * MAX_SEEN):  # arrivals of many generations
-        client._values_once(kvs, f"stopped-{g} arrival", lambda name, r: r["value"])
-        assert len(client._seen) <= MAX_SEEN
-    assert f"stopped-{3 * MAX_SEEN - 1} arrival" in client._seen
+        client.reads.values_once(kvs, f"stopped-{g} arrival", lambda name, r: r["value"])
+        assert len(client.reads._seen) <= MAX_SEEN
+    assert f"stopped-{3 * MAX_SEEN - 1} arrival" in client.reads._seen

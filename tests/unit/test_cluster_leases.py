@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
-from elasticpp.cluster.etcd_client import Compare, Delete, Put
+from elasticpp.cluster.etcd.kv import Compare, Delete, Put
 from elasticpp.cluster.leases import Leadership, ProgressGate, Registration, fence_after_s
 from elasticpp.cluster.records import KeyValue
 from elasticpp.errors import ConfigError

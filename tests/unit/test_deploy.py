@@ -837,7 +837,7 @@ def test_systemd_stop_and_the_charts_prestop_drain_live_agents(tmp_path: Path, e
             from elasticpp.cluster.client import ClusterClient
 
             with ClusterClient([etcd.endpoint], STOP_SPEC["name"]) as client:
-                timelines, _rev = client.barrier_state("timelines")
+                timelines, _rev = client.arrivals.barrier_state("timelines")
             return [t for t in timelines.values() if int(t["generation"]) > generation]
 
         _wait(lambda: timelines_after(gen_before_stop), 60, "a recovery timeline", [agent_b])

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.cluster.etcd_keepalive import KeepAliveStream
+from elasticpp.cluster.etcd.keepalive import KeepAliveStream
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 from elasticpp.waiting import wait_until
 
@@ -120,7 +120,7 @@ def test_a_caller_that_wakes_late_does_not_end_a_stream_that_answered(
     stream counted as stuck when nothing had answered within `timeout_s` of that late wake-up,
     so an answer to another lease after the send did not save it (a flaky failure on a loaded
     CI machine); now only a stream that answered nothing since the send is ended."""
-    import elasticpp.cluster.etcd_keepalive as keepalive
+    import elasticpp.cluster.etcd.keepalive as keepalive
 
     clock = _Clock()
     monkeypatch.setattr(keepalive, "time", clock)

@@ -71,10 +71,10 @@ def test_only_the_etcd_client_talks_to_etcd() -> None:
     # The client's modules: its calls, its endpoints, its streams, and the encoding of its
     # messages.
     assert users == [
-        "elasticpp/cluster/etcd_client.py",
-        "elasticpp/cluster/etcd_endpoint.py",
-        "elasticpp/cluster/etcd_keepalive.py",
-        "elasticpp/cluster/etcd_ops.py",
-        "elasticpp/cluster/etcd_watch_stream.py",
-        "elasticpp/cluster/etcd_watches.py",
+        "elasticpp/cluster/etcd/endpoint.py",
+        "elasticpp/cluster/etcd/keepalive.py",
+        "elasticpp/cluster/etcd/kv.py",
+        "elasticpp/cluster/etcd/ops.py",
+        "elasticpp/cluster/etcd/watch_stream.py",
+        "elasticpp/cluster/etcd/watches.py",
     ]

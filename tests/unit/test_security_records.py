@@ -84,7 +84,7 @@ def test_shared_plans_are_kept_apart_by_the_readers_fingerprint() -> None:
 
 
 def test_F12_a_value_nested_to_exhaust_the_parser_is_skipped_not_raised() -> None:
-    """The review's F12: `_values_once([good, bad_json, deep])` raised RecursionError and
+    """The review's F12: `values_once([good, bad_json, deep])` raised RecursionError and
     lost the good record with it."""
     deep = '{"format_version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
     with pytest.raises(ClusterDataError, match="nested too deeply"):
@@ -100,7 +100,7 @@ def test_F12_a_value_nested_to_exhaust_the_parser_is_skipped_not_raised() -> Non
             KeyValue(prefix + "bad", "{not json", 6, 6, 0),
             KeyValue(prefix + "deep", deep, 7, 7, 0),
         ]
-        out = client._values_once(kvs, "stopped-2 arrival", lambda _n, r: r["value"])
+        out = client.reads.values_once(kvs, "stopped-2 arrival", lambda _n, r: r["value"])
         assert out == {"good": {"step": 1}} and client.skipped_values == 2
     finally:
         client.close()

@@ -59,6 +59,7 @@ from elasticpp.agent.durability.step import (
     durability_recorded,
 )
 from elasticpp.agent.kernel.executor import Executor
+from elasticpp.agent.kernel.records import JSONValue, Record, integer, number
 from elasticpp.agent.kernel.threads import run_in_thread
 from elasticpp.agent.latest import LatestWriter
 from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, METRICS_ROTATE_BYTES
@@ -78,7 +79,8 @@ log = logging.getLogger("elasticpp.agent")
 
 
 class CommitRecords(Protocol):
-    """Where this node's commit records go (the job's etcd client)."""
+    """Where this node's commit records go (elasticpp.cluster.commits.Commits, a
+    `ClusterClient`'s `commits`)."""
 
     def record_commit(
         self,
@@ -89,7 +91,7 @@ class CommitRecords(Protocol):
         replicas: Mapping[str, Sequence[int]] | None = None,
         *,
         lease_id: int | None = None,
-    ) -> Any: ...
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class Durability:
         store: LocalStore,
         metrics: AgentMetrics,
         records: CommitRecords,
-        member_records: Callable[[Iterable[str]], Mapping[str, Mapping[str, Any]]],
+        member_records: Callable[[Iterable[str]], Mapping[str, Record]],
         dialer: Dialer,
         fenced: Callable[[], bool],
         member_lease: Callable[[], int | None],
@@ -173,7 +175,7 @@ class Durability:
         return self._commit_records.flush(timeout_s)
 
     # ------------------------------------------------------------------ worker events
-    def on_started(self, event: dict[str, Any]) -> list[Action]:
+    def on_started(self, event: dict[str, JSONValue]) -> list[Action]:
         """A worker started: the device it reported (`torch.cuda.get_device_name`, or
         "cpu") decides the peak MFU is measured against; one line when that changes."""
         name = event.get("device_name")
@@ -185,7 +187,7 @@ class Durability:
         state.slot_peak_tflops, state.peak_reason = peak, reason
         return []
 
-    def on_step(self, w: _Worker, event: dict[str, Any]) -> list[Action]:
+    def on_step(self, w: _Worker, event: dict[str, JSONValue]) -> list[Action]:
         """A step a worker reported: observed, decided (`durability_on_step`, pure). Its row
         carries the layout the worker trained it in: an old worker's last steps are drained
         after the node entered the next generation, in another layout."""
@@ -194,12 +196,12 @@ class Durability:
         return durability_on_step(
             self.state,
             StepObservation(
-                step=int(event["step"]),
-                generation=int(event.get("generation", w.generation)),
-                loss=float(event["loss"]),
+                step=integer(event, "step"),
+                generation=integer(event, "generation", w.generation),
+                loss=number(event, "loss"),
                 lr=event.get("lr"),
                 grad_norm=event.get("grad_norm"),
-                step_seconds=None if seconds is None else float(seconds),
+                step_seconds=None if seconds is None else number(event, "step_seconds"),
                 layout=str(plan.layout),
                 node_id=node_id,
                 wall_s=self._clock.time(),
@@ -215,14 +217,14 @@ class Durability:
         peak = self.state.slot_peak_tflops
         return None if peak is None else peak * 1e12 * len(plan.ranks_on(self.config.node_id))
 
-    def on_snapshot(self, w: _Worker, event: dict[str, Any]) -> list[Action]:
+    def on_snapshot(self, w: _Worker, event: dict[str, JSONValue]) -> list[Action]:
         """A snapshot a worker wrote: recorded, then committed once every snapshot writer of
         this node reported (`durability_on_snapshot` and the feedback of its actions)."""
         plan, cfg = w.plan, self.config
         return durability_on_snapshot(
             self.state,
             SnapshotObservation(
-                step=int(event["step"]),
+                step=integer(event, "step"),
                 generation=w.generation,
                 rank=w.rank,
                 pieces=event["pieces"],
@@ -238,7 +240,7 @@ class Durability:
             ),
         )
 
-    def on_snapshot_failed(self, w: _Worker, event: dict[str, Any]) -> list[Action]:
+    def on_snapshot_failed(self, w: _Worker, event: dict[str, JSONValue]) -> list[Action]:
         """A snapshot the worker could not write (`durability_on_snapshot_failed`)."""
         return durability_on_snapshot_failed(
             self.state, SnapshotFailure(event.get("step"), w.rank, event.get("message"))
@@ -278,7 +280,7 @@ class Durability:
     def _record_pieces(self, action: RecordPieces) -> list[Action]:
         error = None
         try:
-            self._store.record_pieces(action.step, action.pieces, action.generation)
+            self._store.record_pieces(action.step, _piece_list(action.pieces), action.generation)
         except CheckpointError as exc:
             error = str(exc)
             log.info(
@@ -383,3 +385,15 @@ class Durability:
         # through the future; the commit record goes to its one writer's queue.
         self._replication = run_in_thread("replicate", run)
         self._replication.add_done_callback(lambda _: self._wake())
+
+
+def _piece_list(pieces: JSONValue) -> list[Record]:
+    """A worker's reported pieces as a list of JSON objects (the store checks each)."""
+    if not isinstance(pieces, list):
+        raise CheckpointError(f"pieces: expected a list, got {type(pieces).__name__}")
+    out: list[Record] = []
+    for i, piece in enumerate(pieces):
+        if not isinstance(piece, dict):
+            raise CheckpointError(f"pieces[{i}]: expected an object, got {type(piece).__name__}")
+        out.append(piece)
+    return out

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.actions import (
     Action,
@@ -41,6 +40,7 @@ from elasticpp.agent.actions import (
     StepMetrics,
     WriteMetricsLine,
 )
+from elasticpp.agent.kernel.records import JSONValue
 from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.plan import ModelSpec
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
@@ -103,7 +103,7 @@ class SnapshotObservation:
     step: int
     generation: int  # the worker's
     rank: int
-    pieces: Any  # as reported: the store checks them (RecordPieces)
+    pieces: JSONValue  # as reported: the store checks them (RecordPieces)
     writers: frozenset[int]
     fenced: bool  # the membership lease may have lapsed
     model: ModelSpec

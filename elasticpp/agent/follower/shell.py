@@ -72,7 +72,7 @@ from elasticpp.agent.follower.step import (
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import Journal
-from elasticpp.agent.kernel.records import JSONValue, fields
+from elasticpp.agent.kernel.records import JSONValue, Record, fields
 from elasticpp.agent.kernel.summaries import FollowerSummary
 from elasticpp.agent.kernel.threads import run_in_thread
 from elasticpp.agent.limits import (
@@ -106,14 +106,21 @@ log = logging.getLogger("elasticpp.agent")
 _RESUME_DIR = re.compile(r"gen-([0-9]{1,19})")  # resume/gen-<G>, see resume_dir
 
 
+class Arriving(Protocol):
+    """A node's arrival at a barrier (elasticpp.cluster.arrivals.Arrivals)."""
+
+    def arrive(
+        self, barrier: str, node_id: str, value: JSONValue = None, *, lease_id: int | None = None
+    ) -> None: ...
+
+
 class FollowerCluster(Protocol):
     """The etcd calls of the follower (elasticpp.cluster.ClusterClient has them)."""
 
-    keys: JobKeys
-
-    def arrive(
-        self, barrier: str, node_id: str, value: Any = None, *, lease_id: int | None = None
-    ) -> None: ...
+    @property
+    def keys(self) -> JobKeys: ...
+    @property
+    def arrivals(self) -> Arriving: ...
     def skip_value(self, key: str, exc: Exception) -> None: ...
 
 
@@ -135,7 +142,7 @@ class FollowerPorts:
     lease its writes go on, and the executor that applies actions."""
 
     view: Callable[[], ViewSnapshot]
-    member_records: Callable[[Iterable[str]], Mapping[str, Mapping[str, Any]]]
+    member_records: Callable[[Iterable[str]], Mapping[str, Record]]
     etcd_down: Callable[[Exception], None]
     take_warm: Callable[[int], list[WorkerProcess] | None]
     gpus: Callable[[], Sequence[int]]
@@ -275,7 +282,7 @@ class Follower:
             if self._closed:
                 return
             try:
-                self._cluster.arrive(
+                self._cluster.arrivals.arrive(
                     f"failed-{generation}",
                     self.config.node_id,
                     fs.pending_failures[generation],
@@ -393,6 +400,7 @@ class Follower:
     def _arrive(self, action: ArriveStopped | ArriveStarted | ArriveDone) -> None:
         """Write a follower's arrival and feed the result back; a write etcd refuses leaves
         the phase as it was (the error still ends the tick's etcd half)."""
+        value: dict[str, JSONValue]
         if isinstance(action, ArriveStopped):
             # Read now, after the old workers' events were drained: what this node holds,
             # as a digest; the leader pulls the detail it needs from this node's server.
@@ -411,7 +419,7 @@ class Follower:
             barrier, value = "done", {"step": action.step, "at": action.at_s}
         execute, now = self._ports.execute, self._clock.monotonic
         try:
-            self._cluster.arrive(
+            self._cluster.arrivals.arrive(
                 barrier, self.config.node_id, value, lease_id=self._ports.member_lease()
             )
         except ClusterUnavailableError:

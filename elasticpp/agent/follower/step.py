@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.actions import (
     Action,
@@ -168,7 +167,7 @@ class FollowerState:
     loop (the fetch thread hands its outcome back through a future)."""
 
     gen: _GenState | None = None  # this node's way through the newest generation it follows
-    pending_failures: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> report
+    pending_failures: dict[int, dict[str, JSONValue]] = field(default_factory=dict)  # gen -> report
     failures_held: set[int] = field(default_factory=set)  # reports etcd refused (logged once)
     reported: int = 0  # the newest generation this node reported failed (etcd has it)
     detected: dict[int, float] = field(default_factory=dict)  # generation -> wall time a

@@ -42,6 +42,7 @@ from elasticpp.agent.kernel.journal import Journal
 from elasticpp.agent.kernel.ports import PoolPort
 from elasticpp.agent.kernel.summaries import HealthSummary
 from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.sick import Action as SickAction
 from elasticpp.agent.sick import EndJob, Quarantine, Readmit
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.leases import Leadership
@@ -50,8 +51,9 @@ from elasticpp.cluster.records import JobEnd, QuarantineRecord
 log = logging.getLogger("elasticpp.agent")
 
 
-class HealthCluster(Protocol):
-    """The etcd calls of the health part (elasticpp.cluster.ClusterClient has them)."""
+class HealthRecords(Protocol):
+    """The etcd calls of the health part: what the job's health in etcd answers
+    (elasticpp.cluster.health.Health, a `ClusterClient`'s `health`)."""
 
     def quarantined(self, *, cached: bool = ...) -> dict[str, QuarantineRecord]: ...
     def job_end(self, *, cached: bool = ...) -> JobEnd | None: ...
@@ -76,7 +78,7 @@ class Health:
         clock: Clock,
         journal: Journal,
         metrics: AgentMetrics,
-        cluster: HealthCluster,
+        records: HealthRecords,
         pool: PoolPort,
         own_step: Callable[[], int | None],
         last_step: Callable[[], int],
@@ -90,7 +92,7 @@ class Health:
         self._clock = clock
         self._journal = journal
         self._metrics = metrics
-        self._cluster = cluster
+        self._records = records
         self._pool = pool
         self._own_step = own_step  # this node's newest own committed step, if any
         self._last_step = last_step  # the newest step this node's ranks trained
@@ -142,8 +144,8 @@ class Health:
         try:
             # From the job's cache, which the watch event that raised the signal updated
             # first: a quarantine made every node read etcd twice (2,048 reads at 1,024 nodes).
-            records = self._cluster.quarantined(cached=True)
-            ended = self._cluster.job_end(cached=True)
+            records = self._records.quarantined(cached=True)
+            ended = self._records.job_end(cached=True)
         except BaseException:
             self.changed.raise_()  # read again on the next tick
             raise
@@ -190,20 +192,20 @@ class Health:
         if state.halt_pending is None or self._closed:
             return
         message, step = state.halt_pending
-        end = self._cluster.end_job("halted", message, by=self.config.node_id, step=step)
+        end = self._records.end_job("halted", message, by=self.config.node_id, step=step)
         state.halt_pending = None
         self.changed.raise_()
         log.info("job end on record: %s (%s)", end.status, end.reason)
 
     def lift(self, node_id: str) -> tuple[bool, str]:
         """An operator lifts a quarantine (`elasticpp ctl lift NODE`, from any agent)."""
-        if not self._cluster.lift_quarantine(node_id):
+        if not self._records.lift_quarantine(node_id):
             return False, f"node {node_id} is not quarantined"
         # The deletion reaches every agent's loop, this one's too, through its watch.
         return True, f"quarantine of {node_id} lifted; the leader plans it again as a join"
 
     # ------------------------------------------------------------------ the leader
-    def carry_out(self, decisions: Sequence[Any]) -> None:
+    def carry_out(self, decisions: Sequence[SickAction]) -> None:
         """The leader's health decisions (elasticpp.agent.sick), in order: a quarantine etcd
         refuses (the term is over) ends them: the next leader judges again."""
         state, journal, m = self.state, self._journal, self._metrics
@@ -214,7 +216,7 @@ class Health:
                     q.node, q.reason, q.since, q.until, q.count, q.incarnation
                 )
                 term = self._leadership()
-                if term is None or not self._cluster.quarantine(record, term):
+                if term is None or not self._records.quarantine(record, term):
                     return  # the term is over; the next leader judges again
                 m.quarantines_total.labels(**m.labels).inc()
                 state.quarantines = {**state.quarantines, q.node: record}
@@ -224,7 +226,7 @@ class Health:
                     f"(the {q.count}. time): {q.reason}",
                 )
             elif isinstance(decision, Readmit):
-                self._cluster.lift_quarantine(decision.node)
+                self._records.lift_quarantine(decision.node)
                 state.quarantines = {
                     n: r for n, r in state.quarantines.items() if n != decision.node
                 }
@@ -233,7 +235,7 @@ class Health:
                     "decision", f"leader: node {decision.node} re-admitted ({decision.reason})"
                 )
             elif isinstance(decision, EndJob):
-                end = self._cluster.end_job(
+                end = self._records.end_job(
                     "failed", decision.reason, by=self.config.node_id, step=self._last_step()
                 )
                 state.job_end = end

@@ -5,9 +5,9 @@ reading of failure reports and quarantine records for the leader's judgement
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from elasticpp.agent.actions import Action, Event, JobEndedGauge, StopWorkers
+from elasticpp.agent.kernel.records import JSONValue
 from elasticpp.agent.sick import Quarantined, Report
 from elasticpp.cluster.records import JobEnd, QuarantineRecord
 
@@ -32,7 +32,7 @@ EXIT_HALTED = 4  # a step's loss or gradient norm was not finite
 EXIT_CODES = {"failed": EXIT_FAILED, "halted": EXIT_HALTED}
 
 
-def report_of(node: str, value: Any) -> Report:
+def report_of(node: str, value: JSONValue) -> Report:
     """A failure report as etcd holds it (`failed-G`), read defensively."""
     v = value if isinstance(value, dict) else {}
     at = v.get("at")

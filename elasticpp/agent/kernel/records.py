@@ -19,19 +19,19 @@ def fields(value: JSONValue) -> Record:
     return value if isinstance(value, dict) else {}
 
 
-def number(record: Record, key: str, default: float) -> float:
-    """`record[key]` as a number (`default` if absent); raises TypeError or ValueError on
-    a value that is not one."""
-    value = record.get(key, default)
+def number(record: Record, key: str, default: float | None = None) -> float:
+    """`record[key]` as a number (`default` if absent; without one, KeyError); raises
+    TypeError or ValueError on a value that is not one."""
+    value = record[key] if default is None else record.get(key, default)
     if isinstance(value, (int, float, str)):
         return float(value)
     raise TypeError(f"{key}: expected a number, got {type(value).__name__}")
 
 
-def integer(record: Record, key: str, default: int) -> int:
-    """`record[key]` as an integer (`default` if absent); raises TypeError or ValueError on
-    a value that is not one."""
-    value = record.get(key, default)
+def integer(record: Record, key: str, default: int | None = None) -> int:
+    """`record[key]` as an integer (`default` if absent; without one, KeyError); raises
+    TypeError or ValueError on a value that is not one."""
+    value = record[key] if default is None else record.get(key, default)
     if isinstance(value, (int, float, str)):
         return int(value)
     raise TypeError(f"{key}: expected an integer, got {type(value).__name__}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from elasticpp.agent.actions import (
     Action,
@@ -43,7 +43,7 @@ from elasticpp.agent.actions import (
 )
 from elasticpp.agent.deadlines import stop_wait_s
 from elasticpp.agent.decide import live_nodes
-from elasticpp.agent.kernel.records import fields, integer
+from elasticpp.agent.kernel.records import JSONValue, Record, fields, integer
 from elasticpp.agent.leader.state import Arrival, LeaderState
 from elasticpp.agent.sick import Action as SickAction
 from elasticpp.cluster.barriers import RESUME_MEMBER
@@ -66,19 +66,27 @@ MISSING_PROBE_EVERY_S = 2.0
 WAIT_REPULL_EVERY_S = 10.0
 
 
-def _parse_arrival(value: Any) -> Arrival:
+def _parse_arrival(value: JSONValue) -> Arrival:
     """One `stopped-G` value: its digest, its full holdings (the previous release's form),
     or why it cannot be read."""
+    if not isinstance(value, dict):
+        return f"expected a JSON object, got {type(value).__name__}"
     try:
         if "digest" in value:
-            return HoldingsDigest.from_dict(value["digest"])
-        return NodeHoldings.from_dict(value["holdings"])
+            return HoldingsDigest.from_dict(_object(value["digest"]))
+        return NodeHoldings.from_dict(_object(value["holdings"]))
     except (ConfigError, KeyError, TypeError) as exc:
         return str(exc)
 
 
+def _object(value: JSONValue) -> Record:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _arrivals(
-    stopped: Mapping[str, Any],
+    stopped: Mapping[str, JSONValue],
     expected: set[str],
     parsed: dict[str, tuple[object, Arrival]],
 ) -> tuple[dict[str, HoldingsDigest], dict[str, NodeHoldings], dict[str, str]]:

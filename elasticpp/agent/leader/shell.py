@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from elasticpp.agent.actions import (
     Action,
@@ -62,6 +62,7 @@ from elasticpp.agent.health.step import as_quarantined, report_of
 from elasticpp.agent.jobspec import JobSpec
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import Journal
+from elasticpp.agent.kernel.records import Record
 from elasticpp.agent.kernel.summaries import (
     ControlSummary,
     FollowerSummary,
@@ -131,15 +132,30 @@ class LeaderCluster(Protocol):
     def write_generation(
         self, record: GenerationRecord, expected_mod_revision: int, leader: Leadership | str
     ) -> bool: ...
-    def write_resume(self, generation: int, value: Any, leader: Leadership) -> bool: ...
+    def cache_for_leader(self, on: bool) -> None: ...
+    @property
+    def arrivals(self) -> ResumeWrites: ...
+    @property
+    def commits(self) -> LeaderCommits: ...
+
+
+class ResumeWrites(Protocol):
+    """The leader's resume instructions (elasticpp.cluster.arrivals.Arrivals)."""
+
+    def write_resume(self, generation: int, value: Record, leader: Leadership) -> bool: ...
     def write_resume_wait(self, generation: int, why: str, leader: Leadership) -> bool: ...
-    def record_timeline(self, generation: int, timeline: Any, leader: Leadership) -> bool: ...
+
+
+class LeaderCommits(Protocol):
+    """The commit records, safe step, history and timelines the leader reads and writes
+    (elasticpp.cluster.commits.Commits)."""
+
+    def record_timeline(self, generation: int, timeline: Record, leader: Leadership) -> bool: ...
     def housekeep(
         self, generation: int, *, keep_history: int = ..., leader: Leadership | None = ...
     ) -> int: ...
     def compact_history(self, leader: Leadership) -> int | None: ...
     def ever_committed(self) -> bool: ...
-    def cache_for_leader(self, on: bool) -> None: ...
     def commit_records(self, generation: int, *, cached: bool = ...) -> dict[str, CommitRecord]: ...
     def read_safe(self, *, cached: bool = ...) -> tuple[SafeStep | None, int]: ...
     def write_safe(
@@ -166,7 +182,7 @@ class LeaderPorts:
     health: Callable[[], HealthSummary]
     quarantines: Callable[[], Mapping[str, QuarantineRecord]]
     liveness: Callable[[], LivenessSummary]
-    dead_now: Callable[[Mapping[str, Mapping[str, Any]]], set[str]]  # liveness's verdicts
+    dead_now: Callable[[Mapping[str, Record]], set[str]]  # liveness's verdicts
     settle_probes: Callable[[], None]  # liveness takes the verdicts of finished probes
     confirm_suspects: Callable[[int, Iterable[str]], bool]  # True: wait for the verdicts
     fenced: Callable[[], bool]  # this node's registration may have lapsed
@@ -258,12 +274,12 @@ class Leader:
         # nodes) and (members, incarnations). Recomputing them cost every tick O(N) hashes
         # and dicts. (members, dead, quarantined, their `decide.NodeLists`): sorting every
         # member and looking at each was ~4 ms of every leader turn at 2,048 nodes.
-        self._restarted_memo: tuple[GenerationRecord, Mapping[str, Any], frozenset[str]] | None = (
-            None
-        )
-        self._incarnations_memo: tuple[Mapping[str, Any], dict[str, str]] | None = None
+        self._restarted_memo: (
+            tuple[GenerationRecord, Mapping[str, Record], frozenset[str]] | None
+        ) = None
+        self._incarnations_memo: tuple[Mapping[str, Record], dict[str, str]] | None = None
         self._lists_memo: (
-            tuple[Mapping[str, Any], frozenset[str], frozenset[str], NodeLists] | None
+            tuple[Mapping[str, Record], frozenset[str], frozenset[str], NodeLists] | None
         ) = None
 
     def register(self, executor: Executor) -> None:
@@ -398,7 +414,7 @@ class Leader:
 
     # ------------------------------------------------------------------ the view it leads by
     def _restarted(
-        self, rec: GenerationRecord | None, members: Mapping[str, Mapping[str, Any]]
+        self, rec: GenerationRecord | None, members: Mapping[str, Record]
     ) -> frozenset[str]:
         """The planned nodes whose agent restarted, computed again only when the record or
         the members changed (both are replaced, never changed in place, on a new read)."""
@@ -441,7 +457,7 @@ class Leader:
 
     def _node_lists(
         self,
-        members: Mapping[str, Mapping[str, Any]],
+        members: Mapping[str, Record],
         dead: frozenset[str],
         quarantined: frozenset[str],
     ) -> NodeLists:
@@ -602,29 +618,33 @@ class Leader:
         return leader_resume_resolved(self.state, action, disk)
 
     def _check_never_committed(self, action: CheckNeverCommitted) -> list[Action]:
-        return leader_fresh_checked(self.state, action, self._cluster.ever_committed())
+        return leader_fresh_checked(self.state, action, self._cluster.commits.ever_committed())
 
     def _write_resume(self, action: WriteResume) -> list[Action]:
-        ok = self._cluster.write_resume(action.generation, dict(action.value), self._term())
+        ok = self._cluster.arrivals.write_resume(
+            action.generation, dict(action.value), self._term()
+        )
         self._ports.reread()
         return leader_resume_written(self.state, action, ok)
 
     def _publish_resume_wait(self, action: PublishResumeWait) -> list[Action]:
-        ok = self._cluster.write_resume_wait(action.generation, action.why, self._term())
+        ok = self._cluster.arrivals.write_resume_wait(action.generation, action.why, self._term())
         self._ports.reread()
         return leader_resume_wait_published(self.state, action, ok)
 
     def _record_timeline(self, action: RecordTimeline) -> list[Action]:
-        ok = self._cluster.record_timeline(action.generation, dict(action.timeline), self._term())
+        ok = self._cluster.commits.record_timeline(
+            action.generation, dict(action.timeline), self._term()
+        )
         return leader_timeline_recorded(self.state, action, ok)
 
     def _housekeep(self, action: Housekeep) -> None:
-        removed = self._cluster.housekeep(action.generation, leader=self._term())
+        removed = self._cluster.commits.housekeep(action.generation, leader=self._term())
         if removed:
             log.info("leader: removed %d etcd key(s) of older generations", removed)
 
     def _compact_history(self, action: CompactHistory) -> None:
-        compacted = self._cluster.compact_history(self._term())
+        compacted = self._cluster.commits.compact_history(self._term())
         if compacted is not None:
             log.info("leader: etcd history compacted to revision %d", compacted)
 
@@ -637,14 +657,14 @@ class Leader:
         # From the cache (no read of every node's record twice a second): a record a watch
         # delivery old gives a safe step no newer than a fresh one would.
         self._cluster.cache_for_leader(True)
-        records = self._cluster.commit_records(action.generation, cached=True)
+        records = self._cluster.commits.commit_records(action.generation, cached=True)
         return leader_safe_step(action, records)
 
     def _read_safe(self, action: ReadSafe) -> list[Action]:
         # A cached value may be a delivery old: the write compares its revision.
-        current, revision = self._cluster.read_safe(cached=True)
+        current, revision = self._cluster.commits.read_safe(cached=True)
         return leader_safe_read(action, current, revision)
 
     def _write_safe(self, action: WriteSafe) -> list[Action]:
-        ok = self._cluster.write_safe(action.safe, action.expected_rev, self._term())
+        ok = self._cluster.commits.write_safe(action.safe, action.expected_rev, self._term())
         return leader_safe_written(action, ok)

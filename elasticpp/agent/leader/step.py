@@ -35,7 +35,7 @@ import hmac
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from elasticpp.agent.actions import (
     Action,
@@ -52,7 +52,7 @@ from elasticpp.agent.actions import (
     WriteSafe,
 )
 from elasticpp.agent.decide import ClusterView, Replan, Wait, candidates, decide_replan
-from elasticpp.agent.kernel.records import Record, fields, integer, number
+from elasticpp.agent.kernel.records import JSONValue, Record, fields, integer, number
 from elasticpp.agent.leader.resume import (
     MISSING_PROBE_EVERY_S,
     leader_fresh_checked,
@@ -193,7 +193,7 @@ def leader_compaction_check(state: LeaderState, obs: LeaderObservation) -> list[
     return [CompactHistory()]
 
 
-def _slots(value: Any) -> int:
+def _slots(value: JSONValue) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"a member's slots must be a whole number, got {value!r}")
     return value
@@ -351,13 +351,14 @@ def leader_timeline_recorded(state: LeaderState, action: RecordTimeline, ok: boo
     t = action.timeline
     actions: list[Action] = [Housekeep(action.generation), CleanRendezvous(action.generation)]
     if action.recovery:
-        actions.append(CountRecovery(float(t["resumed_s"])))
+        actions.append(CountRecovery(number(t, "resumed_s", 0.0)))
     actions.append(
         Event(
             "recovery",
-            "generation {generation} ({reason}): {layout_before} -> "
-            "{layout_after}, resumed at step {resume_step} after {resumed_s:.2f} s, "
-            "{steps_recomputed} step(s) recomputed".format(**t),
+            f"generation {t.get('generation')} ({t.get('reason')}): {t.get('layout_before')} -> "
+            f"{t.get('layout_after')}, resumed at step {t.get('resume_step')} after "
+            f"{number(t, 'resumed_s', 0.0):.2f} s, {t.get('steps_recomputed')} step(s) "
+            "recomputed",
         )
     )
     return actions

@@ -51,13 +51,13 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Any
 
 from elasticpp.agent import probe
 from elasticpp.agent.actions import Action, ConfirmDead, DeposeLeader, ProbeLeader
 from elasticpp.agent.clock import Clock
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
+from elasticpp.agent.kernel.records import Record
 from elasticpp.agent.kernel.summaries import LivenessSummary
 from elasticpp.agent.limits import DEAD_RECHECK_S, PROBE_RECHECK_PER_S, PROBE_THREADS
 from elasticpp.agent.liveness.step import (
@@ -159,7 +159,7 @@ class Liveness:
             suspecting=bool(s.suspect_since),
         )
 
-    def dead_now(self, members: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    def dead_now(self, members: Mapping[str, Record]) -> set[str]:
         """The nodes found dead that are still registered as that incarnation, or gone."""
         return self.state.dead_now(members)
 

@@ -45,6 +45,7 @@ from elasticpp.agent.decide import TransitionError, WorkerState
 from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
+from elasticpp.agent.kernel.records import JSONValue, integer, number
 from elasticpp.agent.limits import GPU_CHECK_INTERVAL_S
 from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pool import WorkerPool, _Worker
@@ -64,17 +65,17 @@ log = logging.getLogger("elasticpp.agent")
 
 # (log path, environment, name) -> a warm worker: a WorkerProcess, or a simulated one with
 # the same methods (bench/scale.py)
-WorkerFactory = Callable[[Path, dict[str, str], str], Any]
+WorkerFactory = Callable[[Path, dict[str, str], str], WorkerProcess]
 
 
 @dataclass(frozen=True)
 class WorkerEvents:
     """What the other parts do with the events of a worker that holds a rank."""
 
-    on_started: Callable[[dict[str, Any]], None]
-    on_step: Callable[[_Worker, dict[str, Any]], None]
-    on_snapshot: Callable[[_Worker, dict[str, Any]], None]
-    on_snapshot_failed: Callable[[_Worker, dict[str, Any]], None]
+    on_started: Callable[[dict[str, JSONValue]], None]
+    on_step: Callable[[_Worker, dict[str, JSONValue]], None]
+    on_snapshot: Callable[[_Worker, dict[str, JSONValue]], None]
+    on_snapshot_failed: Callable[[_Worker, dict[str, JSONValue]], None]
 
 
 # (log path, environment, on ready, python) -> the node's worker template (tests give another)
@@ -348,7 +349,7 @@ class Supervisor:
                 # this event is lost, the loop and the other events are not.
                 self._errors.survive("worker", exc)
 
-    def _on_event(self, proc: WorkerProcess, event: dict[str, Any]) -> None:
+    def _on_event(self, proc: WorkerProcess, event: dict[str, JSONValue]) -> None:
         kind = event.get("event")
         pool = self._pool
         if kind == "ready":
@@ -378,11 +379,11 @@ class Supervisor:
                 "rank %d of generation %d started in %.2f s %s",
                 w.rank,
                 w.generation,
-                float(event.get("setup_seconds") or 0.0),
+                number(event, "setup_seconds", 0.0),
                 event.get("setup") or "",
             )
         elif kind == "step":
-            w.last_step = int(event["step"])
+            w.last_step = integer(event, "step")
             self._events.on_step(w, event)
         elif kind == "snapshot":
             self._events.on_snapshot(w, event)

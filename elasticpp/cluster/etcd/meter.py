@@ -60,7 +60,7 @@ class MeterReading:
 
 
 class EtcdMeter:
-    """Thread-safe counters, fed by `EtcdKV` (elasticpp.cluster.etcd_client)."""
+    """Thread-safe counters, fed by `EtcdKV` (elasticpp.cluster.etcd.kv)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,5 +1,5 @@
 """The etcd client's watches (`WatchesPart`, a part of `EtcdKV`): every watch of a client
-shares one Watch stream per endpoint (`etcd_watch_stream.WatchStream`); a watch is created
+shares one Watch stream per endpoint (`watch_stream.WatchStream`); a watch is created
 before `add_watch` returns and is cancelled by its handle. The reconnecting, revision-keeping
 watch that callers use is `elasticpp.cluster.watch.Watch`, built on these."""
 
@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 import grpc
 
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.cluster.etcd_endpoint import Endpoint, metered
-from elasticpp.cluster.etcd_errors import is_token_error, is_watch_token_refusal, raise_mapped
-from elasticpp.cluster.etcd_meter import EtcdMeter
-from elasticpp.cluster.etcd_security import EtcdSecurity
-from elasticpp.cluster.etcd_watch_stream import WatchBatch, Watcher, WatchItem, WatchStream
+from elasticpp.cluster.etcd.endpoint import Endpoint, metered
+from elasticpp.cluster.etcd.errors import is_token_error, is_watch_token_refusal, raise_mapped
+from elasticpp.cluster.etcd.meter import EtcdMeter
+from elasticpp.cluster.etcd.security import EtcdSecurity
+from elasticpp.cluster.etcd.watch_stream import WatchBatch, Watcher, WatchItem, WatchStream
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 
 
 class WatchesPart:
-    """Methods of `EtcdKV` (elasticpp.cluster.etcd_client); the state they use is set up
+    """Methods of `EtcdKV` (elasticpp.cluster.etcd.kv); the state they use is set up
     there."""
 
     request_timeout_s: float

@@ -2,7 +2,7 @@
 operations of a transaction (`Compare`, `Put`, `Delete`), their encoding into etcd's
 protobuf messages, a read key-value decoded, the end of a prefix's range, and the one
 refusal a caller can act on by reading again (a revision compacted away). Pure: no I/O;
-`etcd_client.EtcdKV` sends what this builds."""
+`kv.EtcdKV` sends what this builds."""
 
 from __future__ import annotations
 

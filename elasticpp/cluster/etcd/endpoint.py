@@ -1,4 +1,4 @@
-"""The wire side of elasticpp's etcd client (elasticpp.cluster.etcd_client): etcd's gRPC
+"""The wire side of elasticpp's etcd client (elasticpp.cluster.etcd.kv): etcd's gRPC
 method names and reply types, the channel options, one endpoint's channel and streams
 (`Endpoint`), and what the bench's meter counts of a call (`meter_request`) and of a
 watch's batches (`metered`).
@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 
-from elasticpp.cluster.etcd_keepalive import KeepAliveStream
-from elasticpp.cluster.etcd_meter import EtcdMeter, kind_of
-from elasticpp.cluster.etcd_security import EtcdSecurity
-from elasticpp.cluster.etcd_watch_stream import WatchBatch, WatchItem, WatchStream
+from elasticpp.cluster.etcd.keepalive import KeepAliveStream
+from elasticpp.cluster.etcd.meter import EtcdMeter, kind_of
+from elasticpp.cluster.etcd.security import EtcdSecurity
+from elasticpp.cluster.etcd.watch_stream import WatchBatch, WatchItem, WatchStream
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 
 CHANNEL_OPTIONS = [
@@ -78,7 +78,7 @@ class Endpoint:
 
 
 def meter_request(meter: EtcdMeter, method: str, request: Any, reply: Any) -> None:
-    """Count one unary call on `meter` (elasticpp.cluster.etcd_meter): its sizes and kind."""
+    """Count one unary call on `meter` (elasticpp.cluster.etcd.meter): its sizes and kind."""
     value, key = 0, b""
     if method == PUT:
         value, key = len(request.value), request.key

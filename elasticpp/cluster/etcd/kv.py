@@ -2,23 +2,23 @@
 
 It sends and reads the messages of `proto/elasticpp/rpc/etcd/v3/etcd.proto` (etcd's wire
 format, the subset we use) by etcd's method names, over grpcio; everything above it is typed
-(the typed operations and their encoding are `etcd_ops`).
+(the typed operations and their encoding are `ops`).
 Failures come out as `ClusterUnavailableError` (no answer within `request_timeout_s`; `fast`
 when refused at once), `LeaseNotFoundError`, `ClusterLimitError` (over a message-size limit:
-not an outage) and `ClusterAuthError` (elasticpp.cluster.etcd_errors).
+not an outage) and `ClusterAuthError` (elasticpp.cluster.etcd.errors).
 
 Why our own: the etcd3 library line is unmaintained; its forks set no message limits, refuse an
 endpoint for 300 s after one UNAVAILABLE answer and cannot combine client certificates with
 token authentication. Here every call is bounded; idempotent calls refused at once are retried
 for `retry_window_s` (gRPC's reconnect backoff is capped at 1 s, so calls work again about a
 second after etcd is back), on the next endpoint if there are several; a transaction is never
-sent twice. Message sizes are explicit. TLS and username/password (`etcd_security`): the token
+sent twice. Message sizes are explicit. TLS and username/password (`security`): the token
 is fetched on first use and again when etcd stops accepting it.
 
 Streams, as etcd's own clients keep them: all the watches of a client share one Watch stream
-per endpoint (`etcd_watch_stream`; creating and cancelling watches is `etcd_watches`), and its
+per endpoint (`watch_stream`; creating and cancelling watches is `watches`), and its
 lease keep-alives one LeaseKeepAlive stream per
-endpoint (`etcd_keepalive`); each stream has one reader thread and lives until it fails, which
+endpoint (`keepalive`); each stream has one reader thread and lives until it fails, which
 ends every watch on it (each gets its WatchEnded) or fails the keep-alives waiting on it; the
 next call opens a new one. A stream carries the token of its creation: when etcd refuses a
 watch's creation for it, the token is renewed, the stream retired (it keeps the watches it
@@ -49,7 +49,7 @@ from elasticpp.cluster.errors import (
     ClusterUnavailableError,
     LeaseNotFoundError,
 )
-from elasticpp.cluster.etcd_endpoint import (
+from elasticpp.cluster.etcd.endpoint import (
     AUTHENTICATE,
     CHANNEL_OPTIONS,
     COMPACT,
@@ -62,10 +62,10 @@ from elasticpp.cluster.etcd_endpoint import (
     Endpoint,
     meter_request,
 )
-from elasticpp.cluster.etcd_errors import is_token_error, raise_mapped
-from elasticpp.cluster.etcd_keepalive import KeepAliveStream
-from elasticpp.cluster.etcd_meter import EtcdMeter
-from elasticpp.cluster.etcd_ops import (
+from elasticpp.cluster.etcd.errors import is_token_error, raise_mapped
+from elasticpp.cluster.etcd.keepalive import KeepAliveStream
+from elasticpp.cluster.etcd.meter import EtcdMeter
+from elasticpp.cluster.etcd.ops import (
     Compare,
     Delete,
     Put,
@@ -75,15 +75,15 @@ from elasticpp.cluster.etcd_ops import (
     kv_of,
     op_msg,
 )
-from elasticpp.cluster.etcd_security import EtcdSecurity, parse_endpoint
-from elasticpp.cluster.etcd_watch_stream import (
+from elasticpp.cluster.etcd.security import EtcdSecurity, parse_endpoint
+from elasticpp.cluster.etcd.watch_stream import (
     WatchBatch,
     WatchEnded,
     Watcher,
     WatchItem,
     WatchStream,
 )
-from elasticpp.cluster.etcd_watches import WatchesPart
+from elasticpp.cluster.etcd.watches import WatchesPart
 from elasticpp.cluster.records import KeyValue
 from elasticpp.errors import ConfigError
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
@@ -451,7 +451,7 @@ class EtcdKV(WatchesPart):
         (threads may refresh at once); no answer within `request_timeout_s` raises
         ClusterUnavailableError (a stream that answered nothing meanwhile is replaced at the
         next call), and an answer renewing the lease after that calls `on_late()` (see
-        `etcd_keepalive`)."""
+        `keepalive`)."""
 
         def once(ep: Endpoint, metadata: Any) -> Any:
             self._count("LeaseKeepAlive")

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.cluster.etcd_watch_stream import open_stream
+from elasticpp.cluster.etcd.watch_stream import open_stream
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 
 KEEPALIVE_METHOD = "/etcdserverpb.Lease/LeaseKeepAlive"

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 
 from elasticpp.cluster.errors import ClusterUnavailableError
-from elasticpp.cluster.etcd_errors import rpc_details
+from elasticpp.cluster.etcd.errors import rpc_details
 from elasticpp.cluster.records import EventType, WatchEvent
 from elasticpp.rpc.etcd.v3 import etcd_pb2 as pb
 
