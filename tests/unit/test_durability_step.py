@@ -5,10 +5,13 @@ the outcomes of the store's record, commit and drop fed back by hand, as the exe
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from elasticpp.agent.actions import (
     Action,
@@ -307,3 +310,28 @@ def test_a_commit_that_fails_does_not_announce_that_snapshots_are_written_again(
     assert (
         agent.durability.state.snap_failures == 1 and agent.durability.state.last_commit_step == -1
     )
+
+
+@pytest.mark.parametrize(
+    ("pieces", "why"),
+    [
+        ("unit0.safetensors", "pieces: expected a list, got str"),
+        ([7], "pieces[0]: expected an object"),
+    ],
+)
+def test_a_snapshot_report_whose_pieces_are_not_objects_is_refused_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pieces: Any, why: str
+) -> None:
+    """A worker's report is JSON from another process: pieces that are not a list of
+    objects are refused with a message that says so, and nothing is committed."""
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
+    plan = _plan(1)
+    record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
+    agent.follower.state.gen = _GenState(
+        record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
+    )
+    w = _Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="elasticpp.agent"):
+        agent.executor.run(agent.durability.on_snapshot(w, {"step": 5, "pieces": pieces}))
+    assert any(why in r.getMessage() and "not recorded" in r.getMessage() for r in caplog.records)
+    assert agent.durability.state.last_commit_step == -1 and agent.store.committed_steps() == []
