@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from elasticpp.agent.decide import ClusterView, decide_replan, node_lists
+from elasticpp.agent.kernel.decide import ClusterView, decide_replan, node_lists
 from elasticpp.cluster.barriers import check_arrival
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.records import KeyValue, dumps

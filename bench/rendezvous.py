@@ -9,7 +9,7 @@ to one master store, then each: one `set` of its own key, one `add` to the arriv
 store barrier does), and one `get` of rank 0's key (as NCCL's unique-id exchange does).
 Measured: the time from the first client's start (torch imported) to the last rank through,
 and the store's requests per second over it. Prints a table; the
-agent sizes the workers' rendezvous timeout from it (elasticpp.agent.deadlines).
+agent sizes the workers' rendezvous timeout from it (elasticpp.agent.leader.deadlines).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.limits import LOOP_WATCH_S
+from elasticpp.agent.kernel.limits import LOOP_WATCH_S
 from elasticpp.agent.node import Agent
 
 log = logging.getLogger("elasticpp.bench.scale")

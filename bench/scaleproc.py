@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.decide import Phase
+from elasticpp.agent.kernel.decide import Phase
 from elasticpp.cluster.etcd.meter import MeterReading
 from elasticpp.errors import ElasticppError
 

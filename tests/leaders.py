@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from elasticpp.agent.decide import ClusterView
 from elasticpp.agent.jobspec import parse_job_spec
+from elasticpp.agent.kernel.decide import ClusterView
 from elasticpp.agent.leader.state import LeaderState
 from elasticpp.agent.leader.step import (
     LeaderObservation,

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 
-from elasticpp.agent.limits import (
+from elasticpp.agent.kernel.limits import (
     AGENT_STOP_GRACE_S,
     AGENT_STOP_KILL_WAIT_S,
     ORPHAN_SCAN_EVERY_S,

@@ -102,30 +102,31 @@ from elasticpp.agent.actions import (
     StopWorkers,
     UpdateGauges,
 )
-from elasticpp.agent.clock import Clock, LoopHeartbeat, SystemClock
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control.shell import Control, ControlConfig
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.durability.shell import Durability, DurabilityConfig
 from elasticpp.agent.follower.shell import Follower, FollowerConfig, FollowerPorts
 from elasticpp.agent.health.shell import Health, HealthConfig
 from elasticpp.agent.jobspec import JobSpec
+from elasticpp.agent.kernel.clock import Clock, LoopHeartbeat, SystemClock
+from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
+from elasticpp.agent.kernel.limits import (
+    QUIET_TICK_S,
+    VIEW_REFRESH_S,
+)
+from elasticpp.agent.kernel.metrics import AgentMetrics
+from elasticpp.agent.kernel.pool import WorkerPool
 from elasticpp.agent.kernel.ports import HealthPort
 from elasticpp.agent.kernel.summaries import (
     ProgressSummary,
 )
+from elasticpp.agent.kernel.worklogs import WorkerLogs
 from elasticpp.agent.leader.shell import Leader, LeaderConfig, LeaderPorts
-from elasticpp.agent.limits import (
-    QUIET_TICK_S,
-    VIEW_REFRESH_S,
-)
 from elasticpp.agent.liveness.shell import Liveness
 from elasticpp.agent.membership.shell import Membership, MembershipPorts
-from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.pace import PaceObservation, TurnPace, tick_s
-from elasticpp.agent.pool import WorkerPool
 from elasticpp.agent.server import Doors, Served, ServerFactory, ServerPorts, serve
 from elasticpp.agent.supervisor.shell import (
     Supervisor,
@@ -134,7 +135,6 @@ from elasticpp.agent.supervisor.shell import (
     WorkerFactory,
 )
 from elasticpp.agent.view.shell import View
-from elasticpp.agent.worklogs import WorkerLogs
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import (
     ClusterUnavailableError,
@@ -196,10 +196,11 @@ class Agent:
         )
         self.metrics_path = cfg.state_dir / "metrics.jsonl"
         self.log_dir = cfg.state_dir / "logs"
-        # Worker output per assignment, teed to stdout (elasticpp.agent.worklogs).
+        # Worker output per assignment, teed to stdout (elasticpp.agent.kernel.worklogs).
         self.worker_logs = WorkerLogs(self.log_dir)
         self.python = python
-        # Inboxes: what watches, gRPC threads and other parts may hand over (elasticpp.agent.inbox)
+        # Inboxes: what watches, gRPC threads and other parts may hand over
+        # (elasticpp.agent.kernel.inbox)
         self.wake = wake if wake is not None else threading.Event()  # the loop ticks now
         self._stop = threading.Event()
         # What every part uses: the journal of decisions (`ctl events`), the error policy,
@@ -212,7 +213,7 @@ class Agent:
         # Each part's state: one object, one writer (that part's module, on the loop).
         self.pool = WorkerPool(
             self.wake, clock=self.clock.monotonic
-        )  # the supervisor's workers (elasticpp.agent.pool)
+        )  # the supervisor's workers (elasticpp.agent.kernel.pool)
         # The executor's own: the lifecycle of this agent's server, registration and loop.
         # Every channel to a peer (probes, state transfers): TLS with this node's
         # certificate when the job has one (elasticpp.transport, the one place).

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elasticpp.agent.decide import Phase
-from elasticpp.agent.limits import (
+from elasticpp.agent.kernel.decide import Phase
+from elasticpp.agent.kernel.limits import (
     BUSY_TICK_S,
     LEADER_TURN_GAP_MAX_S,
     LEADER_TURN_SHARE,

@@ -25,10 +25,10 @@ from grpc_health.v1 import health_pb2_grpc
 from elasticpp.agent.auth import AuthInterceptor, Policy
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.kernel.journal import Journal
+from elasticpp.agent.kernel.limits import EVENT_STREAMS, FETCH_STREAMS, UNARY_THREADS
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.agent.kernel.ports import HealthPort
 from elasticpp.agent.kernel.summaries import FollowerSummary
-from elasticpp.agent.limits import EVENT_STREAMS, FETCH_STREAMS, UNARY_THREADS
-from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.service import AgentServicer, StatusPort
 from elasticpp.agent.view.step import ViewSnapshot
 from elasticpp.errors import ConfigError

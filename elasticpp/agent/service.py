@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from elasticpp.agent.inbox import Event
+from elasticpp.agent.kernel.inbox import Event
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.keys import check_name
 from elasticpp.errors import ConfigError

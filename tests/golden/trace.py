@@ -126,6 +126,25 @@ def has_opaque(
     return None
 
 
+# Modules that moved since a trace was recorded: a class is looked up where it lives now
+# (the move changed no behaviour, which is what replaying the trace shows).
+MOVED_MODULES = {
+    f"elasticpp.agent.{name}": f"elasticpp.agent.{package}.{name}"
+    for name, package in {
+        "clock": "kernel",
+        "limits": "kernel",
+        "metrics": "kernel",
+        "decide": "kernel",
+        "inbox": "kernel",
+        "pool": "kernel",
+        "worklogs": "kernel",
+        "gpuhealth": "supervisor",
+        "latest": "durability",
+        "deadlines": "leader",
+    }.items()
+}
+
+
 class Classes:
     """elasticpp's classes by `module:qualname`, and by qualname for a class that moved.
     `moved_out`: fields a state recorded that moved out of it since (into a part's shell),
@@ -158,6 +177,7 @@ class Classes:
 
     def find(self, name: str) -> type:
         module_name, _, qualname = name.partition(":")
+        module_name = MOVED_MODULES.get(module_name, module_name)
         if module_name != "elasticpp" and not module_name.startswith("elasticpp."):
             # A trace names classes; it never names what to import beyond elasticpp's own.
             raise LookupError(f"class {name}: not one of elasticpp's")

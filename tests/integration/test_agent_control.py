@@ -17,9 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from elasticpp.agent.clock import LoopHeartbeat, SystemClock
 from elasticpp.agent.control.shell import Control, ControlConfig
-from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.kernel.clock import LoopHeartbeat, SystemClock
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.agent.service import AgentServicer
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 from elasticpp.waiting import wait_until

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
-from elasticpp.agent.limits import AGENT_STOP_KILL_WAIT_S
+from elasticpp.agent.kernel.limits import AGENT_STOP_KILL_WAIT_S
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster.client import ClusterClient
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.clock import ManualClock
+from elasticpp.agent.kernel.clock import ManualClock
 from elasticpp.agent.leader.shell import RendezvousStore
 from elasticpp.agent.leader.state import CAMPAIGN_SPREAD_MAX_S, campaign_spread_s
 from elasticpp.agent.localcluster import LocalCluster, kill_tree

@@ -22,6 +22,7 @@ from elasticpp.agent.probe import ProbeResult
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.waiting import wait_until
 from tests.agents import SPEC
+from tests.fakes import FakeCluster
 
 
 class _SlowFirstHealth(health_pb2_grpc.HealthServicer):
@@ -159,15 +160,13 @@ def test_a_follower_deposes_a_leader_whose_loop_stalled(tmp_path: Path) -> None:
         servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)  # a wedged loop
     deposed: list[str] = []
 
-    class _Cluster:
+    class _Cluster(FakeCluster):
         def depose(self, node_id: str) -> bool:
             deposed.append(node_id)
             return True
 
     agent = Agent(
-        AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path),
-        SPEC,
-        cluster=_Cluster(),  # type: ignore[arg-type]
+        AgentConfig("n1", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC, cluster=_Cluster()
     )
     for address in _serve(servicer):  # type: ignore[arg-type]
         agent.view.state.members = {"n0": {"address": address, "incarnation": "a"}}

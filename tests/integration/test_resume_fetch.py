@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState
-from elasticpp.agent.limits import FETCH_PER_SOURCE
+from elasticpp.agent.kernel.decide import Phase
+from elasticpp.agent.kernel.limits import FETCH_PER_SOURCE
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.arrivals import Arrivals
 from elasticpp.cluster.barriers import RESUME_MEMBER

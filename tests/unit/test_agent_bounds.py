@@ -12,15 +12,15 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.decide import Phase, WorkerState
+from elasticpp.agent.durability.latest import LatestWriter, Pacing
 from elasticpp.agent.durability.step import CommitValue, anchors_ran_ahead
 from elasticpp.agent.follower.step import FetchOutcome, _GenState
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.latest import LatestWriter, Pacing
+from elasticpp.agent.kernel.decide import Phase, WorkerState
+from elasticpp.agent.kernel.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
+from elasticpp.agent.kernel.pool import _Worker
 from elasticpp.agent.leader.shell import RendezvousStore
-from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.arrivals import Arrivals
 from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.commits import Commits

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import elasticpp.agent
-from elasticpp.agent.clock import ManualClock
-from elasticpp.agent.decide import MOVING_DEADLINE_FLOOR_S, Phase, WorkerState
+from elasticpp.agent.kernel.clock import ManualClock
+from elasticpp.agent.kernel.decide import MOVING_DEADLINE_FLOOR_S, Phase, WorkerState
+from elasticpp.agent.kernel.pool import _Worker
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.records import GenerationRecord
 from tests.agents import SPEC3 as SPEC
 from tests.agents import RegisteredCluster as _Cluster
@@ -167,7 +167,7 @@ def test_a_drain_announces_itself_when_etcd_does_not_take_the_member_info_now(
 
 
 # On purpose on the real clock: the loop watchdog (the executor's own liveness, see
-# elasticpp.agent.clock), a fetch's byte progress, which its thread times, and the loop's
+# elasticpp.agent.kernel.clock), a fetch's byte progress, which its thread times, and the loop's
 # pace against what is stamped on the real clock: the status snapshot (by the loop's turn)
 # and the last step reported (by the worker pool's reader threads).
 # Joining waits for etcd on the real clock, and the heartbeat it sets is the real loop's.

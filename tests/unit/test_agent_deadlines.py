@@ -8,13 +8,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.clock import Clock, ManualClock
-from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower.step import FetchOutcome, _GenState
 from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
-from elasticpp.agent.limits import STOPPED_WAIT_MARGIN_S
+from elasticpp.agent.kernel.clock import Clock, ManualClock
+from elasticpp.agent.kernel.decide import Phase, WorkerState
+from elasticpp.agent.kernel.limits import STOPPED_WAIT_MARGIN_S
+from elasticpp.agent.kernel.pool import _Worker
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.health import JobEnd
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan

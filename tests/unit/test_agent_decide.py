@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticpp.agent.decide import (
+from elasticpp.agent.kernel.decide import (
     ClusterView,
     Replan,
     TransitionError,
@@ -113,7 +113,7 @@ def test_worker_transitions_refuse_what_is_not_written_down() -> None:
 
 
 def test_generation_phases_refuse_a_transition_not_written_down() -> None:
-    from elasticpp.agent.decide import PHASE_TRANSITIONS, Phase, phase_transition
+    from elasticpp.agent.kernel.decide import PHASE_TRANSITIONS, Phase, phase_transition
 
     assert phase_transition(Phase.STOPPING, Phase.MOVING) is Phase.MOVING
     assert phase_transition(Phase.RUNNING, Phase.RUNNING) is Phase.RUNNING
@@ -125,7 +125,7 @@ def test_generation_phases_refuse_a_transition_not_written_down() -> None:
 
 
 def test_every_phase_that_waits_on_others_has_a_deadline_of_at_least_the_hang_timeout() -> None:
-    from elasticpp.agent.decide import Phase, phase_deadline_s
+    from elasticpp.agent.kernel.decide import Phase, phase_deadline_s
 
     for phase in (Phase.MOVING, Phase.STARTING):
         deadline = phase_deadline_s(phase, 300.0)

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower.step import _GenState
 from elasticpp.agent.jobspec import parse_job_spec
+from elasticpp.agent.kernel.decide import Phase, WorkerState
+from elasticpp.agent.kernel.pool import _Worker
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.pool import _Worker
 from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
@@ -303,7 +303,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
 def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path: Path) -> None:
     import os
 
-    from elasticpp.agent.limits import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
+    from elasticpp.agent.kernel.limits import METRICS_ROTATE_BYTES, WORKER_LOGS_KEPT
 
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     for g in (1, 2, 3):

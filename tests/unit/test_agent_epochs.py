@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER

@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 
-from elasticpp.agent.gpuhealth import GpuReading, describe_unhealthy, healthy_gpus, read_gpu_health
+from elasticpp.agent.supervisor.gpuhealth import (
+    GpuReading,
+    describe_unhealthy,
+    healthy_gpus,
+    read_gpu_health,
+)
 
 
 class FakeNvml:

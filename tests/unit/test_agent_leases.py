@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.clock import LoopHeartbeat
-from elasticpp.agent.limits import LEASE_STALL_S, LOOP_STALL_S, QUIET_TICK_S
+from elasticpp.agent.kernel.clock import LoopHeartbeat
+from elasticpp.agent.kernel.limits import LEASE_STALL_S, LOOP_STALL_S, QUIET_TICK_S
 from elasticpp.agent.membership.shell import Membership, MembershipPorts
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.errors import NodeIdConflictError

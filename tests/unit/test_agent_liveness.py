@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from elasticpp.agent import probe
+from elasticpp.agent.kernel.limits import DEAD_RECHECK_S
 from elasticpp.agent.leader import shell as leader_module
-from elasticpp.agent.limits import DEAD_RECHECK_S
 from elasticpp.agent.liveness import shell as liveness
 from elasticpp.agent.liveness.step import paced_keep_s
 from elasticpp.agent.node import Agent, AgentConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.agent.node import Agent, AgentConfig
 from tests.agents import SPEC
 

@@ -17,7 +17,7 @@ from elasticpp.agent.durability.step import (
     durability_on_step,
 )
 from elasticpp.agent.jobspec import parse_job_spec
-from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.errors import ConfigError
 
 BASE_SPEC = {

@@ -8,9 +8,9 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState, fetch_addresses
-from elasticpp.agent.limits import FETCH_STALL_S
+from elasticpp.agent.kernel.decide import Phase
+from elasticpp.agent.kernel.limits import FETCH_STALL_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.cluster.records import GenerationRecord, node_fields

@@ -9,10 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.decide import Phase
 from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.kernel.decide import Phase
+from elasticpp.agent.kernel.limits import SAFE_EVERY_S
 from elasticpp.agent.leader.step import leader_safe_check
-from elasticpp.agent.limits import SAFE_EVERY_S
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import CommitRecord, GenerationRecord, Members, SafeStep
 from elasticpp.plan import Plan

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpp.agent.decide import ClusterView, Replan, Wait, candidates, decide_replan
+from elasticpp.agent.kernel.decide import ClusterView, Replan, Wait, candidates, decide_replan
 from elasticpp.agent.sick import (
     EndJob,
     Quarantine,

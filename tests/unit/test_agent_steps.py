@@ -30,7 +30,11 @@ from elasticpp.agent.actions import (
 )
 from elasticpp.agent.control.step import ControlObservation, ControlState, control_step
 from elasticpp.agent.health.step import EXIT_FAILED, HealthState, job_end_step
-from elasticpp.agent.limits import LEADER_SUSPECT_S, TEMPLATE_PING_EVERY_S, TEMPLATE_RESTART_MIN_S
+from elasticpp.agent.kernel.limits import (
+    LEADER_SUSPECT_S,
+    TEMPLATE_PING_EVERY_S,
+    TEMPLATE_RESTART_MIN_S,
+)
 from elasticpp.agent.liveness.step import (
     LeaderWatch,
     LivenessState,

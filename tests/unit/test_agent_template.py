@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from elasticpp.agent.actions import ReplaceTemplate, ReportFailure
-from elasticpp.agent.clock import ManualClock
-from elasticpp.agent.decide import WorkerState
+from elasticpp.agent.kernel.clock import ManualClock
+from elasticpp.agent.kernel.decide import WorkerState
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
-from elasticpp.agent.metrics import AgentMetrics
-from elasticpp.agent.pool import WorkerPool, _Worker
+from elasticpp.agent.kernel.metrics import AgentMetrics
+from elasticpp.agent.kernel.pool import WorkerPool, _Worker
+from elasticpp.agent.kernel.worklogs import WorkerLogs
 from elasticpp.agent.supervisor.shell import Supervisor, SupervisorConfig, WorkerEvents
-from elasticpp.agent.worklogs import WorkerLogs
 from tests.agents import plan_over as _plan
 
 READY_TIMEOUT_S = 60.0

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.follower.step import _GenState
-from elasticpp.agent.limits import (
+from elasticpp.agent.kernel.decide import Phase, WorkerState
+from elasticpp.agent.kernel.limits import (
     BUSY_TICK_S,
     LEADER_TURN_GAP_MAX_S,
     LEADER_TURN_SHARE,
@@ -25,8 +25,8 @@ from elasticpp.agent.limits import (
     STATUS_EVERY_S,
     TRAINING_TICK_S,
 )
+from elasticpp.agent.kernel.pool import _Worker
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
 from elasticpp.plan import Plan
 from elasticpp.waiting import wait_until

@@ -1,12 +1,12 @@
-"""Deadlines that grow with the job (elasticpp.agent.deadlines, train.config): a 2,048-node
+"""Deadlines that grow with the job (elasticpp.agent.leader.deadlines, train.config): a 2,048-node
 transition gets longer than a 4-node one, a small job keeps its old deadlines."""
 
 from __future__ import annotations
 
-from elasticpp.agent.deadlines import pull_deadline_s, stop_wait_s
+from elasticpp.agent.kernel.limits import PULL_DEADLINE_S, STOPPED_WAIT_MARGIN_S
+from elasticpp.agent.leader.deadlines import pull_deadline_s, stop_wait_s
 from elasticpp.agent.leader.resume import stop_wait_step
 from elasticpp.agent.leader.state import LeaderState
-from elasticpp.agent.limits import PULL_DEADLINE_S, STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import SickNodes, SickPolicy
 from elasticpp.train.config import rendezvous_timeout_s
 

@@ -634,7 +634,7 @@ def test_prometheus_rules_check_and_pass_their_unit_tests():
 
 @pytest.mark.timeout(60)
 def test_prometheus_rules_use_only_metrics_the_agent_exports():
-    from elasticpp.agent.metrics import AgentMetrics
+    from elasticpp.agent.kernel.metrics import AgentMetrics
 
     # The series names each metric family appears under when scraped.
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}

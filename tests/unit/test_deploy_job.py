@@ -16,7 +16,7 @@ import pytest
 from elasticpp.agent.config import TAKEN_EXIT_CODES
 from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.jobspec import JobSpec
-from elasticpp.agent.limits import AGENT_STOP_KILL_WAIT_S
+from elasticpp.agent.kernel.limits import AGENT_STOP_KILL_WAIT_S
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
 from tests.charts import CHART, MINIMAL_VALUES, VALUE_SETS
 from tests.charts import elasticpp_calls as _elasticpp_calls

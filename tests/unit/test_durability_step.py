@@ -26,7 +26,6 @@ from elasticpp.agent.actions import (
     StepMetrics,
     WriteMetricsLine,
 )
-from elasticpp.agent.decide import Phase, WorkerState
 from elasticpp.agent.durability.step import (
     DurabilityState,
     SnapshotFailure,
@@ -40,9 +39,10 @@ from elasticpp.agent.durability.step import (
     durability_recorded,
 )
 from elasticpp.agent.follower.step import _GenState
-from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
+from elasticpp.agent.kernel.decide import Phase, WorkerState
+from elasticpp.agent.kernel.limits import FENCED_SNAPSHOTS_KEPT
+from elasticpp.agent.kernel.pool import _Worker
 from elasticpp.agent.node import Agent, AgentConfig
-from elasticpp.agent.pool import _Worker
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import Plan

@@ -24,7 +24,6 @@ from elasticpp.agent.actions import (
     SkipRecord,
     StartFetch,
 )
-from elasticpp.agent.decide import MOVING_DEADLINE_FLOOR_S, STARTING_DEADLINE_FLOOR_S, Phase
 from elasticpp.agent.follower.step import (
     AssignOutcome,
     FetchOutcome,
@@ -38,7 +37,8 @@ from elasticpp.agent.follower.step import (
     follower_fetch_started,
     follower_step,
 )
-from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
+from elasticpp.agent.kernel.decide import MOVING_DEADLINE_FLOOR_S, STARTING_DEADLINE_FLOOR_S, Phase
+from elasticpp.agent.kernel.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 from tests.agents import plan_over as _plan

@@ -26,6 +26,7 @@ from elasticpp.agent.actions import (
     WriteResume,
     WriteSafe,
 )
+from elasticpp.agent.kernel.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.leader.resume import WAIT_REPULL_EVERY_S
 from elasticpp.agent.leader.state import LeaderState
 from elasticpp.agent.leader.step import (
@@ -41,7 +42,6 @@ from elasticpp.agent.leader.step import (
     leader_step,
     leader_timeline_recorded,
 )
-from elasticpp.agent.limits import COMPACT_EVERY_S, SAFE_EVERY_S, STOPPED_WAIT_MARGIN_S
 from elasticpp.agent.sick import Quarantine
 from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.records import (

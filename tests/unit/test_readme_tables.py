@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.cli import main as cli_main
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -1,4 +1,4 @@
-"""Worker logs split per assignment and teed with a prefix (elasticpp.agent.worklogs), on
+"""Worker logs split per assignment and teed with a prefix (elasticpp.agent.kernel.worklogs), on
 real files written as a worker writes them."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from elasticpp.agent import worklogs
-from elasticpp.agent.worklogs import WorkerLogs, assignment_log, tail_of
+from elasticpp.agent.kernel import worklogs
+from elasticpp.agent.kernel.worklogs import WorkerLogs, assignment_log, tail_of
 
 
 def _logs(tmp_path: Path) -> tuple[WorkerLogs, io.BytesIO]:

@@ -24,10 +24,12 @@ from grpc_health.v1 import health_pb2
 
 from elasticpp.agent import probe
 from elasticpp.agent.actions import Action, JobEndedGauge, ReleaseSpares
-from elasticpp.agent.clock import Clock, LoopHeartbeat
 from elasticpp.agent.control.step import ControlObservation, ControlState, control_step
-from elasticpp.agent.decide import Phase
+from elasticpp.agent.kernel.clock import Clock, LoopHeartbeat
+from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.kernel.executor import Executor
+from elasticpp.agent.kernel.limits import LOOP_STALL_S, LOOP_WATCH_S
+from elasticpp.agent.kernel.metrics import WORKER_STATES, AgentMetrics
 from elasticpp.agent.kernel.ports import HealthPort, PoolPort
 from elasticpp.agent.kernel.records import fields, integer
 from elasticpp.agent.kernel.summaries import (
@@ -37,8 +39,6 @@ from elasticpp.agent.kernel.summaries import (
     ProgressSummary,
     ViewSummary,
 )
-from elasticpp.agent.limits import LOOP_STALL_S, LOOP_WATCH_S
-from elasticpp.agent.metrics import WORKER_STATES, AgentMetrics
 
 log = logging.getLogger("elasticpp.agent")
 

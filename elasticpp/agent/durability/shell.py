@@ -12,8 +12,8 @@ numbers, wall time) and returns the step's actions; the handlers it registers on
 executor record pieces, commit, drop a fenced node's old snapshots, write metrics, and start
 the commit record, replication rounds and persistence, feeding the outcomes back to the
 step's functions. The commit records have one writer (off the loop, paced:
-elasticpp.agent.latest); a replication round and the persister run on threads of their own
-and hand back through a future, which this shell holds (the state is plain).
+elasticpp.agent.durability.latest); a replication round and the persister run on threads of
+their own and hand back through a future, which this shell holds (the state is plain).
 
 It is built with its ports: the store, the clock, the metrics, where commit records go,
 the member records (the peers' addresses), the TLS dialer, whether the node is fenced and
@@ -43,7 +43,7 @@ from elasticpp.agent.actions import (
     StepMetrics,
     WriteMetricsLine,
 )
-from elasticpp.agent.clock import Clock
+from elasticpp.agent.durability.latest import LatestWriter
 from elasticpp.agent.durability.step import (
     CommitValue,
     DurabilityState,
@@ -58,13 +58,13 @@ from elasticpp.agent.durability.step import (
     durability_on_step,
     durability_recorded,
 )
+from elasticpp.agent.kernel.clock import Clock
 from elasticpp.agent.kernel.executor import Executor
+from elasticpp.agent.kernel.limits import COMMIT_RECORD_EVERY_S, METRICS_ROTATE_BYTES
+from elasticpp.agent.kernel.metrics import AgentMetrics
+from elasticpp.agent.kernel.pool import _Worker
 from elasticpp.agent.kernel.records import JSONValue, Record, integer, number
 from elasticpp.agent.kernel.threads import run_in_thread
-from elasticpp.agent.latest import LatestWriter
-from elasticpp.agent.limits import COMMIT_RECORD_EVERY_S, METRICS_ROTATE_BYTES
-from elasticpp.agent.metrics import AgentMetrics
-from elasticpp.agent.pool import _Worker
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import ModelSpec, Plan
 from elasticpp.plan.flops import node_step_flops, slot_peak
@@ -309,7 +309,7 @@ class Durability:
         is computed from). Called after a commit (the loop) and after a replication round
         (the replicate thread). Made now, put by the record's one writer off the loop, at
         most every COMMIT_RECORD_EVERY_S: a slow etcd never holds the loop, and a record made
-        earlier never lands after a newer one (elasticpp.agent.latest)."""
+        earlier never lands after a newer one (elasticpp.agent.durability.latest)."""
         if self._closed:
             return
         self._commit_records.offer(generation, lambda: self._commit_record(generation))

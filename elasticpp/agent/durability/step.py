@@ -40,8 +40,8 @@ from elasticpp.agent.actions import (
     StepMetrics,
     WriteMetricsLine,
 )
+from elasticpp.agent.kernel.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.agent.kernel.records import JSONValue
-from elasticpp.agent.limits import FENCED_SNAPSHOTS_KEPT
 from elasticpp.plan import ModelSpec
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR
 

@@ -51,8 +51,6 @@ from elasticpp.agent.actions import (
     SkipRecord,
     StartFetch,
 )
-from elasticpp.agent.clock import Clock
-from elasticpp.agent.decide import WorkerState
 from elasticpp.agent.follower.step import (
     STEPS_PER_TICK,
     AssignOutcome,
@@ -70,22 +68,24 @@ from elasticpp.agent.follower.step import (
     is_disk_error,
 )
 from elasticpp.agent.jobspec import JobSpec
+from elasticpp.agent.kernel.clock import Clock
+from elasticpp.agent.kernel.decide import WorkerState
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import Journal
-from elasticpp.agent.kernel.records import JSONValue, Record, fields
-from elasticpp.agent.kernel.summaries import FollowerSummary
-from elasticpp.agent.kernel.threads import run_in_thread
-from elasticpp.agent.limits import (
+from elasticpp.agent.kernel.limits import (
     FETCH_MIN_BYTES_PER_S,
     FETCH_PARALLEL,
     FETCH_PER_SOURCE,
     FETCH_STALL_S,
     WORKER_LOGS_KEPT,
 )
-from elasticpp.agent.metrics import AgentMetrics
-from elasticpp.agent.pool import WorkerPool, _Worker
+from elasticpp.agent.kernel.metrics import AgentMetrics
+from elasticpp.agent.kernel.pool import WorkerPool, _Worker
+from elasticpp.agent.kernel.records import JSONValue, Record, fields
+from elasticpp.agent.kernel.summaries import FollowerSummary
+from elasticpp.agent.kernel.threads import run_in_thread
+from elasticpp.agent.kernel.worklogs import WorkerLogs
 from elasticpp.agent.view.step import ViewSnapshot
-from elasticpp.agent.worklogs import WorkerLogs
 from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER
 from elasticpp.cluster.errors import ClusterUnavailableError

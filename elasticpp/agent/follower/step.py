@@ -50,14 +50,14 @@ from elasticpp.agent.actions import (
     SkipRecord,
     StartFetch,
 )
-from elasticpp.agent.decide import (
+from elasticpp.agent.kernel.decide import (
     Phase,
     may_enter,
     phase_deadline_s,
     phase_transition,
 )
+from elasticpp.agent.kernel.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.agent.kernel.records import JSONValue, Record
-from elasticpp.agent.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan
 

@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from elasticpp.agent.actions import Action, RecordHalt, SetAside
-from elasticpp.agent.clock import Clock
 from elasticpp.agent.follower.step import halt_message
 from elasticpp.agent.health.step import HealthState, job_end_step
-from elasticpp.agent.inbox import Signal
+from elasticpp.agent.kernel.clock import Clock
 from elasticpp.agent.kernel.executor import Executor
+from elasticpp.agent.kernel.inbox import Signal
 from elasticpp.agent.kernel.journal import Journal
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.agent.kernel.ports import PoolPort
 from elasticpp.agent.kernel.summaries import HealthSummary
-from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.sick import Action as SickAction
 from elasticpp.agent.sick import EndJob, Quarantine, Readmit
 from elasticpp.cluster.errors import ClusterUnavailableError

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from elasticpp.agent.clock import Clock
-from elasticpp.agent.inbox import Event, EventLog
-from elasticpp.agent.metrics import AgentMetrics
+from elasticpp.agent.kernel.clock import Clock
+from elasticpp.agent.kernel.inbox import Event, EventLog
+from elasticpp.agent.kernel.metrics import AgentMetrics
 
 log = logging.getLogger("elasticpp.agent")
 

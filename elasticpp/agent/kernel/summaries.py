@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from elasticpp.agent.decide import Phase
+from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.kernel.records import Record
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import Plan

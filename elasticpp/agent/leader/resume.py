@@ -41,9 +41,9 @@ from elasticpp.agent.actions import (
     SetAside,
     WriteResume,
 )
-from elasticpp.agent.deadlines import stop_wait_s
-from elasticpp.agent.decide import live_nodes
+from elasticpp.agent.kernel.decide import live_nodes
 from elasticpp.agent.kernel.records import JSONValue, Record, fields, integer
+from elasticpp.agent.leader.deadlines import stop_wait_s
 from elasticpp.agent.leader.state import Arrival, LeaderState
 from elasticpp.agent.sick import Action as SickAction
 from elasticpp.cluster.barriers import RESUME_MEMBER

@@ -55,13 +55,14 @@ from elasticpp.agent.actions import (
     WriteResume,
     WriteSafe,
 )
-from elasticpp.agent.clock import Clock
-from elasticpp.agent.deadlines import pull_deadline_s
-from elasticpp.agent.decide import ClusterView, NodeLists, lost_nodes, node_lists
 from elasticpp.agent.health.step import as_quarantined, report_of
 from elasticpp.agent.jobspec import JobSpec
+from elasticpp.agent.kernel.clock import Clock
+from elasticpp.agent.kernel.decide import ClusterView, NodeLists, lost_nodes, node_lists
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import Journal
+from elasticpp.agent.kernel.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.agent.kernel.records import Record
 from elasticpp.agent.kernel.summaries import (
     ControlSummary,
@@ -71,6 +72,7 @@ from elasticpp.agent.kernel.summaries import (
     LivenessSummary,
 )
 from elasticpp.agent.kernel.threads import run_in_thread
+from elasticpp.agent.leader.deadlines import pull_deadline_s
 from elasticpp.agent.leader.pull import pull_holdings
 from elasticpp.agent.leader.state import (
     LeaderState,
@@ -92,8 +94,6 @@ from elasticpp.agent.leader.step import (
     leader_step,
     leader_timeline_recorded,
 )
-from elasticpp.agent.limits import PULL_NODE_TIMEOUT_S, PULL_PARALLEL
-from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.view.step import ViewSnapshot
 from elasticpp.checkpoint.manifest import JobIdentity

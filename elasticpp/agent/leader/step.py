@@ -51,7 +51,8 @@ from elasticpp.agent.actions import (
     WriteGeneration,
     WriteSafe,
 )
-from elasticpp.agent.decide import ClusterView, Replan, Wait, candidates, decide_replan
+from elasticpp.agent.kernel.decide import ClusterView, Replan, Wait, candidates, decide_replan
+from elasticpp.agent.kernel.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
 from elasticpp.agent.kernel.records import JSONValue, Record, fields, integer, number
 from elasticpp.agent.leader.resume import (
     MISSING_PROBE_EVERY_S,
@@ -63,7 +64,6 @@ from elasticpp.agent.leader.resume import (
     leader_resume_written,
 )
 from elasticpp.agent.leader.state import LeaderState, PulledHoldings
-from elasticpp.agent.limits import COMPACT_EVERY_S, MAX_REPLAN_BACKOFF_S, SAFE_EVERY_S
 from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.records import (
     CommitRecord,

@@ -54,12 +54,12 @@ from concurrent.futures import Future
 
 from elasticpp.agent import probe
 from elasticpp.agent.actions import Action, ConfirmDead, DeposeLeader, ProbeLeader
-from elasticpp.agent.clock import Clock
+from elasticpp.agent.kernel.clock import Clock
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
+from elasticpp.agent.kernel.limits import DEAD_RECHECK_S, PROBE_RECHECK_PER_S, PROBE_THREADS
 from elasticpp.agent.kernel.records import Record
 from elasticpp.agent.kernel.summaries import LivenessSummary
-from elasticpp.agent.limits import DEAD_RECHECK_S, PROBE_RECHECK_PER_S, PROBE_THREADS
 from elasticpp.agent.liveness.step import (
     LeaderWatch,
     LivenessState,

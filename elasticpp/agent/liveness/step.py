@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elasticpp.agent.actions import Action, DeposeLeader, Event, ProbeLeader, Reread
+from elasticpp.agent.kernel.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S
 from elasticpp.agent.kernel.records import Record
-from elasticpp.agent.limits import DEAD_RECHECK_S, LEADER_SUSPECT_S
 
 
 class ProbeResult(enum.Enum):

@@ -18,10 +18,10 @@ from typing import Protocol
 
 from elasticpp import __version__
 from elasticpp.agent.actions import PublishMemberInfo
-from elasticpp.agent.clock import LoopHeartbeat
 from elasticpp.agent.jobspec import JobSpec, diff
+from elasticpp.agent.kernel.clock import LoopHeartbeat
 from elasticpp.agent.kernel.executor import Executor
-from elasticpp.agent.limits import JOIN_TIMEOUT_S, LEASE_STALL_S
+from elasticpp.agent.kernel.limits import JOIN_TIMEOUT_S, LEASE_STALL_S
 from elasticpp.agent.membership import step
 from elasticpp.cluster.errors import ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.leases import ProgressGate

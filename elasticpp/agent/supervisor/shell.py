@@ -40,15 +40,16 @@ from elasticpp.agent.actions import (
     ReportFailure,
     SpawnWarm,
 )
-from elasticpp.agent.clock import Clock
-from elasticpp.agent.decide import TransitionError, WorkerState
-from elasticpp.agent.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
+from elasticpp.agent.kernel.clock import Clock
+from elasticpp.agent.kernel.decide import TransitionError, WorkerState
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
+from elasticpp.agent.kernel.limits import GPU_CHECK_INTERVAL_S
+from elasticpp.agent.kernel.metrics import AgentMetrics
+from elasticpp.agent.kernel.pool import WorkerPool, _Worker
 from elasticpp.agent.kernel.records import JSONValue, integer, number
-from elasticpp.agent.limits import GPU_CHECK_INTERVAL_S
-from elasticpp.agent.metrics import AgentMetrics
-from elasticpp.agent.pool import WorkerPool, _Worker
+from elasticpp.agent.kernel.worklogs import WorkerLogs
+from elasticpp.agent.supervisor.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
 from elasticpp.agent.supervisor.step import (
     SupervisorObservation,
     SupervisorState,
@@ -57,7 +58,6 @@ from elasticpp.agent.supervisor.step import (
     supervisor_step,
     worker_environment,
 )
-from elasticpp.agent.worklogs import WorkerLogs
 from elasticpp.errors import ElasticppError
 from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerProcess, WorkerTemplate
 

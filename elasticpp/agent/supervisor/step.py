@@ -18,8 +18,8 @@ from elasticpp.agent.actions import (
     ReportFailure,
     SpawnWarm,
 )
-from elasticpp.agent.decide import is_hung
-from elasticpp.agent.limits import TEMPLATE_PING_EVERY_S, TEMPLATE_RESTART_MIN_S
+from elasticpp.agent.kernel.decide import is_hung
+from elasticpp.agent.kernel.limits import TEMPLATE_PING_EVERY_S, TEMPLATE_RESTART_MIN_S
 
 
 @dataclass

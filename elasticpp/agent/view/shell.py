@@ -30,14 +30,14 @@ from types import MappingProxyType
 from typing import Protocol
 
 from elasticpp.agent.actions import Action, Reread, SetFloor, UpdateGauges
-from elasticpp.agent.clock import Clock
-from elasticpp.agent.inbox import Signal
+from elasticpp.agent.kernel.clock import Clock
 from elasticpp.agent.kernel.executor import Executor
+from elasticpp.agent.kernel.inbox import Signal
 from elasticpp.agent.kernel.journal import Journal
+from elasticpp.agent.kernel.limits import SAFE_EVERY_S
+from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.agent.kernel.records import Record
 from elasticpp.agent.kernel.summaries import ViewSummary
-from elasticpp.agent.limits import SAFE_EVERY_S
-from elasticpp.agent.metrics import AgentMetrics
 from elasticpp.agent.view.step import (
     EPOCH_ENDED_EXIT,
     EtcdRead,

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from elasticpp.agent.decide import WorkerState, transition
+from elasticpp.agent.kernel.decide import WorkerState, transition
 from elasticpp.agent.kernel.records import JSONValue
 from elasticpp.agent.kernel.summaries import WorkerSeen
 from elasticpp.errors import ElasticppError
@@ -55,7 +55,7 @@ class WorkerPool:
         self, wake: threading.Event | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._wake = wake
-        self._clock = clock  # the agent's (elasticpp.agent.clock)
+        self._clock = clock  # the agent's (elasticpp.agent.kernel.clock)
         # SimpleQueue: a get on an empty one is one C call, where queue.Queue's takes its
         # condition's lock in Python; every turn of every agent asks it (bench/scale.py).
         self._events: queue.SimpleQueue[tuple[WorkerProcess, dict[str, JSONValue]]] = (

@@ -1,7 +1,7 @@
 """Deadlines that grow with the job: what a wait may take at 4 nodes is too little at 2,048.
 
 Each is a fixed base (what a small job needs: the spec's timeout, or the limit in
-`elasticpp.agent.limits`) plus a per-node term for the work that grows with the cluster:
+`elasticpp.agent.kernel.limits`) plus a per-node term for the work that grows with the cluster:
 
 - the leader's wait for `stopped-G`: every node's arrival is an etcd put, and at a
   transition they all come in one burst (2 ms a node: +4 s at 2,048 nodes);
@@ -14,7 +14,7 @@ The workers' rendezvous timeout grows with the world size in `elasticpp.train.co
 
 from __future__ import annotations
 
-from elasticpp.agent.limits import PULL_DEADLINE_S, STOPPED_WAIT_MARGIN_S
+from elasticpp.agent.kernel.limits import PULL_DEADLINE_S, STOPPED_WAIT_MARGIN_S
 
 ARRIVAL_S_PER_NODE = 0.002
 PULL_S_PER_NODE = 0.01
