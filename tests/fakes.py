@@ -9,9 +9,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from elasticpp.cluster.cache import cache_ranges
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.cluster.errors import ClusterError, ClusterUnavailableError, LeaseNotFoundError
 from elasticpp.cluster.etcd.ops import Compare, Delete, Put
+from elasticpp.cluster.keys import JobKeys, prefix_end
 from elasticpp.cluster.records import KeyValue
 
 
@@ -83,6 +85,7 @@ class MemoryKV:
         self._revision = 1
         self._sent: Counter[str] = Counter()
         self.writes: list[tuple[str, str | None]] = []
+        self.read: list[str] = []  # each key and prefix read, in order (a cache's reads too)
 
     # ------------------------------------------------------------------ reads
     def requests(self) -> dict[str, int]:
@@ -95,17 +98,26 @@ class MemoryKV:
     def get(self, key: str) -> KeyValue | None:
         with self._lock:
             self._send("Range")
+            self.read.append(key)
             return self._keys.get(key)
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         with self._lock:
             self._send("Range")
+            self.read.append(prefix)
             kvs = [self._keys[k] for k in sorted(self._keys) if k.startswith(prefix)]
             return kvs, self._revision
 
     def revision(self, within: str = "\0") -> int:
         with self._lock:
             return self._revision
+
+    def held(self, key: str, range_end: str) -> tuple[list[KeyValue], int]:
+        """The keys in [key, range_end), sorted, and the revision: what a watch-fed cache of
+        that range holds once every event reached it (`MemoryCache`; not a request)."""
+        with self._lock:
+            kvs = [self._keys[k] for k in sorted(self._keys) if key <= k < range_end]
+            return kvs, self._revision
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, value: str, lease_id: int | None = None) -> int:
@@ -261,16 +273,78 @@ def memory_cluster(job: str = "job", kv: MemoryKV | None = None) -> ClusterClien
     return ClusterClient(["memory:2379"], job, kv=kv if kv is not None else MemoryKV())
 
 
+class MemoryCache:
+    """The job's watch-fed cache (elasticpp.cluster.cache.JobCache) over a `MemoryKV`: the
+    same ranges served (`cache_ranges`: a follower's, and the leader's while
+    `serve_leader(True)`), each answer the memory's state now, as the real cache's is once
+    every event reached it. Each key and prefix read is listed in the memory's `read`."""
+
+    def __init__(self, memory: MemoryKV, keys: JobKeys, own_node: str | None = None) -> None:
+        self.memory = memory
+        self._shared, self._leader_only = cache_ranges(keys, own_node)
+        self.leader = False  # serving the leader's ranges too
+
+    def _ranges(self) -> list[tuple[str, str]]:
+        return self._shared + (list(self._leader_only) if self.leader else [])
+
+    def covers(self, key: str) -> bool:
+        return any(k <= key < end for k, end in self._ranges())
+
+    def _served(self, key: str, range_end: str) -> None:
+        if not any(k <= key and range_end <= end for k, end in self._ranges()):
+            raise ClusterUnavailableError(f"etcd cache: {key} is not cached here")
+
+    def get(self, key: str) -> tuple[KeyValue | None, int]:
+        self._served(key, key)
+        self.memory.read.append(key)
+        kvs, revision = self.memory.held(key, key + "\0")
+        return (kvs[0] if kvs else None), revision
+
+    def prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        self._served(prefix, prefix_end(prefix))
+        self.memory.read.append(prefix)
+        return self.memory.held(prefix, prefix_end(prefix))
+
+    def serve_leader(self, on: bool) -> None:
+        self.leader = on
+
+    def ensure(self) -> None:
+        pass  # no event is ever lost here
+
+    def close(self) -> None:
+        pass
+
+
 class FakeCluster(ClusterClient):
     """The unit tests' cluster: the real `ClusterClient` over its own `MemoryKV` (`memory`),
     with what a test reads of what was written. Close it (`close`) when a test campaigned
     or registered: their keep-alive threads stop then."""
 
-    def __init__(self, job: str = "job", registration: FakeRegistration | None = None) -> None:
+    def __init__(
+        self,
+        job: str = "job",
+        registration: FakeRegistration | None = None,
+        *,
+        cached_for: str | None = None,
+    ) -> None:
         self.memory = MemoryKV()
         super().__init__(["memory:2379"], job, kv=self.memory)
         self.registration = registration
         self.skipped: list[str] = []  # the keys whose values were skipped, in order
+        # With `cached_for` (a node id), reads with cached=True are answered by a
+        # MemoryCache of that node, as if `follow` had started the job's cache.
+        self.cache: MemoryCache | None = None
+        if cached_for is not None:
+            self.cache = MemoryCache(self.memory, self.keys, cached_for)
+            self.reads.serve_from(self.cache)
+
+    def lead(self, node_id: str) -> Term:
+        """Put `node_id` in the leader key, as a campaign would; its term, for fenced writes."""
+        self.memory.put(self.keys.leader, node_id)
+        term = Term(node_id)
+        [kv], _ = self.memory.held(self.keys.leader, self.keys.leader + "\0")
+        term.create_revision = kv.create_revision
+        return term
 
     def register(self, node_id: str, info: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """A registration as the client makes it; with a fake `registration` given, that one

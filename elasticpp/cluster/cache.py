@@ -221,6 +221,34 @@ class RangeCache:
             self._watch.cancel()
 
 
+Range = tuple[str, str]  # [key, range_end)
+
+
+def cache_ranges(keys: JobKeys, own_node: str | None) -> tuple[list[Range], tuple[Range, ...]]:
+    """The key ranges a `JobCache` serves: those every node caches, and those only the
+    leader caches (while `serve_leader(True)`): the member keys, the commit records and the
+    `failed-<G>`, `started-<G>` and `stopped-<G>` arrivals. Every node caches the gaps
+    between the leader's ranges, and its own member key (`own_node`)."""
+    barriers = keys.barriers_prefix
+    # "<name>." is the first key past every "<name>-..." ('.' follows '-'); nothing is
+    # named between "started." and "stopped-", so one range holds both kinds.
+    failed = (barriers + "failed-", barriers + "failed.")
+    arrivals = (barriers + "started-", barriers + "stopped.")
+    commits = (keys.commits_prefix, prefix_end(keys.commits_prefix))
+    nodes = (keys.nodes_prefix, prefix_end(keys.nodes_prefix))
+    leader_only = tuple(sorted((nodes, failed, arrivals, commits)))
+    shared: list[Range] = []
+    start = keys.root
+    for key, end in leader_only:
+        shared.append((start, key))
+        start = end
+    shared.append((start, prefix_end(keys.root)))
+    if own_node is not None:
+        own = keys.node(own_node)
+        shared.append((own, own + "\0"))  # the one key: "\0" sorts first after it
+    return shared, leader_only
+
+
 class JobCache:
     """What an agent reads of its job, cached: every key under the job's root but those
     that would send each node's value to every node (N² watch events when a job starts, and
@@ -242,26 +270,9 @@ class JobCache:
         own_node: str | None = None,
     ) -> None:
         self._kv, self._on_event = kv, on_event
-        barriers = keys.barriers_prefix
-        # "<name>." is the first key past every "<name>-..." ('.' follows '-'); nothing is
-        # named between "started." and "stopped-", so one range holds both kinds.
-        failed = (barriers + "failed-", barriers + "failed.")
-        arrivals = (barriers + "started-", barriers + "stopped.")
-        commits = (keys.commits_prefix, prefix_end(keys.commits_prefix))
-        nodes = (keys.nodes_prefix, prefix_end(keys.nodes_prefix))
-        self._leader_only = tuple(sorted((nodes, failed, arrivals, commits)))
+        shared, self._leader_only = cache_ranges(keys, own_node)
         self._ranges: list[RangeCache] = []
         self._leader: list[RangeCache] = []
-        # Every node caches the rest of the job's keys: the gaps between those ranges.
-        shared: list[tuple[str, str]] = []
-        start = keys.root
-        for key, end in self._leader_only:
-            shared.append((start, key))
-            start = end
-        shared.append((start, prefix_end(keys.root)))
-        if own_node is not None:
-            own = keys.node(own_node)
-            shared.append((own, own + "\0"))  # the one key: "\0" sorts first after it
         try:
             for key, end in shared:
                 self._ranges.append(RangeCache(kv, key, end, on_event=on_event))

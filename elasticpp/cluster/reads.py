@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.cache import JobCache
@@ -33,6 +33,17 @@ MAX_DERIVED = 256  # derived answers kept (names of old generations' barriers go
 MAX_SEEN = 16
 
 
+class CachedRanges(Protocol):
+    """What a cached read asks of the job's cache (`cache.JobCache`)."""
+
+    def get(self, key: str) -> tuple[KeyValue | None, int]: ...
+    def prefix(self, prefix: str) -> tuple[list[KeyValue], int]: ...
+    def covers(self, key: str) -> bool: ...
+    def serve_leader(self, on: bool) -> None: ...
+    def ensure(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class JobReads:
     """The reads (and the node-fenced put) the parts of one `ClusterClient` share: one
     connection, one cache, one memo of what was parsed and derived, one count of skipped
@@ -42,7 +53,7 @@ class JobReads:
         self.kv = kv
         self.keys = keys
         self._lock = threading.Lock()
-        self._cache: JobCache | None = None
+        self._cache: CachedRanges | None = None
         # Values that could not be read (malformed, or written by a newer format) are
         # skipped, counted here and logged once per key: one bad value must not stop every
         # agent.
@@ -174,6 +185,12 @@ class JobReads:
         with self._lock:
             self._cache = cache
 
+    def serve_from(self, cache: CachedRanges) -> None:
+        """Answer reads with `cached=True` from `cache` (a cache made elsewhere: a test's of
+        an in-memory etcd), instead of a `JobCache` that `follow` starts."""
+        with self._lock:
+            self._cache = cache
+
     def close(self) -> None:
         """Stop the cache's watches (reads with `cached=True` then fail)."""
         with self._lock:
@@ -190,7 +207,7 @@ class JobReads:
         """Read again what the cache lost events of (nothing in steady state)."""
         self.cached().ensure()
 
-    def cached(self) -> JobCache:
+    def cached(self) -> CachedRanges:
         cache = self._cache
         if cache is None:
             raise ClusterUnavailableError(f"job {self.keys.job}: the etcd cache is not started")

@@ -2,7 +2,8 @@
 (`tests.fakes.MemoryKV`, under the real `ClusterClient`) and against a real etcd. What the
 agent's unit tests learn from the fake holds for etcd as far as these cases go: the first
 writer wins where it should, fenced writes need the term, a lapsed member writes nothing,
-revisions move as etcd moves them."""
+revisions move as etcd moves them, a cached read answers what etcd holds on the ranges a
+node caches (the fake's MemoryCache against the real watch-fed cache)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ import pytest
 
 from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER
 from elasticpp.cluster.client import ClusterClient
-from elasticpp.cluster.errors import LeaseNotFoundError, MembershipLapsedError
+from elasticpp.cluster.errors import (
+    ClusterUnavailableError,
+    LeaseNotFoundError,
+    MembershipLapsedError,
+)
 from elasticpp.cluster.etcd.kv import EtcdKV
 from elasticpp.cluster.etcd.ops import Compare, Delete, Put
 from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.cluster.records import QuarantineRecord, SafeStep
-from tests.fakes import MemoryKV, memory_cluster
+from tests.fakes import MemoryCache, MemoryKV, memory_cluster
 
 _jobs = itertools.count()
 
@@ -239,3 +244,66 @@ def test_commit_records_are_read_back_and_housekeeping_keeps_the_newest(
         "n0": {"step": 5}
     }  # not a housekept barrier
     assert client.commits.housekeep(4, keep_history=1) == 0  # idempotent: nothing more to do
+
+
+# ---------------------------------------------------------------------- cached reads
+def _cached_client(backend: str, request: pytest.FixtureRequest, node: str) -> ClusterClient:
+    """A client of a fresh job whose reads with cached=True come from `node`'s cache: the
+    fake's MemoryCache, or the real watch-fed JobCache (`follow`)."""
+    job = f"contract-{next(_jobs)}"
+    if backend == "memory":
+        memory = MemoryKV()
+        client = memory_cluster(job, memory)
+        client.reads.serve_from(MemoryCache(memory, client.keys, node))
+        return client
+    server: EtcdServer = request.getfixturevalue("etcd_server")
+    client = ClusterClient([server.endpoint], job, request_timeout_s=2.0)
+    client.follow(own_node=node)
+    return client
+
+
+def _eventually(condition: Callable[[], bool]) -> None:
+    """Wait until `condition` holds: the watch delivers a write to the real cache a moment
+    after etcd took it (the memory's cache answers at once)."""
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the cache never caught up with etcd"
+        time.sleep(0.01)
+
+
+def test_a_cached_read_answers_what_etcd_holds_on_the_ranges_a_node_caches(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    client = _cached_client(backend, request, "n1")
+    try:
+        keys = client.keys
+        for node in ("n1", "n2"):
+            record = f'{{"format_version": 1, "address": "{node}:1", "slots": 1}}'
+            client.reads.kv.put(keys.node(node), record)
+        client.arrivals.arrive("done", "n2", {"step": 4})
+        client.arrivals.arrive("started-3", "n2", {"at": 1.0, "moved_at": 0.5})
+        client.commits.record_commit(3, "n2", 5)
+        # A follower's cache: the job's keys but the members (its own excepted), the commit
+        # records and the stopped/started/failed arrivals, which it reads from etcd.
+        assert client.reads.covered(keys.node("n1")) and not client.reads.covered(keys.node("n2"))
+        assert not client.reads.covered(keys.commits_prefix)
+        assert (
+            client.arrivals.barrier_state("resume-3", cached=True)[0]
+            == (client.arrivals.barrier_state("resume-3")[0])
+        )
+        with pytest.raises(ClusterUnavailableError, match="not cached here"):
+            client.arrivals.barrier_state("stopped-3", cached=True)
+        with pytest.raises(ClusterUnavailableError, match="not cached here"):
+            client.members(cached=True)
+        # The leader's cache holds them too.
+        client.cache_for_leader(True)
+        assert client.reads.covered(keys.node("n2")) and client.reads.covered(keys.commits_prefix)
+        assert sorted(client.members(cached=True).nodes) == ["n1", "n2"]
+        assert client.arrivals.barrier_state("started-3", cached=True)[0] == {
+            "n2": {"at": 1.0, "moved_at": 0.5}
+        }
+        assert set(client.commits.commit_records(3, cached=True)) == {"n2"}
+        client.cache_for_leader(False)
+        assert not client.reads.covered(keys.node("n2"))
+    finally:
+        client.close()
