@@ -16,7 +16,7 @@ Units and pieces
 
 Step directories
     `<root>/step-<step:010d>/` holds the pieces of one committed step and a
-    `manifest.json`, written last (tmp + fsync + rename), listing every piece with its
+    `manifest.json`, written last (`durable.durable_write`), listing every piece with its
     size and sha256. A directory without a manifest is incomplete and never read.
 
 Manifest versions
@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticpp.checkpoint.durable import durable_write
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.names import NAME_PATTERN, parse_name
 from elasticpp.plan.specs import ModelSpec, default_units
@@ -105,25 +105,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """tmp + fsync + rename (+ fsync of the directory): a crash never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -250,7 +231,7 @@ class Manifest:
 
 
 def write_manifest(step_dir: Path, manifest: Manifest) -> None:
-    atomic_write(step_dir / MANIFEST_NAME, manifest.to_json().encode())
+    durable_write(step_dir / MANIFEST_NAME, manifest.to_json().encode())
 
 
 def read_manifest(step_dir: Path) -> Manifest:

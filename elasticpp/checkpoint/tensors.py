@@ -13,13 +13,16 @@ safetensors metadata holds one key, `elasticpp`, a JSON string:
 whole (replicated). That is all a reader needs to rebuild any other tp size's slices.
 
 Invariants kept here: nothing is ever unpickled (safetensors only); a piece written with
-`write_piece` appears atomically (tmp + fsync + rename) and is returned with its size and
-sha256; `read_piece` refuses a file whose checksum, name or metadata does not match.
+`write_piece` (or `write_streamed`, from host buffers and byte for byte the same file)
+appears atomically (`durable.durable_file`) and is returned with its size and sha256;
+`read_piece` refuses a file whose checksum, name or metadata does not match.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +33,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from elasticpp.checkpoint.durable import durable_file, durable_write
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
     PieceEntry,
     PieceKey,
-    atomic_write,
     read_manifest,
     sha256_bytes,
 )
@@ -157,8 +160,57 @@ def write_piece(
         raise CheckpointError(f"piece {key.filename}: metadata says {meta.key.filename}")
     data = encode_piece(tensors, meta)
     step_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(step_dir / key.filename, data)
+    durable_write(step_dir / key.filename, data)
     return PieceEntry(key=key, size=len(data), sha256=sha256_bytes(data))
+
+
+def piece_header(tensors: Mapping[str, torch.Tensor], meta: PieceMeta) -> tuple[bytes, list[str]]:
+    """The safetensors prefix (length + header) of a piece of fp32 tensors, and the tensor
+    names in the order their data follows it."""
+    names = sorted(tensors)  # one dtype: safetensors orders by name (UTF-8 bytes)
+    header: dict[str, Any] = {"__metadata__": {META_KEY: meta.to_json()}}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, names
+
+
+def write_streamed(
+    step_dir: Path, key: PieceKey, tensors: Mapping[str, torch.Tensor], meta: PieceMeta
+) -> PieceEntry:
+    """Write one piece from host tensors as `write_piece` would, without building its bytes:
+    `durable_file`, the directory left to the caller to fsync once for all its pieces."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors.values()):
+        return write_piece(step_dir, key, tensors, meta)
+    if meta.key != key:
+        return write_piece(step_dir, key, tensors, meta)  # which refuses it, naming both
+    missing = sorted(set(tensors) - set(meta.shard_dims))
+    if missing:
+        return write_piece(step_dir, key, tensors, meta)  # which refuses it, naming them
+    prefix, names = piece_header(tensors, meta)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(prefix)
+    size = len(prefix)
+    with durable_file(step_dir / key.filename, sync_dir=False) as f:
+        f.write(prefix)
+        for name in names:
+            t = tensors[name]
+            if t.numel() == 0:
+                continue
+            view = t.contiguous().numpy().data.cast("B")
+            digest.update(view)
+            f.write(view)
+            size += len(view)
+    return PieceEntry(key=key, size=size, sha256=digest.hexdigest())
 
 
 def read_piece(path: Path, expected_sha256: str | None) -> Piece:

@@ -29,11 +29,8 @@ time; split a huge single file into documents first.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import os
-import secrets
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -41,6 +38,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from elasticpp.checkpoint.durable import durable_file, durable_write
 from elasticpp.cli import flagtypes
 from elasticpp.cli.output import add_output_flag, emit, message_table
 from elasticpp.errors import ConfigError
@@ -250,23 +248,6 @@ def _write_tokens(
     return written
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    """Write through `write(file)` to a temporary file beside `path`, then rename it."""
-    # "x" with a fresh name: never another file, and the usual permissions (umask applies).
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with tmp.open("xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        # tmp + fsync + rename: a crash must never leave a half-written file under `path`.
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def prepare(args: argparse.Namespace) -> int:
     files: list[Path] = list(args.files)
     out: Path = args.out
@@ -308,7 +289,9 @@ def prepare(args: argparse.Namespace) -> int:
         if count == 0:
             raise ConfigError("the input files hold no tokens; nothing written")
 
-    _atomic_write(out, write_bin)
+    # A crash, an error or Ctrl-C never leaves a half-written file under `out`.
+    with durable_file(out) as f:
+        write_bin(f)
     sidecar = {
         "format_version": SIDECAR_FORMAT_VERSION,
         "dtype": dtype_name,
@@ -321,7 +304,7 @@ def prepare(args: argparse.Namespace) -> int:
         "tokenizer_sha256": tokenizer_sha256,
     }
     text = json.dumps(sidecar, indent=2, sort_keys=True) + "\n"
-    _atomic_write(sidecar_path(out), lambda f: f.write(text.encode()))
+    durable_write(sidecar_path(out), text.encode())
     sep = "no separator" if eod_id is None else f"{eod_token!r} (id {eod_id}) after each"
     message = (
         f"wrote {count} tokens ({len(files)} documents, {sep}, vocabulary {vocab_size}) to "

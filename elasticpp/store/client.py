@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import grpc
 
-from elasticpp.checkpoint.manifest import PieceKey, fsync_dir
+from elasticpp.checkpoint.durable import durable_file
+from elasticpp.checkpoint.manifest import PieceKey
 from elasticpp.errors import CheckpointError, ConfigError, StaleGenerationError
 from elasticpp.names import parse_name
 from elasticpp.rpc.state.v1 import state_pb2, state_pb2_grpc
@@ -65,6 +65,10 @@ def busy_pause_s(refusals: int, rng: random.Random) -> float:
     """The pause after the `refusals`-th RESOURCE_EXHAUSTED in a row (1, 2, ...)."""
     ceiling = min(BUSY_MAX_PAUSE_S, BUSY_FIRST_PAUSE_S * 2.0 ** min(refusals - 1, 30))
     return ceiling * (0.5 + 0.5 * rng.random())
+
+
+class _Mismatch(Exception):
+    """A fetched piece whose checksum or size is not the one expected (fetched again)."""
 
 
 class PieceFetchError(CheckpointError):
@@ -252,48 +256,44 @@ class StateClient:
             raise ConfigError(f"{what}: expected_size must be >= 0, got {expected_size}")
         stop = cancel or threading.Event()
         for attempt in range(self.checksum_retries + 1):
-            tmp = dest_path.with_name(f".{dest_path.name}.{uuid.uuid4().hex}.part")
             try:
-                size, digest = self._fetch_to(
-                    tmp,
-                    state_pb2.FetchPieceRequest(
-                        generation=generation,
-                        epoch=epoch,
-                        step=step,
-                        name=name,
-                        origin_node=origin,
-                        # After a mismatch the source checks its own copy (refused if corrupt).
-                        verify=attempt > 0,
-                    ),
-                    what,
-                    fsync,
-                    expected_size,
-                    stop,
-                    on_bytes,
-                )
-                if digest == expected_sha256 and expected_size in (None, size):
-                    os.replace(tmp, dest_path)
-                    if fsync:
-                        fsync_dir(dest_path.parent)
-                    return size
+                with durable_file(dest_path, sync=fsync, sync_dir=fsync) as f:
+                    size, digest = self._fetch_into(
+                        f,
+                        state_pb2.FetchPieceRequest(
+                            generation=generation,
+                            epoch=epoch,
+                            step=step,
+                            name=name,
+                            origin_node=origin,
+                            # After a mismatch the source checks its own copy (refused if
+                            # corrupt).
+                            verify=attempt > 0,
+                        ),
+                        what,
+                        expected_size,
+                        stop,
+                        on_bytes,
+                    )
+                    if digest != expected_sha256 or expected_size not in (None, size):
+                        raise _Mismatch  # nothing appears at dest_path
+                return size
+            except _Mismatch:
                 log.warning(
                     "%s: checksum mismatch (attempt %d of %d); fetching again",
                     what,
                     attempt + 1,
                     self.checksum_retries + 1,
                 )
-            finally:
-                tmp.unlink(missing_ok=True)
         raise PieceFetchError(
             f"{what}: fails its checksum after {self.checksum_retries + 1} attempts"
         )
 
-    def _fetch_to(
+    def _fetch_into(
         self,
-        tmp: Path,
+        f: BinaryIO,
         request: state_pb2.FetchPieceRequest,
         what: str,
-        fsync: bool,
         expected_size: int | None,
         cancel: threading.Event,
         on_bytes: Callable[[int], None] | None,
@@ -305,68 +305,60 @@ class StateClient:
         breaks = 0
         refusals = 0
         busy_since_s: float | None = None
-        with tmp.open("wb") as f:
-            while not announced or offset < (total or 0):
-                if cancel.is_set():
-                    raise PieceFetchError(f"{what}: cancelled at byte {offset}")
-                request.offset = offset
-                first = True
-                try:
-                    for chunk in self._fetch(request, timeout=self.timeout_s):
-                        if chunk.offset != offset:
-                            # Out of order: the bytes so far cannot be trusted to line up.
+        while not announced or offset < (total or 0):
+            if cancel.is_set():
+                raise PieceFetchError(f"{what}: cancelled at byte {offset}")
+            request.offset = offset
+            first = True
+            try:
+                for chunk in self._fetch(request, timeout=self.timeout_s):
+                    if chunk.offset != offset:
+                        # Out of order: the bytes so far cannot be trusted to line up.
+                        raise PieceFetchError(f"{what}: chunk at {chunk.offset}, expected {offset}")
+                    if first:  # it announces the piece's size
+                        first = False
+                        if total is not None and chunk.total_size != total:
                             raise PieceFetchError(
-                                f"{what}: chunk at {chunk.offset}, expected {offset}"
+                                f"{what}: the peer announces {chunk.total_size} bytes, "
+                                f"expected {total}"
                             )
-                        if first:  # it announces the piece's size
-                            first = False
-                            if total is not None and chunk.total_size != total:
-                                raise PieceFetchError(
-                                    f"{what}: the peer announces {chunk.total_size} bytes, "
-                                    f"expected {total}"
-                                )
-                            total, announced = chunk.total_size, True
-                            refusals, busy_since_s = 0, None
-                        data = chunk.data
-                        if offset + len(data) > (total or 0):
-                            raise PieceFetchError(
-                                f"{what}: the peer sends more than the {total} bytes announced"
-                            )
-                        f.write(data)
-                        digest.update(data)
-                        offset += len(data)
-                        if on_bytes is not None:
-                            on_bytes(len(data))
-                        if cancel.is_set():
-                            raise PieceFetchError(f"{what}: cancelled at byte {offset}")
-                    if not announced or offset < (total or 0):
-                        raise PieceFetchError(f"{what}: stream ended at byte {offset}")
-                except grpc.RpcError as exc:
-                    if cancel.is_set():  # its channel was closed to stop it
-                        raise PieceFetchError(f"{what}: cancelled at byte {offset}") from exc
-                    code = exc.code()
-                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        # Busy, not broken: wait and ask again, within a budget of its own.
-                        now_s = self._clock()
-                        busy_since_s = now_s if busy_since_s is None else busy_since_s
-                        refusals += 1
-                        left_s = self.busy_budget_s - (now_s - busy_since_s)
-                        if left_s <= 0:
-                            raise PieceFetchError(
-                                f"{what}: source busy (RESOURCE_EXHAUSTED) for "
-                                f"{now_s - busy_since_s:.1f} s, {refusals} refusals"
-                            ) from exc
-                        pause_s = min(left_s, busy_pause_s(refusals, self._rng))
-                        log.debug("%s: source busy; asking again in %.2f s", what, pause_s)
-                        cancel.wait(pause_s)
-                        continue
-                    if code not in _RETRYABLE or breaks >= self.resume_attempts:
-                        _raise_for(exc, what)
-                    breaks += 1
-                    log.warning(
-                        "%s: stream broke at byte %d (%s); resuming", what, offset, code.name
-                    )
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+                        total, announced = chunk.total_size, True
+                        refusals, busy_since_s = 0, None
+                    data = chunk.data
+                    if offset + len(data) > (total or 0):
+                        raise PieceFetchError(
+                            f"{what}: the peer sends more than the {total} bytes announced"
+                        )
+                    f.write(data)
+                    digest.update(data)
+                    offset += len(data)
+                    if on_bytes is not None:
+                        on_bytes(len(data))
+                    if cancel.is_set():
+                        raise PieceFetchError(f"{what}: cancelled at byte {offset}")
+                if not announced or offset < (total or 0):
+                    raise PieceFetchError(f"{what}: stream ended at byte {offset}")
+            except grpc.RpcError as exc:
+                if cancel.is_set():  # its channel was closed to stop it
+                    raise PieceFetchError(f"{what}: cancelled at byte {offset}") from exc
+                code = exc.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Busy, not broken: wait and ask again, within a budget of its own.
+                    now_s = self._clock()
+                    busy_since_s = now_s if busy_since_s is None else busy_since_s
+                    refusals += 1
+                    left_s = self.busy_budget_s - (now_s - busy_since_s)
+                    if left_s <= 0:
+                        raise PieceFetchError(
+                            f"{what}: source busy (RESOURCE_EXHAUSTED) for "
+                            f"{now_s - busy_since_s:.1f} s, {refusals} refusals"
+                        ) from exc
+                    pause_s = min(left_s, busy_pause_s(refusals, self._rng))
+                    log.debug("%s: source busy; asking again in %.2f s", what, pause_s)
+                    cancel.wait(pause_s)
+                    continue
+                if code not in _RETRYABLE or breaks >= self.resume_attempts:
+                    _raise_for(exc, what)
+                breaks += 1
+                log.warning("%s: stream broke at byte %d (%s); resuming", what, offset, code.name)
         return offset, digest.hexdigest()

@@ -18,10 +18,7 @@ committed, and when files go, is `elasticpp.store.local`.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,27 +59,6 @@ def epoch_dirname(epoch: int) -> str:
 def parse_epoch_dirname(name: str) -> int | None:
     m = _EPOCH_RE.fullmatch(name)
     return int(m.group(1)) if m else None
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Make `dst` hold the bytes of `src`: a hard link where possible, else a copy.
-
-    The new name appears atomically (link/copy to a temporary name, then rename), so a
-    reader never sees half a file.
-    """
-    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            # Another filesystem, or links not allowed: copy, and make it durable.
-            with src.open("rb") as fin, tmp.open("wb") as fout:
-                shutil.copyfileobj(fin, fout, 4 << 20)
-                fout.flush()
-                os.fsync(fout.fileno())
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

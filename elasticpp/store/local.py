@@ -47,19 +47,19 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from elasticpp.checkpoint.durable import fsync_dir, link_or_copy
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
     JobIdentity,
     Manifest,
     PieceEntry,
     PieceKey,
-    fsync_dir,
     sha256_file,
     write_manifest,
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.store.holdings import NodeHoldings, PieceInfo, StepHolding, check_node_id
-from elasticpp.store.layout import StoreLayout, link_or_copy, scan
+from elasticpp.store.layout import StoreLayout, scan
 from elasticpp.store.pins import CommitKey, Pins
 from elasticpp.store.reports import Order, PieceReports
 from elasticpp.store.retention import ANCHORS_ABOVE_FLOOR, Retention

@@ -2,7 +2,7 @@
 
 Layout under a checkpoint root that several nodes may share (a network filesystem):
 
-    <root>/step-<k>/<piece files>                 copied by each node (tmp + fsync + rename)
+    <root>/step-<k>/<piece files>                 copied by each node (durable_file)
     <root>/step-<k>/.parts/<node_id>.json         what each node contributed (sha256 included)
     <root>/step-<k>/manifest.json                 written LAST, by `finalize_checkpoint`
 
@@ -37,14 +37,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
-import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticpp.checkpoint.durable import durable_file, durable_write, fsync_dir
 from elasticpp.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -52,7 +51,6 @@ from elasticpp.checkpoint.manifest import (
     Manifest,
     PieceEntry,
     PieceKey,
-    fsync_dir,
     read_manifest,
     sha256_file,
     step_dirname,
@@ -86,39 +84,18 @@ class PersistPolicy:
         return self.every_steps > 0 and step > 0 and step % self.every_steps == 0
 
 
-def _durable_write(path: Path, data: bytes) -> None:
-    # A unique temporary name: writers on other hosts may share the directory (and pids).
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-
-
 def copy_verified(src: Path, dst: Path, sha256: str, size: int) -> None:
-    """Copy `src` to `dst` durably (tmp + fsync + rename), checking its sha256 on the way:
-    one read of the source."""
-    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.tmp")
+    """Copy `src` to `dst` durably (`durable_file`), checking its sha256 on the way: one
+    read of the source, and nothing at `dst` unless it matches."""
     digest = hashlib.sha256()
     written = 0
-    try:
-        with src.open("rb") as fin, tmp.open("wb") as fout:
-            while block := fin.read(COPY_CHUNK_BYTES):
-                fout.write(block)
-                digest.update(block)
-                written += len(block)
-            fout.flush()
-            os.fsync(fout.fileno())
+    with src.open("rb") as fin, durable_file(dst, sync_dir=False) as fout:
+        while block := fin.read(COPY_CHUNK_BYTES):
+            fout.write(block)
+            digest.update(block)
+            written += len(block)
         if written != size or digest.hexdigest() != sha256:
             raise CheckpointError(f"piece {src.name} ({src}) fails its checksum; not copied")
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _holds_piece(path: Path, size: int, sha256: str) -> bool:
@@ -188,7 +165,7 @@ def persist_pieces(
         "pieces": [{"name": e.key.filename, "size": e.size, "sha256": e.sha256} for e in entries],
     }
     part_path = step_dir / PARTS_DIRNAME / f"{store.node_id}.json"
-    _durable_write(part_path, json.dumps(part, sort_keys=True).encode())
+    durable_write(part_path, json.dumps(part, sort_keys=True).encode())
     log.info(
         "persist: %s contributed %d pieces of step %d to %s (%d copied, %d already there)",
         store.node_id,
@@ -288,7 +265,7 @@ def finalize_checkpoint(
             ", ".join(missing[:6]),
         )
         return None
-    _durable_write(step_dir / MANIFEST_NAME, manifest.to_json().encode())
+    durable_write(step_dir / MANIFEST_NAME, manifest.to_json().encode())
     log.info("persist: checkpoint step %d complete in %s", step, root)
     return manifest
 

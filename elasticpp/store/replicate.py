@@ -27,11 +27,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from elasticpp.checkpoint.durable import link_or_copy
 from elasticpp.checkpoint.manifest import sha256_file
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.client import StateClient
 from elasticpp.store.holdings import NodeHoldings, StepHolding
-from elasticpp.store.layout import link_or_copy
 from elasticpp.store.local import LocalStore
 from elasticpp.store.ring import backup_origins, replica_holders, safe_step
 

@@ -30,6 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticpp.checkpoint.durable import link_or_copy
 from elasticpp.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -40,7 +41,6 @@ from elasticpp.checkpoint.manifest import (
 )
 from elasticpp.errors import ConfigError, StateUnavailableError
 from elasticpp.store.client import PieceFetchError, StateClient
-from elasticpp.store.layout import link_or_copy
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import copy_verified
 from elasticpp.store.resolver import DISK_SOURCE, Fetch, FetchKind, ResumePlan

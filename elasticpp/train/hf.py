@@ -24,7 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from elasticpp.checkpoint.manifest import Manifest, PieceKey, atomic_write, write_manifest
+from elasticpp.checkpoint.durable import durable_write
+from elasticpp.checkpoint.manifest import Manifest, PieceKey, write_manifest
 from elasticpp.checkpoint.tensors import KINDS, PieceMeta, load_units, write_piece
 from elasticpp.errors import CheckpointError
 from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, block_unit
@@ -236,5 +237,5 @@ def export_hf(spec: ModelSpec, step_dir: Path, out: Path) -> list[Path]:
     tmp = out / ".model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(weights)
-    atomic_write(out / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    durable_write(out / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
     return [out / CONFIG_NAME, weights]

@@ -16,25 +16,22 @@ Invariants:
 - Pinning 2-3 GB of host memory takes a second or more: `reserve` allocates the buffers on a
   thread of their own while training runs, and the first capture waits only for what is
   left of it.
-- A piece written from the buffers is byte for byte the file `checkpoint.tensors.write_piece`
-  writes for the same tensors and metadata (safetensors: 8-byte header length, JSON header
+- A piece is written from the buffers by `checkpoint.tensors.write_streamed` (the checkpoint
+  format's own writer): byte for byte the file `write_piece` writes for the same tensors
+  and metadata (safetensors: 8-byte header length, JSON header
   with `__metadata__` first and tensors by name, padded with spaces to 8 bytes, then the
   data in header order), with the same name, size and sha256. It is serialised and hashed
   as it is written, from the buffers' memory, with no copy of the state in Python bytes;
   hashing and file writes release the GIL. Pieces holding anything but fp32 tensors (which
   snapshots never do) go through `write_piece` itself.
-- Each piece appears atomically (tmp + fsync + rename); the caller fsyncs the step
+- Each piece appears atomically (`checkpoint.durable`); the caller fsyncs the step
   directory once after its last piece, before reporting the snapshot.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,61 +39,7 @@ from typing import Any
 import torch
 
 from elasticpp.checkpoint.manifest import PieceEntry, PieceKey
-from elasticpp.checkpoint.tensors import KINDS, META_KEY, PieceMeta, write_piece
-
-
-def piece_header(tensors: Mapping[str, torch.Tensor], meta: PieceMeta) -> tuple[bytes, list[str]]:
-    """The safetensors prefix (length + header) of a piece of fp32 tensors, and the tensor
-    names in the order their data follows it."""
-    names = sorted(tensors)  # one dtype: safetensors orders by name (UTF-8 bytes)
-    header: dict[str, Any] = {"__metadata__": {META_KEY: meta.to_json()}}
-    offset = 0
-    for name in names:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": "F32",
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, names
-
-
-def write_streamed(
-    step_dir: Path, key: PieceKey, tensors: Mapping[str, torch.Tensor], meta: PieceMeta
-) -> PieceEntry:
-    """Write one piece from host tensors as `write_piece` would, without building its bytes:
-    tmp + fsync + rename; the directory is the caller's to fsync."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors.values()):
-        return write_piece(step_dir, key, tensors, meta)
-    if meta.key != key:
-        return write_piece(step_dir, key, tensors, meta)  # which refuses it, naming both
-    missing = sorted(set(tensors) - set(meta.shard_dims))
-    if missing:
-        return write_piece(step_dir, key, tensors, meta)  # which refuses it, naming them
-    prefix, names = piece_header(tensors, meta)
-    step_dir.mkdir(parents=True, exist_ok=True)
-    path = step_dir / key.filename
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    digest = hashlib.sha256(prefix)
-    size = len(prefix)
-    with tmp.open("wb") as f:
-        f.write(prefix)
-        for name in names:
-            t = tensors[name]
-            if t.numel() == 0:
-                continue
-            view = t.contiguous().numpy().data.cast("B")
-            digest.update(view)
-            f.write(view)
-            size += len(view)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return PieceEntry(key=key, size=size, sha256=digest.hexdigest())
+from elasticpp.checkpoint.tensors import KINDS, PieceMeta, write_streamed
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ class SnapshotWriter:
         """Write one snapshot. A disk error (ENOSPC, EIO) loses this snapshot, not the
         training: the partial directory is removed, the failure is reported, and the step is
         simply never committed. Any other exception is a bug and ends the worker."""
-        from elasticpp.checkpoint.manifest import fsync_dir, step_dirname
+        from elasticpp.checkpoint.durable import fsync_dir
+        from elasticpp.checkpoint.manifest import step_dirname
 
         step_dir = self.root / step_dirname(step)
         try:

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from elasticpp.checkpoint.manifest import PieceEntry, PieceKey, read_manifest
-from elasticpp.checkpoint.tensors import PieceMeta, read_piece
+from elasticpp.checkpoint.tensors import PieceMeta, read_piece, write_streamed
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import ModelSpec
 from elasticpp.train.contract import init_unit
 from elasticpp.train.engine import Trainer
 from elasticpp.train.families import build_model
-from elasticpp.train.hostcopy import HostBuffers, write_streamed
+from elasticpp.train.hostcopy import HostBuffers
 from elasticpp.train.snapshots import SnapshotWriter
 from elasticpp.waiting import wait_until
 
