@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from elasticpp.plan import load_model_spec
 from elasticpp.plan.cost import CostParams, ModelCosts
-from elasticpp.train.contract import UnitContext, init_unit
-from elasticpp.train.families import build_model
+from elasticpp.train.model.contract import UnitContext, init_unit
+from elasticpp.train.model.families import build_model
 
 FLOAT32_BYTES = 4
 

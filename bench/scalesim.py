@@ -49,7 +49,7 @@ from elasticpp.agent.server import ServerPorts, serve
 from elasticpp.cluster.etcd.kv import EtcdKV
 from elasticpp.cluster.etcd.meter import EtcdMeter
 from elasticpp.errors import ElasticppError
-from elasticpp.train.procs import EXITED
+from elasticpp.train.worker.procs import EXITED
 
 log = logging.getLogger("elasticpp.bench.scale")
 
@@ -57,7 +57,7 @@ _PIDS = itertools.count(10_000_000)  # above any real pid: a simulated worker is
 
 
 class SimWorker:
-    """A warm worker without a process: the methods of elasticpp.train.procs.WorkerProcess
+    """A warm worker without a process: the methods of elasticpp.train.worker.procs.WorkerProcess
     the agent uses, each answered at once with the event a real worker would send."""
 
     def __init__(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec, load_model_spec
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.launch import RunResult, kill_all, run_local, spawn_workers
+from elasticpp.train.worker.launch import RunResult, kill_all, run_local, spawn_workers
 
 
 def measured_bubble(result: RunResult, skip: int) -> float:

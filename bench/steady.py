@@ -167,8 +167,8 @@ def run_train(
     def run(workdir: Path) -> list[float]:
         from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec
         from elasticpp.train.config import TrainConfig
-        from elasticpp.train.launch import kill_all, run_local, spawn_workers
-        from elasticpp.train.modelref import resolve_model
+        from elasticpp.train.model.modelref import resolve_model
+        from elasticpp.train.worker.launch import kill_all, run_local, spawn_workers
 
         lay = Layout.parse(layout)
         plan = build_plan(
@@ -450,7 +450,7 @@ def main() -> int:
         for size in sizes:
             model_spec, steps, agent_steps, warmup = SIZES[size]
             model = model_arg(model_spec, workdir)
-            from elasticpp.train.modelref import resolve_model
+            from elasticpp.train.model.modelref import resolve_model
 
             seq_len = resolve_model(model).spec.seq_len
             wanted = set(args.groups.split(","))

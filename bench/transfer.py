@@ -169,7 +169,7 @@ def run_snapshot_cost(model_name: str, layout_text: str, steps: int, repeats: in
     from elasticpp.plan.specs import ClusterSpec, load_device_spec, load_model_spec
     from elasticpp.store.local import LocalStore
     from elasticpp.train.config import TrainConfig
-    from elasticpp.train.launch import kill_all, run_local, spawn_workers
+    from elasticpp.train.worker.launch import kill_all, run_local, spawn_workers
 
     layout = Layout.parse(layout_text)
     plan = build_plan(

@@ -1,5 +1,5 @@
 """How long a node takes to fill its warm pool: exec'd workers against workers forked from the
-worker template (elasticpp.train.forkserver), in one run, on this machine.
+worker template (elasticpp.train.worker.forkserver), in one run, on this machine.
 
 Three ways to get `count` warm workers (torch imported, one update run, waiting for an
 assignment), each timed from the request to the last worker's "ready":
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from elasticpp.proctree import sigterm_as_interrupt
-from elasticpp.train.launch import kill_all, spawn_workers, start_template
-from elasticpp.train.procs import WorkerProcess, WorkerTemplate
+from elasticpp.train.worker.launch import kill_all, spawn_workers, start_template
+from elasticpp.train.worker.procs import WorkerProcess, WorkerTemplate
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -115,12 +115,12 @@ def children(pid: int) -> list[int]:
     return out
 
 
-TEMPLATE_MODULE = b"elasticpp.train.forkserver"
+TEMPLATE_MODULE = b"elasticpp.train.worker.forkserver"
 
 
 def worker_processes(agent_pid: int) -> list[int]:
     """The worker processes under an agent, warm or training: its descendants but its worker
-    template (elasticpp.train.forkserver). An exec'd worker is the agent's child, a forked
+    template (elasticpp.train.worker.forkserver). An exec'd worker is the agent's child, a forked
     one the template's, and a forked worker keeps the template's command line: the template
     is the agent's child that runs that module."""
     out = []

@@ -18,7 +18,7 @@ from elasticpp.plan import (
     load_device_spec,
 )
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.launch import kill_all, run_local, spawn_workers
+from elasticpp.train.worker.launch import kill_all, run_local, spawn_workers
 
 MODEL = ModelSpec("t4", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 

@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from elasticpp.plan import load_model_spec
-from elasticpp.train.contract import init_unit
-from elasticpp.train.families import build_model
-from elasticpp.train.model import Stage
+from elasticpp.train.model.contract import init_unit
+from elasticpp.train.model.families import build_model
+from elasticpp.train.model.stage import Stage
 
 
 class TinyGPT(torch.nn.Module):

@@ -63,7 +63,7 @@ def main() -> int:
     import torch.distributed as dist
     from ddp_model import TinyGPT, load_checkpoint, save_checkpoint
 
-    from elasticpp.train.data import Corpus, load_corpus
+    from elasticpp.train.data.samples import Corpus, load_corpus
 
     emit("imported", time.time())
     torch.set_num_threads(1)  # as elasticpp's CPU workers: one thread per worker

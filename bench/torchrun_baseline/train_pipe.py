@@ -41,10 +41,10 @@ def main() -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from elasticpp.plan import ClusterSpec, Layout, build_plan, load_device_spec, load_model_spec
-    from elasticpp.train.contract import init_unit
-    from elasticpp.train.data import Corpus, load_corpus
-    from elasticpp.train.families import build_model
-    from elasticpp.train.model import Stage
+    from elasticpp.train.data.samples import Corpus, load_corpus
+    from elasticpp.train.model.contract import init_unit
+    from elasticpp.train.model.families import build_model
+    from elasticpp.train.model.stage import Stage
 
     torch.set_num_threads(1)  # as elasticpp's CPU workers: one thread per worker
     dist.init_process_group("gloo")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from elasticpp.train.contract import (
+from elasticpp.train.model.contract import (
     ONES,
     ZEROS,
     Boundary,

@@ -4,7 +4,7 @@ A minimal spec is just the required keys:
 
     name: demo
     model: tiny            # a preset, a model spec file, a Hugging Face model directory,
-                           # or package.module:function (see elasticpp.train.modelref)
+                           # or package.module:function (see elasticpp.train.model.modelref)
     global_batch: 16
     micro_batch: 2
     steps: 40
@@ -140,7 +140,7 @@ class JobSpec:
     max_failures: int = 50
     failure_window_s: float = 3600.0
     # What `model:` named, resolved: {"kind", "ref", "files": {name: sha256}}
-    # (elasticpp.train.modelref): agents whose model files differ are refused, naming them.
+    # (elasticpp.train.model.modelref): agents whose model files differ are refused, naming them.
     model_ref: dict[str, Any] = field(default_factory=dict)
     # Weights a new job starts from: a Hugging Face directory or an elasticpp checkpoint.
     init_from: str | None = None
@@ -424,7 +424,7 @@ def _data_beside(base_dir: Path, data: object) -> object:
 def _resolve_model(values: dict[str, Any], source: str, base_dir: Path | None) -> None:
     """Replace `model` (and `seq_len`, `model_options`) by the resolved spec and reference;
     resolve `init_from` against the spec's directory."""
-    from elasticpp.train.modelref import resolve_model
+    from elasticpp.train.model.modelref import resolve_model
 
     ref = values.pop("model")
     if not isinstance(ref, str) or not ref:

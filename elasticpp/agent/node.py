@@ -170,7 +170,7 @@ class Agent:
     ) -> None:
         self.clock: Clock = clock or SystemClock()  # every part's decisions read it
         # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
-        # process, elasticpp.train.procs), a counter of this agent's etcd requests, an etcd
+        # process, elasticpp.train.worker.procs), a counter of this agent's etcd requests, an etcd
         # connection shared by the simulated agents of one process (default: its own), the
         # event that wakes the loop (a simulation's also schedules the agent's next `turn`
         # on its pool of loop threads), whether the agent starts its own loop watchdog
@@ -467,7 +467,7 @@ class Agent:
         if self.spec.init_from is not None:
             # A job that starts from trained weights starts every worker from a step-0
             # directory of this node, converted once here, before joining.
-            from elasticpp.train.hf import write_init_step
+            from elasticpp.train.model.hf import write_init_step
 
             self._init_dir = write_init_step(
                 self.spec.model, Path(self.spec.init_from), cfg.state_dir / "init"

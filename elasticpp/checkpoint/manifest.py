@@ -5,7 +5,7 @@ those), so the state store can move and verify pieces without importing torch.
 
 Units and pieces
     A *unit* is the smallest piece of model state that moves between layouts: one entry of
-    a model's ordered unit list (`elasticpp.train.contract`), named in the character set of
+    a model's ordered unit list (`elasticpp.train.model.contract`), named in the character set of
     `elasticpp.names` — for the built-in families `embed` (first stage), `block.NNNN` (one
     transformer block) and `head` (last stage). A *piece* is one unit's state held by one
     tensor-parallel rank: parameters, AdamW moments, and the optimizer step, in one

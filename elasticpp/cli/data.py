@@ -42,8 +42,8 @@ from elasticpp.checkpoint.durable import durable_file, durable_write
 from elasticpp.cli import flagtypes
 from elasticpp.cli.output import add_output_flag, emit, message_table
 from elasticpp.errors import ConfigError
-from elasticpp.train.tokenfiles import BIN_DTYPES as DTYPES
-from elasticpp.train.tokenfiles import SIDECAR_FORMAT_VERSION, sidecar_path
+from elasticpp.train.data.tokenfiles import BIN_DTYPES as DTYPES
+from elasticpp.train.data.tokenfiles import SIDECAR_FORMAT_VERSION, sidecar_path
 
 # Names tokenizers give their end-of-text token: GPT-2, GPT-NeoX and Qwen; Llama 3; Llama 2,
 # Mistral and T5; Gemma. A chat turn's end (<|im_end|>, <|eot_id|>) is not a document's.

@@ -34,8 +34,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from elasticpp.checkpoint.manifest import find_step_dir, verify_step_dir
     from elasticpp.plan.specs import FAMILIES
-    from elasticpp.train.hf import export_hf
-    from elasticpp.train.modelref import resolve_model
+    from elasticpp.train.model.hf import export_hf
+    from elasticpp.train.model.modelref import resolve_model
 
     step_dir = find_step_dir(args.checkpoint, what="export")
     manifest = verify_step_dir(step_dir)

@@ -79,7 +79,7 @@ def _cluster(args: argparse.Namespace, device: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from elasticpp.plan import Planner, load_device_spec
-    from elasticpp.train.modelref import resolve_model  # torch only for a user's function
+    from elasticpp.train.model.modelref import resolve_model  # torch only for a user's function
 
     model = resolve_model(args.model, seq_len=args.seq_len).spec
     device = load_device_spec(args.device)

@@ -193,7 +193,7 @@ def _data_arg(paths: list[str] | None) -> str | tuple[str, ...] | None:
 def _validate(
     args: argparse.Namespace,
 ) -> tuple[Any, TrainConfig, Path | None, int, Path | None]:
-    from elasticpp.train.modelref import resolve_model
+    from elasticpp.train.model.modelref import resolve_model
 
     ref = resolve_model(
         args.model, seq_len=args.seq_len, options=parse_model_options(args.model_option)
@@ -242,7 +242,7 @@ def _validate(
     missing = [p for p in args.data or () if not Path(p).exists()]
     if missing:
         raise ConfigError(f"--data {missing[0]}: no such file or directory")
-    from elasticpp.train.data import check_data  # numpy only: no torch in this process
+    from elasticpp.train.data.samples import check_data  # numpy only: no torch in this process
 
     check_data(job, model.seq_len, model.vocab_size)
     if args.threads is not None and args.threads <= 0:
@@ -294,15 +294,15 @@ def run(args: argparse.Namespace) -> int:
         write_manifest,
     )
     from elasticpp.checkpoint.manifest import PieceEntry as Entry
-    from elasticpp.train.launch import (
+    from elasticpp.train.worker.launch import (
         default_threads,
         kill_all,
         run_local,
         spawn_workers,
         start_template,
     )
-    from elasticpp.train.procs import WorkerError, WorkerTemplate
-    from elasticpp.train.snapshots import is_snapshot_writer
+    from elasticpp.train.worker.procs import WorkerError, WorkerTemplate
+    from elasticpp.train.worker.snapshots import is_snapshot_writer
 
     # Worker logs go to --log-dir, or to a temporary directory that is removed when the run
     # ends well and kept (and named on stderr) when it does not.
@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="elasticpp-train-"))
     succeeded = False
     if init_from is not None:
-        from elasticpp.train.hf import write_init_step
+        from elasticpp.train.model.hf import write_init_step
 
         resume_dir = write_init_step(plan.model, init_from, log_dir / "init")
     save_dir = None if args.save is None else args.save.resolve()
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         if plan.gpus_used > 1:
-            # One process imports torch and forks the ranks (elasticpp.train.forkserver);
+            # One process imports torch and forks the ranks (elasticpp.train.worker.forkserver);
             # where it cannot, the ranks are exec'd.
             template = start_template(log_dir, device=args.device)
         workers = spawn_workers(

@@ -114,7 +114,7 @@ class ModelCosts:
         h, f, s, v = model.hidden_size, model.ffn_hidden_size, model.seq_len, model.vocab_size
         n = model.numbers
         if n is not None:
-            # A declared model: its own counts (elasticpp.train.contract.model_numbers).
+            # A declared model: its own counts (elasticpp.train.model.contract.model_numbers).
             return cls(
                 block_params=n.block_params,
                 embed_params=n.first_params,
@@ -135,7 +135,7 @@ class ModelCosts:
         flops = forward_flops(model, attention_computed=1.0)
         if model.family == "llama":
             # two RMSNorm weights; rotary positions (no position embedding); the biases and
-            # per-head q/k norms that Qwen2 and Qwen3 add (elasticpp.train.families.llama)
+            # per-head q/k norms that Qwen2 and Qwen3 add (elasticpp.train.model.families.llama)
             opts = model.option_map
             block_params = matmul_params + 2 * h
             block_params += q + 2 * kv if opts.get("qkv_bias") is True else 0

@@ -126,7 +126,7 @@ def node_step_flops(plan: Plan, node_id: str) -> float:
 # --- peaks
 
 # Matmul dtypes of the peak table, and the one each `TrainConfig.precision` runs its
-# matmuls in on CUDA (fp32 precision allows TF32 there: elasticpp.train.kernels.set_tf32).
+# matmuls in on CUDA (fp32 precision allows TF32 there: elasticpp.train.engine.kernels.set_tf32).
 DTYPES = ("bf16", "fp16", "tf32", "fp32")
 PRECISION_DTYPE = {"bf16": "bf16", "fp32": "tf32"}
 

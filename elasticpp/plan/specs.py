@@ -62,7 +62,7 @@ def default_units(num_layers: int) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ModelNumbers:
     """What the planner needs of a model it cannot compute from the shape fields: the numbers
-    a model declaration (`elasticpp.train.contract`) gives, handed over as plain numbers.
+    a model declaration (`elasticpp.train.model.contract`) gives, handed over as plain numbers.
 
     Parameter counts are whole-model (before tensor parallelism); FLOPs are forward FLOPs
     per token; `boundary_values_per_token` is what one token sends across a stage boundary;

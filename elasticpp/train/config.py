@@ -52,7 +52,8 @@ class TrainConfig:
     compile: bool = False
     # A token file (.npy, or .bin with a sidecar or data_dtype), a list of token shards
     # (absolute paths), a directory of token shards, a raw-byte file, or a directory of
-    # raw-byte files; None = the stdlib .py corpus. See elasticpp.train.data for the formats.
+    # raw-byte files; None = the stdlib .py corpus. See elasticpp.train.data.samples for the
+    # formats.
     data: str | tuple[str, ...] | None = None
     # "uint16" or "uint32": read a .bin without a sidecar as token ids (a sidecar decides)
     data_dtype: str | None = None
@@ -111,7 +112,7 @@ class TrainConfig:
         if not isinstance(self.data_shuffle, bool):
             raise bad("data_shuffle", "true or false")
         # What the path alone tells; a directory (of shards or of raw bytes) and a .bin without
-        # a sidecar are told apart when the data is opened (elasticpp.train.data).
+        # a sidecar are told apart when the data is opened (elasticpp.train.data.samples).
         if self.data_dtype is not None and not self._may_be_tokens():
             raise ConfigError(
                 f"train: data_dtype {self.data_dtype!r} applies to a token file (data ending in "

@@ -74,7 +74,7 @@ def _running(lc: LocalCluster, node_id: str) -> list[int]:
 
 
 def _template(agent_pid: int) -> int | None:
-    """The agent's worker template: its child that runs elasticpp.train.forkserver."""
+    """The agent's worker template: its child that runs elasticpp.train.worker.forkserver."""
     for pid in children(agent_pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

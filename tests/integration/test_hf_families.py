@@ -32,12 +32,12 @@ from elasticpp.checkpoint.tensors import load_units
 from elasticpp.cli.main import main as cli_main
 from elasticpp.errors import ConfigError
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.data import open_corpus
-from elasticpp.train.families import build_model
-from elasticpp.train.families.llama import Llama3Scaling, inverse_frequencies
-from elasticpp.train.hf import hf_from_units, import_hf, read_hf_state, units_from_hf
-from elasticpp.train.hfconfig import spec_from_hf
-from elasticpp.train.model import Stage
+from elasticpp.train.data.samples import open_corpus
+from elasticpp.train.model.families import build_model
+from elasticpp.train.model.families.llama import Llama3Scaling, inverse_frequencies
+from elasticpp.train.model.hf import hf_from_units, import_hf, read_hf_state, units_from_hf
+from elasticpp.train.model.hfconfig import spec_from_hf
+from elasticpp.train.model.stage import Stage
 
 SEQ = 16
 VOCAB = 256

@@ -26,12 +26,12 @@ from elasticpp.checkpoint.tensors import load_units
 from elasticpp.cli.main import main as cli_main
 from elasticpp.plan import MODEL_PRESETS, ClusterSpec, Layout, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.contract import UnitContext
-from elasticpp.train.data import open_corpus
-from elasticpp.train.families import build_model
-from elasticpp.train.hf import hf_from_units, import_hf, read_hf_state, units_from_hf
-from elasticpp.train.hfconfig import spec_from_hf
-from elasticpp.train.model import Stage
+from elasticpp.train.data.samples import open_corpus
+from elasticpp.train.model.contract import UnitContext
+from elasticpp.train.model.families import build_model
+from elasticpp.train.model.hf import hf_from_units, import_hf, read_hf_state, units_from_hf
+from elasticpp.train.model.hfconfig import spec_from_hf
+from elasticpp.train.model.stage import Stage
 from tests.workers import tiny_llama_config
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "logits_rank.py"
@@ -102,7 +102,7 @@ def _logits_under(spec_dir: Path, layout: str, tmp: Path, options: dict) -> torc
         spec = type(spec).from_dict({**spec.to_dict(), "options": {**spec.option_map, **options}})
     step_dir = tmp / "step-0000000000"
     units = units_from_hf(spec, read_hf_state(spec_dir))
-    from elasticpp.train.hf import write_initial_step
+    from elasticpp.train.model.hf import write_initial_step
 
     write_initial_step(spec, units, step_dir)
     L = Layout.parse(layout)

@@ -15,7 +15,7 @@ import pytest
 from bench.scalesim import SimWorker
 from elasticpp.errors import ElasticppError
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.procs import EXITED, WorkerProcess
+from elasticpp.train.worker.procs import EXITED, WorkerProcess
 from tests.workers import assignment, make_plan
 from tests.workers import rendezvous_store as store
 

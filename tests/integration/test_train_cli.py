@@ -18,7 +18,7 @@ import torch
 from elasticpp.checkpoint.manifest import verify_step_dir
 from elasticpp.checkpoint.tensors import load_units
 from elasticpp.proctree import descendants, worker_processes
-from elasticpp.train.launch import wait_gone
+from elasticpp.train.worker.launch import wait_gone
 from elasticpp.waiting import wait_until
 
 MODEL_SPEC = {

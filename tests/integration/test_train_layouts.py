@@ -1,7 +1,7 @@
 """Layout independence: every (p, t, d, b) trains the same loss curve as one rank.
 
 All layouts run once in a module fixture on real worker processes (gloo, CPU), forked from
-one worker template (torch imported once, elasticpp.train.forkserver).
+one worker template (torch imported once, elasticpp.train.worker.forkserver).
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import pytest
 
 from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.launch import RunResult, kill_all, run_local, spawn_workers, start_template
+from elasticpp.train.worker.launch import (
+    RunResult,
+    kill_all,
+    run_local,
+    spawn_workers,
+    start_template,
+)
 
 MODEL = ModelSpec("t4", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 GLOBAL_BATCH = 10

@@ -22,8 +22,8 @@ from elasticpp.checkpoint.manifest import (
 )
 from elasticpp.checkpoint.tensors import encode_piece, load_units, read_piece
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.launch import kill_all, spawn_workers, wait_gone
-from elasticpp.train.procs import EXITED, WorkerProcess
+from elasticpp.train.worker.launch import kill_all, spawn_workers, wait_gone
+from elasticpp.train.worker.procs import EXITED, WorkerProcess
 from tests.workers import MODEL, assignment, make_plan
 from tests.workers import rendezvous_store as store
 

@@ -52,7 +52,7 @@ def test_a_user_model_trains_the_same_curve_under_three_layouts(tmp_path: Path) 
 
 
 BROKEN = """
-from elasticpp.train.contract import Boundary, ModelDef, Param, Split, Unit
+from elasticpp.train.model.contract import Boundary, ModelDef, Param, Split, Unit
 
 def ident(ctx, p, x):
     return x

@@ -1,4 +1,4 @@
-"""The worker template (elasticpp.train.forkserver): warm workers forked from one process
+"""The worker template (elasticpp.train.worker.forkserver): warm workers forked from one process
 that imported torch once, real processes throughout.
 
 A forked worker must be what an exec'd one is to its supervisor (ready, its events, its
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from elasticpp.proctree import blocked_reading_stdin, descendants, worker_processes
-from elasticpp.train.launch import kill_all, spawn_workers, start_template
-from elasticpp.train.procs import EXITED, WorkerError, WorkerTemplate
+from elasticpp.train.worker.launch import kill_all, spawn_workers, start_template
+from elasticpp.train.worker.procs import EXITED, WorkerError, WorkerTemplate
 from elasticpp.waiting import wait_until
 from tests.workers import alive as _alive
 
@@ -144,7 +144,7 @@ def test_a_killed_supervisor_takes_its_template_and_forked_workers_with_it(
         f"""
         import os, time
         from pathlib import Path
-        from elasticpp.train.launch import spawn_workers, start_template
+        from elasticpp.train.worker.launch import spawn_workers, start_template
         env = {{**os.environ, "OMP_NUM_THREADS": "1"}}
         template = start_template(Path({str(tmp_path)!r}), env=env)
         assert template.usable(), template.why_not

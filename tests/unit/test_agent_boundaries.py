@@ -19,7 +19,7 @@ from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import ConfigError
 from elasticpp.plan import Plan
-from elasticpp.train.procs import WorkerError
+from elasticpp.train.worker.procs import WorkerError
 from tests.agents import SPEC
 from tests.agents import dp_plan as _plan
 from tests.agents import plan_over as _plan_on

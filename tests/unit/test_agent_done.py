@@ -21,7 +21,7 @@ from elasticpp.cluster.barriers import RESUME_MEMBER
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.plan import ClusterSpec, Layout, NodeSpec, Plan, build_plan, load_device_spec
 from elasticpp.store.holdings import DISK_SOURCE
-from elasticpp.train.procs import EXITED
+from elasticpp.train.worker.procs import EXITED
 from tests.agents import SPEC, SPEC_FIELDS, lead_resume, lead_timeline
 from tests.agents import DeadProc as _Proc
 from tests.agents import dp_plan as _plan

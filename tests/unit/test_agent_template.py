@@ -1,4 +1,4 @@
-"""The supervisor's use of the node's worker template (elasticpp.train.forkserver): spares
+"""The supervisor's use of the node's worker template (elasticpp.train.worker.forkserver): spares
 wait for a template that is still importing, as they would for their own imports, and it is
 held to their deadline (`ready_timeout_s`): past it, it is given up, counts as a never-ready
 spare (the follower reports the node for it) and spares are exec'd. The `Supervisor` is

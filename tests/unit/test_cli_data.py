@@ -14,7 +14,7 @@ from elasticpp.cli.data import choose_dtype
 from elasticpp.cli.main import main
 from elasticpp.errors import ConfigError
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.data import check_data, open_corpus
+from elasticpp.train.data.samples import check_data, open_corpus
 
 DOCS = {
     "a.txt": "the quick brown fox jumps over the lazy dog\n" * 30,

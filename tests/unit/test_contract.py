@@ -14,7 +14,7 @@ from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.names import parse_name
 from elasticpp.plan import MODEL_PRESETS, ModelSpec
 from elasticpp.plan.cost import ModelCosts
-from elasticpp.train.contract import (
+from elasticpp.train.model.contract import (
     Boundary,
     ContractError,
     ModelDef,
@@ -26,7 +26,7 @@ from elasticpp.train.contract import (
     model_numbers,
     validate,
 )
-from elasticpp.train.families import build_model
+from elasticpp.train.model.families import build_model
 
 
 def _ident(ctx, params, x):

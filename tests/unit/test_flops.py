@@ -27,9 +27,9 @@ from elasticpp.plan.flops import (
     step_flops,
 )
 from elasticpp.plan.specs import ModelSpec
-from elasticpp.train.contract import init_unit
-from elasticpp.train.families import build_model
-from elasticpp.train.model import Stage
+from elasticpp.train.model.contract import init_unit
+from elasticpp.train.model.families import build_model
+from elasticpp.train.model.stage import Stage
 
 SEQ, BATCH = 64, 3
 SPECS = {

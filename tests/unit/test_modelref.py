@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from elasticpp.agent.jobspec import diff, parse_job_spec
 from elasticpp.errors import ConfigError
-from elasticpp.train.modelref import resolve_model
+from elasticpp.train.model.modelref import resolve_model
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],

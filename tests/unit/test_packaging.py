@@ -51,8 +51,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_wheel_installs_apart_from_the_checkout_and_runs(wheel: Path, tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     # The generated gRPC code, the built-in model families, the CLI's entry point.
-    for path in ("elasticpp/rpc/agent/v1/agent_pb2.py", "elasticpp/rpc/state/v1/state_pb2_grpc.py",
-                 "elasticpp/cli/main.py", "elasticpp/train/families/__init__.py"):  # fmt: skip
+    for path in (
+        "elasticpp/rpc/agent/v1/agent_pb2.py",
+        "elasticpp/rpc/state/v1/state_pb2_grpc.py",
+        "elasticpp/cli/main.py",
+        "elasticpp/train/model/families/__init__.py",
+    ):
         assert path in names, path
     meta = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "elasticpp = elasticpp.cli.main:main" in zipfile.ZipFile(wheel).read(meta).decode()

@@ -20,8 +20,8 @@ from elasticpp.plan import (
     load_model_spec,
 )
 from elasticpp.plan.cost import CostParams, ModelCosts, memory_costs, total_params
-from elasticpp.train.contract import init_unit
-from elasticpp.train.families import build_model
+from elasticpp.train.model.contract import init_unit
+from elasticpp.train.model.families import build_model
 
 A100 = load_device_spec("a100-80g")
 
@@ -193,8 +193,8 @@ def test_zero_latency_is_allowed():
     assert d.intra_node_latency_s == 0.0 == d.inter_node_latency_s
 
 
-# Llama-family shapes Hugging Face configs produce (elasticpp.train.hfconfig): Qwen3's head_dim
-# wider than hidden/heads with per-head q/k norms, a Mistral's narrower one, Qwen2's Q/K/V
+# Llama-family shapes Hugging Face configs produce (elasticpp.train.model.hfconfig): Qwen3's
+# head_dim wider than hidden/heads with per-head q/k norms, a Mistral's narrower one, Qwen2's Q/K/V
 # biases, a Llama with attention_bias (Q/K/V and output biases).
 _HF_LIKE = {
     "qwen3": {"head_dim": 32, "qk_norm": True, "hf_model_type": "qwen3"},

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from elasticpp.proctree import ProcStat, adopted_zombies, counts_as_gone, parse_stat, read_stat
-from elasticpp.train.procs import _ForkedChild
+from elasticpp.train.worker.procs import _ForkedChild
 from elasticpp.waiting import wait_until
 
 

@@ -21,8 +21,8 @@ from elasticpp.errors import ConfigError
 from elasticpp.plan.layout import PLAN_RECORD_FORMAT_VERSION, Layout, Plan, build_plan
 from elasticpp.plan.specs import DEVICE_PRESETS, ClusterSpec, NodeSpec
 from elasticpp.store.instruction import encode, node_fetches
-from elasticpp.train.contract import ContractError
-from elasticpp.train.families import load_entry_point
+from elasticpp.train.model.contract import ContractError
+from elasticpp.train.model.families import load_entry_point
 from tests.records import SECURITY_SPEC as SPEC
 from tests.records import SPEC_FIELDS
 

@@ -11,7 +11,7 @@ import pytest
 from elasticpp.errors import ConfigError
 from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.worker import Assignment
+from elasticpp.train.worker.main import Assignment
 
 MODEL = ModelSpec("t2", num_layers=2, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from elasticpp.errors import ConfigError
-from elasticpp.train import data as data_mod
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.data import (
+from elasticpp.train.data import samples as data_mod
+from elasticpp.train.data.samples import (
     Corpus,
     TokenCorpus,
     check_data,

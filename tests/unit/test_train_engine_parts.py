@@ -12,10 +12,8 @@ import torch
 from elasticpp.errors import ConfigError
 from elasticpp.plan import ClusterSpec, Layout, ModelSpec, build_plan, load_device_spec
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.contract import init_unit
-from elasticpp.train.data import Corpus, load_corpus
-from elasticpp.train.families import build_model
-from elasticpp.train.schedule import (
+from elasticpp.train.data.samples import Corpus, load_corpus
+from elasticpp.train.engine.schedule import (
     BACKWARD,
     FORWARD,
     Op,
@@ -24,8 +22,10 @@ from elasticpp.train.schedule import (
     p2p_phases,
     schedule_ops,
 )
-from elasticpp.train.snapshots import is_snapshot_writer
-from elasticpp.train.worker import Assignment, StopControl
+from elasticpp.train.model.contract import init_unit
+from elasticpp.train.model.families import build_model
+from elasticpp.train.worker.main import Assignment, StopControl
+from elasticpp.train.worker.snapshots import is_snapshot_writer
 
 MODEL = ModelSpec("t", num_layers=4, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)
 
@@ -256,7 +256,7 @@ class _Work:
 def test_an_exchange_waits_on_its_receive_and_leaves_its_send_for_after_the_op(
     monkeypatch: pytest.MonkeyPatch, coalesced: bool
 ) -> None:
-    from elasticpp.train import p2p
+    from elasticpp.train.engine import p2p
 
     waited: list[str] = []
 

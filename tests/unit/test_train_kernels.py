@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticpp.train.buckets import GradReducer, assign_buckets
-from elasticpp.train.kernels import AdamW, PhaseTimer, set_tf32
+from elasticpp.train.engine.buckets import GradReducer, assign_buckets
+from elasticpp.train.engine.kernels import AdamW, PhaseTimer, set_tf32
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8

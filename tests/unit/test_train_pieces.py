@@ -26,8 +26,8 @@ from elasticpp.checkpoint.tensors import (
 )
 from elasticpp.errors import CheckpointError, ConfigError
 from elasticpp.plan import ModelSpec
-from elasticpp.train.contract import init_unit
-from elasticpp.train.families import build_model
+from elasticpp.train.model.contract import init_unit
+from elasticpp.train.model.families import build_model
 
 MODEL = ModelSpec("t", num_layers=2, hidden_size=16, num_heads=4, vocab_size=256, seq_len=8)
 WHOLE = {

@@ -15,11 +15,11 @@ from elasticpp.checkpoint.manifest import PieceEntry, PieceKey, read_manifest
 from elasticpp.checkpoint.tensors import PieceMeta, read_piece, write_streamed
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import ModelSpec
-from elasticpp.train.contract import init_unit
-from elasticpp.train.engine import Trainer
-from elasticpp.train.families import build_model
-from elasticpp.train.hostcopy import HostBuffers
-from elasticpp.train.snapshots import SnapshotWriter
+from elasticpp.train.engine.trainer import Trainer
+from elasticpp.train.model.contract import init_unit
+from elasticpp.train.model.families import build_model
+from elasticpp.train.worker.hostcopy import HostBuffers
+from elasticpp.train.worker.snapshots import SnapshotWriter
 from elasticpp.waiting import wait_until
 
 MODEL = ModelSpec("t", num_layers=2, hidden_size=32, num_heads=4, vocab_size=256, seq_len=16)

@@ -14,7 +14,7 @@ SCRIPT = """
 import json, sys
 {prepare}
 import torch
-from elasticpp.train.kernels import AdamW
+from elasticpp.train.engine.kernels import AdamW
 before = set(sys.modules)
 w = torch.zeros(4, 4, requires_grad=True)
 (w * 2.0).sum().backward()
@@ -37,9 +37,9 @@ def _new_modules(prepare: str) -> list[str]:
 
 
 def test_after_prepare_the_optimizer_and_its_update_import_nothing() -> None:
-    assert _new_modules("from elasticpp.train.worker import prepare; prepare(False)") == []
+    assert _new_modules("from elasticpp.train.worker.main import prepare; prepare(False)") == []
 
 
 def test_the_optimizer_does_not_import_torchs_compiler_even_unprepared() -> None:
-    new = _new_modules("import elasticpp.train.engine")
+    new = _new_modules("import elasticpp.train.engine.trainer")
     assert not [m for m in new if m.startswith("torch._dynamo")], new

@@ -72,7 +72,7 @@ from elasticpp.store.client import StateClient
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import Persister
 from elasticpp.store.replicate import backup_origins, replicate_once
-from elasticpp.train.snapshots import is_snapshot_writer
+from elasticpp.train.worker.snapshots import is_snapshot_writer
 from elasticpp.transport import Dialer
 
 log = logging.getLogger("elasticpp.agent")

@@ -98,7 +98,7 @@ from elasticpp.store.instruction import node_fetches
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import copy_verified
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
-from elasticpp.train.procs import WorkerProcess
+from elasticpp.train.worker.procs import WorkerProcess
 from elasticpp.transport import Dialer
 
 log = logging.getLogger("elasticpp.agent")

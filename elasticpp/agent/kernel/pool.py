@@ -23,7 +23,7 @@ from elasticpp.agent.kernel.records import JSONValue
 from elasticpp.agent.kernel.summaries import WorkerSeen
 from elasticpp.errors import ElasticppError
 from elasticpp.plan import Plan
-from elasticpp.train.procs import WorkerProcess
+from elasticpp.train.worker.procs import WorkerProcess
 
 # A worker's events that say it trains: each step, and each snapshot of one.
 TRAINING_EVENTS = frozenset({"step", "snapshot"})

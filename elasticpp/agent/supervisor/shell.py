@@ -6,7 +6,7 @@ thread, queued, drained only by the decision loop) into worker state transitions
 (`decide.WorkerState`), and acts on hangs and unhealthy GPUs. A malformed event or a disk
 error while handling one is counted and the next event still counts.
 
-The worker template (elasticpp.train.forkserver) is pinged between forks: one that does not
+The worker template (elasticpp.train.worker.forkserver) is pinged between forks: one that does not
 answer in time (stopped, hung) is killed with the workers it forked and another is started,
 and so is one that served and then died. Either is the template's fault, not the node's: the
 generation of the ranks it took with it is reported failed with this node as no culprit.
@@ -59,7 +59,7 @@ from elasticpp.agent.supervisor.step import (
     worker_environment,
 )
 from elasticpp.errors import ElasticppError
-from elasticpp.train.procs import EXITED, WORKER_DEVICE_ENV, WorkerProcess, WorkerTemplate
+from elasticpp.train.worker.procs import EXITED, WORKER_DEVICE_ENV, WorkerProcess, WorkerTemplate
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -228,7 +228,7 @@ class Supervisor:
     def spawn_warm(self) -> None:
         """Keep `slots` warm workers: spawned ahead, torch imported, waiting for work. They
         are forked from this node's worker template once it is ready (it imported torch
-        once), and exec'd until then or if it cannot fork (elasticpp.train.forkserver)."""
+        once), and exec'd until then or if it cannot fork (elasticpp.train.worker.forkserver)."""
         env, python = self.environment()
         if self._worker_factory is None and not self._template_waited(env, python):
             return  # the template imports torch: the spares are forked from it in a moment

@@ -40,7 +40,7 @@ class TemplateObservation:
     usable: bool  # ready, forks
     lost: bool  # it served forks, then died or was given up (`WorkerTemplate.lost`)
     why_not: str  # why it is not used, once it is not
-    # On the template's own clock (elasticpp.train.procs.WorkerTemplate times its pings):
+    # On the template's own clock (elasticpp.train.worker.procs.WorkerTemplate times its pings):
     unanswered_s: float | None  # its ping waits for an answer this long (None: none waits)
     since_ping_s: float | None  # since its last ping was sent (None: never pinged)
     age_s: float  # since it was started
@@ -145,7 +145,7 @@ def supervisor_step(obs: SupervisorObservation) -> list[Action]:
 # told (its node id, its device, its descriptors) the agent sets for it.
 _AGENT_ONLY = ("CREDENTIALS_DIRECTORY",)
 AGENT_PREFIX = "ELASTICPP_"
-WORKER_READS = ("ELASTICPP_PROFILE_DIR",)  # elasticpp.train.profile
+WORKER_READS = ("ELASTICPP_PROFILE_DIR",)  # elasticpp.train.engine.profiler
 
 
 def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:

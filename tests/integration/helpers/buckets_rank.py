@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.data import open_corpus
-from elasticpp.train.engine import NO_STOP, Trainer, tie_stages
-from elasticpp.train.families import build_model
-from elasticpp.train.parallel import ParallelGroups
+from elasticpp.train.data.samples import open_corpus
+from elasticpp.train.engine.parallel import ParallelGroups
+from elasticpp.train.engine.trainer import NO_STOP, Trainer, tie_stages
+from elasticpp.train.model.families import build_model
 
 in_backward = [False]
 accumulated = [0]  # parameters whose gradient the running backward has accumulated

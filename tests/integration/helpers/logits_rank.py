@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from elasticpp.checkpoint.tensors import load_units
 from elasticpp.plan import Plan
-from elasticpp.train.contract import UnitContext
-from elasticpp.train.engine import tie_stages
-from elasticpp.train.families import build_model
-from elasticpp.train.model import Stage
-from elasticpp.train.parallel import ParallelGroups
+from elasticpp.train.engine.parallel import ParallelGroups
+from elasticpp.train.engine.trainer import tie_stages
+from elasticpp.train.model.contract import UnitContext
+from elasticpp.train.model.families import build_model
+from elasticpp.train.model.stage import Stage
 
 
 def main() -> None:

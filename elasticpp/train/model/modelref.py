@@ -5,7 +5,7 @@ A model reference is one of:
 - a YAML/JSON model spec file with `ModelSpec`'s fields;
 - a Hugging Face model directory (`config.json` and `*.safetensors` of a
   `LlamaForCausalLM` or `GPT2LMHeadModel`): that architecture, starting from its weights;
-- `package.module:function`: a user's model definition (`elasticpp.train.contract`),
+- `package.module:function`: a user's model definition (`elasticpp.train.model.contract`),
   imported from the Python path and called with the model options.
 
 Relative paths are resolved against `base_dir` (a job spec's directory). Every reference
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from elasticpp.errors import ConfigError
 from elasticpp.plan.specs import MODEL_PRESETS, ModelSpec, OptionValue, load_model_spec
-from elasticpp.train import hfconfig
+from elasticpp.train.model import hfconfig
 
 KINDS = ("preset", "spec", "hf", "entry")
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -102,7 +102,7 @@ def _with_options(spec: ModelSpec, opts: Mapping[str, OptionValue], ref: str) ->
         return spec
     merged = {**spec.option_map, **opts}
     spec = replace(spec, options=tuple(merged.items()))
-    from elasticpp.train.families import build_model  # checks the options now, naming them
+    from elasticpp.train.model.families import build_model  # checks the options now, naming them
 
     try:
         build_model(spec)
@@ -112,8 +112,8 @@ def _with_options(spec: ModelSpec, opts: Mapping[str, OptionValue], ref: str) ->
 
 
 def _entry(ref: str, opts: dict[str, OptionValue], seq_len: int | None) -> ModelRef:
-    from elasticpp.train.contract import describe
-    from elasticpp.train.families import build_user_model
+    from elasticpp.train.model.contract import describe
+    from elasticpp.train.model.families import build_user_model
 
     if seq_len is not None:
         opts.setdefault("seq_len", seq_len)

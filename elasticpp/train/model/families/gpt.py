@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from elasticpp.plan.flops import forward_flops
 from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, block_unit
-from elasticpp.train.contract import (
+from elasticpp.train.model.contract import (
     ONES,
     ZEROS,
     ContractError,
@@ -38,7 +38,7 @@ from elasticpp.train.contract import (
     UnitContext,
     normal,
 )
-from elasticpp.train.families import (
+from elasticpp.train.model.families import (
     INIT_STD,
     check_options,
     decoder,

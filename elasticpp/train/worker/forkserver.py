@@ -6,7 +6,7 @@ every generation, so every recovery paid those imports again, on the CPUs its tr
 needs. The template pays them once: it is started with exec like any worker (a
 supervisor that holds gRPC or etcd connections never forks), imports what a worker needs
 without running anything (no thread pool, no CUDA), and then forks a worker per request
-(elasticpp.train.procs.WorkerTemplate, the client). A forked worker is the same program as
+(elasticpp.train.worker.procs.WorkerTemplate, the client). A forked worker is the same program as
 an exec'd one from `worker.main()` on: it gets its own session, its stdin, event pipe and
 log from the request (passed as descriptors over a Unix socket), and its environment.
 
@@ -41,7 +41,7 @@ import sys
 from typing import Any, NoReturn
 
 TEMPLATE_FD_ENV = "ELASTICPP_TEMPLATE_FD"  # the template's end of the request socket
-EVENT_FD_ENV = "ELASTICPP_EVENT_FD"  # as elasticpp.train.procs.EVENT_FD_ENV
+EVENT_FD_ENV = "ELASTICPP_EVENT_FD"  # as elasticpp.train.worker.procs.EVENT_FD_ENV
 MAX_MESSAGE = 1 << 20
 
 
@@ -92,7 +92,7 @@ def _become_worker(
         os.environ.update(env)
         os.environ[EVENT_FD_ENV] = str(event_fd)
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
-        from elasticpp.train import worker
+        from elasticpp.train.worker import main as worker
 
         code = worker.main()
     finally:
@@ -169,7 +169,7 @@ def main() -> int:
     sock = socket.socket(fileno=fd)
     os.set_inheritable(fd, False)
     parent = _die_with_parent()
-    from elasticpp.train import worker
+    from elasticpp.train.worker import main as worker
 
     worker.preload()
     threads = _threads()

@@ -1,4 +1,4 @@
-"""One pipeline stage of any model on the contract (`elasticpp.train.contract`).
+"""One pipeline stage of any model on the contract (`elasticpp.train.model.contract`).
 
 A stage holds a dict `unit -> name -> tensor` of this rank's slices (units as the model
 declares them); the forward runs the stage's units in order over those dicts, so the state a
@@ -16,7 +16,7 @@ import torch
 import torch.utils.checkpoint
 
 from elasticpp.plan import ModelSpec
-from elasticpp.train.contract import DropoutKey, ModelDef, Unit, UnitContext
+from elasticpp.train.model.contract import DropoutKey, ModelDef, Unit, UnitContext
 
 
 @dataclass(frozen=True)

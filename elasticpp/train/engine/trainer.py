@@ -46,16 +46,16 @@ from elasticpp.checkpoint.manifest import PieceEntry, PieceKey
 from elasticpp.checkpoint.tensors import KINDS, PieceMeta, load_units, write_piece
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import Plan
-from elasticpp.train.buckets import DEFAULT_BUCKET_CAP_BYTES, GradReducer, sum_tied
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.contract import DropoutKey, ModelDef, init_unit, slice_shape
-from elasticpp.train.data import Corpus
-from elasticpp.train.families import build_model
-from elasticpp.train.kernels import AdamW, PhaseTimer, set_tf32
-from elasticpp.train.model import Stage
-from elasticpp.train.p2p import Sending, exchange
-from elasticpp.train.parallel import ParallelGroups
-from elasticpp.train.schedule import FORWARD, p2p_phases
+from elasticpp.train.data.samples import Corpus
+from elasticpp.train.engine.buckets import DEFAULT_BUCKET_CAP_BYTES, GradReducer, sum_tied
+from elasticpp.train.engine.kernels import AdamW, PhaseTimer, set_tf32
+from elasticpp.train.engine.p2p import Sending, exchange
+from elasticpp.train.engine.parallel import ParallelGroups
+from elasticpp.train.engine.schedule import FORWARD, p2p_phases
+from elasticpp.train.model.contract import DropoutKey, ModelDef, init_unit, slice_shape
+from elasticpp.train.model.families import build_model
+from elasticpp.train.model.stage import Stage
 
 NO_STOP = 2**50  # "no stop requested"; exact in float64
 

@@ -8,7 +8,7 @@ of two formats from the `TrainConfig`:
 is always token ids; a `.bin` file (flat little-endian uint16 or uint32, as `elasticpp data
 prepare` writes it) is token ids: its sidecar decides the dtype, or `data_dtype` does when it
 has none (with neither it is refused, never read as bytes); a list of such files, or a
-directory holding them, is one stream of shards (`elasticpp.train.tokenfiles`: order,
+directory holding them, is one stream of shards (`elasticpp.train.data.tokenfiles`: order,
 sidecar agreement). Files are memory-mapped, never read whole. With `N` tokens in the
 stream and sequence length `S` there are `W = (N - 1) // S` windows; window `w` is
 `tokens[w*S : w*S + S + 1]` of the stream (inputs are its first `S` ids, targets its last
@@ -52,7 +52,7 @@ import numpy.typing as npt
 
 from elasticpp.errors import ConfigError
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.tokenfiles import (
+from elasticpp.train.data.tokenfiles import (
     Shard,
     TokenArray,
     TokenStream,

@@ -1,6 +1,6 @@
 """Supervisor side of the worker protocol: spawn, talk to and kill worker processes.
 
-A `WorkerProcess` runs `python -m elasticpp.train.worker` in its own session (its own
+A `WorkerProcess` runs `python -m elasticpp.train.worker.main` in its own session (its own
 process group, so a kill takes every child with it and a terminal's Ctrl-C never reaches
 it). It is started with exec, never a bare fork: a supervisor that holds gRPC or etcd
 connections must not fork. Events come on a pipe of their own (its descriptor is named by
@@ -41,7 +41,7 @@ EVENT_FD_ENV = "ELASTICPP_EVENT_FD"  # the worker's descriptor of the event pipe
 # spare's readiness includes it and a recovery does not pay it. No device context is made
 # until the assignment names the GPU.
 WORKER_DEVICE_ENV = "ELASTICPP_WORKER_DEVICE"
-TEMPLATE_FD_ENV = "ELASTICPP_TEMPLATE_FD"  # as elasticpp.train.forkserver's
+TEMPLATE_FD_ENV = "ELASTICPP_TEMPLATE_FD"  # as elasticpp.train.worker.forkserver's
 MAX_TEMPLATE_MESSAGE = 1 << 16
 # How often a wait for a forked worker's exit looks whether it is a zombie its template
 # cannot reap (a template that is stopped or hung reports no exit).
@@ -120,7 +120,7 @@ class WorkerProcess:
                     os.close(stdin_r)
             env[EVENT_FD_ENV] = str(event_fd)
             return subprocess.Popen(
-                [python, "-m", "elasticpp.train.worker"],
+                [python, "-m", "elasticpp.train.worker.main"],
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=out,
@@ -277,7 +277,7 @@ class WorkerProcess:
 
 
 class WorkerTemplate:
-    """Client of the worker template (elasticpp.train.forkserver): a process that imported
+    """Client of the worker template (elasticpp.train.worker.forkserver): a process that imported
     torch once and forks warm workers on request, so that a warm pool's refill costs a fork,
     not an import. Usable once it reported ready and forkable; until then, and for good once
     it failed (it died, refused, or did not answer a request in time), `WorkerProcess`
@@ -326,7 +326,7 @@ class WorkerTemplate:
         try:
             with log_path.open("ab") as out:
                 self.proc = subprocess.Popen(
-                    [python, "-m", "elasticpp.train.forkserver"],
+                    [python, "-m", "elasticpp.train.worker.forkserver"],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=out,

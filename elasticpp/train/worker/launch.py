@@ -20,7 +20,7 @@ from typing import Any
 
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
-from elasticpp.train.procs import (
+from elasticpp.train.worker.procs import (
     EXITED,
     WORKER_DEVICE_ENV,
     WorkerError,
@@ -71,7 +71,7 @@ def start_template(
     device: str = "cpu",
     timeout_s: float = 120.0,
 ) -> WorkerTemplate:
-    """A worker template (elasticpp.train.forkserver) for `spawn_workers`, once it is ready
+    """A worker template (elasticpp.train.worker.forkserver) for `spawn_workers`, once it is ready
     or failed (then it is not used: workers are exec'd), or `timeout_s` passed (then it is
     given up). The caller closes it after its workers."""
     env = {**(env if env is not None else os.environ), WORKER_DEVICE_ENV: device}

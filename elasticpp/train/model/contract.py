@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from elasticpp.errors import ConfigError
 from elasticpp.names import parse_name
 from elasticpp.plan.specs import ModelNumbers, ModelSpec, OptionValue
-from elasticpp.train.data import stable_int
-from elasticpp.train.parallel import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from elasticpp.train.data.samples import stable_int
+from elasticpp.train.engine.parallel import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

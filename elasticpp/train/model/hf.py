@@ -1,7 +1,7 @@
 """Hugging Face interop: a `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
 `Qwen3ForCausalLM` or `GPT2LMHeadModel` directory (its `config.json` and `*.safetensors`)
 in, the same architecture on the model contract out, and back again
-(`elasticpp.train.hfconfig` reads and writes the configuration).
+(`elasticpp.train.model.hfconfig` reads and writes the configuration).
 
 - `units_from_hf` / `hf_from_units` map tensors between Hugging Face names and
   `unit -> parameter` (GPT-2's fused, transposed `Conv1D` weights are split and transposed;
@@ -29,8 +29,8 @@ from elasticpp.checkpoint.manifest import Manifest, PieceKey, write_manifest
 from elasticpp.checkpoint.tensors import KINDS, PieceMeta, load_units, write_piece
 from elasticpp.errors import CheckpointError
 from elasticpp.plan.specs import UNIT_EMBED, UNIT_HEAD, ModelSpec, block_unit
-from elasticpp.train.families import build_model
-from elasticpp.train.hfconfig import CONFIG_NAME, hf_config, spec_from_hf, weight_files
+from elasticpp.train.model.families import build_model
+from elasticpp.train.model.hfconfig import CONFIG_NAME, hf_config, spec_from_hf, weight_files
 
 _GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old GPT-2 saves
 
@@ -198,7 +198,7 @@ def write_init_step(spec: ModelSpec, source: Path, work_dir: Path) -> Path:
     directory, or an elasticpp step directory or root of the same model) and fresh optimizer
     state: how a new job starts from trained weights (`--init-from`, `init_from:`)."""
     from elasticpp.checkpoint.manifest import find_step_dir, step_dirname, verify_step_dir
-    from elasticpp.train.hfconfig import is_hf_dir
+    from elasticpp.train.model.hfconfig import is_hf_dir
 
     if is_hf_dir(source):
         units = units_from_hf(spec, read_hf_state(source))

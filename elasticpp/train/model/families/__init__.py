@@ -1,4 +1,4 @@
-"""Model families on the contract (`elasticpp.train.contract`), and the one place that turns a
+"""Model families on the contract (`elasticpp.train.model.contract`), and the one place that turns a
 `ModelSpec` into a `ModelDef`: a built-in family (`gpt`, `llama`) or a user's
 `package.module:function`, called with the spec's options.
 """
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticpp.plan.specs import UNIT_EMBED, ModelSpec, OptionValue
-from elasticpp.train.contract import (
+from elasticpp.train.model.contract import (
     Boundary,
     ContractError,
     ModelDef,
@@ -141,11 +141,11 @@ def build_user_model(entry: str, options: Mapping[str, OptionValue]) -> ModelDef
 def build_model(spec: ModelSpec) -> ModelDef:
     """The model definition a spec names, checked against the spec."""
     if spec.family == "gpt":
-        from elasticpp.train.families import gpt
+        from elasticpp.train.model.families import gpt
 
         model = gpt.build(spec)
     elif spec.family == "llama":
-        from elasticpp.train.families import llama
+        from elasticpp.train.model.families import llama
 
         model = llama.build(spec)
     else:

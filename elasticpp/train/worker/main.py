@@ -1,4 +1,4 @@
-"""The worker process: `python -m elasticpp.train.worker`. The narrow interface between a
+"""The worker process: `python -m elasticpp.train.worker.main`. The narrow interface between a
 supervisor (the node agent, `elasticpp train`) and the training engine.
 
 Protocol: JSON lines, one object per line, flushed. See docs/train.md for the full
@@ -46,14 +46,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from elasticpp.errors import ConfigError
-from elasticpp.train.assignment import Assignment
 from elasticpp.train.config import rendezvous_timeout_s
-from elasticpp.train.procs import WORKER_DEVICE_ENV
-from elasticpp.train.profile import StepProfile
-from elasticpp.train.snapshots import SnapshotWriter, is_snapshot_writer
+from elasticpp.train.engine.profiler import StepProfile
+from elasticpp.train.worker.assignment import Assignment
+from elasticpp.train.worker.procs import WORKER_DEVICE_ENV
+from elasticpp.train.worker.snapshots import SnapshotWriter, is_snapshot_writer
 
 if TYPE_CHECKING:
-    from elasticpp.train.hostcopy import HostPiece
+    from elasticpp.train.worker.hostcopy import HostPiece
 
 log = logging.getLogger("elasticpp.train.worker")
 
@@ -112,11 +112,11 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     import torch
     import torch.distributed as dist
 
-    from elasticpp.train.data import open_corpus
-    from elasticpp.train.engine import NO_STOP, Trainer, tie_stages
-    from elasticpp.train.families import build_model
-    from elasticpp.train.kernels import device_name
-    from elasticpp.train.parallel import ParallelGroups
+    from elasticpp.train.data.samples import open_corpus
+    from elasticpp.train.engine.kernels import device_name
+    from elasticpp.train.engine.parallel import ParallelGroups
+    from elasticpp.train.engine.trainer import NO_STOP, Trainer, tie_stages
+    from elasticpp.train.model.families import build_model
 
     t0 = time.monotonic()
     plan, job, rank = a.plan, a.job, a.rank
@@ -164,7 +164,7 @@ def run_assignment(a: Assignment, out: EventWriter, control: StopControl) -> str
     took("state_s")
     writer = None
     if a.snapshot_dir is not None and is_snapshot_writer(plan, rank):
-        from elasticpp.train.hostcopy import HostBuffers
+        from elasticpp.train.worker.hostcopy import HostBuffers
 
         writer = SnapshotWriter(Path(a.snapshot_dir), out.emit, {"generation": gen, "rank": rank})
         host = HostBuffers(device)
@@ -309,16 +309,9 @@ def _event_stream() -> TextIO:
 
 def preload() -> None:
     """Import everything an assignment needs, and run nothing: no thread pool, no CUDA.
-    The worker template (elasticpp.train.forkserver) calls this once and forks warm workers
+    The worker template (elasticpp.train.worker.forkserver) calls this once and forks warm workers
     from it; a fork copies only the thread that calls it."""
     import torch.distributed  # noqa: F401  (torch with it)
-
-    import elasticpp.checkpoint.tensors
-    import elasticpp.train.engine
-    import elasticpp.train.families.gpt
-    import elasticpp.train.families.llama
-    import elasticpp.train.hostcopy
-    import elasticpp.train.kernels  # noqa: F401
 
 
 def prepare(cuda: bool) -> None:
@@ -328,7 +321,7 @@ def prepare(cuda: bool) -> None:
     preload()
     import torch
 
-    from elasticpp.train.kernels import warm_up
+    from elasticpp.train.engine.kernels import warm_up
 
     torch.zeros(1)  # touch the allocator and the thread pool once
     warm_up()  # the optimizer's lazy imports and autograd's first backward

@@ -2,7 +2,7 @@
 write one back, list the safetensors files, and fingerprint a directory.
 
 Kept free of torch so that `elasticpp plan --model DIR` and the agent's job-spec check stay
-fast; the tensors themselves are `elasticpp.train.hf`'s.
+fast; the tensors themselves are `elasticpp.train.model.hf`'s.
 
 - `spec_from_hf(dir)` reads `config.json` into a `ModelSpec` of the `llama` family (from
   `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`; what
@@ -32,7 +32,7 @@ from elasticpp.plan.specs import ModelSpec, OptionValue
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 # Hugging Face class -> how elasticpp reads it: the Llama-shaped ones all become the `llama`
-# family (elasticpp.train.families.llama), told apart by `hf_model_type` for export.
+# family (elasticpp.train.model.families.llama), told apart by `hf_model_type` for export.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
