@@ -504,6 +504,31 @@ class RecordHalt:
     message: str
 
 
+# --- a job's stop (elasticpp.agent.stop)
+@dataclass(frozen=True)
+class PersistFinal:
+    """Persist this node's newest commit, `step`, now: a stopped job's final checkpoint."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class ArriveStop:
+    """Tell the leader (barrier `stop`) that this node's workers are gone, the step it
+    committed last (-1: none) and where its final checkpoint stands."""
+
+    step: int
+    checkpoint: str
+
+
+@dataclass(frozen=True)
+class EndStopped:
+    """End the job as `stopped` (the leader, once every node arrived at `stop`)."""
+
+    reason: str
+    step: int
+
+
 Action = (
     Event
     | PublishMemberInfo
@@ -560,4 +585,7 @@ Action = (
     | ArriveStarted
     | ArriveDone
     | RecordHalt
+    | PersistFinal
+    | ArriveStop
+    | EndStopped
 )

@@ -128,6 +128,7 @@ from elasticpp.agent.liveness.shell import Liveness
 from elasticpp.agent.membership.shell import Membership, MembershipPorts
 from elasticpp.agent.pace import PaceObservation, TurnPace, tick_s
 from elasticpp.agent.server import Doors, Served, ServerFactory, ServerPorts, serve
+from elasticpp.agent.stop.shell import JobStop, StopConfig
 from elasticpp.agent.supervisor.shell import (
     Supervisor,
     SupervisorConfig,
@@ -434,6 +435,20 @@ class Agent:
             ),
         )
         self.leader.register(self.executor)
+        self.job_stop = JobStop(
+            StopConfig(cfg.node_id, spec.stop_timeout_s),
+            clock=self.clock,
+            records=self.cluster.health,
+            arrivals=self.cluster.arrivals,
+            pool=self.pool,
+            committed=lambda: max(self.store.committed_steps(self.node_id), default=-1),
+            persist_outcome=d.persist_outcome,
+            persist_now=d.persist_now,
+            members=lambda: self.view.snapshot.members,
+            member_lease=m.member_lease,
+            ended=self.health.changed.raise_,
+        )
+        self.job_stop.register(self.executor)
         self.executor.register(Event, lambda a: self.journal.write(a.kind, a.message))
         self.metrics.of(self.metrics.target_steps).set(spec.steps)
         self.metrics.of(self.metrics.job_finished).set(0)
@@ -524,6 +539,8 @@ class Agent:
             keys, resync = self.cluster.keys, event.type is EventType.RESYNC
             if resync or event.key.startswith(keys.quarantine_prefix) or event.key == keys.ended:
                 self.health.changed.raise_()
+            if resync or event.key == keys.stop:
+                self.job_stop.changed.raise_()
             if resync or event.key == keys.epoch:
                 self.view.epoch_changed.raise_()
         self.view.reread.raise_()
@@ -707,6 +724,20 @@ class Agent:
             self._part("health", lambda: self.execute(self.health.check_job_end()))
             self._part("control", self.control_turn)  # an idle agent leaves when drained
             return  # an ended job stays ended: nothing is planned or followed again
+        if not self._part("stop", self.job_stop.read):
+            return
+        if self.job_stop.requested():
+            # An operator stops the job: nothing is planned or followed any more; the
+            # workers stop at a step boundary and the leader ends the job (elasticpp.agent.stop).
+            for name, step in (
+                ("leader", self.leader.campaign),
+                ("stop", lambda: self.execute(self.job_stop.step())),
+                ("stop", self.lead_stop),
+                ("control", self.control_turn),
+            ):
+                if not self._part(name, step):
+                    return
+            return
         for name, step in (
             ("follower", self.follower.publish_failures),
             ("liveness", self.watch_leader),
@@ -778,11 +809,16 @@ class Agent:
             or self.follower.summary().phase is Phase.STARTING
             or control.job_done
             or self.health.summary().ended is not None
+            or self.job_stop.requested()
         )
 
     def lead(self) -> None:
         if self.leader.acting():
             self.leader.lead()
+
+    def lead_stop(self) -> None:
+        if self.leader.acting():
+            self.execute(self.job_stop.lead())
 
     def _part(self, source: str, step: Callable[[], object]) -> bool:
         """Run one part's step in its own error boundary. False when etcd is unreachable

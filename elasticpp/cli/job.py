@@ -2,17 +2,23 @@
 
     elasticpp job status --etcd HOST:PORT --name JOB
     elasticpp job nodes  --etcd HOST:PORT --name JOB
-    elasticpp job reset  --etcd HOST:PORT --name JOB     a failed or halted job may run again
+    elasticpp job stop   --etcd HOST:PORT --name JOB     end it at a step boundary, checkpointed
+    elasticpp job reset  --etcd HOST:PORT --name JOB     a failed, halted, stopped job runs again
     elasticpp job delete --etcd HOST:PORT --name JOB     every key of the job (not while agents run)
     elasticpp job whatif --nodes N (--etcd HOST:PORT --name JOB | --spec FILE --slots S)
 
 Each prints a table, or `-o json|yaml` (elasticpp.cli.output).
 
-`status` says how the job stands (`running`, `waiting`, `finished`, `failed`, `halted`, or
-`absent`) from its records: its spec, epoch, generation record, leader, members, quarantines,
-safe step, end record and done barrier. `reset` deletes the end record of a job that failed or
-halted (and the quarantines that led there), so that agents started again train it on from
-its newest committed step; a finished or running job is refused. `delete` removes the job's
+`status` says how the job stands (`running`, `waiting`, `stopping`, `finished`, `failed`,
+`halted`, `stopped`, or `absent`) from its records: its spec, epoch, generation record,
+leader, members, quarantines, safe step, stop request, end record and done barrier. `stop`
+asks the running job to stop and waits (`--wait`) until it ended: every agent stops its
+workers at the same step boundary, commits that step and persists it (with the job's
+`persist_dir`), then the leader ends the job as `stopped` and the agents exit 0 (or idle, as
+`--on-job-end` says); exit 1 if it has not ended within `--wait` (the request stays).
+`reset` deletes the end record of a job that failed, halted or was stopped (and the
+quarantines that led there, and the stop request), so that agents started again train it on
+from its newest committed step; a finished or running job is refused. `delete` removes the job's
 keys, refused while an agent is registered unless `--force`. `whatif` says what the leader
 would plan for N nodes (layout, micro-batch, gradient accumulation, estimated step time),
 from the job's spec in etcd or a spec file, with the planner call the leader makes. The etcd
@@ -36,7 +42,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     for name, help_text in (
         ("status", "how the job stands, from etcd"),
         ("nodes", "the job's nodes: address, slots, ranks, draining, quarantine, version"),
-        ("reset", "let a failed or halted job run again"),
+        ("stop", "stop the job at a step boundary, its step committed and persisted"),
+        ("reset", "let a failed, halted or stopped job run again"),
         ("delete", "delete every key of the job"),
         ("whatif", "the layout, micro-batches and step time the leader would plan for N nodes"),
     ):
@@ -53,6 +60,19 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         add_output_flag(sp)
         if name == "delete":
             sp.add_argument("--force", action="store_true", help="also while agents are registered")
+        if name == "stop":
+            sp.add_argument(
+                "--reason",
+                type=flagtypes.nonempty,
+                default="elasticpp job stop",
+                help="why, for the job's end record and the agents' events",
+            )
+            sp.add_argument(
+                "--wait",
+                type=flagtypes.nonnegative_float,
+                default=1200.0,
+                help="seconds to wait for the job to end (0: ask and return)",
+            )
         if whatif:
             sp.add_argument(
                 "--nodes", type=flagtypes.positive_int, required=True, help="the node count N"
@@ -88,6 +108,7 @@ def job_status(client: Any) -> dict[str, Any]:
     record, _ = client.read_generation()
     members = client.members().nodes
     end = client.health.job_end()
+    stop = client.health.stop_request()
     done, _ = client.arrivals.barrier_state("done")
     safe, _ = client.commits.read_safe()
     quarantined = client.health.quarantined()
@@ -95,6 +116,8 @@ def job_status(client: Any) -> dict[str, Any]:
         state = end.status
     elif done:
         state = "finished"
+    elif stop is not None:
+        state = "stopping"
     elif record is not None and members:
         state = "running"
     else:
@@ -111,6 +134,7 @@ def job_status(client: Any) -> dict[str, Any]:
         "quarantined": {n: q.reason for n, q in sorted(quarantined.items())},
         "safe_step": None if safe is None else safe.step,
         "trained_steps": max((int(v.get("step", -1)) for v in done.values()), default=None),
+        "stop": None if stop is None else stop.to_dict(),
         "end": None if end is None else end.to_dict(),
     }
     if record is not None:
@@ -196,11 +220,59 @@ def _table(status: dict[str, Any]) -> str:
             rows.append(("quarantined", f"{node}: {reason}"))
         if status["trained_steps"] is not None:
             rows.append(("trained steps", str(status["trained_steps"])))
+        stop = status["stop"]
+        if stop is not None and status["end"] is None:
+            rows.append(("stop", f"asked by {stop['by']}: {stop['reason']}"))
         end = status["end"]
         if end is not None:
             rows.append(("ended", f"{end['status']} by {end['by']}: {end['reason']}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _stop(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
+    """Ask the job to stop; wait for its end (the leader writes it once every agent has
+    committed and persisted its step). 0 once stopped, 1 if not within `--wait`."""
+    import getpass
+    import socket
+    import time
+
+    state = status["state"]
+    if state == "stopped":
+        end = status["end"]
+        emit({"job": args.name, "state": state, "end": end,
+              "message": f"job {args.name}: stopped already ({end['reason']})"},
+             args.output, message_table)  # fmt: skip
+        return 0
+    if state in ("finished", "failed", "halted"):
+        raise ConfigError(f"job {args.name} is {state} already: there is nothing to stop")
+    if not status["members"]:
+        raise ConfigError(
+            f"job {args.name}: no agent is registered, so none could stop it at a step; its "
+            "newest committed steps stay where they are (`job status`, `job delete`)"
+        )
+    request = client.health.request_stop(
+        by=f"{getpass.getuser()}@{socket.gethostname()}", reason=args.reason
+    )
+    deadline = time.monotonic() + args.wait
+    end = client.health.job_end()
+    while end is None and time.monotonic() < deadline:
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        end = client.health.job_end()
+    if end is None:
+        message = (
+            f"job {args.name}: stop asked by {request.by}"
+            + (f"; not ended within {args.wait:.0f} s: " if args.wait else ": ")
+            + "it ends once every agent has stopped its workers at a step boundary and "
+            "committed and persisted that step (`job status` says when)"
+        )
+        emit({"job": args.name, "state": "stopping", "stop": request.to_dict(),
+              "message": message}, args.output, message_table)  # fmt: skip
+        return 1 if args.wait else 0
+    message = f"job {args.name}: {end.status} at step {end.step} ({end.reason})"
+    emit({"job": args.name, "state": end.status, "end": end.to_dict(), "message": message},
+         args.output, message_table)  # fmt: skip
+    return 0 if end.status == "stopped" else 1
 
 
 def whatif(spec: Any, nodes: int, slots: int) -> dict[str, Any]:
@@ -306,11 +378,13 @@ def run(args: argparse.Namespace) -> int:
         status = job_status(client)
         if status["state"] == "absent":
             raise ConfigError(f"job {args.name}: no such job in etcd (prefix {args.etcd_prefix})")
+        if args.job_command == "stop":
+            return _stop(client, args, status)
         if args.job_command == "reset":
-            if status["state"] not in ("failed", "halted"):
+            if status["state"] not in ("failed", "halted", "stopped"):
                 raise ConfigError(
-                    f"job {args.name} is {status['state']}: only a failed or halted job is "
-                    "reset (a finished one trained every step; a running one is not over)"
+                    f"job {args.name} is {status['state']}: only a failed, halted or stopped "
+                    "job is reset (a finished one trained every step; a running one is not over)"
                 )
             client.health.reset_end()
             for node in status["quarantined"]:

@@ -48,6 +48,11 @@ def _done(what: str, v: Any) -> None:
     _integer(what, v, "step")
 
 
+def _stop(what: str, v: Any) -> None:
+    _integer(what, v, "step")
+    _text(what, v, "checkpoint")
+
+
 def _failed(what: str, v: Any) -> None:
     _text(what, v, "reason")
     _number(what, v, "at")
@@ -194,6 +199,7 @@ CHECKS: dict[str, _Check] = {
     "done": _done,
     "failed": _failed,
     "stopped": _stopped,
+    "stop": _stop,
     "started": _started,
     "resume": _resume,
     "timelines": _timeline,

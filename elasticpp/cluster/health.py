@@ -5,9 +5,13 @@
   fenced by the leader's term; deleted by the leader when it re-admits the node, or by an
   operator (`lift_quarantine`, from any agent's control service).
 - `ended`: the job ended without finishing (`JobEnd`: `failed` when its failure budget was
-  spent, `halted` when a step's loss or gradient norm was not finite), written once
-  (create-if-absent): the first reason stays. Every agent, also one started later, reads it
-  and ends; a new run of the job needs a new job name or the key removed.
+  spent, `halted` when a step's loss or gradient norm was not finite, `stopped` when an
+  operator stopped it), written once (create-if-absent): the first reason stays. Every
+  agent, also one started later, reads it and ends; a new run of the job needs a new job
+  name or `elasticpp job reset`.
+- `stop`: an operator asked the job to stop (`StopRequest`, `elasticpp job stop`), written
+  once; the agents stop at a step boundary, commit and persist it, and the leader ends the
+  job as `stopped` (elasticpp.agent.stop). Reset removes it with the end.
 
 Every value is parsed into its typed record here: a value that cannot be read is skipped
 (counted, logged once), never handed to the agent. `ClusterClient` holds one (`client.health`).
@@ -22,9 +26,16 @@ from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.cluster.etcd.kv import Compare, Put
 from elasticpp.cluster.leases import Leadership
 from elasticpp.cluster.reads import JobReads
-from elasticpp.cluster.records import END_STATUSES, JobEnd, QuarantineRecord, dumps, loads
+from elasticpp.cluster.records import (
+    END_STATUSES,
+    JobEnd,
+    QuarantineRecord,
+    StopRequest,
+    dumps,
+    loads,
+)
 
-__all__ = ["END_STATUSES", "Health", "JobEnd", "QuarantineRecord"]
+__all__ = ["END_STATUSES", "Health", "JobEnd", "QuarantineRecord", "StopRequest"]
 
 
 class Health:
@@ -84,9 +95,33 @@ class Health:
             return None
 
     def reset_end(self) -> bool:
-        """Delete the job's end record (`elasticpp job reset`: a failed or halted job may run
-        again); False if there was none."""
-        return self._kv.delete(self.keys.ended)
+        """Delete the job's end record and any stop request (`elasticpp job reset`: a
+        failed, halted or stopped job may run again); False if there was no end."""
+        ended = self._kv.delete(self.keys.ended)
+        self._kv.delete(self.keys.stop)
+        return ended
+
+    # ------------------------------------------------------------------ an operator's stop
+    def stop_request(self, *, cached: bool = False) -> StopRequest | None:
+        """The operator's request that the job stop, if one is on record."""
+        kv = self._reads.get(self.keys.stop, cached)
+        if kv is None:
+            return None
+        try:
+            return StopRequest.from_dict(loads(kv.value, "job stop request"))
+        except ClusterDataError as exc:
+            self._reads.skip(kv.key, exc)
+            return None
+
+    def request_stop(self, by: str, reason: str) -> StopRequest:
+        """Ask the job to stop, once: a request already on record stays and is returned."""
+        record = StopRequest(by=by, reason=reason, at=time.time())
+        key = self.keys.stop
+        ok, _, _ = self._kv.txn([Compare(key, "create", 0)], [Put(key, dumps(record.to_dict()))])
+        if ok:
+            return record
+        current = self.stop_request()
+        return current if current is not None else record
 
     def end_job(self, status: str, reason: str, by: str, step: int = -1) -> JobEnd:
         """End the job once: the first end written stays. Returns the end on record."""

@@ -182,6 +182,10 @@ class JobKeys:
     def ended(self) -> str:
         return self.root + "ended"
 
+    @property
+    def stop(self) -> str:
+        return self.root + "stop"
+
 
 def last_segment(key: str) -> str:
     """`/elasticpp/job/nodes/n1` -> `n1` (the node id of a per-node key)."""

@@ -475,8 +475,9 @@ def propose_epoch(newest_known: int, now_ns: int | None = None) -> int:
     return max(now, newest_known + 1, 1)
 
 
-# The health records: a node's quarantine and the job's end (elasticpp.cluster.health).
-END_STATUSES = ("failed", "halted")
+# The health records: a node's quarantine, the job's end and an operator's request that it
+# stop (elasticpp.cluster.health).
+END_STATUSES = ("failed", "halted", "stopped")
 
 
 def _text(data: Mapping[str, Any], name: str, what: str) -> str:
@@ -560,4 +561,29 @@ class JobEnd:
             by=_text(data, "by", what),
             at=_number(data, "at", what),
             step=step,
+        )
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """An operator asked the job to stop (`elasticpp job stop`): every agent stops its
+    workers at a step boundary, commits and persists that step, and the leader then ends
+    the job as `stopped` (elasticpp.agent.stop)."""
+
+    by: str  # who asked (free text: a user, a host)
+    reason: str
+    at: float  # wall-clock seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": 1, "by": self.by, "reason": self.reason, "at": self.at}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StopRequest:
+        what = "job stop request"
+        if data.get("v") != 1:
+            raise ClusterDataError(f"{what}: version {data.get('v')!r} is not 1")
+        return cls(
+            by=_text(data, "by", what),
+            reason=_text(data, "reason", what),
+            at=_number(data, "at", what),
         )

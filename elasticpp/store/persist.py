@@ -270,6 +270,9 @@ def finalize_checkpoint(
     return manifest
 
 
+OUTCOMES_KEPT = 8  # the newest steps whose persist outcome a Persister remembers
+
+
 class Persister:
     """Persists this node's committed steps into `root`, one at a time, off the training path.
 
@@ -295,6 +298,9 @@ class Persister:
         self.last_error: str | None = None
         self._cond = threading.Condition()
         self._pending: deque[tuple[int, ModelSpec]] = deque()
+        self._running: int | None = None
+        # The newest steps' outcomes: None persisted, else why not (bounded: OUTCOMES_KEPT).
+        self._outcomes: dict[int, str | None] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="persist", daemon=True)
         self._thread.start()
@@ -305,6 +311,24 @@ class Persister:
         with self._cond:
             return tuple(step for step, _ in self._pending)
 
+    def outcome(self, step: int) -> str:
+        """Where `step` stands: `persisted`, `pending` (waiting or being written), `failed:
+        <why>` (also when a newer step superseded it unwritten) or `unknown` (never submitted
+        here, or too old to remember)."""
+        with self._cond:
+            if step in self._outcomes:
+                why = self._outcomes[step]
+                return "persisted" if why is None else f"failed: {why}"
+            if step == self._running or any(s == step for s, _ in self._pending):
+                return "pending"
+            return "unknown"
+
+    def _settle(self, step: int, why: str | None) -> None:
+        """Record `step`'s outcome (under the lock), forgetting the oldest beyond OUTCOMES_KEPT."""
+        self._outcomes[step] = why
+        for old in sorted(self._outcomes)[:-OUTCOMES_KEPT]:
+            del self._outcomes[old]
+
     def submit(self, step: int, model: ModelSpec) -> bool:
         """Queue `step` for persistence; False (nothing queued) once closed."""
         with self._cond:
@@ -314,6 +338,7 @@ class Persister:
             while len(self._pending) > self.max_pending:
                 old, _ = self._pending.popleft()
                 self.dropped += 1
+                self._settle(old, f"superseded by step {step} before it was written")
                 log.info(
                     "persist: checkpoint of step %d dropped unwritten: step %d supersedes it "
                     "(%d step(s) waiting at most)",
@@ -346,9 +371,14 @@ class Persister:
                 if not self._pending:
                     return
                 step, model = self._pending.popleft()
-            self._persist_one(step, model)
+                self._running = step
+            why = self._persist_one(step, model)
+            with self._cond:
+                self._running = None
+                self._settle(step, why)
 
-    def _persist_one(self, step: int, model: ModelSpec) -> None:
+    def _persist_one(self, step: int, model: ModelSpec) -> str | None:
+        """Persist `step`: None once done, else why it failed."""
         try:
             persist_pieces(self.store, self.root, step)
             held = self.store.committed(self.store.node_id, step)
@@ -364,12 +394,15 @@ class Persister:
             )
             if done is not None:
                 prune_checkpoints(self.root, self.keep, job)
+            return None
         except (ElasticppError, OSError) as exc:
             log.warning("persist: checkpoint of step %d failed: %s", step, exc)
             self._count_failure(step, exc)
+            return str(exc)
         except Exception as exc:  # a bug must not end the thread: later steps would hang
             log.exception("persist: checkpoint of step %d failed unexpectedly", step)
             self._count_failure(step, exc)
+            return f"{type(exc).__name__}: {exc}"
 
     def _count_failure(self, step: int, exc: Exception) -> None:
         with self._cond:

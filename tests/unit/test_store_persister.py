@@ -170,3 +170,25 @@ def test_persister_validates_its_settings(tmp_path: Path):
         Persister(store, tmp_path / "ckpt", max_pending=0)
     with pytest.raises(ConfigError, match="keep"):
         Persister(store, tmp_path / "ckpt", keep=0)
+
+
+def test_each_steps_outcome_is_told_pending_persisted_failed_or_superseded(tmp_path: Path):
+    store = whole_model_store(tmp_path, [1, 2, 3, 4], hold_step=1)
+    root = tmp_path / "ckpt"
+    with no_thread_left():
+        persister = Persister(store, root, keep=5, max_pending=1)
+        assert persister.outcome(1) == "unknown"
+        assert persister.submit(1, MODEL)
+        assert store.entered.wait(WAIT_S)
+        assert persister.outcome(1) == "pending"  # being written
+        assert persister.submit(2, MODEL) and persister.submit(3, MODEL)  # 3 supersedes 2
+        assert persister.outcome(3) == "pending"  # waiting
+        assert persister.outcome(2) == "failed: superseded by step 3 before it was written"
+        store.path_of("a", 4, PIECES[-1]).unlink()
+        store.gate.set()
+        assert wait_until(lambda: persister.outcome(3) == "persisted", WAIT_S)
+        assert persister.submit(4, MODEL)
+        assert wait_until(lambda: persister.outcome(4).startswith("failed: "), WAIT_S)
+        persister.close(WAIT_S)
+    assert persister.outcome(1) == "persisted"
+    assert disk_steps(root) == [1, 3]

@@ -349,6 +349,23 @@ class Durability:
             self._persister = Persister(self._store, Path(persist_dir), keep=2)
         self._persister.submit(step, model)
 
+    def persist_outcome(self, step: int) -> str:
+        """Where this node's pieces of `step` stand in the persistent checkpoint directory:
+        `off` (the job has none), `persisted`, `pending`, `failed: <why>` or `unknown` (not
+        submitted: `persist_now`)."""
+        if not self.config.persist_dir:
+            return "off"
+        return "unknown" if self._persister is None else self._persister.outcome(step)
+
+    def persist_now(self, step: int) -> bool:
+        """Persist `step`, this node's newest commit, now (a stopped job's final checkpoint);
+        False if `step` is not that commit (nothing is submitted)."""
+        model = self.state.last_commit_model
+        if not self.config.persist_dir or model is None or step != self.state.last_commit_step:
+            return False
+        self._persist(step, model)
+        return True
+
     def _replicate(self) -> None:
         """A replication round (one at a time is the step's rule, `durability_committed`)."""
         current = self._current_plan()

@@ -52,6 +52,7 @@ class DurabilityState:
     `Durability` shell holds the replication round's future and the persister)."""
 
     last_commit_step: int = -1  # this node's newest own commit (its commit records say it)
+    last_commit_model: ModelSpec | None = None  # the model of that commit (a final persist)
     snap_reports: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     snap_failures: int = 0  # snapshot writes failed since the last commit
     fence_logged: bool = False
@@ -254,6 +255,7 @@ def durability_committed(
     for old in [k for k in state.snap_reports if k[1] <= commit.step]:
         del state.snap_reports[old]
     state.last_commit_step = commit.step
+    state.last_commit_model = commit.model
     actions: list[Action] = []
     if state.snap_failures:
         state.snap_failures = 0

@@ -29,7 +29,8 @@ class HealthState:
 EXIT_FINISHED = 0
 EXIT_FAILED = 3  # the failure budget was spent
 EXIT_HALTED = 4  # a step's loss or gradient norm was not finite
-EXIT_CODES = {"failed": EXIT_FAILED, "halted": EXIT_HALTED}
+EXIT_STOPPED = 0  # an operator stopped it (`elasticpp job stop`): its step is committed
+EXIT_CODES = {"failed": EXIT_FAILED, "halted": EXIT_HALTED, "stopped": EXIT_STOPPED}
 
 
 def report_of(node: str, value: JSONValue) -> Report:

@@ -8,6 +8,11 @@ PROBE_THREADS = 16  # the agent's pool for health probes of peers
 PROBE_RECHECK_PER_S = 100.0
 LEADER_SUSPECT_S = 0.3  # a failure left unanswered this long makes followers probe the leader
 STOP_GRACE_S = 20.0  # a graceful stop that takes longer is turned into a kill
+# A job stop (elasticpp job stop): how long an agent waits for its final checkpoint to be
+# persisted before it says the stop is done without it (a shared file system that hangs),
+# and how long the leader waits for the nodes that have not said so before it ends the job.
+FINAL_PERSIST_S = 900.0
+STOP_END_MARGIN_S = 60.0
 # The leader waits this much longer than stop_timeout_s for a node's stopped-G: a node whose
 # old workers outlive SIGKILL reports that itself, naming them, once its own stop_timeout_s
 # has run (counted from its kill, which follows the leader's write of the generation).

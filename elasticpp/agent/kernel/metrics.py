@@ -177,8 +177,8 @@ class AgentMetrics:
             ),
             job_ended=g(
                 "elasticpp_job_ended",
-                "1 once the job ended, by status: finished, failed (failure budget spent) or "
-                "halted",
+                "1 once the job ended, by status: finished, failed (failure budget spent), "
+                "halted, or stopped (elasticpp job stop)",
                 ("status",),
             ),
             layout=g(
