@@ -20,6 +20,8 @@ Every value is parsed into its typed record here: a value that cannot be read is
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from elasticpp.cluster import keys as keymod
 from elasticpp.cluster.errors import ClusterDataError
@@ -34,6 +36,8 @@ from elasticpp.cluster.records import (
     dumps,
     loads,
 )
+
+R = TypeVar("R")
 
 __all__ = ["END_STATUSES", "Health", "JobEnd", "QuarantineRecord", "StopRequest"]
 
@@ -85,14 +89,7 @@ class Health:
     # ------------------------------------------------------------------ the job's end
     def job_end(self, *, cached: bool = False) -> JobEnd | None:
         """The job's end on record, if any (`cached`: from the job's cache)."""
-        kv = self._reads.get(self.keys.ended, cached)
-        if kv is None:
-            return None
-        try:
-            return JobEnd.from_dict(loads(kv.value, "job end record"))
-        except ClusterDataError as exc:
-            self._reads.skip(kv.key, exc)
-            return None
+        return self._read_once(self.keys.ended, "job end record", JobEnd.from_dict, cached)
 
     def reset_end(self) -> bool:
         """Delete the job's end record and any stop request (`elasticpp job reset`: a
@@ -104,33 +101,41 @@ class Health:
     # ------------------------------------------------------------------ an operator's stop
     def stop_request(self, *, cached: bool = False) -> StopRequest | None:
         """The operator's request that the job stop, if one is on record."""
-        kv = self._reads.get(self.keys.stop, cached)
-        if kv is None:
-            return None
-        try:
-            return StopRequest.from_dict(loads(kv.value, "job stop request"))
-        except ClusterDataError as exc:
-            self._reads.skip(kv.key, exc)
-            return None
+        return self._read_once(self.keys.stop, "job stop request", StopRequest.from_dict, cached)
 
     def request_stop(self, by: str, reason: str) -> StopRequest:
         """Ask the job to stop, once: a request already on record stays and is returned."""
         record = StopRequest(by=by, reason=reason, at=time.time())
-        key = self.keys.stop
-        ok, _, _ = self._kv.txn([Compare(key, "create", 0)], [Put(key, dumps(record.to_dict()))])
-        if ok:
+        if self._put_once(self.keys.stop, record.to_dict()):
             return record
         current = self.stop_request()
         return current if current is not None else record
+
+    # ------------------------------------------------------------------ write-once records
+    def _read_once(
+        self, key: str, what: str, parse: Callable[[Mapping[str, Any]], R], cached: bool
+    ) -> R | None:
+        """The record at `key`, parsed; None if absent or unreadable (skipped, counted)."""
+        kv = self._reads.get(key, cached)
+        if kv is None:
+            return None
+        try:
+            return parse(loads(kv.value, what))
+        except ClusterDataError as exc:
+            self._reads.skip(kv.key, exc)
+            return None
+
+    def _put_once(self, key: str, value: dict[str, Any]) -> bool:
+        """Create `key` with `value` if it is absent; False if a value was there first."""
+        ok, _, _ = self._kv.txn([Compare(key, "create", 0)], [Put(key, dumps(value))])
+        return ok
 
     def end_job(self, status: str, reason: str, by: str, step: int = -1) -> JobEnd:
         """End the job once: the first end written stays. Returns the end on record."""
         if status not in END_STATUSES:
             raise ClusterDataError(f"job end: status {status!r} is not one of {END_STATUSES}")
         record = JobEnd(status=status, reason=reason, by=by, at=time.time(), step=step)
-        key = self.keys.ended
-        ok, _, _ = self._kv.txn([Compare(key, "create", 0)], [Put(key, dumps(record.to_dict()))])
-        if ok:
+        if self._put_once(self.keys.ended, record.to_dict()):
             return record
         current = self.job_end()
         return current if current is not None else record
