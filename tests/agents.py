@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.leader.step import (
     LeaderObservation,
@@ -40,18 +40,18 @@ def dp_plan(generation: int) -> Plan:
     ).with_generation(generation)
 
 
-def observed(agent: Agent, gs: _GenState) -> LeaderObservation:
+def observed(agent: Agent, gs: GenerationProgress) -> LeaderObservation:
     """What the leader's step sees while this node's follower is in `gs`."""
     agent.follower.state.gen = gs
     return agent.leader.observation(agent.leader.cluster_view())
 
 
-def lead_resume(agent: Agent, gs: _GenState) -> None:
+def lead_resume(agent: Agent, gs: GenerationProgress) -> None:
     """The leader's resume step for `gs` (elasticpp.agent.leader.step), its actions applied."""
     agent.executor.run(leader_resume_step(agent.leader.state, observed(agent, gs)))
 
 
-def lead_timeline(agent: Agent, gs: _GenState) -> None:
+def lead_timeline(agent: Agent, gs: GenerationProgress) -> None:
     """The leader's timeline step for `gs`, its actions applied."""
     agent.executor.run(leader_timeline_step(agent.leader.state, observed(agent, gs)))
 

@@ -37,7 +37,9 @@ class Term:
 class FakeRegistration:
     """A node's registration (membership.shell.RegistrationPort) as a test sets it: the
     lease its member key is on, the conflict its keeper found, whether it may have lapsed;
-    `unreachable`: etcd does not take an update now (the keeper re-puts it later)."""
+    `unreachable`: etcd does not take an update now (the keeper re-puts it later). Its
+    answers in each of these states are the real one's on etcd:
+    tests/integration/test_registration_contract.py."""
 
     lease_id = 7
 
@@ -51,13 +53,13 @@ class FakeRegistration:
         self.revoked: bool | None = None  # closed: with its lease revoked or not
 
     def may_have_lapsed(self) -> bool:
-        return self.lapsed
+        return self.lapsed or self.conflict is not None  # a taken key fences, as etcd's does
 
     def update(self, info: dict[str, object]) -> bool:
         self.updates.append(dict(info))
         if self.unreachable:
             raise ClusterUnavailableError("etcd timed out")
-        return True
+        return self.conflict is None  # never written over another agent's key
 
     def close(self, *, revoke: bool = True) -> None:
         self.revoked = revoke

@@ -282,11 +282,10 @@ class JobSpec:
         )
 
     @functools.cached_property
-    def worker_settings(self) -> dict[str, Any]:
-        """`train_config().to_dict()`, built once per spec (three conversions of the train
-        config, ~1 ms; every node hands it to its workers at every assignment). Shared:
-        callers must not change it."""
-        return self.train_config().to_dict()
+    def worker_train(self) -> TrainConfig:
+        """`train_config()`, built once per spec (three conversions of the train config,
+        ~1 ms; every node hands it to its workers at every assignment)."""
+        return self.train_config()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format_version": JOBSPEC_FORMAT_VERSION}

@@ -29,8 +29,10 @@ the leader key. One loop thread makes every decision; watches and worker readers
 it, so there is no lock-ordering to get wrong. The loop sleeps until woken (threads that
 hand results back through futures wake it too, probes included) or for a tick (`pace`).
 
-This module composes the agent: the parts, start-up, the decision loop and shutdown (its
-flags are `config.AgentConfig`); `Agent` inherits from no part. Its gRPC servers are
+This module runs the agent: start-up, the decision loop and shutdown (its flags are
+`config.AgentConfig`); `Agent` inherits from no part. Its parts are made and wired by
+`compose.compose` (the composition root), which hands each the ports it needs; what the
+parts ask of the loop itself is `compose.Loop`, which `Agent` answers. Its gRPC servers are
 `server`'s (built by a factory the agent is given: a simulation's answers on one shared
 server); the one executor of the parts' actions is `kernel.executor` (the table of handlers
 each part registers). Each part is an object with ports, one sub-package each with its pure
@@ -57,7 +59,7 @@ parts say. Timeouts and limits are in `limits`.
 
 Who writes what: each part's state is plain data its object alone writes, on the decision
 loop (`ControlState`, `ViewState`, `SupervisorState`, `DurabilityState`, `LivenessState`,
-`HealthState`, `FollowerState` with the generation's `_GenState`, and `LeaderState`, a new
+`HealthState`, `FollowerState` with the generation's `GenerationProgress`, and `LeaderState`, a new
 one per term); the worker pool (`WorkerPool`) is written through its methods. A part reads
 another through its summary or the view's snapshot and asks for changes through the ports
 it was built with; watches, gRPC and worker threads only raise signals or queue requests
@@ -68,7 +70,7 @@ are combined by the reader: the newest join (the view's `last_join_s`, liveness'
 `detected`, the follower's `detected()`), the exit status (`exit_requested`). Each part's
 step runs in its own error boundary (`_part`). Parts read time from an injected clock
 (`clock`).
-Pure steps with actions as data (`actions`, applied by `_execute`): the control part
+Pure steps with actions as data (`actions`, applied by `execute`): the control part
 (`control.control_step`), the job's end (`health.step.job_end_step`), the supervisor's
 deadlines (`supervisor.step.supervisor_step`), a follower's watch on the leader
 (`liveness.step.leader_watch_step`), the view's reading of etcd (`view.view_step`), the
@@ -85,69 +87,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import HealthServicer
 
-from elasticpp.agent.actions import (
-    Action,
-    Event,
-    StopWorkers,
-    UpdateGauges,
-)
+from elasticpp.agent.actions import Action
+from elasticpp.agent.compose import Seams, compose
 from elasticpp.agent.config import AgentConfig
-from elasticpp.agent.control.shell import Control, ControlConfig
-from elasticpp.agent.durability.shell import Durability, DurabilityConfig
-from elasticpp.agent.follower.shell import Follower, FollowerConfig, FollowerPorts
-from elasticpp.agent.health.shell import Health, HealthConfig
 from elasticpp.agent.jobspec import JobSpec
-from elasticpp.agent.kernel.clock import Clock, LoopHeartbeat, SystemClock
-from elasticpp.agent.kernel.decide import Phase
-from elasticpp.agent.kernel.executor import Executor
-from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
-from elasticpp.agent.kernel.limits import (
-    QUIET_TICK_S,
-    VIEW_REFRESH_S,
-)
-from elasticpp.agent.kernel.metrics import AgentMetrics
-from elasticpp.agent.kernel.pool import WorkerPool
+from elasticpp.agent.kernel.clock import Clock
+from elasticpp.agent.kernel.limits import QUIET_TICK_S, VIEW_REFRESH_S
 from elasticpp.agent.kernel.ports import HealthPort
-from elasticpp.agent.kernel.summaries import (
-    ProgressSummary,
-)
-from elasticpp.agent.kernel.worklogs import WorkerLogs
-from elasticpp.agent.leader.shell import Leader, LeaderConfig, LeaderPorts
-from elasticpp.agent.liveness.shell import Liveness
-from elasticpp.agent.membership.shell import Membership, MembershipPorts
+from elasticpp.agent.kernel.summaries import AgentStatus, ProgressSummary
 from elasticpp.agent.pace import PaceObservation, TurnPace, tick_s
 from elasticpp.agent.server import Doors, Served, ServerFactory, ServerPorts, serve
-from elasticpp.agent.stop.shell import JobStop, StopConfig
-from elasticpp.agent.supervisor.shell import (
-    Supervisor,
-    SupervisorConfig,
-    WorkerEvents,
-    WorkerFactory,
-)
-from elasticpp.agent.view.shell import View
+from elasticpp.agent.supervisor.shell import WorkerFactory
 from elasticpp.cluster.client import ClusterClient
-from elasticpp.cluster.errors import (
-    ClusterUnavailableError,
-    NodeIdConflictError,
-)
+from elasticpp.cluster.errors import ClusterUnavailableError, NodeIdConflictError
 from elasticpp.cluster.etcd.kv import EtcdKV
 from elasticpp.cluster.etcd.meter import EtcdMeter
 from elasticpp.cluster.records import EventType, WatchEvent
 from elasticpp.errors import ConfigError, ElasticppError
-from elasticpp.plan import Plan
-from elasticpp.store.local import LocalStore
-from elasticpp.transport import Dialer
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -169,294 +133,46 @@ class Agent:
         cluster: ClusterClient | None = None,
         server_factory: ServerFactory = serve,
     ) -> None:
-        self.clock: Clock = clock or SystemClock()  # every part's decisions read it
-        # Simulation seams (bench/scale.py): what starts a warm worker (default: a worker
-        # process, elasticpp.train.worker.procs), a counter of this agent's etcd requests, an etcd
-        # connection shared by the simulated agents of one process (default: its own), the
-        # event that wakes the loop (a simulation's also schedules the agent's next `turn`
-        # on its pool of loop threads), whether the agent starts its own loop watchdog
-        # (a simulation checks its agents' loops from one thread: `check_loop`) and the
-        # health service it answers on (a simulation's agents share one). `cluster`: the
-        # job's etcd client (default: one made here from the flags; tests give another).
-        self._own_watchdog = watchdog
-        self.cfg = cfg
-        self.spec = spec
-        self.node_id = cfg.node_id
+        # The seams are `compose.Seams`'s; `watchdog`: whether the agent starts its own loop
+        # watchdog (a simulation checks its agents' loops from one thread: `check_loop`).
+        self.cfg, self.spec, self.node_id = cfg, spec, cfg.node_id
         self.incarnation = uuid.uuid4().hex[:12]
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        # Resume directories are links for workers of a run that is over; a generation
-        # number of a later epoch must not find an earlier run's pieces in its directory.
-        shutil.rmtree(cfg.state_dir / "resume", ignore_errors=True)
-        # Anchors (replicated steps) at or above the safe step stay until a newer one is
-        # published: see elasticpp.store.replicate for the guarantee.
-        self.store = LocalStore(
-            cfg.state_dir / "store",
-            cfg.node_id,
-            anchor_every=spec.replication_every if spec.replication_copies else None,
-            job=spec.identity(),
-        )
-        self.metrics_path = cfg.state_dir / "metrics.jsonl"
-        self.log_dir = cfg.state_dir / "logs"
-        # Worker output per assignment, teed to stdout (elasticpp.agent.kernel.worklogs).
-        self.worker_logs = WorkerLogs(self.log_dir)
-        self.python = python
-        # Inboxes: what watches, gRPC threads and other parts may hand over
-        # (elasticpp.agent.kernel.inbox)
-        self.wake = wake if wake is not None else threading.Event()  # the loop ticks now
-        self._stop = threading.Event()
-        # What every part uses: the journal of decisions (`ctl events`), the error policy,
-        # the executor of the actions their steps return (elasticpp.agent.kernel).
-        self.journal = Journal(self.clock, lambda: self.follower.generation)
-        self.metrics = AgentMetrics.create(cfg.node_id, spec.name)
-        self.errors = ErrorPolicy(self.metrics)
-        self.executor = Executor()
-        self.health_service: HealthPort = health if health is not None else HealthServicer()
-        # Each part's state: one object, one writer (that part's module, on the loop).
-        self.pool = WorkerPool(
-            self.wake, clock=self.clock.monotonic
-        )  # the supervisor's workers (elasticpp.agent.kernel.pool)
-        # The executor's own: the lifecycle of this agent's server, registration and loop.
-        # Every channel to a peer (probes, state transfers): TLS with this node's
-        # certificate when the job has one (elasticpp.transport, the one place).
-        self._dialer = Dialer(cfg.tls)
-        self._heartbeat = LoopHeartbeat()  # read by the loop-watchdog and the lease gate
-        self.pace = TurnPace()  # the loop's next turn and status publication
-        self._init_dir: Path | None = None  # step 0 of a job with init_from (`start`)
+        self._own_watchdog = watchdog
         self._server_factory = server_factory
         self.server: Served | None = None  # serving from `start` to `shutdown`
         self.port = 0
-        # The job's etcd client: no request until `start` joins (a channel connects lazily).
-        self.cluster = (
-            cluster
-            if cluster is not None
-            else ClusterClient(
-                list(cfg.etcd),
-                spec.name,
-                meter=meter,
-                kv=etcd_kv,
-                security=cfg.etcd_security,
-                prefix=cfg.etcd_prefix,
-            )
-        )
-        self.view = View(
-            cfg.node_id,
-            cluster=self.cluster,
-            clock=self.clock,
-            journal=self.journal,
-            metrics=self.metrics,
-            epoch=lambda: self.store.epoch,
-            set_floor=self.store.set_floor,
-        )
+        self.pace = TurnPace()  # the loop's next turn and status publication
+        self._stop = threading.Event()
         self._etcd_open = False  # `start` began to join: `shutdown` leaves etcd cleanly
-        self.torch_ready = threading.Event()  # torch imported (`start`): it may lead
-        self.membership = Membership(
-            cfg.node_id,
-            self.incarnation,
-            spec,
-            cluster=self.cluster,
-            heartbeat=self._heartbeat,
-            ports=MembershipPorts(
-                newest_epoch=self.store.newest_epoch,
-                set_epoch=self.store.set_epoch,
-                spawn_warm=lambda: self.supervisor.spawn_warm(),
-                address=lambda: self.address,
-                slots=lambda: len(self.supervisor.gpus),
-                draining=lambda: self.control.summary().draining,
-                members=lambda: self.view.snapshot.members,
-                on_watch=self.on_watch,
-            ),
-        )
-        m = self.membership
-        self.control = Control(
-            ControlConfig(
-                cfg.node_id,
-                self.incarnation,
-                spec.name,
-                spec.steps,
-                exit_on_end=cfg.on_job_end == "exit",
-                unfinished_exit_code=cfg.unfinished_exit_code,
-            ),
-            clock=self.clock,
-            pool=self.pool,
-            health=self.health_service,
-            metrics=self.metrics,
-            heartbeat=self._heartbeat,
-            serving=lambda: self.server is not None,
-            wake=self.wake.set,
-        )
-        self.control.register(self.executor)
-        self.view.register(self.executor)
-        # What the parts ask of the agent itself: the workers as a whole, the gauges of
-        # every part.
-        m.register(self.executor)
-        self.executor.register(StopWorkers, lambda _: self.pool.stop_workers())
-        self.executor.register(UpdateGauges, lambda _: self.update_gauges())
-        self.health = Health(
-            HealthConfig(cfg.node_id, exit_on_end=cfg.on_job_end == "exit"),
-            clock=self.clock,
-            journal=self.journal,
-            metrics=self.metrics,
-            records=self.cluster.health,
-            pool=self.pool,
-            own_step=self._own_step,
-            last_step=lambda: self.durability.state.last_step,
-            leadership=lambda: self.leader.leadership,
-            reread=self.view.reread.raise_,
-        )
-        self.health.register(self.executor)
-        self.liveness = Liveness(
-            cfg.node_id,
-            clock=self.clock,
-            journal=self.journal,
-            errors=self.errors,
-            view=lambda: self.view.snapshot,
-            depose=lambda leader: self.cluster.depose(leader),
-            dialer=self._dialer,
-            wake=self.wake.set,
-        )
-        self.liveness.register(self.executor)
-        self.follower = Follower(
-            FollowerConfig(
-                cfg.node_id,
-                cfg.state_dir,
-                self.log_dir,
-                cfg.backend,
-                cfg.device,
-                worker_threads=cfg.worker_threads,
-            ),
-            spec=spec,
-            clock=self.clock,
-            journal=self.journal,
-            metrics=self.metrics,
-            cluster=self.cluster,
-            pool=self.pool,
-            store=self.store,
-            dialer=self._dialer,
-            logs=self.worker_logs,
-            ports=FollowerPorts(
-                view=lambda: self.view.snapshot,
-                member_records=self.view.member_records,
-                etcd_down=self.etcd_down,
-                take_warm=lambda count: self.supervisor.take_warm(count),
-                gpus=lambda: self.supervisor.gpus,
-                drain=lambda: self.supervisor.drain_events(),
-                address=lambda: self.address,
-                next_step=lambda: self.durability.state.next_step_committed,
-                init_dir=lambda: self._init_dir,
-                member_lease=m.member_lease,
-                execute=self.execute,
-            ),
-            wake=self.wake.set,
-        )
-        self.follower.register(self.executor)
-        self.durability = Durability(
-            DurabilityConfig(
-                cfg.node_id,
-                self.metrics_path,
-                spec.steps,
-                spec.train.precision,
-                spec.peak_tflops,
-                replication_copies=spec.replication_copies,
-                replication_every=spec.replication_every,
-                persist_dir=spec.persist_dir,
-                persist_every=spec.persist_every,
-            ),
-            clock=self.clock,
-            store=self.store,
-            metrics=self.metrics,
-            records=self.cluster.commits,
-            member_records=self.view.member_records,
-            dialer=self._dialer,
-            fenced=m.fenced,
-            member_lease=m.member_lease,
-            current_plan=self._current_plan,
-            wake=self.wake.set,
-        )
-        self.durability.register(self.executor)
-        d = self.durability
-        self.supervisor = Supervisor(
-            SupervisorConfig(
-                cfg.node_id,
-                cfg.slots,
-                cfg.device,
-                self.log_dir,
-                ready_timeout_s=spec.ready_timeout_s,
-                hang_timeout_s=spec.hang_timeout_s,
-                first_step_timeout_s=spec.first_step_deadline_s,
-                worker_threads=cfg.worker_threads,
-                python=python,
-            ),
-            clock=self.clock,
-            pool=self.pool,
-            journal=self.journal,
-            metrics=self.metrics,
-            errors=self.errors,
-            logs=self.worker_logs,
-            events=WorkerEvents(
-                on_started=lambda e: self.execute(d.on_started(e)),
-                on_step=lambda w, e: self.execute(d.on_step(w, e)),
-                on_snapshot=lambda w, e: self.execute(d.on_snapshot(w, e)),
-                on_snapshot_failed=lambda w, e: self.execute(d.on_snapshot_failed(w, e)),
-            ),
-            report_failed=lambda g, why: self.follower.report_failure(g, why),
-            spares_wanted=self._spares_wanted,
-            wake=self.wake.set,
-            worker_factory=worker_factory,
-        )
-        self.supervisor.register(self.executor)
-        live = self.liveness
-        self.leader = Leader(
-            LeaderConfig(cfg.node_id, cfg.advertise_host, self.store.job),
-            spec=spec,
-            clock=self.clock,
-            journal=self.journal,
-            metrics=self.metrics,
-            cluster=self.cluster,
-            dialer=self._dialer,
-            ports=LeaderPorts(
-                view=lambda: self.view.snapshot,
-                reread=self.view.reread.raise_,
-                follower=self.follower.summary,
-                detected=self.follower.detected,
-                control=self.control.summary,
-                health=self.health.summary,
-                quarantines=self.health.quarantines,
-                liveness=live.summary,
-                dead_now=live.dead_now,
-                settle_probes=live.settle,
-                confirm_suspects=live.confirm_suspects,
-                fenced=m.fenced,
-                leaving=lambda: self.exit_requested() is not None,
-                torch_ready=self.torch_ready.is_set,
-                lease_gate=m.lease_gate,
-                epoch=lambda: self.store.epoch,
-                execute=self.execute,
-                wake=self.wake.set,
-            ),
-        )
-        self.leader.register(self.executor)
-        self.job_stop = JobStop(
-            StopConfig(cfg.node_id, spec.stop_timeout_s),
-            clock=self.clock,
-            records=self.cluster.health,
-            arrivals=self.cluster.arrivals,
-            pool=self.pool,
-            committed=lambda: max(self.store.committed_steps(self.node_id), default=-1),
-            persist_outcome=d.persist_outcome,
-            persist_now=d.persist_now,
-            members=lambda: self.view.snapshot.members,
-            member_lease=m.member_lease,
-            ended=self.health.changed.raise_,
-        )
-        self.job_stop.register(self.executor)
-        self.executor.register(Event, lambda a: self.journal.write(a.kind, a.message))
-        self.metrics.of(self.metrics.target_steps).set(spec.steps)
-        self.metrics.of(self.metrics.job_finished).set(0)
+        self._init_dir: Path | None = None  # step 0 of a job with init_from (`start`)
+        seams = Seams(python, clock, worker_factory, meter, etcd_kv, wake, health, cluster)
+        p = compose(cfg, spec, self.incarnation, self, seams)
+        self.clock, self.wake, self._heartbeat, self.torch_ready = (
+            p.clock, p.wake, p.heartbeat, p.torch_ready,
+        )  # fmt: skip
+        self.journal, self.metrics, self.errors, self.executor = (
+            p.journal, p.metrics, p.errors, p.executor,
+        )  # fmt: skip
+        self.health_service, self.pool, self.worker_logs, self.store, self.cluster = (
+            p.health_service, p.pool, p.worker_logs, p.store, p.cluster,
+        )  # fmt: skip
+        self.view, self.membership, self.control, self.health, self.liveness = (
+            p.view, p.membership, p.control, p.health, p.liveness,
+        )  # fmt: skip
+        self.follower, self.durability, self.supervisor, self.leader, self.job_stop = (
+            p.follower, p.durability, p.supervisor, p.leader, p.job_stop,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def address(self) -> str:
         return f"{self.cfg.advertise_host}:{self.port}"
+
+    def serving(self) -> bool:
+        return self.server is not None
+
+    def init_dir(self) -> Path | None:
+        return self._init_dir
 
     def start(self) -> None:
         """Serve gRPC, join the job in etcd, start warm workers. Raises on a bad spec."""
@@ -550,16 +266,6 @@ class Agent:
         """Apply what a part's pure step asked for, in order (the handlers the parts
         registered on `executor`)."""
         self.executor.run(actions)
-
-    def _own_step(self) -> int | None:
-        """This node's newest own committed step, if any."""
-        own = self.store.committed_steps(self.node_id)
-        return own[-1] if own else None
-
-    def _current_plan(self) -> tuple[int, Plan] | None:
-        """The generation this node follows, and its plan (with this node's model)."""
-        followed = self.follower.summary()
-        return (followed.generation, followed.plan) if followed.plan is not None else None
 
     def run(self) -> int:
         """The decision loop; returns the exit code."""
@@ -749,7 +455,7 @@ class Agent:
             if not self._part(name, step):
                 return
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> AgentStatus:
         """Publish the status the control RPCs read, from this turn's summaries."""
         return self.control.publish_status(
             self.follower.summary(),
@@ -783,10 +489,10 @@ class Agent:
         self.execute(self.view.etcd_down(exc))
 
     def _progress_summary(self) -> ProgressSummary:
-        floor = self.store.floor
+        floor, done = self.store.floor, self.durability.summary()
         return ProgressSummary(
-            last_step=self.durability.state.last_step,
-            last_loss=self.durability.state.last_loss,
+            last_step=done.last_step,
+            last_loss=done.last_loss,
             safe_step=floor[1] if floor is not None else -1,
         )
 
@@ -796,21 +502,6 @@ class Agent:
         rec = self.view.snapshot.record
         reported = rec is not None and self.follower.reported_failed(rec.generation)
         self.execute(self.liveness.check_leader(reported))
-
-    def _spares_wanted(self) -> bool:
-        """Spares are wanted, except while this node's ranks of the current generation are
-        starting (spares import torch, and on a loaded node that would compete for the CPU
-        with the ranks the recovery waits for; the pool is full again a moment after they
-        run), while the agent leaves, and once the job is over."""
-        control = self.control.summary()
-        return not (
-            self.exit_requested() is not None
-            or control.draining
-            or self.follower.summary().phase is Phase.STARTING
-            or control.job_done
-            or self.health.summary().ended is not None
-            or self.job_stop.requested()
-        )
 
     def lead(self) -> None:
         if self.leader.acting():

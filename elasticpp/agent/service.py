@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
 from elasticpp.agent.kernel.inbox import Event
+from elasticpp.agent.kernel.summaries import AgentStatus
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.keys import check_name
 from elasticpp.errors import ConfigError
@@ -19,7 +20,7 @@ from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 
 
 class StatusPort(Protocol):
-    def status_snapshot(self) -> dict[str, Any]: ...
+    def status_snapshot(self) -> AgentStatus: ...
     def request_drain(self, timeout_s: float) -> tuple[bool, str]: ...
 
 
@@ -47,45 +48,43 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     ) -> agent_pb2.GetStatusResponse:
         s = self._control.status_snapshot()
         reply = agent_pb2.GetStatusResponse(
-            node_id=s["node_id"],
-            job=s["job"],
-            generation=s["generation"],
-            leader=s["leader"],
-            phase=s["phase"],
-            layout=s["layout"],
-            last_step=s["last_step"],
-            last_loss=s["last_loss"] if math.isfinite(s["last_loss"]) else 0.0,
-            members=s["members"],
-            ended=s.get("ended", ""),
-            waiting=s.get("waiting", ""),
+            node_id=s.node_id,
+            job=s.job,
+            generation=s.generation,
+            leader=s.leader,
+            phase=s.phase,
+            layout=s.layout,
+            last_step=s.last_step,
+            last_loss=s.last_loss if math.isfinite(s.last_loss) else 0.0,
+            members=s.members,
+            ended=s.ended,
+            waiting=s.waiting,
         )
-        for node, q in s.get("quarantined", {}).items():
-            reply.quarantined.add(
-                node_id=node, reason=q["reason"], until=q["until"], count=q["count"]
-            )
-        for w in s["workers"]:
-            coord = w["coord"]
+        for node, q in s.quarantined.items():
+            reply.quarantined.add(node_id=node, reason=q.reason, until=q.until, count=q.count)
+        for w in s.workers:
+            coord = w.coord
             reply.workers.add(
-                rank=w["rank"],
-                pid=w["pid"],
-                state=w["state"],
-                last_step=w["last_step"],
+                rank=w.rank,
+                pid=w.pid,
+                state=w.state,
+                last_step=w.last_step,
                 pp=coord.pp if coord else -1,
                 tp=coord.tp if coord else -1,
                 dp=coord.dp if coord else -1,
             )
-        for t in s["recoveries"]:
+        for t in s.recoveries:
             reply.recoveries.add(
-                generation=int(t["generation"]),
-                reason=str(t["reason"]),
-                layout_before=str(t["layout_before"]),
-                layout_after=str(t["layout_after"]),
-                resume_step=int(t["resume_step"]),
-                steps_recomputed=int(t["steps_recomputed"]),
-                planned_s=float(t["planned_s"]),
-                stopped_s=float(t["stopped_s"]),
-                moved_s=float(t["moved_s"]),
-                resumed_s=float(t["resumed_s"]),
+                generation=t.generation,
+                reason=t.reason,
+                layout_before=t.layout_before,
+                layout_after=t.layout_after,
+                resume_step=t.resume_step,
+                steps_recomputed=t.steps_recomputed,
+                planned_s=t.planned_s,
+                stopped_s=t.stopped_s,
+                moved_s=t.moved_s,
+                resumed_s=t.resumed_s,
             )
         return reply
 

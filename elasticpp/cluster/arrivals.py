@@ -19,6 +19,7 @@ from elasticpp.cluster.barriers import (
     RESUME_WAIT_MEMBER,
     check_arrival,
     join_resume,
+    resume_barrier,
     resume_part_member,
     split_resume,
 )
@@ -81,14 +82,14 @@ class Arrivals:
         Whichever leader writes first wins; a later one (elected mid-transition) reads it
         instead of writing its own, so followers never wait on a record that names a
         leader they do not expect. False if one exists already or `leader` lost its term."""
-        key = self.keys.barrier(f"resume-{generation}", RESUME_MEMBER)
+        key = self.keys.barrier(resume_barrier(generation), RESUME_MEMBER)
         compares = [
             Compare(key, "create", 0),
             Compare(self.keys.leader, "value", leader.node_id),
             Compare(self.keys.leader, "create", leader.create_revision),
         ]
         puts = [
-            Put(self.keys.barrier(f"resume-{generation}", member), record)
+            Put(self.keys.barrier(resume_barrier(generation), member), record)
             for member, record in resume_records(value, leader.node_id, time.time())
         ]
         ok, _, _ = self._kv.txn(compares, puts)
@@ -104,11 +105,11 @@ class Arrivals:
         record = dumps({"node_id": leader.node_id, "value": {"why": why, "at": at}, "at": at})
         ok, _, _ = self._kv.txn(
             [
-                Compare(self.keys.barrier(f"resume-{generation}", RESUME_MEMBER), "create", 0),
+                Compare(self.keys.barrier(resume_barrier(generation), RESUME_MEMBER), "create", 0),
                 Compare(self.keys.leader, "value", leader.node_id),
                 Compare(self.keys.leader, "create", leader.create_revision),
             ],
-            [Put(self.keys.barrier(f"resume-{generation}", RESUME_WAIT_MEMBER), record)],
+            [Put(self.keys.barrier(resume_barrier(generation), RESUME_WAIT_MEMBER), record)],
         )
         return ok
 

@@ -110,6 +110,30 @@ def _resume(what: str, v: Any) -> None:
         raise ClusterDataError(f"{what}: nodes must be a list")
 
 
+# The barriers of generation G, by name: every agent arrives at `stopped-G` (its old workers
+# stopped, what it holds) and `started-G` (its ranks run); `failed-G` holds the failures its
+# nodes report; `resume-G` the leader's resume instruction. Barrier `timelines` has one member
+# per generation whose transition is over (`timeline_member`).
+def stopped_barrier(generation: int) -> str:
+    return f"stopped-{generation}"
+
+
+def started_barrier(generation: int) -> str:
+    return f"started-{generation}"
+
+
+def failed_barrier(generation: int) -> str:
+    return f"failed-{generation}"
+
+
+def resume_barrier(generation: int) -> str:
+    return f"resume-{generation}"
+
+
+def timeline_member(generation: int) -> str:
+    return f"gen-{generation}"
+
+
 # A resume instruction's `pieces` table (one entry per distinct piece: ~85 KiB for llama-70b
 # pp=8 tp=8) is written in parts of at most this many bytes of JSON, as members of the same
 # barrier in the same transaction, so that no etcd value passes 64 KiB.

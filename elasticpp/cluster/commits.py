@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from elasticpp.cluster.barriers import timeline_member
 from elasticpp.cluster.errors import ClusterDataError
 from elasticpp.cluster.etcd.kv import Compare, Delete, Put
 from elasticpp.cluster.leases import Leadership
@@ -179,7 +180,7 @@ class Commits:
         history_upto = generation - keep_history
         for g in range(marks["history_below"], history_upto):
             ops.append(Delete(self.keys.generation_history(g)))
-            ops.append(Delete(self.keys.barrier("timelines", f"gen-{g}")))
+            ops.append(Delete(self.keys.barrier("timelines", timeline_member(g))))
         ops += [Delete(self.keys.commits_of(g), prefix=True) for g in self._commits_below()]
         marks = {
             "barriers_below": max(marks["barriers_below"], barriers_upto),
@@ -225,8 +226,10 @@ class Commits:
 
     def record_timeline(self, generation: int, timeline: Any, leader: Leadership) -> bool:
         """Publish the recovery timeline of `generation`, fenced by `leader`'s term."""
-        key = self.keys.barrier("timelines", f"gen-{generation}")
-        value = dumps({"node_id": f"gen-{generation}", "value": timeline, "at": time.time()})
+        key = self.keys.barrier("timelines", timeline_member(generation))
+        value = dumps(
+            {"node_id": timeline_member(generation), "value": timeline, "at": time.time()}
+        )
         ok, _, _ = self._kv.txn(self._term(leader), [Put(key, value)])
         return ok
 

@@ -25,7 +25,7 @@ from elasticpp.cluster.errors import ClusterError, ClusterUnavailableError
 from elasticpp.cluster.etcd.kv import EtcdKV
 
 if TYPE_CHECKING:
-    from elasticpp.cluster.leases import _LeaseKeeper
+    from elasticpp.cluster.leases import LeaseKeeper
 
 log = logging.getLogger("elasticpp.cluster.client")
 
@@ -41,16 +41,16 @@ class KeeperGroup:
     def __init__(self, kv: EtcdKV) -> None:
         self._kv = kv
         self._cond = threading.Condition()
-        self._due: list[tuple[float, int, _LeaseKeeper]] = []  # (monotonic, seq, keeper)
+        self._due: list[tuple[float, int, LeaseKeeper]] = []  # (monotonic, seq, keeper)
         self._seq = itertools.count()
-        self._members: set[_LeaseKeeper] = set()
-        self._stepping: frozenset[_LeaseKeeper] = frozenset()
+        self._members: set[LeaseKeeper] = set()
+        self._stepping: frozenset[LeaseKeeper] = frozenset()
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-leases-{next(self._names)}", daemon=True
         )
 
     @classmethod
-    def join(cls, keeper: _LeaseKeeper, due_s: float) -> KeeperGroup:
+    def join(cls, keeper: LeaseKeeper, due_s: float) -> KeeperGroup:
         """Keep `keeper` from `due_s` (monotonic) on its client's group."""
         with cls._lock:
             group = cls._of.get(id(keeper._kv))
@@ -64,7 +64,7 @@ class KeeperGroup:
                 group._thread.start()
         return group
 
-    def leave(self, keeper: _LeaseKeeper) -> None:
+    def leave(self, keeper: LeaseKeeper) -> None:
         """`keeper` is stopped: forget it, and return once no step of it runs (unless on
         this group's own thread: a keeper stopped by its own step)."""
         self._drop(keeper)
@@ -75,7 +75,7 @@ class KeeperGroup:
                     timeout=self._kv.request_timeout_s * 2 + 1,
                 )
 
-    def _drop(self, keeper: _LeaseKeeper) -> None:
+    def _drop(self, keeper: LeaseKeeper) -> None:
         """Forget a stopped keeper (by `stop()`, or by its own step: a lost leadership, a
         node id taken); the last one ends the group."""
         with self._lock, self._cond:
@@ -84,11 +84,11 @@ class KeeperGroup:
                 del self._of[id(self._kv)]
             self._cond.notify_all()
 
-    def _push(self, keeper: _LeaseKeeper, due_s: float) -> None:
+    def _push(self, keeper: LeaseKeeper, due_s: float) -> None:
         heapq.heappush(self._due, (due_s, next(self._seq), keeper))
         self._cond.notify_all()
 
-    def _take_due(self) -> list[_LeaseKeeper] | None:
+    def _take_due(self) -> list[LeaseKeeper] | None:
         """Wait for keepers due (dropping stopped ones); None when the group is done."""
         with self._cond:
             while True:
@@ -116,8 +116,8 @@ class KeeperGroup:
                     self._stepping = frozenset()
                     self._cond.notify_all()
 
-    def _step(self, due: list[_LeaseKeeper]) -> None:
-        batch: list[tuple[_LeaseKeeper, int, float]] = []
+    def _step(self, due: list[LeaseKeeper]) -> None:
+        batch: list[tuple[LeaseKeeper, int, float]] = []
         for keeper in due:
             delay_s = self._guarded(keeper, keeper.before_refresh)
             if delay_s is None:
@@ -140,7 +140,7 @@ class KeeperGroup:
             )
             self._again(keeper, keeper.failing_retry_s if delay_s is None else delay_s)
 
-    def _again(self, keeper: _LeaseKeeper, delay_s: float) -> None:
+    def _again(self, keeper: LeaseKeeper, delay_s: float) -> None:
         if keeper._stop.is_set():
             self._drop(keeper)
             return
@@ -148,7 +148,7 @@ class KeeperGroup:
             self._push(keeper, time.monotonic() + delay_s)
 
     @staticmethod
-    def _guarded(keeper: _LeaseKeeper, work: Callable[[], float | None]) -> float | None:
+    def _guarded(keeper: LeaseKeeper, work: Callable[[], float | None]) -> float | None:
         try:
             return work()
         except Exception:  # the thread keeps the client's other leases: it goes on

@@ -99,7 +99,7 @@ def incarnation_of(value: str) -> str | None:
     return found if isinstance(found, str) else None
 
 
-class _LeaseKeeper:
+class LeaseKeeper:
     """Keeps one lease (and the key on it) alive; `step()` is one keep-alive attempt and
     returns the pause until the next, run from a daemon thread (or by a test).
 
@@ -360,7 +360,7 @@ class Registration:
         # A newer agent started with this node id takes the key over: the one whose lease
         # lapsed (a partition, a stall) is the one that must go.
         kv.put(key, self._value, lease_id)
-        self._keeper = _LeaseKeeper(
+        self._keeper = LeaseKeeper(
             kv,
             key,
             self._current,
@@ -462,7 +462,7 @@ class Leadership:
         self._kv = kv
         self._key = key
         self._resigned = False
-        self._keeper = _LeaseKeeper(
+        self._keeper = LeaseKeeper(
             kv,
             key,
             lambda: node_id,

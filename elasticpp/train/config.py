@@ -8,6 +8,7 @@ live in the `Plan`, not here.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import PurePath
@@ -139,6 +140,13 @@ class TrainConfig:
         span = max(1, self.steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    @functools.cached_property
+    def shared_dict(self) -> dict[str, Any]:
+        """`to_dict()`, made once per config: every assignment of a job carries it (a
+        conversion is ~75 us, and a node hands one to each rank of every generation).
+        Callers must not change it."""
+        return self.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.scalesim import SimAgent, SimCluster, sim_spec
+from elasticpp.agent.kernel.summaries import AgentStatus
 from elasticpp.cluster.etcd.server import EtcdServer
 from elasticpp.errors import ElasticppError
 from elasticpp.waiting import wait_until
@@ -43,7 +44,7 @@ WALKS = ("loss", "join", "drain", "sick", "leader", "trained")
 TIMEOUT_S = 90.0
 
 
-def _snap(agent: SimAgent) -> dict[str, object]:
+def _snap(agent: SimAgent) -> AgentStatus:
     return agent.control.status_snapshot()
 
 
@@ -53,10 +54,10 @@ def _settled(cluster: SimCluster, after_gen: int, expect: int) -> Callable[[], b
 
     def check() -> bool:
         snaps = [_snap(a) for a in cluster.live(healthy=True)]
-        gens = {int(s["generation"]) for s in snaps}  # type: ignore[call-overload]
+        gens = {s.generation for s in snaps}
         if len(gens) != 1 or gens.pop() <= after_gen:
             return False
-        if any(s["phase"] not in ("running", "idle") for s in snaps):
+        if any(s.phase not in ("running", "idle") for s in snaps):
             return False
         leader = next((a for a in cluster.live() if a.leader.acting()), None)
         return leader is not None and len(leader.follower.followed().record.planned_set) == expect
@@ -65,7 +66,7 @@ def _settled(cluster: SimCluster, after_gen: int, expect: int) -> Callable[[], b
 
 
 def _generation(cluster: SimCluster) -> int:
-    return max(int(_snap(a)["generation"]) for a in cluster.live())  # type: ignore[call-overload]
+    return max(_snap(a).generation for a in cluster.live())
 
 
 def _leader(cluster: SimCluster) -> SimAgent:
@@ -181,7 +182,7 @@ def walk(name: str, workdir: Path, recorder: Recorder) -> None:
             elif name == "sick":
                 cluster.make_sick(follower.node_id)
                 _wait(
-                    lambda: follower.node_id in _snap(leader)["quarantined"],  # type: ignore[operator]
+                    lambda: follower.node_id in _snap(leader).quarantined,
                     "the sick node's quarantine",
                 )
                 _wait(_settled(cluster, gen, NODES - 1), "the re-plan without the sick node")

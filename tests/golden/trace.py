@@ -143,6 +143,8 @@ MOVED_MODULES = {
         "deadlines": "leader",
     }.items()
 }
+# Classes renamed since a trace was recorded (private names made public), by qualname.
+RENAMED = {"_GenState": "GenerationProgress", "_Worker": "Worker", "_LeaseKeeper": "LeaseKeeper"}
 
 
 class Classes:
@@ -178,6 +180,7 @@ class Classes:
     def find(self, name: str) -> type:
         module_name, _, qualname = name.partition(":")
         module_name = MOVED_MODULES.get(module_name, module_name)
+        qualname = RENAMED.get(qualname, qualname)
         if module_name != "elasticpp" and not module_name.startswith("elasticpp."):
             # A trace names classes; it never names what to import beyond elasticpp's own.
             raise LookupError(f"class {name}: not one of elasticpp's")

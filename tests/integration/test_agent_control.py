@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
-from types import SimpleNamespace
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -20,7 +20,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from elasticpp.agent.control.shell import Control, ControlConfig
 from elasticpp.agent.kernel.clock import LoopHeartbeat, SystemClock
 from elasticpp.agent.kernel.metrics import AgentMetrics
+from elasticpp.agent.kernel.summaries import (
+    AgentStatus,
+    FollowerSummary,
+    HealthSummary,
+    ProgressSummary,
+    RecoveryStatus,
+    ViewSummary,
+    WorkerStatus,
+)
 from elasticpp.agent.service import AgentServicer
+from elasticpp.plan import Coord
 from elasticpp.rpc.agent.v1 import agent_pb2, agent_pb2_grpc
 from elasticpp.waiting import wait_until
 
@@ -102,20 +112,11 @@ class _Agent:
     def __init__(self) -> None:
         self.quiet = threading.Event()
 
-    def status_snapshot(self) -> dict[str, Any]:
-        return {
-            "node_id": "n0",
-            "job": "ctl",
-            "generation": 1,
-            "leader": "n0",
-            "phase": "running",
-            "layout": "",
-            "last_step": 3,
-            "last_loss": 1.0,
-            "members": ["n0"],
-            "workers": [],
-            "recoveries": [],
-        }
+    def status_snapshot(self) -> AgentStatus:
+        return AgentStatus(
+            "n0", "ctl", generation=1, leader="n0", phase="running", last_step=3,
+            last_loss=1.0, members=("n0",),
+        )  # fmt: skip
 
     def request_drain(self, timeout_s: float) -> tuple[bool, str]:
         return False, "not in this test"
@@ -173,15 +174,14 @@ class _RankZero(_Agent):
     """A status whose interesting numbers are zeros: rank 0 at pp=tp=dp=0, and a first
     recovery that resumed at step 0 from no layout."""
 
-    def status_snapshot(self) -> dict[str, Any]:
-        coord = SimpleNamespace(pp=0, tp=0, dp=0)
-        worker = {"rank": 0, "pid": 4242, "state": "running", "last_step": 0, "coord": coord}
-        recovery = {
-            "generation": 1, "reason": "initial plan", "layout_before": "",
-            "layout_after": "pp=1,tp=1,dp=1", "resume_step": 0, "steps_recomputed": 0,
-            "planned_s": 0.25, "stopped_s": 0.5, "moved_s": 0.75, "resumed_s": 1.0,
-        }  # fmt: skip
-        return {**super().status_snapshot(), "workers": [worker], "recoveries": [recovery]}
+    def status_snapshot(self) -> AgentStatus:
+        worker = WorkerStatus(0, 4242, "running", 0, 1, Coord(pp=0, tp=0, dp=0))
+        recovery = RecoveryStatus(
+            generation=1, reason="initial plan", layout_before="",
+            layout_after="pp=1,tp=1,dp=1", resume_step=0, steps_recomputed=0,
+            planned_s=0.25, stopped_s=0.5, moved_s=0.75, resumed_s=1.0,
+        )  # fmt: skip
+        return replace(super().status_snapshot(), workers=(worker,), recoveries=(recovery,))
 
 
 @pytest.mark.timeout(60)
@@ -211,3 +211,28 @@ def test_status_json_prints_numbers_as_numbers_and_every_field(
     [recovery] = status["recoveries"]
     assert (recovery["resume_step"], recovery["steps_recomputed"]) == (0, 0)
     assert recovery["layout_before"] == "" and recovery["generation"] == 1
+
+
+def test_a_timeline_that_is_not_one_is_left_out_of_the_status_not_a_broken_rpc() -> None:
+    """Timelines come from etcd: one whose numbers are not numbers is not shown (before, the
+    status RPC failed on it with an internal error for every `ctl status`)."""
+    control = Control(
+        ControlConfig("n0", "inc0", "ctl", 10, exit_on_end=False),
+        clock=SystemClock(),
+        pool=_Pool(),
+        health=health.HealthServicer(),
+        metrics=AgentMetrics.create("n0", "ctl"),
+        heartbeat=LoopHeartbeat(),
+        serving=lambda: True,
+        wake=lambda: None,
+    )
+    good = {"generation": 2, "reason": "node lost", "resume_step": 7, "planned_s": 0.5}
+    bad = {"generation": "two", "reason": "?", "resume_step": 7}
+    status = control.publish_status(
+        FollowerSummary(),
+        ViewSummary(timelines={"gen-2": good, "gen-3": bad}),
+        HealthSummary(),
+        ProgressSummary(),
+    )
+    assert [(r.generation, r.resume_step, r.planned_s) for r in status.recoveries] == [(2, 7, 0.5)]
+    assert control.status_snapshot() is status

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.kernel.limits import FETCH_PER_SOURCE
 from elasticpp.agent.node import Agent, AgentConfig
@@ -74,7 +74,7 @@ def test_the_agent_fetches_a_sources_pieces_in_parallel_within_the_per_source_bo
     agent.view.state.members = {
         "a": {"address": a.address, "incarnation": "i-a"}
     }  # a source outside
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     pieces = {n: a.store.piece_info("a", 3, n) for n in ALL_TP2}
     assert len(pieces) > FETCH_PER_SOURCE
     resume = {

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.follower.step import _GenState
+import pytest
+
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.arrivals import Arrivals
@@ -101,7 +103,7 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
     written and no drain ever completed."""
     agent, cluster = _agent(tmp_path)
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    gs = _GenState(
+    gs = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.FAILED
     )  # the STARTING deadline fired
     for rank in (0, 1):
@@ -114,7 +116,7 @@ def test_ranks_that_finish_after_their_node_reported_a_failure_still_finish_the_
 
 def test_an_observation_out_of_order_is_ignored_not_raised(tmp_path: Path) -> None:
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.DONE)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.DONE)
     assert not gs.enter(Phase.HALTED, time.monotonic())  # a late halt after the end
     assert gs.phase is Phase.DONE
 
@@ -124,7 +126,7 @@ def test_a_generation_whose_plan_this_build_cannot_read_is_not_followed(tmp_path
     then raised on it every tick."""
     agent, cluster = _agent(tmp_path)
     current = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=current, plan=Plan.from_dict(current.plan), phase=Phase.RUNNING
     )
     newer = GenerationRecord(3, {**_plan(3).to_dict(), "format_version": 99}, "n9", time.time())
@@ -158,7 +160,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
     running, the other spare orphaned, and the next tick assigned rank 0 again."""
     agent, cluster = _agent(tmp_path)
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address="h:1234")
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.follower.state.gen = gs
     first, dead = _Spare(100), _Spare(101, dies=True)
     mine = gs.plan.ranks_on("n0")
@@ -173,7 +175,7 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
 
     untouched = _Spare(102)
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address=None)
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     try:
         agent.follower.assign(gs, {"step": 0, "fetches": {}}, mine, [untouched, _Spare(103)])  # type: ignore[list-item]
     except ConfigError as exc:
@@ -182,6 +184,24 @@ def test_ranks_are_handed_to_workers_all_or_none(tmp_path: Path) -> None:
         raise AssertionError("a record without a store address cannot be followed")
     assert [p.pid for p in agent.pool.spares()] == [102, 103]  # handed back, never assigned
     assert not untouched.assigned and cluster.arrived() == []
+
+
+def test_a_resume_step_past_the_jobs_end_is_refused_before_any_rank_is_sent(
+    tmp_path: Path,
+) -> None:
+    """A resume instruction comes from etcd: one whose step the job cannot start from is
+    refused by the typed assignment on the agent, naming the field, and no worker is sent
+    it (before, a literal dict went to every worker, each failed on it alone)."""
+    agent, _ = _agent(tmp_path)
+    record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), store_address="h:1234")
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    agent.follower.state.gen = gs
+    spares = [_Spare(200), _Spare(201)]
+    past = agent.spec.steps + 1
+    with pytest.raises(ConfigError, match="start_step"):
+        agent.follower.assign(gs, {"step": past}, gs.plan.ranks_on("n0"), spares)  # type: ignore[arg-type]
+    assert [p.pid for p in agent.pool.spares()] == [200, 201]  # handed back, never assigned
+    assert not any(p.assigned for p in spares) and agent.pool.workers() == ()
 
 
 def _follow_through_a_refused_write(agent: Agent) -> None:
@@ -200,7 +220,7 @@ def test_a_spare_whose_started_write_etcd_refused_writes_it_again(tmp_path: Path
     timeline, no reset of the re-plan budget)."""
     agent, cluster = _agent_on(tmp_path, _RefusesOnce("started-2"))
     record = GenerationRecord(2, _plan_on(2, ("n1",)).to_dict(), "n1", time.time())
-    agent.follower.state.gen = gs = _GenState(
+    agent.follower.state.gen = gs = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
     )
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 0, "fetches": {}}}}
@@ -214,7 +234,7 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
     never made again, and the job's end waited on it."""
     agent, cluster = _agent_on(tmp_path, _RefusesOnce("done"))
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    agent.follower.state.gen = gs = _GenState(
+    agent.follower.state.gen = gs = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
     for rank in (0, 1):
@@ -227,7 +247,9 @@ def test_a_finish_whose_done_write_etcd_refused_writes_it_again(tmp_path: Path) 
 def test_holdings_refused_by_etcd_are_reported_again_before_moving(tmp_path: Path) -> None:
     agent, cluster = _agent_on(tmp_path, _RefusesOnce("stopped-2"))
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    agent.follower.state.gen = gs = _GenState(record=record, plan=Plan.from_dict(record.plan))
+    agent.follower.state.gen = gs = GenerationProgress(
+        record=record, plan=Plan.from_dict(record.plan)
+    )
     with contextlib.suppress(ClusterUnavailableError):
         agent.follower.step()
     assert gs.phase is Phase.STOPPING and cluster.arrived() == []  # not reported: stays

@@ -14,11 +14,11 @@ from typing import Any
 
 from elasticpp.agent.durability.latest import LatestWriter, Pacing
 from elasticpp.agent.durability.step import CommitValue, anchors_ran_ahead
-from elasticpp.agent.follower.step import FetchOutcome, _GenState
+from elasticpp.agent.follower.step import FetchOutcome, GenerationProgress
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.kernel.decide import Phase, WorkerState
 from elasticpp.agent.kernel.limits import COMMIT_RECORD_EVERY_S, FENCED_SNAPSHOTS_KEPT
-from elasticpp.agent.kernel.pool import _Worker
+from elasticpp.agent.kernel.pool import Worker
 from elasticpp.agent.leader.shell import RendezvousStore
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.arrivals import Arrivals
@@ -77,12 +77,12 @@ def _running_agent(tmp_path: Path, cluster: Any, generation: int = 1) -> tuple[A
     )
     plan = _plan(generation)
     record = GenerationRecord(generation, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
     writer = _Proc(100)  # rank 0 writes the node's snapshot (data-parallel twins)
     agent.pool.add_worker(
-        _Worker(
+        Worker(
             proc=writer,  # type: ignore[arg-type]
             rank=0,
             generation=generation,
@@ -238,7 +238,7 @@ def _resume_dirs(agent: Agent) -> list[str]:
     return sorted(d.name for d in (agent.cfg.state_dir / "resume").iterdir())
 
 
-def _fetched(agent: Agent, gs: _GenState) -> None:
+def _fetched(agent: Agent, gs: GenerationProgress) -> None:
     """What a fetch leaves: the generation's resume directory with a piece in it."""
     d = agent.follower.resume_dir(gs)
     d.mkdir(parents=True, exist_ok=True)
@@ -252,7 +252,9 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
         record = GenerationRecord(
             generation, _plan(generation).to_dict(), "n0", time.time(), resume_step=3
         )
-        gs = agent.follower.state.gen = _GenState(record=record, plan=Plan.from_dict(record.plan))
+        gs = agent.follower.state.gen = GenerationProgress(
+            record=record, plan=Plan.from_dict(record.plan)
+        )
         agent.follower.step()  # no old workers: holdings reported, MOVING
         assert gs.phase is Phase.MOVING
         _fetched(agent, gs)
@@ -265,7 +267,7 @@ def test_failed_generations_leave_no_resume_directories_behind(tmp_path: Path) -
 def test_a_failed_fetch_leaves_no_resume_directory(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time(), resume_step=3)
-    gs = agent.follower.state.gen = _GenState(
+    gs = agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING
     )
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 3, "fetches": {}}}}
@@ -282,7 +284,7 @@ def test_resume_directories_compare_generations_as_numbers(tmp_path: Path) -> No
     agent, _ = _running_agent(tmp_path, _SlowCluster(put_s=0.0))
     for generation in (999_999, 1_000_000, 1_000_001):
         record = GenerationRecord(generation, _plan(1).to_dict(), "n0", time.time())
-        _fetched(agent, _GenState(record=record, plan=Plan.from_dict(record.plan)))
+        _fetched(agent, GenerationProgress(record=record, plan=Plan.from_dict(record.plan)))
     agent.follower.clean_local(1_000_001)
     assert _resume_dirs(agent) == ["gen-1000001"]
 
@@ -318,11 +320,11 @@ class _Unreachable(_SlowCluster):
 def test_failure_reports_replaced_by_a_newer_plan_are_not_remembered(tmp_path: Path) -> None:
     agent, _ = _running_agent(tmp_path, _Unreachable())
     for generation in range(1, 201):
-        agent.follower.state.gen = _GenState(
+        agent.follower.state.gen = GenerationProgress(
             record=_record(generation), plan=Plan.from_dict(_record(generation).plan)
         )
         agent.follower.report_failure(generation, "worker rank 0 exited with code 1")  # held
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=_record(201), plan=Plan.from_dict(_record(201).plan)
     )
     agent.follower.publish_failures()
@@ -356,7 +358,7 @@ def test_the_leaders_rendezvous_store_keeps_only_the_running_generations_keys(
             f"started-{generation}": {"n0": {"at": now, "moved_at": now}},
             f"resume-{generation}": {RESUME_MEMBER: {"step": 0}},
         }
-        gs = _GenState(
+        gs = GenerationProgress(
             record=_record(generation),
             plan=Plan.from_dict(_record(generation).plan),
             phase=Phase.RUNNING,

@@ -11,7 +11,7 @@ from typing import Any
 import elasticpp.agent
 from elasticpp.agent.kernel.clock import ManualClock
 from elasticpp.agent.kernel.decide import MOVING_DEADLINE_FLOOR_S, Phase, WorkerState
-from elasticpp.agent.kernel.pool import _Worker
+from elasticpp.agent.kernel.pool import Worker
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
 from tests.agents import SPEC3 as SPEC
@@ -53,7 +53,7 @@ def test_old_workers_that_outlive_sigkill_fail_the_node_at_stop_timeout_s(tmp_pa
     agent, cluster, clock = _agent(tmp_path)
     stuck = _StuckProc(100)
     agent.pool.add_worker(
-        _Worker(proc=stuck, rank=0, generation=1, plan=_plan(1), state=WorkerState.RUNNING)  # type: ignore[arg-type]
+        Worker(proc=stuck, rank=0, generation=1, plan=_plan(1), state=WorkerState.RUNNING)  # type: ignore[arg-type]
     )
     _new_generation(agent, 2)
     agent.follower.step()
@@ -106,13 +106,13 @@ def test_a_leader_that_cannot_resume_holds_the_moving_deadline_while_it_says_so(
     assert agent.follower.state.gen.phase is Phase.MOVING and _failures(cluster) == []
     said = [e for e in agent.journal.log if "waiting for state" in e[2]]
     assert len(said) == 1 and why in said[0][2]  # said once, not every step
-    assert agent.status()["waiting"] == why  # `elasticpp ctl status` shows it
+    assert agent.status().waiting == why  # `elasticpp ctl status` shows it
     # The wait is withdrawn (a new leader, say, whose resolve is still under way): the
     # deadline runs again from the last step that saw the wait.
     agent.view.state.barriers = {}
     clock.advance(deadline_s - 1.0)
     agent.follower.step()
-    assert agent.follower.state.gen.phase is Phase.MOVING and agent.status()["waiting"] == ""
+    assert agent.follower.state.gen.phase is Phase.MOVING and agent.status().waiting == ""
     clock.advance(2.0)
     agent.follower.step()
     assert agent.follower.state.gen.phase is Phase.FAILED and len(_failures(cluster)) == 1

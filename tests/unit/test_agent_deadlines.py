@@ -8,12 +8,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from elasticpp.agent.follower.step import FetchOutcome, _GenState
+from elasticpp.agent.follower.step import FetchOutcome, GenerationProgress
 from elasticpp.agent.health.step import EXIT_FAILED, EXIT_HALTED
 from elasticpp.agent.kernel.clock import Clock, ManualClock
 from elasticpp.agent.kernel.decide import Phase, WorkerState
 from elasticpp.agent.kernel.limits import STOPPED_WAIT_MARGIN_S
-from elasticpp.agent.kernel.pool import _Worker
+from elasticpp.agent.kernel.pool import Worker
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.health import JobEnd
 from elasticpp.cluster.records import GenerationRecord
@@ -53,7 +53,7 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
     agent, cluster = _agent(tmp_path)
     old = _StuckProc(100)
     agent.pool.add_worker(
-        _Worker(
+        Worker(
             proc=old,  # type: ignore[arg-type]
             rank=0,
             generation=1,
@@ -62,7 +62,7 @@ def test_a_worker_that_survives_sigkill_never_blocks_the_loop_and_fails_the_node
         )
     )
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan))  # a loss: stop at once
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan))  # a loss: stop at once
     agent.follower.state.gen = gs
     agent.follower.step()
     assert old.kills == [False]  # signalled, not waited for
@@ -86,7 +86,7 @@ def test_a_spare_that_never_becomes_ready_is_replaced_and_fails_a_generation_tha
     agent.pool.add_spare(spare, start)  # type: ignore[arg-type]
     agent.supervisor.spawn_warm = lambda: None  # type: ignore[method-assign]
     record = GenerationRecord(2, _plan(2).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     fetched: Future[FetchOutcome] = Future()
     fetched.set_result(FetchOutcome(done_at=time.time()))
     agent.follower.track_fetch(2, fetched, TransferProgress())
@@ -124,7 +124,7 @@ def test_the_leader_sets_aside_a_node_that_never_arrives_and_plans_without_it(
     nodes = {n: "127.0.0.1:1" for n in ("n0", "n1", "n2")}
     record = GenerationRecord(2, plan.to_dict(), "n0", time.time(), extra={"nodes": nodes})
     agent.view.state.record = record
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.follower.state.gen = gs
     agent.liveness.confirm_dead = lambda nodes: None  # type: ignore[method-assign]  # n2 answers
     holdings = {"digest": {"format": 1, "address": "127.0.0.1:1", "held": []}}
@@ -174,15 +174,15 @@ def test_an_ended_job_idles_healthy_with_on_job_end_idle(tmp_path: Path) -> None
     assert agent.exit_requested() is None
     agent.supervisor.refill()
     assert agent.pool.spares() == ()  # no spares for a job that is over
-    assert agent.status()["phase"] == "ended"
-    assert agent.status()["ended"] == "failed: failure budget spent"
+    assert agent.status().phase == "ended"
+    assert agent.status().ended == "failed: failure budget spent"
 
 
 def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Path) -> None:
     agent, cluster = _agent(tmp_path)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time())
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
 
@@ -192,7 +192,7 @@ def test_a_halt_is_recorded_for_the_job_not_only_held_on_this_node(tmp_path: Pat
         def alive(self) -> bool:
             return False
 
-    w = _Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    w = Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
     agent.pool.add_worker(w)
     agent.pool.deliver(w.proc, {"event": "halted", "step": 3, "message": "loss nan"})  # type: ignore[arg-type]
     agent.supervisor.drain_events()
@@ -208,7 +208,7 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
     class _P:
         pid = 100
 
-    w = _Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    w = Worker(proc=_P(), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
     for gen in range(1, 7):
         w.generation = gen
         for step in range(300):
@@ -219,7 +219,7 @@ def test_memory_for_steps_written_does_not_grow_with_steps(tmp_path: Path) -> No
                 agent.durability.on_step(w, {"step": step, "loss": 1.0, "generation": gen})
             )  # a dp twin
     assert len(agent.durability.state.written_steps) <= 4
-    lines = agent.metrics_path.read_text().splitlines()
+    lines = agent.durability.config.metrics_path.read_text().splitlines()
     assert len(lines) == 6 * 300  # each step written once
 
 

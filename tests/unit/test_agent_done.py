@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.kernel.decide import Phase, WorkerState
-from elasticpp.agent.kernel.pool import _Worker
+from elasticpp.agent.kernel.pool import Worker
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.checkpoint.manifest import step_dirname
 from elasticpp.cluster.barriers import RESUME_MEMBER
@@ -37,13 +37,13 @@ def test_a_node_whose_workers_report_done_and_exit_in_one_tick_still_reports_don
     agent = Agent(cfg, spec, cluster=cluster)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
     for rank in range(2):
         proc = _Proc(100 + rank)
         agent.pool.add_worker(
-            _Worker(
+            Worker(
                 proc=proc,  # type: ignore[arg-type]
                 rank=rank,
                 generation=1,
@@ -74,7 +74,7 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     agent.leader.begin_term(term, None)  # elected after n9, which wrote the timeline
     plan = _plan(2)
     record = GenerationRecord(2, plan.to_dict(), "n9", time.time(), resume_step=10)
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent.leader.state.at(2, time.monotonic()).resume_written = True
     agent.view.state.barriers = {
         "timelines": {"gen-2": {"generation": 2, "resume_step": 10}},
@@ -86,7 +86,8 @@ def test_a_leader_elected_later_does_not_overwrite_a_generations_timeline(
     del agent.view.state.barriers["timelines"]["gen-2"]
     agent.leader.state.timeline_written = False  # as a leader elected later knows it
     lead_timeline(
-        agent, _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+        agent,
+        GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING),
     )
     [(barrier, key, timeline)] = cluster.arrived()
     assert (barrier, key) == ("timelines", "gen-2")
@@ -101,7 +102,7 @@ def test_a_follower_takes_the_resume_written_by_a_leader_other_than_the_records(
     leader after it. Before, followers read only n9's and waited for good."""
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.follower.state.gen = gs
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: _resume_v2(step=0)}}
     agent.follower.step()
@@ -118,7 +119,7 @@ def test_a_leader_does_not_rewrite_a_resume_an_earlier_leader_wrote(tmp_path: Pa
         cluster=cluster,
     )
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=0)
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.view.state.barriers = {"resume-2": {RESUME_MEMBER: {"step": 4, "fetches": {}}}}
     lead_resume(agent, gs)
     assert agent.leader.state.at(2, time.monotonic()).resume_written
@@ -134,7 +135,7 @@ def _running_agent(tmp_path: Path, cluster: object = None) -> tuple[Agent, Plan]
     )
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
     return agent, plan
@@ -143,7 +144,7 @@ def _running_agent(tmp_path: Path, cluster: object = None) -> tuple[Agent, Plan]
 def _worker_on(agent: Agent, plan: Plan, pid: int, rank: int) -> _Proc:
     proc = _Proc(pid)
     agent.pool.add_worker(
-        _Worker(
+        Worker(
             proc=proc,  # type: ignore[arg-type]
             rank=rank,
             generation=1,
@@ -165,7 +166,8 @@ def test_a_disk_error_on_a_worker_event_is_counted_and_the_next_events_still_cou
     tmp_path: Path,
 ) -> None:
     agent, plan = _running_agent(tmp_path)
-    agent.metrics_path.mkdir()  # every append to metrics.jsonl now fails, as on a full disk
+    # Every append to metrics.jsonl now fails, as on a full disk.
+    agent.durability.config.metrics_path.mkdir()
     proc = _worker_on(agent, plan, 100, 0)
     agent.pool.deliver(proc, {"event": "step", "step": 0, "loss": 2.5})  # type: ignore[arg-type]
     agent.pool.deliver(proc, {"event": "step", "step": 1})  # type: ignore[arg-type]  # malformed
@@ -202,7 +204,7 @@ def test_a_follower_that_waits_past_its_phase_deadline_reports_the_generation_fa
     )
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
     for phase in (Phase.MOVING, Phase.STARTING):
-        gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=phase)
+        gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=phase)
         agent.follower.state.gen = gs
         agent.follower.step()
         assert gs.phase is phase and cluster.arrived() == []  # within the deadline
@@ -277,7 +279,7 @@ def test_a_resume_that_names_a_path_instead_of_a_piece_is_refused_before_any_cop
     spec = parse_job_spec({**SPEC_FIELDS, "persist_dir": str(ckpt)})
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "a"), spec)
     record = GenerationRecord(2, _plan(2).to_dict(), "n9", time.time(), resume_step=3)
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     before = {p for p in (tmp_path / "a").rglob("*")}
     info = [hashlib.sha256(data).hexdigest(), len(data)]
     names = {f"{u}.tp0-1.safetensors": info for u in SPEC.model.units}
@@ -308,25 +310,27 @@ def test_old_resume_dirs_and_worker_logs_are_removed_and_metrics_rotate(tmp_path
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     for g in (1, 2, 3):
         (tmp_path / "resume" / f"gen-{g:06d}").mkdir(parents=True)
-    agent.log_dir.mkdir(parents=True, exist_ok=True)
+    agent.supervisor.config.log_dir.mkdir(parents=True, exist_ok=True)
     for i in range(WORKER_LOGS_KEPT + 8):
-        log_file = agent.log_dir / f"n0-w{i:04d}.log"
+        log_file = agent.supervisor.config.log_dir / f"n0-w{i:04d}.log"
         log_file.write_text("x")
         os.utime(log_file, (1000 + i, 1000 + i))
     agent.follower.clean_local(3)
     assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["gen-000003"]
-    logs = sorted(p.name for p in agent.log_dir.iterdir())
+    logs = sorted(p.name for p in agent.supervisor.config.log_dir.iterdir())
     assert len(logs) == WORKER_LOGS_KEPT and logs[0] == "n0-w0008.log"  # the newest kept
 
-    with agent.metrics_path.open("wb") as f:
+    with agent.durability.config.metrics_path.open("wb") as f:
         f.truncate(METRICS_ROTATE_BYTES + 1)  # sparse: a file that grew for weeks
     plan = _plan(1)
     proc = _Proc(100)
-    w = _Worker(proc=proc, rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    w = Worker(proc=proc, rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
     agent.executor.run(agent.durability.on_step(w, {"step": 7, "loss": 1.5}))
-    rotated = agent.metrics_path.with_name("metrics.jsonl.1")
+    rotated = agent.durability.config.metrics_path.with_name("metrics.jsonl.1")
     assert rotated.stat().st_size == METRICS_ROTATE_BYTES + 1
-    assert [json.loads(x)["step"] for x in agent.metrics_path.read_text().splitlines()] == [7]
+    assert [
+        json.loads(x)["step"] for x in agent.durability.config.metrics_path.read_text().splitlines()
+    ] == [7]
 
 
 def _sample(agent: Agent, name: str) -> float:
@@ -370,17 +374,17 @@ def test_a_step_drained_after_the_next_generation_began_keeps_its_workers_layout
     rows said the new generation's layout (a soak replaying its curve by layout trained
     steps 247-248 of a dp=2 generation in dp=3)."""
     agent, plan = _running_agent(tmp_path)
-    old = _Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.STOPPED)  # type: ignore[arg-type]
+    old = Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.STOPPED)  # type: ignore[arg-type]
     cluster = ClusterSpec((NodeSpec("n0", 1),), load_device_spec("cpu"))
     newer = build_plan(
         SPEC.model, cluster, Layout(1, 1, 1), global_batch=4, micro_batch=2
     ).with_generation(2)
     record = GenerationRecord(2, newer.to_dict(), "n0", time.time(), resume_step=0)
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.STOPPING
     )
     assert str(agent.follower.state.gen.plan.layout) == str(newer.layout)
     agent.executor.run(agent.durability.on_step(old, {"step": 7, "loss": 1.5, "generation": 1}))
-    (row,) = [json.loads(x) for x in agent.metrics_path.read_text().splitlines()]
+    (row,) = [json.loads(x) for x in agent.durability.config.metrics_path.read_text().splitlines()]
     assert (row["generation"], row["layout"]) == (1, str(plan.layout))
     assert str(plan.layout) != str(newer.layout)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.agent.view.step import EPOCH_ENDED_EXIT
@@ -58,7 +58,7 @@ def test_a_fresh_etcd_state_does_not_start_over_a_job_whose_nodes_hold_earlier_e
     commit_step(agent.store, 40, generation=7)
     agent.store.set_epoch(2)
     record = GenerationRecord(1, _plan(1).to_dict(), "n0", time.time())
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     holdings = agent.store.holdings().to_dict()
     agent.view.state.barriers = {"stopped-1": {"n0": {"holdings": holdings, "next_step": 41}}}
     cluster.memory.down = True

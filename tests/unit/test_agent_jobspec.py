@@ -226,13 +226,13 @@ def test_the_jobs_identity_changes_with_what_its_state_depends_on_only() -> None
     assert parse_job_spec({**MINIMAL, "name": "job-b"}).identity() != base
 
 
-def test_the_worker_settings_are_the_train_config_built_once_per_spec() -> None:
+def test_the_workers_train_config_and_its_dict_are_built_once_per_spec() -> None:
     # Every node built them again (three conversions, ~1 ms) at every assignment.
     spec = parse_job_spec(dict(MINIMAL))
-    settings = spec.worker_settings
-    assert settings == spec.train_config().to_dict()
-    assert settings["steps"] == 10 and settings["seed"] == 1
-    assert spec.worker_settings is settings
+    train = spec.worker_train
+    assert train == spec.train_config() and spec.worker_train is train
+    assert train.shared_dict == train.to_dict() and train.shared_dict is train.shared_dict
+    assert train.steps == 10 and train.seed == 1
     other = parse_job_spec({**MINIMAL, "steps": 20})
-    assert other.worker_settings["steps"] == 20  # its own spec's, not a shared cache
+    assert other.worker_train.shared_dict["steps"] == 20  # its own spec's, not a shared cache
     assert spec == parse_job_spec(dict(MINIMAL))  # equality is of the fields alone

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from elasticpp.agent.follower.step import _GenState, fetch_addresses
+from elasticpp.agent.follower.step import GenerationProgress, fetch_addresses
 from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.kernel.limits import FETCH_STALL_S
 from elasticpp.agent.node import Agent, AgentConfig
@@ -29,7 +29,7 @@ def test_a_fetch_that_stops_receiving_bytes_no_longer_holds_movings_deadline(
         AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC, cluster=cluster
     )
     record = GenerationRecord(3, _plan(3).to_dict(), "n9", time.time(), resume_step=5)
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.MOVING)
     agent.follower.state.gen = gs
     now = [time.monotonic()]
     progress = TransferProgress(clock=lambda: now[0])
@@ -70,7 +70,7 @@ def test_a_fetch_takes_sources_addresses_from_member_keys_unless_re_registered()
 
 def test_a_fetch_from_a_source_without_an_address_fails_naming_it(tmp_path: Path) -> None:
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
-    gs = _GenState(
+    gs = GenerationProgress(
         record=_planned("n0", "a"),
         plan=Plan.from_dict(_planned("n0", "a").plan),
         phase=Phase.MOVING,

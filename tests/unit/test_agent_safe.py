@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.kernel.decide import Phase
 from elasticpp.agent.kernel.limits import SAFE_EVERY_S
 from elasticpp.agent.leader.step import leader_safe_check
@@ -33,13 +33,13 @@ def _put_safe(cluster: FakeCluster, safe: SafeStep) -> None:
     cluster.memory.put(cluster.keys.safe, dumps({"generation": safe.generation, "step": safe.step}))
 
 
-def _agent(tmp_path: Path) -> tuple[Agent, FakeCluster, _GenState]:
+def _agent(tmp_path: Path) -> tuple[Agent, FakeCluster, GenerationProgress]:
     cluster = FakeCluster(cached_for="n0")
     agent = Agent(
         AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 1, tmp_path), SPEC, cluster=cluster
     )
     record = GenerationRecord(3, _plan(3).to_dict(), "n0", time.time(), resume_step=0)
-    gs = _GenState(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
+    gs = GenerationProgress(record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING)
     agent.follower.state.gen = gs
     agent.leader.begin_term(cluster.lead("n0"), None)  # this node leads
     agent.leader.state.at(3, 0.0).resume_written = True  # the leader's: generation 3 resumed
@@ -61,7 +61,7 @@ def test_a_commit_record_reports_the_anchors_of_its_generation(tmp_path: Path) -
     )
 
 
-def _lead_safe_step(agent: Agent, gs: _GenState, now_s: float) -> None:
+def _lead_safe_step(agent: Agent, gs: GenerationProgress, now_s: float) -> None:
     """The leader's safe-step check at `now_s` (monotonic), its actions applied."""
     obs = replace(_observed(agent, gs), now_s=now_s)
     agent.execute(leader_safe_check(agent.leader.state, obs))

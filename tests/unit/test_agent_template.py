@@ -21,7 +21,7 @@ from elasticpp.agent.kernel.decide import WorkerState
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
 from elasticpp.agent.kernel.metrics import AgentMetrics
-from elasticpp.agent.kernel.pool import WorkerPool, _Worker
+from elasticpp.agent.kernel.pool import Worker, WorkerPool
 from elasticpp.agent.kernel.worklogs import WorkerLogs
 from elasticpp.agent.supervisor.shell import Supervisor, SupervisorConfig, WorkerEvents
 from tests.agents import plan_over as _plan
@@ -181,7 +181,7 @@ def test_a_hung_template_is_replaced_and_the_ranks_it_took_fail_with_no_blame_on
     hung.ready = True
     running, spare, exec_d = _Forked(11), _Forked(12), _Forked(13)
     n.pool.add_worker(
-        _Worker(proc=running, rank=1, generation=3, plan=_plan(3), state=WorkerState.RUNNING)  # type: ignore[arg-type]
+        Worker(proc=running, rank=1, generation=3, plan=_plan(3), state=WorkerState.RUNNING)  # type: ignore[arg-type]
     )
     n.pool.add_spare(spare)  # type: ignore[arg-type]
     n.pool.add_spare(exec_d)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.kernel.decide import Phase, WorkerState
 from elasticpp.agent.kernel.limits import (
     BUSY_TICK_S,
@@ -25,7 +25,7 @@ from elasticpp.agent.kernel.limits import (
     STATUS_EVERY_S,
     TRAINING_TICK_S,
 )
-from elasticpp.agent.kernel.pool import _Worker
+from elasticpp.agent.kernel.pool import Worker
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import EventType, GenerationRecord, WatchEvent
 from elasticpp.plan import Plan
@@ -46,7 +46,7 @@ def _quiet_agent(tmp_path: Path) -> Agent:
     agent.view.state.record = record
     agent.view.state.etcd_ok = True
     agent.view.state.leader = "n1"
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
     agent.membership.joined = True
@@ -288,7 +288,7 @@ def test_a_silent_running_worker_brings_the_tick_forward_to_its_hang_deadline(
     _at_rest(agent)
     now = agent.clock.monotonic()
     assert agent.follower.state.gen is not None
-    worker = _Worker(
+    worker = Worker(
         _Proc(),  # type: ignore[arg-type]
         rank=0,
         generation=3,

@@ -38,10 +38,10 @@ from elasticpp.agent.durability.step import (
     durability_on_step,
     durability_recorded,
 )
-from elasticpp.agent.follower.step import _GenState
+from elasticpp.agent.follower.step import GenerationProgress
 from elasticpp.agent.kernel.decide import Phase, WorkerState
 from elasticpp.agent.kernel.limits import FENCED_SNAPSHOTS_KEPT
-from elasticpp.agent.kernel.pool import _Worker
+from elasticpp.agent.kernel.pool import Worker
 from elasticpp.agent.node import Agent, AgentConfig
 from elasticpp.cluster.records import GenerationRecord
 from elasticpp.errors import CheckpointError
@@ -290,10 +290,10 @@ def test_a_commit_that_fails_does_not_announce_that_snapshots_are_written_again(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
-    w = _Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    w = Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
 
     def refuse(step: int, units: Any, generation: int = 0) -> Any:
         raise CheckpointError(f"step {step}: the store refuses the commit")
@@ -327,10 +327,10 @@ def test_a_snapshot_report_whose_pieces_are_not_objects_is_refused_by_name(
     agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path), SPEC)
     plan = _plan(1)
     record = GenerationRecord(1, plan.to_dict(), "n0", time.time(), resume_step=0)
-    agent.follower.state.gen = _GenState(
+    agent.follower.state.gen = GenerationProgress(
         record=record, plan=Plan.from_dict(record.plan), phase=Phase.RUNNING
     )
-    w = _Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
+    w = Worker(proc=_Proc(100), rank=0, generation=1, plan=plan, state=WorkerState.RUNNING)  # type: ignore[arg-type]
     with caplog.at_level(logging.INFO, logger="elasticpp.agent"):
         agent.executor.run(agent.durability.on_snapshot(w, {"step": 5, "pieces": pieces}))
     assert any(why in r.getMessage() and "not recorded" in r.getMessage() for r in caplog.records)

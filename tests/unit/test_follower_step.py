@@ -30,8 +30,8 @@ from elasticpp.agent.follower.step import (
     FetchStatus,
     FollowerObservation,
     FollowerState,
+    GenerationProgress,
     OldWorker,
-    _GenState,
     follower_arrived,
     follower_assigned,
     follower_fetch_started,
@@ -70,9 +70,9 @@ def _obs(now_s: float = 100.0, **fields: Any) -> FollowerObservation:
 
 def _following(
     phase: Phase, generation: int = 2, since_s: float = 100.0, **extra: Any
-) -> tuple[FollowerState, _GenState]:
+) -> tuple[FollowerState, GenerationProgress]:
     record = _record(generation, **extra)
-    gs = _GenState(
+    gs = GenerationProgress(
         record,
         Plan.from_dict(record.plan),
         phase=phase,

@@ -41,7 +41,7 @@ MOVED_OUT = {
     # The liveness shell holds the probes out and what counts them.
     "LivenessState": frozenset({"probing", "wakes"}),
     # The follower shell holds the fetch's future and byte count.
-    "_GenState": frozenset({"fetch", "fetch_progress"}),
+    "GenerationProgress": frozenset({"fetch", "fetch_progress"}),
     # The leader shell holds the term, the rendezvous store and the memos of its view.
     "LeaderState": frozenset(
         {
@@ -85,8 +85,8 @@ def _today_args(name: str, case: dict[str, Any]) -> dict[str, Any]:
 # a case whose field holds a handle cannot be replayed.
 READ_MOVED = {"durability_committed": frozenset({"replication"})}
 # The field that tells one state object from another: a step that enters a generation makes
-# a new `_GenState` (its moved-out fields start empty).
-IDENTITY = {"_GenState": "record"}
+# a new `GenerationProgress` (its moved-out fields start empty).
+IDENTITY = {"GenerationProgress": "record"}
 # Every walk goes through these steps: a walk that recorded none of them recorded nothing.
 EVERY_WALK = ("control_step", "view_step", "supervisor_step", "follower_step", "leader_step")
 

@@ -18,7 +18,6 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from grpc_health.v1 import health_pb2
 
@@ -31,14 +30,18 @@ from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.limits import LOOP_STALL_S, LOOP_WATCH_S
 from elasticpp.agent.kernel.metrics import WORKER_STATES, AgentMetrics
 from elasticpp.agent.kernel.ports import HealthPort, PoolPort
-from elasticpp.agent.kernel.records import fields, integer
+from elasticpp.agent.kernel.records import Record, fields, integer
 from elasticpp.agent.kernel.summaries import (
+    AgentStatus,
     ControlSummary,
     FollowerSummary,
     HealthSummary,
     ProgressSummary,
+    RecoveryStatus,
     ViewSummary,
+    WorkerStatus,
 )
+from elasticpp.cluster.barriers import timeline_member
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -78,7 +81,8 @@ class Control:
         self._serving = serving  # whether this agent's gRPC server is up
         self._wake = wake
         self._drains: queue.SimpleQueue[float] = queue.SimpleQueue()  # from gRPC threads
-        self._status: dict[str, Any] | None = None  # published by the loop, read by RPCs
+        self._status: AgentStatus | None = None  # published by the loop, read by RPCs
+        self._malformed: set[str] = set()  # timelines already said not to be timelines
 
     def register(self, executor: Executor) -> None:
         """The handlers of the actions only this part emits."""
@@ -106,7 +110,7 @@ class Control:
             plan_nodes=follower.planned,
             # The leader writes a generation's timeline once every planned node arrived at
             # started-G (which only the leader reads).
-            started_everywhere=f"gen-{g}" in view.timelines,
+            started_everywhere=timeline_member(g) in view.timelines,
             finished_here=follower.phase is Phase.DONE,
             done_reported=any(
                 integer(fields(v), "step", -1) >= cfg.steps for v in view.done.values()
@@ -139,28 +143,14 @@ class Control:
         self._wake()
         return True, "draining: the job moves off this node at the next step boundary"
 
-    def status_snapshot(self) -> dict[str, Any]:
+    def status_snapshot(self) -> AgentStatus:
         """What the control RPCs read: a snapshot the loop publishes (at most STATUS_EVERY_S
         old), never the loop's live state, which another thread must not iterate."""
         snap = self._status
         if snap is not None:
             return snap
         # Before the loop's first publication: what is known without reading its state.
-        return {
-            "node_id": self.config.node_id,
-            "job": self.config.job,
-            "generation": 0,
-            "leader": "",
-            "phase": "waiting",
-            "ended": "",
-            "quarantined": {},
-            "layout": "",
-            "last_step": -1,
-            "last_loss": float("nan"),
-            "members": [],
-            "workers": [],
-            "recoveries": [],
-        }
+        return AgentStatus(self.config.node_id, self.config.job)
 
     # ------------------------------------------------------------------ the loop's
     def publish_status(
@@ -169,44 +159,55 @@ class Control:
         view: ViewSummary,
         health: HealthSummary,
         progress: ProgressSummary,
-    ) -> dict[str, Any]:
+    ) -> AgentStatus:
         """Build the status the RPCs read and publish it (one reference swap)."""
         plan = follower.plan
         phase = "draining" if self.state.draining else follower.phase or "waiting"
         if health.ended is not None:
             phase = "ended"
-        status = {
-            "node_id": self.config.node_id,
-            "job": self.config.job,
-            "generation": follower.generation,
-            "leader": view.leader or "",
-            "phase": str(phase),
-            "ended": f"{health.ended[0]}: {health.ended[1]}" if health.ended else "",
-            "waiting": follower.waiting,
-            "quarantined": {n: dict(q) for n, q in sorted(health.quarantined.items())},
-            "layout": str(plan.layout) if plan is not None else "",
-            "last_step": progress.last_step,
-            "last_loss": progress.last_loss,
-            "members": sorted(view.members),
-            "workers": [
-                {
-                    "rank": w.rank,
-                    "pid": w.pid,
-                    "state": w.state,
-                    "last_step": w.last_step,
-                    "generation": w.generation,
-                    "coord": plan.slot(w.rank).coord
+        status = AgentStatus(
+            node_id=self.config.node_id,
+            job=self.config.job,
+            generation=follower.generation,
+            leader=view.leader or "",
+            phase=str(phase),
+            ended=f"{health.ended[0]}: {health.ended[1]}" if health.ended else "",
+            waiting=follower.waiting,
+            quarantined=dict(sorted(health.quarantined.items())),
+            layout=str(plan.layout) if plan is not None else "",
+            last_step=progress.last_step,
+            last_loss=progress.last_loss,
+            members=tuple(sorted(view.members)),
+            workers=tuple(
+                WorkerStatus(
+                    w.rank,
+                    w.pid,
+                    w.state,
+                    w.last_step,
+                    w.generation,
+                    plan.slot(w.rank).coord
                     if plan is not None and w.generation == follower.generation
                     else None,
-                }
+                )
                 for w in self._pool.seen()
-            ],
-            "recoveries": sorted(
-                view.timelines.values(), key=lambda t: integer(fields(t), "generation", 0)
             ),
-        }
+            recoveries=self._recoveries(view.timelines),
+        )
         self._status = status
         return status
+
+    def _recoveries(self, timelines: Record) -> tuple[RecoveryStatus, ...]:
+        """The timelines as the status shows them, oldest first; one that is not a
+        timeline's shape (etcd is outside) is left out, and said once."""
+        out = []
+        for key, value in timelines.items():
+            try:
+                out.append(RecoveryStatus.of(fields(value)))
+            except (TypeError, ValueError) as exc:
+                if key not in self._malformed:
+                    self._malformed.add(key)
+                    log.warning("timeline %s is not a timeline (%s): not shown", key, exc)
+        return tuple(sorted(out, key=lambda r: r.generation))
 
     def update_gauges(
         self,

@@ -62,8 +62,9 @@ from elasticpp.agent.kernel.clock import Clock
 from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.limits import COMMIT_RECORD_EVERY_S, METRICS_ROTATE_BYTES
 from elasticpp.agent.kernel.metrics import AgentMetrics
-from elasticpp.agent.kernel.pool import _Worker
+from elasticpp.agent.kernel.pool import Worker
 from elasticpp.agent.kernel.records import JSONValue, Record, integer, number
+from elasticpp.agent.kernel.summaries import DurabilitySummary
 from elasticpp.agent.kernel.threads import run_in_thread
 from elasticpp.errors import CheckpointError
 from elasticpp.plan import ModelSpec, Plan
@@ -187,7 +188,7 @@ class Durability:
         state.slot_peak_tflops, state.peak_reason = peak, reason
         return []
 
-    def on_step(self, w: _Worker, event: dict[str, JSONValue]) -> list[Action]:
+    def on_step(self, w: Worker, event: dict[str, JSONValue]) -> list[Action]:
         """A step a worker reported: observed, decided (`durability_on_step`, pure). Its row
         carries the layout the worker trained it in: an old worker's last steps are drained
         after the node entered the next generation, in another layout."""
@@ -217,7 +218,7 @@ class Durability:
         peak = self.state.slot_peak_tflops
         return None if peak is None else peak * 1e12 * len(plan.ranks_on(self.config.node_id))
 
-    def on_snapshot(self, w: _Worker, event: dict[str, JSONValue]) -> list[Action]:
+    def on_snapshot(self, w: Worker, event: dict[str, JSONValue]) -> list[Action]:
         """A snapshot a worker wrote: recorded, then committed once every snapshot writer of
         this node reported (`durability_on_snapshot` and the feedback of its actions)."""
         plan, cfg = w.plan, self.config
@@ -240,7 +241,7 @@ class Durability:
             ),
         )
 
-    def on_snapshot_failed(self, w: _Worker, event: dict[str, JSONValue]) -> list[Action]:
+    def on_snapshot_failed(self, w: Worker, event: dict[str, JSONValue]) -> list[Action]:
         """A snapshot the worker could not write (`durability_on_snapshot_failed`)."""
         return durability_on_snapshot_failed(
             self.state, SnapshotFailure(event.get("step"), w.rank, event.get("message"))
@@ -348,6 +349,10 @@ class Durability:
         if self._persister is None:
             self._persister = Persister(self._store, Path(persist_dir), keep=2)
         self._persister.submit(step, model)
+
+    def summary(self) -> DurabilitySummary:
+        st = self.state
+        return DurabilitySummary(st.last_step, st.last_loss, st.next_step_committed)
 
     def persist_outcome(self, step: int) -> str:
         """Where this node's pieces of `step` stand in the persistent checkpoint directory:

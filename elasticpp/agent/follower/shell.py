@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Protocol
 
 from elasticpp.agent.actions import (
     Action,
@@ -58,8 +58,8 @@ from elasticpp.agent.follower.step import (
     FetchStatus,
     FollowerObservation,
     FollowerState,
+    GenerationProgress,
     OldWorker,
-    _GenState,
     fetch_addresses,
     follower_arrived,
     follower_assigned,
@@ -80,17 +80,25 @@ from elasticpp.agent.kernel.limits import (
     WORKER_LOGS_KEPT,
 )
 from elasticpp.agent.kernel.metrics import AgentMetrics
-from elasticpp.agent.kernel.pool import WorkerPool, _Worker
-from elasticpp.agent.kernel.records import JSONValue, Record, fields
+from elasticpp.agent.kernel.pool import Worker, WorkerPool
+from elasticpp.agent.kernel.records import JSONValue, Record, fields, integer
 from elasticpp.agent.kernel.summaries import FollowerSummary
 from elasticpp.agent.kernel.threads import run_in_thread
 from elasticpp.agent.kernel.worklogs import WorkerLogs
 from elasticpp.agent.view.step import ViewSnapshot
 from elasticpp.checkpoint.manifest import step_dirname
-from elasticpp.cluster.barriers import RESUME_MEMBER, RESUME_WAIT_MEMBER
+from elasticpp.cluster.barriers import (
+    RESUME_MEMBER,
+    RESUME_WAIT_MEMBER,
+    failed_barrier,
+    resume_barrier,
+    started_barrier,
+    stopped_barrier,
+)
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.errors import ConfigError, ElasticppError, StateUnavailableError
+from elasticpp.plan import WorkerSlot
 from elasticpp.store.client import StateClient
 from elasticpp.store.digest import digest_of
 from elasticpp.store.holdings import DISK_SOURCE
@@ -98,6 +106,7 @@ from elasticpp.store.instruction import node_fetches
 from elasticpp.store.local import LocalStore
 from elasticpp.store.persist import copy_verified
 from elasticpp.store.resume import PieceTransfer, TransferProgress, fetch_pieces
+from elasticpp.train.worker.assignment import Assignment
 from elasticpp.train.worker.procs import WorkerProcess
 from elasticpp.transport import Dialer
 
@@ -228,7 +237,7 @@ class Follower:
             waiting=gs.waiting_said,
         )
 
-    def followed(self) -> _GenState | None:
+    def followed(self) -> GenerationProgress | None:
         """The generation this node follows (the leader's observation reads its record and
         plan; read, never write)."""
         return self.state.gen
@@ -283,7 +292,7 @@ class Follower:
                 return
             try:
                 self._cluster.arrivals.arrive(
-                    f"failed-{generation}",
+                    failed_barrier(generation),
                     self.config.node_id,
                     fs.pending_failures[generation],
                     lease_id=self._ports.member_lease(),
@@ -332,23 +341,21 @@ class Follower:
             except (ElasticppError, KeyError, TypeError, ValueError) as exc:
                 plan_error = str(exc)
         gs = self.state.gen
-        seen: dict[str, Any] = {
-            "now_s": now_s,
-            "wall_s": wall_s,
-            "node_id": self.config.node_id,
-            "record": record,
-            "plan": plan,
-            "plan_error": plan_error,
-        }
         if gs is None or (record is not None and plan is not None):
-            return FollowerObservation(**seen)  # the step enters the new generation first
+            # The step enters the new generation first.
+            return FollowerObservation(now_s, wall_s, self.config.node_id, record, plan, plan_error)
         g = gs.generation
         mine = pool.of_generation(g)
         active = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
-        resume = view.barriers.get(f"resume-{g}", {})
+        resume = view.barriers.get(resume_barrier(g), {})
         # One construction (a copy with `dataclasses.replace` cost ~30 us a step).
         return FollowerObservation(
-            **seen,
+            now_s,
+            wall_s,
+            self.config.node_id,
+            record,
+            plan,
+            plan_error,
             old_workers=tuple(
                 OldWorker(w.proc.pid, w.proc.alive(), w.state in active) for w in pool.older_than(g)
             ),
@@ -405,7 +412,7 @@ class Follower:
             # Read now, after the old workers' events were drained: what this node holds,
             # as a digest; the leader pulls the detail it needs from this node's server.
             barrier, value = (
-                f"stopped-{action.generation}",
+                stopped_barrier(action.generation),
                 {
                     "digest": digest_of(self._store.holdings(), self._ports.address()).to_dict(),
                     "next_step": self._ports.next_step(),
@@ -413,7 +420,7 @@ class Follower:
                 },
             )
         elif isinstance(action, ArriveStarted):
-            barrier = f"started-{action.generation}"
+            barrier = started_barrier(action.generation)
             value = {"moved_at": action.moved_s, "at": action.at_s}
         else:
             barrier, value = "done", {"step": action.step, "at": action.at_s}
@@ -471,13 +478,17 @@ class Follower:
         return AssignOutcome(assigned=True)
 
     def assign(
-        self, gs: _GenState, resume: dict[str, Any], mine: list[Any], workers: list[WorkerProcess]
+        self,
+        gs: GenerationProgress,
+        resume: Record,
+        mine: list[WorkerSlot],
+        workers: list[WorkerProcess],
     ) -> None:
         """Hand this node's ranks to `workers`, all or none: every assignment is built
         before the first is sent; if one cannot be sent (its spare died in the meantime),
         the workers already assigned are killed and the untouched ones go back to the pool."""
         cfg, spec, pool = self.config, self._spec, self._pool
-        step = int(resume["step"])
+        step = integer(resume, "step")
         host, _, port = (gs.record.store_address or "").rpartition(":")
         if not host or not port.isdigit():
             pool.give_back(workers)
@@ -485,34 +496,33 @@ class Follower:
                 f"generation {gs.generation}: no rendezvous store address in the record "
                 f"({gs.record.store_address!r})"
             )
-        job = spec.worker_settings
-        plan = gs.plan.shared_dict  # the model of this node's spec (`JobSpec.plan_of`)
         gpus = self._ports.gpus()
         init_dir = self._ports.init_dir()
-        assignments = []
-        for slot in mine:
-            assignments.append(
-                {
-                    "format_version": 1,
-                    "plan": plan,
-                    "rank": slot.rank,
-                    "store_host": host,
-                    "store_port": int(port),
-                    "store_prefix": gs.record.rendezvous_prefix,
-                    "job": job,
-                    "start_step": step,
-                    "resume_dir": str(self.resume_dir(gs))
-                    if step > 0
-                    else (None if init_dir is None else str(init_dir)),
-                    "snapshot_dir": str(self._store.snapshot_dir(gs.generation)),
+        start_dir = self.resume_dir(gs) if step > 0 else init_dir
+        try:
+            assignments = [
+                Assignment(
+                    plan=gs.plan,  # the model of this node's spec (`JobSpec.plan_of`)
+                    rank=slot.rank,
+                    store_host=host,
+                    store_port=int(port),
+                    store_prefix=gs.record.rendezvous_prefix,
+                    job=spec.worker_train,
+                    start_step=step,
+                    resume_dir=None if start_dir is None else str(start_dir),
+                    snapshot_dir=str(self._store.snapshot_dir(gs.generation)),
                     **spec.worker_snapshots(),
-                    "snapshot_when_busy": spec.snapshot_when_busy,
-                    "backend": cfg.backend,
-                    "device": cfg.device,
-                    "num_threads": cfg.worker_threads,
-                    "gpu_index": gpus[slot.local_rank] if cfg.device == "cuda" else None,
-                }
-            )
+                    snapshot_when_busy=spec.snapshot_when_busy,
+                    backend=cfg.backend,
+                    device=cfg.device,
+                    num_threads=cfg.worker_threads,
+                    gpu_index=gpus[slot.local_rank] if cfg.device == "cuda" else None,
+                ).to_dict()
+                for slot in mine
+            ]
+        except Exception:
+            pool.give_back(workers)  # none was sent one
+            raise
         sent: list[WorkerProcess] = []
         try:
             for slot, proc, assignment in zip(mine, workers, assignments, strict=True):
@@ -522,7 +532,7 @@ class Follower:
                 if log_path is not None:
                     self._logs.follow(log_path, gs.generation, slot.rank)
                 pool.add_worker(
-                    _Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
+                    Worker(proc=proc, rank=slot.rank, generation=gs.generation, plan=gs.plan)
                 )
         except Exception:
             for proc in sent:
@@ -535,13 +545,13 @@ class Follower:
         )
 
     # ------------------------------------------------------------------ resume state
-    def resume_dir(self, gs: _GenState) -> Path:
+    def resume_dir(self, gs: GenerationProgress) -> Path:
         return self.config.state_dir / "resume" / f"gen-{gs.generation:06d}"
 
     def fetch(
         self,
-        gs: _GenState,
-        resume: dict[str, Any],
+        gs: GenerationProgress,
+        resume: Record,
         progress: TransferProgress | None = None,
         addresses: dict[str, str] | None = None,
     ) -> FetchOutcome:
@@ -551,7 +561,7 @@ class Follower:
         progress = progress if progress is not None else TransferProgress()
         node_id, spec, store = self.config.node_id, self._spec, self._store
         try:
-            step = int(resume["step"])
+            step = integer(resume, "step")
             target = self.resume_dir(gs)
             target.mkdir(parents=True, exist_ok=True)
             plan = gs.plan

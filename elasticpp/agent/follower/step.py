@@ -20,7 +20,7 @@ Invariants:
 - failure reports (ReportFailure) are level-triggered by the follower part, pending until
   etcd has them, so a phase that fails (-> failed) does not wait for that write;
 - a transition not written down (`decide.PHASE_TRANSITIONS`) is ignored and logged
-  (`_GenState.enter` returns False), never raised; a result for a generation no longer
+  (`GenerationProgress.enter` returns False), never raised; a result for a generation no longer
   followed is ignored.
 """
 
@@ -104,7 +104,7 @@ STEPS_PER_TICK = 6
 
 
 @dataclass
-class _GenState:
+class GenerationProgress:
     """This agent's progress through one generation."""
 
     record: GenerationRecord
@@ -166,7 +166,9 @@ class FollowerState:
     """The follower part's state: one object, written by this module's functions on the
     loop (the fetch thread hands its outcome back through a future)."""
 
-    gen: _GenState | None = None  # this node's way through the newest generation it follows
+    gen: GenerationProgress | None = (
+        None  # this node's way through the newest generation it follows
+    )
     pending_failures: dict[int, dict[str, JSONValue]] = field(default_factory=dict)  # gen -> report
     failures_held: set[int] = field(default_factory=set)  # reports etcd refused (logged once)
     reported: int = 0  # the newest generation this node reported failed (etcd has it)
@@ -263,7 +265,7 @@ def follower_step(state: FollowerState, obs: FollowerObservation) -> list[Action
 def _enter(
     state: FollowerState, record: GenerationRecord, plan: Plan, obs: FollowerObservation
 ) -> list[Action]:
-    state.gen = _GenState(record, plan, phase_since_s=obs.now_s, stop_began_s=obs.now_s)
+    state.gen = GenerationProgress(record, plan, phase_since_s=obs.now_s, stop_began_s=obs.now_s)
     # Detection times of generations up to this one are of no use now (the leader drops
     # them when it writes a generation; every agent drops them here).
     for g in [g for g in state.detected if g <= record.generation]:
@@ -278,7 +280,7 @@ def _enter(
     ]
 
 
-def _stop(gs: _GenState, obs: FollowerObservation) -> list[Action]:
+def _stop(gs: GenerationProgress, obs: FollowerObservation) -> list[Action]:
     """Old workers stop: at a boundary for a graceful plan (killed after STOP_GRACE_S), at
     once otherwise; once they are gone, their events are drained and the holdings reported.
     Workers that outlive SIGKILL for `stop_timeout_s` fail the node (severe: it cannot take
@@ -318,7 +320,7 @@ def _stop(gs: _GenState, obs: FollowerObservation) -> list[Action]:
     ]
 
 
-def _move(gs: _GenState, obs: FollowerObservation) -> list[Action]:
+def _move(gs: GenerationProgress, obs: FollowerObservation) -> list[Action]:
     """Wait for the resume instruction (whoever leads now may have written it), fetch this
     node's state, then hand its ranks to ready warm workers."""
     if obs.resume is None:
@@ -364,7 +366,7 @@ def _move(gs: _GenState, obs: FollowerObservation) -> list[Action]:
     return []  # warm workers still importing torch
 
 
-def _deadline(gs: _GenState, obs: FollowerObservation) -> list[Action]:
+def _deadline(gs: GenerationProgress, obs: FollowerObservation) -> list[Action]:
     """Every phase that waits on someone else has a deadline; past it, the node reports the
     generation failed so that the leader re-plans, instead of waiting for good."""
     idle_s = obs.fetch.idle_s

@@ -30,7 +30,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from elasticpp.agent.actions import Action, RecordHalt, SetAside
 from elasticpp.agent.follower.step import halt_message
@@ -99,8 +99,6 @@ class Health:
         self._leadership = leadership  # the leader's term, while this agent leads
         self._reread = reread
         self._closed = False
-        # The quarantine table the status shows, made again only when the records change.
-        self._table: tuple[Mapping[str, QuarantineRecord], dict[str, dict[str, Any]]] | None = None
 
     def register(self, executor: Executor) -> None:
         """The handlers of the actions only this part carries out."""
@@ -115,7 +113,7 @@ class Health:
         end = self.state.job_end
         return HealthSummary(
             ended=(end.status, end.reason) if end is not None else None,
-            quarantined=self.quarantine_table(),
+            quarantined=self.state.quarantines,
             readmitted_s=self.state.readmitted_s,
             exit_code=self.state.exit_code,
         )
@@ -124,16 +122,6 @@ class Health:
         """The quarantine records as this agent knows them (replaced whole on each change:
         read them, never write)."""
         return self.state.quarantines
-
-    def quarantine_table(self) -> dict[str, dict[str, Any]]:
-        records = self.state.quarantines
-        if self._table is None or self._table[0] is not records:
-            table = {
-                n: {"reason": q.reason, "until": q.until, "count": q.count}
-                for n, q in sorted(records.items())
-            }
-            self._table = (records, table)
-        return self._table[1]
 
     # ------------------------------------------------------------------ every agent
     def read(self) -> None:

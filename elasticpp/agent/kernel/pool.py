@@ -34,7 +34,7 @@ WorkerEvent = tuple[WorkerProcess, dict[str, JSONValue]]
 
 
 @dataclass
-class _Worker:
+class Worker:
     """A worker with a rank of one generation (the pool's record of it)."""
 
     proc: WorkerProcess
@@ -64,7 +64,7 @@ class WorkerPool:
         self._spares: list[WorkerProcess] = []  # spawned, maybe not yet ready
         self._ready: set[int] = set()  # pids of spares that reported "ready"
         self._since: dict[int, float] = {}  # pid of a spare -> when it was spawned
-        self._workers: dict[int, _Worker] = {}  # by pid, current and old generations
+        self._workers: dict[int, Worker] = {}  # by pid, current and old generations
         # Ranks that reported "done", by generation: kept here, not on the worker, because
         # a worker's "done" and its exit can arrive in one tick and the exit forgets it.
         self._done: dict[int, set[int]] = {}
@@ -162,11 +162,11 @@ class WorkerPool:
         self._since.clear()
 
     # ------------------------------------------------------------------ workers with ranks
-    def add_worker(self, w: _Worker) -> None:
+    def add_worker(self, w: Worker) -> None:
         self._workers[w.proc.pid] = w
         self._ready.discard(w.proc.pid)
 
-    def worker(self, pid: int) -> _Worker | None:
+    def worker(self, pid: int) -> Worker | None:
         return self._workers.get(pid)
 
     def abandon(self, proc: WorkerProcess) -> None:
@@ -177,16 +177,16 @@ class WorkerPool:
             w.killed_by_us = True
         proc.kill(wait=False)
 
-    def forget(self, pid: int) -> _Worker | None:
+    def forget(self, pid: int) -> Worker | None:
         return self._workers.pop(pid, None)
 
-    def workers(self) -> tuple[_Worker, ...]:
+    def workers(self) -> tuple[Worker, ...]:
         return tuple(self._workers.values())
 
-    def older_than(self, generation: int) -> list[_Worker]:
+    def older_than(self, generation: int) -> list[Worker]:
         return [w for w in self._workers.values() if w.generation < generation]
 
-    def of_generation(self, generation: int) -> list[_Worker]:
+    def of_generation(self, generation: int) -> list[Worker]:
         return [w for w in self._workers.values() if w.generation == generation]
 
     def seen(self) -> tuple[WorkerSeen, ...]:
@@ -202,7 +202,7 @@ class WorkerPool:
     def any_alive(self) -> bool:
         return any(w.proc.alive() for w in self._workers.values())
 
-    def ask_stop(self, w: _Worker) -> None:
+    def ask_stop(self, w: Worker) -> None:
         """Stop `w` at the next step boundary (ranks agree on it by all-reduce)."""
         with contextlib.suppress(ElasticppError):
             w.proc.stop_at(0)
@@ -216,7 +216,7 @@ class WorkerPool:
                 self.kill_worker(w)
         self.release_spares()
 
-    def kill_worker(self, w: _Worker) -> None:
+    def kill_worker(self, w: Worker) -> None:
         """SIGKILL `w` without waiting: its reader thread reports the exit."""
         w.killed_by_us = True
         if w.state not in (WorkerState.DONE, WorkerState.STOPPED, WorkerState.FAILED):

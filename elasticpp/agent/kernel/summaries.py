@@ -8,9 +8,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from elasticpp.agent.kernel.decide import Phase
-from elasticpp.agent.kernel.records import Record
-from elasticpp.cluster.records import GenerationRecord
-from elasticpp.plan import Plan
+from elasticpp.agent.kernel.records import Record, integer, number
+from elasticpp.cluster.records import GenerationRecord, QuarantineRecord
+from elasticpp.plan import Coord, Plan
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class HealthSummary:
     """Quarantines and the job's end, as this agent knows them."""
 
     ended: tuple[str, str] | None = None  # (status, reason) once the job ended unfinished
-    quarantined: Mapping[str, Record] = field(default_factory=dict)
+    quarantined: Mapping[str, QuarantineRecord] = field(default_factory=dict)
     readmitted_s: float = 0.0  # monotonic: a node was last re-admitted (planned again)
     exit_code: int | None = None  # the job ended and this agent is to exit with it
 
@@ -53,6 +53,15 @@ class ProgressSummary:
     last_step: int = -1
     last_loss: float = float("nan")
     safe_step: int = -1  # the store's floor: the newest step every holder keeps
+
+
+@dataclass(frozen=True)
+class DurabilitySummary:
+    """What this node's ranks trained and committed, as the durability part saw it."""
+
+    last_step: int = -1  # the newest step its ranks trained
+    last_loss: float = float("nan")
+    next_step_committed: int = 0  # steps applied, as last seen from its workers
 
 
 @dataclass(frozen=True)
@@ -92,3 +101,68 @@ class LeaderSummary:
     generation: int = 0  # the generation its term last looked at
     timeline_written: bool = False  # ... and whether that generation's transition is over
     campaign_at_s: float | None = None  # monotonic: this node's campaign is due then
+
+
+# ---------------------------------------------------------------------- the agent's status
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker with a rank, as `ctl status` shows it."""
+
+    rank: int
+    pid: int
+    state: str
+    last_step: int
+    generation: int
+    coord: Coord | None  # its place in the followed generation's layout (None: an older one)
+
+
+@dataclass(frozen=True)
+class RecoveryStatus:
+    """One generation's transition, as its timeline records it (`ctl status`)."""
+
+    generation: int
+    reason: str
+    layout_before: str
+    layout_after: str
+    resume_step: int
+    steps_recomputed: int
+    planned_s: float  # seconds from the detection to each phase's end
+    stopped_s: float
+    moved_s: float
+    resumed_s: float
+
+    @classmethod
+    def of(cls, timeline: Record) -> RecoveryStatus:
+        """A timeline read from etcd; raises TypeError or ValueError on one that is not."""
+        return cls(
+            generation=integer(timeline, "generation", 0),
+            reason=str(timeline.get("reason", "")),
+            layout_before=str(timeline.get("layout_before", "")),
+            layout_after=str(timeline.get("layout_after", "")),
+            resume_step=integer(timeline, "resume_step", 0),
+            steps_recomputed=integer(timeline, "steps_recomputed", 0),
+            planned_s=number(timeline, "planned_s", 0.0),
+            stopped_s=number(timeline, "stopped_s", 0.0),
+            moved_s=number(timeline, "moved_s", 0.0),
+            resumed_s=number(timeline, "resumed_s", 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    """What the control RPCs read (`GetStatus`): published by the loop, a value."""
+
+    node_id: str
+    job: str
+    generation: int = 0
+    leader: str = ""
+    phase: str = "waiting"
+    ended: str = ""  # "status: reason" once the job ended unfinished
+    waiting: str = ""  # the leader's wait for state (why)
+    quarantined: Mapping[str, QuarantineRecord] = field(default_factory=dict)
+    layout: str = ""
+    last_step: int = -1
+    last_loss: float = float("nan")
+    members: tuple[str, ...] = ()
+    workers: tuple[WorkerStatus, ...] = ()
+    recoveries: tuple[RecoveryStatus, ...] = ()

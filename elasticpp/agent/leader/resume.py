@@ -46,7 +46,7 @@ from elasticpp.agent.kernel.records import JSONValue, Record, fields, integer
 from elasticpp.agent.leader.deadlines import stop_wait_s
 from elasticpp.agent.leader.state import Arrival, LeaderState
 from elasticpp.agent.sick import Action as SickAction
-from elasticpp.cluster.barriers import RESUME_MEMBER
+from elasticpp.cluster.barriers import RESUME_MEMBER, resume_barrier, stopped_barrier
 from elasticpp.errors import ConfigError, ElasticppError
 from elasticpp.store.digest import HoldingsDigest
 from elasticpp.store.holdings import NodeHoldings
@@ -124,10 +124,10 @@ def leader_resume_step(state: LeaderState, obs: LeaderObservation) -> list[Actio
     ls = state.at(gen.generation, obs.now_s)
     if ls.resume_written:
         return []
-    if RESUME_MEMBER in obs.barriers.get(f"resume-{gen.generation}", {}):
+    if RESUME_MEMBER in obs.barriers.get(resume_barrier(gen.generation), {}):
         ls.resume_written = True  # an earlier leader of this generation wrote it
         return []
-    stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
+    stopped = obs.barriers.get(stopped_barrier(gen.generation), {})
     expected = set(live_nodes(obs.view))
     digests, full, bad = _arrivals(stopped, expected, ls.arrivals_parsed)
     actions: list[Action] = []

@@ -97,6 +97,7 @@ from elasticpp.agent.leader.step import (
 from elasticpp.agent.sick import SickNodes
 from elasticpp.agent.view.step import ViewSnapshot
 from elasticpp.checkpoint.manifest import JobIdentity
+from elasticpp.cluster.barriers import failed_barrier
 from elasticpp.cluster.leases import Leadership, ProgressGate
 from elasticpp.cluster.records import (
     CommitRecord,
@@ -433,7 +434,7 @@ class Leader:
         snap = self._ports.view()
         rec = snap.record
         current = rec.planned_sorted if rec else None
-        failed = set(snap.barriers.get(f"failed-{rec.generation}", {})) if rec else set()
+        failed = set(snap.barriers.get(failed_barrier(rec.generation), {})) if rec else set()
         members = snap.members
         dead = frozenset(n for n in self._ports.dead_now(members) if n in members)
         restarted = self._restarted(rec, members)
@@ -548,7 +549,7 @@ class Leader:
         if rec is not None and view.current_nodes is not None:
             current = set(view.current_nodes)
             lost = lost_nodes(view)
-            failed = snap.barriers.get(f"failed-{rec.generation}", {})
+            failed = snap.barriers.get(failed_barrier(rec.generation), {})
             reports = [report_of(n, v) for n, v in failed.items() if n in current]
             if lost or reports:
                 actions += sick.judge(rec.generation, reports, incarnations, now, lost=lost)

@@ -64,7 +64,14 @@ from elasticpp.agent.leader.resume import (
     leader_resume_written,
 )
 from elasticpp.agent.leader.state import LeaderState, PulledHoldings
-from elasticpp.cluster.barriers import RESUME_MEMBER
+from elasticpp.cluster.barriers import (
+    RESUME_MEMBER,
+    failed_barrier,
+    resume_barrier,
+    started_barrier,
+    stopped_barrier,
+    timeline_member,
+)
 from elasticpp.cluster.records import (
     CommitRecord,
     GenerationRecord,
@@ -161,7 +168,7 @@ def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
     in_progress = (
         rec is not None
         and not state.at(rec.generation, obs.now_s).resume_written
-        and RESUME_MEMBER not in obs.barriers.get(f"resume-{rec.generation}", {})
+        and RESUME_MEMBER not in obs.barriers.get(resume_barrier(rec.generation), {})
     )
     actions: list[Action] = []
     if isinstance(decision, Replan):
@@ -289,7 +296,7 @@ def detection_time(obs: LeaderObservation, generation: int) -> float:
     seen = [source.get(generation, obs.wall_s) for source in obs.detected]
     rec = obs.record
     if rec is not None:
-        for v in obs.barriers.get(f"failed-{rec.generation}", {}).values():
+        for v in obs.barriers.get(failed_barrier(rec.generation), {}).values():
             at = v.get("at") if isinstance(v, dict) else None
             if isinstance(at, (int, float)):
                 seen.append(float(at))
@@ -306,21 +313,21 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
     ls = state.at(gen.generation, obs.now_s)
     if ls.timeline_written or not ls.resume_written:
         return []
-    if f"gen-{gen.generation}" in obs.barriers.get("timelines", {}):
+    if timeline_member(gen.generation) in obs.barriers.get("timelines", {}):
         # Written by the leader that ran this generation; a leader elected later (at the
         # job's end, say) must not overwrite it with what it did not see. It trained: the
         # strikes this term started from (the record's) start again.
         ls.timeline_written = True
         state.sick.trained(gen.planned_nodes)
         return []
-    started = obs.barriers.get(f"started-{gen.generation}", {})
+    started = obs.barriers.get(started_barrier(gen.generation), {})
     nodes = gen.planned_set
     if not nodes <= set(started):
         return []
     state.replan_failures = 0
     state.sick.trained(nodes)
-    resume = fields(obs.barriers.get(f"resume-{gen.generation}", {}).get(RESUME_MEMBER))
-    stopped = obs.barriers.get(f"stopped-{gen.generation}", {})
+    resume = fields(obs.barriers.get(resume_barrier(gen.generation), {}).get(RESUME_MEMBER))
+    stopped = obs.barriers.get(stopped_barrier(gen.generation), {})
     detected = float(gen.extra.get("detected_at", gen.created_at))
     stopped_at = max(number(fields(v), "at", 0) for v in stopped.values()) if stopped else detected
     moved_at = max(number(fields(v), "moved_at", 0) for v in started.values())

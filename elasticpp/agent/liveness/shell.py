@@ -71,6 +71,7 @@ from elasticpp.agent.liveness.step import (
 )
 from elasticpp.agent.probe import ProbeChannels
 from elasticpp.agent.view.step import ViewSnapshot
+from elasticpp.cluster.barriers import failed_barrier
 from elasticpp.transport import Dialer
 
 log = logging.getLogger("elasticpp.agent")
@@ -206,7 +207,7 @@ class Liveness:
     def suspects(self, generation: int, nodes: Iterable[str]) -> list[str]:
         """The nodes of failed `generation` worth probing: those that did not report the
         failure themselves (a report is proof of life: a dead agent writes none)."""
-        reports = self._view().barriers.get(f"failed-{generation}", {})
+        reports = self._view().barriers.get(failed_barrier(generation), {})
         return sorted(set(nodes) - set(reports) - {self.node_id})
 
     def confirm_suspects(self, generation: int, nodes: Iterable[str]) -> bool:

@@ -46,7 +46,7 @@ from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.journal import ErrorPolicy, Journal
 from elasticpp.agent.kernel.limits import GPU_CHECK_INTERVAL_S
 from elasticpp.agent.kernel.metrics import AgentMetrics
-from elasticpp.agent.kernel.pool import WorkerPool, _Worker
+from elasticpp.agent.kernel.pool import Worker, WorkerPool
 from elasticpp.agent.kernel.records import JSONValue, integer, number
 from elasticpp.agent.kernel.worklogs import WorkerLogs
 from elasticpp.agent.supervisor.gpuhealth import describe_unhealthy, healthy_gpus, read_gpu_health
@@ -73,9 +73,9 @@ class WorkerEvents:
     """What the other parts do with the events of a worker that holds a rank."""
 
     on_started: Callable[[dict[str, JSONValue]], None]
-    on_step: Callable[[_Worker, dict[str, JSONValue]], None]
-    on_snapshot: Callable[[_Worker, dict[str, JSONValue]], None]
-    on_snapshot_failed: Callable[[_Worker, dict[str, JSONValue]], None]
+    on_step: Callable[[Worker, dict[str, JSONValue]], None]
+    on_snapshot: Callable[[Worker, dict[str, JSONValue]], None]
+    on_snapshot_failed: Callable[[Worker, dict[str, JSONValue]], None]
 
 
 # (log path, environment, on ready, python) -> the node's worker template (tests give another)

@@ -45,6 +45,7 @@ from elasticpp.agent.view.step import (
     ViewState,
     view_step,
 )
+from elasticpp.cluster.barriers import resume_barrier
 from elasticpp.cluster.errors import ClusterDataError, ClusterUnavailableError
 from elasticpp.cluster.keys import JobKeys
 from elasticpp.cluster.records import GenerationRecord, JobEpoch, Members, SafeStep
@@ -247,7 +248,7 @@ class View:
             names = ["done", "timelines"]
             gen = record.generation if record else 0
             if gen:
-                names.append(f"resume-{gen}")
+                names.append(resume_barrier(gen))
                 if leading:  # every node's arrivals: the leader's
                     names += [f"{b}-{gen}" for b in ("stopped", "started", "failed")]
             for name in names:

@@ -98,14 +98,16 @@ class Assignment:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """As the worker reads it (`from_dict`); the plan's and the job's dicts are the
+        shared ones of their objects (made once, not once per rank)."""
         return {
             "format_version": ASSIGNMENT_FORMAT_VERSION,
-            "plan": self.plan.to_dict(),
+            "plan": self.plan.shared_dict,
             "rank": self.rank,
             "store_host": self.store_host,
             "store_port": self.store_port,
             "store_prefix": self.store_prefix,
-            "job": self.job.to_dict(),
+            "job": self.job.shared_dict,
             "start_step": self.start_step,
             "resume_dir": self.resume_dir,
             "snapshot_dir": self.snapshot_dir,

@@ -20,6 +20,7 @@ from typing import Any
 
 from elasticpp.plan import Plan
 from elasticpp.train.config import TrainConfig
+from elasticpp.train.worker.assignment import Assignment
 from elasticpp.train.worker.procs import (
     EXITED,
     WORKER_DEVICE_ENV,
@@ -166,25 +167,24 @@ def run_local(
         w.listen(lambda worker, ev: events.put((rank_of[id(worker)], ev)))
     for rank, w in enumerate(workers):
         w.assign(
-            {
-                "format_version": 1,
-                "plan": plan.to_dict(),
-                "rank": rank,
-                "store_host": "127.0.0.1",
-                "store_port": store.port,
-                "store_prefix": f"gen{plan.generation}",
-                "job": job.to_dict(),
-                "start_step": start_step,
-                "resume_dir": None if resume_dir is None else str(resume_dir),
-                "snapshot_dir": None if snapshot_dir is None else str(snapshot_dir),
-                "snapshot_every": snapshot_every,
-                "snapshot_every_s": snapshot_every_s,
-                "snapshot_align": snapshot_align,
-                "snapshot_when_busy": snapshot_when_busy,
-                "backend": backend,
-                "device": device,
-                "num_threads": num_threads,
-            }
+            Assignment(
+                plan=plan,
+                rank=rank,
+                store_host="127.0.0.1",
+                store_port=store.port,
+                store_prefix=f"gen{plan.generation}",
+                job=job,
+                start_step=start_step,
+                resume_dir=None if resume_dir is None else str(resume_dir),
+                snapshot_dir=None if snapshot_dir is None else str(snapshot_dir),
+                snapshot_every=snapshot_every,
+                snapshot_every_s=snapshot_every_s,
+                snapshot_align=snapshot_align,
+                snapshot_when_busy=snapshot_when_busy,
+                backend=backend,
+                device=device,
+                num_threads=num_threads,
+            ).to_dict()
         )
     if stop_at is not None:
         for rank in stop_ranks if stop_ranks is not None else range(world):
