@@ -64,10 +64,24 @@ def template(*args: str, minimal: bool = True) -> subprocess.CompletedProcess[st
     return run([tool("helm"), "template", "rel", str(CHART), "-n", "train", *values, *args])
 
 
-def render(*args: str) -> list[dict[str, Any]]:
+def _rendered(*args: str) -> list[dict[str, Any]]:
     proc = template(*args)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def _is_hook(doc: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in (doc["metadata"].get("annotations") or {})
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    """The release's objects (what `helm install` keeps), its hooks apart (`hooks`)."""
+    return [d for d in _rendered(*args) if not _is_hook(d)]
+
+
+def hooks(*args: str) -> list[dict[str, Any]]:
+    """The release's hooks: what helm runs at an install, upgrade or uninstall, and deletes."""
+    return [d for d in _rendered(*args) if _is_hook(d)]
 
 
 def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:

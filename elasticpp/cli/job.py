@@ -73,6 +73,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                 default=1200.0,
                 help="seconds to wait for the job to end (0: ask and return)",
             )
+            sp.add_argument(
+                "--if-running",
+                action="store_true",
+                help="nothing to stop (no such job, no agent registered, or the job ended "
+                "already) is not an error: exit 0 and say so (a teardown hook's use)",
+            )
         if whatif:
             sp.add_argument(
                 "--nodes", type=flagtypes.positive_int, required=True, help="the node count N"
@@ -183,7 +189,8 @@ def _nodes_table(nodes: list[dict[str, Any]]) -> str:
     for n in nodes:
         state = (
             "quarantined" if n["quarantined"] else "draining" if n["draining"]
-            else "planned" if n["planned"] else "gone" if not n["registered"] else "spare"
+            else "planned" if n["planned"]
+            else "gone" if not n["registered"] else "spare"
         )  # fmt: skip
         rows.append(
             (
@@ -245,12 +252,18 @@ def _stop(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
              args.output, message_table)  # fmt: skip
         return 0
     if state in ("finished", "failed", "halted"):
-        raise ConfigError(f"job {args.name} is {state} already: there is nothing to stop")
+        why = f"job {args.name} is {state} already: there is nothing to stop"
+        if args.if_running:
+            return _nothing_to_stop(args, state, why)
+        raise ConfigError(why)
     if not status["members"]:
-        raise ConfigError(
+        why = (
             f"job {args.name}: no agent is registered, so none could stop it at a step; its "
             "newest committed steps stay where they are (`job status`, `job delete`)"
         )
+        if args.if_running:
+            return _nothing_to_stop(args, state, why)
+        raise ConfigError(why)
     request = client.health.request_stop(
         by=f"{getpass.getuser()}@{socket.gethostname()}", reason=args.reason
     )
@@ -273,6 +286,12 @@ def _stop(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
     emit({"job": args.name, "state": end.status, "end": end.to_dict(), "message": message},
          args.output, message_table)  # fmt: skip
     return 0 if end.status == "stopped" else 1
+
+
+def _nothing_to_stop(args: argparse.Namespace, state: str, why: str) -> int:
+    """`job stop --if-running` of a job with nothing to stop: said, and not an error."""
+    emit({"job": args.name, "state": state, "message": why}, args.output, message_table)
+    return 0
 
 
 def whatif(spec: Any, nodes: int, slots: int) -> dict[str, Any]:
@@ -377,7 +396,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
         status = job_status(client)
         if status["state"] == "absent":
-            raise ConfigError(f"job {args.name}: no such job in etcd (prefix {args.etcd_prefix})")
+            why = f"job {args.name}: no such job in etcd (prefix {args.etcd_prefix})"
+            if args.job_command == "stop" and args.if_running:
+                return _nothing_to_stop(args, "absent", why)
+            raise ConfigError(why)
         if args.job_command == "stop":
             return _stop(client, args, status)
         if args.job_command == "reset":

@@ -37,6 +37,7 @@ from tests.charts import (
     VALUE_SETS,
 )
 from tests.charts import elasticpp_calls as _elasticpp_calls
+from tests.charts import hooks as _hooks
 from tests.charts import k8s_expand as _k8s_expand
 from tests.charts import one as _one
 from tests.charts import parse_cli as _parse_cli
@@ -239,6 +240,55 @@ def test_prestop_drains_through_elasticpp_ctl_within_the_grace_period():
     assert str(args.control_socket) == "/run/elasticpp/ctl.sock"
     # Kubernetes must not kill the pod while the drain may still be running.
     assert pod["terminationGracePeriodSeconds"] > drain.wait + drain.timeout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workload", ["statefulset", "indexedJob"])
+def test_uninstall_stops_the_job_first_with_the_agents_own_etcd_access(workload: str):
+    """`helm uninstall` of a running job: a pre-delete hook runs `elasticpp job stop` (every
+    agent commits and persists one step, the job ends as stopped) before any pod goes, with
+    the agents' etcd endpoints, prefix and credentials, as files from the same secrets; its
+    pod is none of the release's (no selector of the release takes it)."""
+    values = [*VALUE_SETS["etcd-secured"], "--set", f"workload={workload}",
+              "--set", "teardown.waitSeconds=200"]  # fmt: skip
+    (hook,) = _hooks(*values)
+    _validate_builtin([hook])
+    assert hook["kind"] == "Job" and hook["metadata"]["namespace"] == "train"
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    pod = hook["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    stop = _parse_cli(container["command"][1:] + container["args"])
+    assert (stop.command, stop.job_command, stop.if_running) == ("job", "stop", True)
+    assert stop.name == "demo" and stop.wait == 200  # the job spec's name; teardown's wait
+    assert hook["spec"]["activeDeadlineSeconds"] > stop.wait
+    assert hook["spec"]["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+    docs = _render(*values)
+    kind = "Job" if workload == "indexedJob" else "StatefulSet"
+    agent_pod = _one(docs, kind)["spec"]["template"]["spec"]
+    (agent,) = agent_pod["containers"]
+    agent_args = _parse_cli(
+        [
+            _k8s_expand(a, {**POD_ENV, "POD_INDEX": "0"})
+            for a in agent["command"][1:] + agent["args"]
+        ]
+    )
+    files = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
+    for name in ("etcd", "etcd_prefix", "etcd_user", *files):
+        assert getattr(stop, name) == getattr(agent_args, name), name
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    agent_volumes = {v["name"]: v for v in agent_pod["volumes"]}
+    for name in files:
+        path = str(getattr(stop, name))
+        (volume,) = [v for m, v in mounts.items() if path.startswith(m + "/")]
+        assert volumes[volume]["secret"] == agent_volumes[volume]["secret"], name
+    labels = hook["spec"]["template"]["metadata"]["labels"]
+    for doc in docs:
+        selector = doc.get("spec", {}).get("selector")
+        selector = selector.get("matchLabels", selector) if isinstance(selector, dict) else None
+        if selector:
+            assert not selector.items() <= labels.items(), f"{doc['kind']} selects the hook"
+    assert _hooks(*values, "--set", "teardown.stopJob=false") == []
 
 
 @pytest.mark.timeout(60)

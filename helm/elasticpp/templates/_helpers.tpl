@@ -67,6 +67,26 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- join "," .Values.etcd.endpoints }}
 {{- end }}
 
+{{/*
+What every etcd client of the release is given (the agents, the teardown hook): the
+endpoints, the key prefix, and the TLS and auth files of the etcd-tls and etcd-auth volumes.
+*/}}
+{{- define "elasticpp.etcdArgs" -}}
+- --etcd={{ include "elasticpp.etcdEndpoints" . }}
+- --etcd-prefix={{ .Values.etcd.prefix | default (printf "/elasticpp/%s" .Release.Namespace) }}
+{{- if .Values.etcd.tls.existingSecret }}
+- --etcd-ca=/etc/elasticpp-etcd/tls/ca.crt
+{{- if .Values.etcd.tls.clientCertificate }}
+- --etcd-cert=/etc/elasticpp-etcd/tls/tls.crt
+- --etcd-key=/etc/elasticpp-etcd/tls/tls.key
+{{- end }}
+{{- end }}
+{{- if .Values.etcd.auth.user }}
+- --etcd-user={{ .Values.etcd.auth.user }}
+- --etcd-password-file=/etc/elasticpp-etcd/auth/password
+{{- end }}
+{{- end }}
+
 {{/* terminationGracePeriodSeconds: long enough for a drain to finish. */}}
 {{- define "elasticpp.gracePeriodSeconds" -}}
 {{- add (int .Values.drain.waitSeconds) (int .Values.drain.graceMarginSeconds) }}

@@ -81,8 +81,7 @@ spec:
         - elasticpp
       args:
         - agent
-        - --etcd={{ include "elasticpp.etcdEndpoints" . }}
-        - --etcd-prefix={{ .Values.etcd.prefix | default (printf "/elasticpp/%s" .Release.Namespace) }}
+        {{- include "elasticpp.etcdArgs" . | nindent 8 }}
         - --job-spec=/etc/elasticpp/job.yaml
         {{- if $job }}
         # The pod name is the node id (<job>-<index>-<suffix>): a replaced pod is a new node
@@ -129,17 +128,6 @@ spec:
         - --unfinished-exit-code={{ include "elasticpp.unfinishedExitCode" . }}
         {{- else }}
         - --on-job-end={{ .Values.agent.onJobEnd }}
-        {{- end }}
-        {{- if .Values.etcd.tls.existingSecret }}
-        - --etcd-ca=/etc/elasticpp-etcd/tls/ca.crt
-        {{- if .Values.etcd.tls.clientCertificate }}
-        - --etcd-cert=/etc/elasticpp-etcd/tls/tls.crt
-        - --etcd-key=/etc/elasticpp-etcd/tls/tls.key
-        {{- end }}
-        {{- end }}
-        {{- if .Values.etcd.auth.user }}
-        - --etcd-user={{ .Values.etcd.auth.user }}
-        - --etcd-password-file=/etc/elasticpp-etcd/auth/password
         {{- end }}
         {{- range .Values.agent.extraArgs }}
         - {{ . | quote }}
