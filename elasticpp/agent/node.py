@@ -247,13 +247,17 @@ class Agent:
 
     def on_watch(self, event: WatchEvent) -> None:
         """A change under the job's cached keys (on a watch thread): the view reads again
-        now. A quarantine record or the job's end raises the health part's signal, the
+        now. A quarantine or cordon record or the job's end raises the health part's signal, the
         epoch key the view's epoch check; a RESYNC (events lost) raises both. (These keys
         had watches of their own, three more streams and threads an agent.) A follower sees
         no other node's member key: when a job starts, N registrations woke N agents."""
         if isinstance(event, WatchEvent):
             keys, resync = self.cluster.keys, event.type is EventType.RESYNC
-            if resync or event.key.startswith(keys.quarantine_prefix) or event.key == keys.ended:
+            if (
+                resync
+                or event.key.startswith((keys.quarantine_prefix, keys.cordon_prefix))
+                or event.key == keys.ended
+            ):
                 self.health.changed.raise_()
             if resync or event.key == keys.stop:
                 self.job_stop.changed.raise_()

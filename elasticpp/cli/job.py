@@ -5,6 +5,8 @@
     elasticpp job stop   --etcd HOST:PORT --name JOB     end it at a step boundary, checkpointed
     elasticpp job reset  --etcd HOST:PORT --name JOB     a failed, halted, stopped job runs again
     elasticpp job delete --etcd HOST:PORT --name JOB     every key of the job (not while agents run)
+    elasticpp job cordon --etcd HOST:PORT --name JOB --node N   plan nothing more onto node N
+    elasticpp job uncordon --etcd HOST:PORT --name JOB --node N
     elasticpp job whatif --nodes N (--etcd HOST:PORT --name JOB | --spec FILE --slots S)
 
 Each prints a table, or `-o json|yaml` (elasticpp.cli.output).
@@ -19,7 +21,11 @@ workers at the same step boundary, commits that step and persists it (with the j
 `reset` deletes the end record of a job that failed, halted or was stopped (and the
 quarantines that led there, and the stop request), so that agents started again train it on
 from its newest committed step; a finished or running job is refused. `delete` removes the job's
-keys, refused while an agent is registered unless `--force`. `whatif` says what the leader
+keys, refused while an agent is registered unless `--force`. `cordon` sets a node aside as
+Kubernetes cordons one: it is planned into no new generation, and the leader moves the job
+off it at a step boundary (recomputing nothing, as off a draining node) unless that would
+leave fewer than `min_nodes`; its agent stays up, a spare; `uncordon` lets it be planned
+again (a join). `whatif` says what the leader
 would plan for N nodes (layout, micro-batch, gradient accumulation, estimated step time),
 from the job's spec in etcd or a spec file, with the planner call the leader makes. The etcd
 flags are the agent's.
@@ -45,6 +51,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         ("stop", "stop the job at a step boundary, its step committed and persisted"),
         ("reset", "let a failed, halted or stopped job run again"),
         ("delete", "delete every key of the job"),
+        ("cordon", "plan no new generation onto a node: the job moves off it at a step boundary"),
+        ("uncordon", "let a cordoned node be planned again"),
         ("whatif", "the layout, micro-batches and step time the leader would plan for N nodes"),
     ):
         sp = sub.add_parser(name, help=help_text, description=help_text)
@@ -60,6 +68,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         add_output_flag(sp)
         if name == "delete":
             sp.add_argument("--force", action="store_true", help="also while agents are registered")
+        if name in ("cordon", "uncordon"):
+            sp.add_argument("--node", type=flagtypes.name, required=True, help="the node id")
+        if name == "cordon":
+            sp.add_argument(
+                "--reason",
+                type=flagtypes.nonempty,
+                default="elasticpp job cordon",
+                help="why, for the cordon record and the agents' events",
+            )
         if name == "stop":
             sp.add_argument(
                 "--reason",
@@ -118,6 +135,7 @@ def job_status(client: Any) -> dict[str, Any]:
     done, _ = client.arrivals.barrier_state("done")
     safe, _ = client.commits.read_safe()
     quarantined = client.health.quarantined()
+    cordoned = client.health.cordoned()
     if end is not None:
         state = end.status
     elif done:
@@ -138,6 +156,7 @@ def job_status(client: Any) -> dict[str, Any]:
         "leader": client.leader(),
         "members": sorted(members),
         "quarantined": {n: q.reason for n, q in sorted(quarantined.items())},
+        "cordoned": {n: c.reason for n, c in sorted(cordoned.items())},
         "safe_step": None if safe is None else safe.step,
         "trained_steps": max((int(v.get("step", -1)) for v in done.values()), default=None),
         "stop": None if stop is None else stop.to_dict(),
@@ -155,6 +174,7 @@ def job_nodes(client: Any) -> list[dict[str, Any]]:
     members = client.members().nodes
     record, _ = client.read_generation()
     quarantined = client.health.quarantined()
+    cordoned = client.health.cordoned()
     ranks: dict[str, int] = {}
     if record is not None and isinstance(record.plan, dict):
         placement = record.plan.get("placement")
@@ -164,9 +184,9 @@ def job_nodes(client: Any) -> list[dict[str, Any]]:
                 ranks[run[0]] = ranks.get(run[0], 0) + int(run[1])
     planned = set() if record is None else set(record.planned_set)
     out = []
-    for node in sorted(set(members) | planned | set(quarantined)):
+    for node in sorted(set(members) | planned | set(quarantined) | set(cordoned)):
         info = members.get(node, {})
-        q = quarantined.get(node)
+        q, c = quarantined.get(node), cordoned.get(node)
         out.append(
             {
                 "node_id": node,
@@ -177,6 +197,7 @@ def job_nodes(client: Any) -> list[dict[str, Any]]:
                 "planned": node in planned,
                 "draining": bool(info.get("draining")),
                 "quarantined": None if q is None else q.reason,
+                "cordoned": None if c is None else c.reason,
                 "version": info.get("version"),
             }
         )
@@ -189,7 +210,7 @@ def _nodes_table(nodes: list[dict[str, Any]]) -> str:
     for n in nodes:
         state = (
             "quarantined" if n["quarantined"] else "draining" if n["draining"]
-            else "planned" if n["planned"]
+            else "cordoned" if n["cordoned"] else "planned" if n["planned"]
             else "gone" if not n["registered"] else "spare"
         )  # fmt: skip
         rows.append(
@@ -225,6 +246,8 @@ def _table(status: dict[str, Any]) -> str:
         ]
         for node, reason in status["quarantined"].items():
             rows.append(("quarantined", f"{node}: {reason}"))
+        for node, reason in status["cordoned"].items():
+            rows.append(("cordoned", f"{node}: {reason}"))
         if status["trained_steps"] is not None:
             rows.append(("trained steps", str(status["trained_steps"])))
         stop = status["stop"]
@@ -286,6 +309,38 @@ def _stop(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
     emit({"job": args.name, "state": end.status, "end": end.to_dict(), "message": message},
          args.output, message_table)  # fmt: skip
     return 0 if end.status == "stopped" else 1
+
+
+def _cordon(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
+    """Cordon or uncordon `--node`; doing it again is said, and not an error."""
+    import getpass
+    import socket
+
+    node = args.node
+    if args.job_command == "uncordon":
+        done = client.health.uncordon(node)
+        message = (
+            f"job {args.name}: node {node} uncordoned; the leader plans it again at its next turn"
+            if done
+            else f"job {args.name}: node {node} is not cordoned"
+        )
+        emit({"job": args.name, "node_id": node, "cordoned": False, "changed": done,
+              "message": message}, args.output, message_table)  # fmt: skip
+        return 0
+    if node not in status["members"] and node not in status["planned_nodes"]:
+        known = ", ".join(status["members"]) or "none"
+        raise ConfigError(f"--node {node}: not a node of job {args.name} (registered: {known})")
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    created, record = client.health.cordon(node, by, args.reason)
+    message = (
+        f"job {args.name}: node {node} cordoned; the job moves off it at a step boundary "
+        "(its agent stays, a spare)"
+        if created
+        else f"job {args.name}: node {node} is cordoned already (by {record.by}: {record.reason})"
+    )
+    emit({"job": args.name, "node_id": node, "cordoned": True, "changed": created,
+          "record": record.to_dict(), "message": message}, args.output, message_table)  # fmt: skip
+    return 0
 
 
 def _nothing_to_stop(args: argparse.Namespace, state: str, why: str) -> int:
@@ -402,6 +457,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(why)
         if args.job_command == "stop":
             return _stop(client, args, status)
+        if args.job_command in ("cordon", "uncordon"):
+            return _cordon(client, args, status)
         if args.job_command == "reset":
             if status["state"] not in ("failed", "halted", "stopped"):
                 raise ConfigError(

@@ -12,6 +12,9 @@
 - `stop`: an operator asked the job to stop (`StopRequest`, `elasticpp job stop`), written
   once; the agents stop at a step boundary, commit and persist it, and the leader ends the
   job as `stopped` (elasticpp.agent.stop). Reset removes it with the end.
+- `cordon/<node_id>`: a node an operator set aside (`CordonRecord`, `elasticpp job
+  cordon`): planned into no new generation, the job moves off it at a step boundary, its
+  agent stays; `job uncordon` deletes it.
 
 Every value is parsed into its typed record here: a value that cannot be read is skipped
 (counted, logged once), never handed to the agent. `ClusterClient` holds one (`client.health`).
@@ -30,6 +33,7 @@ from elasticpp.cluster.leases import Leadership
 from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import (
     END_STATUSES,
+    CordonRecord,
     JobEnd,
     QuarantineRecord,
     StopRequest,
@@ -38,8 +42,9 @@ from elasticpp.cluster.records import (
 )
 
 R = TypeVar("R")
+N = TypeVar("N", QuarantineRecord, CordonRecord)  # a per-node record
 
-__all__ = ["END_STATUSES", "Health", "JobEnd", "QuarantineRecord", "StopRequest"]
+__all__ = ["END_STATUSES", "CordonRecord", "Health", "JobEnd", "QuarantineRecord", "StopRequest"]
 
 
 class Health:
@@ -55,21 +60,9 @@ class Health:
     def quarantined(self, *, cached: bool = False) -> dict[str, QuarantineRecord]:
         """The quarantined nodes; a value that cannot be read is skipped (counted). With
         `cached`, from the job's watch-fed cache (`follow`): no request to etcd."""
-        kvs, _ = self._reads.get_prefix(self.keys.quarantine_prefix, cached)
-        out: dict[str, QuarantineRecord] = {}
-        for kv in kvs:
-            node = keymod.last_segment(kv.key)
-            try:
-                record = QuarantineRecord.from_dict(loads(kv.value, "quarantine record"))
-                if record.node_id != node:
-                    raise ClusterDataError(
-                        f"quarantine record of {record.node_id!r} filed under {node!r}"
-                    )
-            except ClusterDataError as exc:
-                self._reads.skip(kv.key, exc)
-                continue
-            out[node] = record
-        return out
+        return self._per_node(
+            self.keys.quarantine_prefix, "quarantine record", QuarantineRecord.from_dict, cached
+        )
 
     def quarantine(self, record: QuarantineRecord, leader: Leadership) -> bool:
         """Publish a quarantine, fenced by `leader`'s term; False if the term is over."""
@@ -111,6 +104,25 @@ class Health:
         current = self.stop_request()
         return current if current is not None else record
 
+    # ------------------------------------------------------------------ cordons
+    def cordoned(self, *, cached: bool = False) -> dict[str, CordonRecord]:
+        """The nodes an operator cordoned; a value that cannot be read is skipped (counted)."""
+        return self._per_node(
+            self.keys.cordon_prefix, "cordon record", CordonRecord.from_dict, cached
+        )
+
+    def cordon(self, node_id: str, by: str, reason: str) -> tuple[bool, CordonRecord]:
+        """Cordon `node_id`, once: (True, the new record), or (False, the one on record)."""
+        record = CordonRecord(node_id=node_id, by=by, reason=reason, at=time.time())
+        if self._put_once(self.keys.cordon(node_id), record.to_dict()):
+            return True, record
+        current = self.cordoned().get(node_id)
+        return False, current if current is not None else record
+
+    def uncordon(self, node_id: str) -> bool:
+        """Delete the cordon of `node_id`; False if it was not cordoned."""
+        return self._kv.delete(self.keys.cordon(node_id))
+
     # ------------------------------------------------------------------ write-once records
     def _read_once(
         self, key: str, what: str, parse: Callable[[Mapping[str, Any]], R], cached: bool
@@ -124,6 +136,25 @@ class Health:
         except ClusterDataError as exc:
             self._reads.skip(kv.key, exc)
             return None
+
+    def _per_node(
+        self, prefix: str, what: str, parse: Callable[[Mapping[str, Any]], N], cached: bool
+    ) -> dict[str, N]:
+        """The records under `prefix`, one per node, by node id; one that cannot be read, or
+        is filed under another node's id, is skipped (counted)."""
+        kvs, _ = self._reads.get_prefix(prefix, cached)
+        out: dict[str, N] = {}
+        for kv in kvs:
+            node = keymod.last_segment(kv.key)
+            try:
+                record = parse(loads(kv.value, what))
+                if record.node_id != node:
+                    raise ClusterDataError(f"{what} of {record.node_id!r} filed under {node!r}")
+            except ClusterDataError as exc:
+                self._reads.skip(kv.key, exc)
+                continue
+            out[node] = record
+        return out
 
     def _put_once(self, key: str, value: dict[str, Any]) -> bool:
         """Create `key` with `value` if it is absent; False if a value was there first."""

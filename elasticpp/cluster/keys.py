@@ -42,6 +42,11 @@ quarantine/<node_id>                 none            {format_version, node_id, r
 ended                                none            {format_version, status, reason, by, at,
                                                      step}: the job ended without finishing
                                                      (failed, halted); written once (any agent)
+stop                                 none            {v, by, reason, at}: an operator asked the
+                                                     job to stop (`job stop`); written once
+cordon/<node_id>                     none            {v, node_id, by, reason, at}: a node an
+                                                     operator set aside (`job cordon`; `job
+                                                     uncordon` deletes it)
 
 Generation numbers in key names are zero-padded to 12 digits so that etcd's byte order is the
 numeric order. Node ids and barrier names must not contain `/` (checked by `check_name`).
@@ -185,6 +190,13 @@ class JobKeys:
     @property
     def stop(self) -> str:
         return self.root + "stop"
+
+    @property
+    def cordon_prefix(self) -> str:
+        return self.root + "cordon/"
+
+    def cordon(self, node_id: str) -> str:
+        return self.cordon_prefix + check_name("node_id", node_id)
 
 
 def last_segment(key: str) -> str:

@@ -587,3 +587,31 @@ class StopRequest:
             reason=_text(data, "reason", what),
             at=_number(data, "at", what),
         )
+
+
+@dataclass(frozen=True)
+class CordonRecord:
+    """An operator set a node aside (`elasticpp job cordon`): it is planned into no new
+    generation, and the job moves off it at a step boundary as off a draining node; its
+    agent stays up (a spare) until `job uncordon` deletes the record."""
+
+    node_id: str
+    by: str  # who asked (free text: a user, a host)
+    reason: str
+    at: float  # wall-clock seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": 1, "node_id": self.node_id, "by": self.by, "reason": self.reason,
+                "at": self.at}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CordonRecord:
+        what = "cordon record"
+        if data.get("v") != 1:
+            raise ClusterDataError(f"{what}: version {data.get('v')!r} is not 1")
+        return cls(
+            node_id=_text(data, "node_id", what),
+            by=_text(data, "by", what),
+            reason=_text(data, "reason", what),
+            at=_number(data, "at", what),
+        )

@@ -8,6 +8,7 @@ node caches (the fake's MemoryCache against the real watch-fed cache)."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -224,6 +225,23 @@ def test_the_first_end_of_a_job_stays(new_client: Callable[[], ClusterClient]) -
     later = b.health.end_job("halted", "halted by an operator", "n1")
     assert later == first and b.health.job_end() == first
     assert a.health.reset_end() and a.health.job_end() is None
+
+
+def test_a_cordon_is_written_once_read_by_every_client_and_deleted_by_uncordon(
+    new_client: Callable[[], ClusterClient],
+) -> None:
+    a, b = new_client(), new_client()
+    assert b.health.cordoned() == {}
+    created, first = a.health.cordon("n2", "ops@host", "disk swap")
+    assert created and (first.node_id, first.by, first.reason) == ("n2", "ops@host", "disk swap")
+    again, held = b.health.cordon("n2", "other@host", "another reason")
+    assert not again and held == first  # the first cordon stays
+    assert b.health.cordoned() == {"n2": first}
+    # A record filed under another node's id is not taken for that node's.
+    a.reads.kv.put(a.keys.cordon("n3"), json.dumps(first.to_dict()))
+    assert set(b.health.cordoned()) == {"n2"}
+    assert b.health.uncordon("n2") and not b.health.uncordon("n2")
+    assert set(a.health.cordoned()) == set()
 
 
 def test_commit_records_are_read_back_and_housekeeping_keeps_the_newest(

@@ -87,6 +87,32 @@ def test_drain_is_graceful_and_excludes_the_draining_node() -> None:
     assert isinstance(d, Replan) and d.graceful and d.nodes == ("a", "c")
 
 
+def test_a_cordoned_node_is_left_at_a_step_boundary_and_planned_again_once_uncordoned() -> None:
+    cordoned = view(["a", "b", "c"], current_nodes=("a", "b", "c"), cordoned={"b"})
+    d = decide(cordoned)
+    assert isinstance(d, Replan) and d.graceful and d.nodes == ("a", "c")
+    assert d.reason == "cordon of b"
+    assert "b" not in candidates(cordoned) and "b" in live_nodes(cordoned)  # a spare
+    # Once the job runs without it, a cordoned node is no join.
+    assert decide(view(["a", "b", "c"], current_nodes=("a", "c"), cordoned={"b"})) is None
+    back = decide(view(["a", "b", "c"], current_nodes=("a", "c")))  # uncordoned
+    assert isinstance(back, Replan) and back.graceful and back.nodes == ("a", "b", "c")
+
+
+def test_a_cordon_that_would_go_below_min_nodes_waits_and_says_why() -> None:
+    d = decide(view(["a", "b"], current_nodes=("a", "b"), cordoned={"b"}), min_nodes=2)
+    assert isinstance(d, Wait) and d.reason == "cannot cordon off b: would go below min_nodes"
+    both = view({"a": {}, "b": {"draining": True}, "c": {}}, current_nodes=("a", "b", "c"),
+                cordoned={"c"})  # fmt: skip
+    d = decide(both, min_nodes=2)
+    assert (
+        isinstance(d, Wait)
+        and d.reason == "cannot drain b or cordon off c: would go below min_nodes"
+    )
+    d = decide(both, min_nodes=1)
+    assert isinstance(d, Replan) and d.reason == "drain of b, cordon of c" and d.nodes == ("a",)
+
+
 def test_below_min_nodes_after_a_loss_waits() -> None:
     d = decide(view(["a"], current_nodes=("a", "b")), min_nodes=2)
     assert isinstance(d, Wait) and "min_nodes" in d.reason

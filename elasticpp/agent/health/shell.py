@@ -46,7 +46,7 @@ from elasticpp.agent.sick import Action as SickAction
 from elasticpp.agent.sick import EndJob, Quarantine, Readmit
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.leases import Leadership
-from elasticpp.cluster.records import JobEnd, QuarantineRecord
+from elasticpp.cluster.records import CordonRecord, JobEnd, QuarantineRecord
 
 log = logging.getLogger("elasticpp.agent")
 
@@ -56,6 +56,7 @@ class HealthRecords(Protocol):
     (elasticpp.cluster.health.Health, a `ClusterClient`'s `health`)."""
 
     def quarantined(self, *, cached: bool = ...) -> dict[str, QuarantineRecord]: ...
+    def cordoned(self, *, cached: bool = ...) -> dict[str, CordonRecord]: ...
     def job_end(self, *, cached: bool = ...) -> JobEnd | None: ...
     def end_job(self, status: str, reason: str, by: str, step: int = ...) -> JobEnd: ...
     def quarantine(self, record: QuarantineRecord, leader: Leadership) -> bool: ...
@@ -114,6 +115,7 @@ class Health:
         return HealthSummary(
             ended=(end.status, end.reason) if end is not None else None,
             quarantined=self.state.quarantines,
+            cordoned=self.state.cordoned,
             readmitted_s=self.state.readmitted_s,
             exit_code=self.state.exit_code,
         )
@@ -125,14 +127,15 @@ class Health:
 
     # ------------------------------------------------------------------ every agent
     def read(self) -> None:
-        """Read the quarantines and the job's end (when a watch said they changed, and once
-        at the start)."""
+        """Read the quarantines, the cordons and the job's end (when a watch said they
+        changed, and once at the start)."""
         if not self.changed.take():
             return
         try:
             # From the job's cache, which the watch event that raised the signal updated
             # first: a quarantine made every node read etcd twice (2,048 reads at 1,024 nodes).
             records = self._records.quarantined(cached=True)
+            cordons = self._records.cordoned(cached=True)
             ended = self._records.job_end(cached=True)
         except BaseException:
             self.changed.raise_()  # read again on the next tick
@@ -149,6 +152,14 @@ class Health:
         elif mine is None and was is not None:
             self._journal.write("decision", f"node {node_id} is no longer quarantined")
         state.quarantines = records
+        cordoned = frozenset(cordons)
+        if cordoned != state.cordoned:
+            for node in sorted(cordoned - state.cordoned):
+                c = cordons[node]
+                self._journal.write("decision", f"node {node} cordoned by {c.by}: {c.reason}")
+            for node in sorted(state.cordoned - cordoned):
+                self._journal.write("decision", f"node {node} uncordoned")
+            state.cordoned = cordoned
         if ended is not None and state.job_end is None:
             state.job_end = ended
         m, lbl = self._metrics, self._metrics.labels

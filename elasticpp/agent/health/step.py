@@ -19,6 +19,7 @@ class HealthState:
     signal)."""
 
     quarantines: dict[str, QuarantineRecord] = field(default_factory=dict)  # from etcd
+    cordoned: frozenset[str] = frozenset()  # nodes an operator cordoned (`job cordon`)
     job_end: JobEnd | None = None  # the job ended without finishing
     end_handled: bool = False
     halt_pending: tuple[str, int] | None = None  # (message, step) not yet on record

@@ -42,6 +42,7 @@ class HealthSummary:
 
     ended: tuple[str, str] | None = None  # (status, reason) once the job ended unfinished
     quarantined: Mapping[str, QuarantineRecord] = field(default_factory=dict)
+    cordoned: frozenset[str] = frozenset()  # nodes an operator cordoned (`job cordon`)
     readmitted_s: float = 0.0  # monotonic: a node was last re-admitted (planned again)
     exit_code: int | None = None  # the job ended and this agent is to exit with it
 

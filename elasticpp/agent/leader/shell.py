@@ -280,7 +280,12 @@ class Leader:
         ) = None
         self._incarnations_memo: tuple[Mapping[str, Record], dict[str, str]] | None = None
         self._lists_memo: (
-            tuple[Mapping[str, Record], frozenset[str], frozenset[str], NodeLists] | None
+            tuple[
+                Mapping[str, Record],
+                tuple[frozenset[str], frozenset[str], frozenset[str]],
+                NodeLists,
+            ]
+            | None
         ) = None
 
     def register(self, executor: Executor) -> None:
@@ -440,6 +445,7 @@ class Leader:
         restarted = self._restarted(rec, members)
         quarantined = frozenset(self._ports.quarantines())
         health = self._ports.health()
+        cordoned = health.cordoned
         return ClusterView(
             members=members,
             dead=dead,
@@ -453,7 +459,8 @@ class Leader:
             job_done=self._ports.control().job_done or health.ended is not None,
             restarted=restarted,
             quarantined=quarantined,
-            lists=self._node_lists(members, dead, quarantined),
+            cordoned=cordoned,
+            lists=self._node_lists(members, dead, quarantined, cordoned),
         )
 
     def _node_lists(
@@ -461,15 +468,16 @@ class Leader:
         members: Mapping[str, Record],
         dead: frozenset[str],
         quarantined: frozenset[str],
+        cordoned: frozenset[str],
     ) -> NodeLists:
         """The view's live nodes and candidates (`decide.node_lists`), computed again only
-        when the members (replaced, never changed in place, on a new read), the dead or the
-        quarantined nodes changed."""
+        when the members (replaced, never changed in place, on a new read), the dead, the
+        quarantined or the cordoned nodes changed."""
         memo = self._lists_memo
-        if memo is not None and memo[0] is members and memo[1] == dead and memo[2] == quarantined:
-            return memo[3]
-        lists = node_lists(members, dead, quarantined)
-        self._lists_memo = (members, dead, quarantined, lists)
+        if memo is not None and memo[0] is members and memo[1] == (dead, quarantined, cordoned):
+            return memo[2]
+        lists = node_lists(members, dead, quarantined, cordoned)
+        self._lists_memo = (members, (dead, quarantined, cordoned), lists)
         return lists
 
     # ------------------------------------------------------------------ the leader's cycle

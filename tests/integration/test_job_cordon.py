@@ -1,0 +1,83 @@
+"""`elasticpp job cordon` and `uncordon`, end to end: a real etcd and three real agents with
+real workers. A cordoned node is left at a step boundary (nothing recomputed) while its
+agent stays up as a spare; uncordoned, it is planned in again. A cordon that names no node
+of the job is refused with exit 2; doing either again is said, and not an error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticpp.agent.localcluster import LocalCluster
+
+SPEC: dict[str, Any] = {
+    "name": "llm", "model": "tiny", "global_batch": 6, "micro_batch": 1, "steps": 100_000,
+    "seed": 0, "min_nodes": 2, "max_nodes": 3, "lease_ttl_s": 3, "replication_copies": 0,
+    "stop_timeout_s": 10,
+}  # fmt: skip
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, no_orphans: None) -> Iterator[LocalCluster]:
+    lc = LocalCluster(tmp_path / "job", SPEC, nodes=3, slots=1)
+    try:
+        yield lc
+    finally:
+        lc.close()
+
+
+def _job(lc: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "elasticpp.cli.main", "job", *args, "--etcd", lc.etcd.endpoint,
+         "--name", "llm"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def _after(lc: LocalCluster, count: int, reason: str) -> dict[str, Any] | None:
+    for t in lc.timelines()[count:]:
+        if reason in str(t.get("reason")):
+            return t
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_cordoned_node_is_left_at_a_step_boundary_and_planned_in_again_once_uncordoned(
+    cluster: LocalCluster,
+) -> None:
+    lc = cluster
+    lc.start()
+    lc.wait_for(lambda: len(lc.timelines()) >= 1 and lc.max_step() >= 3, 150, "training")
+    before = len(lc.timelines())
+
+    unknown = _job(lc, "cordon", "--node", "node-9")
+    assert unknown.returncode == 2 and "not a node of job llm" in unknown.stderr
+    cordon = _job(lc, "cordon", "--node", "node-2", "--reason", "disk swap", "-o", "json")
+    assert cordon.returncode == 0, cordon.stderr
+    assert json.loads(cordon.stdout)["changed"] is True
+    lc.wait_for(lambda: _after(lc, before, "cordon of node-2") is not None, 120, "the cordon")
+    left = _after(lc, before, "cordon of node-2")
+    assert left is not None and left["steps_recomputed"] == 0, left
+    nodes = {n["node_id"]: n for n in json.loads(_job(lc, "nodes", "-o", "json").stdout)}
+    assert nodes["node-2"]["cordoned"] == "disk swap" and not nodes["node-2"]["planned"]
+    node2 = lc.node("node-2").proc
+    assert node2 is not None and node2.poll() is None  # its agent stays, a spare
+    again = _job(lc, "cordon", "--node", "node-2", "-o", "json")
+    assert again.returncode == 0 and "cordoned already" in json.loads(again.stdout)["message"]
+
+    count = len(lc.timelines())
+    uncordon = _job(lc, "uncordon", "--node", "node-2")
+    assert uncordon.returncode == 0 and "uncordoned" in uncordon.stdout, uncordon.stderr
+    lc.wait_for(lambda: _after(lc, count, "join of node-2") is not None, 120, "the join")
+    back = _after(lc, count, "join of node-2")
+    assert back is not None and back["steps_recomputed"] == 0, back
+    status = json.loads(_job(lc, "status", "-o", "json").stdout)
+    assert status["cordoned"] == {} and "node-2" in status["planned_nodes"]
+    not_cordoned = _job(lc, "uncordon", "--node", "node-2")
+    assert not_cordoned.returncode == 0 and "is not cordoned" in not_cordoned.stdout
