@@ -185,3 +185,35 @@ def key_value(text: str) -> str:
     if not sep or not key.strip():
         raise ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return text
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def since(text: str) -> float:
+    """A point in time as wall-clock seconds: a duration back from now (`90s`, `10m`, `2h`,
+    `1d`), or a date and time in ISO 8601 (`2026-12-04T19:00:00Z`; without a zone, UTC)."""
+    import datetime
+    import time
+
+    value = text.strip()
+    unit = _DURATION_UNITS.get(value[-1:].lower())
+    if unit is not None:
+        try:
+            amount = float(value[:-1])
+        except ValueError:
+            amount = math.nan
+        if math.isfinite(amount) and amount >= 0:
+            return time.time() - amount * unit
+    else:
+        try:
+            when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            pass
+        else:
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=datetime.UTC)
+            return when.timestamp()
+    raise ArgumentTypeError(
+        f"expected a duration back from now (90s, 10m, 2h, 1d) or an ISO 8601 time, got {text!r}"
+    )

@@ -7,6 +7,7 @@
     elasticpp job delete --etcd HOST:PORT --name JOB     every key of the job (not while agents run)
     elasticpp job cordon --etcd HOST:PORT --name JOB --node N   plan nothing more onto node N
     elasticpp job uncordon --etcd HOST:PORT --name JOB --node N
+    elasticpp job events --etcd HOST:PORT --name JOB [--since 10m] [--follow]
     elasticpp job whatif --nodes N (--etcd HOST:PORT --name JOB | --spec FILE --slots S)
 
 Each prints a table, or `-o json|yaml` (elasticpp.cli.output).
@@ -53,6 +54,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         ("delete", "delete every key of the job"),
         ("cordon", "plan no new generation onto a node: the job moves off it at a step boundary"),
         ("uncordon", "let a cordoned node be planned again"),
+        (
+            "events",
+            "what happened to the job: generations, recoveries, quarantines, cordons, its end",
+        ),
         ("whatif", "the layout, micro-batches and step time the leader would plan for N nodes"),
     ):
         sp = sub.add_parser(name, help=help_text, description=help_text)
@@ -68,6 +73,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         add_output_flag(sp)
         if name == "delete":
             sp.add_argument("--force", action="store_true", help="also while agents are registered")
+        if name == "events":
+            sp.add_argument(
+                "--since",
+                type=flagtypes.since,
+                default=None,
+                help="leave out what came before: a duration back from now (10m, 2h, 1d) or "
+                "an ISO 8601 time",
+            )
+            sp.add_argument(
+                "--follow", action="store_true", help="keep reading, and print each new event"
+            )
+            sp.add_argument(
+                "--every",
+                type=flagtypes.positive_float,
+                default=2.0,
+                help="with --follow: seconds between two reads of etcd",
+            )
         if name in ("cordon", "uncordon"):
             sp.add_argument("--node", type=flagtypes.name, required=True, help="the node id")
         if name == "cordon":
@@ -444,6 +466,10 @@ def run(args: argparse.Namespace) -> int:
     if args.job_command == "whatif":
         return _whatif(args)
     with _client(args) as client:
+        if args.job_command == "events":
+            from elasticpp.cli import jobevents
+
+            return jobevents.run(client, args)
         views = {"nodes": (job_nodes, _nodes_table), "status": (job_status, _table)}
         if args.job_command in views:
             read, table = views[args.job_command]

@@ -458,7 +458,13 @@ class ClusterClient:
     def generation_history(self) -> list[GenerationSummary]:
         """The kept generations, oldest first, as summaries (older full copies included)."""
         kvs, _ = self._kv.get_prefix(self.keys.generations_prefix)
-        return [GenerationSummary.from_json(kv.value) for kv in kvs]
+        out = []
+        for kv in kvs:
+            try:
+                out.append(GenerationSummary.from_json(kv.value))
+            except ClusterDataError as exc:
+                self.skip_value(kv.key, exc)  # counted, logged once; never misread
+        return out
 
     def watch_generation(
         self, callback: Callable[[WatchEvent], None], start_revision: int | None = None
