@@ -529,6 +529,32 @@ class EndStopped:
     step: int
 
 
+# --- a checkpoint now (elasticpp.agent.checkpoint)
+@dataclass(frozen=True)
+class ReportHeld:
+    """Tell `job checkpoint` (barrier `checkpoint`) which committed steps this node holds."""
+
+    request: str  # the request's id
+    held: tuple[int, ...]  # newest first
+
+
+@dataclass(frozen=True)
+class PersistStep:
+    """Persist this node's pieces of its committed `step` now (an operator's checkpoint)."""
+
+    request: str
+    step: int
+
+
+@dataclass(frozen=True)
+class ReportCheckpoint:
+    """Tell `job checkpoint` where this node's pieces of `step` stand: persisted, or why not."""
+
+    request: str
+    step: int
+    outcome: str
+
+
 Action = (
     Event
     | PublishMemberInfo
@@ -588,4 +614,7 @@ Action = (
     | PersistFinal
     | ArriveStop
     | EndStopped
+    | ReportHeld
+    | PersistStep
+    | ReportCheckpoint
 )

@@ -15,6 +15,7 @@ from typing import Protocol
 from grpc_health.v1.health import HealthServicer
 
 from elasticpp.agent.actions import Action, Event, StopWorkers, UpdateGauges
+from elasticpp.agent.checkpoint.shell import CheckpointConfig, JobCheckpoint
 from elasticpp.agent.config import AgentConfig
 from elasticpp.agent.control.shell import Control, ControlConfig
 from elasticpp.agent.durability.shell import Durability, DurabilityConfig
@@ -116,6 +117,7 @@ class Parts:
     supervisor: Supervisor
     leader: Leader
     job_stop: JobStop
+    job_checkpoint: JobCheckpoint
 
 
 def compose(cfg: AgentConfig, spec: JobSpec, incarnation: str, loop: Loop, seams: Seams) -> Parts:
@@ -373,9 +375,19 @@ def compose(cfg: AgentConfig, spec: JobSpec, incarnation: str, loop: Loop, seams
         member_lease=membership.member_lease,
         ended=health.changed.raise_,
     )
+    job_checkpoint = JobCheckpoint(
+        CheckpointConfig(node),
+        clock=clock,
+        records=cluster.health,
+        arrivals=cluster.arrivals,
+        held=lambda: store.committed_steps(node),
+        persist_outcome=d.persist_outcome,
+        persist_now=d.persist_now,
+        member_lease=membership.member_lease,
+    )
     parts: tuple[_Registers, ...] = (
         control, view, membership, health, liveness, follower, durability, supervisor,
-        leader, job_stop,
+        leader, job_stop, job_checkpoint,
     )  # fmt: skip
     for part in parts:
         part.register(executor)  # the handlers of the actions its step emits
@@ -410,4 +422,5 @@ def compose(cfg: AgentConfig, spec: JobSpec, incarnation: str, loop: Loop, seams
         supervisor=supervisor,
         leader=leader,
         job_stop=job_stop,
+        job_checkpoint=job_checkpoint,
     )

@@ -162,6 +162,7 @@ class Agent:
         self.follower, self.durability, self.supervisor, self.leader, self.job_stop = (
             p.follower, p.durability, p.supervisor, p.leader, p.job_stop,
         )  # fmt: skip
+        self.job_checkpoint = p.job_checkpoint
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -261,6 +262,8 @@ class Agent:
                 self.health.changed.raise_()
             if resync or event.key == keys.stop:
                 self.job_stop.changed.raise_()
+            if resync or event.key == keys.checkpoint:
+                self.job_checkpoint.changed.raise_()
             if resync or event.key == keys.epoch:
                 self.view.epoch_changed.raise_()
         self.view.reread.raise_()
@@ -454,6 +457,8 @@ class Agent:
             ("leader", self.leader.campaign),
             ("follower", self.follower.step),
             ("leader", self.lead),
+            ("checkpoint", self.job_checkpoint.read),
+            ("checkpoint", lambda: self.execute(self.job_checkpoint.step())),
             ("control", self.control_turn),
         ):
             if not self._part(name, step):

@@ -8,6 +8,7 @@
     elasticpp job cordon --etcd HOST:PORT --name JOB --node N   plan nothing more onto node N
     elasticpp job uncordon --etcd HOST:PORT --name JOB --node N
     elasticpp job events --etcd HOST:PORT --name JOB [--since 10m] [--follow]
+    elasticpp job checkpoint --etcd HOST:PORT --name JOB   persist the newest step, now
     elasticpp job whatif --nodes N (--etcd HOST:PORT --name JOB | --spec FILE --slots S)
 
 Each prints a table, or `-o json|yaml` (elasticpp.cli.output).
@@ -58,6 +59,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
             "events",
             "what happened to the job: generations, recoveries, quarantines, cordons, its end",
         ),
+        ("checkpoint", "persist a checkpoint now: the newest step every node holds"),
         ("whatif", "the layout, micro-batches and step time the leader would plan for N nodes"),
     ):
         sp = sub.add_parser(name, help=help_text, description=help_text)
@@ -73,6 +75,19 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         add_output_flag(sp)
         if name == "delete":
             sp.add_argument("--force", action="store_true", help="also while agents are registered")
+        if name == "checkpoint":
+            sp.add_argument(
+                "--reason",
+                type=flagtypes.nonempty,
+                default="elasticpp job checkpoint",
+                help="why, for the agents' events",
+            )
+            sp.add_argument(
+                "--wait",
+                type=flagtypes.nonnegative_float,
+                default=900.0,
+                help="seconds to wait for every node's answers and its pieces persisted",
+            )
         if name == "events":
             sp.add_argument(
                 "--since",
@@ -485,6 +500,10 @@ def run(args: argparse.Namespace) -> int:
             return _stop(client, args, status)
         if args.job_command in ("cordon", "uncordon"):
             return _cordon(client, args, status)
+        if args.job_command == "checkpoint":
+            from elasticpp.cli import jobcheckpoint
+
+            return jobcheckpoint.run(client, args, status)
         if args.job_command == "reset":
             if status["state"] not in ("failed", "halted", "stopped"):
                 raise ConfigError(

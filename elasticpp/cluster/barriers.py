@@ -53,6 +53,18 @@ def _stop(what: str, v: Any) -> None:
     _text(what, v, "checkpoint")
 
 
+def _checkpoint(what: str, v: Any) -> None:
+    _text(what, v, "id")
+    held = v.get("held")
+    if held is not None and not (
+        isinstance(held, list)
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in held)
+    ):
+        raise ClusterDataError(f"{what}: held must be a list of steps")
+    _integer(what, v, "step", required=False)
+    _text(what, v, "outcome", required=False)
+
+
 def _failed(what: str, v: Any) -> None:
     _text(what, v, "reason")
     _number(what, v, "at")
@@ -224,6 +236,7 @@ CHECKS: dict[str, _Check] = {
     "failed": _failed,
     "stopped": _stopped,
     "stop": _stop,
+    "checkpoint": _checkpoint,
     "started": _started,
     "resume": _resume,
     "timelines": _timeline,

@@ -226,9 +226,10 @@ Range = tuple[str, str]  # [key, range_end)
 
 def cache_ranges(keys: JobKeys, own_node: str | None) -> tuple[list[Range], tuple[Range, ...]]:
     """The key ranges a `JobCache` serves: those every node caches, and those only the
-    leader caches (while `serve_leader(True)`): the member keys, the commit records and the
-    `failed-<G>`, `started-<G>` and `stopped-<G>` arrivals. Every node caches the gaps
-    between the leader's ranges, and its own member key (`own_node`)."""
+    leader caches (while `serve_leader(True)`): the member keys, the commit records, the
+    `failed-<G>`, `started-<G>` and `stopped-<G>` arrivals and the `checkpoint` reports.
+    Every node caches the gaps between the leader's ranges, and its own member key
+    (`own_node`)."""
     barriers = keys.barriers_prefix
     # "<name>." is the first key past every "<name>-..." ('.' follows '-'); nothing is
     # named between "started." and "stopped-", so one range holds both kinds.
@@ -236,7 +237,10 @@ def cache_ranges(keys: JobKeys, own_node: str | None) -> tuple[list[Range], tupl
     arrivals = (barriers + "started-", barriers + "stopped.")
     commits = (keys.commits_prefix, prefix_end(keys.commits_prefix))
     nodes = (keys.nodes_prefix, prefix_end(keys.nodes_prefix))
-    leader_only = tuple(sorted((nodes, failed, arrivals, commits)))
+    # Every node's report at a checkpoint request: read by `job checkpoint`, by no agent.
+    checkpoint = keys.barrier_prefix("checkpoint")
+    reports = (checkpoint, prefix_end(checkpoint))
+    leader_only = tuple(sorted((nodes, failed, arrivals, commits, reports)))
     shared: list[Range] = []
     start = keys.root
     for key, end in leader_only:
@@ -259,8 +263,8 @@ class JobCache:
     A follower caches its own member key (another agent taking its node id shows at once),
     reads the few others it needs by key (`ClusterClient.member_records`: the leader's, its
     sources' and its replication peers'), knows its own arrivals from its writes, and
-    learns that a generation started everywhere from the leader's timeline. Five watches
-    (six with `own_node`), nine on the leader."""
+    learns that a generation started everywhere from the leader's timeline. Six watches
+    (seven with `own_node`), eleven on the leader."""
 
     def __init__(
         self,

@@ -23,6 +23,7 @@ Every value is parsed into its typed record here: a value that cannot be read is
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from elasticpp.cluster.leases import Leadership
 from elasticpp.cluster.reads import JobReads
 from elasticpp.cluster.records import (
     END_STATUSES,
+    CheckpointRequest,
     CordonRecord,
     JobEnd,
     QuarantineRecord,
@@ -103,6 +105,28 @@ class Health:
             return record
         current = self.stop_request()
         return current if current is not None else record
+
+    # ------------------------------------------------------------------ checkpoint now
+    def checkpoint_request(self, *, cached: bool = False) -> CheckpointRequest | None:
+        """The operator's newest request for a checkpoint now, if one is on record."""
+        return self._read_once(
+            self.keys.checkpoint, "checkpoint request", CheckpointRequest.from_dict, cached
+        )
+
+    def request_checkpoint(self, by: str, reason: str) -> CheckpointRequest:
+        """Ask for a checkpoint now: a new request, which replaces any before it."""
+        record = CheckpointRequest(id=uuid.uuid4().hex[:12], by=by, reason=reason, at=time.time())
+        self._kv.put(self.keys.checkpoint, dumps(record.to_dict()))
+        return record
+
+    def choose_checkpoint_step(self, request: CheckpointRequest, step: int) -> bool:
+        """Name the step `request` persists; False if another request replaced it."""
+        key = self.keys.checkpoint
+        chosen = CheckpointRequest(request.id, request.by, request.reason, request.at, step)
+        ok, _, _ = self._kv.txn(
+            [Compare(key, "value", dumps(request.to_dict()))], [Put(key, dumps(chosen.to_dict()))]
+        )
+        return ok
 
     # ------------------------------------------------------------------ cordons
     def cordoned(self, *, cached: bool = False) -> dict[str, CordonRecord]:

@@ -44,6 +44,9 @@ ended                                none            {format_version, status, re
                                                      (failed, halted); written once (any agent)
 stop                                 none            {v, by, reason, at}: an operator asked the
                                                      job to stop (`job stop`); written once
+checkpoint                           none            {v, id, by, reason, at, step}: an operator
+                                                     asked for a checkpoint now (`job
+                                                     checkpoint`; a new request replaces it)
 cordon/<node_id>                     none            {v, node_id, by, reason, at}: a node an
                                                      operator set aside (`job cordon`; `job
                                                      uncordon` deletes it)
@@ -190,6 +193,10 @@ class JobKeys:
     @property
     def stop(self) -> str:
         return self.root + "stop"
+
+    @property
+    def checkpoint(self) -> str:
+        return self.root + "checkpoint"
 
     @property
     def cordon_prefix(self) -> str:

@@ -615,3 +615,39 @@ class CordonRecord:
             reason=_text(data, "reason", what),
             at=_number(data, "at", what),
         )
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """An operator asked for a persistent checkpoint now (`elasticpp job checkpoint`): every
+    agent reports the committed steps it holds (barrier `checkpoint`, keeping them), the
+    command picks the newest one every planned node holds (`step`, written into the same
+    request) and every agent persists its pieces of that step into the job's persist_dir."""
+
+    id: str  # one request from another (a new one replaces the old)
+    by: str  # who asked (free text: a user, a host)
+    reason: str
+    at: float  # wall-clock seconds
+    step: int | None = None  # the step to persist, once chosen
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": 1, "id": self.id, "by": self.by, "reason": self.reason, "at": self.at,
+                "step": self.step}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CheckpointRequest:
+        what = "checkpoint request"
+        if data.get("v") != 1:
+            raise ClusterDataError(f"{what}: version {data.get('v')!r} is not 1")
+        step = data.get("step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ClusterDataError(
+                f"{what}: step must be a whole number >= 0 or null, got {step!r}"
+            )
+        return cls(
+            id=_text(data, "id", what),
+            by=_text(data, "by", what),
+            reason=_text(data, "reason", what),
+            at=_number(data, "at", what),
+            step=step,
+        )

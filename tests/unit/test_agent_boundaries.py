@@ -81,6 +81,7 @@ def test_an_error_in_one_part_does_not_starve_the_parts_after_it(tmp_path: Path)
     agent.refresh_view = lambda: None  # type: ignore[method-assign]
     agent.health.read = lambda: None  # type: ignore[method-assign]
     agent.job_stop.read = lambda: None  # type: ignore[method-assign]
+    agent.job_checkpoint.read = lambda: None  # type: ignore[method-assign]
     agent.view.reread.take()
     agent.view.state.last_refresh_s = time.monotonic()
 

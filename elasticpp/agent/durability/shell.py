@@ -363,10 +363,15 @@ class Durability:
         return "unknown" if self._persister is None else self._persister.outcome(step)
 
     def persist_now(self, step: int) -> bool:
-        """Persist `step`, this node's newest commit, now (a stopped job's final checkpoint);
-        False if `step` is not that commit (nothing is submitted)."""
+        """Persist this node's pieces of its committed `step` now (a stopped job's final
+        checkpoint, an operator's checkpoint now); False, with nothing submitted, if the job
+        has no persist_dir, the model is not known yet or `step` is no commit held here."""
         model = self.state.last_commit_model
-        if not self.config.persist_dir or model is None or step != self.state.last_commit_step:
+        if (
+            not self.config.persist_dir
+            or model is None
+            or step not in self._store.committed_steps(self.config.node_id)
+        ):
             return False
         self._persist(step, model)
         return True
