@@ -275,6 +275,7 @@ def compose(cfg: AgentConfig, spec: JobSpec, incarnation: str, loop: Loop, seams
             replication_every=spec.replication_every,
             persist_dir=spec.persist_dir,
             persist_every=spec.persist_every,
+            model=spec.model,
         ),
         clock=clock,
         store=store,

@@ -52,7 +52,8 @@ out the leader's health decisions), `follower` (the phases of a generation with 
 deadlines, arrivals, the fetch of resume state, handing the ranks to warm workers: built
 with the view, the pool, the supervisor's warm workers, the store and the executor) and
 `leader` (campaigns, plans, resume instructions, the safe step: built with its etcd calls,
-the view's snapshot, the other parts' summaries and liveness's probes of suspects); what
+the view's snapshot, the other parts' summaries and liveness's probes of suspects), `stop`
+(an operator's `job stop`) and `checkpoint` (`job checkpoint`: a checkpoint now); what
 every part uses (the journal of decisions, the error policy, the executor, threads with
 futures) is in `kernel`. How long the loop sleeps is `pace.tick_s`'s (pure) on what the
 parts say. Timeouts and limits are in `limits`.
@@ -471,6 +472,7 @@ class Agent:
             self.view.summary(),
             self.health.summary(),
             self._progress_summary(),
+            job_stopping=self.job_stop.requested(),
         )
 
     def control_turn(self) -> None:

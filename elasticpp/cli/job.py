@@ -75,19 +75,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         add_output_flag(sp)
         if name == "delete":
             sp.add_argument("--force", action="store_true", help="also while agents are registered")
-        if name == "checkpoint":
-            sp.add_argument(
-                "--reason",
-                type=flagtypes.nonempty,
-                default="elasticpp job checkpoint",
-                help="why, for the agents' events",
-            )
-            sp.add_argument(
-                "--wait",
-                type=flagtypes.nonnegative_float,
-                default=900.0,
-                help="seconds to wait for every node's answers and its pieces persisted",
-            )
         if name == "events":
             sp.add_argument(
                 "--since",
@@ -107,26 +94,28 @@ def add_parser(p: argparse.ArgumentParser) -> None:
             )
         if name in ("cordon", "uncordon"):
             sp.add_argument("--node", type=flagtypes.name, required=True, help="the node id")
-        if name == "cordon":
+        reasons = {
+            "cordon": "the cordon record and the agents' events",
+            "stop": "the job's end record and the agents' events",
+            "checkpoint": "the agents' events",
+        }
+        if name in reasons:
             sp.add_argument(
                 "--reason",
                 type=flagtypes.nonempty,
-                default="elasticpp job cordon",
-                help="why, for the cordon record and the agents' events",
+                default=f"elasticpp job {name}",
+                help=f"why, for {reasons[name]}",
+            )
+        waits = {
+            "stop": (1200.0, "seconds to wait for the job to end (0: ask and return)"),
+            "checkpoint": (900.0, "seconds to wait for every node's answers and its pieces"),
+        }
+        if name in waits:
+            default, help_text = waits[name]
+            sp.add_argument(
+                "--wait", type=flagtypes.nonnegative_float, default=default, help=help_text
             )
         if name == "stop":
-            sp.add_argument(
-                "--reason",
-                type=flagtypes.nonempty,
-                default="elasticpp job stop",
-                help="why, for the job's end record and the agents' events",
-            )
-            sp.add_argument(
-                "--wait",
-                type=flagtypes.nonnegative_float,
-                default=1200.0,
-                help="seconds to wait for the job to end (0: ask and return)",
-            )
             sp.add_argument(
                 "--if-running",
                 action="store_true",

@@ -405,6 +405,11 @@ class LocalStore:
         with self._lock:
             return NodeHoldings(self.node_id, dict(self._committed))
 
+    def reported_steps(self) -> list[Order]:
+        """The own steps with pieces reported and not committed (yet), oldest first."""
+        with self._lock:
+            return sorted(self._reports.orders())
+
     def committed_steps(self, origin: str | None = None) -> list[int]:
         origin = origin or self.node_id
         with self._lock:

@@ -235,4 +235,8 @@ def test_a_timeline_that_is_not_one_is_left_out_of_the_status_not_a_broken_rpc()
         ProgressSummary(),
     )
     assert [(r.generation, r.resume_step, r.planned_s) for r in status.recoveries] == [(2, 7, 0.5)]
-    assert control.status_snapshot() is status
+    assert control.status_snapshot() is status and status.phase == "waiting"
+    stopping = control.publish_status(
+        FollowerSummary(), ViewSummary(), HealthSummary(), ProgressSummary(), job_stopping=True
+    )
+    assert stopping.phase == "stopping-job"  # an operator's `job stop` under way

@@ -46,12 +46,13 @@ def agent(tmp_path: Path, etcd: EtcdServer, request: pytest.FixtureRequest) -> I
         patch.setattr(RendezvousStore, "start", classmethod(lambda cls, host: None))  # no torch
         yield made
     made.shutdown()
+    made.cluster.close()  # the agent leaves only a client it joined with (`start`)
 
 
 def _leader_keepers(agent: Agent) -> int:
     """The leadership leases the agent's client keeps alive now."""
     assert agent.cluster is not None
-    return kept(agent.cluster._kv).count("leader n0 leader")
+    return kept(agent.cluster.reads.kv).count("leader n0 leader")
 
 
 def _campaigns_until_won(agent: Agent) -> bool:
@@ -124,7 +125,7 @@ def test_a_deposed_leader_resigns_its_old_term_before_campaigning_again(
     assert second is not None and second is not first and agent.cluster.leader() == "n0"
     assert _leader_keepers(agent) == 1  # the old term's keep-alive ended
     with pytest.raises(LeaseNotFoundError):
-        agent.cluster._kv.refresh(first.lease_id)  # and its lease was revoked
+        agent.cluster.reads.kv.refresh(first.lease_id)  # and its lease was revoked
 
 
 @pytest.mark.timeout(240)

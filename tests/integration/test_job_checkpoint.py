@@ -6,8 +6,6 @@ node says its pieces are persisted. A job that cannot be checkpointed is refused
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from elasticpp.agent.jobspec import parse_job_spec
 from elasticpp.agent.localcluster import LocalCluster
 from elasticpp.cluster.client import ClusterClient
 from elasticpp.store.checkpoints import find_latest_checkpoint
+from tests.jobcli import job as _job
 
 SPEC: dict[str, Any] = {
     "name": "llm", "model": "tiny", "global_batch": 4, "micro_batch": 2, "steps": 100_000,
@@ -34,14 +33,6 @@ def cluster(tmp_path: Path, no_orphans: None) -> Iterator[LocalCluster]:
         yield lc
     finally:
         lc.close()
-
-
-def _job(lc: LocalCluster, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "elasticpp.cli.main", "job", *args, "--etcd", lc.etcd.endpoint,
-         "--name", "llm"],
-        capture_output=True, text=True, timeout=timeout_s, check=False,
-    )  # fmt: skip
 
 
 def _committed_everywhere(lc: LocalCluster) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from elasticpp.agent.localcluster import LocalCluster
+from tests.jobcli import job as _job
 
 SPEC: dict[str, Any] = {
     "name": "llm", "model": "tiny", "global_batch": 6, "micro_batch": 1, "steps": 100_000,
@@ -34,14 +35,6 @@ def cluster(tmp_path: Path, no_orphans: None) -> Iterator[LocalCluster]:
         yield lc
     finally:
         lc.close()
-
-
-def _job(lc: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "elasticpp.cli.main", "job", *args, "--etcd", lc.etcd.endpoint,
-         "--name", "llm"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
 
 
 def _after(lc: LocalCluster, count: int, reason: str) -> dict[str, Any] | None:

@@ -230,7 +230,7 @@ def test_a_fenced_node_keeps_only_the_newest_few_uncommitted_snapshots(tmp_path:
     steps = sorted(step for _, _, step, _ in agent.store.layout.step_dirs("n0"))
     assert steps == [98, 99, 100]  # FENCED_SNAPSHOTS_KEPT, nothing committed
     assert sorted(agent.durability.state.snap_reports) == [(1, 98), (1, 99), (1, 100)]
-    assert len(list(agent.store._reports.orders())) == FENCED_SNAPSHOTS_KEPT
+    assert len(agent.store.reported_steps()) == FENCED_SNAPSHOTS_KEPT
     assert agent.store.committed_steps() == []
 
 

@@ -388,3 +388,22 @@ def test_a_step_drained_after_the_next_generation_began_keeps_its_workers_layout
     (row,) = [json.loads(x) for x in agent.durability.config.metrics_path.read_text().splitlines()]
     assert (row["generation"], row["layout"]) == (1, str(plan.layout))
     assert str(plan.layout) != str(newer.layout)
+
+
+def test_a_commit_from_before_a_restart_is_persisted_when_asked(tmp_path: Path) -> None:
+    """An agent restarted during a job stop or a checkpoint now holds commits its durability
+    part never saw made; asked to persist one, it does (before: refused, "not submitted",
+    because only a commit seen since the start named the model)."""
+    from tests.stores import commit_step
+
+    spec = parse_job_spec({**SPEC_FIELDS, "persist_dir": str(tmp_path / "ckpt")})
+    agent = Agent(AgentConfig("n0", ("127.0.0.1:1",), "127.0.0.1:0", 2, tmp_path / "a"), spec)
+    try:
+        commit_step(agent.store, 4)  # left by the run before the restart
+        assert agent.durability.state.last_commit_model is None
+        assert not agent.durability.persist_now(5)  # no such commit: nothing submitted
+        assert agent.durability.persist_outcome(4) == "unknown"
+        assert agent.durability.persist_now(4)
+        assert agent.durability.persist_outcome(4) != "unknown"  # submitted
+    finally:
+        agent.durability.close(flush=False)

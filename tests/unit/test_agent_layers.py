@@ -8,6 +8,7 @@ here."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -69,3 +70,33 @@ def test_the_check_sees_a_module_that_loads_grpc() -> None:
     """The same check on a module that does import a client names what it loaded."""
     found = _loaded(["elasticpp.cluster.client"], list(PURE["forbidden_modules"]))
     assert "grpc" in found["elasticpp.cluster.client"]
+
+
+_PRIVATE_OF_AN_AGENT = re.compile(r"\bagent\.(?:\w+\.)?_[a-z]\w*")
+
+
+def _private_reads(text: str) -> list[str]:
+    """`agent._x` or `agent.<part>._x` in `text` (module paths `elasticpp.agent._...` aside)."""
+    return [m.group(0) for m in _PRIVATE_OF_AN_AGENT.finditer(text)
+            if not text[: m.start()].endswith("elasticpp.")]  # fmt: skip
+
+
+def test_no_test_or_bench_reaches_into_an_agents_or_its_parts_private_fields() -> None:
+    """Tests drive the agent and its parts through their ports and public state: the count
+    of private reads is zero, and stays so (the agent once had 80 `agent._vs` in tests)."""
+    root = Path(__file__).resolve().parents[2]
+    found = {
+        str(path.relative_to(root)): hits
+        for folder in ("tests", "bench")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path != Path(__file__).resolve()
+        and (hits := _private_reads(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}
+
+
+def test_the_private_read_check_sees_one() -> None:
+    assert _private_reads("x = agent._vs.members\ny = agent.leader._ports") == [
+        "agent._vs", "agent.leader._ports"
+    ]  # fmt: skip
+    assert _private_reads("import elasticpp.agent._x\nagent.store.reported_steps()") == []

@@ -102,9 +102,7 @@ def test_a_checkpoint_that_does_not_come_is_reported_failed_not_waited_for_forev
     refused = requested()  # the durability part refused the persist: it stays unknown
     stop_step(refused, observe(0.0))
     arrived = stop_step(refused, observe(1.0))
-    assert arrived == [
-        ArriveStop(7, "failed: not submitted (the step is not this node's newest commit)")
-    ]
+    assert arrived == [ArriveStop(7, "failed: not submitted (the step is no commit held here)")]
     failed = requested()
     stop_step(failed, observe(0.0))
     assert stop_step(failed, observe(1.0, checkpoint="failed: ENOSPC")) == [

@@ -114,7 +114,7 @@ class JobCheckpoint:
         if self._persist_now(action.step):
             return []
         self.state.answered = action.request
-        why = "failed: not submitted (no persist_dir, no commit seen yet, or not held here)"
+        why = "failed: not submitted (no persist_dir, or the step is no commit held here)"
         return [ReportCheckpoint(action.request, action.step, why)]
 
     def _arrive(self, value: JSONValue) -> None:

@@ -159,10 +159,15 @@ class Control:
         view: ViewSummary,
         health: HealthSummary,
         progress: ProgressSummary,
+        *,
+        job_stopping: bool = False,
     ) -> AgentStatus:
-        """Build the status the RPCs read and publish it (one reference swap)."""
+        """Build the status the RPCs read and publish it (one reference swap). While an
+        operator's `job stop` is under way the phase is `stopping-job`."""
         plan = follower.plan
         phase = "draining" if self.state.draining else follower.phase or "waiting"
+        if job_stopping:
+            phase = "stopping-job"
         if health.ended is not None:
             phase = "ended"
         status = AgentStatus(
@@ -221,22 +226,21 @@ class Control:
         counts.update(self._pool.counts())
         plan = follower.plan
         layout = (plan.pp, plan.tp, plan.dp) if plan is not None else (0, 0, 0)
-        values = (
+        scalars = (
             1 if view.etcd_ok else 0,
             len(view.members),  # counted, not sorted
             1 if is_leader else 0,
             follower.generation,
             progress.safe_step,
-            tuple(counts.values()),
-            layout,
         )
+        values = (*scalars, tuple(counts.values()), layout)
         last = self.state.gauges
         if values == last:
             return
         self.state.gauges = values
         m = self._metrics
         gauges = (m.etcd_up, m.members, m.is_leader, m.generation, m.safe_step)
-        for i, (gauge, value) in enumerate(zip(gauges, values[: len(gauges)], strict=True)):
+        for i, (gauge, value) in enumerate(zip(gauges, scalars, strict=True)):
             if last is None or last[i] != value:
                 m.of(gauge).set(value)
         before = last[len(gauges)] if last is not None else None

@@ -106,6 +106,7 @@ class DurabilityConfig:
     replication_every: int
     persist_dir: str | None  # the shared checkpoint directory, if the job has one
     persist_every: int
+    model: ModelSpec | None = None  # the job spec's: a commit from before a restart is its
 
 
 class Durability:
@@ -366,7 +367,8 @@ class Durability:
         """Persist this node's pieces of its committed `step` now (a stopped job's final
         checkpoint, an operator's checkpoint now); False, with nothing submitted, if the job
         has no persist_dir, the model is not known yet or `step` is no commit held here."""
-        model = self.state.last_commit_model
+        # A commit this agent made, or one a run before its restart left in the store.
+        model = self.state.last_commit_model or self.config.model
         if (
             not self.config.persist_dir
             or model is None

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 from elasticpp import __version__
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 WORKER_STATES = ("warm", "starting", "running", "stopping", "stopped", "done", "failed")
 
@@ -57,18 +60,20 @@ class AgentMetrics:
     labels: dict[str, str]
     # (metric, extra labels) -> its child with this agent's labels: `labels(**kw)` costs
     # microseconds a call, and the loop sets a dozen gauges a second on every node.
-    _children: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = field(default_factory=dict)
+    _children: dict[tuple[int, tuple[tuple[str, str], ...]], MetricWrapperBase] = field(
+        default_factory=dict
+    )
 
-    def of(self, metric: Any, **extra: str) -> Any:
+    def of(self, metric: M, **extra: str) -> M:
         """`metric`'s child for this agent's labels and `extra`, looked up once."""
         key = (id(metric), tuple(sorted(extra.items())))
         child = self._children.get(key)
         if child is None:
             child = metric.labels(**self.labels, **extra)
             self._children[key] = child
-        return child
+        return cast(M, child)  # the child of a Gauge is a Gauge (prometheus_client's labels)
 
-    def drop(self, metric: Any, **extra: str) -> None:
+    def drop(self, metric: MetricWrapperBase, **extra: str) -> None:
         """Remove `metric`'s series for this agent's labels and `extra` (absent, not 0)."""
         key = (id(metric), tuple(sorted(extra.items())))
         if self._children.pop(key, None) is not None:

@@ -147,7 +147,7 @@ class JobStop:
         )
 
     def _persist(self, action: PersistFinal) -> None:
-        # Refused (the step is not this node's newest commit): the step says so at arrival.
+        # Refused (the step is no commit held here): the step says so at arrival.
         self._persist_now(action.step)
 
     def _arrive(self, action: ArriveStop) -> None:

@@ -119,7 +119,7 @@ def stop_step(state: StopState, obs: StopObservation) -> list[Action]:
         checkpoint = (
             f"failed: not persisted within {obs.persist_s:.0f} s"
             if checkpoint == "pending"
-            else "failed: not submitted (the step is not this node's newest commit)"
+            else "failed: not submitted (the step is no commit held here)"
         )
     if obs.committed < 0:
         checkpoint = "none"  # no ranks here, or nothing committed yet
