@@ -17,9 +17,8 @@ import time
 from typing import Any
 
 from elasticpp.cli.output import emit, message_table
+from elasticpp.cluster.barriers import CHECKPOINT_BARRIER
 from elasticpp.errors import ConfigError
-
-BARRIER = "checkpoint"  # elasticpp.agent.checkpoint.shell.CHECKPOINT_BARRIER
 
 
 def _spec_persist_dir(client: Any, name: str) -> str | None:
@@ -34,7 +33,7 @@ def _spec_persist_dir(client: Any, name: str) -> str | None:
 
 
 def _reports(client: Any, request_id: str, nodes: list[str], field: str) -> dict[str, Any]:
-    arrivals, _ = client.arrivals.barrier_state(BARRIER)
+    arrivals, _ = client.arrivals.barrier_state(CHECKPOINT_BARRIER)
     return {
         n: v[field]
         for n, v in arrivals.items()

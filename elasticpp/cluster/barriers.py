@@ -126,6 +126,12 @@ def _resume(what: str, v: Any) -> None:
 # stopped, what it holds) and `started-G` (its ranks run); `failed-G` holds the failures its
 # nodes report; `resume-G` the leader's resume instruction. Barrier `timelines` has one member
 # per generation whose transition is over (`timeline_member`).
+# The job-wide barriers of an operator's request: every agent's answer to `job stop`
+# (elasticpp.agent.stop) and to `job checkpoint` (elasticpp.agent.checkpoint).
+STOP_BARRIER = "stop"
+CHECKPOINT_BARRIER = "checkpoint"
+
+
 def stopped_barrier(generation: int) -> str:
     return f"stopped-{generation}"
 

@@ -28,6 +28,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
+from elasticpp.cluster.barriers import CHECKPOINT_BARRIER
 from elasticpp.cluster.errors import ClusterUnavailableError
 from elasticpp.cluster.etcd.kv import EtcdKV
 from elasticpp.cluster.keys import JobKeys, prefix_end
@@ -238,7 +239,7 @@ def cache_ranges(keys: JobKeys, own_node: str | None) -> tuple[list[Range], tupl
     commits = (keys.commits_prefix, prefix_end(keys.commits_prefix))
     nodes = (keys.nodes_prefix, prefix_end(keys.nodes_prefix))
     # Every node's report at a checkpoint request: read by `job checkpoint`, by no agent.
-    checkpoint = keys.barrier_prefix("checkpoint")
+    checkpoint = keys.barrier_prefix(CHECKPOINT_BARRIER)
     reports = (checkpoint, prefix_end(checkpoint))
     leader_only = tuple(sorted((nodes, failed, arrivals, commits, reports)))
     shared: list[Range] = []

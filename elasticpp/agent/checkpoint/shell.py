@@ -26,9 +26,8 @@ from elasticpp.agent.kernel.executor import Executor
 from elasticpp.agent.kernel.inbox import Signal
 from elasticpp.agent.kernel.limits import FINAL_PERSIST_S
 from elasticpp.agent.kernel.records import JSONValue
+from elasticpp.cluster.barriers import CHECKPOINT_BARRIER
 from elasticpp.cluster.records import CheckpointRequest
-
-CHECKPOINT_BARRIER = "checkpoint"
 
 
 class CheckpointRecords(Protocol):

@@ -29,9 +29,8 @@ from elasticpp.agent.stop.step import (
     stop_lead_step,
     stop_step,
 )
+from elasticpp.cluster.barriers import STOP_BARRIER
 from elasticpp.cluster.records import JobEnd, StopRequest
-
-STOP_BARRIER = "stop"
 
 
 class StopRecords(Protocol):
