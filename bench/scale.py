@@ -33,10 +33,11 @@ What is real: every agent's decision loop and parts, the executor, the etcd clie
 the health service (liveness probes run over loopback gRPC; the agents of one process answer
 on one shared server, each under its own name, `--server-per-node` gives each its own), the
 node's LocalStore, the leader's TCPStore. Simulated: the workers (they answer at once and train
-no steps), hence no snapshots, commits, replication or transfers: every generation resumes at
-step 0, the leader's holdings pull has nothing to ask for, and the safe-step invariant is not
-exercised here (tests/unit/test_scale_invariants.py
-checks it on constructed histories). The agents of one process share etcd connections, one
+no steps), hence no snapshots, commits, replication or transfers and no `stepped-G` arrival:
+every generation resumes at step 0, the leader's holdings pull has nothing to ask for, no
+strike is cleared and the re-plan backoff is reset only by a graceful plan (a join), and
+the safe-step invariant is not exercised here (tests/unit/test_scale_invariants.py checks it
+on constructed histories). The agents of one process share etcd connections, one
 for every `--agents-per-connection` (one watch stream and one keep-alive stream carry their
 watches and leases; etcd serves the same watchers, leases and requests;
 `--connection-per-node` gives each its own): idle gRPC streams poll, and thousands of them

@@ -487,6 +487,17 @@ class ArriveStarted:
 
 
 @dataclass(frozen=True)
+class ArriveStepped:
+    """Arrive at `stepped-G`: every rank of the generation here completed a step in it (the
+    leader clears this node's strikes only then: started is not trained); the result goes
+    back to the follower (`follower.follower_arrived`)."""
+
+    generation: int
+    step: int  # the step every rank here completed
+    at_s: float
+
+
+@dataclass(frozen=True)
 class ArriveDone:
     """Arrive at `done`: this node's ranks trained every step; the result goes back to the
     follower (`follower.follower_arrived`)."""
@@ -609,6 +620,7 @@ Action = (
     | StartFetch
     | AssignRanks
     | ArriveStarted
+    | ArriveStepped
     | ArriveDone
     | RecordHalt
     | PersistFinal

@@ -9,13 +9,17 @@ The rules, in the order the leader applies them:
 
 - **Blame.** When a generation fails, the nodes to blame are those whose own failure report
   blames themselves (`culprit`: a disk error, a spare never ready, a worker that will not
-  die, unhealthy GPUs) and, when no report does, the earliest reporter(s) (a worker crash
-  makes its peers fail after it: the first report is the cause). Nodes that did not arrive
-  at `stopped-G` within the stop deadline are blamed too (a wedged agent).
+  die, unhealthy GPUs) and, when no report does, the earliest reporter(s) among the reports
+  that did not follow a peer's loss (a worker crash makes its peers fail after it with
+  "connection closed by peer": those reports say so and are blamed only when all do).
+  Nodes that did not arrive at `stopped-G` within the stop deadline are blamed too (a
+  wedged agent).
 - **Strikes.** A blamed node gets a strike. `strikes_to_quarantine` consecutive strikes, or
   one `severe` one (a disk that cannot hold the state, a worker that survives SIGKILL, a
-  node that never arrived), quarantine it. A generation that trains clears the strikes of
-  its nodes: the strikes are consecutive failed generations, not a lifetime count.
+  node that never arrived), quarantine it. A node whose ranks completed a step of a
+  generation (it arrived at `stepped-G`) has its strikes cleared: the strikes are consecutive
+  failed generations, not a lifetime count. Starting is not enough (a worker that dies in
+  its first step was cleared at every start and never quarantined).
 - **Quarantine with exponential backoff.** The n-th quarantine of a node lasts
   `base_s · 2^(n−1)`, at most `max_s`; then the node is re-admitted (planned again, as a
   join). A new incarnation of its agent (restarted, say after an operator fixed the disk) is
@@ -29,7 +33,7 @@ The leader publishes quarantines in etcd (`quarantine/<node>`, see
 `elasticpp.cluster.health`); a new leader loads them. Strikes go on from term to term: each
 generation record carries the strikes of the nodes it plans (`carried`, at most
 CARRIED_STRIKES nodes, the most struck first), and a new leader starts from the newest
-record's (`seed`); a generation that trained, seen by any term, clears them. (A leader lost
+record's (`seed`); a node's step in a generation, seen by any term, clears its own. (A leader lost
 to an overloaded machine once reset them every few generations, and a sick node at 1,024
 simulated nodes was never quarantined.) The failure budget's window starts afresh with each
 term (documented in docs/cluster.md).
@@ -86,6 +90,7 @@ class Report:
     at: float  # wall time on the reporting node
     culprit: bool = False  # the node blames itself (its disk, its spares, its GPUs)
     severe: bool = False  # quarantine at the first strike
+    followed_a_peer: bool = False  # its workers failed because a peer went away
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,9 @@ def blame(reports: Iterable[Report]) -> dict[str, Report]:
     culprits = {r.node: r for r in reports if r.culprit}
     if culprits or not reports:
         return culprits
+    # A report whose workers failed because a peer went away is a victim's: blamed only when
+    # every report is one (elasticpp.train.worker.peerloss).
+    reports = [r for r in reports if not r.followed_a_peer] or reports
     first = min(r.at for r in reports)
     return {r.node: r for r in reports if r.at - first <= EARLIEST_WINDOW_S}
 
@@ -220,7 +228,7 @@ class SickNodes:
         return self.exclude(node, why, incarnation, now)
 
     def trained(self, nodes: Iterable[str]) -> None:
-        """A generation of `nodes` started training: their strikes start again at zero."""
+        """`nodes` completed a step of a generation: their strikes start again at zero."""
         for node in nodes:
             self.strikes.pop(node, None)
 

@@ -68,7 +68,7 @@ def _checkpoint(what: str, v: Any) -> None:
 def _failed(what: str, v: Any) -> None:
     _text(what, v, "reason")
     _number(what, v, "at")
-    for flag in ("culprit", "severe"):
+    for flag in ("culprit", "severe", "peer"):
         if flag in v and not isinstance(v[flag], bool):
             raise ClusterDataError(f"{what}: {flag} must be true or false, got {v[flag]!r}")
 
@@ -100,6 +100,11 @@ def _started(what: str, v: Any) -> None:
     _number(what, v, "moved_at")
 
 
+def _stepped(what: str, v: Any) -> None:
+    _integer(what, v, "step")
+    _number(what, v, "at")
+
+
 # The resume instruction's format (elasticpp.store.instruction, which decodes it; this layer
 # does not import the store): a value of another release is refused here, by name.
 RESUME_FORMAT_VERSION = 2
@@ -123,9 +128,10 @@ def _resume(what: str, v: Any) -> None:
 
 
 # The barriers of generation G, by name: every agent arrives at `stopped-G` (its old workers
-# stopped, what it holds) and `started-G` (its ranks run); `failed-G` holds the failures its
-# nodes report; `resume-G` the leader's resume instruction. Barrier `timelines` has one member
-# per generation whose transition is over (`timeline_member`).
+# stopped, what it holds), `started-G` (its ranks run) and `stepped-G` (its ranks completed a
+# step of G: only then are its strikes cleared, `elasticpp.agent.sick`); `failed-G` holds
+# the failures its nodes report; `resume-G` the leader's resume instruction. Barrier
+# `timelines` has one member per generation whose transition is over (`timeline_member`).
 # The job-wide barriers of an operator's request: every agent's answer to `job stop`
 # (elasticpp.agent.stop) and to `job checkpoint` (elasticpp.agent.checkpoint).
 STOP_BARRIER = "stop"
@@ -138,6 +144,10 @@ def stopped_barrier(generation: int) -> str:
 
 def started_barrier(generation: int) -> str:
     return f"started-{generation}"
+
+
+def stepped_barrier(generation: int) -> str:
+    return f"stepped-{generation}"
 
 
 def failed_barrier(generation: int) -> str:
@@ -244,6 +254,7 @@ CHECKS: dict[str, _Check] = {
     "stop": _stop,
     "checkpoint": _checkpoint,
     "started": _started,
+    "stepped": _stepped,
     "resume": _resume,
     "timelines": _timeline,
 }

@@ -228,12 +228,13 @@ Range = tuple[str, str]  # [key, range_end)
 def cache_ranges(keys: JobKeys, own_node: str | None) -> tuple[list[Range], tuple[Range, ...]]:
     """The key ranges a `JobCache` serves: those every node caches, and those only the
     leader caches (while `serve_leader(True)`): the member keys, the commit records, the
-    `failed-<G>`, `started-<G>` and `stopped-<G>` arrivals and the `checkpoint` reports.
-    Every node caches the gaps between the leader's ranges, and its own member key
-    (`own_node`)."""
+    `failed-<G>`, `started-<G>`, `stepped-<G>` and `stopped-<G>` arrivals, the answers to
+    a `stop` and the `checkpoint` reports. Every node caches the gaps between the leader's
+    ranges, and its own member key (`own_node`)."""
     barriers = keys.barriers_prefix
-    # "<name>." is the first key past every "<name>-..." ('.' follows '-'); nothing is
-    # named between "started." and "stopped-", so one range holds both kinds.
+    # "<name>." is the first key past every "<name>-..." ('.' follows '-'); between
+    # "started-" and "stopped." lie only "stepped-<G>" and "stop/" (the answers to a job
+    # stop, which only the leader reads), so one range holds all four kinds.
     failed = (barriers + "failed-", barriers + "failed.")
     arrivals = (barriers + "started-", barriers + "stopped.")
     commits = (keys.commits_prefix, prefix_end(keys.commits_prefix))
@@ -259,12 +260,13 @@ class JobCache:
     that would send each node's value to every node (N² watch events when a job starts, and
     at every transition or more often): the member keys (`nodes/`: every registration, and
     every drain, would reach every node), the commit records (`commits/`), and the
-    `failed-<G>`, `started-<G>` and `stopped-<G>` arrivals (a holdings digest each in
-    stopped). The leader alone reads those, and caches them too while `serve_leader(True)`.
-    A follower caches its own member key (another agent taking its node id shows at once),
-    reads the few others it needs by key (`ClusterClient.member_records`: the leader's, its
-    sources' and its replication peers'), knows its own arrivals from its writes, and
-    learns that a generation started everywhere from the leader's timeline. Six watches
+    `failed-<G>`, `started-<G>`, `stepped-<G>` and `stopped-<G>` arrivals (a holdings
+    digest each in stopped). The leader alone reads those, and caches them too while
+    `serve_leader(True)`. A follower caches its own member key (another agent taking its
+    node id shows at once), reads the few others it needs by key
+    (`ClusterClient.member_records`: the leader's, its sources' and its replication peers'),
+    knows its own arrivals from its writes, and learns that a generation started everywhere
+    from the leader's timeline. Six watches
     (seven with `own_node`), eleven on the leader."""
 
     def __init__(

@@ -175,7 +175,7 @@ class Commits:
         ops: list[Put | Delete] = []
         barriers_upto = generation - 1  # the current and the previous generation stay
         for g in range(marks["barriers_below"], barriers_upto):
-            for name in ("stopped", "resume", "started", "failed"):
+            for name in ("stopped", "resume", "started", "stepped", "failed"):
                 ops.append(Delete(self.keys.barrier_prefix(f"{name}-{g}"), prefix=True))
         history_upto = generation - keep_history
         for g in range(marks["history_below"], history_upto):

@@ -150,6 +150,65 @@ def test_a_node_whose_spares_never_become_ready_is_quarantined_and_the_job_goes_
     assert SICK not in _last_plan_nodes(cluster)
 
 
+# Loaded by every Python process of the sick node (sitecustomize): once the trainer module
+# is imported (in the worker template, before it forks, or in a worker), its training step
+# exits the process at once, so no rank there ever completes a step.
+DIE_IN_FIRST_STEP = """
+import importlib.abc, importlib.machinery, os, sys
+
+class _DieInFirstStep(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "elasticpp.train.engine.trainer":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.Trainer.train_step = lambda *a, **k: os._exit(1)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+if os.environ.get("ELASTICPP_NODE_ID") == %r:
+    sys.meta_path.insert(0, _DieInFirstStep())
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_workers_die_in_their_first_step_is_quarantined_and_the_job_goes_on(
+    tmp_path: Path, reference: dict[int, float], no_orphans: None
+) -> None:
+    """Strikes were cleared when every rank of a generation started: a node whose workers
+    die in their first step was struck, cleared at the next start, struck again, and never
+    quarantined, while its failed generations spent the job's failure budget (7 failed
+    generations with quarantine_after: 2 in the operations review). Now only a node whose
+    ranks completed a step of a generation (`stepped-G`) has its strikes cleared."""
+    spec = {**SPEC, "quarantine_after": 2}
+    cluster = LocalCluster(tmp_path / "job", spec, nodes=3, slots=1)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DIE_IN_FIRST_STEP % SICK)
+    try:
+        # node-2 registers first, so every plan until it is set aside has ranks on it and
+        # no generation before that trains a step.
+        cluster.etcd.start()
+        cluster.start_node(SICK, env={"PYTHONPATH": os.pathsep.join([str(hook), *sys.path])})
+        cluster.wait_for(lambda: _leader(cluster) == SICK, 60, f"{SICK} to register and lead")
+        for n in cluster.nodes[:2]:
+            cluster.start_node(n.node_id)
+        cluster.wait_for(lambda: SICK in _quarantined(cluster), 180, f"{SICK} quarantined")
+        quarantined = _quarantined(cluster)
+        assert set(quarantined) == {SICK}, quarantined  # its peers' failures followed its own
+        assert "exited with code 1" in quarantined[SICK].reason, quarantined[SICK].reason
+        cluster.wait_for(
+            lambda: SICK not in _last_plan_nodes(cluster), 60, f"a generation without {SICK}"
+        )
+        _train_on_without(cluster, SICK, reference)
+    finally:
+        cluster.close()
+
+
 @pytest.mark.timeout(300)
 def test_a_leader_whose_loop_is_wedged_is_replaced_and_the_job_goes_on(
     tmp_path: Path, references: Callable[[int], dict[int, float]], no_orphans: None

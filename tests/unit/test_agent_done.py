@@ -407,3 +407,27 @@ def test_a_commit_from_before_a_restart_is_persisted_when_asked(tmp_path: Path) 
         assert agent.durability.persist_outcome(4) != "unknown"  # submitted
     finally:
         agent.durability.close(flush=False)
+
+
+def test_a_worker_that_failed_after_a_peer_went_away_is_reported_as_a_victim(
+    tmp_path: Path,
+) -> None:
+    """The worker's error event says its collective broke because a peer went away; the
+    failure report in etcd says so, and the leader reads it as a victim's report, blamed
+    only when no other report names a cause (elasticpp.agent.sick.blame)."""
+    from elasticpp.agent.health.step import report_of
+
+    agent, plan = _running_agent(tmp_path)
+    victim = _worker_on(agent, plan, 100, 0)
+    closed = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    agent.pool.deliver(victim, {"event": "error", "message": closed, "peer": True})  # type: ignore[arg-type]
+    agent.pool.deliver(victim, {"event": EXITED, "returncode": 1})  # type: ignore[arg-type]
+    agent.supervisor.drain_events()
+    # (etcd is unreachable here: the report waits for it, as it would during an outage)
+    report = report_of("n0", agent.follower.state.pending_failures[1])
+    assert report.followed_a_peer and "after a peer went away" in report.reason
+    other = _running_agent(tmp_path / "other")[0]
+    killed = _worker_on(other, plan, 200, 1)
+    other.pool.deliver(killed, {"event": EXITED, "returncode": -9})  # type: ignore[arg-type]
+    other.supervisor.drain_events()
+    assert not report_of("n1", other.follower.state.pending_failures[1]).followed_a_peer

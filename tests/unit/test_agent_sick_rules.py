@@ -44,6 +44,31 @@ def test_without_a_culprit_the_earliest_reporters_are_blamed() -> None:
     assert set(blame(reports)) == {"a", "b"}
 
 
+def test_reports_that_followed_a_peers_loss_are_blamed_only_when_every_report_did() -> None:
+    """A worker dies in its step: its peers' collectives fail a moment later ("connection
+    closed by peer") and their reports came within the window, so the victims were struck
+    with the culprit; with strikes cleared only by a completed step, a node whose workers die
+    in their first step would have taken its healthy peers into quarantine with it."""
+    reports = [
+        Report(
+            "b",
+            "worker rank 1 exited with code 1 after a peer went away",
+            10.05,
+            followed_a_peer=True,
+        ),
+        Report("a", "worker rank 0 exited with code 1", at=10.1),
+        Report(
+            "c",
+            "worker rank 2 exited with code 1 after a peer went away",
+            10.2,
+            followed_a_peer=True,
+        ),
+    ]
+    assert set(blame(reports)) == {"a"}
+    victims = [r for r in reports if r.followed_a_peer]  # the cause's report never came
+    assert set(blame(victims)) == {"b", "c"}
+
+
 def test_a_node_failing_k_generations_in_a_row_is_quarantined_with_its_reason() -> None:
     sick = _sick(strikes_to_quarantine=3, base_s=60.0)
     for gen in (1, 2):

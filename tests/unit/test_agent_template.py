@@ -98,7 +98,7 @@ def node(tmp_path: Path) -> Iterator[Callable[..., _Node]]:
             errors=ErrorPolicy(metrics),
             logs=WorkerLogs(tmp_path / "logs"),
             events=WorkerEvents(ignore, ignore, ignore, ignore),
-            report_failed=lambda g, why: n.failed.append((g, why)),
+            report_failed=lambda g, why, _peer: n.failed.append((g, why)),
             spares_wanted=lambda: True,
             wake=lambda: None,
             template_factory=template,

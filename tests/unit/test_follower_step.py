@@ -10,6 +10,7 @@ from typing import Any
 from elasticpp.agent.actions import (
     ArriveDone,
     ArriveStarted,
+    ArriveStepped,
     ArriveStopped,
     AskStop,
     AssignRanks,
@@ -230,6 +231,22 @@ def test_starting_becomes_running_only_once_started_is_written() -> None:
     assert gs.phase is Phase.STARTING
     assert follower_arrived(state, arrive, True, 100.0) == [CleanLocal(2)]
     assert gs.phase is Phase.RUNNING
+
+
+def test_stepped_is_written_once_every_rank_here_completed_a_step_of_the_generation() -> None:
+    """What the leader clears a node's strikes on: its ranks trained, not only started."""
+    state, gs = _following(Phase.STARTING)
+    assert follower_step(state, _obs(all_started=True, stepped=4)) == [
+        ArriveStarted(2, 5100.0, 5100.0)
+    ]
+    follower_arrived(state, ArriveStarted(2, 5100.0, 5100.0), True, 100.0)
+    assert follower_step(state, _obs(stepped=-1)) == []  # running, no step completed yet
+    [arrive] = follower_step(state, _obs(stepped=4))
+    assert arrive == ArriveStepped(2, 4, 5100.0)
+    assert follower_arrived(state, arrive, False, 100.0) == []  # etcd refused it
+    assert follower_step(state, _obs(stepped=5)) == [ArriveStepped(2, 5, 5100.0)]  # again
+    assert follower_arrived(state, arrive, True, 100.0) == [] and gs.phase is Phase.RUNNING
+    assert follower_step(state, _obs(stepped=6)) == []  # once a generation
 
 
 def test_startings_deadline_fails_the_generation() -> None:

@@ -102,13 +102,20 @@ def test_generations_that_keep_failing_are_backed_off_and_one_that_trains_resets
     leader_generation_written(state, write, True)
     assert state.replan_not_before_s == 100.25 + 0.5  # doubles
     record = _record(5)  # the one just written, as the view holds it
-    # A generation whose every planned node started trained: the count starts again.
+    # Every planned node started: not trained yet, the count stays (a generation whose
+    # workers die in their first step is one more failure, not a fresh start).
     state.at(5, 101.0).resume_written = True
     started = {n: {"at": WALL, "moved_at": WALL} for n in ("n0", "n1")}
     [timeline] = leader_timeline_step_of(
         state, _obs(101.0, record=record, barriers={"started-5": started})
     )
-    assert isinstance(timeline, RecordTimeline) and state.replan_failures == 0
+    assert isinstance(timeline, RecordTimeline) and state.replan_failures == 4
+    # A node's ranks completed a step of it: the generation trained, the count starts again.
+    stepped = {"n0": {"step": 9, "at": WALL}}
+    leader_step(
+        state, _obs(102.0, record=record, barriers={"started-5": started, "stepped-5": stepped})
+    )
+    assert state.replan_failures == 0
 
 
 def test_nothing_is_decided_again_until_the_view_holds_the_terms_own_write() -> None:
@@ -302,7 +309,7 @@ def test_the_timeline_is_written_once_every_planned_node_started() -> None:
     t = record_it.timeline
     assert (t["resume_step"], t["steps_recomputed"], t["stopped_s"]) == (8, 2, 1.0)
     assert (t["moved_s"], t["resumed_s"]) == (2.5, 4.0)
-    assert state.sick.strikes == {}  # the nodes trained
+    assert state.sick.strikes == {"n1": 2}  # started, not trained: n1's strikes stay
     assert leader_timeline_recorded(state, record_it, False) == []  # the term is over
     assert not state.timeline_written
     housekeep, clean, count, told = leader_timeline_recorded(state, record_it, True)
@@ -323,7 +330,31 @@ def test_a_timeline_an_earlier_leader_wrote_is_not_written_again() -> None:
     }
     assert leader_timeline_step_of(state, _obs(100.0, record=record, barriers=barriers)) == []
     assert state.timeline_written
-    assert state.sick.strikes == {}  # the generation trained: its nodes' strikes start again
+    assert state.sick.strikes == {"n1": 2}  # it started; whether it trained, stepped-2 says
+
+
+def test_strikes_are_cleared_only_for_the_nodes_whose_ranks_completed_a_step() -> None:
+    """Before, every node that arrived at `started-G` had its strikes cleared: a node whose
+    workers die in their first step was struck, cleared at the next start, struck again, and
+    never quarantined (7 failed generations with quarantine_after: 2), while the failed
+    generations spent the job's failure budget. Now only a node at `stepped-G` is cleared,
+    whoever leads (a term that starts from the record's strikes reads the same barrier)."""
+    state = _state()
+    state.sick.seed({"n0": 1, "n1": 2})  # carried by the record this term started from
+    record = _record(2)
+    state.at(2, 100.0).resume_written = True
+    barriers: dict[str, dict[str, Any]] = {
+        "started-2": {n: {"at": WALL, "moved_at": WALL} for n in ("n0", "n1")},
+        "stepped-2": {"n0": {"step": 5, "at": WALL + 1.0}},
+    }
+    leader_step(state, _obs(101.0, record=record, barriers=barriers))
+    assert state.sick.strikes == {"n1": 2}  # n0's ranks trained; n1's have not (yet)
+    state.sick.strikes["n0"] = 1  # (a stale look at the same arrivals clears nothing again)
+    leader_step(state, _obs(101.5, record=record, barriers=barriers))
+    assert state.sick.strikes == {"n0": 1, "n1": 2}
+    barriers["stepped-2"] = {**barriers["stepped-2"], "n1": {"step": 5, "at": WALL + 1.0}}
+    leader_step(state, _obs(102.0, record=record, barriers=barriers))
+    assert state.sick.strikes == {"n0": 1}  # only the newcomer at stepped-2 is cleared
 
 
 def test_a_generation_record_carries_the_strikes_into_the_next_term() -> None:

@@ -39,6 +39,7 @@ from elasticpp.agent.actions import (
     Action,
     ArriveDone,
     ArriveStarted,
+    ArriveStepped,
     ArriveStopped,
     AskStop,
     AssignRanks,
@@ -93,6 +94,7 @@ from elasticpp.cluster.barriers import (
     failed_barrier,
     resume_barrier,
     started_barrier,
+    stepped_barrier,
     stopped_barrier,
 )
 from elasticpp.cluster.errors import ClusterUnavailableError
@@ -211,6 +213,7 @@ class Follower:
         executor.register(RemoveResumeDir, self._remove_resume_dir)
         executor.register(ArriveStopped, self._arrive)
         executor.register(ArriveStarted, self._arrive)
+        executor.register(ArriveStepped, self._arrive)
         executor.register(ArriveDone, self._arrive)
         executor.register(StartFetch, self._start_fetch)
         executor.register(AssignRanks, self._assign_ranks)
@@ -259,11 +262,19 @@ class Follower:
 
     # ------------------------------------------------------------------ failures
     def report_failure(
-        self, generation: int, reason: str, *, culprit: bool = False, severe: bool = False
+        self,
+        generation: int,
+        reason: str,
+        followed_a_peer: bool = False,
+        *,
+        culprit: bool = False,
+        severe: bool = False,
     ) -> None:
-        """Report generation `generation` failed here. `culprit`: this node is the cause (its
-        disk, its spares, its workers), not a victim of a peer's failure; `severe`: the
-        leader quarantines it at once (elasticpp.agent.sick)."""
+        """Report generation `generation` failed here. `followed_a_peer`: a worker here
+        failed because a peer went away (a victim, blamed only if no report names a cause);
+        `culprit`: this node is the cause (its disk, its spares, its workers), not a victim
+        of a peer's failure; `severe`: the leader quarantines it at once
+        (elasticpp.agent.sick)."""
         self._journal.write("worker", f"failure in generation {generation}: {reason}")
         self._metrics.worker_failures_total.labels(**self._metrics.labels).inc()
         fs = self.state
@@ -272,7 +283,13 @@ class Follower:
         # while etcd is down is published when it returns instead of being lost.
         fs.pending_failures.setdefault(
             generation,
-            {"reason": reason, "at": self._clock.time(), "culprit": culprit, "severe": severe},
+            {
+                "reason": reason,
+                "at": self._clock.time(),
+                "culprit": culprit,
+                "severe": severe,
+                "peer": followed_a_peer,
+            },
         )
         self.publish_failures()
 
@@ -365,6 +382,7 @@ class Follower:
             ready_spares=pool.ready_spares(),
             spare_replaced=pool.replaced_since(gs.stop_began_s) > 0,
             all_started=bool(mine) and all(w.state is not WorkerState.STARTING for w in mine),
+            stepped=min((w.last_step for w in mine), default=-1),
             halted=pool.halted(g),
             done_ranks=pool.done_ranks(g),
             steps=spec.steps,
@@ -404,7 +422,7 @@ class Follower:
         if gs is not None and gs.generation == action.generation:
             shutil.rmtree(self.resume_dir(gs), ignore_errors=True)
 
-    def _arrive(self, action: ArriveStopped | ArriveStarted | ArriveDone) -> None:
+    def _arrive(self, action: ArriveStopped | ArriveStarted | ArriveStepped | ArriveDone) -> None:
         """Write a follower's arrival and feed the result back; a write etcd refuses leaves
         the phase as it was (the error still ends the tick's etcd half)."""
         value: dict[str, JSONValue]
@@ -422,6 +440,9 @@ class Follower:
         elif isinstance(action, ArriveStarted):
             barrier = started_barrier(action.generation)
             value = {"moved_at": action.moved_s, "at": action.at_s}
+        elif isinstance(action, ArriveStepped):
+            barrier = stepped_barrier(action.generation)
+            value = {"step": action.step, "at": action.at_s}
         else:
             barrier, value = "done", {"step": action.step, "at": action.at_s}
         execute, now = self._ports.execute, self._clock.monotonic

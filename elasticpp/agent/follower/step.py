@@ -5,14 +5,16 @@ record with its plan already parsed, the old workers, this generation's resume i
 the fetch's status, the warm pool, the workers' halts and finishes) and writes only
 `FollowerState`; it does no I/O and reads no clock. Its actions (elasticpp.agent.actions:
 SkipRecord, AskStop, KillOld, DrainWorkerEvents, CleanResume, ArriveStopped, StartFetch,
-AssignRanks, ArriveStarted, ArriveDone, RecordHalt, ReportFailure, RemoveResumeDir,
-CleanLocal, Event) are applied by the handlers the `Follower` (`shell`) registers.
+AssignRanks, ArriveStarted, ArriveStepped, ArriveDone, RecordHalt, ReportFailure,
+RemoveResumeDir, CleanLocal, Event) are applied by the handlers the `Follower` (`shell`) registers.
 
 Invariants:
 - a phase that depends on an etcd write changes only in the write's feedback
   (`follower_arrived`), after it succeeded: stopping -> moving once `stopped-G` is in etcd,
   moving -> idle and starting -> running once `started-G` is, -> done once `done` is; a
   write that fails (etcd unreachable) leaves the phase, and the next step writes again;
+  `stepped-G` (every rank here completed a step of G) is written once in running, the same
+  way;
 - a generation's fetch starts once (`follower_fetch_started` says whether it may), and its
   outcome comes back in the observation (`FetchStatus`); the assignment's outcome comes back
   through `follower_assigned`; an assignment is all or nothing, and its error fails the
@@ -36,6 +38,7 @@ from elasticpp.agent.actions import (
     Action,
     ArriveDone,
     ArriveStarted,
+    ArriveStepped,
     ArriveStopped,
     AskStop,
     AssignRanks,
@@ -122,6 +125,7 @@ class GenerationProgress:
     fetch_done_at: float | None = None
     resume: dict[str, JSONValue] | None = None
     waiting_said: str = ""  # the leader's wait for state (why) while this node waits with it
+    stepped_arrived: bool = False  # `stepped-G` is in etcd (this node's ranks trained in G)
 
     @property
     def generation(self) -> int:
@@ -217,6 +221,7 @@ class FollowerObservation:
     ready_spares: int = 0
     spare_replaced: bool = False  # a never-ready spare was replaced since the stop began
     all_started: bool = False  # this generation's workers here all left STARTING
+    stepped: int = -1  # the step every worker of this generation here completed (-1: not yet)
     halted: str | None = None  # why a rank of the generation halted (a non-finite step)
     done_ranks: frozenset[int] = frozenset()
     steps: int = 0  # the job's
@@ -248,6 +253,9 @@ def follower_step(state: FollowerState, obs: FollowerObservation) -> list[Action
     elif gs.phase is Phase.STARTING and obs.all_started:
         moved = gs.fetch_done_at or obs.wall_s
         actions.append(ArriveStarted(gs.generation, moved, obs.wall_s))
+    if gs.phase is Phase.RUNNING and obs.stepped >= 0 and not gs.stepped_arrived:
+        # Trained, not only started: the leader clears this node's strikes on this arrival.
+        actions.append(ArriveStepped(gs.generation, obs.stepped, obs.wall_s))
     # A halt: the workers wrote nothing from the non-finite step on; the job holds at the
     # last finite state instead of replicating poison or re-planning into the same step.
     if (
@@ -410,7 +418,7 @@ def _deadline(gs: GenerationProgress, obs: FollowerObservation) -> list[Action]:
 
 def follower_arrived(
     state: FollowerState,
-    action: ArriveStopped | ArriveStarted | ArriveDone,
+    action: ArriveStopped | ArriveStarted | ArriveStepped | ArriveDone,
     ok: bool,
     now_s: float,
 ) -> list[Action]:
@@ -423,6 +431,9 @@ def follower_arrived(
     if isinstance(action, ArriveStopped):
         if gs.enter(Phase.MOVING, now_s):
             log.info("generation %d: old workers stopped; holdings reported", gs.generation)
+        return []
+    if isinstance(action, ArriveStepped):
+        gs.stepped_arrived = True
         return []
     if isinstance(action, ArriveStarted):
         if action.spare:

@@ -44,6 +44,7 @@ def report_of(node: str, value: JSONValue) -> Report:
         at=float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else 0.0,
         culprit=v.get("culprit") is True,
         severe=v.get("severe") is True,
+        followed_a_peer=v.get("peer") is True,
     )
 
 

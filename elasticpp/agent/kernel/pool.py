@@ -45,6 +45,7 @@ class Worker:
     last_progress_s: float = field(default_factory=time.monotonic)
     last_step: int = -1
     killed_by_us: bool = False
+    followed_a_peer: bool = False  # its error said a peer went away (a victim, not a cause)
 
     def move(self, new: WorkerState) -> None:
         self.state = transition(self.state, new)

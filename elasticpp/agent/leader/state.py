@@ -47,7 +47,7 @@ class LeaderState:
     sick: SickNodes  # quarantines, strikes, the failure budget (elasticpp.agent.sick)
     rendezvous_secret: str = ""  # the term's secret behind each generation's store prefix
     # re-planning
-    replan_failures: int = 0  # generations in a row that failed before they trained
+    replan_failures: int = 0  # generations in a row that failed before they trained a step
     replan_not_before_s: float = 0.0  # monotonic: the backoff between failed generations
     written_generation: int = 0  # the newest generation this term wrote: nothing is
     # decided again until the view holds it (its own write reaches it through the watch)
@@ -59,6 +59,10 @@ class LeaderState:
     generation: int = 0
     resume_written: bool = False
     timeline_written: bool = False
+    # the `stepped-G` arrivals last looked at (the cache's object, the same while unchanged)
+    # and the nodes whose strikes they cleared
+    stepped_seen: object | None = None
+    stepped_cleared: frozenset[str] = frozenset()
     missing_probed_s: float = 0.0  # monotonic: when nodes missing at stopped-G were probed
     stop_wait_since_s: float | None = None  # monotonic: first look at a stopped-G wait
     pull_asked: bool = False  # the holdings pull was started (its result: `obs.pulled`)
@@ -81,6 +85,8 @@ class LeaderState:
             self.generation = generation
             self.resume_written = False
             self.timeline_written = False
+            self.stepped_seen = None
+            self.stepped_cleared = frozenset()
             self.missing_probed_s = now_s
             self.stop_wait_since_s = None
             self.pull_asked = False

@@ -69,6 +69,7 @@ from elasticpp.cluster.barriers import (
     failed_barrier,
     resume_barrier,
     started_barrier,
+    stepped_barrier,
     stopped_barrier,
     timeline_member,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "leader_step",
     "leader_timeline_recorded",
     "leader_timeline_step",
+    "leader_trained_step",
 ]
 
 log = logging.getLogger("elasticpp.agent")
@@ -183,6 +185,7 @@ def leader_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
         return actions
     actions += leader_resume_step(state, obs)
     actions += leader_timeline_step(state, obs)
+    leader_trained_step(state, obs)
     actions += leader_safe_check(state, obs)
     actions += leader_compaction_check(state, obs)
     return actions
@@ -305,8 +308,8 @@ def detection_time(obs: LeaderObservation, generation: int) -> float:
 
 def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Action]:
     """Once every planned node of the followed generation started, its recovery timeline
-    (an earlier leader's stays); the generation trained, so strikes and the failure count
-    start again."""
+    (an earlier leader's stays). Started is not trained: strikes and the failure count
+    start again only at `stepped-G` (`leader_trained_step`)."""
     gen, plan = obs.followed, obs.followed_plan
     if gen is None or plan is None:
         return []
@@ -315,17 +318,13 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         return []
     if timeline_member(gen.generation) in obs.barriers.get("timelines", {}):
         # Written by the leader that ran this generation; a leader elected later (at the
-        # job's end, say) must not overwrite it with what it did not see. It trained: the
-        # strikes this term started from (the record's) start again.
+        # job's end, say) must not overwrite it with what it did not see.
         ls.timeline_written = True
-        state.sick.trained(gen.planned_nodes)
         return []
     started = obs.barriers.get(started_barrier(gen.generation), {})
     nodes = gen.planned_set
     if not nodes <= set(started):
         return []
-    state.replan_failures = 0
-    state.sick.trained(nodes)
     resume = fields(obs.barriers.get(resume_barrier(gen.generation), {}).get(RESUME_MEMBER))
     stopped = obs.barriers.get(stopped_barrier(gen.generation), {})
     detected = float(gen.extra.get("detected_at", gen.created_at))
@@ -346,6 +345,28 @@ def leader_timeline_step(state: LeaderState, obs: LeaderObservation) -> list[Act
         "resumed_s": resumed_at - detected,
     }
     return [RecordTimeline(gen.generation, timeline, bool(gen.extra.get("previous_layout")))]
+
+
+def leader_trained_step(state: LeaderState, obs: LeaderObservation) -> None:
+    """The nodes at `stepped-G` of the followed generation (their ranks completed a step of
+    it) have their strikes cleared, and the failure count starts again: the generation
+    trained. Not at `started-G`: a node whose workers die in their first step was cleared at
+    every start and never quarantined, while its failed generations spent the job's failure
+    budget. A leader elected later reads the same barrier (the strikes it seeds from the
+    record are cleared the same way)."""
+    gen = obs.followed
+    if gen is None:
+        return
+    stepped = obs.barriers.get(stepped_barrier(gen.generation), {})
+    ls = state.at(gen.generation, obs.now_s)
+    if stepped is ls.stepped_seen or not stepped:
+        return  # the cache's object is the same while the barrier is: nothing new
+    ls.stepped_seen = stepped
+    new = [n for n in stepped if n not in ls.stepped_cleared]
+    if new:
+        ls.stepped_cleared = ls.stepped_cleared.union(new)
+        state.replan_failures = 0
+        state.sick.trained(new)
 
 
 def leader_timeline_recorded(state: LeaderState, action: RecordTimeline, ok: bool) -> list[Action]:

@@ -88,8 +88,9 @@ def _worker_template(
     return WorkerTemplate(log_path, env=env, on_ready=on_ready, python=python)
 
 
-# Where a generation's failure is reported (the follower publishes it): (generation, why).
-ReportFailed = Callable[[int, str], None]
+# Where a generation's failure is reported (the follower publishes it): (generation, why,
+# whether it followed a peer's failure).
+ReportFailed = Callable[[int, str, bool], None]
 
 
 @dataclass(frozen=True)
@@ -398,6 +399,7 @@ class Supervisor:
             w.move(WorkerState.DONE)
             pool.rank_done(w.generation, w.rank)
         elif kind == "error":
+            w.followed_a_peer = event.get("peer") is True
             log.warning("worker rank %d: %s", w.rank, event.get("message"))
         elif kind == EXITED:
             rc = event.get("returncode")
@@ -405,7 +407,12 @@ class Supervisor:
                 w.move(WorkerState.FAILED)
                 if not w.killed_by_us:
                     self._failed_log(proc, w.generation, w.rank, rc)
-                    self._report_failed(w.generation, f"worker rank {w.rank} exited with code {rc}")
+                    self._report_failed(
+                        w.generation,
+                        f"worker rank {w.rank} exited with code {rc}"
+                        + (" after a peer went away" if w.followed_a_peer else ""),
+                        w.followed_a_peer,
+                    )
             pool.forget(proc.pid)
             log_path = getattr(proc, "log_path", None)
             if log_path is not None:

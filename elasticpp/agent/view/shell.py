@@ -1,9 +1,9 @@
 """The agent's view of the cluster: members, the generation record, the leader and the
 barriers of the current generation (the resume instruction; every node's arrivals,
-`stopped-G`, `started-G` and `failed-G`, only on the leader: a follower reads none of them,
-so a transition's N arrivals reach one node, not N), and the published safe step (at most
-every `SAFE_EVERY_S`), which becomes the store's floor. The decision loop takes them (on a
-watch event, and at least every second) from the job's watch-fed cache
+`stopped-G`, `started-G`, `stepped-G` and `failed-G`, only on the leader: a follower reads
+none of them, so a transition's N arrivals reach one node, not N), and the published safe
+step (at most every `SAFE_EVERY_S`), which becomes the store's floor. The decision loop
+takes them (on a watch event, and at least every second) from the job's watch-fed cache
 (`elasticpp.cluster.cache`): in steady state the view sends etcd no request at all; it reads
 a range again only when its watch lost events, and parses a record again only when it
 changed (`ClusterClient` keeps what it derived from an unchanged cached answer).
@@ -250,7 +250,7 @@ class View:
             if gen:
                 names.append(resume_barrier(gen))
                 if leading:  # every node's arrivals: the leader's
-                    names += [f"{b}-{gen}" for b in ("stopped", "started", "failed")]
+                    names += [f"{b}-{gen}" for b in ("stopped", "started", "stepped", "failed")]
             for name in names:
                 barriers[name], _ = cluster.arrivals.barrier_state(name, cached=True)
             safe = None

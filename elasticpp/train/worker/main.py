@@ -15,7 +15,9 @@ events: one JSON object per line on the pipe whose descriptor `ELASTICPP_EVENT_F
     {"event": "snapshot", "step", "dir", "pieces": [{"name", "size", "sha256"}],
      "generation", "rank"}
     {"event": "snapshot_failed", "step", "message", "generation", "rank"}
-    {"event": "stopped", "step"} | {"event": "done", "step"} | {"event": "error", "message"}
+    {"event": "stopped", "step"} | {"event": "done", "step"}
+    {"event": "error", "message", "peer"}             peer: the error followed a peer's loss
+                                                       (elasticpp.train.worker.peerloss)
     {"event": "halted", "step", "message"}             the step's loss or gradient norm is
                                                        not finite: nothing after it is written
 
@@ -49,6 +51,7 @@ from elasticpp.errors import ConfigError
 from elasticpp.train.config import rendezvous_timeout_s
 from elasticpp.train.engine.profiler import StepProfile
 from elasticpp.train.worker.assignment import Assignment
+from elasticpp.train.worker.peerloss import followed_a_peer
 from elasticpp.train.worker.procs import WORKER_DEVICE_ENV
 from elasticpp.train.worker.snapshots import SnapshotWriter, is_snapshot_writer
 
@@ -359,7 +362,13 @@ def main() -> int:
         log.exception("worker failed")
         # If the supervisor is gone the write fails; the exit code still says it.
         with contextlib.suppress(OSError, ValueError):
-            out.emit({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+            out.emit(
+                {
+                    "event": "error",
+                    "message": f"{type(exc).__name__}: {exc}",
+                    "peer": followed_a_peer(exc),  # a peer went away: it failed after it
+                }
+            )
         code = 1
     logging.shutdown()
     sys.stderr.flush()
