@@ -34,7 +34,12 @@ records (restart = kill → the new process runs, i.e. detection, stopping the s
 rendezvous and spawn; import = torch and the model code; setup = process group, model,
 checkpoint load; first step = the rest).
 
-Prints a markdown table and writes every trial to `trials.json` in the work directory.
+Prints a markdown table and writes every trial to `trials.json` in the work directory;
+`--results FILE` writes them with the tree and the machine (bench/provenance.py), and
+`--table-from FILE` prints the table of such a file again. `--elasticpp-defaults` runs
+elasticpp with the job spec's defaults (snapshots on the 10 s time rule, the default lease,
+settle window and hang rule) instead of the step rule: a crash then recomputes the steps
+since the newest snapshot, which the "time lost" column counts.
 The machine is shared: numbers are noisy, medians are the thing to read.
 """
 
@@ -54,10 +59,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.provenance import machine, tree
 from elasticpp.agent.localcluster import LocalCluster, kill_tree
 from elasticpp.proctree import blocked_reading_stdin, sigterm_as_interrupt, worker_processes
 
@@ -157,8 +165,14 @@ def steady_step_s(rows: list[dict[str, Any]], count: int = SETTLE_STEPS) -> floa
 # --------------------------------------------------------------------------- elasticpp
 
 
-def elasticpp_spec(name: str) -> dict[str, Any]:
-    return {
+# The elasticpp job's settings the step rule overrides; `--elasticpp-defaults` leaves the
+# job spec's defaults instead (a snapshot on the time rule, every 10 s; the default lease,
+# settle window and hang rule), which is what a user who sets nothing gets.
+TUNED = ("lease_ttl_s", "join_settle_s", "hang_timeout_s", "snapshot_every")
+
+
+def elasticpp_spec(name: str, defaults: bool = False) -> dict[str, Any]:
+    spec = {
         "name": name,
         "model": "tiny",
         "global_batch": GLOBAL_BATCH,
@@ -175,6 +189,7 @@ def elasticpp_spec(name: str) -> dict[str, Any]:
         # default time rule (a snapshot every 10 s) it would recompute up to 10 s of steps.
         "snapshot_every": 1,
     }
+    return {k: v for k, v in spec.items() if not (defaults and k in TUNED)}
 
 
 def warm_pool_ready(lc: LocalCluster, node_id: str) -> bool:
@@ -295,10 +310,15 @@ def elasticpp_measure(
 
 
 def run_elasticpp(
-    scenario: str, repeats: int, workdir: Path, log: Callable[[str], None]
+    scenario: str,
+    repeats: int,
+    workdir: Path,
+    log: Callable[[str], None],
+    defaults: bool = False,
 ) -> list[Trial]:
     name = "bench-node" if scenario == "node loss" else "bench-worker"
-    lc = LocalCluster(workdir / name, elasticpp_spec(name), nodes=NODES, slots=SLOTS)
+    spec = elasticpp_spec(name, defaults)
+    lc = LocalCluster(workdir / name, spec, nodes=NODES, slots=SLOTS)
     trials: list[Trial] = []
     restarts: list[str] = []
 
@@ -605,11 +625,17 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def time_lost_s(t: Trial) -> float:
+    """What the fault cost the user: the downtime and the steps trained twice."""
+    return t.downtime_s + t.steps_lost * t.steady_step_s
+
+
 def table(trials: list[Trial]) -> str:
     lines = [
         "| scenario | system | trials | downtime median (s) [min–max] | phase breakdown, "
-        "medians (s) | steps lost, median [max] | lost step redone after (s) | steady step (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "medians (s) | steps lost, median [max] | lost step redone after (s) | steady step (s) "
+        "| time lost, median (s): downtime + steps lost × step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple[str, str], list[Trial]] = {}
     for t in trials:
@@ -624,7 +650,8 @@ def table(trials: list[Trial]) -> str:
             f"[{min(down):.2f}–{max(down):.2f}] | {phases} | "
             f"{_median([float(x) for x in lost]):g} [{max(lost)}] | "
             f"{_median([t.regained_s for t in ts]):.2f} | "
-            f"{_median([t.steady_step_s for t in ts]):.2f} |"
+            f"{_median([t.steady_step_s for t in ts]):.2f} | "
+            f"{_median([time_lost_s(t) for t in ts]):.2f} |"
         )
     lines.append("")
     for scenario in ("worker crash", "node loss"):
@@ -660,8 +687,23 @@ def main() -> int:
         default=None,
         help="run one system only (the comparison needs both)",
     )
+    parser.add_argument(
+        "--elasticpp-defaults",
+        action="store_true",
+        help="elasticpp with the job spec's defaults (snapshots every 10 s), not a step rule",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs and trials here")
+    parser.add_argument(
+        "--results", type=Path, default=None, help="write the raw trials, tree and machine here"
+    )
+    parser.add_argument(
+        "--table-from", type=Path, default=None, help="print the table of a --results file"
+    )
     args = parser.parse_args()
+    if args.table_from is not None:
+        raw = json.loads(args.table_from.read_text())
+        print(table([Trial(**t) for t in raw["trials"]]))
+        return 0
     if args.quick:
         args.repeats, args.torchrun_node_repeats = 2, 1
     if args.repeats < 1 or args.torchrun_node_repeats < 0 or args.ckpt_every < 1:
@@ -682,17 +724,28 @@ def main() -> int:
     trials: list[Trial] = []
     with sigterm_as_interrupt():
         if args.only in (None, "elasticpp"):
-            trials += run_elasticpp("worker crash", args.repeats, workdir, log)
-            trials += run_elasticpp("node loss", args.repeats, workdir, log)
+            for scenario in ("worker crash", "node loss"):
+                ours = run_elasticpp(scenario, args.repeats, workdir, log, args.elasticpp_defaults)
+                if args.elasticpp_defaults:
+                    ours = [replace(t, system="elasticpp, defaults") for t in ours]
+                trials += ours
         if args.only in (None, "torchrun"):
             trials += run_torchrun_worker_crash(args.repeats, args.ckpt_every, workdir, log)
             if args.torchrun_node_repeats:
                 trials += run_torchrun_node_loss(
                     args.torchrun_node_repeats, args.ckpt_every, workdir, log
                 )
-    (workdir / "trials.json").write_text(
-        json.dumps({"format_version": 1, "trials": [asdict(t) for t in trials]}, indent=1)
-    )
+    raw = {"format_version": 1, "trials": [asdict(t) for t in trials]}
+    (workdir / "trials.json").write_text(json.dumps(raw, indent=1))
+    if args.results is not None:
+        raw |= {
+            "command": "python bench/recovery.py " + " ".join(sys.argv[1:]),
+            "tree": tree(),
+            "machine": machine(),
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(raw, indent=1) + "\n")
     trials.sort(key=lambda t: (t.scenario != "worker crash", t.system != "elasticpp"))
     print(table(trials))
     log(f"done in {time.monotonic() - t0:.0f} s")
