@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.scale import run_size
 
-NODES = 256  # 30 s on a two-core machine (README, "Control plane at scale")
+NODES = 256  # 30 s on a two-core machine (docs/benchmarks.md, "Control plane at scale")
 
 
 def test_a_node_loss_in_a_simulated_cluster_reaches_every_node_within_bounds(

@@ -1,7 +1,8 @@
-"""The README's tables against the code: every metric an agent exports is in the metrics
-table, and the table names no metric the agent does not export; the agent's flags table
-lists its flags exactly, the commands table every command, and the output paragraph every
-command that takes `-o`."""
+"""The tables of the README and the docs against the code: every metric an agent exports is
+in the metrics table (docs/metrics.md), and the table names no metric the agent does not
+export; the agent's flags table (docs/usage.md) lists its flags exactly, the README's
+commands table every command, and the output paragraph (docs/usage.md) every command that
+takes `-o`."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from prometheus_client import generate_latest
 from elasticpp.agent.kernel.metrics import AgentMetrics
 from elasticpp.cli import main as cli_main
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+USAGE = ROOT / "docs" / "usage.md"
+METRICS = ROOT / "docs" / "metrics.md"
 
 
-def _table_after(heading: str) -> str:
-    text = README.read_text()
+def _table_after(heading: str, doc: Path) -> str:
+    text = doc.read_text()
     section = text.split(heading, 1)[1]
     return section.split("\n\n|", 1)[1].split("\n\n", 1)[0]
 
@@ -34,14 +38,15 @@ def test_the_metrics_table_lists_exactly_the_metrics_an_agent_exports() -> None:
         )
         if not name.endswith("_created")
     }
-    listed = set(re.findall(r"^\| `(elasticpp_[a-z_]+)", _table_after("\n## Metrics\n"), re.M))
-    assert exported - listed == set(), "exported, not in the README's table"
-    assert listed - exported == set(), "in the README's table, not exported"
+    table = _table_after("# Metrics\n", METRICS)
+    listed = set(re.findall(r"^\| `(elasticpp_[a-z_]+)", table, re.M))
+    assert exported - listed == set(), "exported, not in docs/metrics.md's table"
+    assert listed - exported == set(), "in docs/metrics.md's table, not exported"
 
 
-def _first_table(heading: str) -> str:
-    """The first table of the section under `heading`."""
-    lines = README.read_text().split(heading, 1)[1].splitlines()
+def _first_table(heading: str, doc: Path) -> str:
+    """The first table of the section under `heading` in `doc`."""
+    lines = doc.read_text().split(heading, 1)[1].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     return "\n".join(lines[start:end])
@@ -64,25 +69,25 @@ def _subparser(*words: str) -> argparse.ArgumentParser:
 
 
 def test_the_agent_flags_table_lists_exactly_the_agents_flags_and_which_are_required() -> None:
-    table = _first_table("\n### Run an elastic job\n")
+    table = _first_table("\n## Run an elastic job\n", USAGE)
     assert table.startswith("| flag | default | meaning |")
     rows = [r.split(" | ") for r in table.splitlines()[2:]]
     listed = {flag: row[1] for row in rows for flag in re.findall(r"`(--[a-z-]+)`", row[0])}
     flags = _flags(_subparser("agent"))
-    assert set(flags) - set(listed) == set(), "agent flags the README's table lacks"
-    assert set(listed) - set(flags) == set(), "in the README's table, not agent flags"
+    assert set(flags) - set(listed) == set(), "agent flags docs/usage.md's table lacks"
+    assert set(listed) - set(flags) == set(), "in docs/usage.md's table, not agent flags"
     for flag, action in flags.items():
         assert (listed[flag] == "required") == action.required, flag
 
 
 def test_the_commands_table_lists_every_command() -> None:
-    table = _first_table("\n## Using it\n")
+    table = _first_table("\n## Using it\n", README)
     listed = set(re.findall(r"^\| `elasticpp ([a-z]+)", table, re.M))
     assert listed == set(cli_main.SUBCOMMANDS)
 
 
 def test_the_output_paragraph_names_every_command_that_takes_o() -> None:
-    text = README.read_text().split("**Output.**", 1)[1].split("\n\n", 1)[0]
+    text = USAGE.read_text().split("**Output.**", 1)[1].split("\n\n", 1)[0]
     named = set()
     for command, subs in re.findall(
         r"`(plan|ctl|job|data|export)((?: [a-z|]+)?)", text.replace("\n", " ")
