@@ -209,6 +209,7 @@ def compose(cfg: AgentConfig, spec: JobSpec, incarnation: str, loop: Loop, seams
         journal=journal,
         metrics=metrics,
         records=cluster.health,
+        requests=cluster.requests,
         pool=pool,
         own_step=lambda: max(store.committed_steps(node), default=None),
         last_step=lambda: durability.summary().last_step,
@@ -366,6 +367,7 @@ def compose(cfg: AgentConfig, spec: JobSpec, incarnation: str, loop: Loop, seams
     job_stop = JobStop(
         StopConfig(node, spec.stop_timeout_s),
         clock=clock,
+        requests=cluster.requests,
         records=cluster.health,
         arrivals=cluster.arrivals,
         pool=pool,
@@ -379,7 +381,7 @@ def compose(cfg: AgentConfig, spec: JobSpec, incarnation: str, loop: Loop, seams
     job_checkpoint = JobCheckpoint(
         CheckpointConfig(node),
         clock=clock,
-        records=cluster.health,
+        records=cluster.requests,
         arrivals=cluster.arrivals,
         held=lambda: store.committed_steps(node),
         persist_outcome=d.persist_outcome,

@@ -157,11 +157,11 @@ def job_status(client: Any) -> dict[str, Any]:
     record, _ = client.read_generation()
     members = client.members().nodes
     end = client.health.job_end()
-    stop = client.health.stop_request()
+    stop = client.requests.stop_request()
     done, _ = client.arrivals.barrier_state("done")
     safe, _ = client.commits.read_safe()
     quarantined = client.health.quarantined()
-    cordoned = client.health.cordoned()
+    cordoned = client.requests.cordoned()
     if end is not None:
         state = end.status
     elif done:
@@ -200,7 +200,7 @@ def job_nodes(client: Any) -> list[dict[str, Any]]:
     members = client.members().nodes
     record, _ = client.read_generation()
     quarantined = client.health.quarantined()
-    cordoned = client.health.cordoned()
+    cordoned = client.requests.cordoned()
     ranks: dict[str, int] = {}
     if record is not None and isinstance(record.plan, dict):
         placement = record.plan.get("placement")
@@ -313,7 +313,7 @@ def _stop(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
         if args.if_running:
             return _nothing_to_stop(args, state, why)
         raise ConfigError(why)
-    request = client.health.request_stop(
+    request = client.requests.request_stop(
         by=f"{getpass.getuser()}@{socket.gethostname()}", reason=args.reason
     )
     deadline = time.monotonic() + args.wait
@@ -344,7 +344,7 @@ def _cordon(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> in
 
     node = args.node
     if args.job_command == "uncordon":
-        done = client.health.uncordon(node)
+        done = client.requests.uncordon(node)
         message = (
             f"job {args.name}: node {node} uncordoned; the leader plans it again at its next turn"
             if done
@@ -357,7 +357,7 @@ def _cordon(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> in
         known = ", ".join(status["members"]) or "none"
         raise ConfigError(f"--node {node}: not a node of job {args.name} (registered: {known})")
     by = f"{getpass.getuser()}@{socket.gethostname()}"
-    created, record = client.health.cordon(node, by, args.reason)
+    created, record = client.requests.cordon(node, by, args.reason)
     message = (
         f"job {args.name}: node {node} cordoned; the job moves off it at a step boundary "
         "(its agent stays, a spare)"

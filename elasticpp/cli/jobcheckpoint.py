@@ -53,7 +53,7 @@ def run(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
     nodes = list(status["planned_nodes"])
     if state != "running" or not nodes:
         raise ConfigError(f"job {name} is {state}: no generation runs, so no node holds a step")
-    request = client.health.request_checkpoint(
+    request = client.requests.request_checkpoint(
         by=f"{getpass.getuser()}@{socket.gethostname()}", reason=args.reason
     )
     deadline = time.monotonic() + args.wait
@@ -82,7 +82,7 @@ def run(client: Any, args: argparse.Namespace, status: dict[str, Any]) -> int:
         result(None, {}, f"job {name}: no committed step is held by every node ({each})")
         return 1
     step = max(common)
-    if not client.health.choose_checkpoint_step(request, step):
+    if not client.requests.choose_checkpoint_step(request, step):
         result(step, {}, f"job {name}: another checkpoint request replaced this one")
         return 1
     outcomes = wait_for("outcome")

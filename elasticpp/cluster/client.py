@@ -60,6 +60,7 @@ from elasticpp.cluster.records import (
     Members,
     WatchEvent,
 )
+from elasticpp.cluster.requests import Requests
 from elasticpp.cluster.watch import Watch
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class ClusterClient:
         self.arrivals = Arrivals(self.reads)
         self.commits = Commits(self.reads)
         self.health = Health(self.reads)
+        self.requests = Requests(self.reads)
 
     def _own(self, obj: _T) -> _T:
         with self._lock:

@@ -47,9 +47,12 @@ class JobEvent:
 
 class _Health(Protocol):
     def quarantined(self) -> dict[str, QuarantineRecord]: ...
+    def job_end(self) -> JobEnd | None: ...
+
+
+class _Requests(Protocol):
     def cordoned(self) -> dict[str, CordonRecord]: ...
     def stop_request(self) -> StopRequest | None: ...
-    def job_end(self) -> JobEnd | None: ...
 
 
 class _Arrivals(Protocol):
@@ -61,6 +64,8 @@ class JobRecords(Protocol):
 
     @property
     def health(self) -> _Health: ...
+    @property
+    def requests(self) -> _Requests: ...
     @property
     def arrivals(self) -> _Arrivals: ...
     def epoch(self) -> JobEpoch | None: ...
@@ -101,12 +106,12 @@ def job_events(client: JobRecords) -> list[JobEvent]:
                      f"{q.until - q.since:.0f} s (the {q.count}. time): {q.reason}",
                      node=node, key=f"{node}@{q.since}")
         )  # fmt: skip
-    for node, c in health.cordoned().items():
+    for node, c in client.requests.cordoned().items():
         events.append(
             JobEvent(c.at, "cordon", f"node {node} cordoned by {c.by}: {c.reason}", node=node,
                      key=f"{node}@{c.at}")
         )  # fmt: skip
-    stop = health.stop_request()
+    stop = client.requests.stop_request()
     if stop is not None:
         events.append(
             JobEvent(stop.at, "stop", f"stop asked by {stop.by}: {stop.reason}", key=str(stop.at))

@@ -475,8 +475,8 @@ def propose_epoch(newest_known: int, now_ns: int | None = None) -> int:
     return max(now, newest_known + 1, 1)
 
 
-# The health records: a node's quarantine, the job's end and an operator's request that it
-# stop (elasticpp.cluster.health).
+# The health records, a node's quarantine and the job's end (elasticpp.cluster.health), and
+# an operator's requests: stop, checkpoint now, cordon (elasticpp.cluster.requests).
 END_STATUSES = ("failed", "halted", "stopped")
 
 

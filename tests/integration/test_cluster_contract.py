@@ -231,17 +231,17 @@ def test_a_cordon_is_written_once_read_by_every_client_and_deleted_by_uncordon(
     new_client: Callable[[], ClusterClient],
 ) -> None:
     a, b = new_client(), new_client()
-    assert b.health.cordoned() == {}
-    created, first = a.health.cordon("n2", "ops@host", "disk swap")
+    assert b.requests.cordoned() == {}
+    created, first = a.requests.cordon("n2", "ops@host", "disk swap")
     assert created and (first.node_id, first.by, first.reason) == ("n2", "ops@host", "disk swap")
-    again, held = b.health.cordon("n2", "other@host", "another reason")
+    again, held = b.requests.cordon("n2", "other@host", "another reason")
     assert not again and held == first  # the first cordon stays
-    assert b.health.cordoned() == {"n2": first}
+    assert b.requests.cordoned() == {"n2": first}
     # A record filed under another node's id is not taken for that node's.
     a.reads.kv.put(a.keys.cordon("n3"), json.dumps(first.to_dict()))
-    assert set(b.health.cordoned()) == {"n2"}
-    assert b.health.uncordon("n2") and not b.health.uncordon("n2")
-    assert set(a.health.cordoned()) == set()
+    assert set(b.requests.cordoned()) == {"n2"}
+    assert b.requests.uncordon("n2") and not b.requests.uncordon("n2")
+    assert set(a.requests.cordoned()) == set()
 
 
 def test_commit_records_are_read_back_and_housekeeping_keeps_the_newest(

@@ -95,7 +95,7 @@ def test_a_job_with_no_agent_or_one_that_ended_is_not_stopped(cluster: LocalClus
         c.put_spec_if_absent('{"name": "llm"}')
         nobody = _job(lc, "stop")
         assert nobody.returncode == 2 and "no agent is registered" in nobody.stderr
-        assert c.health.stop_request() is None  # nothing was asked
+        assert c.requests.stop_request() is None  # nothing was asked
         c.health.end_job("failed", "failure budget spent", "n0")
     ended = _job(lc, "stop")
     assert ended.returncode == 2 and "job llm is failed already" in ended.stderr
@@ -116,7 +116,7 @@ def test_stop_if_running_of_a_job_with_nothing_to_stop_is_not_an_error(
         c.put_spec_if_absent('{"name": "llm"}')
         nobody = _job(lc, "stop", "--if-running")
         assert nobody.returncode == 0 and "no agent is registered" in nobody.stdout
-        assert c.health.stop_request() is None  # nothing was asked
+        assert c.requests.stop_request() is None  # nothing was asked
         c.health.end_job("failed", "failure budget spent", "n0")
     ended = _job(lc, "stop", "--if-running", "-o", "json")
     assert ended.returncode == 0 and json.loads(ended.stdout)["state"] == "failed"

@@ -31,7 +31,7 @@ from elasticpp.cluster.records import CheckpointRequest
 
 
 class CheckpointRecords(Protocol):
-    """The request in etcd (elasticpp.cluster.health.Health)."""
+    """The request in etcd (elasticpp.cluster.requests.Requests)."""
 
     def checkpoint_request(self, *, cached: bool = ...) -> CheckpointRequest | None: ...
 

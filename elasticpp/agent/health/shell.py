@@ -51,12 +51,18 @@ from elasticpp.cluster.records import CordonRecord, JobEnd, QuarantineRecord
 log = logging.getLogger("elasticpp.agent")
 
 
+class HealthRequests(Protocol):
+    """The operator's cordons in etcd (elasticpp.cluster.requests.Requests, a
+    `ClusterClient`'s `requests`): the health part publishes them with the quarantines."""
+
+    def cordoned(self, *, cached: bool = ...) -> dict[str, CordonRecord]: ...
+
+
 class HealthRecords(Protocol):
     """The etcd calls of the health part: what the job's health in etcd answers
     (elasticpp.cluster.health.Health, a `ClusterClient`'s `health`)."""
 
     def quarantined(self, *, cached: bool = ...) -> dict[str, QuarantineRecord]: ...
-    def cordoned(self, *, cached: bool = ...) -> dict[str, CordonRecord]: ...
     def job_end(self, *, cached: bool = ...) -> JobEnd | None: ...
     def end_job(self, status: str, reason: str, by: str, step: int = ...) -> JobEnd: ...
     def quarantine(self, record: QuarantineRecord, leader: Leadership) -> bool: ...
@@ -80,6 +86,7 @@ class Health:
         journal: Journal,
         metrics: AgentMetrics,
         records: HealthRecords,
+        requests: HealthRequests,
         pool: PoolPort,
         own_step: Callable[[], int | None],
         last_step: Callable[[], int],
@@ -94,6 +101,7 @@ class Health:
         self._journal = journal
         self._metrics = metrics
         self._records = records
+        self._requests = requests
         self._pool = pool
         self._own_step = own_step  # this node's newest own committed step, if any
         self._last_step = last_step  # the newest step this node's ranks trained
@@ -135,7 +143,7 @@ class Health:
             # From the job's cache, which the watch event that raised the signal updated
             # first: a quarantine made every node read etcd twice (2,048 reads at 1,024 nodes).
             records = self._records.quarantined(cached=True)
-            cordons = self._records.cordoned(cached=True)
+            cordons = self._requests.cordoned(cached=True)
             ended = self._records.job_end(cached=True)
         except BaseException:
             self.changed.raise_()  # read again on the next tick

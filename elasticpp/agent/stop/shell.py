@@ -33,10 +33,15 @@ from elasticpp.cluster.barriers import STOP_BARRIER
 from elasticpp.cluster.records import JobEnd, StopRequest
 
 
-class StopRecords(Protocol):
-    """The job's stop request and end in etcd (elasticpp.cluster.health.Health)."""
+class StopRequests(Protocol):
+    """The operator's stop request in etcd (elasticpp.cluster.requests.Requests)."""
 
     def stop_request(self, *, cached: bool = ...) -> StopRequest | None: ...
+
+
+class StopRecords(Protocol):
+    """The job's end in etcd (elasticpp.cluster.health.Health)."""
+
     def end_job(self, status: str, reason: str, by: str, step: int = ...) -> JobEnd: ...
 
 
@@ -65,6 +70,7 @@ class JobStop:
         config: StopConfig,
         *,
         clock: Clock,
+        requests: StopRequests,
         records: StopRecords,
         arrivals: StopArrivals,
         pool: PoolPort,
@@ -79,6 +85,7 @@ class JobStop:
         self.state = StopState()
         self.changed = Signal(raised=True)  # the `stop` key changed (and at the start)
         self._clock = clock
+        self._requests = requests
         self._records = records
         self._arrivals = arrivals
         self._pool = pool
@@ -105,7 +112,7 @@ class JobStop:
         if not self.changed.take() or self.state.request is not None:
             return
         try:
-            self.state.request = self._records.stop_request(cached=True)
+            self.state.request = self._requests.stop_request(cached=True)
         except BaseException:
             self.changed.raise_()  # read again on the next tick
             raise
