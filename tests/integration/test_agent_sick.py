@@ -109,6 +109,19 @@ def _leader(lc: LocalCluster) -> str | None:
         return c.leader()
 
 
+def _start_sick_first(lc: LocalCluster, sitecustomize: str, hook: Path) -> None:
+    """node-2 starts first, with `sitecustomize` loaded by each of its Python processes,
+    and leads; then the others start. Every plan until node-2 is set aside has ranks on it,
+    so no generation before that trains a step."""
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(sitecustomize)
+    lc.etcd.start()
+    lc.start_node(SICK, env={"PYTHONPATH": os.pathsep.join([str(hook), *sys.path])})
+    lc.wait_for(lambda: _leader(lc) == SICK, 60, f"{SICK} to register and lead")
+    for n in lc.nodes[:2]:
+        lc.start_node(n.node_id)
+
+
 def _last_plan_nodes(lc: LocalCluster) -> set[str]:
     with _client(lc) as c:
         record, _ = c.read_generation()
@@ -122,20 +135,12 @@ def test_a_node_whose_spares_never_become_ready_is_quarantined_and_the_job_goes_
 ) -> None:
     # node-2's workers hang before they report ready (a stuck driver initialisation, say):
     # Python imports sitecustomize at start-up, before the worker's own code runs.
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
+    hang = (
         "import os, time\n"
         f"if os.environ.get('ELASTICPP_NODE_ID') == {SICK!r}:\n"
         "    time.sleep(3600)\n"
     )
-    # node-2 registers first, so the first plan has ranks on it and nothing trains until
-    # it is set aside.
-    cluster.etcd.start()
-    cluster.start_node(SICK, env={"PYTHONPATH": os.pathsep.join([str(hook), *sys.path])})
-    cluster.wait_for(lambda: _leader(cluster) == SICK, 60, f"{SICK} to register and lead")
-    for n in cluster.nodes[:2]:
-        cluster.start_node(n.node_id)
+    _start_sick_first(cluster, hang, tmp_path / "hook")
     cluster.wait_for(lambda: SICK in _quarantined(cluster), 150, f"{SICK} quarantined")
     reason = _quarantined(cluster)[SICK].reason
     assert "not ready within 30 s" in reason, reason
@@ -186,17 +191,8 @@ def test_a_node_whose_workers_die_in_their_first_step_is_quarantined_and_the_job
     ranks completed a step of a generation (`stepped-G`) has its strikes cleared."""
     spec = {**SPEC, "quarantine_after": 2}
     cluster = LocalCluster(tmp_path / "job", spec, nodes=3, slots=1)
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(DIE_IN_FIRST_STEP % SICK)
     try:
-        # node-2 registers first, so every plan until it is set aside has ranks on it and
-        # no generation before that trains a step.
-        cluster.etcd.start()
-        cluster.start_node(SICK, env={"PYTHONPATH": os.pathsep.join([str(hook), *sys.path])})
-        cluster.wait_for(lambda: _leader(cluster) == SICK, 60, f"{SICK} to register and lead")
-        for n in cluster.nodes[:2]:
-            cluster.start_node(n.node_id)
+        _start_sick_first(cluster, DIE_IN_FIRST_STEP % SICK, tmp_path / "hook")
         cluster.wait_for(lambda: SICK in _quarantined(cluster), 180, f"{SICK} quarantined")
         quarantined = _quarantined(cluster)
         assert set(quarantined) == {SICK}, quarantined  # its peers' failures followed its own
