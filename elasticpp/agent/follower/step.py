@@ -62,6 +62,7 @@ from elasticpp.agent.kernel.decide import (
 from elasticpp.agent.kernel.limits import FETCH_STALL_S, STOP_GRACE_S
 from elasticpp.agent.kernel.records import JSONValue, Record
 from elasticpp.cluster.records import GenerationRecord
+from elasticpp.errors import causes
 from elasticpp.plan import Plan
 
 log = logging.getLogger("elasticpp.agent")
@@ -91,13 +92,7 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, err
 
 def is_disk_error(exc: BaseException | None) -> bool:
     """Whether `exc` (or what caused it) is an error of the local disk."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
+    return any(isinstance(e, OSError) and e.errno in DISK_ERRNOS for e in causes(exc))
 
 
 # Steps of the follower in one tick at most: a step whose actions moved the phase (or

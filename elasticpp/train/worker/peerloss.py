@@ -19,6 +19,8 @@ the agent's hang rule, not by its peers' timeouts.
 
 from __future__ import annotations
 
+from elasticpp.errors import causes
+
 # Substrings of the errors a rank gets when a peer went away, by backend.
 PEER_SIGNS = (
     "Connection closed by peer",  # gloo: the peer's socket closed (its process died)
@@ -28,18 +30,11 @@ PEER_SIGNS = (
     "ncclRemoteError",
     "NCCL communicator was aborted",
 )
-_CHAIN_LIMIT = 8
 
 
 def followed_a_peer(exc: BaseException | None) -> bool:
     """Whether `exc` (or what caused it) is the error of a rank whose peer went away."""
-    seen = 0
-    while exc is not None and seen < _CHAIN_LIMIT:
-        if type(exc).__name__ == "DistNetworkError":
-            return True
-        text = str(exc)
-        if any(sign in text for sign in PEER_SIGNS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
+    return any(
+        type(e).__name__ == "DistNetworkError" or any(sign in str(e) for sign in PEER_SIGNS)
+        for e in causes(exc)
+    )
